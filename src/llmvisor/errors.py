@@ -1,0 +1,17 @@
+"""Errors a user can cause; the CLI prints them as one line and exits with code 2."""
+
+
+class LlmvisorError(Exception):
+    """An error caused by the user's input or configuration, reported without a traceback."""
+
+
+class TraceError(LlmvisorError, ValueError):
+    """A step trace breaks the format contract (`shared/docs/trace-format.md`)."""
+
+
+class ModelError(LlmvisorError, ValueError):
+    """A model file cannot be used (wrong version, missing fields, not fitted)."""
+
+
+class NotFittedError(LlmvisorError, AttributeError):
+    """An estimator was used before `fit`."""
