@@ -1,0 +1,377 @@
+"""The piecewise per-phase step-latency model, a scikit-learn-style estimator."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.linalg
+import scipy.optimize
+
+from llmvisor.errors import LlmvisorError, ModelError, NotFittedError
+from llmvisor.features import FEATURE_NAMES, N_FEATURES, step_feature_matrix, step_new_tokens
+from llmvisor.trace import StepTrace
+
+MODEL_FORMAT = "llmvisor.step_latency_model"
+MODEL_FORMAT_VERSION = 1
+SEGMENT_NAMES = ("memory_bound", "compute_bound")
+
+
+@dataclass(frozen=True)
+class _Solved:
+    coef: np.ndarray
+    identified: np.ndarray
+
+
+def _solve(a: np.ndarray, y: np.ndarray, *, positive: bool, weights: str, identified: np.ndarray) -> np.ndarray:
+    """Least squares (or NNLS) of ``a @ coef ≈ y`` over the identified columns.
+
+    With ``weights="relative"`` each step's residual is divided by its measured time, so a 10 ms decode
+    step counts as much as a 1 s prefill step (the errors we report are relative). Columns are scaled to
+    unit RMS first (the fit does not depend on it; conditioning does), and NNLS runs on the Gram
+    matrix's square root, which gives the same solution as on the full matrix at a fraction of the cost.
+    """
+    coef = np.zeros(a.shape[1])
+    columns = np.flatnonzero(identified)
+    if columns.size == 0 or a.shape[0] == 0:
+        return coef
+    scale_rows = 1.0 / y if weights == "relative" else np.ones_like(y)
+    aw = a[:, columns] * scale_rows[:, None]
+    bw = y * scale_rows
+    col_scale = np.sqrt(np.mean(aw * aw, axis=0))
+    col_scale[col_scale == 0] = 1.0
+    aw = aw / col_scale
+    if positive:
+        gram = aw.T @ aw
+        rhs = aw.T @ bw
+        eigenvalues, eigenvectors = scipy.linalg.eigh(gram)
+        keep = eigenvalues > eigenvalues.max() * 1e-12
+        root = np.sqrt(eigenvalues[keep])
+        r = (eigenvectors[:, keep] * root).T
+        t = (eigenvectors[:, keep].T @ rhs) / root
+        solution, _ = scipy.optimize.nnls(r, t, maxiter=50 * columns.size)
+    else:
+        solution = np.linalg.lstsq(aw, bw, rcond=None)[0]
+    coef[columns] = solution / col_scale
+    return coef
+
+
+class StepLatencyModel:
+    """Predicts an engine step's latency as a shared intercept plus one additive term per request slice.
+
+    T = b + Σ_prefill (a1·p + a2·c + a3·p² + a5·p·c + a4) + Σ_decode (d2·c + d4), with p the tokens a request
+    runs in the step and c the tokens already in its KV cache. Optionally piecewise: steps whose load (total
+    new tokens) is below ``boundary_`` use the memory-bound coefficient set, the others the compute-bound set.
+
+    Parameters
+    ----------
+    segments : "auto", "none" or a number
+        "auto" chooses the boundary by cross-validation among ``n_boundary_candidates`` load quantiles and
+        "no boundary"; "none" fits one set; a number fixes the boundary (in new tokens per step).
+    positive : bool
+        Nonnegative least squares (scipy NNLS), so every slice's term and so every share is ≥ 0. False gives
+        plain least squares, the paper's variant.
+    weights : "relative" or "none"
+        "relative" minimises squared relative error (residual ÷ measured step time).
+    outlier_threshold : float or None
+        Steps slower than the initial fit by more than median + k·MAD of the relative residuals (k this value,
+        MAD scaled to σ) are dropped before the final fit; only the slow tail, since interference on a shared
+        machine only ever slows a step. None keeps every step. Counted in ``fit_info_``.
+    drop_warmup : bool
+        Drop steps marked ``is_warmup`` in the trace (counted in ``fit_info_``).
+    cv_folds : int
+        Folds of the boundary search: grouped by run when the training data holds several runs, else
+        contiguous blocks of steps (neighbouring steps are alike; shuffling would leak).
+
+    Attributes
+    ----------
+    coef_ : ndarray of shape (n_segments, N_FEATURES)
+        Coefficients per segment, in seconds per unit of each feature in ``feature_names_``.
+    boundary_ : float or None
+        Steps with total new tokens < boundary_ use segment 0 (memory-bound), the others segment 1.
+    identified_ : ndarray of bool
+        Features the training data could identify; the others are held at 0 (e.g. ``prefill_new_x_context_tokens``
+        without any chunked prefill).
+    fit_info_ : dict
+        Steps used, dropped by each rule, the boundary search's cross-validated scores, training runs.
+
+    Notes
+    -----
+    This is NNLS (or OLS) on per-step sums of per-slice features, wrapped as a predictor. The segment of a step
+    is chosen by its own load, and the same coefficients price every slice of that step, which is what makes
+    each slice's term an additive share of the step (see ``llmvisor.attribution``).
+    """
+
+    def __init__(
+        self,
+        *,
+        segments: str | float = "auto",
+        positive: bool = True,
+        weights: str = "relative",
+        outlier_threshold: float | None = 5.0,
+        drop_warmup: bool = True,
+        cv_folds: int = 5,
+        n_boundary_candidates: int = 9,
+        min_steps_per_segment: int = 40,
+    ):
+        self.segments = segments
+        self.positive = positive
+        self.weights = weights
+        self.outlier_threshold = outlier_threshold
+        self.drop_warmup = drop_warmup
+        self.cv_folds = cv_folds
+        self.n_boundary_candidates = n_boundary_candidates
+        self.min_steps_per_segment = min_steps_per_segment
+
+    # ---------------------------------------------------------------------------------------------------
+    def get_params(self) -> dict:
+        return {
+            "segments": self.segments,
+            "positive": self.positive,
+            "weights": self.weights,
+            "outlier_threshold": self.outlier_threshold,
+            "drop_warmup": self.drop_warmup,
+            "cv_folds": self.cv_folds,
+            "n_boundary_candidates": self.n_boundary_candidates,
+            "min_steps_per_segment": self.min_steps_per_segment,
+        }
+
+    def _check_params(self) -> None:
+        if self.weights not in ("relative", "none"):
+            raise LlmvisorError(f"weights must be 'relative' or 'none', got {self.weights!r}")
+        if not (self.segments in ("auto", "none") or isinstance(self.segments, (int, float))):
+            raise LlmvisorError(f"segments must be 'auto', 'none' or a number of tokens, got {self.segments!r}")
+
+    def _fit_segments(self, x, y, load, boundary, rows=None) -> np.ndarray:
+        rows = np.ones(y.shape[0], dtype=bool) if rows is None else rows
+        if boundary is None:
+            return _solve(x[rows], y[rows], positive=self.positive, weights=self.weights, identified=self.identified_)[None, :]
+        coef = np.zeros((2, N_FEATURES))
+        for segment, in_segment in enumerate((load < boundary, load >= boundary)):
+            mask = rows & in_segment
+            coef[segment] = _solve(x[mask], y[mask], positive=self.positive, weights=self.weights, identified=self.identified_)
+        return coef
+
+    @staticmethod
+    def _predict_rows(coef: np.ndarray, boundary, x: np.ndarray, load: np.ndarray) -> np.ndarray:
+        if boundary is None:
+            return x @ coef[0]
+        segment = (load >= boundary).astype(np.intp)
+        return np.einsum("ij,ij->i", x, coef[segment])
+
+    def _folds(self, run_per_step: np.ndarray) -> list[np.ndarray]:
+        runs = list(dict.fromkeys(run_per_step.tolist()))
+        n = run_per_step.shape[0]
+        if len(runs) >= 2:
+            k = min(self.cv_folds, len(runs))
+            fold_of_run = {run: i % k for i, run in enumerate(runs)}
+            fold = np.array([fold_of_run[r] for r in run_per_step.tolist()])
+        else:
+            k = self.cv_folds
+            fold = (np.arange(n) * k) // max(n, 1)
+        return [fold == i for i in range(k)]
+
+    def _segment_is_estimable(self, x: np.ndarray, mask: np.ndarray) -> bool:
+        if mask.sum() < self.min_steps_per_segment:
+            return False
+        sub = x[mask][:, self.identified_]
+        sub = sub / np.maximum(np.abs(sub).max(axis=0), 1e-300)
+        return np.linalg.matrix_rank(sub) == int(self.identified_.sum())
+
+    def fit(self, trace: StepTrace) -> StepLatencyModel:
+        """Learn the coefficients (and the boundary) from a training trace's steps; returns self."""
+        self._check_params()
+        if trace.n_steps == 0:
+            raise LlmvisorError("cannot fit on a trace with no steps")
+        x = step_feature_matrix(trace)
+        y = trace.step_latency_s_per_step
+        load = step_new_tokens(trace)
+        runs = trace.run_id_per_step
+        keep = np.ones(trace.n_steps, dtype=bool)
+        n_warmup = 0
+        if self.drop_warmup and "is_warmup" in trace.extra:
+            warm = np.asarray(trace.extra["is_warmup"][trace.step_starts], dtype=bool)
+            n_warmup = int(warm.sum())
+            keep &= ~warm
+        self.identified_ = np.abs(x[keep]).sum(axis=0) > 0
+        if keep.sum() < self.identified_.sum():
+            raise LlmvisorError(f"too few steps to fit ({int(keep.sum())} after dropping warm-up steps)")
+
+        n_outliers = 0
+        outlier_cut = None
+        if self.outlier_threshold is not None:
+            first = self._fit_segments(x, y, load, None, keep)
+            predicted = np.maximum(x @ first[0], 1e-12)
+            relative = (y - predicted) / predicted
+            median = np.median(relative[keep])
+            mad = 1.4826 * np.median(np.abs(relative[keep] - median))
+            outlier_cut = float(median + self.outlier_threshold * mad)
+            outliers = keep & (relative > outlier_cut)
+            n_outliers = int(outliers.sum())
+            keep &= ~outliers
+
+        x_fit, y_fit, load_fit, runs_fit = x[keep], y[keep], load[keep], runs[keep]
+        search = self._search_boundary(x_fit, y_fit, load_fit, runs_fit)
+        self.boundary_ = search["chosen"]
+        self.coef_ = self._fit_segments(x_fit, y_fit, load_fit, self.boundary_)
+        self.feature_names_ = FEATURE_NAMES
+        self.rank_ = int(np.linalg.matrix_rank(x_fit[:, self.identified_] / np.maximum(np.abs(x_fit[:, self.identified_]).max(axis=0), 1e-300)))
+        self.n_features_in_ = N_FEATURES
+        residual = (y_fit - self._predict_rows(self.coef_, self.boundary_, x_fit, load_fit)) / y_fit
+        self.fit_info_ = {
+            "n_steps_total": int(trace.n_steps),
+            "n_steps_used": int(keep.sum()),
+            "n_warmup_dropped": n_warmup,
+            "n_outliers_dropped": n_outliers,
+            "outlier_rule": None
+            if outlier_cut is None
+            else f"relative residual of an initial one-segment fit > median + {self.outlier_threshold}·MAD = {outlier_cut:.4g}",
+            "train_runs": list(dict.fromkeys(runs.tolist())),
+            "unidentified_features": [n for n, ok in zip(FEATURE_NAMES, self.identified_) if not ok],
+            "train_rel_err_p50": float(np.percentile(np.abs(residual), 50)),
+            "train_rel_err_p90": float(np.percentile(np.abs(residual), 90)),
+            "boundary_search": search["report"],
+        }
+        return self
+
+    def _search_boundary(self, x, y, load, runs) -> dict:
+        if self.segments == "none":
+            return {"chosen": None, "report": {"mode": "none"}}
+        if isinstance(self.segments, (int, float)) and not isinstance(self.segments, bool):
+            return {"chosen": float(self.segments), "report": {"mode": "fixed"}}
+        quantiles = np.linspace(0.1, 0.9, self.n_boundary_candidates)
+        candidates: list[float | None] = [None] + sorted({float(v) for v in np.quantile(load, quantiles)})
+        folds = self._folds(runs)
+        scores: dict[str, dict] = {}
+        for boundary in candidates:
+            key = "none" if boundary is None else f"{boundary:g}"
+            if boundary is not None and not all(
+                self._segment_is_estimable(x, mask) for mask in (load < boundary, load >= boundary)
+            ):
+                scores[key] = {"boundary_new_tokens": boundary, "skipped": "a segment has too few or rank-deficient steps"}
+                continue
+            fold_scores = []
+            for test in folds:
+                if not test.any() or test.all():
+                    continue
+                coef = self._fit_segments(x, y, load, boundary, ~test)
+                predicted = self._predict_rows(coef, boundary, x[test], load[test])
+                fold_scores.append(float(np.mean(((predicted - y[test]) / y[test]) ** 2)))
+            if not fold_scores:
+                continue
+            scores[key] = {
+                "boundary_new_tokens": boundary,
+                "cv_mean_squared_rel_err": float(np.mean(fold_scores)),
+                "cv_standard_error": float(np.std(fold_scores) / np.sqrt(len(fold_scores))),
+            }
+        scored = {k: v for k, v in scores.items() if "cv_mean_squared_rel_err" in v}
+        best_key = min(scored, key=lambda k: scored[k]["cv_mean_squared_rel_err"])
+        best = scored[best_key]
+        chosen_key = best_key
+        if "none" in scored and scored["none"]["cv_mean_squared_rel_err"] <= best["cv_mean_squared_rel_err"] + best["cv_standard_error"]:
+            chosen_key = "none"
+        return {
+            "chosen": scored[chosen_key]["boundary_new_tokens"],
+            "report": {
+                "mode": "auto",
+                "rule": "lowest cross-validated mean squared relative error; 'none' kept unless a boundary beats it by more than one standard error",
+                "n_folds": len(folds),
+                "fold_grouping": "run" if len(set(runs.tolist())) >= 2 else "contiguous steps",
+                "candidates": scores,
+                "chosen": chosen_key,
+            },
+        }
+
+    # ---------------------------------------------------------------------------------------------------
+    def _check_fitted(self) -> None:
+        if not hasattr(self, "coef_"):
+            raise NotFittedError("this StepLatencyModel is not fitted yet; call fit(trace) or load a model file")
+
+    def segment_of_steps(self, load: np.ndarray) -> np.ndarray:
+        self._check_fitted()
+        if self.boundary_ is None:
+            return np.zeros(np.shape(load), dtype=np.intp)
+        return (np.asarray(load) >= self.boundary_).astype(np.intp)
+
+    def predict(self, trace: StepTrace) -> np.ndarray:
+        """Predicted latency of every step of ``trace``, in seconds."""
+        self._check_fitted()
+        x = step_feature_matrix(trace)
+        return self._predict_rows(self.coef_, self.boundary_, x, step_new_tokens(trace))
+
+    @property
+    def segment_names_(self) -> tuple[str, ...]:
+        self._check_fitted()
+        return ("all",) if self.boundary_ is None else SEGMENT_NAMES
+
+    # ---------------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        self._check_fitted()
+        return {
+            "format": MODEL_FORMAT,
+            "format_version": MODEL_FORMAT_VERSION,
+            "params": self.get_params(),
+            "feature_names": list(FEATURE_NAMES),
+            "boundary_new_tokens": self.boundary_,
+            "segments": [
+                {"name": name, "coef_s": dict(zip(FEATURE_NAMES, map(float, coef)))}
+                for name, coef in zip(self.segment_names_, self.coef_)
+            ],
+            "identified_features": [n for n, ok in zip(FEATURE_NAMES, self.identified_) if ok],
+            "rank": self.rank_,
+            "fit_info": self.fit_info_,
+        }
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(self.to_dict(), handle, indent=2)
+            handle.write("\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_dict(cls, data: dict, *, source: str = "<memory>") -> StepLatencyModel:
+        if not isinstance(data, dict) or data.get("format") != MODEL_FORMAT:
+            raise ModelError(f"{source}: not an llmvisor model file (format {data.get('format') if isinstance(data, dict) else None!r})")
+        version = data.get("format_version")
+        if version != MODEL_FORMAT_VERSION:
+            raise ModelError(f"{source}: model format version {version!r} is not supported (this llmvisor reads {MODEL_FORMAT_VERSION})")
+        try:
+            names = data["feature_names"]
+            if list(names) != list(FEATURE_NAMES):
+                raise ModelError(f"{source}: feature_names {names} differ from this version's {list(FEATURE_NAMES)}")
+            model = cls(**data.get("params", {}))
+            model.boundary_ = None if data["boundary_new_tokens"] is None else float(data["boundary_new_tokens"])
+            model.coef_ = np.array([[float(s["coef_s"][n]) for n in FEATURE_NAMES] for s in data["segments"]])
+            expected = 1 if model.boundary_ is None else 2
+            if model.coef_.shape[0] != expected:
+                raise ModelError(f"{source}: segments: expected {expected} coefficient sets, got {model.coef_.shape[0]}")
+            if not np.all(np.isfinite(model.coef_)):
+                raise ModelError(f"{source}: segments: coefficients must be finite")
+            model.identified_ = np.array([n in data.get("identified_features", FEATURE_NAMES) for n in FEATURE_NAMES])
+            model.rank_ = int(data.get("rank", 0))
+            model.fit_info_ = dict(data.get("fit_info", {}))
+            model.feature_names_ = FEATURE_NAMES
+            model.n_features_in_ = N_FEATURES
+        except (KeyError, TypeError, ValueError) as error:
+            if isinstance(error, ModelError):
+                raise
+            raise ModelError(f"{source}: malformed model file ({type(error).__name__}: {error})") from None
+        return model
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> StepLatencyModel:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                data = json.load(handle)
+        except FileNotFoundError:
+            raise ModelError(f"{path}: no such model file") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ModelError(f"{path}: not valid JSON ({error})") from None
+        return cls.from_dict(data, source=str(path))
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
+        return f"StepLatencyModel({params})"
