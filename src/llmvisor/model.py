@@ -191,8 +191,8 @@ class StepLatencyModel:
         runs = trace.run_id_per_step
         keep = np.ones(trace.n_steps, dtype=bool)
         n_warmup = 0
-        if self.drop_warmup and "is_warmup" in trace.extra:
-            warm = np.asarray(trace.extra["is_warmup"][trace.step_starts], dtype=bool)
+        if self.drop_warmup:
+            warm = trace.is_warmup_per_step
             n_warmup = int(warm.sum())
             keep &= ~warm
         self.identified_ = np.abs(x[keep]).sum(axis=0) > 0

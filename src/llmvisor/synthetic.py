@@ -27,6 +27,7 @@ def synthetic_trace(
     *,
     coef_s: dict | None = None,
     max_batch_size: int = 64,
+    min_batch_size: int = 1,
     max_new_tokens: int = 512,
     max_context_tokens: int = 4096,
     prefill_fraction: float = 0.3,
@@ -41,7 +42,7 @@ def synthetic_trace(
     """
     rng = np.random.default_rng(seed)
     coef = np.array([(coef_s or DEFAULT_COEF_S)[name] for name in FEATURE_NAMES])
-    batch = rng.integers(1, max_batch_size + 1, size=n_steps)
+    batch = rng.integers(min_batch_size, max_batch_size + 1, size=n_steps)
     offsets = np.concatenate(([0], np.cumsum(batch))).astype(np.int64)
     n = int(offsets[-1])
     step_has_prefill = rng.random(n_steps) < prefill_fraction

@@ -131,6 +131,16 @@ class StepTrace:
         return np.logical_or.reduceat(self.is_prefill, self.step_starts)
 
     @property
+    def is_warmup_per_step(self) -> np.ndarray:
+        """Steps the recorder marked as warm-up (optional column ``is_warmup``; absent means none)."""
+        if "is_warmup" not in self.extra or self.n_steps == 0:
+            return np.zeros(self.n_steps, dtype=bool)
+        values = self.extra["is_warmup"][self.step_starts]
+        if values.dtype == bool:
+            return values
+        return np.array([str(v).strip().lower() in ("true", "1", "yes") for v in values.tolist()], dtype=bool)
+
+    @property
     def run_ids(self) -> list[str]:
         return list(dict.fromkeys(self.run_id_per_step.tolist()))
 

@@ -1,0 +1,102 @@
+"""Baselines llmvisor is compared with, fitted on the same training steps and judged on the same held-out steps.
+
+Each has ``fit(trace) -> self`` and ``predict(trace) -> seconds per step``, like ``StepLatencyModel``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from sklearn.ensemble import RandomForestRegressor
+from sklearn.linear_model import LinearRegression
+
+from llmvisor.errors import NotFittedError
+from llmvisor.features import summary_step_features
+from llmvisor.trace import StepTrace
+
+
+class _PerPhase:
+    """One regressor for prefill steps (any prefill slice) and one for decode-only steps."""
+
+    def _design(self, trace: StepTrace) -> np.ndarray:
+        raise NotImplementedError
+
+    def _regressor(self):
+        return LinearRegression()
+
+    def fit(self, trace: StepTrace):
+        x = self._design(trace)
+        y = trace.step_latency_s_per_step
+        prefill = trace.is_prefill_per_step
+        self.regressors_ = {}
+        for name, mask in (("prefill", prefill), ("decode", ~prefill)):
+            if mask.any():
+                self.regressors_[name] = self._regressor().fit(x[mask], y[mask])
+        return self
+
+    def predict(self, trace: StepTrace) -> np.ndarray:
+        if not hasattr(self, "regressors_"):
+            raise NotFittedError(f"this {type(self).__name__} is not fitted yet")
+        x = self._design(trace)
+        prefill = trace.is_prefill_per_step
+        out = np.full(trace.n_steps, np.nan)
+        for name, mask in (("prefill", prefill), ("decode", ~prefill)):
+            if mask.any():
+                regressor = self.regressors_.get(name) or next(iter(self.regressors_.values()))
+                out[mask] = regressor.predict(x[mask])
+        return out
+
+
+class TokenCountBaseline(_PerPhase):
+    """VTC's cost (prompt tokens ×1, output tokens ×2, counted per step), mapped to seconds by a line per phase.
+
+    A prefill slice's tokens are prompt tokens; a decode slice produces one output token.
+    """
+
+    def _design(self, trace: StepTrace) -> np.ndarray:
+        weight = np.where(trace.is_prefill, trace.num_new_tokens, 2).astype(np.float64)
+        cost = np.add.reduceat(weight, trace.step_starts) if trace.n_steps else np.zeros(0)
+        return cost[:, None]
+
+
+class PaperOLSBaseline(_PerPhase):
+    """The paper's model as published: b + a1·Σp + a2·Σc + a3·Σp² + a4·|B| per phase, plain OLS, one segment."""
+
+    def _design(self, trace: StepTrace) -> np.ndarray:
+        p = trace.num_new_tokens.astype(np.float64)
+        c = trace.num_context_tokens.astype(np.float64)
+        if trace.n_steps == 0:
+            return np.zeros((0, 4))
+        sums = np.add.reduceat(np.column_stack([p, c, p * p]), trace.step_starts, axis=0)
+        return np.column_stack([sums, trace.batch_size_per_step.astype(np.float64)])
+
+
+class RandomForestBaseline:
+    """A random forest on what a step holds (per-phase token sums, counts, max context).
+
+    Fitted on log latency, so its errors are relative like the metric it is judged by.
+    """
+
+    def __init__(self, *, n_estimators: int = 100, min_samples_leaf: int = 2, random_state: int = 0):
+        self.n_estimators = n_estimators
+        self.min_samples_leaf = min_samples_leaf
+        self.random_state = random_state
+
+    def fit(self, trace: StepTrace):
+        x, self.feature_names_ = summary_step_features(trace)
+        self.forest_ = RandomForestRegressor(
+            n_estimators=self.n_estimators,
+            min_samples_leaf=self.min_samples_leaf,
+            random_state=self.random_state,
+            n_jobs=1,
+        ).fit(x, np.log(trace.step_latency_s_per_step))
+        return self
+
+    def predict(self, trace: StepTrace) -> np.ndarray:
+        if not hasattr(self, "forest_"):
+            raise NotFittedError("this RandomForestBaseline is not fitted yet")
+        x, _ = summary_step_features(trace)
+        return np.exp(self.forest_.predict(x))
+
+    def predict_features(self, x: np.ndarray) -> np.ndarray:
+        return np.exp(self.forest_.predict(x))
+

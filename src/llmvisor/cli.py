@@ -1,0 +1,300 @@
+"""The `llmvisor` command line. Errors a user can cause end as one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from llmvisor.errors import LlmvisorError
+
+app = typer.Typer(
+    name="llmvisor",
+    help="Measure, model and attribute co-batched LLM engine steps to requests and tenants.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+keys_app = typer.Typer(help="API keys of the accounting service.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+experiment_app = typer.Typer(help="Experiments on the real engine.", no_args_is_help=True)
+app.add_typer(experiment_app, name="experiment")
+
+stdout = Console()
+stderr = Console(stderr=True)
+
+TracePaths = Annotated[list[Path], typer.Argument(help="Step-trace files (.jsonl, .csv, .parquet).")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print only JSON to stdout.")]
+
+
+def user_errors(command):
+    """Turn an LlmvisorError into one line on stderr and exit code 2; anything else stays loud."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except LlmvisorError as error:
+            stderr.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+            raise typer.Exit(code=2) from None
+
+    return wrapper
+
+
+def print_json(data) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=_json_default) + "\n")
+
+
+def _json_default(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def _parse_segments(text: str):
+    if text in ("auto", "none"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise LlmvisorError(f"--segments: expected auto, none or a number of tokens, got {text!r}") from None
+    if not value > 0:
+        raise LlmvisorError(f"--segments: a boundary must be > 0 tokens, got {text!r}")
+    return value
+
+
+def _parse_threshold(text: str):
+    if text == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise LlmvisorError(f"--outlier-threshold: expected a number or none, got {text!r}") from None
+    if not value > 0:
+        raise LlmvisorError(f"--outlier-threshold: must be > 0, got {text!r}")
+    return value
+
+
+def model_params(segments: str, ols: bool, outlier_threshold: str, keep_warmup: bool) -> dict:
+    return {
+        "segments": _parse_segments(segments),
+        "positive": not ols,
+        "outlier_threshold": _parse_threshold(outlier_threshold),
+        "drop_warmup": not keep_warmup,
+    }
+
+
+SegmentsOption = Annotated[str, typer.Option(help="auto (cross-validated boundary or none), none, or a boundary in new tokens per step.")]
+OlsOption = Annotated[bool, typer.Option("--ols", help="Plain least squares (the paper's variant) instead of NNLS.")]
+OutlierOption = Annotated[str, typer.Option(help="Drop steps slower than the first fit by median + K·MAD of relative residuals; 'none' keeps all.")]
+WarmupOption = Annotated[bool, typer.Option("--keep-warmup", help="Fit on steps marked is_warmup too.")]
+
+
+def coefficient_table(model) -> Table:
+    table = Table(title="Coefficients (seconds per unit)")
+    table.add_column("feature")
+    for name in model.segment_names_:
+        table.add_column(name, justify="right")
+    for k, feature in enumerate(model.feature_names_):
+        table.add_row(feature, *(f"{coef[k]:.4g}" for coef in model.coef_))
+    return table
+
+
+@app.command()
+@user_errors
+def fit(
+    traces: TracePaths,
+    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the model JSON.")],
+    segments: SegmentsOption = "auto",
+    ols: OlsOption = False,
+    outlier_threshold: OutlierOption = "5",
+    keep_warmup: WarmupOption = False,
+) -> None:
+    """Fit the step-latency model on traces and save it as versioned JSON."""
+    from llmvisor.model import StepLatencyModel
+    from llmvisor.trace import read_traces
+
+    trace = read_traces(traces)
+    model = StepLatencyModel(**model_params(segments, ols, outlier_threshold, keep_warmup)).fit(trace)
+    model.to_json(output)
+    info = model.fit_info_
+    stderr.print(coefficient_table(model))
+    boundary = "none" if model.boundary_ is None else f"{model.boundary_:g} new tokens per step"
+    stderr.print(
+        f"steps: {info['n_steps_used']} used of {info['n_steps_total']} "
+        f"({info['n_warmup_dropped']} warm-up, {info['n_outliers_dropped']} outliers dropped); "
+        f"boundary: {boundary}; train relative error p50 {info['train_rel_err_p50']:.1%}, p90 {info['train_rel_err_p90']:.1%}",
+        highlight=False,
+    )
+    if info["unidentified_features"]:
+        stderr.print(f"not identified by these traces (held at 0): {', '.join(info['unidentified_features'])}")
+    stderr.print(f"wrote {output}")
+
+
+def evaluation_table(result: dict) -> Table:
+    table = Table(title=f"Held-out step-latency error (test runs: {', '.join(result['test_runs'])})")
+    for column in ("model", "phase", "steps", "R²", "p50", "p90 [95% CI]", "p99 [95% CI]"):
+        table.add_column(column, justify="right" if column not in ("model", "phase") else "left")
+    for name, phases in result["models"].items():
+        for phase, metrics in phases.items():
+            if not metrics.get("n_steps"):
+                continue
+
+            def cell(q: int) -> str:
+                ci = metrics.get(f"rel_err_p{q}_ci95")
+                text = f"{metrics[f'rel_err_p{q}']:.1%}"
+                return text + (f" [{ci[0]:.1%}, {ci[1]:.1%}]" if ci else "")
+
+            r2 = metrics.get("r2")
+            table.add_row(name, phase, str(metrics["n_steps"]), "-" if r2 is None else f"{r2:.3f}", cell(50), cell(90), cell(99))
+    return table
+
+
+def noise_floor_line(result: dict) -> str:
+    parts = []
+    for which, floor in result.get("noise_floor", {}).items():
+        if floor:
+            parts.append(f"{which}: p50 {floor['p50']:.1%}, p90 {floor['p90']:.1%}, p99 {floor['p99']:.1%}")
+    return "noise floor (re-measuring identical steps) — " + ("; ".join(parts) if parts else "not measured in these traces")
+
+
+@app.command("eval")
+@user_errors
+def eval_command(
+    train: Annotated[list[Path], typer.Option("--train", help="Traces to fit on.")],
+    test: Annotated[list[Path], typer.Option("--test", help="Held-out traces (other runs) to judge on.")],
+    json_output: JsonFlag = False,
+    bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples for the 95% intervals.")] = 1000,
+    segments: SegmentsOption = "auto",
+    ols: OlsOption = False,
+    outlier_threshold: OutlierOption = "5",
+    keep_warmup: WarmupOption = False,
+) -> None:
+    """Fit llmvisor and the baselines on --train, report errors on --test per phase."""
+    from llmvisor.evaluation import evaluate, to_json_ready
+    from llmvisor.trace import read_traces
+
+    result = evaluate(
+        read_traces(train),
+        read_traces(test),
+        llmvisor_params=model_params(segments, ols, outlier_threshold, keep_warmup),
+        n_bootstrap=bootstrap,
+    )
+    if json_output:
+        print_json(to_json_ready(result))
+        return
+    stdout.print(evaluation_table(result))
+    for phase, values in result.get("improvement", {}).items():
+        stdout.print(
+            f"improvement over token_count ({phase}): p90 {values['p90']:.2f}×, p99 {values['p99']:.2f}×",
+            highlight=False,
+        )
+    stdout.print(noise_floor_line(result), highlight=False)
+
+
+@app.command("attribute")
+@user_errors
+def attribute_command(
+    traces: TracePaths,
+    model: Annotated[Path, typer.Option("--model", help="Model JSON from `llmvisor fit`.")],
+    by: Annotated[str, typer.Option(help="tenant or request")] = "tenant",
+    rule: Annotated[str, typer.Option(help="shapley (default), proportional or paper")] = "shapley",
+    json_output: JsonFlag = False,
+    top: Annotated[int, typer.Option(help="Rows to show in the table (JSON holds all).")] = 20,
+) -> None:
+    """Attribute every step's measured time to requests or tenants (streaming; memory stays bounded)."""
+    from llmvisor.attribution import RULES, aggregate, attribute
+    from llmvisor.model import StepLatencyModel
+    from llmvisor.trace import iter_trace
+
+    if by not in ("tenant", "request"):
+        raise LlmvisorError(f"--by: expected tenant or request, got {by!r}")
+    if rule not in RULES:
+        raise LlmvisorError(f"--rule: expected one of {', '.join(RULES)}, got {rule!r}")
+    fitted = StepLatencyModel.from_json(model)
+    totals: dict[str, float] = {}
+    measured_s = 0.0
+    n_steps = 0
+    for path in traces:
+        for piece in iter_trace(path):
+            result = attribute(fitted, piece, rule)
+            measured_s += float(result.total_measured_s)
+            n_steps += piece.n_steps
+            for key, value in aggregate(piece, result, by).items():
+                totals[key] = totals.get(key, 0.0) + value
+    attributed_s = float(sum(totals.values()))
+    output = {
+        "rule": rule,
+        "n_steps": n_steps,
+        "total_measured_s": measured_s,
+        "total_attributed_s": attributed_s,
+        "unattributed_s": measured_s - attributed_s,
+        "by": {
+            key: {"attributed_s": value, "fraction": value / attributed_s if attributed_s else 0.0}
+            for key, value in sorted(totals.items(), key=lambda item: -item[1])
+        },
+    }
+    if json_output:
+        print_json(output)
+        return
+    table = Table(title=f"Attributed engine time by {by} (rule: {rule})")
+    table.add_column(by)
+    table.add_column("attributed s", justify="right")
+    table.add_column("fraction", justify="right")
+    for key, row in list(output["by"].items())[:top]:
+        table.add_row(key, f"{row['attributed_s']:.3f}", f"{row['fraction']:.1%}")
+    stdout.print(table)
+    stdout.print(
+        f"{n_steps} steps; measured {measured_s:.3f} s, attributed {attributed_s:.3f} s"
+        + (f", unattributed {measured_s - attributed_s:.3f} s" if rule == "paper" else ""),
+        highlight=False,
+    )
+
+
+@app.command()
+@user_errors
+def bench(json_output: JsonFlag = False) -> None:
+    """Measure per-step attribution latency, offline throughput and fit time in this run."""
+    from llmvisor.bench import run_benchmarks
+
+    with stderr.status("benchmarking") as status:
+        result = run_benchmarks(progress=lambda message: status.update(message))
+    if json_output:
+        print_json(result)
+        return
+    table = Table(title="Per-step attribution vs random-forest prediction (p50, µs)")
+    for column in ("batch size", "llmvisor", "decode-only", "with prefill", "random forest", "speed-up"):
+        table.add_column(column, justify="right")
+    for key in result["attribute_step_us"]:
+        with_prefill = result["attribute_step_us_with_prefill"][key]
+        table.add_row(
+            key,
+            f"{result['attribute_step_us'][key]:.2f}",
+            f"{result['attribute_step_us_decode_only'][key]:.2f}",
+            "-" if with_prefill is None else f"{with_prefill:.2f}",
+            f"{result['random_forest_step_us'][key]:.0f}",
+            f"{result['speedup_vs_random_forest'][key]:.0f}×",
+        )
+    stdout.print(table)
+    stdout.print(
+        f"offline attribution: {result['offline_slices_per_s'] / 1e6:.1f} M slices/s; "
+        f"fit on {result['fit_n_steps']} steps ({result['fit_n_slices']} slices) with segment search: {result['fit_100k_steps_s']:.2f} s",
+        highlight=False,
+    )
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

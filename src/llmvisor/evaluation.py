@@ -1,0 +1,138 @@
+"""Held-out evaluation of step-latency models: fit on some runs, judge on other runs, never on the same steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from sklearn.metrics import r2_score
+
+from llmvisor.baselines import PaperOLSBaseline, RandomForestBaseline, TokenCountBaseline
+from llmvisor.errors import LlmvisorError
+from llmvisor.model import StepLatencyModel
+from llmvisor.trace import StepTrace
+
+MODEL_FACTORIES: dict[str, Callable[[], object]] = {
+    "llmvisor": StepLatencyModel,
+    "paper_ols": PaperOLSBaseline,
+    "token_count": TokenCountBaseline,
+    "random_forest": RandomForestBaseline,
+}
+PHASES = ("prefill", "decode", "all")
+QUANTILES = (50, 90, 99)
+
+
+def check_held_out(train: StepTrace, test: StepTrace) -> None:
+    """Held-out means held out: no run may be in both the training and the test data."""
+    shared = sorted(set(train.run_ids) & set(test.run_ids))
+    if shared:
+        raise LlmvisorError(
+            f"run(s) {', '.join(map(repr, shared))} are in both the training and the test traces; "
+            "held-out evaluation splits by run"
+        )
+
+
+def steady_steps(trace: StepTrace) -> np.ndarray:
+    """Steps that count in evaluation: all but those the recorder marked as warm-up."""
+    return ~trace.is_warmup_per_step
+
+
+def relative_errors(predicted_s: np.ndarray, measured_s: np.ndarray) -> np.ndarray:
+    return np.abs(predicted_s - measured_s) / measured_s
+
+
+def error_summary(
+    predicted_s: np.ndarray, measured_s: np.ndarray, *, n_bootstrap: int = 1000, seed: int = 0
+) -> dict:
+    """n_steps, R², and relative-error percentiles with bootstrap 95% intervals (percentile method)."""
+    n = measured_s.shape[0]
+    out: dict = {"n_steps": int(n)}
+    if n == 0:
+        return out
+    errors = relative_errors(predicted_s, measured_s)
+    out["r2"] = float(r2_score(measured_s, predicted_s)) if n >= 2 else None
+    rng = np.random.default_rng(seed)
+    resampled = errors[rng.integers(0, n, size=(n_bootstrap, n))] if n_bootstrap else None
+    for q in QUANTILES:
+        out[f"rel_err_p{q}"] = float(np.percentile(errors, q))
+        if resampled is not None:
+            values = np.percentile(resampled, q, axis=1)
+            out[f"rel_err_p{q}_ci95"] = [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))]
+    out["mean_measured_s"] = float(measured_s.mean())
+    return out
+
+
+def evaluate(
+    train: StepTrace,
+    test: StepTrace,
+    *,
+    model_names: tuple[str, ...] = tuple(MODEL_FACTORIES),
+    llmvisor_params: dict | None = None,
+    n_bootstrap: int = 1000,
+    seed: int = 0,
+) -> dict:
+    """Fit every model on ``train`` and report its errors on the steady steps of ``test``, per phase.
+
+    Returns ``{"models": {name: {phase: metrics}}, "improvement": {phase: {"p90", "p99"}}, ...}`` where
+    improvement is token_count's error divided by llmvisor's at that percentile.
+    """
+    check_held_out(train, test)
+    unknown = [name for name in model_names if name not in MODEL_FACTORIES]
+    if unknown:
+        raise LlmvisorError(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODEL_FACTORIES)}")
+    steady = steady_steps(test)
+    measured = test.step_latency_s_per_step
+    is_prefill = test.is_prefill_per_step
+    masks = {"prefill": steady & is_prefill, "decode": steady & ~is_prefill, "all": steady}
+    runs = test.run_id_per_step
+    result: dict = {
+        "train_runs": train.run_ids,
+        "test_runs": test.run_ids,
+        "n_train_steps": train.n_steps,
+        "n_test_steps": test.n_steps,
+        "n_test_warmup_excluded": int((~steady).sum()),
+        "models": {},
+        "by_run": {},
+        "fitted": {},
+        "predictions": {},
+    }
+    for name in model_names:
+        factory = MODEL_FACTORIES[name]
+        model = factory(**(llmvisor_params or {})) if name == "llmvisor" else factory()
+        model.fit(train)
+        predicted = model.predict(test)
+        result["fitted"][name] = model
+        result["predictions"][name] = predicted
+        result["models"][name] = {
+            phase: error_summary(predicted[mask], measured[mask], n_bootstrap=n_bootstrap, seed=seed)
+            for phase, mask in masks.items()
+        }
+        for run in test.run_ids:
+            in_run = runs == run
+            result["by_run"].setdefault(run, {})[name] = {
+                phase: error_summary(predicted[mask & in_run], measured[mask & in_run], n_bootstrap=0)
+                for phase, mask in masks.items()
+            }
+    if "llmvisor" in model_names and "token_count" in model_names:
+        result["improvement"] = improvement(result["models"], "token_count")
+    result["noise_floor"] = {
+        "train": train.metadata.get("noise_floor"),
+        "test": test.metadata.get("noise_floor"),
+    }
+    return result
+
+
+def improvement(models: dict, baseline: str) -> dict:
+    out = {}
+    for phase in ("prefill", "decode"):
+        ours, theirs = models["llmvisor"][phase], models[baseline][phase]
+        out[phase] = {
+            f"p{q}": (theirs[f"rel_err_p{q}"] / ours[f"rel_err_p{q}"]) if ours.get(f"rel_err_p{q}") else None
+            for q in (90, 99)
+        }
+    return out
+
+
+def to_json_ready(result: dict) -> dict:
+    """The evaluation result without fitted objects and raw predictions (what ``--json`` prints)."""
+    return {k: v for k, v in result.items() if k not in ("fitted", "predictions")}
