@@ -25,27 +25,23 @@ class _Solved:
     identified: np.ndarray
 
 
-def _solve(a: np.ndarray, y: np.ndarray, *, positive: bool, weights: str, identified: np.ndarray) -> np.ndarray:
-    """Least squares (or NNLS) of ``a @ coef ≈ y`` over the identified columns.
+def _solve(aw: np.ndarray, bw: np.ndarray, *, positive: bool, identified: np.ndarray) -> np.ndarray:
+    """Least squares (or NNLS) of ``aw @ coef ≈ bw`` over the identified columns.
 
-    With ``weights="relative"`` each step's residual is divided by its measured time, so a 10 ms decode
-    step counts as much as a 1 s prefill step (the errors we report are relative). Columns are scaled to
-    unit RMS first (the fit does not depend on it; conditioning does), and NNLS runs on the Gram
-    matrix's square root, which gives the same solution as on the full matrix at a fraction of the cost.
+    Rows arrive already weighted (see ``StepLatencyModel.weights``). Columns are scaled to unit RMS first
+    (the fit does not depend on it; conditioning does), and NNLS runs on the Gram matrix's square root,
+    which gives the same solution as on the full matrix at a fraction of the cost.
     """
-    coef = np.zeros(a.shape[1])
+    coef = np.zeros(aw.shape[1])
     columns = np.flatnonzero(identified)
-    if columns.size == 0 or a.shape[0] == 0:
+    if columns.size == 0 or aw.shape[0] == 0:
         return coef
-    scale_rows = 1.0 / y if weights == "relative" else np.ones_like(y)
-    aw = a[:, columns] * scale_rows[:, None]
-    bw = y * scale_rows
-    col_scale = np.sqrt(np.mean(aw * aw, axis=0))
+    a = aw[:, columns]
+    col_scale = np.sqrt(np.einsum("ij,ij->j", a, a) / a.shape[0])
     col_scale[col_scale == 0] = 1.0
-    aw = aw / col_scale
     if positive:
-        gram = aw.T @ aw
-        rhs = aw.T @ bw
+        gram = (a.T @ a) / np.outer(col_scale, col_scale)
+        rhs = (a.T @ bw) / col_scale
         eigenvalues, eigenvectors = scipy.linalg.eigh(gram)
         keep = eigenvalues > eigenvalues.max() * 1e-12
         root = np.sqrt(eigenvalues[keep])
@@ -53,7 +49,7 @@ def _solve(a: np.ndarray, y: np.ndarray, *, positive: bool, weights: str, identi
         t = (eigenvectors[:, keep].T @ rhs) / root
         solution, _ = scipy.optimize.nnls(r, t, maxiter=50 * columns.size)
     else:
-        solution = np.linalg.lstsq(aw, bw, rcond=None)[0]
+        solution = np.linalg.lstsq(a / col_scale, bw, rcond=None)[0]
     coef[columns] = solution / col_scale
     return coef
 
@@ -68,8 +64,10 @@ class StepLatencyModel:
     Parameters
     ----------
     segments : "auto", "none" or a number
-        "auto" chooses the boundary by cross-validation among ``n_boundary_candidates`` load quantiles and
-        "no boundary"; "none" fits one set; a number fixes the boundary (in new tokens per step).
+        "auto" chooses the boundary by cross-validation among "no boundary" and candidates on the step load
+        (``n_boundary_candidates`` load quantiles plus as many log-spaced values between the 5th and 99th
+        percentile, since most steps are light decode steps); "none" fits one set; a number fixes the
+        boundary (in new tokens per step).
     positive : bool
         Nonnegative least squares (scipy NNLS), so every slice's term and so every share is ≥ 0. False gives
         plain least squares, the paper's variant.
@@ -144,14 +142,19 @@ class StepLatencyModel:
         if not (self.segments in ("auto", "none") or isinstance(self.segments, (int, float))):
             raise LlmvisorError(f"segments must be 'auto', 'none' or a number of tokens, got {self.segments!r}")
 
-    def _fit_segments(self, x, y, load, boundary, rows=None) -> np.ndarray:
-        rows = np.ones(y.shape[0], dtype=bool) if rows is None else rows
+    def _row_weights(self, y: np.ndarray) -> np.ndarray:
+        """Relative weighting divides each step's residual by its measured time, so a 10 ms decode step
+        counts as much as a 1 s prefill step (the errors we report are relative)."""
+        return 1.0 / y if self.weights == "relative" else np.ones_like(y)
+
+    def _fit_segments(self, aw, bw, load, boundary, rows=None) -> np.ndarray:
+        rows = np.ones(bw.shape[0], dtype=bool) if rows is None else rows
         if boundary is None:
-            return _solve(x[rows], y[rows], positive=self.positive, weights=self.weights, identified=self.identified_)[None, :]
+            return _solve(aw[rows], bw[rows], positive=self.positive, identified=self.identified_)[None, :]
         coef = np.zeros((2, N_FEATURES))
         for segment, in_segment in enumerate((load < boundary, load >= boundary)):
             mask = rows & in_segment
-            coef[segment] = _solve(x[mask], y[mask], positive=self.positive, weights=self.weights, identified=self.identified_)
+            coef[segment] = _solve(aw[mask], bw[mask], positive=self.positive, identified=self.identified_)
         return coef
 
     @staticmethod
@@ -202,7 +205,8 @@ class StepLatencyModel:
         n_outliers = 0
         outlier_cut = None
         if self.outlier_threshold is not None:
-            first = self._fit_segments(x, y, load, None, keep)
+            w = self._row_weights(y)
+            first = self._fit_segments(x * w[:, None], y * w, load, None, keep)
             predicted = np.maximum(x @ first[0], 1e-12)
             relative = (y - predicted) / predicted
             median = np.median(relative[keep])
@@ -215,7 +219,8 @@ class StepLatencyModel:
         x_fit, y_fit, load_fit, runs_fit = x[keep], y[keep], load[keep], runs[keep]
         search = self._search_boundary(x_fit, y_fit, load_fit, runs_fit)
         self.boundary_ = search["chosen"]
-        self.coef_ = self._fit_segments(x_fit, y_fit, load_fit, self.boundary_)
+        w = self._row_weights(y_fit)
+        self.coef_ = self._fit_segments(x_fit * w[:, None], y_fit * w, load_fit, self.boundary_)
         self.feature_names_ = FEATURE_NAMES
         self.rank_ = int(np.linalg.matrix_rank(x_fit[:, self.identified_] / np.maximum(np.abs(x_fit[:, self.identified_]).max(axis=0), 1e-300)))
         self.n_features_in_ = N_FEATURES
@@ -241,9 +246,17 @@ class StepLatencyModel:
             return {"chosen": None, "report": {"mode": "none"}}
         if isinstance(self.segments, (int, float)) and not isinstance(self.segments, bool):
             return {"chosen": float(self.segments), "report": {"mode": "fixed"}}
-        quantiles = np.linspace(0.1, 0.9, self.n_boundary_candidates)
-        candidates: list[float | None] = [None] + sorted({float(v) for v in np.quantile(load, quantiles)})
+        low, high = np.quantile(load, [0.05, 0.99])
+        grid = np.concatenate(
+            [
+                np.quantile(load, np.linspace(0.1, 0.9, self.n_boundary_candidates)),
+                np.geomspace(max(low, 1.0), max(high, 1.0), self.n_boundary_candidates),
+            ]
+        )
+        candidates: list[float | None] = [None] + sorted({float(np.round(v)) for v in grid if v > load.min()})
         folds = self._folds(runs)
+        w = self._row_weights(y)
+        aw, bw = x * w[:, None], y * w
         scores: dict[str, dict] = {}
         for boundary in candidates:
             key = "none" if boundary is None else f"{boundary:g}"
@@ -256,7 +269,7 @@ class StepLatencyModel:
             for test in folds:
                 if not test.any() or test.all():
                     continue
-                coef = self._fit_segments(x, y, load, boundary, ~test)
+                coef = self._fit_segments(aw, bw, load, boundary, ~test)
                 predicted = self._predict_rows(coef, boundary, x[test], load[test])
                 fold_scores.append(float(np.mean(((predicted - y[test]) / y[test]) ** 2)))
             if not fold_scores:

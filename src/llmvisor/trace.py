@@ -132,13 +132,13 @@ class StepTrace:
 
     @property
     def is_warmup_per_step(self) -> np.ndarray:
-        """Steps the recorder marked as warm-up (optional column ``is_warmup``; absent means none)."""
+        """Steps the recorder marked as warm-up (optional column ``is_warmup`` on any of its rows)."""
         if "is_warmup" not in self.extra or self.n_steps == 0:
             return np.zeros(self.n_steps, dtype=bool)
-        values = self.extra["is_warmup"][self.step_starts]
-        if values.dtype == bool:
-            return values
-        return np.array([str(v).strip().lower() in ("true", "1", "yes") for v in values.tolist()], dtype=bool)
+        values = self.extra["is_warmup"]
+        if values.dtype != bool:
+            values = np.array([str(v).strip().lower() in ("true", "1", "yes") for v in values.tolist()], dtype=bool)
+        return np.logical_or.reduceat(values, self.step_starts)
 
     @property
     def run_ids(self) -> list[str]:

@@ -1,0 +1,155 @@
+"""Attribution rules: nonnegative, conserving, equal to the exact Shapley value of the model's cost game."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmvisor.attribution import RULES, StepAttributor, aggregate, attribute, attribute_arrays
+from llmvisor.errors import LlmvisorError
+from llmvisor.features import FEATURE_NAMES, slice_feature_matrix
+from llmvisor.model import StepLatencyModel
+from llmvisor.synthetic import DEFAULT_COEF_S, synthetic_trace
+
+
+def fixed_model(coef_sets, boundary=None) -> StepLatencyModel:
+    """A model with given coefficients, loaded the way a model file is."""
+    names = ("all",) if boundary is None else ("memory_bound", "compute_bound")
+    return StepLatencyModel.from_dict(
+        {
+            "format": "llmvisor.step_latency_model",
+            "format_version": 1,
+            "params": {},
+            "feature_names": list(FEATURE_NAMES),
+            "boundary_new_tokens": boundary,
+            "segments": [{"name": n, "coef_s": dict(zip(FEATURE_NAMES, c))} for n, c in zip(names, coef_sets)],
+        }
+    )
+
+
+BASE = [DEFAULT_COEF_S[n] for n in FEATURE_NAMES]
+HEAVY = [c * 3 for c in BASE]
+
+
+@st.composite
+def steps(draw, max_batch=8):
+    batch = draw(st.integers(1, max_batch))
+    is_prefill = np.array(draw(st.lists(st.booleans(), min_size=batch, max_size=batch)))
+    new = np.array([draw(st.integers(1, 2048)) if pre else 1 for pre in is_prefill], dtype=np.int64)
+    context = np.array(draw(st.lists(st.integers(0, 8192), min_size=batch, max_size=batch)), dtype=np.int64)
+    measured = draw(st.floats(1e-4, 10.0, allow_nan=False))
+    return new, context, is_prefill, measured
+
+
+coefficient_sets = st.lists(st.floats(-1e-3, 1e-2, allow_nan=False), min_size=len(FEATURE_NAMES), max_size=len(FEATURE_NAMES))
+
+
+@settings(max_examples=300, deadline=None)
+@given(step=steps(max_batch=64), coef=coefficient_sets, rule=st.sampled_from(["shapley", "proportional"]))
+def test_shares_are_nonnegative_and_sum_to_the_measured_time(step, coef, rule):
+    new, context, is_prefill, measured = step
+    model = fixed_model([coef])
+    result = attribute_arrays(model, new, context, is_prefill, np.array([0, len(new)]), np.array([measured]), rule)
+    assert (result.share_s >= 0).all()
+    assert math.isclose(result.share_s.sum(), measured, rel_tol=1e-12)
+    online = StepAttributor(model, rule).attribute(new.astype(float), context.astype(float), is_prefill, measured)
+    np.testing.assert_allclose(online, result.share_s, rtol=1e-9, atol=1e-15)
+
+
+def exact_shapley(values_of_subsets, n):
+    phi = np.zeros(n)
+    for i in range(n):
+        others = [j for j in range(n) if j != i]
+        for size in range(n):
+            for subset in itertools.combinations(others, size):
+                weight = math.factorial(size) * math.factorial(n - size - 1) / math.factorial(n)
+                phi[i] += weight * (values_of_subsets(set(subset) | {i}) - values_of_subsets(set(subset)))
+    return phi
+
+
+@settings(max_examples=60, deadline=None)
+@given(step=steps(max_batch=6))
+def test_shapley_rule_is_the_exact_shapley_value_of_the_models_cost_game(step):
+    new, context, is_prefill, _ = step
+    model = fixed_model([BASE, HEAVY], boundary=300.0)
+    load = new.sum()
+    coef = np.array(HEAVY if load >= 300 else BASE)
+    own = slice_feature_matrix(new, context, is_prefill) @ coef
+
+    def cost(subset):
+        return 0.0 if not subset else coef[0] + sum(own[j] for j in subset)
+
+    expected = exact_shapley(cost, len(new))
+    predicted = attribute_arrays(model, new, context, is_prefill, np.array([0, len(new)]), None, "shapley")
+    np.testing.assert_allclose(predicted.share_s, expected, rtol=1e-9)
+    assert math.isclose(predicted.share_s.sum(), predicted.predicted_step_s[0], rel_tol=1e-12)
+
+
+def test_paper_rule_leaves_the_intercept_and_residual_unattributed():
+    model = fixed_model([BASE])
+    trace = synthetic_trace(200, seed=3, noise=0.1)
+    paper = attribute(model, trace, "paper")
+    np.testing.assert_allclose(paper.share_s, paper.own_s)
+    unattributed = trace.step_latency_s_per_step.sum() - paper.total_attributed_s
+    assert unattributed > trace.n_steps * BASE[0] * 0.5
+    shapley = attribute(model, trace, "shapley")
+    assert math.isclose(shapley.total_attributed_s, trace.step_latency_s_per_step.sum(), rel_tol=1e-12)
+
+
+def test_rules_differ_in_how_the_intercept_is_split():
+    model = fixed_model([BASE])
+    new = np.array([1000, 1]); context = np.array([0, 100]); prefill = np.array([True, False])
+    offsets = np.array([0, 2])
+    shapley = attribute_arrays(model, new, context, prefill, offsets, None, "shapley").share_s
+    proportional = attribute_arrays(model, new, context, prefill, offsets, None, "proportional").share_s
+    assert shapley.sum() == pytest.approx(proportional.sum())
+    assert shapley[1] > proportional[1]
+    own = slice_feature_matrix(new, context, prefill) @ np.array(BASE)
+    assert shapley[1] == pytest.approx(own[1] + BASE[0] / 2)
+
+
+def test_online_attributor_matches_offline_on_every_rule_and_segment():
+    model = fixed_model([BASE, HEAVY], boundary=200.0)
+    trace = synthetic_trace(300, seed=5)
+    for rule in RULES:
+        attributor = StepAttributor(model, rule)
+        offline = attribute(model, trace, rule)
+        for k in range(trace.n_steps):
+            s = slice(trace.step_offsets[k], trace.step_offsets[k + 1])
+            online = attributor.attribute(
+                trace.num_new_tokens[s].astype(float),
+                trace.num_context_tokens[s].astype(float),
+                trace.is_prefill[s],
+                float(trace.step_latency_s_per_step[k]),
+            )
+            np.testing.assert_allclose(online, offline.share_s[s], rtol=1e-9)
+        steps_predicted = [
+            attributor.predict_step_s(
+                trace.num_new_tokens[trace.step_offsets[k] : trace.step_offsets[k + 1]].astype(float),
+                trace.num_context_tokens[trace.step_offsets[k] : trace.step_offsets[k + 1]].astype(float),
+                trace.is_prefill[trace.step_offsets[k] : trace.step_offsets[k + 1]],
+            )
+            for k in range(trace.n_steps)
+        ]
+        np.testing.assert_allclose(steps_predicted, model.predict(trace), rtol=1e-9)
+
+
+def test_aggregate_by_tenant_and_request_conserves_the_total():
+    model = StepLatencyModel(segments="none").fit(synthetic_trace(500, seed=1))
+    trace = synthetic_trace(300, seed=2, n_tenants=3)
+    result = attribute(model, trace)
+    by_tenant = aggregate(trace, result, "tenant")
+    by_request = aggregate(trace, result, "request")
+    assert set(by_tenant) == set(trace.tenant.tolist())
+    assert len(by_request) == trace.n_slices
+    assert sum(by_tenant.values()) == pytest.approx(trace.step_latency_s_per_step.sum(), rel=1e-12)
+    assert sum(by_request.values()) == pytest.approx(trace.step_latency_s_per_step.sum(), rel=1e-12)
+    with pytest.raises(LlmvisorError, match="unknown grouping"):
+        aggregate(trace, result, "model")
+    with pytest.raises(LlmvisorError, match="unknown attribution rule"):
+        attribute(model, trace, "fair")

@@ -1,0 +1,150 @@
+"""The step-latency model: recovery of known coefficients, the boundary search, the stated drop rules, JSON."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from llmvisor.errors import LlmvisorError, ModelError, NotFittedError
+from llmvisor.features import FEATURE_NAMES
+from llmvisor.model import StepLatencyModel
+from llmvisor.synthetic import DEFAULT_COEF_S, synthetic_trace
+from llmvisor.trace import StepTrace, concat_traces
+
+TRUE = np.array([DEFAULT_COEF_S[name] for name in FEATURE_NAMES])
+
+
+@pytest.mark.parametrize("positive", [True, False])
+def test_fit_recovers_known_coefficients(positive):
+    trace = synthetic_trace(3000, seed=11)
+    model = StepLatencyModel(segments="none", positive=positive).fit(trace)
+    np.testing.assert_allclose(model.coef_[0], TRUE, rtol=1e-6)
+    assert model.boundary_ is None
+    assert model.rank_ == len(FEATURE_NAMES)
+
+
+def test_fit_with_noise_is_close_and_predicts_held_out_steps():
+    model = StepLatencyModel(segments="none").fit(synthetic_trace(4000, noise=0.03, seed=1))
+    well_identified = [0, 1, 2, 4, 6, 7]
+    np.testing.assert_allclose(model.coef_[0][well_identified], TRUE[well_identified], rtol=0.1)
+    test = synthetic_trace(500, seed=2)
+    relative = np.abs(model.predict(test) - test.step_latency_s_per_step) / test.step_latency_s_per_step
+    assert np.percentile(relative, 90) < 0.01
+
+
+def piecewise_trace(boundary: float, seed: int) -> StepTrace:
+    """Steps below the boundary timed by one coefficient set, the others by a set twice as expensive per token."""
+    low = synthetic_trace(3000, max_new_tokens=600, seed=seed, run_id="a")
+    load = np.add.reduceat(low.num_new_tokens.astype(float), low.step_starts)
+    compute_bound = dict(DEFAULT_COEF_S, prefill_new_tokens=6e-4, intercept=2e-2)
+    high = synthetic_trace(3000, max_new_tokens=600, seed=seed, run_id="a", coef_s=compute_bound)
+    latency = np.where(load >= boundary, high.step_latency_s_per_step, low.step_latency_s_per_step)
+    low.step_latency_s[:] = np.repeat(latency, low.batch_size_per_step)
+    return low
+
+
+def test_auto_segments_find_a_real_boundary_and_keep_none_when_there_is_none():
+    trace = piecewise_trace(boundary=500, seed=3)
+    model = StepLatencyModel(segments="auto").fit(trace)
+    assert model.boundary_ is not None
+    assert model.segment_names_ == ("memory_bound", "compute_bound")
+    candidates = model.fit_info_["boundary_search"]["candidates"]
+    chosen = model.fit_info_["boundary_search"]["chosen"]
+    assert candidates[chosen]["cv_mean_squared_rel_err"] < candidates["none"]["cv_mean_squared_rel_err"]
+    plain = StepLatencyModel(segments="auto").fit(synthetic_trace(3000, noise=0.03, seed=4))
+    assert plain.boundary_ is None
+    assert plain.fit_info_["boundary_search"]["chosen"] == "none"
+
+
+def test_boundary_search_folds_by_run_when_there_are_several():
+    runs = [synthetic_trace(400, seed=s, run_id=f"run{s}", noise=0.02) for s in range(3)]
+    model = StepLatencyModel().fit(concat_traces(runs))
+    assert model.fit_info_["boundary_search"]["fold_grouping"] == "run"
+    assert model.fit_info_["boundary_search"]["n_folds"] == 3
+
+
+def test_outlier_rule_drops_only_the_slow_tail_and_counts_it():
+    trace = synthetic_trace(2000, noise=0.02, seed=5)
+    slow = np.zeros(trace.n_steps, dtype=bool)
+    slow[::100] = True
+    latency = trace.step_latency_s_per_step * np.where(slow, 3.0, 1.0)
+    trace.step_latency_s[:] = np.repeat(latency, trace.batch_size_per_step)
+    model = StepLatencyModel(segments="none").fit(trace)
+    assert model.fit_info_["n_outliers_dropped"] >= slow.sum()
+    assert model.fit_info_["n_outliers_dropped"] < 3 * slow.sum()
+    np.testing.assert_allclose(model.coef_[0][[0, 1, 7]], TRUE[[0, 1, 7]], rtol=0.1)
+    kept_all = StepLatencyModel(segments="none", outlier_threshold=None).fit(trace)
+    assert kept_all.fit_info_["n_outliers_dropped"] == 0
+    assert abs(kept_all.coef_[0][0] - TRUE[0]) > abs(model.coef_[0][0] - TRUE[0])
+
+
+def test_warmup_steps_are_dropped_only_when_marked():
+    trace = synthetic_trace(600, seed=6)
+    marked = np.zeros(trace.n_slices, dtype=bool)
+    marked[: trace.step_offsets[5]] = True
+    trace.extra["is_warmup"] = marked
+    model = StepLatencyModel(segments="none").fit(trace)
+    assert model.fit_info_["n_warmup_dropped"] == 5
+    assert StepLatencyModel(segments="none", drop_warmup=False).fit(trace).fit_info_["n_warmup_dropped"] == 0
+
+
+def test_unidentified_features_are_held_at_zero_and_reported():
+    trace = synthetic_trace(800, seed=7)
+    trace.num_context_tokens[trace.is_prefill] = 0
+    model = StepLatencyModel(segments="none").fit(trace)
+    assert set(model.fit_info_["unidentified_features"]) == {"prefill_context_tokens", "prefill_new_x_context_tokens"}
+    assert model.coef_[0][FEATURE_NAMES.index("prefill_new_x_context_tokens")] == 0
+
+
+def test_nnls_keeps_coefficients_nonnegative_where_ols_does_not():
+    coef = dict(DEFAULT_COEF_S, decode_context_tokens=-5e-8)
+    trace = synthetic_trace(1500, coef_s=coef, seed=8)
+    assert StepLatencyModel(segments="none", positive=False).fit(trace).coef_.min() < 0
+    assert StepLatencyModel(segments="none").fit(trace).coef_.min() >= 0
+
+
+def test_json_round_trip_predicts_the_same(tmp_path):
+    model = StepLatencyModel(segments=400).fit(piecewise_trace(400, seed=9))
+    model.to_json(tmp_path / "m.json")
+    loaded = StepLatencyModel.from_json(tmp_path / "m.json")
+    test = synthetic_trace(300, seed=10)
+    np.testing.assert_array_equal(loaded.predict(test), model.predict(test))
+    assert loaded.boundary_ == 400
+    assert loaded.get_params() == model.get_params()
+    data = json.loads((tmp_path / "m.json").read_text())
+    assert data["format_version"] == 1 and data["segments"][0]["name"] == "memory_bound"
+
+
+def test_bad_model_files_are_clear_errors(tmp_path):
+    model = StepLatencyModel(segments="none").fit(synthetic_trace(300, seed=1))
+    data = model.to_dict()
+    for mutate, reason in [
+        (lambda d: d.update(format_version=99), "version 99 is not supported"),
+        (lambda d: d.update(format="other"), "not an llmvisor model file"),
+        (lambda d: d.pop("segments"), "malformed model file"),
+        (lambda d: d.update(boundary_new_tokens=100.0), "expected 2 coefficient sets"),
+    ]:
+        broken = json.loads(json.dumps(data))
+        mutate(broken)
+        (tmp_path / "m.json").write_text(json.dumps(broken))
+        with pytest.raises(ModelError, match=reason):
+            StepLatencyModel.from_json(tmp_path / "m.json")
+    (tmp_path / "m.json").write_text("{")
+    with pytest.raises(ModelError, match="not valid JSON"):
+        StepLatencyModel.from_json(tmp_path / "m.json")
+
+
+def test_unfitted_model_and_bad_params_are_clear_errors():
+    with pytest.raises(NotFittedError):
+        StepLatencyModel().predict(synthetic_trace(3))
+    with pytest.raises(LlmvisorError, match="weights"):
+        StepLatencyModel(weights="square").fit(synthetic_trace(50))
+
+
+def test_speculative_decode_slices_are_refused_by_the_model():
+    trace = synthetic_trace(50, seed=2)
+    trace.num_new_tokens[~trace.is_prefill] = 2
+    with pytest.raises(LlmvisorError, match="speculative"):
+        StepLatencyModel().fit(trace)
