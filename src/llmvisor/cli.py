@@ -292,6 +292,49 @@ def bench(json_output: JsonFlag = False) -> None:
     )
 
 
+@app.command()
+@user_errors
+def demo(
+    output_dir: Annotated[Path, typer.Option("-o", "--output-dir", help="Folder for the HTML report, model and summary.")] = Path("llmvisor-report"),
+    json_output: JsonFlag = False,
+    bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples for the 95% intervals.")] = 1000,
+) -> None:
+    """Fit on the shipped vLLM sweep, evaluate on held-out workloads, attribute per tenant, write a report."""
+    from llmvisor.demo import run_demo
+
+    with stderr.status("demo") as status:
+        outcome = run_demo(output_dir, n_bootstrap=bootstrap, progress=lambda message: status.update(message))
+    if json_output:
+        print_json(outcome["summary"])
+        return
+    result = outcome["result"]
+    model = outcome["model"]
+    boundary = "none" if model.boundary_ is None else f"{model.boundary_:g} new tokens per step"
+    info = model.fit_info_
+    stdout.print(
+        f"fitted on {info['n_steps_used']} sweep steps ({info['n_warmup_dropped']} warm-up and "
+        f"{info['n_outliers_dropped']} outlier steps dropped by the stated rules); segment boundary: {boundary}",
+        highlight=False,
+    )
+    stdout.print(evaluation_table(result))
+    for phase, values in result.get("improvement", {}).items():
+        if values["p90"]:
+            stdout.print(f"improvement over token_count ({phase}): p90 {values['p90']:.2f}×, p99 {values['p99']:.2f}×", highlight=False)
+    stdout.print(noise_floor_line(result), highlight=False)
+    by_rule = outcome["by_rule"]
+    table = Table(title="Engine time per tenant, multi-tenant run (s)")
+    table.add_column("tenant")
+    for rule in by_rule:
+        table.add_column(rule, justify="right")
+    for tenant in sorted(next(iter(by_rule.values()))):
+        table.add_row(tenant, *(f"{totals.get(tenant, 0.0):.2f}" for totals in by_rule.values()))
+    stdout.print(table)
+    validation = outcome["summary"].get("validation")
+    if validation:
+        stdout.print(f"validation against measured Shapley values: see the report ({len(validation)} entries)")
+    stdout.print(f"report: {outcome['report']}", highlight=False)
+
+
 def main() -> None:
     app()
 
