@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -375,9 +374,6 @@ def _read_jsonl(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
                 raise _fail(path, f"row {line_number}", f"not valid JSON ({error.msg})") from None
             if not isinstance(record, dict):
                 raise _fail(path, f"row {line_number}", "expected a JSON object")
-            for name, value in record.items():
-                if isinstance(value, float) and not math.isfinite(value) and name == "step_latency_s":
-                    raise _fail(path, f"row {line_number}", "step_latency_s: latency must be finite")
             records.append(record)
             rows.append(line_number)
     return _columns_from_records(path, records, rows), np.array(rows, dtype=np.int64)
