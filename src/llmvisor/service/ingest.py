@@ -1,0 +1,280 @@
+"""From a POST /v1/steps body to attributed `StepRecords`: parse, validate, attribute, hash.
+
+The body is ``{"steps": [[row, ...], ...]}``: one list of trace rows (format v1) per step. Rows are
+validated by the trace reader's own validator (`llmvisor.trace.trace_from_rows`); this module adds only the
+envelope (one group per step) and the limits of storage (string lengths, NUL, magnitudes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from llmvisor.attribution import attribute
+from llmvisor.errors import LlmvisorError, TraceError
+from llmvisor.ledger import StepRecords
+from llmvisor.model import StepLatencyModel
+from llmvisor.trace import StepTrace, trace_from_rows
+
+BODY_PATH = "request body"
+MAX_STRING_CHARS = 512
+MAX_STEP_LATENCY_S = 1e6
+MAX_TOKENS = 10**9
+MAX_TIMESTAMP_S = 1e11
+
+
+class PayloadError(LlmvisorError):
+    """A request body the service cannot take; ``status`` is the HTTP status, ``reason`` the metric label."""
+
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    records: StepRecords
+    residual_s: np.ndarray
+    predicted_step_s: np.ndarray
+
+
+def parse_steps(body: bytes, *, max_steps: int, max_rows: int) -> list[list[dict]]:
+    """The step groups of a body, checked for shape and size (not yet for content)."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError) as error:
+        raise PayloadError(400, "bad_json", f"{BODY_PATH}: not valid JSON ({error})") from None
+    if not isinstance(payload, dict) or "steps" not in payload:
+        raise PayloadError(422, "bad_shape", f'{BODY_PATH}: expected a JSON object {{"steps": [[row, ...], ...]}}')
+    groups = payload["steps"]
+    if not isinstance(groups, list):
+        raise PayloadError(422, "bad_shape", f'{BODY_PATH}: "steps" must be a list of steps, each a list of rows')
+    if len(groups) > max_steps:
+        raise PayloadError(413, "too_large", f"{BODY_PATH}: {len(groups)} steps, at most {max_steps} per request")
+    n_rows = 0
+    for i, group in enumerate(groups):
+        if not isinstance(group, list) or not group:
+            raise PayloadError(422, "bad_shape", f"{BODY_PATH}: steps[{i}]: expected a non-empty list of trace rows")
+        for j, row in enumerate(group):
+            if not isinstance(row, dict):
+                raise PayloadError(422, "bad_shape", f"{BODY_PATH}: steps[{i}][{j}]: expected a JSON object (a trace row)")
+        n_rows += len(group)
+    if n_rows > max_rows:
+        raise PayloadError(413, "too_large", f"{BODY_PATH}: {n_rows} rows, at most {max_rows} per request")
+    return groups
+
+
+def _check_one_group_per_step(groups: list[list[dict]]) -> None:
+    """Each group holds the rows of one step, and no step is split over two groups.
+
+    Keys of rows whose run_id/step_id have the wrong type are skipped: the trace validator names those.
+    """
+    seen: dict[tuple[str, int], int] = {}
+    for i, group in enumerate(groups):
+        first = group[0]
+        key = (first.get("run_id"), first.get("step_id"))
+        if type(key[0]) is not str or type(key[1]) is not int:
+            continue
+        for j, row in enumerate(group):
+            if row.get("run_id") != key[0] or row.get("step_id") != key[1]:
+                if type(row.get("run_id")) is str and type(row.get("step_id")) is int:
+                    raise PayloadError(
+                        422,
+                        "bad_shape",
+                        f"{BODY_PATH}: steps[{i}][{j}]: row of step {row['step_id']} of run {row['run_id']!r} in the group "
+                        f"of step {key[1]} of run {key[0]!r}; send each step's rows as one group",
+                    )
+        if key in seen:
+            raise PayloadError(
+                422,
+                "bad_shape",
+                f"{BODY_PATH}: steps[{i}]: step {key[1]} of run {key[0]!r} is also steps[{seen[key]}]; send each step once",
+            )
+        seen[key] = i
+
+
+def _row_locations(message: str, groups: list[list[dict]]) -> str:
+    """Name rows as steps[i][j] as well as by their number in the flattened batch."""
+    group_of_row = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+    starts = np.concatenate(([0], np.cumsum([len(g) for g in groups])))
+
+    def name(match: re.Match) -> str:
+        row = int(match.group(1))
+        if not 1 <= row <= group_of_row.size:
+            return match.group(0)
+        i = int(group_of_row[row - 1])
+        return f"{match.group(0)} (steps[{i}][{row - 1 - int(starts[i])}])"
+
+    return re.sub(r"\brow (\d+)", name, message)
+
+
+def validate_trace(groups: list[list[dict]]) -> StepTrace:
+    """The batch as a validated `StepTrace`, or a `PayloadError` carrying the validator's message."""
+    _check_one_group_per_step(groups)
+    rows = [row for group in groups for row in group]
+    try:
+        trace = trace_from_rows(rows, path=BODY_PATH)
+    except TraceError as error:
+        raise PayloadError(422, "invalid_trace", _row_locations(str(error), groups)) from None
+    except OverflowError:
+        raise PayloadError(422, "invalid_trace", f"{BODY_PATH}: a number is out of range (integers must fit in 64 bits)") from None
+    except UnicodeError:
+        raise PayloadError(422, "invalid_trace", f"{BODY_PATH}: a string is not valid Unicode (unpaired surrogate)") from None
+    _check_storage_limits(trace)
+    return trace
+
+
+def _check_storage_limits(trace: StepTrace) -> None:
+    for name in ("run_id", "request_id", "tenant"):
+        values = getattr(trace, name).tolist()
+        if not values:
+            continue
+        if "\x00" in "".join(values):
+            raise PayloadError(422, "invalid_trace", f"{BODY_PATH}: {name}: must not contain NUL characters")
+        longest = max(map(len, values))
+        if longest > MAX_STRING_CHARS:
+            raise PayloadError(
+                422, "invalid_trace", f"{BODY_PATH}: {name}: {longest} characters, at most {MAX_STRING_CHARS}"
+            )
+    for name in ("num_new_tokens", "num_context_tokens"):
+        values = getattr(trace, name)
+        if values.size and values.max() > MAX_TOKENS:
+            raise PayloadError(422, "invalid_trace", f"{BODY_PATH}: {name}: {values.max()} tokens, at most {MAX_TOKENS}")
+    latency = trace.step_latency_s_per_step
+    if latency.size and latency.max() > MAX_STEP_LATENCY_S:
+        raise PayloadError(
+            422, "invalid_trace", f"{BODY_PATH}: step_latency_s: {latency.max()!r} s, at most {MAX_STEP_LATENCY_S:g} s"
+        )
+
+
+def _step_timestamps(trace: StepTrace) -> list[float | None]:
+    """Each step's ``timestamp_s`` (Unix seconds) or None; rows of a step must agree."""
+    values = trace.extra.get("timestamp_s")
+    if values is None:
+        return [None] * trace.n_steps
+    per_step = values[trace.step_starts]
+    disagree = np.flatnonzero(values != np.repeat(per_step, trace.batch_size_per_step))
+    if disagree.size:
+        k = int(trace.slice_step_index[disagree[0]])
+        raise PayloadError(
+            422,
+            "invalid_trace",
+            f"{BODY_PATH}: step {trace.step_id_per_step[k]} of run {trace.run_id_per_step[k]!r}: rows disagree on timestamp_s",
+        )
+    out: list[float | None] = []
+    for k, value in enumerate(per_step.tolist()):
+        if value is not None:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not ok or not math.isfinite(value) or not 0 <= value < MAX_TIMESTAMP_S:
+                raise PayloadError(
+                    422,
+                    "invalid_trace",
+                    f"{BODY_PATH}: step {trace.step_id_per_step[k]} of run {trace.run_id_per_step[k]!r}: timestamp_s: "
+                    f"expected Unix seconds (a number >= 0), got {value!r}",
+                )
+            value = float(value)
+        out.append(value)
+    return out
+
+
+def apportion_ns(share_s: np.ndarray, step_offsets: np.ndarray, measured_ns: np.ndarray) -> np.ndarray:
+    """Integer nanoseconds per slice, ≥ 0, summing exactly to each step's ``measured_ns``.
+
+    Cumulative rounding: slice i of a step gets round(T·C_i/C) − round(T·C_{i−1}/C), C_i the running sum of
+    the shares. It is never more than 1 ns from the share and sums to T by construction.
+    """
+    sizes = np.diff(step_offsets)
+    starts = step_offsets[:-1]
+    ends = step_offsets[1:] - 1
+    cumulative = np.cumsum(share_s, dtype=np.float64)
+    before = np.concatenate(([0.0], cumulative))[starts]
+    local = cumulative - np.repeat(before, sizes)
+    total = local[ends]
+    position = np.arange(step_offsets[-1]) - np.repeat(starts, sizes) + 1
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fraction = np.where(
+            np.repeat(total > 0, sizes), local / np.repeat(total, sizes), position / np.repeat(sizes, sizes)
+        )
+    cumulative_ns = np.rint(np.clip(fraction, 0.0, 1.0) * np.repeat(measured_ns, sizes)).astype(np.int64)
+    cumulative_ns[ends] = measured_ns
+    previous = np.concatenate(([0], cumulative_ns[:-1]))
+    previous[starts] = 0
+    return cumulative_ns - previous
+
+
+def content_digests(trace: StepTrace, timestamps_s: list[float | None]) -> list[bytes]:
+    """SHA-256 of each step's canonical content: its key, measured time, timestamp and slices sorted by
+    request, strings length-prefixed so no two different steps share an encoding. Optional columns other
+    than ``timestamp_s`` are not stored and so not hashed."""
+    n = trace.n_slices
+    if n == 0:
+        return []
+    request = pa.array(trace.request_id, pa.string())
+    order = pc.sort_indices(
+        pa.table({"step": trace.slice_step_index, "request": request}),
+        sort_keys=[("step", "ascending"), ("request", "ascending")],
+    )
+    request = request.take(order)
+    tenant = pa.array(trace.tenant, pa.string()).take(order)
+    fields = [
+        pc.cast(pc.utf8_length(request), pa.string()),
+        request,
+        pc.cast(pc.utf8_length(tenant), pa.string()),
+        tenant,
+        pc.cast(pa.array(trace.num_new_tokens).take(order), pa.string()),
+        pc.cast(pa.array(trace.num_context_tokens).take(order), pa.string()),
+        pa.array(trace.is_prefill).take(order).cast(pa.int8()).cast(pa.string()),
+        pa.array([""] * n, pa.string()),
+    ]
+    lines = pc.binary_join_element_wise(*fields, "\x1f").cast(pa.large_string())
+    line_offsets = np.frombuffer(lines.buffers()[1], dtype=np.int64)[lines.offset : lines.offset + n + 1]
+    data = memoryview(lines.buffers()[2]) if lines.buffers()[2] is not None else memoryview(b"")
+    slice_bounds = line_offsets[trace.step_offsets].tolist()
+    digests = []
+    for k, (run_id, step_id, latency_s, timestamp_s) in enumerate(
+        zip(trace.run_id_per_step.tolist(), trace.step_id_per_step.tolist(), trace.step_latency_s_per_step.tolist(), timestamps_s)
+    ):
+        header = f"v1\x1e{len(run_id)}\x1f{run_id}\x1f{step_id}\x1f{latency_s!r}\x1f{timestamp_s!r}\x1e".encode()
+        digest = hashlib.sha256(header)
+        digest.update(data[slice_bounds[k] : slice_bounds[k + 1]])
+        digests.append(digest.digest())
+    return digests
+
+
+def prepare_batch(model: StepLatencyModel, groups: list[list[dict]], *, received_at_us: int) -> PreparedBatch:
+    """Validate and attribute a batch; steps without ``timestamp_s`` are dated ``received_at_us``."""
+    trace = validate_trace(groups)
+    timestamps_s = _step_timestamps(trace)
+    attribution = attribute(model, trace)
+    measured_s = trace.step_latency_s_per_step
+    measured_ns = np.rint(measured_s * 1e9).astype(np.int64)
+    attributed_ns = apportion_ns(attribution.share_s, trace.step_offsets, measured_ns)
+    timestamp_us = [received_at_us if t is None else int(round(t * 1e6)) for t in timestamps_s]
+    records = StepRecords(
+        run_id=trace.run_id_per_step.tolist(),
+        step_id=trace.step_id_per_step.tolist(),
+        measured_ns=measured_ns.tolist(),
+        predicted_s=attribution.predicted_step_s.tolist(),
+        timestamp_us=timestamp_us,
+        content_sha256=content_digests(trace, timestamps_s),
+        step_offsets=trace.step_offsets,
+        request_id=trace.request_id.tolist(),
+        tenant=trace.tenant.tolist(),
+        num_new_tokens=trace.num_new_tokens.tolist(),
+        num_context_tokens=trace.num_context_tokens.tolist(),
+        phase=np.where(trace.is_prefill, "prefill", "decode").tolist(),
+        attributed_ns=attributed_ns.tolist(),
+    )
+    return PreparedBatch(
+        records=records,
+        residual_s=measured_s - attribution.predicted_step_s,
+        predicted_step_s=attribution.predicted_step_s,
+    )

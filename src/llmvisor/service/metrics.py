@@ -1,0 +1,116 @@
+"""Prometheus metrics of one service process, in a registry of its own (so apps in one process don't mix).
+
+Counters restart at zero with the process, as Prometheus expects; the ledger, not the metrics, is the
+record. The residual histograms are filled a whole batch at a time with numpy, since a batch holds
+thousands of steps and `Histogram.observe` costs a Python call per value.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+INGEST_ERROR_REASONS = ("unauthorized", "forbidden", "too_large", "bad_json", "bad_shape", "invalid_trace", "conflict", "database")
+_RESIDUAL_BOUNDS_S = (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0)
+RESIDUAL_BUCKETS_S = tuple(sorted(-b for b in _RESIDUAL_BOUNDS_S)) + (0.0,) + _RESIDUAL_BOUNDS_S
+RELATIVE_RESIDUAL_BUCKETS = (-0.5, -0.2, -0.1, -0.05, -0.02, -0.01, 0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+class BatchHistogram(Collector):
+    """A histogram observed many values at a time; exported like a `prometheus_client.Histogram`."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]):
+        self.name = name
+        self.documentation = documentation
+        self.bounds = np.asarray(buckets, dtype=np.float64)
+        self._counts = np.zeros(self.bounds.size + 1, dtype=np.int64)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe_many(self, values: np.ndarray) -> None:
+        values = np.asarray(values, dtype=np.float64)
+        values = values[np.isfinite(values)]
+        # side="left": a value equal to a bound falls in that bound's bucket (Prometheus "le").
+        counts = np.bincount(np.searchsorted(self.bounds, values, side="left"), minlength=self.bounds.size + 1)
+        with self._lock:
+            self._counts += counts
+            self._sum += float(values.sum())
+
+    def collect(self):
+        with self._lock:
+            cumulative = np.cumsum(self._counts).tolist()
+            total = self._sum
+        buckets = [(repr(float(b)), c) for b, c in zip(self.bounds.tolist(), cumulative[:-1])]
+        buckets.append(("+Inf", cumulative[-1]))
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=total)
+
+
+class ServiceMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.attributed_seconds = Counter(
+            "llmvisor_attributed_seconds", "Engine seconds attributed to each tenant (steps ingested by this process).",
+            ["tenant"], registry=self.registry,
+        )
+        self.measured_seconds = Counter(
+            "llmvisor_measured_seconds", "Measured engine seconds of the steps ingested (equals the sum over tenants).",
+            registry=self.registry,
+        )
+        self.steps_ingested = Counter("llmvisor_steps_ingested", "Steps stored.", registry=self.registry)
+        self.steps_duplicate = Counter(
+            "llmvisor_steps_duplicate", "Steps re-sent identically, acknowledged and not stored again.", registry=self.registry
+        )
+        self.slices_ingested = Counter("llmvisor_slices_ingested", "Request slices stored.", registry=self.registry)
+        self.ingest_errors = Counter(
+            "llmvisor_ingest_errors", "Rejected POST /v1/steps requests, by reason.", ["reason"], registry=self.registry
+        )
+        for reason in INGEST_ERROR_REASONS:
+            self.ingest_errors.labels(reason)
+        self.ingest_batch_seconds = Histogram(
+            "llmvisor_ingest_batch_seconds", "Time to validate, attribute and store one POST /v1/steps batch.",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0), registry=self.registry,
+        )
+        self.residual_seconds = BatchHistogram(
+            "llmvisor_model_residual_seconds",
+            "Measured minus predicted step time of ingested steps; drift of the latency model shows here.",
+            RESIDUAL_BUCKETS_S,
+        )
+        self.relative_residual = BatchHistogram(
+            "llmvisor_model_relative_residual",
+            "(measured - predicted) / predicted step time of ingested steps.",
+            RELATIVE_RESIDUAL_BUCKETS,
+        )
+        self.registry.register(self.residual_seconds)
+        self.registry.register(self.relative_residual)
+
+    def record_ingest(
+        self,
+        tenants: list[str],
+        attributed_ns: np.ndarray,
+        measured_ns: np.ndarray,
+        residual_s: np.ndarray,
+        predicted_s: np.ndarray,
+        n_steps: int,
+        n_duplicate: int,
+    ) -> None:
+        """Count the newly stored part of a batch (tenants/attributed_ns: its slices; the rest: its steps)."""
+        if len(tenants):
+            encoded = pc.dictionary_encode(pa.array(tenants, pa.string()))
+            names = encoded.dictionary.to_pylist()
+            codes = encoded.indices.to_numpy(zero_copy_only=False)
+            per_tenant_ns = np.bincount(codes, weights=attributed_ns, minlength=len(names))
+            for name, total_ns in zip(names, per_tenant_ns.tolist()):
+                self.attributed_seconds.labels(name).inc(total_ns / 1e9)
+        self.measured_seconds.inc(float(np.sum(measured_ns)) / 1e9)
+        self.steps_ingested.inc(n_steps)
+        self.steps_duplicate.inc(n_duplicate)
+        self.slices_ingested.inc(len(tenants))
+        self.residual_seconds.observe_many(residual_s)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            self.relative_residual.observe_many(residual_s / predicted_s)
