@@ -1,0 +1,412 @@
+"""Controlled steps on a real vLLM engine: make a chosen batch run as exactly one engine step, and time it.
+
+The validation (`llmvisor.validation`) needs the measured time T(S) of every subset S of a batch. This
+module makes each such step happen on vLLM, in-process, and times it the way the step recorder does
+(`RecordingScheduler`: from ``schedule()`` returning to ``update_from_output()`` being entered), because it
+*is* the recorder: `ControlledScheduler` subclasses it and only adds a filter on which running requests
+may be scheduled.
+
+- Prefill steps: fresh prompts of the chosen lengths (random token ids, prefix caching off, so context 0)
+  are submitted together with ``max_tokens=1`` and a token budget that fits them all; one engine step runs
+  them all and finishes them.
+- Decode steps: the batch's requests are first prefilled (once) to their chosen contexts, only the requests
+  still in prefill being allowed to run, so none decodes early. Then any subset runs as a decode step of
+  its own by allowing only its requests; each run grows a member's context by one token.
+
+Every step's rows are read back from the trace file the recorder writes (flushed every step) and compared
+with the intended composition: the same requests, each with the intended new and context tokens and
+phase, and nothing else. A step that does not match is reported as such (``MeasuredStep.matches``); the
+caller redoes it. This module is the only part of the validation that imports vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmvisor.engines.vllm import settings as recorder_settings
+from llmvisor.errors import LlmvisorError
+
+DEFAULT_KV_CACHE_GIB = 2
+DEFAULT_MAX_NUM_SEQS = 16
+
+
+@dataclass(frozen=True)
+class Slice:
+    """One request's part of a step: tokens it runs, tokens already in its KV cache, and its phase."""
+
+    num_new_tokens: int
+    num_context_tokens: int
+    is_prefill: bool
+
+    def as_dict(self) -> dict:
+        return {"num_new_tokens": self.num_new_tokens, "num_context_tokens": self.num_context_tokens, "is_prefill": self.is_prefill}
+
+
+@dataclass
+class MeasuredStep:
+    """One engine step as the recorder saw it, next to what was intended."""
+
+    step_latency_s: float
+    intended: list[Slice]
+    recorded: list[Slice]
+    n_engine_steps: int
+    """Engine steps that ran tokens for this call: 1 when the intended batch ran as one step."""
+    reason: str = ""
+
+    @property
+    def matches(self) -> bool:
+        return not self.reason
+
+
+def pin_threads(num_threads: int | None = None) -> int:
+    """Bind vLLM's CPU worker threads to cores 0..n-1 (``VLLM_CPU_OMP_THREADS_BIND``), as profiling runs do.
+
+    Must run before the engine starts. With all cores bound, timings of different runs are comparable; the
+    default "auto" binding also leaves cores to the OS depending on the machine. Returns the thread count.
+    """
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = available if num_threads is None else max(1, min(num_threads, available))
+    cores = sorted(os.sched_getaffinity(0))[:n] if hasattr(os, "sched_getaffinity") else list(range(n))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)) if len(cores) > 1 else str(cores[0]))
+    return n
+
+
+def _scheduler_class():
+    from llmvisor.engines.vllm.recorder import RecordingScheduler
+
+    class ControlledScheduler(RecordingScheduler):
+        """The step recorder, plus a filter: only running requests in ``allowed_request_ids`` get tokens.
+
+        ``allowed_request_ids = None`` schedules as vLLM does. Requests held back stay in ``running`` (their
+        KV cache kept); the filter is set by the driver between steps, in the same process.
+        """
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.allowed_request_ids: set[str] | None = None
+
+        def schedule(self, *args, **kwargs):
+            allowed = self.allowed_request_ids
+            if allowed is None:
+                return super().schedule(*args, **kwargs)
+            held = [r for r in self.running if r.request_id not in allowed]
+            self.running = [r for r in self.running if r.request_id in allowed]
+            try:
+                return super().schedule(*args, **kwargs)
+            finally:
+                self.running = self.running + held
+
+    return ControlledScheduler
+
+
+def scheduler_class():
+    """The scheduler class to pass as ``scheduler_cls`` (built lazily so importing this module is cheap)."""
+    global _SCHEDULER_CLASS
+    if _SCHEDULER_CLASS is None:
+        _SCHEDULER_CLASS = _scheduler_class()
+    return _SCHEDULER_CLASS
+
+
+_SCHEDULER_CLASS = None
+
+
+@dataclass
+class DecodeBatch:
+    """Requests prefilled to chosen contexts, held in the engine for decode steps of any subset."""
+
+    request_ids: list[str]
+    context_tokens: list[int]
+    """Current context of each request (grows by one each time it runs a decode)."""
+    nominal_context_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EngineLimits:
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
+class ControlledEngine:
+    """An in-process vLLM engine on a model folder (a bare ``config.json`` runs with dummy weights).
+
+    Use as a context manager. ``prefill_step(lengths)`` and ``decode_step(batch, members)`` each run one
+    controlled step and return a `MeasuredStep`; ``prepare_decode(contexts)`` makes a `DecodeBatch` and
+    ``release(batch)`` frees it. ``trace_path`` keeps the recorder's rows of every step (JSONL).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        kv_cache_gib: int = DEFAULT_KV_CACHE_GIB,
+        trace_path: str | os.PathLike | None = None,
+        num_threads: int | None = None,
+        seed: int = 0,
+        run_id: str = "controlled",
+    ) -> None:
+        config = Path(model_dir) / "config.json"
+        if not config.is_file():
+            raise LlmvisorError(f"{model_dir}: no config.json (need a Hugging Face model folder or a bare config.json)")
+        self.model_dir = str(model_dir)
+        self._requested = dict(max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+        self.kv_cache_gib = kv_cache_gib
+        self.num_threads = num_threads
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        if trace_path is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="llmvisor-controlled-")
+            trace_path = os.path.join(self._tmp.name, "steps.jsonl")
+        self.trace_path = str(trace_path)
+        self.run_id = run_id
+        self._rng = random.Random(seed)
+        self._counter = 0
+        self._trace_offset = 0
+        self.llm = None
+        self.engine = None
+        self.scheduler = None
+        self.limits: EngineLimits | None = None
+        self.vllm_version = ""
+
+    # ------------------------------------------------------------------------------------------------
+    def __enter__(self) -> ControlledEngine:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+        self.threads = pin_threads(self.num_threads)
+        os.environ[recorder_settings.ENV_TRACE_PATH] = self.trace_path
+        os.environ[recorder_settings.ENV_RUN_ID] = self.run_id
+        os.environ[recorder_settings.ENV_WARMUP_STEPS] = "0"
+        os.environ[recorder_settings.ENV_FLUSH_EVERY_STEPS] = "1"
+        os.environ.pop(recorder_settings.ENV_CONFIG, None)
+        Path(self.trace_path).parent.mkdir(parents=True, exist_ok=True)
+        self._trace_offset = os.path.getsize(self.trace_path) if os.path.exists(self.trace_path) else 0
+
+        import vllm
+        from vllm import LLM
+
+        self.vllm_version = vllm.__version__
+        kwargs = {k: v for k, v in self._requested.items() if v is not None}
+        self.llm = LLM(
+            model=self.model_dir,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            enable_prefix_caching=False,
+            distributed_executor_backend="uni",
+            async_scheduling=False,
+            scheduler_cls=scheduler_class(),
+            seed=0,
+            **kwargs,
+        )
+        self.engine = self.llm.llm_engine
+        self.scheduler = self.engine.engine_core.engine_core.scheduler
+        if not hasattr(self.scheduler, "allowed_request_ids"):
+            raise LlmvisorError("vLLM did not use the controlled scheduler (is the engine running out of process?)")
+        config = self.scheduler.scheduler_config
+        self.vocab_size = int(self.engine.model_config.get_vocab_size())
+        self.limits = EngineLimits(
+            max_model_len=int(self.scheduler.max_model_len),
+            max_num_batched_tokens=int(config.max_num_batched_tokens),
+            max_num_seqs=int(config.max_num_seqs),
+        )
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self._abort_all()
+            try:
+                self.scheduler.flush_trace()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+            try:
+                self.engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+            self.llm = self.engine = self.scheduler = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    # ------------------------------------------------------------------------------------------------
+    def _new_id(self, tag: str) -> str:
+        self._counter += 1
+        return f"{tag}{self._counter}"
+
+    def _prompt(self, length: int) -> dict:
+        high = max(self.vocab_size, 4)
+        return {"prompt_token_ids": [self._rng.randrange(3, high) for _ in range(length)]}
+
+    def _sampling(self, max_tokens: int):
+        from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, temperature=0.0)
+
+    def _check_lengths(self, lengths: list[int], *, what: str) -> None:
+        limits = self.limits
+        if not lengths or len(lengths) > limits.max_num_seqs:
+            raise LlmvisorError(f"{what}: batch of {len(lengths)} requests; the engine runs 1 to {limits.max_num_seqs}")
+        for n in lengths:
+            if n < 1 or n >= limits.max_model_len:
+                raise LlmvisorError(f"{what}: length {n} outside 1..{limits.max_model_len - 1} (max_model_len {limits.max_model_len})")
+
+    def _read_new_steps(self) -> list[tuple[float, dict[str, Slice]]]:
+        """The steps the recorder wrote since the last call: (step_latency_s, {request_id: Slice})."""
+        if not os.path.exists(self.trace_path):
+            return []
+        with open(self.trace_path, "rb") as handle:
+            handle.seek(self._trace_offset)
+            data = handle.read()
+        end = data.rfind(b"\n") + 1
+        self._trace_offset += end
+        steps: dict[int, tuple[float, dict[str, Slice]]] = {}
+        for line in data[:end].splitlines():
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            latency, slices = steps.setdefault(int(row["step_id"]), (float(row["step_latency_s"]), {}))
+            slices[row["request_id"]] = Slice(int(row["num_new_tokens"]), int(row["num_context_tokens"]), row["phase"] == "prefill")
+        return [steps[k] for k in sorted(steps)]
+
+    def _step(self) -> None:
+        self.engine.step()
+        self.scheduler.flush_trace()
+
+    def _compare(self, intended: dict[str, Slice], steps: list[tuple[float, dict[str, Slice]]]) -> MeasuredStep:
+        order = list(intended)
+        if not steps:
+            return MeasuredStep(float("nan"), [intended[r] for r in order], [], 0, "no step ran")
+        latency, recorded = steps[0]
+        reason = ""
+        if len(steps) != 1:
+            reason = f"the batch ran as {len(steps)} steps"
+        elif set(recorded) != set(intended):
+            reason = f"step ran {sorted(recorded)} instead of {sorted(intended)}"
+        else:
+            wrong = [r for r in order if recorded[r] != intended[r]]
+            if wrong:
+                reason = "; ".join(f"{r}: ran {recorded[r]} instead of {intended[r]}" for r in wrong)
+        return MeasuredStep(
+            latency,
+            [intended[r] for r in order],
+            [recorded.get(r, Slice(0, 0, False)) for r in order],
+            len(steps),
+            reason,
+        )
+
+    def _abort_all(self) -> None:
+        ids = list(self.scheduler.requests)
+        if ids:
+            self.engine.abort_request(ids, internal=True)
+        self.scheduler.allowed_request_ids = None
+        # Let the engine retire aborted requests (no tokens run: nothing is recorded).
+        for _ in range(4):
+            if not self.engine.has_unfinished_requests():
+                break
+            self._step()
+        self._read_new_steps()
+
+    # ------------------------------------------------------------------------------------------------
+    def prefill_step(self, prompt_lengths: list[int]) -> MeasuredStep:
+        """Run fresh prompts of these lengths as one prefill step (context 0 each) and time it."""
+        self._check_lengths(prompt_lengths, what="prefill step")
+        if sum(prompt_lengths) > self.limits.max_num_batched_tokens:
+            raise LlmvisorError(
+                f"prefill step of {sum(prompt_lengths)} tokens exceeds max_num_batched_tokens {self.limits.max_num_batched_tokens}"
+            )
+        if self.engine.has_unfinished_requests():
+            self._abort_all()
+        self._read_new_steps()
+        self.scheduler.allowed_request_ids = None
+        intended: dict[str, Slice] = {}
+        params = self._sampling(1)
+        for length in prompt_lengths:
+            rid = self.engine.add_request(self._new_id("p"), self._prompt(length), params)
+            intended[rid] = Slice(length, 0, True)
+        n_calls = 0
+        while self.engine.has_unfinished_requests() and n_calls < 8:
+            self._step()
+            n_calls += 1
+        steps = self._read_new_steps()
+        if self.engine.has_unfinished_requests():
+            self._abort_all()
+        return self._compare(intended, steps)
+
+    def prepare_decode(self, context_lengths: list[int], *, max_decode_steps: int) -> DecodeBatch:
+        """Prefill one request per context length, each to exactly that context, for decode steps.
+
+        Only requests still in prefill may run while preparing, so none decodes (and grows) early.
+        ``max_decode_steps`` bounds how many decode steps any request will run (its ``max_tokens``).
+        """
+        self._check_lengths(context_lengths, what="decode batch")
+        too_long = [c for c in context_lengths if c + max_decode_steps + 1 > self.limits.max_model_len]
+        if too_long:
+            raise LlmvisorError(f"decode contexts {too_long} + {max_decode_steps} steps exceed max_model_len {self.limits.max_model_len}")
+        if self.engine.has_unfinished_requests():
+            self._abort_all()
+        ids = []
+        for length in context_lengths:
+            ids.append(self.engine.add_request(self._new_id("d"), self._prompt(length), self._sampling(max_decode_steps + 1)))
+        requests = self.scheduler.requests
+        for _ in range(len(ids) * (max(context_lengths) // 16 + 4)):
+            pending = {
+                rid
+                for rid in ids
+                if rid not in requests or requests[rid].num_computed_tokens < requests[rid].num_prompt_tokens
+            }
+            if not pending:
+                break
+            self.scheduler.allowed_request_ids = pending
+            self._step()
+        else:
+            raise LlmvisorError("decode batch did not finish its prefill")
+        self.scheduler.allowed_request_ids = set()
+        self._read_new_steps()
+        actual = [requests[rid].num_computed_tokens for rid in ids]
+        if actual != list(context_lengths):
+            raise LlmvisorError(f"decode batch prefilled to contexts {actual} instead of {list(context_lengths)}")
+        return DecodeBatch(ids, list(actual), list(context_lengths))
+
+    def decode_step(self, batch: DecodeBatch, members: list[int]) -> MeasuredStep:
+        """Run the requests ``members`` (indices into the batch) as one decode step and time it."""
+        if not members:
+            raise LlmvisorError("a decode step needs at least one request")
+        self._read_new_steps()
+        intended = {batch.request_ids[i]: Slice(1, batch.context_tokens[i], False) for i in members}
+        self.scheduler.allowed_request_ids = set(intended)
+        try:
+            self._step()
+        finally:
+            self.scheduler.allowed_request_ids = set()
+        steps = self._read_new_steps()
+        requests = self.scheduler.requests
+        for i, rid in enumerate(batch.request_ids):
+            if rid in requests:
+                batch.context_tokens[i] = requests[rid].num_computed_tokens
+        return self._compare(intended, steps)
+
+    def release(self, batch: DecodeBatch) -> None:
+        """Abort a decode batch's requests, freeing their KV cache."""
+        self._abort_all()
+
+    def warm_up(self, *, prefill_lengths: list[int], decode_contexts: list[int], n_steps: int = 3) -> None:
+        """Run a few throw-away steps of the shapes to come (first runs of a shape are slow)."""
+        for _ in range(n_steps):
+            self.prefill_step(prefill_lengths)
+        batch = self.prepare_decode(decode_contexts, max_decode_steps=4 * n_steps)
+        for _ in range(n_steps):
+            self.decode_step(batch, list(range(len(decode_contexts))))
+            self.decode_step(batch, [0])
+        self.release(batch)
+        self._read_new_steps()

@@ -1,0 +1,277 @@
+"""Run vLLM in this process and drive it through a profiling plan, recording every step.
+
+The engine core and the worker run in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+``distributed_executor_backend="uni"``), with async scheduling off so steps do not overlap. The driver steps
+the engine itself (``LLMEngine.add_request`` / ``step``) and steers the scheduler between steps through
+`ProfilingScheduler`: a per-step token budget and the number of decoding requests that run. Prompts are
+random token ids, so a folder with only a ``config.json`` runs with dummy weights and no tokenizer.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from llmvisor.errors import LlmvisorError
+from llmvisor.profile.plans import Envelope, Episode, WorkloadPlan
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
+
+
+@dataclass
+class EngineSettings:
+    model: str
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 32
+    kv_cache_space_gib: int = 4
+    enforce_eager: bool = False
+    seed: int = 0
+    threads: int | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_model_dir(model: str) -> bool:
+    """Validate a model folder; True when it holds weights, False when it is a bare config (dummy weights)."""
+    if not os.path.isdir(model):
+        raise LlmvisorError(f"{model}: model folder does not exist")
+    config_path = os.path.join(model, "config.json")
+    if not os.path.isfile(config_path):
+        raise LlmvisorError(f"{config_path}: no config.json in the model folder")
+    try:
+        with open(config_path, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, json.JSONDecodeError) as error:
+        raise LlmvisorError(f"{config_path}: not a readable JSON model config ({error})") from None
+    if not isinstance(config, dict) or "architectures" not in config:
+        raise LlmvisorError(f"{config_path}: architectures: missing; not a Hugging Face model config")
+    return any(glob.glob(os.path.join(model, pattern)) for pattern in WEIGHT_PATTERNS)
+
+
+def configure_environment(settings: EngineSettings) -> None:
+    """Environment vLLM reads at start-up; must run before vLLM (and torch) is imported to take full effect."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_space_gib)
+    if settings.threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(settings.threads)
+
+
+class ProfiledEngine:
+    """An in-process vLLM engine with the profiling scheduler, recording to ``trace_path``."""
+
+    def __init__(self, settings: EngineSettings, *, trace_path: str, run_id: str, warmup_steps: int):
+        has_weights = check_model_dir(settings.model)
+        configure_environment(settings)
+        os.environ["LLMVISOR_TRACE_PATH"] = trace_path
+        os.environ["LLMVISOR_RUN_ID"] = run_id
+        os.environ["LLMVISOR_WARMUP_STEPS"] = str(warmup_steps)
+        os.environ.setdefault("LLMVISOR_MODEL_NAME", os.path.basename(os.path.normpath(settings.model)))
+
+        import torch
+
+        if settings.threads is not None:
+            torch.set_num_threads(settings.threads)
+        from vllm import LLM
+
+        from llmvisor.engines.vllm.profiling import ProfilingScheduler
+
+        self.settings = settings
+        self.has_weights = has_weights
+        self.llm = LLM(
+            model=settings.model,
+            load_format="auto" if has_weights else "dummy",
+            skip_tokenizer_init=True,
+            max_model_len=settings.max_model_len,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_seqs=settings.max_num_seqs,
+            distributed_executor_backend="uni",
+            async_scheduling=False,
+            enable_prefix_caching=False,
+            enforce_eager=settings.enforce_eager,
+            seed=settings.seed,
+            scheduler_cls=ProfilingScheduler,
+        )
+        self.engine = self.llm.llm_engine
+        self.scheduler = self.engine.engine_core.engine_core.scheduler
+        vllm_config = self.engine.vllm_config
+        cache = vllm_config.cache_config
+        self.kv_cache_tokens = int(cache.num_gpu_blocks * cache.block_size)
+        self.vocab_size = int(vllm_config.model_config.get_vocab_size())
+        self.dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        self.torch_threads = torch.get_num_threads()
+        self._rng = np.random.default_rng(settings.seed)
+        self._live: set[str] = set()
+
+    @property
+    def envelope(self) -> Envelope:
+        return Envelope(
+            max_model_len=self.settings.max_model_len,
+            max_num_batched_tokens=self.settings.max_num_batched_tokens,
+            max_num_seqs=self.settings.max_num_seqs,
+            kv_cache_tokens=self.kv_cache_tokens,
+        )
+
+    def describe(self) -> dict:
+        import vllm
+
+        return {
+            "engine": "vllm",
+            "engine_version": vllm.__version__,
+            **self.settings.as_dict(),
+            "model": os.path.basename(os.path.normpath(self.settings.model)),
+            "weights": "from the model folder" if self.has_weights else "dummy (random), load_format='dummy'",
+            "dtype": self.dtype,
+            "kv_cache_tokens": self.kv_cache_tokens,
+            "block_size": int(self.engine.vllm_config.cache_config.block_size),
+            "enable_prefix_caching": False,
+            "async_scheduling": False,
+            "distributed_executor_backend": "uni",
+            "torch_threads": self.torch_threads,
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "hardware": self.scheduler._constant_columns["hardware"],
+        }
+
+    # -----------------------------------------------------------------------------------------------------
+
+    def add(self, request_id: str, prompt_len: int, max_tokens: int, tenant: str) -> None:
+        from vllm import SamplingParams
+
+        prompt = self._rng.integers(100, max(101, self.vocab_size - 1), prompt_len).tolist()
+        params = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, detokenize=False, extra_args={"tenant": tenant}
+        )
+        self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        self._live.add(request_id)
+
+    def step(self) -> list[str]:
+        """Run one engine step; the ids of requests that finished in it."""
+        finished = [output.request_id for output in self.engine.step() if output.finished]
+        self._live.difference_update(finished)
+        return finished
+
+    def abort_all(self) -> None:
+        if self._live:
+            self.engine.abort_request(sorted(self._live))
+            self._live.clear()
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def _prefilling(self) -> bool:
+        scheduler = self.scheduler
+        return len(scheduler.waiting) > 0 or any(r.is_prefill_chunk for r in scheduler.running)
+
+    def _num_decoding(self) -> int:
+        return sum(1 for r in self.scheduler.running if not r.is_prefill_chunk)
+
+    # -----------------------------------------------------------------------------------------------------
+
+    def run_episode(self, episode: Episode, repeat_index: int) -> None:
+        """One sweep episode (`llmvisor.profile.plans`); identical steps on every repeat."""
+        scheduler = self.scheduler
+        rng = np.random.default_rng(episode.seed)
+        scheduler.set_controls(token_budget=episode.token_budget, decode_batch_size=None, seed=episode.seed)
+        max_len = self.settings.max_model_len
+        prefix = f"sweep-e{episode.index:04d}-r{repeat_index}"
+        for k, prompt_len in enumerate(episode.prompt_lens):
+            self.add(f"{prefix}-{k:03d}", prompt_len, max_len - prompt_len, "sweep")
+        guard = 0
+        while self._prefilling() and self.num_live:
+            self.step()
+            guard += 1
+            if guard > 100_000:
+                raise RuntimeError("sweep episode did not finish its prefill")
+        wave_at = episode.num_decode_steps // 2
+        for step in range(episode.num_decode_steps):
+            if step == wave_at:
+                for k, prompt_len in enumerate(episode.wave_prompt_lens):
+                    self.add(f"{prefix}-w{k:03d}", prompt_len, max_len - prompt_len, "sweep")
+            self._step_with_decode_subset(rng)
+            if not self.num_live:
+                break
+        while self._prefilling() and self.num_live:
+            self._step_with_decode_subset(rng)
+        self.abort_all()
+        scheduler.set_controls(token_budget=None, decode_batch_size=None)
+
+    def _step_with_decode_subset(self, rng: np.random.Generator) -> None:
+        decoding = self._num_decoding()
+        size = int(rng.integers(1, decoding + 1)) if decoding else None
+        self.scheduler.set_controls(decode_batch_size=size)
+        self.step()
+
+    def run_workload(
+        self,
+        plan: WorkloadPlan,
+        *,
+        arrival: str,
+        concurrency: int,
+        repeat_index: int,
+        deadline_s: float | None,
+        on_finished: Callable[[int], None],
+    ) -> dict:
+        """Replay the plan's requests; returns counts of submitted, finished and aborted requests."""
+        self.scheduler.set_controls(token_budget=None, decode_batch_size=None)
+        pending = list(plan.requests)
+        position = 0
+        submitted = finished = 0
+        started = time.perf_counter()
+        timed_out = False
+        while position < len(pending) or self.num_live:
+            now = time.perf_counter() - started
+            if deadline_s is not None and now > deadline_s:
+                timed_out = True
+                break
+            if arrival == "closed":
+                while position < len(pending) and self.num_live < concurrency:
+                    self._submit(pending[position], repeat_index)
+                    position += 1
+                    submitted += 1
+            else:
+                while position < len(pending) and pending[position].arrival_s <= now:
+                    self._submit(pending[position], repeat_index)
+                    position += 1
+                    submitted += 1
+                if not self.num_live:
+                    wait = pending[position].arrival_s - now
+                    time.sleep(min(max(wait, 0.0), 0.5))
+                    continue
+            done = len(self.step())
+            finished += done
+            if done:
+                on_finished(done)
+        aborted = self.num_live
+        self.abort_all()
+        return {"submitted": submitted, "finished": finished, "aborted": aborted, "timed_out": timed_out}
+
+    def _submit(self, request, repeat_index: int) -> None:
+        suffix = f"-r{repeat_index}" if repeat_index else ""
+        self.add(request.request_id + suffix, request.prompt_len, request.output_len, request.tenant)
+
+    # -----------------------------------------------------------------------------------------------------
+
+    def finish_recording(self) -> dict:
+        """Write the steps not yet written; the recorder's overhead figures."""
+        self.scheduler.flush_trace()
+        overhead = self.scheduler.recorder_overhead().as_dict()
+        fractions = np.asarray(self.scheduler.step_overhead_s) / np.maximum(np.asarray(self.scheduler.step_latency_s), 1e-12)
+        if fractions.size:
+            overhead["step_fraction_p50"] = float(np.percentile(fractions, 50))
+            overhead["step_fraction_p99"] = float(np.percentile(fractions, 99))
+        return overhead
+
+    def close(self) -> None:
+        engine_core = self.engine.engine_core
+        try:
+            engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - shutting down a half-started engine must not hide the real error
+            pass

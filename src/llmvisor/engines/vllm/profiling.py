@@ -1,0 +1,63 @@
+"""`ProfilingScheduler`: the recording scheduler, steerable between steps by a profiling driver.
+
+Two controls, both cleared by default so the scheduler behaves as vLLM's own:
+
+- ``token_budget``: caps the tokens of the next steps (vLLM's ``max_num_scheduled_tokens``), so prefill
+  chunks and mixed steps of chosen sizes occur;
+- ``decode_batch_size``: runs only that many of the running requests that are decoding (a subset drawn
+  with the control's seed); the others wait, their KV cache kept, so decode batches of any size occur at
+  contexts already prefilled, without prefilling again.
+
+Held-back requests also lower the admission limit for that step, so no more than ``max_num_seqs`` requests
+are ever running.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llmvisor.engines.vllm.recorder import RecordingScheduler
+
+
+class ProfilingScheduler(RecordingScheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._default_token_budget = self.max_num_scheduled_tokens
+        self.token_budget: int | None = None
+        self.decode_batch_size: int | None = None
+        self._subset_rng = np.random.default_rng(0)
+
+    def set_controls(self, *, token_budget=..., decode_batch_size=..., seed: int | None = None) -> None:
+        if token_budget is not ...:
+            self.token_budget = token_budget
+        if decode_batch_size is not ...:
+            self.decode_batch_size = decode_batch_size
+        if seed is not None:
+            self._subset_rng = np.random.default_rng(seed)
+
+    def _schedule_step(self, *args, **kwargs):
+        default_budget = self._default_token_budget
+        if self.token_budget is not None:
+            self.max_num_scheduled_tokens = max(1, min(self.token_budget, default_budget))
+        held_back = []
+        if self.decode_batch_size is not None:
+            decoding = [r for r in self.running if not r.is_prefill_chunk]
+            if len(decoding) > self.decode_batch_size:
+                chosen = set(self._subset_rng.choice(len(decoding), self.decode_batch_size, replace=False).tolist())
+                held_back = [r for i, r in enumerate(decoding) if i not in chosen]
+        if not held_back:
+            try:
+                return super()._schedule_step(*args, **kwargs)
+            finally:
+                self.max_num_scheduled_tokens = default_budget
+        held = {id(r) for r in held_back}
+        order = {id(r): i for i, r in enumerate(self.running)}
+        self.running = [r for r in self.running if id(r) not in held]
+        self.max_num_running_reqs -= len(held_back)
+        try:
+            return super()._schedule_step(*args, **kwargs)
+        finally:
+            self.max_num_running_reqs += len(held_back)
+            self.max_num_scheduled_tokens = default_budget
+            merged = self.running + held_back
+            self.running = sorted(merged, key=lambda r: order.get(id(r), len(order)))

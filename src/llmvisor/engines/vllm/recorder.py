@@ -1,0 +1,237 @@
+"""`RecordingScheduler`: vLLM's own scheduler, plus one step-trace row per request slice per step.
+
+Pass it as ``LLM(..., scheduler_cls=RecordingScheduler)`` or to the OpenAI server as
+``--scheduler-cls llmvisor.engines.vllm.recorder.RecordingScheduler``; settings come from environment
+variables (`llmvisor.engines.vllm.settings`). It changes no scheduling decision.
+
+A step's latency is the time from ``schedule()`` returning to ``update_from_output()`` being entered:
+model execution and sampling, as seen by the engine loop (``EngineCore.step``). The recorder's own work
+happens outside that window, and is timed separately so its overhead on the engine loop can be reported.
+With async scheduling (a batch queue) steps overlap; the recorder then measures each step from the later of
+its ``schedule()`` return and the previous ``update_from_output()`` exit, an approximation, and warns.
+
+Per slice it records ``num_new_tokens`` (``SchedulerOutput.num_scheduled_tokens``), ``num_context_tokens``
+(the request's computed tokens before the step as sent to the worker, prefix-cache hits included), the phase
+(prefill while the context is shorter than the prompt, or when a slice runs more than one token without
+speculative tokens, as a preempted request's recomputation does) and the tenant
+(``sampling_params.extra_args["tenant"]``, default ``"default"``). Request ids are vLLM's internal ids,
+``"<external id>-<8 random characters>"``: unique within a run, which external ids need not be.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from array import array
+from dataclasses import dataclass
+
+import vllm
+from vllm.logger import init_logger
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from llmvisor.engines.vllm.settings import RecorderSettings
+from llmvisor.trace import TraceWriter
+
+logger = init_logger(__name__)
+
+ENGINE = "vllm"
+DEFAULT_TENANT = "default"
+MAX_KEPT_STEPS = 1 << 20
+
+
+@dataclass
+class RecorderOverhead:
+    """The recorder's own time against the step time it measured, over the steps recorded so far."""
+
+    n_steps: int
+    recorder_time_s: float
+    step_latency_s: float
+    max_step_fraction: float
+
+    @property
+    def fraction(self) -> float:
+        return self.recorder_time_s / self.step_latency_s if self.step_latency_s > 0 else 0.0
+
+    @property
+    def recorder_time_per_step_us(self) -> float:
+        return 1e6 * self.recorder_time_s / self.n_steps if self.n_steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "n_steps": self.n_steps,
+            "recorder_time_s": self.recorder_time_s,
+            "step_latency_s": self.step_latency_s,
+            "fraction_of_step_time": self.fraction,
+            "recorder_time_per_step_us": self.recorder_time_per_step_us,
+            "max_step_fraction": self.max_step_fraction,
+        }
+
+
+def describe_hardware() -> str:
+    """The accelerator's name, or the CPU model and the threads torch uses."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    cpu = "CPU"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu} ({torch.get_num_threads()} threads)"
+
+
+class RecordingScheduler(Scheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.recorder_settings = RecorderSettings.from_env()
+        self.trace_path = self.recorder_settings.trace_path
+        self.run_id = self.recorder_settings.run_id
+        self._writer: TraceWriter | None = None
+        if self.trace_path:
+            directory = os.path.dirname(os.path.abspath(self.trace_path))
+            os.makedirs(directory, exist_ok=True)
+            self._writer = TraceWriter(self.trace_path, flush_every_steps=1 << 62)
+            logger.info("llmvisor: recording step trace of run %r to %s", self.run_id, self.trace_path)
+        model = self.vllm_config.model_config.model
+        self._constant_columns = {
+            "run_id": self.run_id,
+            "engine": ENGINE,
+            "engine_version": vllm.__version__,
+            "model": self.recorder_settings.model_name
+            or (os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model),
+            "hardware": self.recorder_settings.hardware or describe_hardware(),
+            "tensor_parallel_size": int(self.parallel_config.tensor_parallel_size),
+        }
+        self._wall_minus_perf_s = time.time() - time.perf_counter()
+        self._in_flight: dict[int, tuple[float, list[tuple], float]] = {}
+        self._unwritten: list[tuple[float, float, list[tuple]]] = []
+        self._last_flush_s = time.perf_counter()
+        self._last_update_exit_s = 0.0
+        self.num_recorded_steps = 0
+        self._recorder_time_s = 0.0
+        self._recorded_latency_s = 0.0
+        self._max_step_fraction = 0.0
+        self.step_overhead_s = array("d")
+        self.step_latency_s = array("d")
+        if self.scheduler_config.async_scheduling or self.vllm_config.max_concurrent_batches > 1:
+            logger.warning(
+                "llmvisor: steps overlap (async scheduling or a batch queue); step latencies are approximate. "
+                "Run with --no-async-scheduling for clean step timing."
+            )
+
+    def schedule(self, *args, **kwargs):
+        scheduler_output = self._schedule_step(*args, **kwargs)
+        if self._writer is None or scheduler_output.total_num_scheduled_tokens == 0:
+            return scheduler_output
+        started = time.perf_counter()
+        slices = self._slices(scheduler_output)
+        finished = time.perf_counter()
+        self._in_flight[id(scheduler_output)] = (finished, slices, finished - started)
+        return scheduler_output
+
+    def _schedule_step(self, *args, **kwargs):
+        """vLLM's scheduling decision; subclasses that steer it override this, so their work is not timed."""
+        return super().schedule(*args, **kwargs)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        entered = time.perf_counter()
+        in_flight = self._in_flight.pop(id(scheduler_output), None)
+        if in_flight is not None:
+            scheduled, slices, schedule_overhead_s = in_flight
+            start = max(scheduled, self._last_update_exit_s)
+            latency_s = entered - start
+            self._unwritten.append((start, latency_s, slices))
+            self.num_recorded_steps += 1
+            self._recorded_latency_s += latency_s
+            if (
+                len(self._unwritten) >= self.recorder_settings.flush_every_steps
+                or entered - self._last_flush_s >= self.recorder_settings.flush_interval_s
+            ):
+                self.flush_trace()
+            overhead_s = schedule_overhead_s + time.perf_counter() - entered
+            self._recorder_time_s += overhead_s
+            self._max_step_fraction = max(self._max_step_fraction, overhead_s / latency_s)
+            if len(self.step_overhead_s) < MAX_KEPT_STEPS:
+                self.step_overhead_s.append(overhead_s)
+                self.step_latency_s.append(latency_s)
+        result = super().update_from_output(scheduler_output, model_runner_output)
+        self._last_update_exit_s = time.perf_counter()
+        return result
+
+    def _slices(self, scheduler_output) -> list[tuple]:
+        """(request_id, tenant, num_new_tokens, num_context_tokens, is_prefill) for each scheduled request."""
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        contexts = [(new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs]
+        contexts.extend(zip(cached.req_ids, cached.num_computed_tokens))
+        slices = []
+        for request_id, num_context in contexts:
+            request = self.requests[request_id]
+            num_new = num_scheduled[request_id]
+            extra_args = request.sampling_params.extra_args if request.sampling_params is not None else None
+            tenant = extra_args.get("tenant", DEFAULT_TENANT) if extra_args else DEFAULT_TENANT
+            is_prefill = num_context < request.num_prompt_tokens or (num_new > 1 and request_id not in spec_tokens)
+            slices.append((request_id, tenant, num_new, num_context, is_prefill))
+        return slices
+
+    def flush_trace(self) -> None:
+        """Encode and append the steps recorded since the last flush."""
+        if self._writer is None:
+            return
+        first_step_id = self.num_recorded_steps - len(self._unwritten)
+        warmup_steps = self.recorder_settings.warmup_steps
+        constant = self._constant_columns
+        for offset, (start_s, latency_s, slices) in enumerate(self._unwritten):
+            step_id = first_step_id + offset
+            timestamp_s = start_s + self._wall_minus_perf_s
+            is_warmup = step_id < warmup_steps
+            self._writer.write_step(
+                [
+                    {
+                        "step_id": step_id,
+                        "step_latency_s": latency_s,
+                        "request_id": request_id,
+                        "tenant": str(tenant),
+                        "num_new_tokens": num_new,
+                        "num_context_tokens": num_context,
+                        "phase": "prefill" if is_prefill else "decode",
+                        "timestamp_s": timestamp_s,
+                        **constant,
+                        "is_warmup": is_warmup,
+                    }
+                    for request_id, tenant, num_new, num_context, is_prefill in slices
+                ]
+            )
+        self._writer.flush()
+        self._unwritten.clear()
+        self._last_flush_s = time.perf_counter()
+
+    def recorder_overhead(self) -> RecorderOverhead:
+        return RecorderOverhead(
+            n_steps=self.num_recorded_steps,
+            recorder_time_s=self._recorder_time_s,
+            step_latency_s=self._recorded_latency_s,
+            max_step_fraction=self._max_step_fraction,
+        )
+
+    def shutdown(self) -> None:
+        if self._writer is not None:
+            self.flush_trace()
+            self._writer.close()
+            overhead = self.recorder_overhead()
+            logger.info(
+                "llmvisor: recorded %d steps of run %r to %s; recorder overhead %.3f%% of step time (%.1f us/step)",
+                overhead.n_steps,
+                self.run_id,
+                self.trace_path,
+                100 * overhead.fraction,
+                overhead.recorder_time_per_step_us,
+            )
+            self._writer = None
+        super().shutdown()

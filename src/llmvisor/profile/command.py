@@ -1,0 +1,228 @@
+"""`llmvisor profile`: record a real vLLM engine's step trace under a sweep or a real request mix."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from llmvisor.errors import LlmvisorError
+
+PLANS = ("sweep", "workload")
+
+
+def default_model_dir() -> Path:
+    """The shipped engine model: a Llama-shaped config.json, run with dummy weights."""
+    return Path(str(resources.files("llmvisor") / "data" / "engine-model"))
+
+
+def profile(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Trace to write (.parquet, with metadata).")],
+    plan: Annotated[str, typer.Option(help="sweep: space-filling episodes over the engine envelope; workload: replay --workload CSVs.")] = "sweep",
+    model: Annotated[Path | None, typer.Option(help="Hugging Face model folder; a folder with only config.json runs with dummy weights. Default: the shipped engine model.")] = None,
+    workload: Annotated[list[Path] | None, typer.Option(help="Request-length CSV (num_prefill_tokens, num_decode_tokens[, arrived_at]); repeat for a multi-tenant mix, one tenant per file.")] = None,
+    points: Annotated[int, typer.Option(help="sweep: number of design points (episodes).")] = 48,
+    repeat: Annotated[int, typer.Option(help="Run the whole plan this many times with identical batches; 2 or more measures the noise floor.")] = 1,
+    max_decode_steps: Annotated[int, typer.Option(help="sweep: most decode steps of an episode.")] = 24,
+    num_requests: Annotated[int, typer.Option(help="workload: requests taken from each CSV, consecutive from --start-row.")] = 200,
+    start_row: Annotated[int, typer.Option(help="workload: first CSV row (0-based) taken.")] = 0,
+    lengths: Annotated[str, typer.Option(help="workload: fit lengths to max_model_len by 'clip' or 'scale'.")] = "clip",
+    tenants: Annotated[int, typer.Option(help="workload: tenants assigned round-robin within a single CSV.")] = 1,
+    arrival: Annotated[str, typer.Option(help="workload: 'closed' (fixed --concurrency) or 'trace' (arrived_at times --time-scale).")] = "closed",
+    concurrency: Annotated[int, typer.Option(help="workload, closed loop: requests in flight.")] = 16,
+    time_scale: Annotated[float, typer.Option(help="workload, trace arrivals: multiply arrived_at by this.")] = 1.0,
+    max_seconds: Annotated[float | None, typer.Option(help="workload: stop submitting and abort after this many seconds per repeat.")] = None,
+    max_model_len: Annotated[int, typer.Option(help="Engine: longest prompt + output.")] = 4096,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Engine: most tokens in one step.")] = 2048,
+    max_num_seqs: Annotated[int, typer.Option(help="Engine: most requests in one step.")] = 32,
+    kv_cache_gib: Annotated[int, typer.Option(help="Engine (CPU build): KV cache size, VLLM_CPU_KVCACHE_SPACE.")] = 4,
+    threads: Annotated[int | None, typer.Option(help="Engine (CPU build): OpenMP/torch threads. Default: as the environment says.")] = None,
+    enforce_eager: Annotated[bool, typer.Option(help="Engine: skip torch.compile (faster start, slower steps).")] = False,
+    warmup_steps: Annotated[int, typer.Option(help="Steps after engine start marked is_warmup.")] = 3,
+    run_id: Annotated[str | None, typer.Option(help="Run id written on every row. Default: from the plan and the time.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the design, the prompts and the decode subsets.")] = 0,
+    keep_jsonl: Annotated[bool, typer.Option(help="Keep the JSONL the recorder wrote, beside the output.")] = False,
+) -> None:
+    """Profile a vLLM engine in this process and write its step trace."""
+    from rich.console import Console
+
+    from llmvisor.profile.plans import Envelope, build_workload, sweep_episodes, workload_name
+
+    console = Console(stderr=True)
+    if plan not in PLANS:
+        raise LlmvisorError(f"--plan: unknown plan {plan!r}; expected one of {', '.join(PLANS)}")
+    if Path(output).suffix.lower() != ".parquet":
+        raise LlmvisorError(f"{output}: output must be a .parquet file (it carries the trace metadata)")
+    if repeat < 1:
+        raise LlmvisorError(f"--repeat: must be at least 1 (got {repeat})")
+    if plan == "workload" and not workload:
+        raise LlmvisorError("--workload: the workload plan needs at least one workload CSV")
+    if plan == "sweep" and workload:
+        raise LlmvisorError("--workload: only the workload plan replays workload CSVs (use --plan workload)")
+    if concurrency < 1:
+        raise LlmvisorError(f"--concurrency: must be at least 1 (got {concurrency})")
+    model_dir = str(model if model is not None else default_model_dir())
+
+    from llmvisor.engines.vllm.driver import EngineSettings, check_model_dir
+
+    check_model_dir(model_dir)
+    settings = EngineSettings(
+        model=model_dir,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        kv_cache_space_gib=kv_cache_gib,
+        enforce_eager=enforce_eager,
+        seed=seed,
+        threads=threads,
+    )
+    envelope = Envelope(max_model_len, max_num_batched_tokens, max_num_seqs)
+    workload_plan = None
+    if plan == "workload":
+        workload_plan = build_workload(
+            [str(path) for path in workload],
+            envelope,
+            num_requests=num_requests,
+            start_row=start_row,
+            length_rule=lengths,
+            tenants=tenants,
+            arrival=arrival,
+            time_scale=time_scale,
+        )
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    if run_id is None:
+        label = "sweep" if plan == "sweep" else "+".join(workload_name(str(p)) for p in workload)
+        run_id = f"{label}-{stamp}"
+
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    jsonl_path = output.with_suffix(".recording.jsonl")
+    if jsonl_path.exists():
+        jsonl_path.unlink()
+
+    result = _record(
+        console,
+        settings,
+        plan=plan,
+        jsonl_path=str(jsonl_path),
+        run_id=run_id,
+        warmup_steps=warmup_steps,
+        repeat=repeat,
+        points=points,
+        max_decode_steps=max_decode_steps,
+        workload_plan=workload_plan,
+        arrival=arrival,
+        concurrency=concurrency,
+        max_seconds=max_seconds,
+    )
+
+    from llmvisor.profile.stats import coverage, noise_floor, print_coverage, print_noise_floor
+    from llmvisor.trace import read_trace, write_trace
+
+    trace = read_trace(jsonl_path)
+    engine_info = result["engine"]
+    floor = noise_floor(trace) if repeat > 1 else None
+    summary = coverage(trace, engine_info)
+    plan_info: dict = {"plan": plan, "repeat": repeat, "seed": seed}
+    if plan == "sweep":
+        plan_info.update(
+            {
+                "points": points,
+                "max_decode_steps": max_decode_steps,
+                "design": "Latin hypercube (scipy.stats.qmc, random-cd) over pool size, longest prompt, "
+                "step token budget, decode steps, second wave; see llmvisor.profile.plans",
+                "episodes": result["episodes"],
+            }
+        )
+    else:
+        plan_info.update(workload_plan.metadata)
+        plan_info.update({"concurrency": concurrency if arrival == "closed" else None, "max_seconds": max_seconds})
+        plan_info["replay"] = result["replay"]
+    trace.metadata = {
+        "run_id": run_id,
+        "recorded_at": stamp,
+        "command": " ".join(shlex.quote(arg) for arg in sys.argv),
+        "engine": engine_info,
+        **plan_info,
+        "warmup_steps": warmup_steps,
+        "noise_floor": floor,
+        "recorder_overhead": result["overhead"],
+        "coverage": summary,
+        "wall_time_s": result["wall_time_s"],
+    }
+    write_trace(trace, output)
+    if not keep_jsonl:
+        jsonl_path.unlink()
+
+    print_coverage(console, summary)
+    print_noise_floor(console, floor)
+    overhead = result["overhead"]
+    console.print(
+        f"recorder overhead: {100 * overhead['fraction_of_step_time']:.3f}% of step time over {overhead['n_steps']} steps "
+        f"({overhead['recorder_time_per_step_us']:.0f} us/step; per step p50 {100 * overhead.get('step_fraction_p50', 0):.2f}%, "
+        f"p99 {100 * overhead.get('step_fraction_p99', 0):.2f}%)"
+    )
+    if plan == "workload":
+        replay = result["replay"]
+        console.print(
+            f"workload: {sum(r['finished'] for r in replay)} requests finished, "
+            f"{sum(r['aborted'] for r in replay)} aborted at the deadline; {plan_info['length_rule']}; "
+            f"tenants: {plan_info['tenant_rule']}; arrivals: {plan_info['arrival']}"
+        )
+    console.print(f"wrote {trace.n_steps} steps ({trace.n_slices} rows) of run {run_id!r} to {output}")
+
+
+def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat, points, max_decode_steps,
+            workload_plan, arrival, concurrency, max_seconds) -> dict:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from llmvisor.engines.vllm.driver import ProfiledEngine
+    from llmvisor.profile.plans import episode_dict, sweep_episodes
+
+    started = time.perf_counter()
+    with console.status(f"starting vLLM on {settings.model} ..."):
+        engine = ProfiledEngine(settings, trace_path=jsonl_path, run_id=run_id, warmup_steps=warmup_steps)
+    console.print(f"vLLM started in {time.perf_counter() - started:.0f} s; KV cache holds {engine.kv_cache_tokens} tokens")
+    columns = (
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    result: dict = {}
+    try:
+        with Progress(*columns, console=console) as progress:
+            if plan == "sweep":
+                episodes = sweep_episodes(engine.envelope, points, seed=settings.seed, max_decode_steps=max_decode_steps)
+                result["episodes"] = [episode_dict(e) for e in episodes]
+                task = progress.add_task("sweep episodes", total=len(episodes) * repeat)
+                for repeat_index in range(repeat):
+                    for episode in episodes:
+                        engine.run_episode(episode, repeat_index)
+                        progress.advance(task)
+            else:
+                task = progress.add_task("workload requests", total=len(workload_plan.requests) * repeat)
+                result["replay"] = []
+                for repeat_index in range(repeat):
+                    counts = engine.run_workload(
+                        workload_plan,
+                        arrival=arrival,
+                        concurrency=concurrency,
+                        repeat_index=repeat_index,
+                        deadline_s=max_seconds,
+                        on_finished=lambda n: progress.advance(task, n),
+                    )
+                    result["replay"].append(counts)
+        result["overhead"] = engine.finish_recording()
+        result["engine"] = engine.describe()
+    finally:
+        engine.close()
+    result["wall_time_s"] = time.perf_counter() - started
+    return result

@@ -1,0 +1,322 @@
+"""What a profiling run asks the engine to do: sweep episodes over the envelope, or a real request mix.
+
+Sweep design. A fitted step-cost model must interpolate, so the sweep spreads its steps over the engine's
+envelope: batch size up to ``max_num_seqs``, prompt and context lengths up to ``max_model_len``, per-step
+token budget up to ``max_num_batched_tokens``, and pure prefill, pure decode and mixed steps. It does so with
+episodes, each one point of a Latin hypercube (``scipy.stats.qmc``, optimized for centered discrepancy) in
+five dimensions:
+
+1. pool size n (1..max_num_seqs): requests submitted together;
+2. longest prompt L (1..max_model_len - 1): the pool's prompts are L and n - 1 draws uniform on 1..L;
+3. step token budget (log-uniform, 32..max_num_batched_tokens): caps the tokens of every step of the
+   episode, so prefill chunks and mixed steps of every size occur;
+4. decode steps K (2..max_decode_steps): after the pool's prefill, K steps in which the driver's scheduler
+   runs a random subset of the pool's decoding requests (1..all), so decode batches of every size occur at
+   contexts spread over 1..L;
+5. second wave (0..n/2 requests, same prompt distribution): added halfway through the decode steps, so
+   their prefill chunks share steps with the chosen decodes (mixed steps).
+
+The pool prefills under the budget first (pure prefill steps, then mixed ones as early requests start to
+decode); requests still running when the episode ends are aborted. Episodes are deterministic given their
+seed, so ``--repeat`` re-runs steps of identical composition. Pools are shrunk to fit the KV cache so no
+request is preempted (a preemption would recompute, blurring context lengths).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from llmvisor.errors import LlmvisorError
+
+SWEEP_DIMENSIONS = ("pool_size", "longest_prompt", "token_budget", "decode_steps", "second_wave")
+MIN_TOKEN_BUDGET = 32
+MIN_DECODE_STEPS = 2
+LENGTH_RULES = ("clip", "scale")
+ARRIVALS = ("closed", "trace")
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """The engine limits a plan must stay within."""
+
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    kv_cache_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Episode:
+    index: int
+    seed: int
+    prompt_lens: tuple[int, ...]
+    token_budget: int
+    num_decode_steps: int
+    wave_prompt_lens: tuple[int, ...]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(self.prompt_lens) + sum(self.wave_prompt_lens)
+
+
+def sweep_episodes(
+    envelope: Envelope, num_points: int, *, seed: int = 0, max_decode_steps: int = 24
+) -> list[Episode]:
+    """`num_points` space-filling episodes over the envelope (see the module docstring)."""
+    from scipy.stats import qmc
+
+    if num_points < 1:
+        raise LlmvisorError(f"--points: need at least 1 sweep point (got {num_points})")
+    design = qmc.LatinHypercube(d=len(SWEEP_DIMENSIONS), optimization="random-cd", seed=seed).random(num_points)
+    max_prompt = envelope.max_model_len - 1
+    max_decode_steps = max(MIN_DECODE_STEPS, max_decode_steps)
+    low_budget = min(MIN_TOKEN_BUDGET, envelope.max_num_batched_tokens)
+    episodes = []
+    for index, point in enumerate(design):
+        rng = np.random.default_rng([seed, index])
+        pool_size = 1 + min(int(point[0] * envelope.max_num_seqs), envelope.max_num_seqs - 1)
+        longest = 1 + min(int(point[1] * max_prompt), max_prompt - 1)
+        budget = int(round(math.exp(math.log(low_budget) + point[2] * math.log(envelope.max_num_batched_tokens / low_budget))))
+        decode_steps = MIN_DECODE_STEPS + min(int(point[3] * (max_decode_steps - MIN_DECODE_STEPS + 1)), max_decode_steps - MIN_DECODE_STEPS)
+        wave_size = min(int(point[4] * (pool_size // 2 + 1)), pool_size // 2)
+        pool = [longest] + rng.integers(1, longest + 1, pool_size - 1).tolist()
+        wave = rng.integers(1, longest + 1, wave_size).tolist()
+        pool, wave = _fit_kv_cache(pool, wave, envelope, decode_steps)
+        episodes.append(
+            Episode(
+                index=index,
+                seed=int(rng.integers(0, 2**31 - 1)),
+                prompt_lens=tuple(int(x) for x in pool),
+                token_budget=max(1, min(budget, envelope.max_num_batched_tokens)),
+                num_decode_steps=decode_steps,
+                wave_prompt_lens=tuple(int(x) for x in wave),
+            )
+        )
+    return episodes
+
+
+def _fit_kv_cache(pool: list[int], wave: list[int], envelope: Envelope, decode_steps: int) -> tuple[list, list]:
+    """Drop the last requests until every request's whole context fits in the KV cache at once."""
+    if envelope.kv_cache_tokens is None:
+        return pool, wave
+    margin = decode_steps + 2 * envelope.max_num_batched_tokens // max(1, envelope.max_num_seqs) + 256
+
+    def need(lengths):
+        return sum(length + margin for length in lengths)
+
+    while wave and need(pool + wave) > envelope.kv_cache_tokens:
+        wave = wave[:-1]
+    while len(pool) > 1 and need(pool) > envelope.kv_cache_tokens:
+        pool = pool[:-1]
+    return pool, wave
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Workload replay
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    request_id: str
+    tenant: str
+    prompt_len: int
+    output_len: int
+    arrival_s: float | None
+    source: str
+
+
+@dataclass
+class WorkloadPlan:
+    requests: list[WorkloadRequest]
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkloadRow:
+    prompt_len: int
+    output_len: int
+    arrival_s: float | None
+
+
+def read_workload_csv(path: str) -> list[WorkloadRow]:
+    """Read a request-length CSV (num_prefill_tokens, num_decode_tokens, optional arrived_at)."""
+    if not os.path.isfile(path):
+        raise LlmvisorError(f"{path}: no such workload file")
+    try:
+        with open(path, encoding="utf-8", newline="") as handle:
+            reader = csv.DictReader(handle)
+            columns = reader.fieldnames or []
+            missing = [name for name in ("num_prefill_tokens", "num_decode_tokens") if name not in columns]
+            if missing:
+                raise LlmvisorError(f"{path}: header: missing column(s) {', '.join(missing)}")
+            has_arrival = "arrived_at" in columns
+            rows = []
+            for line, record in enumerate(reader, start=2):
+                prompt = _token_count(path, line, "num_prefill_tokens", record.get("num_prefill_tokens"))
+                output = _token_count(path, line, "num_decode_tokens", record.get("num_decode_tokens"))
+                arrival = _arrival(path, line, record.get("arrived_at")) if has_arrival else None
+                rows.append(WorkloadRow(prompt, output, arrival))
+    except UnicodeDecodeError:
+        raise LlmvisorError(f"{path}: not a text CSV file") from None
+    if not rows:
+        raise LlmvisorError(f"{path}: no requests in workload file")
+    return rows
+
+
+def _token_count(path: str, line: int, column: str, text: str | None) -> int:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise LlmvisorError(f"{path}: line {line}: {column}: expected a token count, got {text!r}") from None
+    if not math.isfinite(value) or value < 1 or value != int(value):
+        raise LlmvisorError(f"{path}: line {line}: {column}: expected a whole number >= 1, got {text!r}")
+    return int(value)
+
+
+def _arrival(path: str, line: int, text: str | None) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise LlmvisorError(f"{path}: line {line}: arrived_at: expected seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise LlmvisorError(f"{path}: line {line}: arrived_at: expected finite seconds >= 0, got {text!r}")
+    return value
+
+
+def workload_name(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def build_workload(
+    paths: list[str],
+    envelope: Envelope,
+    *,
+    num_requests: int,
+    start_row: int = 0,
+    length_rule: str = "clip",
+    tenants: int = 1,
+    arrival: str = "closed",
+    time_scale: float = 1.0,
+) -> WorkloadPlan:
+    """Turn one or more workload CSVs into the requests to replay, with the rules stated in metadata.
+
+    Rows: ``num_requests`` per file, consecutive from ``start_row``. Several files are interleaved
+    round-robin (closed loop) or merged by arrival time (trace arrivals), one tenant per file, named after
+    the file. A single file gets ``tenants`` tenants, ``<name>-t<k>`` assigned round-robin (or the file's
+    name when ``tenants`` is 1).
+    """
+    if not paths:
+        raise LlmvisorError("--workload: give at least one workload CSV")
+    if length_rule not in LENGTH_RULES:
+        raise LlmvisorError(f"--lengths: unknown rule {length_rule!r}; expected one of {', '.join(LENGTH_RULES)}")
+    if arrival not in ARRIVALS:
+        raise LlmvisorError(f"--arrival: unknown arrival process {arrival!r}; expected one of {', '.join(ARRIVALS)}")
+    if num_requests < 1:
+        raise LlmvisorError(f"--num-requests: need at least 1 request (got {num_requests})")
+    if tenants < 1:
+        raise LlmvisorError(f"--tenants: need at least 1 tenant (got {tenants})")
+    if not time_scale > 0:
+        raise LlmvisorError(f"--time-scale: must be > 0 (got {time_scale})")
+    names = [workload_name(path) for path in paths]
+    if len(set(names)) != len(names):
+        raise LlmvisorError("--workload: workload files must have distinct names (tenants are named after them)")
+
+    per_file: list[list[WorkloadRequest]] = []
+    scale_factors = {}
+    clipped = 0
+    for path, name in zip(paths, names):
+        rows = read_workload_csv(path)[start_row : start_row + num_requests]
+        if not rows:
+            raise LlmvisorError(f"{path}: no rows from row {start_row} on")
+        if arrival == "trace" and rows[0].arrival_s is None:
+            raise LlmvisorError(f"{path}: header: --arrival trace needs an arrived_at column")
+        factor = _scale_factor(rows, envelope.max_model_len) if length_rule == "scale" else 1.0
+        scale_factors[name] = factor
+        first_arrival = rows[0].arrival_s or 0.0
+        requests = []
+        for k, row in enumerate(rows):
+            prompt, output = fit_lengths(row.prompt_len, row.output_len, envelope.max_model_len, factor)
+            clipped += (prompt, output) != (round_length(row.prompt_len * factor), round_length(row.output_len * factor))
+            if len(paths) > 1:
+                tenant = name
+            elif tenants == 1:
+                tenant = name
+            else:
+                tenant = f"{name}-t{k % tenants}"
+            arrival_s = None
+            if arrival == "trace":
+                arrival_s = (row.arrival_s - first_arrival) * time_scale
+            requests.append(WorkloadRequest(f"{name}-{start_row + k:06d}", tenant, prompt, output, arrival_s, name))
+        per_file.append(requests)
+
+    if arrival == "trace":
+        merged = sorted((r for requests in per_file for r in requests), key=lambda r: (r.arrival_s, r.request_id))
+    else:
+        merged = [r for group in _round_robin(per_file) for r in group]
+
+    if length_rule == "clip":
+        length_text = (
+            f"clip: prompt = min(P, {envelope.max_model_len - 1}); output = min(O, max_model_len - prompt) "
+            f"with max_model_len = {envelope.max_model_len}"
+        )
+    else:
+        length_text = (
+            "scale: both lengths times s = min(1, max_model_len / p99(P + O)) per workload file, rounded "
+            f"(at least 1), then clipped as for 'clip' (max_model_len = {envelope.max_model_len})"
+        )
+    if len(paths) > 1:
+        tenant_text = "one tenant per workload file, named after the file"
+    elif tenants == 1:
+        tenant_text = f"one tenant, named after the workload file ({names[0]})"
+    else:
+        tenant_text = f"{tenants} tenants <name>-t<k>, assigned round-robin in row order"
+    if arrival == "closed":
+        arrival_text = "closed loop: a fixed number of requests in flight, a new one submitted as one finishes"
+        if len(paths) > 1:
+            arrival_text += "; files interleaved round-robin"
+    else:
+        arrival_text = f"trace arrivals: arrived_at (from the first selected row) times {time_scale}"
+    metadata = {
+        "workloads": [
+            {"path": path, "name": name, "rows": f"{start_row}..{start_row + len(reqs) - 1}", "n_requests": len(reqs)}
+            for path, name, reqs in zip(paths, names, per_file)
+        ],
+        "length_rule": length_text,
+        "length_scale_factors": scale_factors,
+        "n_requests_clipped": int(clipped),
+        "tenant_rule": tenant_text,
+        "arrival": arrival_text,
+    }
+    return WorkloadPlan(merged, metadata)
+
+
+def _round_robin(groups: list[list]) -> list[list]:
+    out = []
+    for k in range(max(len(g) for g in groups)):
+        out.append([g[k] for g in groups if k < len(g)])
+    return out
+
+
+def round_length(value: float) -> int:
+    return max(1, int(round(value)))
+
+
+def _scale_factor(rows: list[WorkloadRow], max_model_len: int) -> float:
+    totals = np.array([row.prompt_len + row.output_len for row in rows], dtype=float)
+    return float(min(1.0, max_model_len / np.percentile(totals, 99)))
+
+
+def fit_lengths(prompt_len: int, output_len: int, max_model_len: int, factor: float = 1.0) -> tuple[int, int]:
+    """Scale by `factor`, then clip so the prompt is shorter than max_model_len and prompt + output fits."""
+    prompt = min(round_length(prompt_len * factor), max_model_len - 1)
+    output = min(round_length(output_len * factor), max_model_len - prompt)
+    return prompt, output
+
+
+def episode_dict(episode: Episode) -> dict:
+    return asdict(episode)

@@ -1,0 +1,169 @@
+"""Summaries of a recorded trace: how it covers the engine envelope, and its noise floor."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from llmvisor.trace import StepTrace
+
+QUANTILES = (0.0, 0.1, 0.5, 0.9, 1.0)
+QUANTILE_NAMES = ("min", "p10", "p50", "p90", "max")
+
+
+def warmup_mask_per_step(trace: StepTrace) -> np.ndarray:
+    """True for steps the recorder marked as warm-up (column ``is_warmup``), per step."""
+    if "is_warmup" not in trace.extra:
+        return np.zeros(trace.n_steps, dtype=bool)
+    values = trace.extra["is_warmup"]
+    flags = np.array([bool(v) and v not in ("false", "False", "0") for v in values.tolist()], dtype=bool)
+    if trace.n_steps == 0:
+        return np.zeros(0, dtype=bool)
+    return np.logical_or.reduceat(flags, trace.step_starts)
+
+
+def composition_keys(trace: StepTrace) -> list[tuple]:
+    """Per step, the multiset of (num_new_tokens, num_context_tokens, is_prefill) of its slices."""
+    keys = []
+    for k in range(trace.n_steps):
+        lo, hi = trace.step_offsets[k], trace.step_offsets[k + 1]
+        keys.append(
+            tuple(
+                sorted(
+                    zip(
+                        trace.num_new_tokens[lo:hi].tolist(),
+                        trace.num_context_tokens[lo:hi].tolist(),
+                        trace.is_prefill[lo:hi].tolist(),
+                    )
+                )
+            )
+        )
+    return keys
+
+
+def noise_floor(trace: StepTrace) -> dict | None:
+    """p50/p90/p99 of |t - median| / median over steps of identical composition (warm-up steps left out).
+
+    Only compositions seen at least twice count; None when there are none (no ``--repeat``).
+    """
+    latency = trace.step_latency_s_per_step
+    usable = ~warmup_mask_per_step(trace)
+    groups: dict[tuple, list[float]] = defaultdict(list)
+    for key, t, ok in zip(composition_keys(trace), latency.tolist(), usable.tolist()):
+        if ok:
+            groups[key].append(t)
+    deviations = []
+    n_groups = 0
+    for times in groups.values():
+        if len(times) < 2:
+            continue
+        n_groups += 1
+        times = np.asarray(times)
+        median = np.median(times)
+        deviations.extend((np.abs(times - median) / median).tolist())
+    if not n_groups:
+        return None
+    deviations = np.asarray(deviations)
+    return {
+        "p50": float(np.percentile(deviations, 50)),
+        "p90": float(np.percentile(deviations, 90)),
+        "p99": float(np.percentile(deviations, 99)),
+        "n_groups": n_groups,
+        "n_steps": int(deviations.size),
+        "definition": "|t - median| / median over steps of identical composition, warm-up steps excluded",
+    }
+
+
+def _quantiles(values: np.ndarray) -> dict:
+    if values.size == 0:
+        return {name: None for name in QUANTILE_NAMES} | {"n": 0}
+    q = np.quantile(values, QUANTILES)
+    return {name: float(v) for name, v in zip(QUANTILE_NAMES, q)} | {"n": int(values.size)}
+
+
+def coverage(trace: StepTrace, envelope: dict | None = None) -> dict:
+    """Ranges and quantiles of batch size, Σp and c, p per phase; step kinds; reach of the envelope."""
+    usable = ~warmup_mask_per_step(trace)
+    steps = trace.select_steps(usable)
+    if steps.n_steps == 0:
+        return {"n_steps": 0}
+    starts = steps.step_starts
+    batch = steps.batch_size_per_step
+    total_new = np.add.reduceat(steps.num_new_tokens, starts)
+    n_prefill_slices = np.add.reduceat(steps.is_prefill.astype(np.int64), starts)
+    pure_prefill = n_prefill_slices == batch
+    pure_decode = n_prefill_slices == 0
+    mixed = ~pure_prefill & ~pure_decode
+    prefill, decode = steps.is_prefill, ~steps.is_prefill
+    summary = {
+        "n_steps": int(steps.n_steps),
+        "n_slices": int(steps.n_slices),
+        "step_kinds": {
+            "pure_prefill": int(pure_prefill.sum()),
+            "pure_decode": int(pure_decode.sum()),
+            "mixed": int(mixed.sum()),
+        },
+        "batch_size": _quantiles(batch.astype(float)),
+        "decode_batch_size_pure_decode_steps": _quantiles(batch[pure_decode].astype(float)),
+        "step_new_tokens": _quantiles(total_new.astype(float)),
+        "prefill_new_tokens": _quantiles(steps.num_new_tokens[prefill].astype(float)),
+        "prefill_context_tokens": _quantiles(steps.num_context_tokens[prefill].astype(float)),
+        "decode_context_tokens": _quantiles(steps.num_context_tokens[decode].astype(float)),
+        "step_latency_s": _quantiles(steps.step_latency_s_per_step),
+    }
+    if envelope:
+        context = steps.num_context_tokens + steps.num_new_tokens
+        summary["envelope_reached"] = {
+            "batch_size / max_num_seqs": float(batch.max() / envelope["max_num_seqs"]),
+            "step tokens / max_num_batched_tokens": float(total_new.max() / envelope["max_num_batched_tokens"]),
+            "context + new / max_model_len": float(context.max() / envelope["max_model_len"]),
+        }
+    return summary
+
+
+COVERAGE_ROWS = (
+    ("batch size (all steps)", "batch_size"),
+    ("batch size (pure decode steps)", "decode_batch_size_pure_decode_steps"),
+    ("Σp per step", "step_new_tokens"),
+    ("p, prefill slices", "prefill_new_tokens"),
+    ("c, prefill slices", "prefill_context_tokens"),
+    ("c, decode slices", "decode_context_tokens"),
+    ("step latency (ms)", "step_latency_s"),
+)
+
+
+def print_coverage(console, summary: dict) -> None:
+    """A rich table of `coverage`'s result."""
+    from rich.table import Table
+
+    if not summary.get("n_steps"):
+        console.print("coverage: no steps recorded")
+        return
+    kinds = summary["step_kinds"]
+    table = Table(title=f"Envelope coverage ({summary['n_steps']} steps, warm-up excluded)")
+    table.add_column("quantity")
+    for name in (*QUANTILE_NAMES, "n"):
+        table.add_column(name, justify="right")
+    for label, key in COVERAGE_ROWS:
+        q = summary[key]
+        scale = 1000.0 if key == "step_latency_s" else 1.0
+        cells = ["-" if q[name] is None else f"{q[name] * scale:,.1f}" if scale != 1 else f"{q[name]:,.0f}" for name in QUANTILE_NAMES]
+        table.add_row(label, *cells, str(q["n"]))
+    console.print(table)
+    console.print(
+        f"step kinds: {kinds['pure_prefill']} pure prefill, {kinds['pure_decode']} pure decode, {kinds['mixed']} mixed"
+    )
+    if "envelope_reached" in summary:
+        reached = ", ".join(f"{k} = {v:.2f}" for k, v in summary["envelope_reached"].items())
+        console.print(f"envelope reached (max over steps): {reached}")
+
+
+def print_noise_floor(console, floor: dict | None) -> None:
+    if floor is None:
+        console.print("noise floor: no repeated step compositions (use --repeat 2 or more)")
+        return
+    console.print(
+        f"noise floor (|t - median| / median, {floor['n_groups']} groups of identical steps, {floor['n_steps']} steps): "
+        f"p50 {100 * floor['p50']:.1f}%, p90 {100 * floor['p90']:.1f}%, p99 {100 * floor['p99']:.1f}%"
+    )
