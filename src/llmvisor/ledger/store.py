@@ -211,7 +211,7 @@ class Ledger:
                 elif version != str(SCHEMA_VERSION):
                     raise LedgerError(f"{self.safe_url}: ledger schema version {version}, this llmvisor reads {SCHEMA_VERSION}")
         except OperationalError as error:
-            raise LedgerError(f"cannot open database {self.safe_url}: {error.orig}") from None
+            raise LedgerError(f"cannot open database {self.safe_url}: {' '.join(str(error.orig).split())}") from None
         except IntegrityError:
             # Another process created the schema at the same moment; it is there now.
             pass
@@ -283,53 +283,73 @@ class Ledger:
                     stored[(run_id, step_id)] = bytes(digest)
         return stored
 
-    @staticmethod
-    def _insert(conn: Connection, records: StepRecords, inserted: list[bool]) -> None:
+    def _bulk_insert(self, conn: Connection, table, rows: list[tuple]) -> None:
+        """Rows (tuples in the table's column order) straight to the driver: COPY on PostgreSQL, executemany
+        on SQLite. SQLAlchemy's per-row parameter processing, and psycopg's executemany, each cost more than
+        the database's own work at thousands of rows per batch."""
+        columns = ", ".join(column.name for column in table.columns)
+        if self.backend == "postgresql":
+            with conn.connection.driver_connection.cursor() as cursor:
+                with cursor.copy(f"COPY {table.name} ({columns}) FROM STDIN") as copy:
+                    for row in rows:
+                        copy.write_row(row)
+        else:
+            placeholders = ", ".join(["?"] * len(table.columns))
+            conn.exec_driver_sql(f"INSERT INTO {table.name} ({columns}) VALUES ({placeholders})", rows)
+
+    def _insert(self, conn: Connection, records: StepRecords, inserted: list[bool]) -> None:
         new_steps = [k for k, new in enumerate(inserted) if new]
         if not new_steps:
             return
         ingested_at_us = now_us()
-        conn.execute(
-            insert(steps),
-            [
-                {
-                    "run_id": records.run_id[k],
-                    "step_id": records.step_id[k],
-                    "measured_ns": records.measured_ns[k],
-                    "predicted_s": records.predicted_s[k],
-                    "batch_size": int(records.step_offsets[k + 1] - records.step_offsets[k]),
-                    "timestamp_us": records.timestamp_us[k],
-                    "ingested_at_us": ingested_at_us,
-                    "content_sha256": records.content_sha256[k],
-                }
-                for k in new_steps
-            ],
-        )
         offsets = records.step_offsets
+        batch_size = np.diff(offsets).tolist()
+        step_rows = [
+            (
+                records.run_id[k],
+                records.step_id[k],
+                records.measured_ns[k],
+                records.predicted_s[k],
+                batch_size[k],
+                records.timestamp_us[k],
+                ingested_at_us,
+                records.content_sha256[k],
+            )
+            for k in new_steps
+        ]
+        assert [c.name for c in steps.columns] == [
+            "run_id", "step_id", "measured_ns", "predicted_s", "batch_size", "timestamp_us", "ingested_at_us", "content_sha256"
+        ]
+        self._bulk_insert(conn, steps, step_rows)
+
+        sizes = np.diff(offsets)
         if len(new_steps) == records.n_steps:
-            slice_index: Sequence[int] = range(int(offsets[-1]))
-            step_of_slice = np.repeat(np.arange(records.n_steps), np.diff(offsets)).tolist()
+            chosen = slice(None)
+            step_of_slice = np.repeat(np.arange(records.n_steps), sizes)
         else:
-            chosen = np.asarray(new_steps)
-            slice_index = np.concatenate([np.arange(offsets[k], offsets[k + 1]) for k in chosen]).tolist()
-            step_of_slice = np.repeat(chosen, offsets[chosen + 1] - offsets[chosen]).tolist()
-        conn.execute(
-            insert(slices),
-            [
-                {
-                    "run_id": records.run_id[k],
-                    "step_id": records.step_id[k],
-                    "request_id": records.request_id[i],
-                    "tenant": records.tenant[i],
-                    "num_new_tokens": records.num_new_tokens[i],
-                    "num_context_tokens": records.num_context_tokens[i],
-                    "phase": records.phase[i],
-                    "attributed_ns": records.attributed_ns[i],
-                    "timestamp_us": records.timestamp_us[k],
-                }
-                for i, k in zip(slice_index, step_of_slice)
-            ],
+            step_of_slice = np.repeat(np.arange(records.n_steps), sizes)
+            chosen = np.asarray(inserted, dtype=bool)[step_of_slice]
+            step_of_slice = step_of_slice[chosen]
+
+        def per_slice(values: list) -> list:
+            return values if isinstance(chosen, slice) else np.asarray(values, dtype=object)[chosen].tolist()
+
+        slice_rows = zip(
+            np.asarray(records.run_id, dtype=object)[step_of_slice].tolist(),
+            np.asarray(records.step_id, dtype=np.int64)[step_of_slice].tolist(),
+            per_slice(records.request_id),
+            per_slice(records.tenant),
+            per_slice(records.num_new_tokens),
+            per_slice(records.num_context_tokens),
+            per_slice(records.phase),
+            per_slice(records.attributed_ns),
+            np.asarray(records.timestamp_us, dtype=np.int64)[step_of_slice].tolist(),
         )
+        assert [c.name for c in slices.columns] == [
+            "run_id", "step_id", "request_id", "tenant", "num_new_tokens", "num_context_tokens", "phase",
+            "attributed_ns", "timestamp_us",
+        ]
+        self._bulk_insert(conn, slices, list(slice_rows))
 
     # -----------------------------------------------------------------------------------------------------
     # Queries; time ranges are [start_us, end_us) on the step's timestamp, None meaning unbounded.

@@ -194,9 +194,12 @@ def apportion_ns(share_s: np.ndarray, step_offsets: np.ndarray, measured_ns: np.
     sizes = np.diff(step_offsets)
     starts = step_offsets[:-1]
     ends = step_offsets[1:] - 1
-    cumulative = np.cumsum(share_s, dtype=np.float64)
-    before = np.concatenate(([0.0], cumulative))[starts]
-    local = cumulative - np.repeat(before, sizes)
+    share_s = np.asarray(share_s, dtype=np.float64)
+    # Running sums per step, not one over the batch minus an offset: a tiny share after a large step would
+    # vanish in the subtraction.
+    local = np.empty_like(share_s)
+    for start, stop in zip(starts.tolist(), step_offsets[1:].tolist()):
+        np.cumsum(share_s[start:stop], out=local[start:stop])
     total = local[ends]
     position = np.arange(step_offsets[-1]) - np.repeat(starts, sizes) + 1
     with np.errstate(divide="ignore", invalid="ignore"):

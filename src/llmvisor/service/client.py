@@ -1,0 +1,374 @@
+"""Engine-side client: push each step's trace rows to the accounting service without blocking the engine.
+
+`StepPusher.push_step` only appends to a bounded in-memory queue. A background thread sends the queue in
+batches (one POST /v1/steps per batch), retrying with exponential backoff. When the service stays
+unreachable, or the queue is full, steps go to a local JSONL spool file (trace format) instead, which is
+replayed when the service answers again, and on the next start. Replays are safe because the service is
+idempotent on (run_id, step_id): a step sent twice is acknowledged and counted once.
+
+Steps the service rejects for their content (a 422, or a 409: same step id, different content) cannot be
+fixed by retrying; they are moved to ``<spool>.rejected.jsonl`` and logged, never silently dropped.
+
+Example::
+
+    pusher = StepPusher("http://127.0.0.1:8000", api_key, "llmvisor-spool.jsonl")
+    for step in engine_loop():
+        pusher.push_step(rows_of(step))      # a list of trace-format row dicts
+    pusher.close(timeout_s=30)               # send (or spool) what is left
+
+or ``StepPusher.from_env()`` with ``LLMVISOR_SERVICE_URL``, ``LLMVISOR_SERVICE_KEY`` (an admin key) and
+optionally ``LLMVISOR_SPOOL`` set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from llmvisor.trace import TraceWriter
+
+log = logging.getLogger("llmvisor.pusher")
+
+ENV_URL = "LLMVISOR_SERVICE_URL"
+ENV_KEY = "LLMVISOR_SERVICE_KEY"
+ENV_SPOOL = "LLMVISOR_SPOOL"
+DEFAULT_SPOOL = "llmvisor-spool.jsonl"
+
+
+@dataclass
+class PusherStats:
+    """What became of the steps pushed so far (a step can be spooled and later acknowledged)."""
+
+    pushed: int = 0
+    acknowledged: int = 0
+    duplicate: int = 0
+    spooled: int = 0
+    replayed: int = 0
+    rejected: int = 0
+    failed_posts: int = 0
+    last_error: str | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self, name, getattr(self, name) + value)
+
+
+class _Unavailable(Exception):
+    """The service could not take a batch now (down, busy, or refusing the key); keep the steps."""
+
+
+class StepPusher:
+    """Send step rows to the service in the background; spool to a file when it cannot be reached.
+
+    Parameters
+    ----------
+    url : service base URL, e.g. ``http://127.0.0.1:8000``.
+    api_key : an admin key (ingest needs one).
+    spool_path : JSONL file for steps not yet acknowledged; ``<spool>.replaying`` and
+        ``<spool>.rejected.jsonl`` sit beside it.
+    max_queue_steps : steps held in memory; beyond that `push_step` appends to the spool file directly.
+    max_batch_steps : steps per POST.
+    flush_interval_s : longest a step waits in the queue for a batch to fill.
+    max_attempts : POSTs of one batch (with backoff between) before it is spooled.
+    retry_interval_s : how long to wait, once spooling, before trying the service again.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str,
+        spool_path: str | os.PathLike = DEFAULT_SPOOL,
+        *,
+        max_queue_steps: int = 10_000,
+        max_batch_steps: int = 500,
+        flush_interval_s: float = 0.2,
+        request_timeout_s: float = 10.0,
+        max_attempts: int = 4,
+        backoff_initial_s: float = 0.1,
+        backoff_max_s: float = 5.0,
+        retry_interval_s: float = 2.0,
+    ):
+        self.url = url.rstrip("/")
+        self.spool_path = Path(spool_path)
+        self.replay_path = Path(f"{spool_path}.replaying")
+        self.rejected_path = Path(f"{spool_path}.rejected.jsonl")
+        self.max_batch_steps = max_batch_steps
+        self.flush_interval_s = flush_interval_s
+        self.max_attempts = max_attempts
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.retry_interval_s = retry_interval_s
+        self.stats = PusherStats()
+        self._queue: queue.Queue[list[dict]] = queue.Queue(maxsize=max_queue_steps)
+        self._spool_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._deadline: float | None = None
+        self._outstanding = 0
+        self._count_lock = threading.Lock()
+        self._next_try_s = 0.0
+        self._client = httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},
+            timeout=request_timeout_s,
+        )
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="llmvisor-pusher", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_env(cls, **kwargs) -> StepPusher | None:
+        """A pusher configured from ``LLMVISOR_SERVICE_URL`` / ``_KEY`` / ``LLMVISOR_SPOOL``, or None if no URL."""
+        url = os.environ.get(ENV_URL)
+        if not url:
+            return None
+        key = os.environ.get(ENV_KEY)
+        if not key:
+            raise ValueError(f"{ENV_URL} is set but {ENV_KEY} (an admin API key) is not")
+        return cls(url, key, os.environ.get(ENV_SPOOL, DEFAULT_SPOOL), **kwargs)
+
+    # -----------------------------------------------------------------------------------------------------
+    # Engine side
+
+    def push_step(self, rows: Sequence[dict]) -> None:
+        """Hand over one step's rows; returns at once (at worst after a local file append when the queue is full)."""
+        if self._closed:
+            raise RuntimeError("push_step after close()")
+        rows = list(rows)
+        self.stats.add(pushed=1)
+        with self._count_lock:
+            self._outstanding += 1
+        try:
+            self._queue.put_nowait(rows)
+        except queue.Full:
+            with self._count_lock:
+                self._outstanding -= 1
+            self._spool([rows])
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every step pushed so far is acknowledged or rejected (the spool replayed too);
+        False if that did not happen within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        self._next_try_s = 0.0
+        while time.monotonic() < deadline:
+            if self._outstanding == 0 and not self.spool_path.exists() and not self.replay_path.exists():
+                return True
+            time.sleep(0.02)
+        return False
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Send what is queued, and replay the spool, for up to ``timeout_s``; spool whatever is left.
+
+        If the service does not answer, the rest goes straight to the spool (for the next start to
+        replay) rather than holding up shutdown. Returns True if nothing was left unacknowledged.
+        """
+        if not self._closed:
+            self._closed = True
+            self._deadline = time.monotonic() + timeout_s
+            self._next_try_s = 0.0
+            self._stop.set()
+            self._thread.join(timeout_s + 5.0)
+            self._client.close()
+        return self.pending_steps() == 0
+
+    def pending_steps(self) -> int:
+        """Steps not yet acknowledged: queued or being sent, or in the spool files."""
+        return self._outstanding + sum(len(_read_spool(p)[0]) for p in (self.replay_path, self.spool_path) if p.exists())
+
+    def __enter__(self) -> StepPusher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -----------------------------------------------------------------------------------------------------
+    # Background thread
+
+    def _take_batch(self, wait_s: float) -> list[list[dict]]:
+        batch: list[list[dict]] = []
+        try:
+            batch.append(self._queue.get(timeout=wait_s) if wait_s > 0 else self._queue.get_nowait())
+        except queue.Empty:
+            return batch
+        while len(batch) < self.max_batch_steps:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _out_of_time(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
+    def _paused(self) -> bool:
+        """The service failed recently (wait before trying again) or close() ran out of time."""
+        now = time.monotonic()
+        return now < self._next_try_s or (self._deadline is not None and now >= self._deadline)
+
+    def _run(self) -> None:
+        while True:
+            stopping = self._stop.is_set()
+            batch = self._take_batch(0 if stopping else self.flush_interval_s)
+            if batch:
+                if self._paused():
+                    self._spool(batch)
+                else:
+                    self._send_or_spool(batch)
+                with self._count_lock:
+                    self._outstanding -= len(batch)
+            if not self._paused():
+                self._replay()
+            if stopping and self._queue.empty():
+                if self._paused() or not (self.spool_path.exists() or self.replay_path.exists()):
+                    return
+
+    def _send_or_spool(self, batch: list[list[dict]]) -> None:
+        try:
+            self._deliver(batch)
+        except _Unavailable as error:
+            self.stats.last_error = str(error)
+            log.warning("llmvisor service unavailable (%s); spooling %d steps to %s", error, len(batch), self.spool_path)
+            self._next_try_s = time.monotonic() + self.retry_interval_s
+            self._spool(batch)
+
+    def _post(self, batch: list[list[dict]]) -> httpx.Response:
+        """One POST with retries on transport errors and 5xx/429; raises `_Unavailable` when they run out."""
+        body = json.dumps({"steps": batch}).encode()
+        delay_s = self.backoff_initial_s
+        for attempt in range(self.max_attempts):
+            try:
+                response = self._client.post("/v1/steps", content=body)
+                if response.status_code < 500 and response.status_code != 429:
+                    return response
+                reason = f"HTTP {response.status_code}"
+            except httpx.HTTPError as error:
+                reason = f"{type(error).__name__}: {error}"
+            self.stats.add(failed_posts=1)
+            if attempt == self.max_attempts - 1 or self._out_of_time():
+                break
+            time.sleep(min(delay_s * (0.5 + random.random()), self.backoff_max_s))
+            delay_s = min(delay_s * 2, self.backoff_max_s)
+        raise _Unavailable(reason)
+
+    def _deliver(self, batch: list[list[dict]]) -> None:
+        """Send a batch until every step is acknowledged or rejected; `_Unavailable` if the service is not there."""
+        response = self._post(batch)
+        status = response.status_code
+        if status == 200:
+            result = response.json()
+            self.stats.add(acknowledged=result["steps_received"], duplicate=result["steps_duplicate"])
+            return
+        if status in (401, 403):
+            raise _Unavailable(f"HTTP {status}: {_detail(response)}")
+        if status == 409:
+            conflicting = {(c["run_id"], c["step_id"]) for c in response.json().get("conflicting_steps", [])}
+            keep = [step for step in batch if _step_key(step) not in conflicting]
+            bad = [step for step in batch if _step_key(step) in conflicting]
+            if bad and len(keep) < len(batch):
+                self._reject(bad, _detail(response))
+                if keep:
+                    self._deliver(keep)
+                return
+        if len(batch) > 1 and status in (400, 409, 413, 422):
+            # Find the steps the service refuses by halving; the others go through.
+            middle = len(batch) // 2
+            self._deliver(batch[:middle])
+            self._deliver(batch[middle:])
+            return
+        self._reject(batch, f"HTTP {status}: {_detail(response)}")
+
+    def _reject(self, steps: list[list[dict]], reason: str) -> None:
+        log.error("llmvisor service rejected %d step(s): %s; kept in %s", len(steps), reason, self.rejected_path)
+        self.stats.last_error = reason
+        with self._spool_lock:
+            writer = TraceWriter(self.rejected_path, flush_every_steps=len(steps))
+            for step in steps:
+                writer.write_step(step)
+            writer.close()
+        self.stats.add(rejected=len(steps))
+
+    def _spool(self, steps: list[list[dict]]) -> None:
+        with self._spool_lock:
+            writer = TraceWriter(self.spool_path, flush_every_steps=len(steps))
+            for step in steps:
+                writer.write_step(step)
+            writer.close()
+        self.stats.add(spooled=len(steps))
+
+    def _replay(self) -> None:
+        """Send the spooled steps: the file is first renamed, so new spooling goes to a fresh file; it is
+        removed only once every step in it was acknowledged (a crash before that replays it again, safely)."""
+        with self._spool_lock:
+            if not self.replay_path.exists():
+                if not self.spool_path.exists():
+                    return
+                os.replace(self.spool_path, self.replay_path)
+        steps, unreadable = _read_spool(self.replay_path)
+        if unreadable:
+            log.error("llmvisor spool %s: %d unreadable line(s) skipped (a torn write?)", self.replay_path, unreadable)
+        try:
+            for i in range(0, len(steps), self.max_batch_steps):
+                if self._out_of_time():
+                    return
+                self._deliver(steps[i : i + self.max_batch_steps])
+        except _Unavailable as error:
+            self.stats.last_error = str(error)
+            self._next_try_s = time.monotonic() + self.retry_interval_s
+            return
+        self.replay_path.unlink()
+        self.stats.add(replayed=len(steps))
+
+
+def _step_key(step: list[dict]) -> tuple:
+    return (step[0].get("run_id"), step[0].get("step_id"))
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        return str(response.json().get("detail"))
+    except (ValueError, AttributeError):
+        return response.text[:500]
+
+
+def _read_spool(path: Path) -> tuple[list[list[dict]], int]:
+    """Steps of a spool file, from consecutive rows of one (run_id, step_id); a step spooled twice in a
+    row starts a new group at the repeated request. Returns (steps, unreadable lines)."""
+    steps: list[list[dict]] = []
+    unreadable = 0
+    current_key = None
+    current_requests: set = set()
+    try:
+        handle = open(path, encoding="utf-8")
+    except FileNotFoundError:
+        return [], 0
+    with handle:
+        for line in handle:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                unreadable += 1
+                continue
+            if not isinstance(row, dict):
+                unreadable += 1
+                continue
+            key = (row.get("run_id"), row.get("step_id"))
+            request = row.get("request_id")
+            if key != current_key or request in current_requests:
+                steps.append([])
+                current_key, current_requests = key, set()
+            steps[-1].append(row)
+            current_requests.add(request if isinstance(request, (str, int, float)) or request is None else repr(request))
+    return steps, unreadable

@@ -1,0 +1,95 @@
+"""CLI commands of the service: ``llmvisor serve`` and ``llmvisor keys create|list|revoke``."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from llmvisor.errors import LlmvisorError
+from llmvisor.ledger import Ledger
+
+DEFAULT_DB_URL = "sqlite:///llmvisor.db"
+DbOption = Annotated[
+    str,
+    typer.Option(
+        "--db",
+        help="Ledger database URL: sqlite:///PATH (WAL mode) or postgresql+psycopg://USER:PASSWORD@HOST:PORT/DB.",
+    ),
+]
+
+
+def serve(
+    model: Annotated[
+        Path, typer.Option("--model", help="Fitted latency model (JSON) used to attribute every ingested step.", dir_okay=False)
+    ],
+    db: DbOption = DEFAULT_DB_URL,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8000,
+    max_body_mb: Annotated[float, typer.Option(help="Largest POST /v1/steps body accepted (MiB); larger is a 413.", min=0.001)] = 64.0,
+    max_steps_per_request: Annotated[int, typer.Option(help="Most steps in one POST /v1/steps.", min=1)] = 20_000,
+    public_metrics: Annotated[bool, typer.Option(help="Serve /metrics without a key (it names every tenant).")] = False,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Run the accounting service: ingest steps, attribute them, keep the ledger, answer usage queries."""
+    import uvicorn
+
+    from llmvisor.service.app import create_app
+
+    if not model.is_file():
+        raise LlmvisorError(f"{model}: no such model file (fit one with `llmvisor fit`)")
+    app = create_app(
+        model,
+        db,
+        max_body_bytes=int(max_body_mb * 1024 * 1024),
+        max_steps_per_request=max_steps_per_request,
+        public_metrics=public_metrics,
+    )
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+
+
+def keys_create(
+    tenant: Annotated[str | None, typer.Option("--tenant", help="Tenant whose usage the key may read.")] = None,
+    db: DbOption = DEFAULT_DB_URL,
+    admin: Annotated[bool, typer.Option("--admin", help="An admin key: ingest, key administration, every tenant.")] = False,
+) -> None:
+    """Create an API key and print it once; only its hash is stored."""
+    if admin == (tenant is not None):
+        raise LlmvisorError("give --tenant T for a tenant key or --admin for an admin key (not both)")
+    ledger = Ledger(db)
+    try:
+        key = ledger.create_key(tenant, is_admin=admin)
+    finally:
+        ledger.close()
+    typer.echo(key)
+
+
+def keys_list(db: DbOption = DEFAULT_DB_URL) -> None:
+    """List API keys (ids, tenants, roles; never the secrets)."""
+    ledger = Ledger(db)
+    try:
+        keys = ledger.list_keys()
+    finally:
+        ledger.close()
+    for key in keys:
+        created = datetime.fromtimestamp(key.created_at_us / 1e6, tz=timezone.utc).isoformat(timespec="seconds")
+        role = "admin" if key.is_admin else f"tenant={key.tenant}"
+        state = "revoked" if key.revoked_at_us is not None else "active"
+        typer.echo(f"{key.key_id}\t{role}\t{state}\tcreated {created}")
+
+
+def keys_revoke(
+    key_id: Annotated[str, typer.Argument(help="The key id (the part after lvk_ and before the next _).")],
+    db: DbOption = DEFAULT_DB_URL,
+) -> None:
+    """Revoke an API key; requests with it are refused from then on."""
+    ledger = Ledger(db)
+    try:
+        revoked = ledger.revoke_key(key_id)
+    finally:
+        ledger.close()
+    if not revoked:
+        raise LlmvisorError(f"no active key {key_id!r}")
+    typer.echo(f"revoked {key_id}")

@@ -1,0 +1,202 @@
+"""``llmvisor load``: sustained ingest throughput of the service, on loopback, bounded in steps and time.
+
+Request bodies are built once from a template (a fresh run id per request), so the figure is the
+server's: parsing, validation, attribution, hashing and the database, not the load generator's JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+import typer
+
+from llmvisor.errors import LlmvisorError
+from llmvisor.ledger import Ledger
+from llmvisor.service.process import ServerProcess
+
+_RUN_PLACEHOLDER = "__LLMVISOR_LOAD_RUN__"
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass
+class LoadResult:
+    target: str
+    steps: int
+    slices: int
+    elapsed_s: float
+    requests: int
+    errors: int
+    reconciled: bool | None
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def line(self, batch_size: int, steps_per_request: int, concurrency: int) -> str:
+        reconciled = {True: "totals reconcile", False: "TOTALS DO NOT RECONCILE", None: "totals not checked"}[self.reconciled]
+        return (
+            f"{self.target}: {self.steps:,} steps (B={batch_size}) in {self.elapsed_s:.1f} s = "
+            f"{self.steps_per_s:,.0f} steps/s ({self.slices / self.elapsed_s:,.0f} slices/s); "
+            f"{steps_per_request} steps per POST, {concurrency} connections, {self.errors} failed POSTs; {reconciled}"
+        )
+
+
+def step_batch_template(steps_per_request: int, batch_size: int, *, n_tenants: int = 8, seed: int = 0) -> bytes:
+    """A POST /v1/steps body of decode steps over a set of running requests, one in ten steps with a prefill."""
+    rng = np.random.default_rng(seed)
+    start_s = time.time()
+    context = rng.integers(64, 4096, size=batch_size)
+    tenants = [f"tenant-{i % n_tenants}" for i in range(batch_size)]
+    groups = []
+    for step in range(steps_per_request):
+        prefill_slot = int(rng.integers(batch_size)) if step % 10 == 0 else -1
+        latency_s = round(0.012 + 2e-7 * float(context.sum()) / batch_size + (0.03 if prefill_slot >= 0 else 0.0), 6)
+        rows = []
+        for slot in range(batch_size):
+            prefill = slot == prefill_slot
+            rows.append(
+                {
+                    "run_id": _RUN_PLACEHOLDER,
+                    "step_id": step,
+                    "step_latency_s": latency_s,
+                    "request_id": f"req-{slot}-{step // 200}",
+                    "tenant": tenants[slot],
+                    "num_new_tokens": 256 if prefill else 1,
+                    "num_context_tokens": int(context[slot]),
+                    "phase": "prefill" if prefill else "decode",
+                    "timestamp_s": round(start_s + step * 0.02, 6),
+                }
+            )
+        context += 1
+        groups.append(rows)
+    return json.dumps({"steps": groups}, separators=(",", ":")).encode()
+
+
+def run_load(
+    url: str,
+    api_key: str,
+    *,
+    target: str,
+    total_steps: int,
+    batch_size: int,
+    steps_per_request: int,
+    concurrency: int,
+    max_seconds: float,
+) -> LoadResult:
+    """POST pre-built batches from ``concurrency`` threads until ``total_steps`` or ``max_seconds``."""
+    template = step_batch_template(steps_per_request, batch_size)
+    n_requests = max(1, total_steps // steps_per_request)
+    tag = uuid.uuid4().hex[:12]
+    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+    next_index = iter(range(n_requests))
+    index_lock = threading.Lock()
+    done = {"steps": 0, "requests": 0, "errors": 0}
+    done_lock = threading.Lock()
+
+    with httpx.Client(base_url=url, headers=headers, timeout=120.0) as warm:
+        body = template.replace(_RUN_PLACEHOLDER.encode(), f"load-{tag}-warmup".encode())
+        response = warm.post("/v1/steps", content=body)
+        if response.status_code != 200:
+            raise LlmvisorError(f"{url}: warm-up batch answered {response.status_code}: {response.text[:300]}")
+
+    deadline = time.monotonic() + max_seconds
+
+    def worker() -> None:
+        with httpx.Client(base_url=url, headers=headers, timeout=120.0) as client:
+            while time.monotonic() < deadline:
+                with index_lock:
+                    i = next(next_index, None)
+                if i is None:
+                    return
+                body = template.replace(_RUN_PLACEHOLDER.encode(), f"load-{tag}-{i:06d}".encode())
+                try:
+                    response = client.post("/v1/steps", content=body)
+                    ok = response.status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                with done_lock:
+                    if ok:
+                        done["steps"] += response.json()["steps_inserted"]
+                        done["requests"] += 1
+                    else:
+                        done["errors"] += 1
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed_s = time.perf_counter() - started
+
+    reconciled = None
+    with httpx.Client(base_url=url, headers=headers, timeout=60.0) as client:
+        response = client.get("/v1/usage/totals")
+        if response.status_code == 200:
+            totals = response.json()
+            reconciled = totals["attributed_ns"] == totals["measured_ns"]
+    return LoadResult(target, done["steps"], done["steps"] * batch_size, elapsed_s, done["requests"], done["errors"], reconciled)
+
+
+def _check_loopback(url: str) -> None:
+    host = urlsplit(url).hostname or ""
+    if host not in _LOOPBACK_HOSTS and not host.startswith("127."):
+        raise LlmvisorError(f"{url}: the load command only targets loopback addresses (127.0.0.0/8, localhost, ::1)")
+
+
+def load(
+    db: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--db",
+            help="Database to load (repeatable): 'sqlite' for a temporary SQLite file, or a URL of a scratch "
+            "database (load runs are stored there). A server is started for each.",
+        ),
+    ] = None,
+    url: Annotated[str | None, typer.Option(help="Load an already running service on loopback instead (needs --api-key).")] = None,
+    api_key: Annotated[str | None, typer.Option(help="Admin key for --url.")] = None,
+    model: Annotated[Path | None, typer.Option(help="Latency model JSON; default: one fitted on synthetic steps.")] = None,
+    steps: Annotated[int, typer.Option(help="Steps to send per target.", min=1, max=2_000_000)] = 60_000,
+    batch_size: Annotated[int, typer.Option(help="Requests per step (B).", min=1, max=1024)] = 32,
+    steps_per_request: Annotated[int, typer.Option(help="Steps per POST.", min=1, max=20_000)] = 1000,
+    concurrency: Annotated[int, typer.Option(help="Concurrent client connections.", min=1, max=16)] = 2,
+    max_seconds: Annotated[float, typer.Option(help="Stop sending after this long, per target.", min=1, max=600)] = 120.0,
+) -> None:
+    """Measure sustained ingest throughput (steps/s) on loopback; bounded by --steps and --max-seconds."""
+    options = dict(total_steps=steps, batch_size=batch_size, steps_per_request=steps_per_request,
+                   concurrency=concurrency, max_seconds=max_seconds)
+    if url is not None:
+        _check_loopback(url)
+        if not api_key:
+            raise LlmvisorError("--url needs --api-key (an admin key)")
+        result = run_load(url, api_key, target=url, **options)
+        typer.echo(result.line(batch_size, steps_per_request, concurrency))
+        return
+    with tempfile.TemporaryDirectory(prefix="llmvisor-load-") as scratch:
+        model_path = model
+        if model_path is None:
+            from llmvisor.model import StepLatencyModel
+            from llmvisor.synthetic import synthetic_trace
+
+            model_path = Path(scratch) / "model.json"
+            StepLatencyModel().fit(synthetic_trace(2000)).to_json(model_path)
+        for target in db or ["sqlite"]:
+            db_url = f"sqlite:///{scratch}/ledger-{uuid.uuid4().hex[:8]}.db" if target == "sqlite" else target
+            ledger = Ledger(db_url)
+            try:
+                key = ledger.create_key(is_admin=True)
+            finally:
+                ledger.close()
+            with ServerProcess(model_path, db_url, log_path=Path(scratch) / "server.log") as server:
+                result = run_load(server.url, key, target=f"{ledger.backend} ({ledger.safe_url})", **options)
+            typer.echo(result.line(batch_size, steps_per_request, concurrency))

@@ -1,0 +1,114 @@
+"""Fixtures shared by the ledger and service tests: a fitted model file, real databases, keys, step rows.
+
+PostgreSQL runs where LLMVISOR_TEST_POSTGRES_URL is set (`scripts/start-postgres.sh` prints one);
+each test then starts from empty tables.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from llmvisor.ledger import Ledger
+from llmvisor.ledger.schema import metadata
+from llmvisor.model import StepLatencyModel
+from llmvisor.synthetic import synthetic_trace
+
+POSTGRES_URL = os.environ.get("LLMVISOR_TEST_POSTGRES_URL")
+BACKENDS = [
+    "sqlite",
+    pytest.param(
+        "postgresql",
+        marks=[
+            pytest.mark.postgres,
+            pytest.mark.skipif(not POSTGRES_URL, reason="LLMVISOR_TEST_POSTGRES_URL not set (scripts/start-postgres.sh)"),
+        ],
+    ),
+]
+T0_S = 1_750_000_000.0
+
+
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "model.json"
+    StepLatencyModel().fit(synthetic_trace(2000)).to_json(path)
+    return path
+
+
+def empty_postgres(url: str) -> str:
+    ledger = Ledger(url)
+    metadata.drop_all(ledger._write_engine)
+    ledger.close()
+    return url
+
+
+@pytest.fixture(params=BACKENDS)
+def db_url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/ledger.db"
+    return empty_postgres(POSTGRES_URL)
+
+
+@pytest.fixture
+def ledger(db_url):
+    store = Ledger(db_url)
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def keys(ledger):
+    return {
+        "admin": ledger.create_key(is_admin=True),
+        "tenant-0": ledger.create_key("tenant-0"),
+        "tenant-1": ledger.create_key("tenant-1"),
+    }
+
+
+def make_steps(
+    run_id: str = "run-a",
+    n_steps: int = 20,
+    *,
+    first_step: int = 0,
+    batch_size: int = 8,
+    n_tenants: int = 3,
+    start_s: float = T0_S,
+    step_interval_s: float = 1.0,
+    seed: int = 0,
+) -> list[list[dict]]:
+    """Steps of random composition as the body groups of POST /v1/steps."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for step in range(first_step, first_step + n_steps):
+        size = int(rng.integers(1, batch_size + 1))
+        prefill = rng.random(size) < 0.2
+        rows = []
+        for slot in range(size):
+            rows.append(
+                {
+                    "run_id": run_id,
+                    "step_id": step,
+                    "step_latency_s": round(float(rng.uniform(0.005, 0.2)), 6),
+                    "request_id": f"req-{slot}",
+                    "tenant": f"tenant-{slot % n_tenants}",
+                    "num_new_tokens": int(rng.integers(1, 300)) if prefill[slot] else 1,
+                    "num_context_tokens": int(rng.integers(0, 2000)),
+                    "phase": "prefill" if prefill[slot] else "decode",
+                    "timestamp_s": start_s + step * step_interval_s,
+                }
+            )
+        latency = rows[0]["step_latency_s"]
+        for row in rows:
+            row["step_latency_s"] = latency
+        groups.append(rows)
+    return groups
+
+
+def measured_ns(groups: list[list[dict]]) -> int:
+    return sum(int(round(group[0]["step_latency_s"] * 1e9)) for group in groups)
+
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
