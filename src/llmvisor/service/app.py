@@ -177,10 +177,16 @@ def parse_time_us(name: str, value: str | None) -> int | None:
     try:
         seconds = float(value)
     except ValueError:
-        try:
-            moment = datetime.fromisoformat(value)
-        except ValueError:
-            raise HTTPException(422, f"{name}: expected an ISO 8601 time or Unix seconds, got {value!r}") from None
+        # An unescaped "+" in a URL arrives as a space: "...T15:00:00 00:00" means "+00:00".
+        candidates = [value] + ([value[::-1].replace(" ", "+", 1)[::-1]] if " " in value.strip() else [])
+        for candidate in candidates:
+            try:
+                moment = datetime.fromisoformat(candidate.strip())
+                break
+            except ValueError:
+                continue
+        else:
+            raise HTTPException(422, f"{name}: expected an ISO 8601 time or Unix seconds, got {value!r}")
         if moment.tzinfo is None:
             moment = moment.replace(tzinfo=timezone.utc)
         seconds = moment.timestamp()

@@ -1,0 +1,281 @@
+"""The HTTP API in process (FastAPI's TestClient) over real databases: ingest, validation, isolation, metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.routing import APIRoute
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from _service_fixtures import T0_S, bearer, db_url, keys, ledger, make_steps, measured_ns, model_path  # noqa: F401
+from llmvisor.service.app import create_app
+
+
+@pytest.fixture
+def app(model_path, db_url, keys):
+    return create_app(model_path, db_url, max_body_bytes=2_000_000, max_steps_per_request=500)
+
+
+@pytest.fixture
+def client(app):
+    with TestClient(app) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+def admin(keys):
+    return bearer(keys["admin"])
+
+
+def post(client, groups, headers):
+    return client.post("/v1/steps", json={"steps": groups}, headers=headers)
+
+
+def totals(client, admin):
+    response = client.get("/v1/usage/totals", headers=admin)
+    assert response.status_code == 200
+    return response.json()
+
+
+def metric_values(client, admin) -> dict[tuple[str, tuple], float]:
+    text = client.get("/metrics", headers=admin).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return values
+
+
+def test_ingest_is_idempotent_and_reconciles(client, admin):
+    groups = make_steps(n_steps=40)
+    first = post(client, groups, admin)
+    assert first.status_code == 200
+    body = first.json()
+    assert body["steps_inserted"] == 40 and body["steps_duplicate"] == 0
+    assert body["attributed_ns"] == measured_ns(groups)
+    again = post(client, groups[::-1], admin).json()
+    assert again["steps_inserted"] == 0 and again["steps_duplicate"] == 40 and again["attributed_ns"] == 0
+    result = totals(client, admin)
+    assert result["num_steps"] == 40 and result["measured_ns"] == result["attributed_ns"] == measured_ns(groups)
+
+
+def test_conflicting_resend_is_409_naming_the_step_and_stores_nothing(client, admin):
+    groups = make_steps(n_steps=10)
+    post(client, groups, admin)
+    before = totals(client, admin)
+    changed = json.loads(json.dumps(groups[3:5]))
+    changed[0][0]["tenant"] = "someone-else"
+    response = post(client, make_steps(n_steps=3, first_step=50) + changed, admin)
+    assert response.status_code == 409
+    assert "step 3 of run 'run-a'" in response.json()["detail"]
+    assert response.json()["conflicting_steps"] == [{"run_id": "run-a", "step_id": 3}]
+    assert totals(client, admin) == before
+
+
+def _rows(**changes):
+    row = {"run_id": "r", "step_id": 1, "step_latency_s": 0.02, "request_id": "q", "tenant": "t",
+           "num_new_tokens": 1, "num_context_tokens": 10, "phase": "decode"}
+    row.update(changes)
+    return row
+
+
+BAD_BODIES = [
+    (b"not json", 400, "not valid JSON"),
+    (b"[1, 2]", 422, "expected a JSON object"),
+    (b'{"rows": []}', 422, "expected a JSON object"),
+    (b'{"steps": {"a": 1}}', 422, '"steps" must be a list'),
+    (b'{"steps": [[]]}', 422, "steps[0]: expected a non-empty list"),
+    (b'{"steps": [[1]]}', 422, "steps[0][0]: expected a JSON object"),
+    (b'{"steps": [[{"run_id": "r"}]]}', 422, "missing column(s) step_id"),
+    (json.dumps({"steps": [[_rows(phase="idle")]]}).encode(), 422, 'row 1 (steps[0][0]): phase: must be "prefill" or "decode"'),
+    (json.dumps({"steps": [[_rows()], [_rows(step_id=2, num_new_tokens=0)]]}).encode(), 422, "row 2 (steps[1][0]): num_new_tokens"),
+    (json.dumps({"steps": [[_rows(step_latency_s="fast")]]}).encode(), 422, "step_latency_s: expected a number"),
+    (json.dumps({"steps": [[_rows(step_latency_s=-1)]]}).encode(), 422, "latency must be > 0"),
+    (json.dumps({"steps": [[_rows(), _rows()]]}).encode(), 422, "appears twice in one step"),
+    (json.dumps({"steps": [[_rows(), _rows(request_id="p", step_latency_s=0.03)]]}).encode(), 422, "disagree on step_latency_s"),
+    (json.dumps({"steps": [[_rows()], [_rows(request_id="p")]]}).encode(), 422, "steps[1]: step 1 of run 'r' is also steps[0]"),
+    (json.dumps({"steps": [[_rows(), _rows(step_id=2)]]}).encode(), 422, "steps[0][1]: row of step 2"),
+    (json.dumps({"steps": [[_rows(step_id=2**70)]]}).encode(), 422, "out of range"),
+    (json.dumps({"steps": [[_rows(num_context_tokens=10**12)]]}).encode(), 422, "num_context_tokens"),
+    (json.dumps({"steps": [[_rows(tenant="a\x00b")]]}).encode(), 422, "NUL"),
+    (json.dumps({"steps": [[_rows(request_id="x" * 600)]]}).encode(), 422, "at most 512"),
+    (b'{"steps": [[{"run_id": "r\\ud800", "step_id": 1, "step_latency_s": 0.1, "request_id": "q", "tenant": "t", '
+     b'"num_new_tokens": 1, "num_context_tokens": 1, "phase": "decode"}]]}', 422, "not valid Unicode"),
+    (json.dumps({"steps": [[_rows(timestamp_s="yesterday")]]}).encode(), 422, "timestamp_s: expected Unix seconds"),
+    (json.dumps({"steps": [[_rows(timestamp_s=1.0), _rows(request_id="p", timestamp_s=2.0)]]}).encode(), 422, "disagree on timestamp_s"),
+    (json.dumps({"steps": [[_rows(step_latency_s=1e7)]]}).encode(), 422, "at most 1e+06 s"),
+    (json.dumps({"steps": [[_rows(step_id=i)] for i in range(501)]}).encode(), 413, "at most 500 per request"),
+    (b'{"steps": [[' + b" " * 2_000_001 + b"]]}", 413, "at most 2000000"),
+]
+
+
+@pytest.mark.parametrize("body, status, message", BAD_BODIES, ids=[m for _, _, m in BAD_BODIES])
+def test_malformed_payloads_get_4xx_with_the_reason_and_store_nothing(client, admin, body, status, message):
+    post(client, make_steps(n_steps=3), admin)
+    before = totals(client, admin)
+    response = client.post("/v1/steps", content=body, headers={**admin, "Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    assert message in response.json()["detail"]
+    assert "Traceback" not in response.text
+    assert totals(client, admin) == before
+
+
+def test_ingest_needs_an_admin_key(client, keys):
+    groups = make_steps(n_steps=2)
+    assert post(client, groups, {}).status_code == 401
+    assert post(client, groups, bearer("lvk_0000_nope")).status_code == 401
+    assert post(client, groups, {"Authorization": "Basic abc"}).status_code == 401
+    assert post(client, groups, bearer(keys["tenant-0"])).status_code == 403
+
+
+def _seed_two_tenants(client, admin):
+    groups = make_steps("run-a", 30, batch_size=6, n_tenants=2, step_interval_s=50.0)
+    assert post(client, groups, admin).status_code == 200
+    return groups
+
+
+def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, admin, keys):
+    _seed_two_tenants(client, admin)
+    other = bearer(keys["tenant-1"])
+    # Every route is listed here, so a new read path fails this test until its isolation is checked.
+    routes = {(method, route.path) for route in app.routes if isinstance(route, APIRoute) for method in route.methods}
+    assert routes == {
+        ("POST", "/v1/steps"), ("GET", "/v1/usage/tenants"), ("GET", "/v1/usage/requests"), ("GET", "/v1/usage/top"),
+        ("GET", "/v1/usage/totals"), ("GET", "/v1/whoami"), ("POST", "/v1/keys"), ("GET", "/v1/keys"),
+        ("DELETE", "/v1/keys/{key_id}"), ("GET", "/metrics"), ("GET", "/healthz"),
+    }
+    forbidden = [
+        ("GET", "/v1/usage/tenants?tenant=tenant-0"),
+        ("GET", "/v1/usage/tenants?tenant=tenant-0&bucket=hour"),
+        ("GET", "/v1/usage/requests?tenant=tenant-0"),
+        ("GET", "/v1/usage/top"),
+        ("GET", "/v1/usage/totals"),
+        ("GET", "/v1/keys"),
+        ("POST", "/v1/keys"),
+        ("DELETE", f"/v1/keys/{keys['tenant-0'].split('_')[1]}"),
+        ("GET", "/metrics"),
+        ("POST", "/v1/steps"),
+    ]
+    for method, path in forbidden:
+        kwargs = {"json": {"tenant": "tenant-0"}} if path == "/v1/keys" and method == "POST" else {}
+        if path == "/v1/steps":
+            kwargs = {"json": {"steps": make_steps(n_steps=1, first_step=999)}}
+        response = client.request(method, path, headers=other, **kwargs)
+        assert response.status_code == 403, (method, path, response.text)
+        assert "tenant-0" not in response.text.replace("tenant=tenant-0", "")
+
+    # tenant-0's request, looked up with tenant-1's key: not found (its existence is not revealed either).
+    hidden = client.get("/v1/usage/requests?run_id=run-a&request_id=req-0", headers=other)
+    assert hidden.status_code == 404
+    assert client.get("/v1/usage/requests?run_id=run-a&request_id=req-0", headers=bearer(keys["tenant-0"])).status_code == 200
+
+    # Unfiltered reads with tenant-1's key see tenant-1 only.
+    own = client.get("/v1/usage/tenants?bucket=minute", headers=other).json()
+    assert [t["tenant"] for t in own["tenants"]] == ["tenant-1"]
+    requests = client.get("/v1/usage/requests", headers=other).json()["requests"]
+    assert requests and {r["tenant"] for r in requests} == {"tenant-1"}
+    assert client.get("/v1/usage/tenants?tenant=tenant-1", headers=other).status_code == 200
+    assert client.get("/v1/whoami", headers=other).json()["tenant"] == "tenant-1"
+
+    for path in ("/v1/usage/tenants", "/v1/usage/requests", "/v1/usage/top", "/v1/usage/totals", "/v1/keys", "/metrics", "/v1/whoami"):
+        assert client.get(path).status_code == 401
+        assert client.get(path, headers=bearer("lvk_x_y")).status_code == 401
+
+
+def test_usage_queries_sum_to_the_totals_in_every_bucket_and_range(client, admin):
+    groups = _seed_two_tenants(client, admin)
+    total_ns = measured_ns(groups)
+    for bucket in ("minute", "hour", "day"):
+        tenants = client.get(f"/v1/usage/tenants?bucket={bucket}", headers=admin).json()["tenants"]
+        assert sum(t["attributed_ns"] for t in tenants) == total_ns
+        for tenant in tenants:
+            assert sum(b["attributed_ns"] for b in tenant["buckets"]) == tenant["attributed_ns"]
+    split_s = T0_S + 15 * 50.0
+    iso = "2025-06-15T15:19:10+00:00"  # split_s written as ISO 8601; "+" sent unescaped reads as a space
+    left = client.get(f"/v1/usage/tenants?end={iso}", headers=admin).json()["tenants"]
+    assert left == client.get("/v1/usage/tenants", params={"end": iso}, headers=admin).json()["tenants"]
+    right = client.get(f"/v1/usage/tenants?start={split_s}", headers=admin).json()["tenants"]
+    assert sum(t["attributed_ns"] for t in left + right) == total_ns
+    assert sum(t["attributed_ns"] for t in left) == measured_ns(groups[:15])
+    top = client.get("/v1/usage/top?n=1", headers=admin).json()["tenants"]
+    everyone = client.get("/v1/usage/tenants", headers=admin).json()["tenants"]
+    assert top[0]["attributed_ns"] == max(t["attributed_ns"] for t in everyone)
+    requests = client.get("/v1/usage/requests?limit=10000", headers=admin).json()["requests"]
+    assert sum(r["attributed_ns"] for r in requests) == total_ns
+    page = client.get("/v1/usage/requests?limit=2&offset=1", headers=admin).json()["requests"]
+    assert page == requests[1:3]
+
+
+@pytest.mark.parametrize(
+    "query, message",
+    [
+        ("/v1/usage/tenants?bucket=week", "bucket"),
+        ("/v1/usage/tenants?start=soon", "start: expected an ISO 8601 time or Unix seconds"),
+        ("/v1/usage/tenants?start=nan", "out of range"),
+        ("/v1/usage/tenants?start=10&end=5", "end must be after start"),
+        ("/v1/usage/top?n=0", "'n'"),
+        ("/v1/usage/requests?limit=100000", "'limit'"),
+        ("/v1/usage/requests?tenant=a%00b", "NUL"),
+    ],
+)
+def test_bad_query_parameters_are_422_with_a_message(client, admin, query, message):
+    response = client.get(query, headers=admin)
+    assert response.status_code == 422
+    assert message in response.json()["detail"]
+
+
+def test_metrics_count_what_was_ingested_and_rejected(client, admin):
+    groups = _seed_two_tenants(client, admin)
+    post(client, groups[:10], admin)
+    changed = json.loads(json.dumps(groups[:1]))
+    changed[0][0]["num_context_tokens"] += 1
+    assert post(client, changed, admin).status_code == 409
+    assert client.post("/v1/steps", content=b"{", headers=admin).status_code == 400
+    assert post(client, [[_rows(phase="x")]], admin).status_code == 422
+    values = metric_values(client, admin)
+    tenants = client.get("/v1/usage/tenants", headers=admin).json()["tenants"]
+    for tenant in tenants:
+        counted = values[("llmvisor_attributed_seconds_total", (("tenant", tenant["tenant"]),))]
+        assert counted == pytest.approx(tenant["attributed_ns"] / 1e9, rel=1e-12)
+    assert values[("llmvisor_measured_seconds_total", ())] == pytest.approx(measured_ns(groups) / 1e9, rel=1e-12)
+    assert values[("llmvisor_steps_ingested_total", ())] == 30
+    assert values[("llmvisor_steps_duplicate_total", ())] == 10
+    assert values[("llmvisor_slices_ingested_total", ())] == sum(len(g) for g in groups)
+    assert values[("llmvisor_ingest_errors_total", (("reason", "conflict"),))] == 1
+    assert values[("llmvisor_ingest_errors_total", (("reason", "bad_json"),))] == 1
+    assert values[("llmvisor_ingest_errors_total", (("reason", "invalid_trace"),))] == 1
+    assert values[("llmvisor_model_residual_seconds_count", ())] == 30
+    assert values[("llmvisor_model_residual_distribution_seconds_bucket", (("le", "+Inf"),))] == 30
+    assert values[("llmvisor_model_abs_relative_residual_count", ())] == 30
+    model = client.app.state.model
+    from llmvisor.service.ingest import validate_trace
+
+    trace = validate_trace(groups)
+    residual_sum = float((trace.step_latency_s_per_step - model.predict(trace)).sum())
+    assert values[("llmvisor_model_residual_seconds_sum", ())] == pytest.approx(residual_sum, rel=1e-9, abs=1e-12)
+
+
+def test_keys_through_the_api(client, admin):
+    created = client.post("/v1/keys", json={"tenant": "tenant-7"}, headers=admin)
+    assert created.status_code == 201
+    key = created.json()["key"]
+    assert client.get("/v1/whoami", headers=bearer(key)).json() == {"key_id": created.json()["key_id"], "tenant": "tenant-7", "is_admin": False}
+    listed = client.get("/v1/keys", headers=admin).json()
+    assert key not in json.dumps(listed) and created.json()["key_id"] in json.dumps(listed)
+    assert client.post("/v1/keys", json={"tenant": "x", "admin": True}, headers=admin).status_code == 422
+    assert client.post("/v1/keys", json={}, headers=admin).status_code == 422
+    assert client.delete(f"/v1/keys/{created.json()['key_id']}", headers=admin).status_code == 204
+    assert client.get("/v1/whoami", headers=bearer(key)).status_code == 401
+    assert client.delete(f"/v1/keys/{created.json()['key_id']}", headers=admin).status_code == 404
+
+
+def test_health_openapi_and_public_metrics(model_path, db_url, keys):
+    with TestClient(create_app(model_path, db_url, public_metrics=True)) as client:
+        assert client.get("/healthz").json() == {"status": "ok"}
+        assert client.get("/metrics").status_code == 200
+        spec = client.get("/openapi.json").json()
+        schema = spec["paths"]["/v1/steps"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert schema["properties"]["steps"]["items"]["items"]["required"][:2] == ["run_id", "step_id"]
+        assert "bearer" in json.dumps(spec["components"]["securitySchemes"]).lower()
