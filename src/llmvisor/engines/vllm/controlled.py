@@ -63,17 +63,21 @@ class MeasuredStep:
         return not self.reason
 
 
-def pin_threads(num_threads: int | None = None) -> int:
-    """Bind vLLM's CPU worker threads to cores 0..n-1 (``VLLM_CPU_OMP_THREADS_BIND``), as profiling runs do.
+def pin_threads(num_threads: int | None) -> int:
+    """Set the engine's OpenMP/torch threads the way `llmvisor profile --threads` does (see ``driver.py``).
 
-    Must run before the engine starts. With all cores bound, timings of different runs are comparable; the
-    default "auto" binding also leaves cores to the OS depending on the machine. Returns the thread count.
+    ``OMP_NUM_THREADS`` and ``torch.set_num_threads`` before vLLM starts; None leaves the environment's
+    setting. Profiling and validation runs with the same count time comparable steps. Returns torch's count.
     """
-    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    n = available if num_threads is None else max(1, min(num_threads, available))
-    cores = sorted(os.sched_getaffinity(0))[:n] if hasattr(os, "sched_getaffinity") else list(range(n))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)) if len(cores) > 1 else str(cores[0]))
-    return n
+    if num_threads is not None:
+        if num_threads < 1:
+            raise LlmvisorError(f"--threads: must be at least 1 (got {num_threads})")
+        os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    import torch
+
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    return int(torch.get_num_threads())
 
 
 def _scheduler_class():
@@ -185,7 +189,7 @@ class ControlledEngine:
 
     def start(self) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
         self.threads = pin_threads(self.num_threads)
         os.environ[recorder_settings.ENV_TRACE_PATH] = self.trace_path
         os.environ[recorder_settings.ENV_RUN_ID] = self.run_id
@@ -222,6 +226,28 @@ class ControlledEngine:
             max_num_batched_tokens=int(config.max_num_batched_tokens),
             max_num_seqs=int(config.max_num_seqs),
         )
+
+    def describe(self) -> dict:
+        """Engine facts for the result's settings."""
+        from llmvisor.engines.vllm.recorder import describe_hardware
+
+        config = self.engine.vllm_config
+        return {
+            "engine": f"vllm {self.vllm_version}",
+            "engine_model": os.path.basename(os.path.normpath(self.model_dir)),
+            "weights": "dummy (random), load_format='dummy'",
+            "dtype": str(config.model_config.dtype).removeprefix("torch."),
+            "max_model_len": self.limits.max_model_len,
+            "max_num_batched_tokens": self.limits.max_num_batched_tokens,
+            "max_num_seqs": self.limits.max_num_seqs,
+            "kv_cache_gib": self.kv_cache_gib,
+            "enable_prefix_caching": False,
+            "async_scheduling": False,
+            "torch_threads": self.threads,
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "hardware": describe_hardware(),
+            "step_timing": "RecordingScheduler: schedule() returned -> update_from_output() entered",
+        }
 
     def close(self) -> None:
         if self.llm is not None:

@@ -1,0 +1,246 @@
+"""`llmvisor validate`: measure exact Shapley values of real vLLM steps and judge every attribution rule by them.
+
+vLLM is imported only when measurements are missing (``llmvisor.engines.vllm.controlled``), so a finished
+journal is re-analysed without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from llmvisor.errors import LlmvisorError
+
+
+def default_engine_model_dir() -> Path:
+    """The shipped engine model: a Llama-shaped config.json, run with dummy weights."""
+    return Path(str(resources.files("llmvisor") / "data" / "engine-model"))
+
+
+def journal_path_for(output: Path) -> Path:
+    """The measurement journal kept next to the result (``RESULT.journal.jsonl``)."""
+    return output.with_name(output.name.removesuffix(".json") + ".journal.jsonl")
+
+
+ENGINE_KEYS = ("engine_model_config", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "threads")
+
+
+def _check_journal_settings(journal_path: Path, engine_settings: dict) -> None:
+    """Refuse to mix measurements taken under different engine settings in one journal."""
+    if not journal_path.exists():
+        return
+    with open(journal_path, encoding="utf-8") as handle:
+        first = handle.readline()
+    try:
+        header = json.loads(first) if first.strip() else {}
+    except json.JSONDecodeError:
+        header = {}
+    if header.get("type") != "header":
+        raise LlmvisorError(f"{journal_path}: not a validation journal (no header line); choose another --output")
+    recorded = header.get("engine_settings", {})
+    differing = [k for k in ENGINE_KEYS if recorded.get(k) != engine_settings.get(k)]
+    if differing:
+        details = ", ".join(f"{k}: journal {recorded.get(k)!r} vs now {engine_settings.get(k)!r}" for k in differing)
+        raise LlmvisorError(f"{journal_path}: measured under other engine settings ({details}); use the same settings or another --output")
+
+
+def validate(
+    model: Annotated[Path, typer.Option("--model", "-m", help="Fitted llmvisor model (JSON) whose shares are judged.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Result JSON; measurements go to RESULT.journal.jsonl beside it, and a re-run resumes from it.")],
+    engine_model: Annotated[Path | None, typer.Option(help="Hugging Face model folder run by vLLM (a bare config.json runs with dummy weights). Default: the shipped engine model.")] = None,
+    batches: Annotated[int, typer.Option(help="Batches to validate (alternating prefill and decode).")] = 100,
+    max_batch: Annotated[int, typer.Option(help="Largest batch (2 to 8); every non-empty subset of a batch is measured.")] = 5,
+    repeat: Annotated[int, typer.Option(help="Times each subset step is measured; the median is kept.")] = 3,
+    replicate_every: Annotated[int, typer.Option(help="Measure every Nth pair of batches twice, independently, for the noise floor (0: never).")] = 4,
+    adversarial_fraction: Annotated[float, typer.Option(help="Share of batches with one long request among short ones.")] = 0.2,
+    workloads: Annotated[Path | None, typer.Option(help="Folder with azure-2023-conv.csv, azure-2023-code.csv, arxiv-summarization.csv. Default: ../shared/data/workloads.")] = None,
+    max_prefill_tokens: Annotated[int | None, typer.Option(help="Most tokens in a prefill batch (default: max_num_batched_tokens).")] = None,
+    max_model_len: Annotated[int, typer.Option(help="Engine: longest prompt + output.")] = 4096,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Engine: most tokens in one step.")] = 2048,
+    max_num_seqs: Annotated[int, typer.Option(help="Engine: most requests in one step.")] = 32,
+    kv_cache_gib: Annotated[int, typer.Option(help="Engine (CPU build): KV cache size, VLLM_CPU_KVCACHE_SPACE.")] = 4,
+    threads: Annotated[int | None, typer.Option(help="Engine (CPU build): OpenMP/torch threads, as for `llmvisor profile`. Default: as the environment says.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the batches and the measuring order.")] = 0,
+    n_bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples for the 95% intervals.")] = 1000,
+    json_output: Annotated[bool, typer.Option("--json", help="Print only the summary JSON to stdout.")] = False,
+) -> None:
+    """Validate per-request shares against exact Shapley values measured on the real engine."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from llmvisor import validation as v
+    from llmvisor.model import StepLatencyModel
+
+    console = Console(stderr=True)
+    latency_model = StepLatencyModel.from_json(model)
+    if repeat < 1:
+        raise LlmvisorError(f"--repeat: must be at least 1 (got {repeat})")
+    if replicate_every < 0:
+        raise LlmvisorError(f"--replicate-every: must be 0 or more (got {replicate_every})")
+    if n_bootstrap < 0:
+        raise LlmvisorError(f"--n-bootstrap: must be 0 or more (got {n_bootstrap})")
+    if output.suffix.lower() != ".json":
+        raise LlmvisorError(f"{output}: the result must be a .json file")
+    engine_dir = engine_model if engine_model is not None else default_engine_model_dir()
+    config_path = engine_dir / "config.json"
+    if not config_path.is_file():
+        raise LlmvisorError(f"{engine_dir}: no config.json in the engine model folder")
+    workloads_dir = workloads if workloads is not None else v.default_workloads_dir()
+    if workloads_dir is None:
+        raise LlmvisorError("--workloads: no folder given and ../shared/data/workloads not found")
+    mixes = v.read_length_mixes(workloads_dir)
+    envelope = v.Envelope(max_model_len, max_num_batched_tokens, max_num_seqs)
+    specs, length_rules = v.draw_batches(
+        mixes,
+        envelope,
+        n_batches=batches,
+        max_batch=max_batch,
+        adversarial_fraction=adversarial_fraction,
+        replicate_every=replicate_every,
+        max_prefill_tokens=max_prefill_tokens,
+        seed=seed,
+    )
+
+    engine_settings = {
+        "engine_model_config": json.loads(config_path.read_text(encoding="utf-8")),
+        "max_model_len": max_model_len,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "max_num_seqs": max_num_seqs,
+        "threads": threads,
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    journal_path = journal_path_for(output)
+    _check_journal_settings(journal_path, engine_settings)
+    journal = v.Journal(journal_path)
+    if not journal_path.exists():
+        journal.write_header({"engine_settings": engine_settings, "seed": seed})
+    todo = v.missing_measurements(specs, journal, repeat)
+    n_missing = sum(len(masks) for masks in todo.values())
+
+    engine_facts: dict = {}
+    counts = {"measured_now": 0, "rejected_now": 0}
+    started = time.perf_counter()
+    if n_missing:
+        from llmvisor.engines.vllm.controlled import ControlledEngine
+
+        console.print(f"[bold]validate[/]: {n_missing} subset steps to measure on {engine_dir} (journal {journal_path})")
+        with ControlledEngine(
+            engine_dir,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            kv_cache_gib=kv_cache_gib,
+            num_threads=threads,
+            trace_path=output.with_name(output.name.removesuffix(".json") + ".steps.jsonl"),
+            seed=seed,
+            run_id=f"validate-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}",
+        ) as engine:
+            engine_facts = engine.describe()
+            prefill = next((b for b in specs if b.phase == "prefill"), None)
+            decode = next((b for b in specs if b.phase == "decode"), None)
+            engine.warm_up(
+                prefill_lengths=list(prefill.num_new_tokens) if prefill else [16, 32],
+                decode_contexts=list(decode.num_context_tokens) if decode else [16, 32],
+                n_steps=3,
+            )
+            with Progress(
+                TextColumn("[progress.description]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=console,
+                disable=json_output and not console.is_terminal,
+            ) as progress:
+                task = progress.add_task("subset steps", total=n_missing)
+                counts = v.measure(engine, specs, journal, repeat=repeat, seed=seed, on_step=lambda: progress.advance(task))
+    measure_s = time.perf_counter() - started
+
+    settings = {
+        "model": str(model),
+        "model_boundary_new_tokens": latency_model.boundary_,
+        "engine_model_dir": str(engine_dir),
+        **{k: val for k, val in engine_settings.items() if k != "engine_model_config"},
+        "engine_model_config": engine_settings["engine_model_config"],
+        "kv_cache_gib": kv_cache_gib,
+        "batches": batches,
+        "min_batch": 2,
+        "max_batch": max_batch,
+        "repeat": repeat,
+        "replicate_every": replicate_every,
+        "adversarial_fraction": adversarial_fraction,
+        "seed": seed,
+        "workloads": [f"{m.name}.csv" for m in mixes],
+        "length_rules": length_rules,
+        "journal": journal_path.name,
+        "measured_now": counts.get("measured_now", 0),
+        "rejected_now": counts.get("rejected_now", 0),
+        "measure_wall_s": round(measure_s, 1),
+        "host": platform.node(),
+        **({"engine": engine_facts.get("engine"), "engine_facts": engine_facts} if engine_facts else {}),
+    }
+    if not engine_facts and output.exists():
+        try:
+            previous = json.loads(output.read_text(encoding="utf-8")).get("settings", {})
+            for key in ("engine", "engine_facts"):
+                if key in previous:
+                    settings[key] = previous[key]
+        except (OSError, json.JSONDecodeError):
+            pass
+    result = v.build_result(specs, journal, latency_model, repeat=repeat, n_bootstrap=n_bootstrap, seed=seed, settings=settings)
+    tmp = output.with_name(output.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    tmp.replace(output)
+    if json_output:
+        typer.echo(json.dumps(result["summary"], indent=2))
+    else:
+        print_summary(console, result)
+        console.print(f"wrote {output} ({result['n_batches_measured']} batches; journal {journal_path.name})")
+
+
+def print_summary(console, result: dict) -> None:
+    """A rich table: error quantiles per method and phase, with the noise floor and the LOO gap."""
+    from rich.table import Table
+
+    summary = result["summary"]
+    if not summary:
+        console.print("no batch fully measured yet")
+        return
+
+    def pct(x):
+        return "–" if x is None else f"{100 * x:.1f}%"
+
+    table = Table(title="|share − measured Shapley| / step time")
+    for column in ("phase", "method", "p50 [95% CI]", "p90 [95% CI]", "p99", "p90 gain vs tokens"):
+        table.add_column(column, justify="right" if column != "method" else "left")
+    for phase, tables in summary["errors"].items():
+        for method in ("shapley", "shapley_predicted", "proportional", "paper", "model_exact_shapley", "token_proportional", "equal_split", "measured_additive_fit"):
+            m = tables["shapley"].get(method)
+            if not m:
+                continue
+            gain = summary["improvement_vs_token_proportional"][phase].get(method)
+            table.add_row(
+                phase,
+                method,
+                f"{pct(m['p50'])} [{pct(m['p50_ci95'][0])}, {pct(m['p50_ci95'][1])}]",
+                f"{pct(m['p90'])} [{pct(m['p90_ci95'][0])}, {pct(m['p90_ci95'][1])}]",
+                pct(m["p99"]),
+                "–" if gain is None else f"{gain:.2f}×",
+            )
+    console.print(table)
+    for phase in summary["errors"]:
+        floor = summary["noise_floor"]["shapley"].get(phase, {})
+        gap = summary["loo_sum_gap_fraction"].get(phase, {})
+        step = summary["noise_floor"]["step"].get(phase, {})
+        console.print(
+            f"{phase}: noise floor of measured Shapley p50 {pct(floor.get('p50'))} p90 {pct(floor.get('p90'))}; "
+            f"step repeat spread p50 {pct(step.get('p50'))} p90 {pct(step.get('p90'))}; "
+            f"(Σ LOO − T)/T median {pct(gap.get('p50'))}; goal met: {summary['goal_met'].get(phase)}"
+        )

@@ -1,0 +1,399 @@
+"""Validation: exact Shapley and leave-one-out on games with known answers, the journal, metrics, the real engine."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmvisor import validation as v
+from llmvisor.engines.vllm.controlled import MeasuredStep, Slice
+from llmvisor.errors import LlmvisorError
+from llmvisor.features import FEATURE_NAMES
+from llmvisor.model import StepLatencyModel
+
+
+def game(n: int, value) -> np.ndarray:
+    """Cost of every subset (index = bit mask) from a function of the member list."""
+    return np.array([0.0] + [value([i for i in range(n) if mask >> i & 1]) for mask in range(1, 1 << n)])
+
+
+def brute_force_shapley(cost: np.ndarray, n: int) -> np.ndarray:
+    """Shapley values as the average marginal cost over all n! orders (the definition)."""
+    phi = np.zeros(n)
+    orders = list(itertools.permutations(range(n)))
+    for order in orders:
+        mask = 0
+        for i in order:
+            phi[i] += cost[mask | 1 << i] - cost[mask]
+            mask |= 1 << i
+    return phi / len(orders)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Games with known answers
+
+
+def test_additive_game_shapley_is_own_plus_equal_split_of_intercept():
+    own = np.array([0.010, 0.003, 0.020, 0.0, 0.007])
+    b = 0.012
+    cost = game(5, lambda s: b + own[s].sum())
+    np.testing.assert_allclose(v.exact_shapley(cost), own + b / 5, rtol=0, atol=1e-15)
+    np.testing.assert_allclose(v.leave_one_out(cost), own, atol=1e-15)
+    assert v.leave_one_out(cost).sum() - cost[-1] == pytest.approx(-b)
+    fit = v.additive_fit(cost)
+    assert fit["intercept_s"] == pytest.approx(b)
+    np.testing.assert_allclose(fit["shapley_s"], own + b / 5, atol=1e-12)
+    assert fit["rms_residual_fraction"] < 1e-12
+
+
+def test_max_game_shapley_is_the_airport_split():
+    """v(S) = max a_i: each increment of the maximum is split equally among those who need it."""
+    a = np.array([4.0, 1.0, 9.0, 1.0])
+    cost = game(4, lambda s: a[s].max())
+    # sorted: 1, 1, 4, 9 -> first increment 1 split by 4, then 3 split by 2 (requests 0 and 2), then 5 by 1
+    expected = np.array([1 / 4 + 3 / 2, 1 / 4, 1 / 4 + 3 / 2 + 5, 1 / 4])
+    np.testing.assert_allclose(v.exact_shapley(cost), expected)
+    np.testing.assert_allclose(v.leave_one_out(cost), [0, 0, 5, 0])
+    assert v.additive_fit(cost)["rms_residual_fraction"] > 0.05
+
+
+def test_shapley_of_a_batch_wide_padding_game():
+    """Padding: every member pays for the longest one, v(S) = |S|·max a_i; brute force agrees."""
+    a = np.array([100.0, 10.0, 10.0])
+    cost = game(3, lambda s: len(s) * a[s].max())
+    phi = v.exact_shapley(cost)
+    np.testing.assert_allclose(phi, brute_force_shapley(cost, 3))
+    # Orders: request 0 first adds 100, second 200 − 10, last 300 − 20: (100 + 190 + 280) / 3 = 190.
+    np.testing.assert_allclose(phi, [190.0, 55.0, 55.0])  # far above its own 100: it causes the others' padding
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 2**32 - 1))
+def test_shapley_axioms_on_random_games(n, seed):
+    rng = np.random.default_rng(seed)
+    cost = np.concatenate([[0.0], rng.random((1 << n) - 1)])
+    phi = v.exact_shapley(cost)
+    assert phi.sum() == pytest.approx(cost[-1])  # efficiency
+    np.testing.assert_allclose(phi, brute_force_shapley(cost, n), atol=1e-12)
+
+
+def test_game_input_is_checked():
+    with pytest.raises(ValueError):
+        v.exact_shapley(np.array([0.0, 1.0, 2.0]))
+    with pytest.raises(ValueError):
+        v.exact_shapley(np.array([1.0, 1.0]))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Metrics
+
+
+def test_quantiles_match_numpy_and_intervals_cover_them():
+    rng = np.random.default_rng(1)
+    errors = rng.exponential(0.05, 400)
+    groups = np.repeat(np.arange(100), 4)
+    out = v.quantiles_with_ci(errors, groups, n_bootstrap=300)
+    for q in (50, 90, 99):
+        assert out[f"p{q}"] == pytest.approx(np.percentile(errors, q))
+        low, high = out[f"p{q}_ci95"]
+        assert low <= out[f"p{q}"] <= high
+    assert out["n"] == 400
+
+
+def test_cluster_bootstrap_is_wider_than_independent_when_groups_are_alike():
+    """Requests of one batch share its measurements: resampling batches must not pretend they are independent."""
+    rng = np.random.default_rng(2)
+    per_group = rng.exponential(0.05, 40)
+    errors = np.repeat(per_group, 5)
+    clustered = v.quantiles_with_ci(errors, np.repeat(np.arange(40), 5), n_bootstrap=500)
+    independent = v.quantiles_with_ci(errors, np.arange(200), n_bootstrap=500)
+    width = lambda out: out["p50_ci95"][1] - out["p50_ci95"][0]  # noqa: E731
+    assert width(clustered) > 1.5 * width(independent)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A synthetic engine with a known cost: the journal, resumability, rejection, the analysis
+
+
+class GameEngine:
+    """Measures steps of a known cost function (plus optional multiplicative noise); counts the steps run."""
+
+    def __init__(self, cost_fn, *, noise: float = 0.0, seed: int = 0, fail_every: int = 0, crash_after: int | None = None):
+        self.cost_fn = cost_fn
+        self.noise = noise
+        self.rng = np.random.default_rng(seed)
+        self.n_steps = 0
+        self.fail_every = fail_every
+        self.crash_after = crash_after
+
+    def _run(self, slices: list[Slice]) -> MeasuredStep:
+        self.n_steps += 1
+        if self.crash_after is not None and self.n_steps > self.crash_after:
+            raise KeyboardInterrupt("simulated crash")
+        t = self.cost_fn(slices) * (1 + self.noise * self.rng.standard_normal())
+        if self.fail_every and self.n_steps % self.fail_every == 0:
+            return MeasuredStep(t, slices, slices[:-1], 2, "the batch ran as 2 steps")
+        return MeasuredStep(t, slices, list(slices), 1)
+
+    def prefill_step(self, lengths):
+        return self._run([Slice(p, 0, True) for p in lengths])
+
+    def prepare_decode(self, contexts, *, max_decode_steps):
+        return {"contexts": list(contexts)}
+
+    def decode_step(self, handle, members):
+        step = self._run([Slice(1, handle["contexts"][i], False) for i in members])
+        for i in members:
+            handle["contexts"][i] += 1
+        return step
+
+    def release(self, handle):
+        pass
+
+
+B, K1, K3, D6, D7 = 0.010, 2e-5, 1e-9, 1e-6, 5e-4
+
+
+def additive_cost(slices: list[Slice]) -> float:
+    own = sum(K1 * s.num_new_tokens + K3 * s.num_new_tokens**2 if s.is_prefill else D6 * s.num_context_tokens + D7 for s in slices)
+    return B + own
+
+
+def known_model(d6: float = D6) -> StepLatencyModel:
+    coef = dict.fromkeys(FEATURE_NAMES, 0.0)
+    coef.update(intercept=B, prefill_new_tokens=K1, prefill_new_tokens_squared=K3, decode_context_tokens=d6, decode_requests=D7)
+    return StepLatencyModel.from_dict(
+        {
+            "format": "llmvisor.step_latency_model",
+            "format_version": 1,
+            "params": {},
+            "feature_names": list(FEATURE_NAMES),
+            "boundary_new_tokens": None,
+            "segments": [{"name": "all", "coef_s": coef}],
+        }
+    )
+
+
+ENVELOPE = v.Envelope(max_model_len=4096, max_num_batched_tokens=2048, max_num_seqs=32)
+
+
+def mixes() -> list[v.LengthMix]:
+    rng = np.random.default_rng(0)
+    return [
+        v.LengthMix(name, rng.lognormal(6.5, 0.9, 2000).astype(int) + 1, rng.lognormal(4.5, 1.0, 2000).astype(int))
+        for name in ("conv", "code", "arxiv")
+    ]
+
+
+def test_draw_batches_respects_limits_and_is_deterministic():
+    batches, rules = v.draw_batches(mixes(), ENVELOPE, n_batches=40, max_batch=5, seed=3)
+    again, _ = v.draw_batches(mixes(), ENVELOPE, n_batches=60, max_batch=5, seed=3)
+    assert [b.key for b in batches] == [b.key for b in again[:40]]  # extending the run keeps earlier batches
+    assert {b.size for b in batches} == {2, 3, 4, 5}
+    assert {b.phase for b in batches} == {"prefill", "decode"}
+    assert any(b.kind == "adversarial" for b in batches if b.phase == "prefill")
+    assert any(b.kind == "adversarial" for b in batches if b.phase == "decode")
+    assert any(b.rounds == 2 for b in batches)
+    for b in batches:
+        if b.phase == "prefill":
+            assert sum(b.num_new_tokens) <= 2048 and set(b.num_context_tokens) == {0}
+        else:
+            assert set(b.num_new_tokens) == {1} and max(b.num_context_tokens) <= 4096 - 256
+        if b.kind == "adversarial":
+            lengths = b.num_new_tokens if b.phase == "prefill" else b.num_context_tokens
+            assert max(lengths) > 5 * sorted(lengths)[-2]
+    assert "scale_factors" in rules
+
+
+def test_bad_arguments_are_user_errors():
+    with pytest.raises(LlmvisorError, match="max-batch"):
+        v.draw_batches(mixes(), ENVELOPE, n_batches=4, max_batch=1)
+    with pytest.raises(LlmvisorError, match="batches"):
+        v.draw_batches(mixes(), ENVELOPE, n_batches=0, max_batch=3)
+    with pytest.raises(LlmvisorError, match="repeat"):
+        v.measure(GameEngine(additive_cost), [], v.Journal("/nonexistent/j.jsonl"), repeat=0)
+    with pytest.raises(LlmvisorError, match="workload file missing"):
+        v.read_length_mixes("/nonexistent")
+
+
+def test_measure_resumes_from_the_journal(tmp_path):
+    batches, _ = v.draw_batches(mixes(), ENVELOPE, n_batches=6, max_batch=4, replicate_every=0, seed=1)
+    total = sum(((1 << b.size) - 1) * 2 for b in batches)
+    path = tmp_path / "j.jsonl"
+
+    crashing = GameEngine(additive_cost, crash_after=25)
+    with pytest.raises(KeyboardInterrupt):
+        v.measure(crashing, batches, v.Journal(path), repeat=2, warm_up_steps=0)
+    journal = v.Journal(path)
+    done = sum(len(ms) for ms in journal.measurements.values())
+    assert done == 25
+    with open(path, "a") as handle:  # a line cut short by the crash
+        handle.write('{"type": "measurement", "batch_ke')
+
+    engine = GameEngine(additive_cost)
+    counts = v.measure(engine, batches, v.Journal(path), repeat=2, warm_up_steps=0)
+    assert engine.n_steps == total - 25 == counts["measured_now"]
+    assert counts["reused"] == 25
+
+    idle = GameEngine(additive_cost)
+    counts = v.measure(idle, batches, v.Journal(path), repeat=2, warm_up_steps=0)
+    assert idle.n_steps == 0 and counts["measured_now"] == 0
+
+    more = GameEngine(additive_cost)
+    v.measure(more, batches, v.Journal(path), repeat=3, warm_up_steps=0)
+    assert more.n_steps == total // 2  # one more repeat of every subset, nothing else
+
+
+def test_steps_that_did_not_run_as_intended_are_rejected_and_redone(tmp_path):
+    batches, _ = v.draw_batches(mixes(), ENVELOPE, n_batches=2, max_batch=3, replicate_every=0)
+    journal = v.Journal(tmp_path / "j.jsonl")
+    engine = GameEngine(additive_cost, fail_every=4)
+    counts = v.measure(engine, batches, journal, repeat=1, warm_up_steps=0)
+    assert counts["rejected_now"] > 0
+    assert counts["measured_now"] == sum((1 << b.size) - 1 for b in batches)
+    assert v.Journal(tmp_path / "j.jsonl").n_rejected == counts["rejected_now"]
+    with pytest.raises(LlmvisorError, match="did not run as the intended step"):
+        v.measure(GameEngine(additive_cost, fail_every=1), batches, v.Journal(tmp_path / "k.jsonl"), repeat=1, warm_up_steps=0)
+
+
+def test_a_correct_additive_model_matches_measured_shapley_exactly(tmp_path):
+    """An additive engine priced exactly by the model: the shapley rule's shares equal the measured Shapley values.
+
+    (Decode cost is made independent of context here, since contexts grow while a batch is measured.)
+    """
+    batches, _ = v.draw_batches(mixes(), ENVELOPE, n_batches=12, max_batch=5, replicate_every=2)
+    journal = v.Journal(tmp_path / "j.jsonl")
+    v.measure(GameEngine(lambda s: additive_cost(s) if s[0].is_prefill else B + D7 * len(s)), batches, journal, repeat=3)
+    result = v.build_result(batches, journal, known_model(d6=0.0), repeat=3, n_bootstrap=50)
+    summary = result["summary"]
+    for phase in v.PHASES:
+        shapley = summary["errors"][phase]["shapley"]
+        assert shapley["shapley"]["p99"] < 1e-9
+        assert shapley["shapley_predicted"]["p99"] < 1e-9
+        assert shapley["model_exact_shapley"]["p99"] < 1e-9
+        assert summary["noise_floor"]["shapley"][phase]["p99"] < 1e-12
+        assert summary["loo_sum_gap_fraction"][phase]["p90"] < 0  # LOO misses the shared intercept
+    # Token-proportional shares ignore the intercept's equal split; they must be measurably worse for prefill.
+    assert summary["errors"]["prefill"]["shapley"]["token_proportional"]["p90"] > 0.01
+    record = next(r for r in result["batches"] if r["phase"] == "prefill")
+    assert record["loo_sum_gap_fraction"] == pytest.approx(-B / record["measured_step_s"])
+    assert summary["loo_sum_gap_fraction"]["prefill"]["n"] == summary["n_batches"]["prefill"] == 6
+    json.dumps(result, allow_nan=False)  # JSON-ready
+
+
+def test_a_max_dependent_cost_shows_up_as_non_additivity(tmp_path):
+    """Decode with a cost on the longest context in the step (padding): the additive rule misses it."""
+    def padded(slices):
+        return B + D7 * len(slices) + 4e-6 * len(slices) * max(s.num_context_tokens for s in slices)
+
+    batches = [v.BatchSpec(0, "decode", "adversarial", "test", (1, 1, 1, 1), (3000, 20, 30, 40))]
+    journal = v.Journal(tmp_path / "j.jsonl")
+    v.measure(GameEngine(padded), batches, journal, repeat=1, warm_up_steps=0)
+    record = v.analyse_batch(batches[0], journal, known_model(), repeat=1)
+    assert record["additive_fit"]["rms_residual_fraction"] > 0.01
+    phi = np.array(record["shapley_s"])
+    share = np.array(record["shares_s"]["shapley"])
+    assert phi[0] > share[0]  # the long request causes padding the additive split spreads over the others
+    assert math.isclose(sum(share), record["measured_step_s"], rel_tol=1e-12)
+
+
+def test_report_sections_render_from_a_result(tmp_path):
+    batches, _ = v.draw_batches(mixes(), ENVELOPE, n_batches=8, max_batch=3, replicate_every=2)
+    journal = v.Journal(tmp_path / "j.jsonl")
+    v.measure(GameEngine(additive_cost, noise=0.03), batches, journal, repeat=3)
+    result = v.build_result(batches, journal, known_model(), repeat=3, n_bootstrap=50, settings={"repeat": 3, "max_batch": 3})
+    result = json.loads(json.dumps(result))  # as read back from the shipped file
+    sections = v.report_sections(result)
+    assert len(sections) == 4
+    assert all(isinstance(h, str) and isinstance(body, str) for h, body in sections)
+    assert sum(body.count("data:image/png;base64,") for _, body in sections) == 2
+    assert result["summary"]["noise_floor"]["shapley"]["decode"]["p50"] > 0
+
+
+def test_validate_command_user_errors(tmp_path):
+    from llmvisor.validation_command import validate
+
+    with pytest.raises(LlmvisorError, match="no such model file"):
+        validate(model=tmp_path / "missing.json", output=tmp_path / "r.json")
+    model_path = tmp_path / "model.json"
+    known_model().to_json(model_path)
+    with pytest.raises(LlmvisorError, match="repeat"):
+        validate(model=model_path, output=tmp_path / "r.json", repeat=0)
+    with pytest.raises(LlmvisorError, match="no config.json"):
+        validate(model=model_path, output=tmp_path / "r.json", engine_model=tmp_path)
+    with pytest.raises(LlmvisorError, match=r"\.json"):
+        validate(model=model_path, output=tmp_path / "r.txt")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The real engine
+
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "hidden_act": "silu",
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "vocab_size": 1000,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.mark.vllm
+def test_controlled_steps_on_vllm_run_exactly_the_intended_batches(tmp_path):
+    pytest.importorskip("vllm")
+    from llmvisor.engines.vllm.controlled import ControlledEngine
+
+    model_dir = tmp_path / "tiny"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(TINY_CONFIG))
+    batches = [
+        v.BatchSpec(0, "prefill", "workload", "test", (37, 90), (0, 0)),
+        v.BatchSpec(1, "decode", "workload", "test", (1, 1), (130, 17)),
+    ]
+    trace = tmp_path / "steps.jsonl"
+    journal = v.Journal(tmp_path / "j.jsonl")
+    with ControlledEngine(model_dir, max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=8, kv_cache_gib=1, trace_path=trace) as engine:
+        # Direct check of one decode subset and its recorded composition.
+        handle = engine.prepare_decode([130, 17], max_decode_steps=20)
+        step = engine.decode_step(handle, [1])
+        assert step.matches, step.reason
+        assert step.n_engine_steps == 1 and step.recorded == [Slice(1, 17, False)]
+        step = engine.decode_step(handle, [0, 1])
+        assert step.matches and step.recorded == [Slice(1, 130, False), Slice(1, 18, False)]
+        engine.release(handle)
+        step = engine.prefill_step([37, 90])
+        assert step.matches and step.recorded == [Slice(37, 0, True), Slice(90, 0, True)] and step.step_latency_s > 0
+        counts = v.measure(engine, batches, journal, repeat=2, warm_up_steps=1)
+    assert counts["measured_now"] == 2 * 3 * 2
+    # Every step the recorder wrote: each controlled step ran alone and as intended.
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    steps: dict[int, list[dict]] = {}
+    for row in rows:
+        steps.setdefault(row["step_id"], []).append(row)
+    compositions = [sorted((r["num_new_tokens"], r["num_context_tokens"], r["phase"]) for r in s) for s in steps.values()]
+    assert [(37, 0, "prefill")] in compositions and [(37, 0, "prefill"), (90, 0, "prefill")] in compositions
+    decode_steps = [c for c in compositions if c[0][2] == "decode"]
+    assert all(n == 1 for c in decode_steps for n, _, _ in c)
+    for mask in (1, 2, 3):
+        ms = journal.get(batches[1], 0, mask)
+        assert len(ms) == 2
+        expected_base = [c for i, c in enumerate((130, 17)) if mask >> i & 1]
+        for m in ms:  # contexts grow by one per run, never below the prefilled context
+            assert all(0 <= got - base <= 12 for got, base in zip(m.num_context_tokens, expected_base))
