@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from sqlalchemy import Connection, Engine, and_, create_engine, event, func, insert, select, update
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.pool import StaticPool
 
 from llmvisor.errors import LlmvisorError
@@ -289,10 +289,16 @@ class Ledger:
         the database's own work at thousands of rows per batch."""
         columns = ", ".join(column.name for column in table.columns)
         if self.backend == "postgresql":
-            with conn.connection.driver_connection.cursor() as cursor:
-                with cursor.copy(f"COPY {table.name} ({columns}) FROM STDIN") as copy:
-                    for row in rows:
-                        copy.write_row(row)
+            statement = f"COPY {table.name} ({columns}) FROM STDIN"
+            driver = self._write_engine.dialect.dbapi
+            try:
+                with conn.connection.driver_connection.cursor() as cursor:
+                    with cursor.copy(statement) as copy:
+                        for row in rows:
+                            copy.write_row(row)
+            except driver.Error as error:
+                # The raw cursor bypasses SQLAlchemy; wrap its errors the way SQLAlchemy would (IntegrityError...).
+                raise DBAPIError.instance(statement, None, error, driver.Error) from error
         else:
             placeholders = ", ".join(["?"] * len(table.columns))
             conn.exec_driver_sql(f"INSERT INTO {table.name} ({columns}) VALUES ({placeholders})", rows)
