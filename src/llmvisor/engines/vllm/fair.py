@@ -1,0 +1,404 @@
+"""`FairScheduler`: vLLM's scheduler with VTC admission, quotas and SLO admission control (`llmvisor.fairness`).
+
+Pass it as ``LLM(..., scheduler_cls=FairScheduler)`` or to the OpenAI server as
+``--scheduler-cls llmvisor.engines.vllm.fair.FairScheduler``; settings come from ``LLMVISOR_FAIR_CONFIG``
+(a JSON or TOML file, or the JSON itself; ``docs/fairness.md``). It is the step recorder
+(`llmvisor.engines.vllm.recorder.RecordingScheduler`) too: with ``LLMVISOR_TRACE_PATH`` set it writes the trace.
+
+What it changes in vLLM (0.32, V1):
+
+- ``self.waiting`` is a `TenantRequestQueue`: one FIFO per tenant (``sampling_params.extra_args["tenant"]``).
+  During a scheduling pass the queue offers the head of the tenant `FairShare.choose` picks, and reports itself
+  empty when no tenant may be admitted (quota, SLO), which ends vLLM's admission loop for that pass.
+- Before each pass ``self.running`` is stably sorted by tenant counter, most-served tenant last. vLLM's FCFS
+  preemption evicts ``running[-1]``, so the most-served tenant's newest request goes first, and under a tight
+  token budget the least-served tenants' running requests get their tokens first.
+- After each step, its measured time (``schedule()`` returning to ``update_from_output()`` entered, as the
+  recorder measures it) is charged: tokens or attributed seconds per tenant.
+
+Its own work (queue operations, ordering, predictions, charging) is timed with ``perf_counter`` and reported
+against step time by `fair_overhead` and at shutdown.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+from vllm.logger import init_logger
+from vllm.v1.core.sched.request_queue import RequestQueue
+
+from llmvisor.engines.vllm.recorder import RecordingScheduler
+from llmvisor.fairness import AdmissionDecision, FairnessConfig, FairShare
+
+logger = init_logger(__name__)
+
+MAX_KEPT_STEPS = 1 << 20
+
+
+@dataclass
+class Admission:
+    """One admission from the waiting queue, with the keys (counters + reservations) it was decided on."""
+
+    step: int
+    request_id: str
+    tenant: str
+    keys: dict[str, float]
+    decision: AdmissionDecision | None
+
+
+@dataclass
+class Preemption:
+    step: int
+    request_id: str
+    tenant: str
+    keys: dict[str, float]
+    """Keys of the tenants with a request running (the victim's included) when it was evicted."""
+
+
+class TenantRequestQueue(RequestQueue):
+    """vLLM's waiting queue as per-tenant FIFOs; the owning `FairScheduler` decides whose head goes next."""
+
+    def __init__(self, owner: FairScheduler):
+        self._owner = owner
+        self._fifos: dict[str, deque] = {}
+        self._len = 0
+        self._in_pass = False
+        self._version = 0
+        self._cached: tuple[int, str | None] = (-1, None)
+        self.time_s = 0.0
+
+    # pass control, from the scheduler
+    def begin_pass(self) -> None:
+        self._in_pass = True
+        self._cached = (-1, None)
+
+    def end_pass(self) -> None:
+        self._in_pass = False
+
+    def _choice(self) -> str | None:
+        if self._cached[0] == self._version:
+            return self._cached[1]
+        tenants = [t for t, fifo in self._fifos.items() if fifo]
+        tenant = self._owner._choose(tenants) if tenants else None
+        self._cached = (self._version, tenant)
+        return tenant
+
+    def _lowest(self) -> str | None:
+        return self._owner.fair.vtc.lowest(t for t, fifo in self._fifos.items() if fifo)
+
+    def head(self, tenant: str):
+        return self._fifos[tenant][0]
+
+    # RequestQueue
+    def add_request(self, request) -> None:
+        started = time.perf_counter()
+        tenant = self._owner.tenant_of(request)
+        fifo = self._fifos.get(tenant)
+        if fifo is None:
+            fifo = self._fifos[tenant] = deque()
+        fifo.append(request)
+        self._len += 1
+        self._version += 1
+        self._owner.fair.arrive(tenant)
+        self.time_s += time.perf_counter() - started
+
+    def peek_request(self):
+        started = time.perf_counter()
+        tenant = self._choice() if self._in_pass else self._lowest()
+        self.time_s += time.perf_counter() - started
+        if tenant is None:
+            raise IndexError("peek from an empty queue (or no tenant may be admitted now)")
+        return self._fifos[tenant][0]
+
+    def pop_request(self):
+        started = time.perf_counter()
+        tenant = self._choice() if self._in_pass else self._lowest()
+        if tenant is None:
+            raise IndexError("pop from an empty queue (or no tenant may be admitted now)")
+        request = self._fifos[tenant].popleft()
+        self._len -= 1
+        self._version += 1
+        self._owner.fair.leave(tenant)
+        self._owner._popped(request, tenant)
+        self.time_s += time.perf_counter() - started
+        return request
+
+    def prepend_request(self, request) -> None:
+        started = time.perf_counter()
+        tenant = self._owner.tenant_of(request)
+        fifo = self._fifos.get(tenant)
+        if fifo is None:
+            fifo = self._fifos[tenant] = deque()
+        fifo.appendleft(request)
+        self._len += 1
+        self._version += 1
+        self._owner.fair.requeue(tenant)
+        self._owner._returned(request, tenant)
+        self.time_s += time.perf_counter() - started
+
+    def prepend_requests(self, requests: Iterable) -> None:
+        # Same order as vLLM's FCFS queue (deque.extendleft): each one goes to the front of its tenant's FIFO.
+        for request in requests:
+            self.prepend_request(request)
+
+    def remove_request(self, request) -> None:
+        self.remove_requests((request,))
+
+    def remove_requests(self, requests: Iterable) -> None:
+        started = time.perf_counter()
+        doomed = requests if isinstance(requests, set) else set(requests)
+        for tenant, fifo in self._fifos.items():
+            kept = [r for r in fifo if r not in doomed]
+            removed = len(fifo) - len(kept)
+            if removed:
+                fifo.clear()
+                fifo.extend(kept)
+                self._len -= removed
+                self._owner.fair.leave(tenant, removed)
+        self._version += 1
+        self.time_s += time.perf_counter() - started
+
+    def __bool__(self) -> bool:
+        if not self._in_pass:
+            return self._len > 0
+        started = time.perf_counter()
+        admissible = self._len > 0 and self._choice() is not None
+        self.time_s += time.perf_counter() - started
+        return admissible
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator:
+        vtc = self._owner.fair.vtc
+        for tenant in sorted((t for t, f in self._fifos.items() if f), key=lambda t: (vtc.key(t), vtc.order.get(t, 0))):
+            yield from list(self._fifos[tenant])
+
+    def tenant_lengths(self) -> dict[str, int]:
+        return {t: len(f) for t, f in self._fifos.items()}
+
+
+class FairScheduler(RecordingScheduler):
+    """vLLM's scheduler with fair admission order, most-served-first preemption and per-step charging."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.configure(FairnessConfig.from_env())
+
+    def configure(self, config: FairnessConfig, model=None) -> None:
+        """(Re)start the policy with ``config``; only while no request is waiting or running."""
+        if getattr(self, "waiting", None) is not None and (len(self.waiting) or self.running):
+            raise RuntimeError("FairScheduler.configure needs an idle engine (no waiting or running requests)")
+        if self.policy.value != "fcfs":
+            logger.warning("llmvisor: FairScheduler replaces vLLM's %r policy with per-tenant VTC order", self.policy.value)
+        self.fair_config = config
+        self.fair = FairShare(config, model, max_chunk_tokens=int(self.scheduler_config.max_num_batched_tokens))
+        self._tenant_key = config.tenant_key
+        self._default_tenant = config.default_tenant
+        self.waiting = TenantRequestQueue(self)
+        self.admissions: deque[Admission] = deque(maxlen=max(1, config.log_size))
+        self.preemptions: deque[Preemption] = deque(maxlen=max(1, config.log_size))
+        self.num_admitted = 0
+        self.num_preempted = 0
+        self._pass_now_s = 0.0
+        self._pass_running: list[float] | None = None
+        self._pass_reserved: dict[str, tuple[str, float]] = {}
+        self._pass_decision: AdmissionDecision | None = None
+        self._pass_keys: dict[str, float] = {}
+        self._steps: dict[int, tuple] = {}
+        self._fair_last_exit_s = 0.0
+        self._fair_time_s = 0.0
+        self._fair_step_s = 0.0
+        self.num_charged_steps = 0
+        self.fair_step_overhead_s = array("d")
+        self.fair_step_latency_s = array("d")
+
+    # ---------------------------------------------------------------------------------------------------
+    def tenant_of(self, request) -> str:
+        params = request.sampling_params
+        extra = params.extra_args if params is not None else None
+        if not extra:
+            return self._default_tenant
+        tenant = extra.get(self._tenant_key)
+        return self._default_tenant if tenant is None else str(tenant)
+
+    def _choose(self, tenants: list[str]) -> str | None:
+        """Called by the queue during a pass (cached until the queue changes)."""
+        fair = self.fair
+        self._pass_keys = {t: fair.vtc.key(t) for t in tenants}
+        self._pass_decision = None
+        decide = self._decide if fair.config.tpot_slo_s is not None else None
+        return fair.choose(tenants, self._pass_now_s, decide)
+
+    def _running_stats(self) -> list[float]:
+        """[number of running requests, their total context tokens], as decode slices after this pass."""
+        if self._pass_running is None:
+            self._pass_running = [float(len(self.running)), float(sum(r.num_tokens for r in self.running))]
+        return self._pass_running
+
+    def _decide(self, tenant: str) -> AdmissionDecision:
+        request = self.waiting.head(tenant)
+        num_running, sum_context = self._running_stats()
+        decision = self.fair.admission.decide(
+            int(num_running),
+            sum_context,
+            request.num_tokens,
+            0,
+            max(1, request.max_tokens - request.num_output_tokens),
+        )
+        self._pass_decision = decision
+        return decision
+
+    def _popped(self, request, tenant: str) -> None:
+        """A request left the waiting queue in a pass: admitted (or skipped, undone by `_returned`)."""
+        amount = self.fair.reservation(request.num_tokens, request.num_computed_tokens)
+        self.fair.vtc.reserve(tenant, amount)
+        self._pass_reserved[request.request_id] = (tenant, amount)
+        stats = self._running_stats()
+        stats[0] += 1
+        stats[1] += request.num_tokens
+        self.admissions.append(Admission(self.current_step, request.request_id, tenant, self._pass_keys, self._pass_decision))
+        self.num_admitted += 1
+
+    def _returned(self, request, tenant: str) -> None:
+        reserved = self._pass_reserved.pop(request.request_id, None)
+        if reserved is not None:
+            self.fair.vtc.unreserve(*reserved)
+            stats = self._running_stats()
+            stats[0] -= 1
+            stats[1] -= request.num_tokens
+            self.num_admitted -= 1
+            if self.admissions and self.admissions[-1].request_id == request.request_id:
+                self.admissions.pop()
+
+    def _order_running(self) -> None:
+        running = self.running
+        if len(running) < 2:
+            return
+        key = self.fair.vtc.key
+        tenant_of = self.tenant_of
+        keys = [key(tenant_of(r)) for r in running]
+        if all(a <= b for a, b in zip(keys, keys[1:])):
+            return
+        order = sorted(range(len(running)), key=keys.__getitem__)
+        running[:] = [running[i] for i in order]
+
+    def _preempt_request(self, request, *args, **kwargs):
+        started = time.perf_counter()
+        key = self.fair.vtc.key
+        tenants = {self.tenant_of(r) for r in self.running}
+        tenant = self.tenant_of(request)
+        tenants.add(tenant)
+        self.preemptions.append(Preemption(self.current_step, request.request_id, tenant, {t: key(t) for t in tenants}))
+        self.num_preempted += 1
+        self._fair_time_s += time.perf_counter() - started
+        return super()._preempt_request(request, *args, **kwargs)
+
+    # ---------------------------------------------------------------------------------------------------
+    def schedule(self, *args, **kwargs):
+        started = time.perf_counter()
+        queue = self.waiting
+        queue_time_before = queue.time_s
+        self._pass_now_s = time.monotonic()
+        self._pass_running = None
+        self._pass_reserved.clear()
+        if self.fair_config.preempt_most_served:
+            self._order_running()
+        queue.begin_pass()
+        before_s = time.perf_counter() - started
+        try:
+            scheduler_output = super().schedule(*args, **kwargs)
+        finally:
+            queue.end_pass()
+        resumed = time.perf_counter()
+        if scheduler_output.total_num_scheduled_tokens:
+            self._steps[id(scheduler_output)] = self._step_slices(scheduler_output)
+        finished = time.perf_counter()
+        self._pending_schedule_s = before_s + (finished - resumed) + (queue.time_s - queue_time_before)
+        if scheduler_output.total_num_scheduled_tokens:
+            self._steps[id(scheduler_output)] += (finished, self._pending_schedule_s)
+        return scheduler_output
+
+    def _step_slices(self, scheduler_output) -> tuple:
+        """(tenants, new tokens, context tokens, is_prefill, samples a token) of the step's slices."""
+        slices = self._slices(scheduler_output)
+        requests = self.requests
+        tenant_of = self.tenant_of
+        tenants = [tenant_of(requests[s[0]]) for s in slices]
+        num_new = np.fromiter((s[2] for s in slices), dtype=np.float64, count=len(slices))
+        num_context = np.fromiter((s[3] for s in slices), dtype=np.float64, count=len(slices))
+        is_prefill = np.fromiter((s[4] for s in slices), dtype=bool, count=len(slices))
+        samples = np.fromiter((s[3] + s[2] >= requests[s[0]].num_tokens for s in slices), dtype=bool, count=len(slices))
+        return (tenants, num_new, num_context, is_prefill, samples)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        entered = time.perf_counter()
+        step = self._steps.pop(id(scheduler_output), None)
+        if step is not None:
+            tenants, num_new, num_context, is_prefill, samples, scheduled_at, schedule_overhead_s = step
+            latency_s = entered - max(scheduled_at, self._fair_last_exit_s)
+            self.fair.charge_step(tenants, num_new, num_context, is_prefill, samples, latency_s, time.monotonic())
+            overhead_s = schedule_overhead_s + time.perf_counter() - entered
+            self.num_charged_steps += 1
+            self._fair_time_s += overhead_s
+            self._fair_step_s += latency_s
+            if len(self.fair_step_latency_s) < MAX_KEPT_STEPS:
+                self.fair_step_overhead_s.append(overhead_s)
+                self.fair_step_latency_s.append(latency_s)
+        result = super().update_from_output(scheduler_output, model_runner_output)
+        self._fair_last_exit_s = time.perf_counter()
+        return result
+
+    # ---------------------------------------------------------------------------------------------------
+    def fair_overhead(self) -> dict:
+        """The scheduler's added work against the step time it measured."""
+        overhead = np.asarray(self.fair_step_overhead_s)
+        latency = np.asarray(self.fair_step_latency_s)
+        fractions = overhead / np.maximum(latency, 1e-12) if latency.size else np.zeros(0)
+        return {
+            "n_steps": self.num_charged_steps,
+            "added_time_s": self._fair_time_s,
+            "step_time_s": self._fair_step_s,
+            "fraction_of_step_time": self._fair_time_s / self._fair_step_s if self._fair_step_s > 0 else 0.0,
+            "added_time_per_step_us": 1e6 * self._fair_time_s / self.num_charged_steps if self.num_charged_steps else 0.0,
+            "added_time_per_step_us_p50": float(np.percentile(overhead, 50) * 1e6) if overhead.size else 0.0,
+            "added_time_per_step_us_p99": float(np.percentile(overhead, 99) * 1e6) if overhead.size else 0.0,
+            "step_fraction_p50": float(np.percentile(fractions, 50)) if fractions.size else 0.0,
+            "step_fraction_p99": float(np.percentile(fractions, 99)) if fractions.size else 0.0,
+        }
+
+    def fair_state(self) -> dict:
+        """Counters, service and queue lengths per tenant, as plain data."""
+        vtc = self.fair.vtc
+        return {
+            "cost": self.fair_config.cost,
+            "counter": dict(vtc.counter),
+            "served": dict(vtc.served),
+            "attributed_s": dict(self.fair.attributed_s),
+            "waiting": self.waiting.tenant_lengths(),
+            "num_admitted": self.num_admitted,
+            "num_preempted": self.num_preempted,
+            "num_lifts": vtc.num_lifts,
+            "num_deferred": self.fair.num_deferred,
+            "num_quota_waits": self.fair.num_quota_waits,
+            "num_work_conserving": self.fair.num_work_conserving,
+        }
+
+    def shutdown(self) -> None:
+        overhead = self.fair_overhead()
+        if overhead["n_steps"]:
+            logger.info(
+                "llmvisor: fair scheduler (%s cost) charged %d steps; its own work took %.3f%% of step time "
+                "(%.1f us/step, p99 %.1f us)",
+                self.fair_config.cost,
+                overhead["n_steps"],
+                100 * overhead["fraction_of_step_time"],
+                overhead["added_time_per_step_us"],
+                overhead["added_time_per_step_us_p99"],
+            )
+        super().shutdown()
