@@ -13,13 +13,15 @@ five dimensions:
 4. decode steps K (2..max_decode_steps): after the pool's prefill, K steps in which the driver's scheduler
    runs a random subset of the pool's decoding requests (1..all), so decode batches of every size occur at
    contexts spread over 1..L;
-5. second wave (0..n/2 requests, same prompt distribution): added halfway through the decode steps, so
+5. second wave (0..min(n/2, max_num_seqs - n) requests, same prompt distribution): added halfway through the decode steps, so
    their prefill chunks share steps with the chosen decodes (mixed steps).
 
 The pool prefills under the budget first (pure prefill steps, then mixed ones as early requests start to
 decode); requests still running when the episode ends are aborted. Episodes are deterministic given their
 seed, so ``--repeat`` re-runs steps of identical composition. Pools are shrunk to fit the KV cache so no
-request is preempted (a preemption would recompute, blurring context lengths).
+request is preempted (a preemption would recompute, blurring context lengths), and to at most
+``max_episode_tokens`` prompt tokens so no episode takes much longer than the rest. While prompts are
+prefilled, each step runs a random number (0 up to half the budget) of the decoding requests.
 """
 
 from __future__ import annotations
@@ -65,7 +67,12 @@ class Episode:
 
 
 def sweep_episodes(
-    envelope: Envelope, num_points: int, *, seed: int = 0, max_decode_steps: int = 24
+    envelope: Envelope,
+    num_points: int,
+    *,
+    seed: int = 0,
+    max_decode_steps: int = 24,
+    max_episode_tokens: int = 65536,
 ) -> list[Episode]:
     """`num_points` space-filling episodes over the envelope (see the module docstring)."""
     from scipy.stats import qmc
@@ -83,10 +90,12 @@ def sweep_episodes(
         longest = 1 + min(int(point[1] * max_prompt), max_prompt - 1)
         budget = int(round(math.exp(math.log(low_budget) + point[2] * math.log(envelope.max_num_batched_tokens / low_budget))))
         decode_steps = MIN_DECODE_STEPS + min(int(point[3] * (max_decode_steps - MIN_DECODE_STEPS + 1)), max_decode_steps - MIN_DECODE_STEPS)
-        wave_size = min(int(point[4] * (pool_size // 2 + 1)), pool_size // 2)
+        wave_size = min(int(point[4] * (pool_size // 2 + 1)), pool_size // 2, envelope.max_num_seqs - pool_size)
         pool = [longest] + rng.integers(1, longest + 1, pool_size - 1).tolist()
         wave = rng.integers(1, longest + 1, wave_size).tolist()
         pool, wave = _fit_kv_cache(pool, wave, envelope, decode_steps)
+        while len(pool) > 1 and sum(pool) + sum(wave) > max_episode_tokens:
+            (wave if wave else pool).pop()
         episodes.append(
             Episode(
                 index=index,

@@ -176,7 +176,11 @@ class ProfiledEngine:
     # -----------------------------------------------------------------------------------------------------
 
     def run_episode(self, episode: Episode, repeat_index: int) -> None:
-        """One sweep episode (`llmvisor.profile.plans`); identical steps on every repeat."""
+        """One sweep episode (`llmvisor.profile.plans`); identical steps on every repeat.
+
+        While prompts are being prefilled, each step runs a random number of the decoding requests, at most
+        half the token budget, so prefill keeps progressing and steps range from pure prefill to mixed.
+        """
         scheduler = self.scheduler
         rng = np.random.default_rng(episode.seed)
         scheduler.set_controls(token_budget=episode.token_budget, decode_batch_size=None, seed=episode.seed)
@@ -184,28 +188,32 @@ class ProfiledEngine:
         prefix = f"sweep-e{episode.index:04d}-r{repeat_index}"
         for k, prompt_len in enumerate(episode.prompt_lens):
             self.add(f"{prefix}-{k:03d}", prompt_len, max_len - prompt_len, "sweep")
-        guard = 0
-        while self._prefilling() and self.num_live:
-            self.step()
-            guard += 1
-            if guard > 100_000:
-                raise RuntimeError("sweep episode did not finish its prefill")
+        max_steps = 4 * (episode.num_prompt_tokens // max(1, episode.token_budget) + len(episode.prompt_lens)) + 64
+        self._prefill_phase(rng, episode.token_budget, max_steps)
         wave_at = episode.num_decode_steps // 2
         for step in range(episode.num_decode_steps):
             if step == wave_at:
                 for k, prompt_len in enumerate(episode.wave_prompt_lens):
                     self.add(f"{prefix}-w{k:03d}", prompt_len, max_len - prompt_len, "sweep")
-            self._step_with_decode_subset(rng)
+            self._step_with_decode_subset(rng, episode.token_budget)
             if not self.num_live:
                 break
-        while self._prefilling() and self.num_live:
-            self._step_with_decode_subset(rng)
+        self._prefill_phase(rng, episode.token_budget, max_steps)
         self.abort_all()
         scheduler.set_controls(token_budget=None, decode_batch_size=None)
 
-    def _step_with_decode_subset(self, rng: np.random.Generator) -> None:
+    def _prefill_phase(self, rng: np.random.Generator, token_budget: int, max_steps: int) -> None:
+        for _ in range(max_steps):
+            if not (self._prefilling() and self.num_live):
+                return
+            self._step_with_decode_subset(rng, token_budget)
+
+    def _step_with_decode_subset(self, rng: np.random.Generator, token_budget: int) -> None:
         decoding = self._num_decoding()
-        size = int(rng.integers(1, decoding + 1)) if decoding else None
+        if self._prefilling():
+            size = int(rng.integers(0, min(decoding, token_budget // 2) + 1))
+        else:
+            size = int(rng.integers(1, decoding + 1)) if decoding else None
         self.scheduler.set_controls(decode_batch_size=size)
         self.step()
 

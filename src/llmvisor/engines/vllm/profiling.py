@@ -54,10 +54,12 @@ class ProfilingScheduler(RecordingScheduler):
         order = {id(r): i for i, r in enumerate(self.running)}
         self.running = [r for r in self.running if id(r) not in held]
         self.max_num_running_reqs -= len(held_back)
+        self.max_num_active_reqs -= len(held_back)
         try:
             return super()._schedule_step(*args, **kwargs)
         finally:
             self.max_num_running_reqs += len(held_back)
+            self.max_num_active_reqs += len(held_back)
             self.max_num_scheduled_tokens = default_budget
             merged = self.running + held_back
             self.running = sorted(merged, key=lambda r: order.get(id(r), len(order)))

@@ -1,0 +1,120 @@
+"""Profiling plans and trace summaries, without an engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmvisor.errors import LlmvisorError
+from llmvisor.profile.plans import Envelope, build_workload, fit_lengths, read_workload_csv, sweep_episodes
+from llmvisor.profile.stats import coverage, noise_floor
+from llmvisor.trace import trace_from_rows
+
+ENVELOPE = Envelope(max_model_len=4096, max_num_batched_tokens=2048, max_num_seqs=32, kv_cache_tokens=200_000)
+
+
+def test_sweep_episodes_fill_the_envelope_and_stay_inside_it():
+    episodes = sweep_episodes(ENVELOPE, 40, seed=3)
+    assert episodes == sweep_episodes(ENVELOPE, 40, seed=3)
+    for episode in episodes:
+        assert 1 <= len(episode.prompt_lens) + len(episode.wave_prompt_lens) <= ENVELOPE.max_num_seqs
+        assert all(1 <= n < ENVELOPE.max_model_len for n in episode.prompt_lens + episode.wave_prompt_lens)
+        assert 1 <= episode.token_budget <= ENVELOPE.max_num_batched_tokens
+        assert sum(n + 300 for n in episode.prompt_lens + episode.wave_prompt_lens) <= ENVELOPE.kv_cache_tokens
+    pools = [len(e.prompt_lens) for e in episodes]
+    longest = [max(e.prompt_lens) for e in episodes]
+    budgets = [e.token_budget for e in episodes]
+    assert min(pools) <= 4 and max(pools) >= 28
+    assert min(longest) <= 400 and max(longest) >= 3600
+    assert min(budgets) <= 64 and max(budgets) >= 1500
+    assert any(e.wave_prompt_lens for e in episodes)
+
+
+def test_fit_lengths_clips_to_max_model_len():
+    assert fit_lengths(100, 20, 4096) == (100, 20)
+    assert fit_lengths(9000, 20, 4096) == (4095, 1)
+    assert fit_lengths(4000, 500, 4096) == (4000, 96)
+    assert fit_lengths(8000, 400, 4096, factor=0.5) == (4000, 96)
+
+
+def write_csv(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_build_workload_rules(tmp_path):
+    a = write_csv(tmp_path / "conv.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,10,5\n1.5,9000,3\n3.0,20,2\n")
+    b = write_csv(tmp_path / "code.csv", "num_prefill_tokens,num_decode_tokens\n100,1\n200,2\n")
+    plan = build_workload([a, b], ENVELOPE, num_requests=2)
+    assert [r.tenant for r in plan.requests] == ["conv", "code", "conv", "code"]
+    assert plan.requests[2].prompt_len == 4095 and plan.requests[2].output_len == 1
+    assert plan.metadata["n_requests_clipped"] == 1 and "clip" in plan.metadata["length_rule"]
+
+    single = build_workload([a], ENVELOPE, num_requests=3, tenants=2, arrival="trace", time_scale=2.0)
+    assert [r.tenant for r in single.requests] == ["conv-t0", "conv-t1", "conv-t0"]
+    assert [r.arrival_s for r in single.requests] == [0.0, 3.0, 6.0]
+
+    scaled = build_workload([a], ENVELOPE, num_requests=3, length_rule="scale")
+    assert all(r.prompt_len + r.output_len <= 4096 for r in scaled.requests)
+    assert scaled.metadata["length_scale_factors"]["conv"] < 1
+
+    with pytest.raises(LlmvisorError, match="arrived_at"):
+        build_workload([b], ENVELOPE, num_requests=2, arrival="trace")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("prompt,output\n1,2\n", "missing column"),
+        ("num_prefill_tokens,num_decode_tokens\n10,abc\n", "line 2: num_decode_tokens"),
+        ("num_prefill_tokens,num_decode_tokens\n0,3\n", "line 2: num_prefill_tokens"),
+        ("num_prefill_tokens,num_decode_tokens\n", "no requests"),
+    ],
+)
+def test_bad_workload_csv_is_named(tmp_path, text, message):
+    path = write_csv(tmp_path / "bad.csv", text)
+    with pytest.raises(LlmvisorError, match=message) as error:
+        read_workload_csv(path)
+    assert path in str(error.value)
+
+
+def test_missing_workload_file(tmp_path):
+    with pytest.raises(LlmvisorError, match="no such workload file"):
+        read_workload_csv(str(tmp_path / "nope.csv"))
+
+
+def step_rows(step_id, latency, slices, warmup=False):
+    return [
+        {
+            "run_id": "r",
+            "step_id": step_id,
+            "step_latency_s": latency,
+            "request_id": f"q{k}",
+            "tenant": "t",
+            "num_new_tokens": p,
+            "num_context_tokens": c,
+            "phase": "prefill" if p > 1 else "decode",
+            "is_warmup": warmup,
+        }
+        for k, (p, c) in enumerate(slices)
+    ]
+
+
+def test_noise_floor_groups_identical_steps_and_skips_warmup():
+    rows = (
+        step_rows(0, 5.0, [(1, 10)], warmup=True)
+        + step_rows(1, 1.0, [(1, 10)])
+        + step_rows(2, 1.1, [(1, 10)])
+        + step_rows(3, 1.2, [(1, 10)])
+        + step_rows(4, 2.0, [(100, 0), (1, 5)])
+        + step_rows(5, 2.0, [(1, 5), (100, 0)])
+        + step_rows(6, 9.0, [(7, 0)])
+    )
+    floor = noise_floor(trace_from_rows(rows))
+    assert floor["n_groups"] == 2 and floor["n_steps"] == 5
+    assert floor["p99"] == pytest.approx(0.1 / 1.1 * 0.99 + 0.1 / 1.1 * 0.01, rel=0.05)
+    assert noise_floor(trace_from_rows(step_rows(0, 1.0, [(1, 1)]))) is None
+
+    summary = coverage(trace_from_rows(rows), {"max_num_seqs": 4, "max_num_batched_tokens": 128, "max_model_len": 256})
+    assert summary["n_steps"] == 6
+    assert summary["step_kinds"] == {"pure_prefill": 1, "pure_decode": 3, "mixed": 2}
+    assert summary["envelope_reached"]["batch_size / max_num_seqs"] == 0.5

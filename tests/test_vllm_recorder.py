@@ -1,0 +1,274 @@
+"""The recorder and the profile command against the real vLLM engine (CPU build), on a tiny Llama config.
+
+Each slice row must match what vLLM scheduled: per request, Σ num_new_tokens = prompt + output - 1 (the
+last sampled token is never run as input), each slice's context = the previous slice's context + its new
+tokens, prefill while the context is shorter than the prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+import httpx
+import numpy as np
+import pytest
+
+try:
+    import vllm  # noqa: F401
+except Exception as error:  # noqa: BLE001 - a broken install (torchvision mismatch) raises more than ImportError
+    pytest.skip(f"vLLM is not importable ({type(error).__name__}: {error})", allow_module_level=True)
+
+from llmvisor.trace import read_trace
+
+pytestmark = pytest.mark.vllm
+
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "hidden_act": "silu",
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-05,
+    "vocab_size": 1024,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}
+
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    (folder / "config.json").write_text(json.dumps(TINY_CONFIG))
+    return str(folder)
+
+
+def slices_by_request(trace) -> dict[str, list[tuple[int, int, int, bool, str]]]:
+    """request id -> [(step_id, num_new_tokens, num_context_tokens, is_prefill, tenant)] in step order."""
+    out: dict[str, list] = defaultdict(list)
+    for row in zip(
+        trace.request_id.tolist(),
+        trace.step_id.tolist(),
+        trace.num_new_tokens.tolist(),
+        trace.num_context_tokens.tolist(),
+        trace.is_prefill.tolist(),
+        trace.tenant.tolist(),
+    ):
+        out[row[0]].append(row[1:])
+    return {request: sorted(rows) for request, rows in out.items()}
+
+
+def check_request_slices(rows, prompt_len: int, output_len: int) -> None:
+    assert sum(p for _, p, _, _, _ in rows) == prompt_len + output_len - 1
+    assert rows[0][2] == 0
+    for (_, p_prev, c_prev, _, _), (_, _, c, _, _) in zip(rows, rows[1:]):
+        assert c == c_prev + p_prev
+    for _, p, c, is_prefill, _ in rows:
+        assert is_prefill == (c < prompt_len)
+        if not is_prefill:
+            assert p == 1
+    assert sum(p for _, p, _, is_prefill, _ in rows if is_prefill) == prompt_len
+
+
+def test_offline_rows_match_what_was_scheduled(tiny_model, tmp_path, monkeypatch):
+    from vllm import LLM, SamplingParams
+
+    from llmvisor.engines.vllm.recorder import RecordingScheduler
+
+    trace_path = tmp_path / "offline.jsonl"
+    for name, value in ENGINE_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("LLMVISOR_TRACE_PATH", str(trace_path))
+    monkeypatch.setenv("LLMVISOR_RUN_ID", "offline-test")
+    monkeypatch.setenv("LLMVISOR_WARMUP_STEPS", "2")
+
+    llm = LLM(
+        model=tiny_model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=512,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        distributed_executor_backend="uni",
+        async_scheduling=False,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        scheduler_cls=RecordingScheduler,
+    )
+    requests = [(150, 5, "alice"), (40, 9, "bob"), (97, 3, None), (1, 4, "alice"), (64, 1, "bob")]
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(10, 1000, n).tolist()} for n, _, _ in requests]
+    params = [
+        SamplingParams(
+            max_tokens=out, ignore_eos=True, detokenize=False, extra_args={"tenant": tenant} if tenant else None
+        )
+        for _, out, tenant in requests
+    ]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [out for _, out, _ in requests]
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    overhead = scheduler.recorder_overhead()
+    llm.llm_engine.engine_core.shutdown()
+
+    trace = read_trace(trace_path)
+    assert trace.n_steps == overhead.n_steps > 0
+    assert set(trace.run_id.tolist()) == {"offline-test"}
+    assert trace.extra["engine"][0] == "vllm" and trace.extra["engine_version"][0] == vllm.__version__
+    assert trace.extra["model"][0] == os.path.basename(tiny_model)
+    assert (trace.step_latency_s > 0).all()
+    warmup = np.array([bool(v) for v in trace.extra["is_warmup"].tolist()])
+    assert set(trace.step_id[warmup].tolist()) == {0, 1}
+
+    by_request = slices_by_request(trace)
+    assert len(by_request) == len(requests)
+    expected = {}
+    for n, out, tenant in requests:
+        expected.setdefault(n, (out, tenant or "default"))
+    for request_id, rows in by_request.items():
+        prompt_len = sum(p for _, p, _, is_prefill, _ in rows if is_prefill)
+        output_len, tenant = expected[prompt_len]
+        check_request_slices(rows, prompt_len, output_len)
+        assert {r[4] for r in rows} == {tenant}
+    # chunked prefill under a 64-token budget: the 150-token prompt ran in several chunks, some beside decodes
+    longest = next(rows for rows in by_request.values() if sum(r[1] for r in rows if r[3]) == 150)
+    assert sum(1 for r in longest if r[3]) >= 3
+    step_has_prefill = defaultdict(bool)
+    step_has_decode = defaultdict(bool)
+    for rows in by_request.values():
+        for step_id, _, _, is_prefill, _ in rows:
+            step_has_prefill[step_id] |= is_prefill
+            step_has_decode[step_id] |= not is_prefill
+    assert any(step_has_prefill[s] and step_has_decode[s] for s in step_has_prefill)
+    assert 0 <= overhead.fraction < 0.5
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_openai_server_with_scheduler_cls_records_tenants(tiny_model, tmp_path):
+    trace_path = tmp_path / "server.jsonl"
+    port = free_port()
+    env = {
+        **os.environ,
+        **ENGINE_ENV,
+        "LLMVISOR_TRACE_PATH": str(trace_path),
+        "LLMVISOR_RUN_ID": "server-test",
+        "LLMVISOR_FLUSH_EVERY_STEPS": "1",
+    }
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", tiny_model, "--load-format", "dummy", "--skip-tokenizer-init",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "128",
+        "--enforce-eager", "--no-async-scheduling", "--no-enable-prefix-caching",
+        "--scheduler-cls", "llmvisor.engines.vllm.recorder.RecordingScheduler",
+    ]  # fmt: skip
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, f"server exited early:\n{log_path.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"server not healthy in time:\n{log_path.read_text()[-3000:]}"
+            time.sleep(1)
+        requests = [("alice", 30, 6), ("bob", 200, 4), ("alice", 7, 3), ("bob", 55, 8)]
+        rng = np.random.default_rng(1)
+        for tenant, prompt_len, max_tokens in requests:
+            body = {
+                "model": tiny_model,
+                "prompt": rng.integers(10, 1000, prompt_len).tolist(),
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "vllm_xargs": {"tenant": tenant},
+            }
+            response = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] == max_tokens
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+    trace = read_trace(trace_path)
+    assert set(trace.run_id.tolist()) == {"server-test"}
+    by_request = slices_by_request(trace)
+    assert len(by_request) == len(requests)
+    expected = {prompt_len: (tenant, max_tokens) for tenant, prompt_len, max_tokens in requests}
+    tokens_per_tenant = defaultdict(int)
+    for rows in by_request.values():
+        prompt_len = sum(p for _, p, _, is_prefill, _ in rows if is_prefill)
+        tenant, max_tokens = expected[prompt_len]
+        check_request_slices(rows, prompt_len, max_tokens)
+        assert {r[4] for r in rows} == {tenant}
+        tokens_per_tenant[tenant] += sum(r[1] for r in rows)
+    assert tokens_per_tenant == {"alice": 30 + 6 - 1 + 7 + 3 - 1, "bob": 200 + 4 - 1 + 55 + 8 - 1}
+
+
+def test_profile_sweep_on_tiny_model(tiny_model, tmp_path):
+    output = tmp_path / "sweep.parquet"
+    command = [
+        sys.executable, "-m", "llmvisor.profile", "--plan", "sweep", "-o", str(output),
+        "--model", tiny_model, "--points", "3", "--repeat", "2", "--max-decode-steps", "6",
+        "--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
+        "--kv-cache-gib", "1", "--threads", "1", "--enforce-eager", "--run-id", "tiny-sweep",
+    ]  # fmt: skip
+    result = subprocess.run(command, env={**os.environ, **ENGINE_ENV}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Envelope coverage" in result.stderr
+    assert "noise floor" in result.stderr and "recorder overhead" in result.stderr
+
+    trace = read_trace(output)
+    assert trace.n_steps > 10 and set(trace.run_id.tolist()) == {"tiny-sweep"}
+    assert not output.with_suffix(".recording.jsonl").exists()
+    metadata = trace.metadata
+    floor = metadata["noise_floor"]
+    assert floor["n_groups"] > 0 and 0 <= floor["p50"] <= floor["p90"] <= floor["p99"]
+    kinds = metadata["coverage"]["step_kinds"]
+    assert kinds["pure_prefill"] > 0 and kinds["pure_decode"] > 0
+    assert metadata["engine"]["max_num_seqs"] == 4 and metadata["plan"] == "sweep"
+    assert len(metadata["episodes"]) == 3
+    assert 0 <= metadata["recorder_overhead"]["fraction_of_step_time"] < 0.5
+    assert int(trace.batch_size_per_step.max()) <= 4
+    assert int(np.add.reduceat(trace.num_new_tokens, trace.step_starts).max()) <= 64
+    assert int((trace.num_context_tokens + trace.num_new_tokens).max()) <= 256
+
+
+def test_profile_rejects_bad_input_with_exit_code_2(tmp_path):
+    missing = tmp_path / "no-such-model"
+    result = subprocess.run(
+        [sys.executable, "-m", "llmvisor.profile", "-o", str(tmp_path / "x.parquet"), "--model", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert str(missing) in result.stderr and "Traceback" not in result.stderr
