@@ -28,6 +28,13 @@ BUCKET_US = {"minute": 60_000_000, "hour": 3_600_000_000, "day": 86_400_000_000}
 SQLITE_BUSY_TIMEOUT_S = 30.0
 _LOOKUP_CHUNK = 500
 _WRITE_ATTEMPTS = 5
+# `_insert` builds rows as tuples in these column orders.
+assert [c.name for c in steps.columns] == [
+    "run_id", "step_id", "measured_ns", "predicted_s", "batch_size", "timestamp_us", "ingested_at_us", "content_sha256"
+]
+assert [c.name for c in slices.columns] == [
+    "run_id", "step_id", "request_id", "tenant", "num_new_tokens", "num_context_tokens", "phase", "attributed_ns", "timestamp_us"
+]
 
 
 class LedgerError(LlmvisorError):
@@ -323,22 +330,15 @@ class Ledger:
             )
             for k in new_steps
         ]
-        assert [c.name for c in steps.columns] == [
-            "run_id", "step_id", "measured_ns", "predicted_s", "batch_size", "timestamp_us", "ingested_at_us", "content_sha256"
-        ]
         self._bulk_insert(conn, steps, step_rows)
 
-        sizes = np.diff(offsets)
-        if len(new_steps) == records.n_steps:
-            chosen = slice(None)
-            step_of_slice = np.repeat(np.arange(records.n_steps), sizes)
-        else:
-            step_of_slice = np.repeat(np.arange(records.n_steps), sizes)
-            chosen = np.asarray(inserted, dtype=bool)[step_of_slice]
-            step_of_slice = step_of_slice[chosen]
+        step_of_slice = np.repeat(np.arange(records.n_steps), np.diff(offsets))
+        keep = np.asarray(inserted, dtype=bool)[step_of_slice]
+        all_new = bool(keep.all())
+        step_of_slice = step_of_slice[keep]
 
         def per_slice(values: list) -> list:
-            return values if isinstance(chosen, slice) else np.asarray(values, dtype=object)[chosen].tolist()
+            return values if all_new else np.asarray(values, dtype=object)[keep].tolist()
 
         slice_rows = zip(
             np.asarray(records.run_id, dtype=object)[step_of_slice].tolist(),
@@ -351,10 +351,6 @@ class Ledger:
             per_slice(records.attributed_ns),
             np.asarray(records.timestamp_us, dtype=np.int64)[step_of_slice].tolist(),
         )
-        assert [c.name for c in slices.columns] == [
-            "run_id", "step_id", "request_id", "tenant", "num_new_tokens", "num_context_tokens", "phase",
-            "attributed_ns", "timestamp_us",
-        ]
         self._bulk_insert(conn, slices, list(slice_rows))
 
     # -----------------------------------------------------------------------------------------------------

@@ -146,6 +146,8 @@ class StepPusher:
         if self._closed:
             raise RuntimeError("push_step after close()")
         rows = list(rows)
+        if not rows:
+            raise ValueError("a step has at least one row")
         self.stats.add(pushed=1)
         with self._count_lock:
             self._outstanding += 1
@@ -241,6 +243,11 @@ class StepPusher:
             log.warning("llmvisor service unavailable (%s); spooling %d steps to %s", error, len(batch), self.spool_path)
             self._next_try_s = time.monotonic() + self.retry_interval_s
             self._spool(batch)
+        except Exception as error:  # an answer we do not understand: keep the steps, keep the thread alive
+            log.exception("llmvisor pusher: unexpected answer; spooling %d steps to %s", len(batch), self.spool_path)
+            self.stats.last_error = repr(error)
+            self._next_try_s = time.monotonic() + self.retry_interval_s
+            self._spool(batch)
 
     def _post(self, batch: list[list[dict]]) -> httpx.Response:
         """One POST with retries on transport errors and 5xx/429; raises `_Unavailable` when they run out."""
@@ -322,7 +329,9 @@ class StepPusher:
                 if self._out_of_time():
                     return
                 self._deliver(steps[i : i + self.max_batch_steps])
-        except _Unavailable as error:
+        except Exception as error:  # _Unavailable, or an answer we do not understand: the file stays, retry later
+            if not isinstance(error, _Unavailable):
+                log.exception("llmvisor pusher: unexpected answer while replaying %s", self.replay_path)
             self.stats.last_error = str(error)
             self._next_try_s = time.monotonic() + self.retry_interval_s
             return
