@@ -105,7 +105,7 @@ class Engine:
     def add(self, request_id: str, tenant: str, prompt_len: int, max_tokens: int) -> None:
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, extra_args={"tenant": tenant}, seed=0)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, extra_args={"tenant": tenant}, temperature=0.0)
         self.engine.add_request(request_id, {"prompt_token_ids": [(7 * i + len(request_id)) % 900 + 50 for i in range(prompt_len)]}, params)
 
     def run(self, max_steps: int = 5000, until=None) -> dict[str, int]:

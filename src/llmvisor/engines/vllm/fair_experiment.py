@@ -108,7 +108,7 @@ def run(spec: dict) -> dict:
     docs = documents(workload, vocab_size)
 
     def params(tenant: str, max_tokens: int) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, extra_args={"tenant": tenant}, seed=0)
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, extra_args={"tenant": tenant}, temperature=0.0)
 
     def drain() -> None:
         while engine.has_unfinished_requests():

@@ -1,0 +1,484 @@
+"""Experiments on the real engine. ``fairness``: FCFS vs token VTC vs attributed VTC, per tenant over time.
+
+Workload (stated, the same arrivals for every policy): every tenant sends requests of the same size, 64 new
+prompt tokens and 64 output tokens by default, at the same Poisson rate, fast enough that every tenant is
+backlogged. The long-context tenants' requests carry a long shared document in front of those 64 tokens
+(a few documents, prefilled once during warm-up and then served from vLLM's prefix cache), so per request they
+run the same tokens as everyone else, and VTC's token count sees them as equal, but every prefill chunk attends
+over the document and every decode reads its KV cache. That is the case the issue names: same request and
+token rate, more engine time.
+
+Each policy runs in a fresh engine in its own process (`llmvisor.engines.vllm.fair_experiment`), recording the
+step trace. Analysis here, identical for every policy: each step's measured time is split by llmvisor's shares
+(the charging model, Shapley rule) and summed per tenant over time windows ("attributed engine time"); token
+service is VTC's count (prompt tokens computed ×1, output tokens ×2); TTFT and time per output token come from
+each request's first and last token times. A tenant is backlogged in a window when it had a request waiting
+(arrived, not yet scheduled) at every step of the window; fairness compares backlogged tenants only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import typer
+
+from llmvisor.errors import LlmvisorError
+
+POLICIES = ("fcfs", "tokens", "attributed")
+POLICY_LABELS = {"fcfs": "vLLM FCFS", "tokens": "token VTC", "attributed": "attributed VTC"}
+GOAL_MAX_MIN = 1.2
+GOAL_JAIN = 0.95
+GOAL_THROUGHPUT_LOSS = 0.05
+
+
+def _default_engine_model() -> Path:
+    from llmvisor.profile.command import default_model_dir
+
+    return default_model_dir()
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0, "p50": None, "p99": None}
+    array = np.asarray(values, dtype=np.float64)
+    return {"n": int(array.size), "p50": float(np.percentile(array, 50)), "p99": float(np.percentile(array, 99))}
+
+
+def _fairness(values: list[float]) -> tuple[float | None, float | None]:
+    from llmvisor.fairness import jain_index, max_min_ratio
+
+    if len(values) < 2:
+        return None, None
+    return max_min_ratio(values), jain_index(values)
+
+
+def workload_tenants(n_tenants: int, *, rate_rps: float, doc_tokens: int, n_docs: int, prompt_tokens: int, output_tokens: int) -> list[dict]:
+    """Alternating long-context and short-context tenants: long, short, long-2, short-2."""
+    if not 2 <= n_tenants <= 4:
+        raise LlmvisorError(f"--tenants must be 2 to 4 (got {n_tenants})")
+    tenants = []
+    for k in range(n_tenants):
+        long = k % 2 == 0
+        suffix = "" if k < 2 else "-2"
+        tenants.append(
+            {
+                "name": ("long" if long else "short") + suffix,
+                "rate_rps": rate_rps,
+                "doc_tokens": doc_tokens if long else 0,
+                "n_docs": n_docs if long else 0,
+                "prompt_tokens": prompt_tokens,
+                "output_tokens": output_tokens,
+            }
+        )
+    return tenants
+
+
+# ------------------------------------------------------------------------------------------------ analysis
+
+
+def analyse_run(result: dict, model, *, window_s: float, warmup_s: float) -> dict:
+    """Per-tenant, per-window figures of one policy's run (see the module docstring)."""
+    from llmvisor.attribution import attribute_arrays
+    from llmvisor.trace import read_trace
+
+    tenants = list(result["tenants"])
+    index = {t: k for k, t in enumerate(tenants)}
+    n_tenants = len(tenants)
+    trace = read_trace(result["trace"])
+    trace = trace.select_steps(trace.step_id_per_step >= result["first_step"])
+    shares = attribute_arrays(model, trace.num_new_tokens, trace.num_context_tokens, trace.is_prefill, trace.step_offsets, trace.step_latency_s_per_step)
+    step_start_s = trace.extra["timestamp_s"][trace.step_starts].astype(np.float64) - result["t0_wall_s"]
+    slice_t = np.repeat(step_start_s, trace.batch_size_per_step)
+    slice_tenant = np.array([index.get(str(t), -1) for t in trace.tenant.tolist()], dtype=np.int64)
+    measured = slice_tenant >= 0
+    end_s = float(result["end_s"])
+    n_windows = max(1, int(math.floor((end_s - warmup_s) / window_s)))
+    edges = warmup_s + window_s * np.arange(n_windows + 1)
+    slice_window = np.searchsorted(edges, slice_t, side="right") - 1
+    in_range = measured & (slice_window >= 0) & (slice_window < n_windows)
+
+    def per_window(weights: np.ndarray) -> np.ndarray:
+        flat = slice_window[in_range] * n_tenants + slice_tenant[in_range]
+        return np.bincount(flat, weights=weights[in_range], minlength=n_windows * n_tenants).reshape(n_windows, n_tenants)
+
+    attributed = per_window(shares.share_s)
+    prompt_tokens = per_window(np.where(trace.is_prefill, trace.num_new_tokens, 0).astype(np.float64))
+
+    step_return = np.asarray(result["step_return_s"], dtype=np.float64)
+    step_tokens = np.asarray(result["step_output_tokens"], dtype=np.float64).reshape(-1, n_tenants)
+    step_window = np.searchsorted(edges, step_return, side="right") - 1
+    ok = (step_window >= 0) & (step_window < n_windows)
+    output_tokens = np.zeros((n_windows, n_tenants))
+    np.add.at(output_tokens, step_window[ok], step_tokens[ok])
+    token_service = prompt_tokens + 2.0 * output_tokens
+
+    # backlog: a request waits from its submission until the first step that schedules it
+    first_scheduled: dict[str, float] = {}
+    for request_id, t in zip(trace.request_id.tolist(), slice_t.tolist()):
+        external = request_id.rsplit("-", 1)[0]
+        if external not in first_scheduled:
+            first_scheduled[external] = t
+    requests = result["requests"]
+    backlogged = np.ones((n_windows, n_tenants), dtype=bool)
+    step_window_starts = np.searchsorted(edges, step_start_s, side="right") - 1
+    for tenant, k in index.items():
+        submitted = np.sort([r["submitted_s"] for r in requests if r["tenant"] == tenant])
+        started = np.sort([first_scheduled.get(r["request_id"], math.inf) for r in requests if r["tenant"] == tenant])
+        waiting = np.searchsorted(submitted, step_start_s, side="right") - np.searchsorted(started, step_start_s, side="right")
+        for w in range(n_windows):
+            in_window = step_window_starts == w
+            backlogged[w, k] = bool(in_window.any()) and bool((waiting[in_window] > 0).all())
+
+    windows = []
+    for w in range(n_windows):
+        lo, hi = edges[w], edges[w + 1]
+        ttft = {t: [] for t in tenants}
+        tpot = {t: [] for t in tenants}
+        for r in requests:
+            if r["first_token_s"] is not None and lo <= r["first_token_s"] < hi:
+                ttft[r["tenant"]].append(r["first_token_s"] - r["arrival_s"])
+            if r["finish_s"] is not None and lo <= r["finish_s"] < hi and r["output_tokens"] > 1:
+                tpot[r["tenant"]].append((r["finish_s"] - r["first_token_s"]) / (r["output_tokens"] - 1))
+        active = [k for k in range(n_tenants) if backlogged[w, k]]
+        ratio, jain = _fairness([attributed[w, k] for k in active])
+        windows.append(
+            {
+                "start_s": float(lo),
+                "end_s": float(hi),
+                "attributed_s": dict(zip(tenants, attributed[w].tolist())),
+                "token_service": dict(zip(tenants, token_service[w].tolist())),
+                "output_tokens": dict(zip(tenants, output_tokens[w].tolist())),
+                "ttft_s": {t: _percentiles(v) for t, v in ttft.items()},
+                "tpot_s": {t: _percentiles(v) for t, v in tpot.items()},
+                "backlogged": [tenants[k] for k in active],
+                "engine_time_max_min": ratio,
+                "jain": jain,
+                "output_tokens_per_s": float(output_tokens[w].sum() / window_s),
+            }
+        )
+
+    lo, hi = edges[0], edges[-1]
+    always = [k for k in range(n_tenants) if backlogged[:, k].all()]
+    totals = attributed.sum(axis=0)
+    ratio, jain = _fairness([totals[k] for k in always])
+    ttft = {t: [] for t in tenants}
+    tpot = {t: [] for t in tenants}
+    never_started = dict.fromkeys(tenants, 0)
+    for r in requests:
+        if r["first_token_s"] is not None and lo <= r["first_token_s"] < hi:
+            ttft[r["tenant"]].append(r["first_token_s"] - r["arrival_s"])
+        if r["finish_s"] is not None and lo <= r["finish_s"] < hi and r["output_tokens"] > 1:
+            tpot[r["tenant"]].append((r["finish_s"] - r["first_token_s"]) / (r["output_tokens"] - 1))
+        if r["first_token_s"] is None and r["arrival_s"] < hi:
+            never_started[r["tenant"]] += 1
+    window_ratios = [w["engine_time_max_min"] for w in windows if w["engine_time_max_min"] is not None]
+    window_jains = [w["jain"] for w in windows if w["jain"] is not None]
+    finished = {t: sum(1 for r in requests if r["tenant"] == t and r["finish_s"] is not None and lo <= r["finish_s"] < hi) for t in tenants}
+    measured_s = float(trace.step_latency_s_per_step[(step_start_s >= lo) & (step_start_s < hi)].sum())
+    summary = {
+        "interval_s": [float(lo), float(hi)],
+        "attributed_s": dict(zip(tenants, totals.tolist())),
+        "attributed_fraction": dict(zip(tenants, (totals / max(totals.sum(), 1e-12)).tolist())),
+        "backlogged_throughout": [tenants[k] for k in always],
+        "engine_time_max_min": ratio,
+        "jain": jain,
+        "window_engine_time_max_min": {"median": _median(window_ratios), "max": max(window_ratios) if window_ratios else None},
+        "window_jain": {"median": _median(window_jains), "min": min(window_jains) if window_jains else None},
+        "token_service": dict(zip(tenants, token_service.sum(axis=0).tolist())),
+        "output_tokens": dict(zip(tenants, output_tokens.sum(axis=0).tolist())),
+        "requests_finished": finished,
+        "requests_never_started": never_started,
+        "ttft_s": {t: _percentiles(v) for t, v in ttft.items()},
+        "tpot_s": {t: _percentiles(v) for t, v in tpot.items()},
+        "output_tokens_per_s": float(output_tokens.sum() / (hi - lo)),
+        "requests_per_s": float(sum(finished.values()) / (hi - lo)),
+        "engine_busy_fraction": measured_s / (hi - lo),
+    }
+    out = {"summary": summary, "windows": windows, "recorder_overhead": result.get("recorder_overhead")}
+    if "scheduler_overhead" in result:
+        out["scheduler_overhead"] = result["scheduler_overhead"]
+        out["scheduler_state"] = result["scheduler_state"]
+    out["run"] = {
+        "engine_start_s": result["engine_start_s"],
+        "num_arrivals": result["num_arrivals"],
+        "waiting_at_end": result["waiting_at_end"],
+        "n_steps": int(trace.n_steps),
+    }
+    return out
+
+
+def _median(values: list[float]) -> float | None:
+    return float(np.median(values)) if values else None
+
+
+def goals(policies: dict) -> dict:
+    """The issue's goals, judged on the figures (None where a policy did not run)."""
+    out: dict = {"max_min_goal": GOAL_MAX_MIN, "jain_goal": GOAL_JAIN, "throughput_loss_goal": GOAL_THROUGHPUT_LOSS}
+    attributed = policies.get("attributed", {}).get("summary")
+    if attributed:
+        ratio, jain = attributed["engine_time_max_min"], attributed["jain"]
+        # None: fewer than two tenants stayed backlogged, so fairness among backlogged tenants is undefined
+        out["attributed_vtc_within_max_min"] = None if ratio is None else ratio <= GOAL_MAX_MIN
+        out["attributed_vtc_jain_met"] = None if jain is None else jain >= GOAL_JAIN
+        for baseline in ("fcfs", "tokens"):
+            other = policies.get(baseline, {}).get("summary")
+            if other and other["engine_time_max_min"] is not None and attributed["engine_time_max_min"] is not None:
+                out[f"{baseline}_gap_larger"] = other["engine_time_max_min"] > attributed["engine_time_max_min"]
+        fcfs = policies.get("fcfs", {}).get("summary")
+        if fcfs:
+            change = attributed["output_tokens_per_s"] / fcfs["output_tokens_per_s"] - 1
+            out["throughput_change_vs_fcfs"] = change
+            out["throughput_within_goal"] = change >= -GOAL_THROUGHPUT_LOSS
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ plots
+
+
+def plot(result: dict):
+    """Attributed engine time and token service per tenant per window, one column per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = [p for p in POLICIES if p in result["policies"]]
+    figure, axes = plt.subplots(3, len(policies), figsize=(4.6 * len(policies), 9.6), squeeze=False, sharey="row")
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e"]
+    for column, policy in enumerate(policies):
+        data = result["policies"][policy]
+        windows = data["windows"]
+        mid = [(w["start_s"] + w["end_s"]) / 2 for w in windows]
+        tenants = list(windows[0]["attributed_s"]) if windows else []
+        for k, tenant in enumerate(tenants):
+            color = colors[k % len(colors)]
+            axes[0, column].plot(mid, [w["attributed_s"][tenant] for w in windows], "-o", ms=3, color=color, label=tenant)
+            axes[1, column].plot(mid, [w["token_service"][tenant] / 1000 for w in windows], "-o", ms=3, color=color, label=tenant)
+            axes[2, column].plot(mid, [w["ttft_s"][tenant]["p50"] if w["ttft_s"][tenant]["p50"] is not None else np.nan for w in windows], "-o", ms=3, color=color, label=tenant)
+        summary = data["summary"]
+        ratio = summary["engine_time_max_min"]
+        jain = summary["jain"]
+        axes[0, column].set_title(
+            f"{POLICY_LABELS[policy]}\nengine time max/min {ratio:.2f}, Jain {jain:.3f}" if ratio is not None else POLICY_LABELS[policy], fontsize=10
+        )
+        axes[2, column].set_xlabel("time since start (s)")
+    axes[0, 0].set_ylabel("attributed engine time per window (s)")
+    axes[1, 0].set_ylabel("token service per window (k VTC tokens)")
+    axes[2, 0].set_ylabel("TTFT p50 (s)")
+    axes[0, 0].legend(fontsize=8)
+    for axis in axes.flat:
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    return figure
+
+
+def report_sections(result: dict) -> list[tuple[str, str]]:
+    """HTML sections for the llmvisor report: the plot and a summary table per policy."""
+    import html
+
+    from llmvisor.report import _img, _png
+
+    rows = []
+    for policy in POLICIES:
+        data = result["policies"].get(policy)
+        if not data:
+            continue
+        summary = data["summary"]
+        for k, tenant in enumerate(summary["attributed_s"]):
+            cells = [
+                POLICY_LABELS[policy] if k == 0 else "",
+                tenant,
+                f"{summary['attributed_s'][tenant]:.1f}",
+                f"{summary['attributed_fraction'][tenant]:.1%}",
+                f"{summary['token_service'][tenant]:.0f}",
+                f"{summary['requests_finished'][tenant]}",
+                _fmt(summary["ttft_s"][tenant]["p50"]),
+                _fmt(summary["ttft_s"][tenant]["p99"]),
+                _fmt(summary["tpot_s"][tenant]["p50"], 1000),
+                _fmt(summary["tpot_s"][tenant]["p99"], 1000),
+                f"{summary['engine_time_max_min']:.2f}" if k == 0 and summary["engine_time_max_min"] is not None else "",
+                f"{summary['jain']:.3f}" if k == 0 and summary["jain"] is not None else "",
+                f"{summary['output_tokens_per_s']:.1f}" if k == 0 else "",
+            ]
+            rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in ("policy", "tenant", "engine s", "share", "token service", "finished", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms", "max/min", "Jain", "output tok/s")
+    )
+    setup = result["setup"]
+    note = (
+        f"<p class='note'>{len(setup['workload']['tenants'])} tenants, each {setup['workload']['tenants'][0]['rate_rps']:.2f} requests/s "
+        f"of {setup['workload']['tenants'][0]['prompt_tokens']} new prompt + {setup['workload']['tenants'][0]['output_tokens']} output tokens; "
+        f"long-context tenants' prompts follow a {setup['workload']['tenants'][0]['doc_tokens']}-token cached document. "
+        f"Figures over {setup['window_s']:.0f} s windows after {setup['warmup_s']:.0f} s; fairness among tenants backlogged throughout.</p>"
+    )
+    table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+    return [
+        ("Fairness: FCFS vs token VTC vs attributed VTC", note + table),
+        ("Fairness over time", _img(_png(plot(result)), "attributed engine time, token service and TTFT per tenant per window")),
+    ]
+
+
+def _fmt(value, scale: float = 1.0) -> str:
+    return "—" if value is None else f"{value * scale:.2f}" if value * scale < 100 else f"{value * scale:.0f}"
+
+
+# ------------------------------------------------------------------------------------------------ command
+
+
+def run_policy(spec: dict, log_path: Path) -> dict:
+    """One policy in a fresh process; its result dict."""
+    spec_path = Path(spec["out_dir"]) / "spec.json"
+    spec_path.parent.mkdir(parents=True, exist_ok=True)
+    spec_path.write_text(json.dumps(spec, indent=2))
+    with open(log_path, "w", encoding="utf-8") as log:
+        completed = subprocess.run(
+            [sys.executable, "-m", "llmvisor.engines.vllm.fair_experiment", str(spec_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    if completed.returncode != 0:
+        tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-15:]
+        raise LlmvisorError(f"policy {spec['policy']}: the engine run failed (exit {completed.returncode}); see {log_path}:\n" + "\n".join(tail))
+    return json.loads((Path(spec["out_dir"]) / "result.json").read_text())
+
+
+def fairness(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for traces, logs, fairness.json and fairness.png.")] = Path("fairness-experiment"),
+    model: Annotated[Path | None, typer.Option(help="llmvisor model to charge with and to attribute by (`llmvisor fit`). Default: the shipped model.")] = None,
+    engine_model: Annotated[Path | None, typer.Option(help="Engine model folder (config.json runs with dummy weights). Default: the shipped engine model.")] = None,
+    policy: Annotated[list[str] | None, typer.Option(help="Policies to run: fcfs, tokens, attributed (repeat). Default: all three.")] = None,
+    tenants: Annotated[int, typer.Option(help="Tenants, 2 to 4: long-context and short-context alternately.")] = 2,
+    rate_rps: Annotated[float, typer.Option(help="Requests per second from each tenant (Poisson); high enough that all stay backlogged.")] = 3.0,
+    doc_tokens: Annotated[int, typer.Option(help="Long-context tenants: tokens of the shared document in front of each prompt.")] = 1536,
+    n_docs: Annotated[int, typer.Option(help="Long-context tenants: distinct documents.")] = 4,
+    prompt_tokens: Annotated[int, typer.Option(help="New prompt tokens per request (every tenant).")] = 64,
+    output_tokens: Annotated[int, typer.Option(help="Output tokens per request (every tenant).")] = 64,
+    duration_s: Annotated[float, typer.Option(help="Seconds of arrivals and measurement per policy.")] = 100.0,
+    warmup_s: Annotated[float, typer.Option(help="Seconds at the start left out of the figures (queues build up).")] = 10.0,
+    window_s: Annotated[float, typer.Option(help="Window of the per-tenant time series.")] = 10.0,
+    max_model_len: Annotated[int, typer.Option(help="Engine: longest prompt + output.")] = 4096,
+    max_num_seqs: Annotated[int, typer.Option(help="Engine: most requests in one step.")] = 32,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Engine: most tokens in one step.")] = 2048,
+    kv_cache_gib: Annotated[int, typer.Option(help="Engine (CPU build): KV cache GiB.")] = 4,
+    threads: Annotated[int | None, typer.Option(help="Engine (CPU build): OpenMP/torch threads (the profile command's setting).")] = None,
+    enforce_eager: Annotated[bool, typer.Option(help="Engine: skip torch.compile.")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of arrivals and prompts (the same for every policy).")] = 0,
+    analyse_only: Annotated[bool, typer.Option(help="Re-analyse the runs already in --output instead of running the engine.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print only the result JSON to stdout.")] = False,
+) -> dict:
+    """Fair sharing on the real vLLM engine: FCFS vs token VTC vs attributed VTC, per tenant over time."""
+    from rich.console import Console
+
+    from llmvisor.fairness import shipped_model_path
+    from llmvisor.model import StepLatencyModel
+
+    console = Console(stderr=True)
+    policies = list(policy or POLICIES)
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise LlmvisorError(f"--policy: unknown {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
+    model_path = str(model) if model is not None else shipped_model_path()
+    if model_path is None or not os.path.exists(model_path):
+        raise LlmvisorError(f"--model: {model_path or 'no shipped model.json'} not found; fit one with `llmvisor fit TRACE -o model.json`")
+    charge_model = StepLatencyModel.from_json(model_path)
+    engine_dir = str(engine_model or _default_engine_model())
+    output.mkdir(parents=True, exist_ok=True)
+    workload = {
+        "tenants": workload_tenants(tenants, rate_rps=rate_rps, doc_tokens=doc_tokens, n_docs=n_docs, prompt_tokens=prompt_tokens, output_tokens=output_tokens),
+        "duration_s": duration_s,
+        "seed": seed,
+    }
+    engine = {
+        "max_model_len": max_model_len,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "max_num_seqs": max_num_seqs,
+        "kv_cache_space_gib": kv_cache_gib,
+        "enforce_eager": enforce_eager,
+        "seed": seed,
+        "threads": threads,
+    }
+    runs = {}
+    for name in policies:
+        out_dir = output / name
+        if analyse_only:
+            runs[name] = json.loads((out_dir / "result.json").read_text())
+            continue
+        spec = {"policy": name, "out_dir": str(out_dir), "model_dir": engine_dir, "model_path": model_path, "engine": engine, "workload": workload}
+        console.print(f"[bold]fairness[/]: running {POLICY_LABELS[name]} for {duration_s:.0f} s (+ engine start) …")
+        started = time.perf_counter()
+        runs[name] = run_policy(spec, out_dir / "engine.log")
+        overhead = runs[name].get("scheduler_overhead")
+        extra = f"; scheduler's own work {100 * overhead['fraction_of_step_time']:.3f}% of step time ({overhead['added_time_per_step_us']:.0f} µs/step)" if overhead else ""
+        console.print(f"  done in {time.perf_counter() - started:.0f} s{extra}")
+    analysed = {name: analyse_run(run, charge_model, window_s=window_s, warmup_s=warmup_s) for name, run in runs.items()}
+    first = next(iter(runs.values()))
+    result = {
+        "experiment": "fairness",
+        "setup": {
+            "model": os.path.basename(model_path),
+            "engine_model": os.path.basename(os.path.normpath(engine_dir)),
+            "engine": first["engine"],
+            "workload": first["workload"],
+            "window_s": window_s,
+            "warmup_s": warmup_s,
+            "attribution_rule": "shapley",
+            "hardware": _hardware(),
+        },
+        "policies": analysed,
+        "goals": goals(analysed),
+    }
+    (output / "fairness.json").write_text(json.dumps(result, indent=2) + "\n")
+    figure = plot(result)
+    figure.savefig(output / "fairness.png", dpi=110, bbox_inches="tight")
+    if json_output:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_summary(console, result)
+        console.print(f"wrote {output / 'fairness.json'} and {output / 'fairness.png'}")
+    return result
+
+
+def _hardware() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} CPUs)"
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _print_summary(console, result: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title="fairness: attributed engine time per tenant (backlogged throughout)")
+    for column in ("policy", "tenant", "engine s", "share", "token service", "TTFT p50/p99 s", "TPOT p50/p99 ms", "max/min", "Jain", "out tok/s"):
+        table.add_column(column, justify="right")
+    for policy, data in result["policies"].items():
+        summary = data["summary"]
+        for k, tenant in enumerate(summary["attributed_s"]):
+            table.add_row(
+                POLICY_LABELS[policy] if k == 0 else "",
+                tenant,
+                f"{summary['attributed_s'][tenant]:.1f}",
+                f"{summary['attributed_fraction'][tenant]:.1%}",
+                f"{summary['token_service'][tenant]:.0f}",
+                f"{_fmt(summary['ttft_s'][tenant]['p50'])}/{_fmt(summary['ttft_s'][tenant]['p99'])}",
+                f"{_fmt(summary['tpot_s'][tenant]['p50'], 1000)}/{_fmt(summary['tpot_s'][tenant]['p99'], 1000)}",
+                f"{summary['engine_time_max_min']:.2f}" if k == 0 and summary["engine_time_max_min"] is not None else "",
+                f"{summary['jain']:.3f}" if k == 0 and summary["jain"] is not None else "",
+                f"{summary['output_tokens_per_s']:.1f}" if k == 0 else "",
+            )
+    console.print(table)
+    console.print(result["goals"])

@@ -1,0 +1,128 @@
+"""The fairness experiment's analysis on a run built by hand: windows, backlog, attributed time, latencies."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from llmvisor.experiment import analyse_run, goals, report_sections, workload_tenants
+from llmvisor.features import FEATURE_NAMES
+from llmvisor.model import StepLatencyModel
+from llmvisor.synthetic import DEFAULT_COEF_S
+from llmvisor.trace import TraceWriter
+
+
+def fixed_model() -> StepLatencyModel:
+    return StepLatencyModel.from_dict(
+        {
+            "format": "llmvisor.step_latency_model",
+            "format_version": 1,
+            "params": {},
+            "feature_names": list(FEATURE_NAMES),
+            "boundary_new_tokens": None,
+            "segments": [{"name": "all", "coef_s": {n: DEFAULT_COEF_S[n] for n in FEATURE_NAMES}}],
+        }
+    )
+
+
+@pytest.fixture
+def run(tmp_path):
+    """40 steps, 0.1 s apart, 0.08 s each. a-0 and b-0 decode throughout (a over a 10x longer context); a-1
+    waits forever, b-1 waits until t=2 and then decodes: a is backlogged throughout, b only before t=2."""
+    trace_path = tmp_path / "trace.jsonl"
+    t0_wall = 1000.0
+    step_return, step_tokens = [], []
+    with TraceWriter(trace_path) as writer:
+        for k in range(40):
+            t = 0.1 * k
+            slices = [("a-0-xxxxxxxx", "a", 1000 + k), ("b-0-yyyyyyyy", "b", 100 + k)]
+            if t >= 2.0:
+                slices.append(("b-1-zzzzzzzz", "b", 50 + k))
+            writer.write_step(
+                [
+                    {
+                        "run_id": "r",
+                        "step_id": k,
+                        "step_latency_s": 0.08,
+                        "request_id": rid,
+                        "tenant": tenant,
+                        "num_new_tokens": 1,
+                        "num_context_tokens": ctx,
+                        "phase": "decode",
+                        "timestamp_s": t0_wall + t,
+                    }
+                    for rid, tenant, ctx in slices
+                ]
+            )
+            step_return.append(t + 0.08)
+            step_tokens.append([1, len(slices) - 1])
+    requests = [
+        {"request_id": "a-0", "tenant": "a", "arrival_s": 0.0, "submitted_s": 0.0, "first_token_s": 0.08, "finish_s": 3.98, "output_tokens": 40},
+        {"request_id": "b-0", "tenant": "b", "arrival_s": 0.0, "submitted_s": 0.0, "first_token_s": 0.08, "finish_s": 3.98, "output_tokens": 40},
+        {"request_id": "a-1", "tenant": "a", "arrival_s": 0.0, "submitted_s": 0.0, "first_token_s": None, "finish_s": None, "output_tokens": 0},
+        {"request_id": "b-1", "tenant": "b", "arrival_s": 0.0, "submitted_s": 0.0, "first_token_s": 2.08, "finish_s": None, "output_tokens": 20},
+    ]
+    return {
+        "policy": "attributed",
+        "tenants": ["a", "b"],
+        "trace": str(trace_path),
+        "first_step": 0,
+        "t0_wall_s": t0_wall,
+        "end_s": 4.0,
+        "requests": requests,
+        "step_return_s": step_return,
+        "step_output_tokens": step_tokens,
+        "engine_start_s": 1.0,
+        "num_arrivals": 4,
+        "waiting_at_end": 1,
+        "recorder_overhead": {},
+    }
+
+
+def test_windows_split_measured_time_by_shares_and_find_backlogged_tenants(run):
+    out = analyse_run(run, fixed_model(), window_s=1.0, warmup_s=0.0)
+    windows = out["windows"]
+    assert [w["start_s"] for w in windows] == [0.0, 1.0, 2.0, 3.0]
+    for w in windows:
+        assert sum(w["attributed_s"].values()) == pytest.approx(10 * 0.08)  # every measured second, billed once
+        assert w["attributed_s"]["a"] > w["attributed_s"]["b"] or w["start_s"] >= 2.0
+    assert [w["backlogged"] for w in windows] == [["a", "b"], ["a", "b"], ["a"], ["a"]]
+    ratio = windows[0]["attributed_s"]["a"] / windows[0]["attributed_s"]["b"]
+    assert windows[0]["engine_time_max_min"] == pytest.approx(ratio)
+    assert windows[2]["engine_time_max_min"] is None  # one backlogged tenant: no fairness figure
+    assert windows[3]["output_tokens"] == {"a": 10.0, "b": 20.0}
+    assert windows[3]["token_service"] == {"a": 20.0, "b": 40.0}  # decode tokens count as output tokens x2
+    summary = out["summary"]
+    assert summary["backlogged_throughout"] == ["a"]
+    assert summary["engine_time_max_min"] is None and summary["jain"] is None
+    assert summary["window_engine_time_max_min"]["median"] == pytest.approx(np.median([windows[0]["engine_time_max_min"], windows[1]["engine_time_max_min"]]))
+    assert summary["ttft_s"]["b"]["n"] == 2 and summary["ttft_s"]["b"]["p50"] == pytest.approx((0.08 + 2.08) / 2)
+    assert summary["tpot_s"]["a"]["p50"] == pytest.approx(3.9 / 39)
+    assert summary["requests_never_started"] == {"a": 1, "b": 0}
+    assert summary["output_tokens_per_s"] == pytest.approx((40 + 60) / 4.0)
+    assert summary["engine_busy_fraction"] == pytest.approx(0.8)
+
+
+def test_goals_compare_attributed_vtc_with_the_baselines():
+    def summary(ratio, jain, tokens_per_s):
+        return {"summary": {"engine_time_max_min": ratio, "jain": jain, "output_tokens_per_s": tokens_per_s}}
+
+    judged = goals({"fcfs": summary(1.8, 0.92, 100.0), "tokens": summary(1.7, 0.93, 99.0), "attributed": summary(1.1, 0.99, 97.0)})
+    assert judged["attributed_vtc_within_max_min"] and judged["attributed_vtc_jain_met"]
+    assert judged["fcfs_gap_larger"] and judged["tokens_gap_larger"]
+    assert judged["throughput_change_vs_fcfs"] == pytest.approx(-0.03) and judged["throughput_within_goal"]
+    judged = goals({"fcfs": summary(1.8, 0.92, 100.0), "attributed": summary(1.3, 0.94, 90.0)})
+    assert not judged["attributed_vtc_within_max_min"] and not judged["attributed_vtc_jain_met"] and not judged["throughput_within_goal"]
+
+
+def test_report_sections_render(run):
+    analysed = {"attributed": analyse_run(run, fixed_model(), window_s=1.0, warmup_s=0.0)}
+    result = {
+        "setup": {"workload": {"tenants": workload_tenants(2, rate_rps=1, doc_tokens=512, n_docs=1, prompt_tokens=8, output_tokens=8)}, "window_s": 1.0, "warmup_s": 0.0},
+        "policies": analysed,
+    }
+    sections = report_sections(json.loads(json.dumps(result)))
+    assert [heading for heading, _ in sections] == ["Fairness: FCFS vs token VTC vs attributed VTC", "Fairness over time"]
+    assert "attributed VTC" in sections[0][1] and "<img" in sections[1][1]
