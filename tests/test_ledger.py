@@ -24,7 +24,7 @@ def model(model_path):
 
 
 def prepare(model, groups):
-    return prepare_batch(model, groups, received_at_us=0).records
+    return prepare_batch(model, validate_trace(groups), received_at_us=0).records
 
 
 @settings(max_examples=200, deadline=None)

@@ -61,6 +61,65 @@ def test_ingest_is_idempotent_and_reconciles(client, admin):
     assert result["num_steps"] == 40 and result["measured_ns"] == result["attributed_ns"] == measured_ns(groups)
 
 
+def as_columns(groups):
+    rows = [row for group in groups for row in group]
+    return {"columns": {name: [row.get(name) for row in rows] for name in rows[0]}}
+
+
+def test_columns_form_is_the_same_ledger_entry_as_the_rows_form(client, admin):
+    groups = make_steps(n_steps=30)
+    first = client.post("/v1/steps", json=as_columns(groups[:20]), headers=admin).json()
+    assert first["steps_inserted"] == 20 and first["attributed_ns"] == measured_ns(groups[:20])
+    mixed = post(client, groups, admin).json()
+    assert mixed["steps_duplicate"] == 20 and mixed["steps_inserted"] == 10
+    again = client.post("/v1/steps", json=as_columns(groups[::-1]), headers=admin).json()
+    assert again["steps_duplicate"] == 30
+    changed = json.loads(json.dumps(groups[4:5]))
+    changed[0][0]["num_new_tokens"] = 2 if changed[0][0]["phase"] == "prefill" else 1
+    changed[0][0]["num_context_tokens"] += 1
+    conflict = client.post("/v1/steps", json=as_columns(changed), headers=admin)
+    assert conflict.status_code == 409 and conflict.json()["conflicting_steps"] == [{"run_id": "run-a", "step_id": 4}]
+    assert totals(client, admin)["measured_ns"] == measured_ns(groups)
+    assert client.post("/v1/steps", json={"columns": {}}, headers=admin).json()["steps_received"] == 0
+
+
+def _columns(**changes):
+    columns = {"run_id": ["r", "r"], "step_id": [1, 2], "step_latency_s": [0.02, 0.03], "request_id": ["q", "q"],
+               "tenant": ["t", "u"], "num_new_tokens": [1, 1], "num_context_tokens": [10, 11], "phase": ["decode", "decode"]}
+    columns.update(changes)
+    return json.dumps({"columns": columns}).encode()
+
+
+BAD_COLUMN_BODIES = [
+    (b'{"columns": [1]}', 422, '"columns" must map'),
+    (_columns(step_id=7), 422, "column step_id: expected a list"),
+    (_columns(step_id=[1]), 422, "columns differ in length"),
+    (_columns(step_id=[1.0, 2.0]), 422, "column step_id: expected integer values, got Arrow type double"),
+    (_columns(step_id=[1, "2"]), 422, "column step_id"),
+    (_columns(step_id=[1, 2**70]), 422, "column step_id"),
+    (_columns(step_id=[1, None]), 422, "row 2: step_id: missing value"),
+    (_columns(num_new_tokens=[True, 1]), 422, "num_new_tokens"),
+    (_columns(phase=["decode", "idle"]), 422, 'row 2: phase: must be "prefill" or "decode"'),
+    (_columns(tenant=["t", {"a": 1}]), 422, "tenant"),
+    (_columns(tenant=["t", "u\x00"]), 422, "NUL"),
+    (_columns(step_id=[1, 1], step_latency_s=[0.02, 0.02]), 422, "appears twice in one step"),
+    (_columns(timestamp_s=[1.0, "noon"]), 422, "timestamp_s: expected Unix seconds"),
+    (json.dumps({"columns": {"run_id": ["r"]}}).encode(), 422, "missing column(s) step_id"),
+    (b'{"columns": {"run_id": ["r\\ud800", "r"], "step_id": [1, 2], "step_latency_s": [0.1, 0.1], "request_id": ["q", "q"], '
+     b'"tenant": ["t", "t"], "num_new_tokens": [1, 1], "num_context_tokens": [1, 1], "phase": ["decode", "decode"]}}', 422, "column run_id"),
+    (_columns(**{**{k: v * 501 for k, v in json.loads(_columns())["columns"].items()}, "step_id": list(range(1002))}), 413,
+     "steps, at most 500"),
+]
+
+
+@pytest.mark.parametrize("body, status, message", BAD_COLUMN_BODIES, ids=[m for _, _, m in BAD_COLUMN_BODIES])
+def test_malformed_column_payloads_get_4xx_with_the_reason(client, admin, body, status, message):
+    response = client.post("/v1/steps", content=body, headers={**admin, "Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    assert message in response.json()["detail"]
+    assert totals(client, admin)["num_steps"] == 0
+
+
 def test_conflicting_resend_is_409_naming_the_step_and_stores_nothing(client, admin):
     groups = make_steps(n_steps=10)
     post(client, groups, admin)
@@ -277,5 +336,7 @@ def test_health_openapi_and_public_metrics(model_path, db_url, keys):
         assert client.get("/metrics").status_code == 200
         spec = client.get("/openapi.json").json()
         schema = spec["paths"]["/v1/steps"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-        assert schema["properties"]["steps"]["items"]["items"]["required"][:2] == ["run_id", "step_id"]
+        rows, columns = schema["oneOf"]
+        assert rows["properties"]["steps"]["items"]["items"]["required"][:2] == ["run_id", "step_id"]
+        assert columns["properties"]["columns"]["properties"]["step_id"] == {"type": "array", "items": {"type": "integer"}}
         assert "bearer" in json.dumps(spec["components"]["securitySchemes"]).lower()

@@ -86,7 +86,28 @@ def near_valid_steps(draw):
     return rows
 
 
+@st.composite
+def near_valid_columns(draw):
+    """The column form of some near-valid steps, a column sometimes replaced, cut short or of mixed types."""
+    rows = [row for step in draw(st.lists(near_valid_steps(), min_size=1, max_size=4)) for row in step]
+    names = sorted({name for row in rows for name in row if name in GOOD})
+    columns = {name: [row.get(name) for row in rows] for name in names}
+    if names and draw(st.booleans()):
+        name = draw(st.sampled_from(names))
+        how = draw(st.integers(0, 3))
+        if how == 0:
+            columns[name] = draw(json_values)
+        elif how == 1:
+            columns[name] = columns[name][:-1]
+        elif how == 2:
+            columns[name] = draw(st.lists(json_scalars, min_size=len(rows), max_size=len(rows)))
+        else:
+            columns[name] = [draw(BAD.get(name, any_text)) for _ in rows]
+    return {"columns": columns}
+
+
 bodies = st.one_of(
+    near_valid_columns().map(lambda b: json.dumps(b).encode()),
     st.binary(max_size=200),
     json_values.map(lambda v: json.dumps(v).encode()),
     st.lists(near_valid_steps(), max_size=6).map(lambda g: json.dumps({"steps": g}).encode()),

@@ -27,7 +27,7 @@ import llmvisor
 from llmvisor.ledger import Ledger, Principal, StepConflictError
 from llmvisor.ledger.store import now_us
 from llmvisor.model import StepLatencyModel
-from llmvisor.service.ingest import MAX_STRING_CHARS, MAX_TIMESTAMP_S, PayloadError, parse_steps, prepare_batch
+from llmvisor.service.ingest import MAX_STRING_CHARS, MAX_TIMESTAMP_S, PayloadError, prepare_batch, read_batch
 from llmvisor.service.metrics import ServiceMetrics
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -55,16 +55,38 @@ class TraceRow(BaseModel):
     timestamp_s: float | None = Field(None, ge=0, description="step start, Unix seconds; else the time received")
 
 
+_ROW_SCHEMA = TraceRow.model_json_schema()
 STEP_BATCH_SCHEMA = {
-    "type": "object",
-    "required": ["steps"],
-    "properties": {
-        "steps": {
-            "type": "array",
-            "description": "One list per step holding all of that step's rows.",
-            "items": {"type": "array", "minItems": 1, "items": TraceRow.model_json_schema()},
-        }
-    },
+    "oneOf": [
+        {
+            "title": "StepsAsRows",
+            "type": "object",
+            "required": ["steps"],
+            "properties": {
+                "steps": {
+                    "type": "array",
+                    "description": "One list per step holding all of that step's rows.",
+                    "items": {"type": "array", "minItems": 1, "items": _ROW_SCHEMA},
+                }
+            },
+        },
+        {
+            "title": "StepsAsColumns",
+            "type": "object",
+            "required": ["columns"],
+            "properties": {
+                "columns": {
+                    "type": "object",
+                    "description": "The rows of whole steps, one list per column, all of one length (cheaper to validate).",
+                    "required": _ROW_SCHEMA["required"],
+                    "properties": {
+                        name: {"type": "array", "items": {k: v for k, v in prop.items() if k != "title"}}
+                        for name, prop in _ROW_SCHEMA["properties"].items()
+                    },
+                }
+            },
+        },
+    ]
 }
 
 
@@ -321,10 +343,10 @@ def create_app(
 
     def _ingest(body: bytes) -> IngestResponse:
         started_s = time.perf_counter()
-        groups = parse_steps(body, max_steps=max_steps_per_request, max_rows=max_rows_per_request)
-        if not groups:
+        trace = read_batch(body, max_steps=max_steps_per_request, max_rows=max_rows_per_request)
+        if trace.n_steps == 0:
             return IngestResponse(steps_received=0, steps_inserted=0, steps_duplicate=0, slices_inserted=0, attributed_ns=0)
-        prepared = prepare_batch(model, groups, received_at_us=now_us())
+        prepared = prepare_batch(model, trace, received_at_us=now_us())
         records = prepared.records
         outcome = ledger.ingest(records)
         inserted_steps = np.asarray(outcome.inserted, dtype=bool)
@@ -354,10 +376,11 @@ def create_app(
         response_model=IngestResponse,
         summary="Ingest a batch of steps",
         description=(
-            "Each step is attributed with the service's model and stored with its slices, the whole batch in "
-            "one transaction. Idempotent on (run_id, step_id): an identical re-send is acknowledged as a "
+            "Trace rows of whole steps, as one list of rows per step or as one list per column. Each step is "
+            "attributed with the service's model and stored with its slices, the whole batch in one transaction. "
+            "Idempotent on (run_id, step_id): an identical re-send (in either form) is acknowledged as a "
             "duplicate; a different one is a 409 naming the steps. Rows in validation messages are numbered "
-            "across the batch and also named steps[i][j]."
+            "across the batch (and named steps[i][j] in the row form)."
         ),
         openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": STEP_BATCH_SCHEMA}}}},
         responses={

@@ -1,7 +1,7 @@
 """Engine-side client: push each step's trace rows to the accounting service without blocking the engine.
 
 `StepPusher.push_step` only appends to a bounded in-memory queue. A background thread sends the queue in
-batches (one POST /v1/steps per batch), retrying with exponential backoff. When the service stays
+batches (one POST /v1/steps per batch, in the column form), retrying with exponential backoff. When the service stays
 unreachable, or the queue is full, steps go to a local JSONL spool file (trace format) instead, which is
 replayed when the service answers again, and on the next start. Replays are safe because the service is
 idempotent on (run_id, step_id): a step sent twice is acknowledged and counted once.
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from llmvisor.trace import TraceWriter
+from llmvisor.trace import REQUIRED_COLUMNS, TraceWriter
 
 log = logging.getLogger("llmvisor.pusher")
 
@@ -251,7 +251,7 @@ class StepPusher:
 
     def _post(self, batch: list[list[dict]]) -> httpx.Response:
         """One POST with retries on transport errors and 5xx/429; raises `_Unavailable` when they run out."""
-        body = json.dumps({"steps": batch}).encode()
+        body = columns_body(batch)
         delay_s = self.backoff_initial_s
         for attempt in range(self.max_attempts):
             try:
@@ -337,6 +337,16 @@ class StepPusher:
             return
         self.replay_path.unlink()
         self.stats.add(replayed=len(steps))
+
+
+def columns_body(steps: list[list[dict]]) -> bytes:
+    """A POST /v1/steps body in the column form (several times cheaper to validate than one object per row).
+
+    Only the columns the service stores are sent; a row missing one is sent as null, which the service
+    reports by row like any other bad value."""
+    rows = [row for step in steps for row in step]
+    names = [*REQUIRED_COLUMNS, *(["timestamp_s"] if any("timestamp_s" in row for row in rows) else [])]
+    return json.dumps({"columns": {name: [row.get(name) for row in rows] for name in names}}).encode()
 
 
 def _step_key(step: list[dict]) -> tuple:

@@ -1,8 +1,15 @@
 """From a POST /v1/steps body to attributed `StepRecords`: parse, validate, attribute, hash.
 
-The body is ``{"steps": [[row, ...], ...]}``: one list of trace rows (format v1) per step. Rows are
-validated by the trace reader's own validator (`llmvisor.trace.trace_from_rows`); this module adds only the
-envelope (one group per step) and the limits of storage (string lengths, NUL, magnitudes).
+A body holds trace rows (format v1) of whole steps, in one of two JSON forms:
+
+- ``{"steps": [[row, ...], ...]}``: one list of row objects per step, validated by the trace reader's
+  row validator (`llmvisor.trace.trace_from_rows`);
+- ``{"columns": {"run_id": [...], "step_id": [...], ...}}``: the same rows as one list per column, validated
+  by the trace reader's Arrow validator (the one Parquet files go through), vectorised, so several times
+  cheaper per row; rows are grouped into steps by (run_id, step_id).
+
+This module adds only the envelope (one group per step) and the limits of storage (string lengths, NUL,
+magnitudes); the trace contract itself is checked by `llmvisor.trace`.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from llmvisor.attribution import attribute
 from llmvisor.errors import LlmvisorError, TraceError
 from llmvisor.ledger import StepRecords
 from llmvisor.model import StepLatencyModel
-from llmvisor.trace import StepTrace, trace_from_rows
+from llmvisor.trace import REQUIRED_COLUMNS, StepTrace, _columns_from_arrow, build_trace, trace_from_rows
 
 BODY_PATH = "request body"
 MAX_STRING_CHARS = 512
@@ -46,15 +53,26 @@ class PreparedBatch:
     predicted_step_s: np.ndarray
 
 
-def parse_steps(body: bytes, *, max_steps: int, max_rows: int) -> list[list[dict]]:
-    """The step groups of a body, checked for shape and size (not yet for content)."""
+def read_batch(body: bytes, *, max_steps: int, max_rows: int) -> StepTrace:
+    """The validated trace of a body in either form; size limits are a 413, the rest a 400/422."""
     try:
         payload = json.loads(body)
     except (ValueError, RecursionError) as error:
         raise PayloadError(400, "bad_json", f"{BODY_PATH}: not valid JSON ({error})") from None
-    if not isinstance(payload, dict) or "steps" not in payload:
-        raise PayloadError(422, "bad_shape", f'{BODY_PATH}: expected a JSON object {{"steps": [[row, ...], ...]}}')
-    groups = payload["steps"]
+    if isinstance(payload, dict) and "steps" in payload:
+        trace = validate_trace(_step_groups(payload["steps"], max_steps=max_steps, max_rows=max_rows))
+    elif isinstance(payload, dict) and "columns" in payload:
+        trace = _trace_from_columns(payload["columns"], max_rows=max_rows)
+        if trace.n_steps > max_steps:
+            raise PayloadError(413, "too_large", f"{BODY_PATH}: {trace.n_steps} steps, at most {max_steps} per request")
+    else:
+        raise PayloadError(
+            422, "bad_shape", f'{BODY_PATH}: expected a JSON object {{"steps": [[row, ...], ...]}} or {{"columns": {{...}}}}'
+        )
+    return trace
+
+
+def _step_groups(groups, *, max_steps: int, max_rows: int) -> list[list[dict]]:
     if not isinstance(groups, list):
         raise PayloadError(422, "bad_shape", f'{BODY_PATH}: "steps" must be a list of steps, each a list of rows')
     if len(groups) > max_steps:
@@ -70,6 +88,49 @@ def parse_steps(body: bytes, *, max_steps: int, max_rows: int) -> list[list[dict
     if n_rows > max_rows:
         raise PayloadError(413, "too_large", f"{BODY_PATH}: {n_rows} rows, at most {max_rows} per request")
     return groups
+
+
+STORED_OPTIONAL_COLUMNS = ("timestamp_s",)
+
+
+def _trace_from_columns(columns, *, max_rows: int) -> StepTrace:
+    """Columns to Arrow arrays (Arrow infers each column's type from the JSON values), then the trace
+    reader's Arrow validator. Columns that are not stored are not read."""
+    if not isinstance(columns, dict):
+        raise PayloadError(422, "bad_shape", f'{BODY_PATH}: "columns" must map column names to lists of values')
+    used = [name for name in (*REQUIRED_COLUMNS, *STORED_OPTIONAL_COLUMNS) if name in columns]
+    for name in used:
+        if not isinstance(columns[name], list):
+            raise PayloadError(422, "bad_shape", f"{BODY_PATH}: column {name}: expected a list of values")
+    lengths = {len(columns[name]) for name in used}
+    if len(lengths) > 1:
+        described = ", ".join(f"{name}: {len(columns[name])}" for name in used)
+        raise PayloadError(422, "bad_shape", f"{BODY_PATH}: columns differ in length ({described})")
+    n_rows = lengths.pop() if lengths else 0
+    if n_rows > max_rows:
+        raise PayloadError(413, "too_large", f"{BODY_PATH}: {n_rows} rows, at most {max_rows} per request")
+    if n_rows == 0:
+        return trace_from_rows([], path=BODY_PATH)
+    arrays = {}
+    for name in used:
+        if name in REQUIRED_COLUMNS:
+            try:
+                arrays[name] = pa.array(columns[name])
+            except (pa.ArrowException, OverflowError, UnicodeError, TypeError, ValueError) as error:
+                raise PayloadError(422, "invalid_trace", f"{BODY_PATH}: column {name}: {error}") from None
+        else:
+            values = np.empty(n_rows, dtype=object)
+            for i, value in enumerate(columns[name]):
+                values[i] = value
+            arrays[name] = values
+    try:
+        typed, row_numbers = _columns_from_arrow(BODY_PATH, pa.table({k: v for k, v in arrays.items() if isinstance(v, pa.Array)}))
+        typed.update({k: v for k, v in arrays.items() if not isinstance(v, pa.Array)})
+        trace = build_trace(typed, path=BODY_PATH, row_numbers=row_numbers)
+    except TraceError as error:
+        raise PayloadError(422, "invalid_trace", str(error)) from None
+    _check_storage_limits(trace)
+    return trace
 
 
 def _check_one_group_per_step(groups: list[list[dict]]) -> None:
@@ -252,9 +313,8 @@ def content_digests(trace: StepTrace, timestamps_s: list[float | None]) -> list[
     return digests
 
 
-def prepare_batch(model: StepLatencyModel, groups: list[list[dict]], *, received_at_us: int) -> PreparedBatch:
-    """Validate and attribute a batch; steps without ``timestamp_s`` are dated ``received_at_us``."""
-    trace = validate_trace(groups)
+def prepare_batch(model: StepLatencyModel, trace: StepTrace, *, received_at_us: int) -> PreparedBatch:
+    """Attribute a validated batch; steps without ``timestamp_s`` are dated ``received_at_us``."""
     timestamps_s = _step_timestamps(trace)
     attribution = attribute(model, trace)
     measured_s = trace.step_latency_s_per_step

@@ -22,6 +22,7 @@ import typer
 
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
+from llmvisor.service.client import columns_body
 from llmvisor.service.process import ServerProcess
 
 _RUN_PLACEHOLDER = "__LLMVISOR_LOAD_RUN__"
@@ -42,17 +43,21 @@ class LoadResult:
     def steps_per_s(self) -> float:
         return self.steps / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
-    def line(self, batch_size: int, steps_per_request: int, concurrency: int) -> str:
+    def line(self, batch_size: int, steps_per_request: int, concurrency: int, body: str) -> str:
         reconciled = {True: "totals reconcile", False: "TOTALS DO NOT RECONCILE", None: "totals not checked"}[self.reconciled]
         return (
             f"{self.target}: {self.steps:,} steps (B={batch_size}) in {self.elapsed_s:.1f} s = "
             f"{self.steps_per_s:,.0f} steps/s ({self.slices / self.elapsed_s:,.0f} slices/s); "
-            f"{steps_per_request} steps per POST, {concurrency} connections, {self.errors} failed POSTs; {reconciled}"
+            f"{steps_per_request} steps per POST in the {body} form, {concurrency} connections, "
+            f"{self.errors} failed POSTs; {reconciled}"
         )
 
 
-def step_batch_template(steps_per_request: int, batch_size: int, *, n_tenants: int = 8, seed: int = 0) -> bytes:
-    """A POST /v1/steps body of decode steps over a set of running requests, one in ten steps with a prefill."""
+def step_batch_template(
+    steps_per_request: int, batch_size: int, *, body: str = "columns", n_tenants: int = 8, seed: int = 0
+) -> bytes:
+    """A POST /v1/steps body (``body``: "columns" or "rows" form) of decode steps over a set of running
+    requests, one in ten steps with a prefill."""
     rng = np.random.default_rng(seed)
     start_s = time.time()
     context = rng.integers(64, 4096, size=batch_size)
@@ -79,6 +84,8 @@ def step_batch_template(steps_per_request: int, batch_size: int, *, n_tenants: i
             )
         context += 1
         groups.append(rows)
+    if body == "columns":
+        return columns_body(groups)
     return json.dumps({"steps": groups}, separators=(",", ":")).encode()
 
 
@@ -92,9 +99,10 @@ def run_load(
     steps_per_request: int,
     concurrency: int,
     max_seconds: float,
+    body: str = "columns",
 ) -> LoadResult:
     """POST pre-built batches from ``concurrency`` threads until ``total_steps`` or ``max_seconds``."""
-    template = step_batch_template(steps_per_request, batch_size)
+    template = step_batch_template(steps_per_request, batch_size, body=body)
     n_requests = max(1, total_steps // steps_per_request)
     tag = uuid.uuid4().hex[:12]
     headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
@@ -171,16 +179,19 @@ def load(
     steps_per_request: Annotated[int, typer.Option(help="Steps per POST.", min=1, max=20_000)] = 1000,
     concurrency: Annotated[int, typer.Option(help="Concurrent client connections.", min=1, max=16)] = 2,
     max_seconds: Annotated[float, typer.Option(help="Stop sending after this long, per target.", min=1, max=600)] = 120.0,
+    body: Annotated[str, typer.Option(help="Body form: 'columns' (one list per column) or 'rows' (one object per row).")] = "columns",
 ) -> None:
     """Measure sustained ingest throughput (steps/s) on loopback; bounded by --steps and --max-seconds."""
+    if body not in ("columns", "rows"):
+        raise LlmvisorError(f"--body {body!r}: choose columns or rows")
     options = dict(total_steps=steps, batch_size=batch_size, steps_per_request=steps_per_request,
-                   concurrency=concurrency, max_seconds=max_seconds)
+                   concurrency=concurrency, max_seconds=max_seconds, body=body)
     if url is not None:
         _check_loopback(url)
         if not api_key:
             raise LlmvisorError("--url needs --api-key (an admin key)")
         result = run_load(url, api_key, target=url, **options)
-        typer.echo(result.line(batch_size, steps_per_request, concurrency))
+        typer.echo(result.line(batch_size, steps_per_request, concurrency, body))
         return
     with tempfile.TemporaryDirectory(prefix="llmvisor-load-") as scratch:
         model_path = model
@@ -199,4 +210,4 @@ def load(
                 ledger.close()
             with ServerProcess(model_path, db_url, log_path=Path(scratch) / "server.log") as server:
                 result = run_load(server.url, key, target=f"{ledger.backend} ({ledger.safe_url})", **options)
-            typer.echo(result.line(batch_size, steps_per_request, concurrency))
+            typer.echo(result.line(batch_size, steps_per_request, concurrency, body))
