@@ -335,6 +335,27 @@ def demo(
     stdout.print(f"report: {outcome['report']}", highlight=False)
 
 
+def _register_adapters() -> None:
+    """Commands whose code lives beside its domain (engine glue, service); vLLM is imported only when they run."""
+    from llmvisor.experiment import fairness
+    from llmvisor.profile.command import profile
+    from llmvisor.service.command import keys_create, keys_list, keys_revoke, serve
+    from llmvisor.service.load import load
+    from llmvisor.validation_command import validate
+
+    app.command("profile")(user_errors(profile))
+    app.command("validate")(user_errors(validate))
+    app.command("serve")(user_errors(serve))
+    app.command("load")(user_errors(load))
+    keys_app.command("create")(user_errors(keys_create))
+    keys_app.command("list")(user_errors(keys_list))
+    keys_app.command("revoke")(user_errors(keys_revoke))
+    experiment_app.command("fairness")(user_errors(fairness))
+
+
+_register_adapters()
+
+
 def main() -> None:
     app()
 
