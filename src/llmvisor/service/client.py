@@ -47,7 +47,8 @@ DEFAULT_SPOOL = "llmvisor-spool.jsonl"
 
 @dataclass
 class PusherStats:
-    """What became of the steps pushed so far (a step can be spooled and later acknowledged)."""
+    """What became of the steps pushed so far (a step can be spooled and later acknowledged); ``dropped``
+    counts steps lost because the queue was full and the spool file could not be written."""
 
     pushed: int = 0
     acknowledged: int = 0
@@ -55,6 +56,7 @@ class PusherStats:
     spooled: int = 0
     replayed: int = 0
     rejected: int = 0
+    dropped: int = 0
     failed_posts: int = 0
     last_error: str | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -145,7 +147,7 @@ class StepPusher:
         """Hand over one step's rows; returns at once (at worst after a local file append when the queue is full)."""
         if self._closed:
             raise RuntimeError("push_step after close()")
-        rows = list(rows)
+        rows = [dict(row) for row in rows]  # the caller may reuse its dicts for the next step
         if not rows:
             raise ValueError("a step has at least one row")
         self.stats.add(pushed=1)
@@ -306,11 +308,18 @@ class StepPusher:
         self.stats.add(rejected=len(steps))
 
     def _spool(self, steps: list[list[dict]]) -> None:
-        with self._spool_lock:
-            writer = TraceWriter(self.spool_path, flush_every_steps=len(steps))
-            for step in steps:
-                writer.write_step(step)
-            writer.close()
+        try:
+            with self._spool_lock:
+                writer = TraceWriter(self.spool_path, flush_every_steps=len(steps))
+                for step in steps:
+                    writer.write_step(step)
+                writer.close()
+        except (OSError, TypeError, ValueError) as error:
+            # Neither the engine loop nor this thread may die because the disk is full or a row cannot be
+            # written as JSON; the loss is counted and logged.
+            log.error("llmvisor pusher: cannot spool %d step(s) to %s (%s); dropped", len(steps), self.spool_path, error)
+            self.stats.add(dropped=len(steps))
+            return
         self.stats.add(spooled=len(steps))
 
     def _replay(self) -> None:
@@ -346,7 +355,10 @@ def columns_body(steps: list[list[dict]]) -> bytes:
     reports by row like any other bad value."""
     rows = [row for step in steps for row in step]
     names = [*REQUIRED_COLUMNS, *(["timestamp_s"] if any("timestamp_s" in row for row in rows) else [])]
-    return json.dumps({"columns": {name: [row.get(name) for row in rows] for name in names}}).encode()
+    # One json.dumps per column rather than one for the body: each C call holds the GIL, and this runs in a
+    # thread of the engine's process, whose step times are being measured.
+    parts = [f"{json.dumps(name)}:{json.dumps([row.get(name) for row in rows])}" for name in names]
+    return ('{"columns":{' + ",".join(parts) + "}}").encode()
 
 
 def _step_key(step: list[dict]) -> tuple:

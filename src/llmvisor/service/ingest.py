@@ -222,14 +222,6 @@ def _step_timestamps(trace: StepTrace) -> list[float | None]:
     if values is None:
         return [None] * trace.n_steps
     per_step = values[trace.step_starts]
-    disagree = np.flatnonzero(values != np.repeat(per_step, trace.batch_size_per_step))
-    if disagree.size:
-        k = int(trace.slice_step_index[disagree[0]])
-        raise PayloadError(
-            422,
-            "invalid_trace",
-            f"{BODY_PATH}: step {trace.step_id_per_step[k]} of run {trace.run_id_per_step[k]!r}: rows disagree on timestamp_s",
-        )
     out: list[float | None] = []
     for k, value in enumerate(per_step.tolist()):
         if value is not None:
@@ -243,6 +235,14 @@ def _step_timestamps(trace: StepTrace) -> list[float | None]:
                 )
             value = float(value)
         out.append(value)
+    disagree = np.flatnonzero(values != np.repeat(per_step, trace.batch_size_per_step))
+    if disagree.size:
+        k = int(trace.slice_step_index[disagree[0]])
+        raise PayloadError(
+            422,
+            "invalid_trace",
+            f"{BODY_PATH}: step {trace.step_id_per_step[k]} of run {trace.run_id_per_step[k]!r}: rows disagree on timestamp_s",
+        )
     return out
 
 
