@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Record the step traces shipped in src/llmvisor/data/traces/ (see its README.md for what they hold).
+# Runs on the CPU build of vLLM; about 30 minutes on a 2-core machine. Other heavy jobs distort the timings,
+# so /tmp/llmvisor-quiet.lock asks the machine's other users to hold theirs while this runs (and this script
+# waits while someone else holds it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
+OUT=${OUT:-src/llmvisor/data/traces}
+WORKLOADS=${WORKLOADS:-../shared/data/workloads}
+ENGINE=(--max-model-len 4096 --max-num-batched-tokens 2048 --max-num-seqs 32 --kv-cache-gib 4 --threads 2)
+WHAT=${1:-all}  # all | sweep | workloads
+LOCK=/tmp/llmvisor-quiet.lock
+ME="record-traces $$"
+while [[ -e $LOCK ]]; do echo "waiting for the machine: $(cat "$LOCK")"; sleep 20; done
+echo "$ME $(date -u)" > "$LOCK"
+trap 'grep -qs "^$ME " "$LOCK" && rm -f "$LOCK"' EXIT
+
+if [[ $WHAT == all || $WHAT == sweep ]]; then
+"$PYTHON" -m llmvisor.profile --plan sweep -o "$OUT/sweep.parquet" --run-id sweep-v1 \
+  --points 40 --repeat 2 --max-decode-steps 64 --seed 0 "${ENGINE[@]}"
+fi
+[[ $WHAT == all || $WHAT == workloads ]] || exit 0
+"$PYTHON" -m llmvisor.profile --plan workload -o "$OUT/azure-conv.parquet" --run-id azure-conv-v1 \
+  --workload "$WORKLOADS/azure-2023-conv.csv" --num-requests 160 --concurrency 16 --max-seconds 240 "${ENGINE[@]}"
+"$PYTHON" -m llmvisor.profile --plan workload -o "$OUT/azure-code.parquet" --run-id azure-code-v1 \
+  --workload "$WORKLOADS/azure-2023-code.csv" --num-requests 120 --concurrency 16 --max-seconds 240 "${ENGINE[@]}"
+"$PYTHON" -m llmvisor.profile --plan workload -o "$OUT/arxiv-summarization.parquet" --run-id arxiv-summarization-v1 \
+  --workload "$WORKLOADS/arxiv-summarization.csv" --num-requests 100 --concurrency 16 --max-seconds 240 "${ENGINE[@]}"
+"$PYTHON" -m llmvisor.profile --plan workload -o "$OUT/multi-tenant.parquet" --run-id multi-tenant-v1 \
+  --workload "$WORKLOADS/azure-2023-conv.csv" --workload "$WORKLOADS/azure-2023-code.csv" \
+  --workload "$WORKLOADS/arxiv-summarization.csv" --start-row 1000 --num-requests 50 --concurrency 16 \
+  --max-seconds 240 "${ENGINE[@]}"
