@@ -397,3 +397,19 @@ def test_controlled_steps_on_vllm_run_exactly_the_intended_batches(tmp_path):
         expected_base = [c for i, c in enumerate((130, 17)) if mask >> i & 1]
         for m in ms:  # contexts grow by one per run, never below the prefilled context
             assert all(0 <= got - base <= 12 for got, base in zip(m.num_context_tokens, expected_base))
+
+
+def test_interaction_diagnostics_find_a_padding_cost(tmp_path):
+    """A decode cost on |S| × the longest context is found (and explains the non-additive residual)."""
+    def padded(slices):
+        return B + D7 * len(slices) + 2e-6 * len(slices) * max(s.num_context_tokens for s in slices)
+
+    batches, _ = v.draw_batches(mixes(), ENVELOPE, n_batches=24, max_batch=5, replicate_every=0, seed=5)
+    batches = [b for b in batches if b.phase == "decode"]
+    journal = v.Journal(tmp_path / "j.jsonl")
+    v.measure(GameEngine(padded), batches, journal, repeat=1, warm_up_steps=0)
+    records = [v.analyse_batch(b, journal, known_model(), repeat=1) for b in batches]
+    found = v.interaction_diagnostics(records)["decode"]["terms"]
+    assert found["size_x_max_tokens"]["explained_fraction_of_additive_residual"] > 0.95
+    assert found["size_x_max_tokens"]["coef"] == pytest.approx(2e-6, rel=0.05)
+    assert found["pairs"]["explained_fraction_of_additive_residual"] < 0.5

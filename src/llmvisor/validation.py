@@ -595,6 +595,79 @@ def analyse_batch(batch: BatchSpec, journal: Journal, model, repeat: int) -> dic
     return out
 
 
+INTERACTION_TERMS = {
+    "max_tokens": "max over the subset of the request's length (decode: context; prefill: new tokens)",
+    "size_x_max_tokens": "|S| · max length: every request padded to the longest (attention padding)",
+    "pairs": "|S|·(|S| − 1)/2: a cost growing with the number of request pairs",
+    "total_tokens_squared": "(Σ length)²: a cost convex in the step's total tokens",
+}
+
+
+def _term(name: str, lengths: np.ndarray) -> float:
+    if name == "max_tokens":
+        return float(lengths.max())
+    if name == "size_x_max_tokens":
+        return float(lengths.size * lengths.max())
+    if name == "pairs":
+        return lengths.size * (lengths.size - 1) / 2
+    if name == "total_tokens_squared":
+        return float(lengths.sum()) ** 2
+    raise KeyError(name)
+
+
+def interaction_diagnostics(records: list[dict]) -> dict:
+    """Which non-additive cost, if any, the measured games hold beyond the additive form, per phase.
+
+    Pooled over batches of 3 or more requests: each batch keeps its own additive game (b + Σ f_i, fixed
+    effects), and one coefficient per candidate term (``INTERACTION_TERMS``) is fitted on what the additive
+    games leave (Frisch–Waugh). Reported: the coefficient (seconds per unit), its standard error and t, and
+    the share of the additive residual it explains; a term that explains little leaves nothing to fix.
+    """
+    out: dict = {}
+    for phase in PHASES:
+        batches = [r for r in records if r["phase"] == phase and r["size"] >= 3]
+        if not batches:
+            continue
+        residuals, projected = [], {name: [] for name in INTERACTION_TERMS}
+        for r in batches:
+            n = r["size"]
+            lengths = np.asarray(r["num_context_tokens"] if phase == "decode" else r["num_new_tokens"], dtype=np.float64)
+            masks = subset_masks(n)[1:]
+            x = np.column_stack([np.ones(masks.size)] + [((masks >> i) & 1).astype(np.float64) for i in range(n)])
+            pinv = np.linalg.pinv(x)
+            y = np.asarray(r["subset_step_s"][0])
+            residuals.append(y - x @ (pinv @ y))
+            for name in INTERACTION_TERMS:
+                z = np.array([_term(name, lengths[[i for i in range(n) if m >> i & 1]]) for m in masks])
+                projected[name].append(z - x @ (pinv @ z))
+        res = np.concatenate(residuals)
+        dof = res.size - sum(r["size"] + 1 for r in batches)
+        terms = {}
+        for name, pieces in projected.items():
+            z = np.concatenate(pieces)
+            zz = float(z @ z)
+            if zz <= 0:
+                continue
+            coef = float(res @ z) / zz
+            left = res - coef * z
+            sigma2 = float(left @ left) / max(dof - 1, 1)
+            explained = 1 - float(left @ left) / float(res @ res) if float(res @ res) > 0 else 0.0
+            terms[name] = {
+                "coef": coef,
+                "std_err": math.sqrt(sigma2 / zz),
+                "t": coef / math.sqrt(sigma2 / zz) if sigma2 > 0 else None,
+                "explained_fraction_of_additive_residual": explained,
+                "description": INTERACTION_TERMS[name],
+            }
+        out[phase] = {
+            "n_batches": len(batches),
+            "additive_residual_rms_s": float(np.sqrt(np.mean(res**2))),
+            "additive_residual_rms_fraction": float(np.sqrt(np.mean(np.concatenate([rr / r["measured_step_s"] for rr, r in zip(residuals, batches)]) ** 2))),
+            "terms": terms,
+        }
+    return out
+
+
 def _error_table(records: list[dict], target: str, methods: list[str], n_bootstrap: int, seed: int) -> dict:
     out = {}
     for method in methods:
@@ -668,6 +741,7 @@ def summarize(records: list[dict], *, n_bootstrap: int = 1000, seed: int = 0) ->
             "p90": head["p90"] <= GOAL["p90_max"],
             "vs_token_proportional": improvement is not None and improvement >= GOAL["p90_improvement_vs_token_proportional_min"],
         }
+    summary["interactions"] = interaction_diagnostics(records)
     summary["n_batches"] = {p: sum(r["phase"] == p for r in records) for p in PHASES}
     summary["n_requests"] = {p: sum(r["size"] for r in records if r["phase"] == p) for p in PHASES}
     summary["methods"] = methods

@@ -24,6 +24,11 @@ def default_engine_model_dir() -> Path:
     return Path(str(resources.files("llmvisor") / "data" / "engine-model"))
 
 
+def default_model_path() -> Path:
+    """The shipped model, fitted on the shipped vLLM sweep trace."""
+    return Path(str(resources.files("llmvisor") / "data" / "model.json"))
+
+
 def journal_path_for(output: Path) -> Path:
     """The measurement journal kept next to the result (``RESULT.journal.jsonl``)."""
     return output.with_name(output.name.removesuffix(".json") + ".journal.jsonl")
@@ -52,8 +57,8 @@ def _check_journal_settings(journal_path: Path, engine_settings: dict) -> None:
 
 
 def validate(
-    model: Annotated[Path, typer.Option("--model", "-m", help="Fitted llmvisor model (JSON) whose shares are judged.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Result JSON; measurements go to RESULT.journal.jsonl beside it, and a re-run resumes from it.")],
+    model: Annotated[Path | None, typer.Option("--model", "-m", help="Fitted llmvisor model (JSON) whose shares are judged. Default: the shipped model.")] = None,
     engine_model: Annotated[Path | None, typer.Option(help="Hugging Face model folder run by vLLM (a bare config.json runs with dummy weights). Default: the shipped engine model.")] = None,
     batches: Annotated[int, typer.Option(help="Batches to validate (alternating prefill and decode).")] = 100,
     max_batch: Annotated[int, typer.Option(help="Largest batch (2 to 8); every non-empty subset of a batch is measured.")] = 5,
@@ -69,6 +74,7 @@ def validate(
     threads: Annotated[int | None, typer.Option(help="Engine (CPU build): OpenMP/torch threads, as for `llmvisor profile`. Default: as the environment says.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the batches and the measuring order.")] = 0,
     n_bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples for the 95% intervals.")] = 1000,
+    keep_steps: Annotated[bool, typer.Option(help="Keep the recorder's trace of every engine step run (RESULT.steps.jsonl).")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print only the summary JSON to stdout.")] = False,
 ) -> None:
     """Validate per-request shares against exact Shapley values measured on the real engine."""
@@ -79,6 +85,7 @@ def validate(
     from llmvisor.model import StepLatencyModel
 
     console = Console(stderr=True)
+    model = model if model is not None else default_model_path()
     latency_model = StepLatencyModel.from_json(model)
     if repeat < 1:
         raise LlmvisorError(f"--repeat: must be at least 1 (got {repeat})")
@@ -138,7 +145,7 @@ def validate(
             max_num_seqs=max_num_seqs,
             kv_cache_gib=kv_cache_gib,
             num_threads=threads,
-            trace_path=output.with_name(output.name.removesuffix(".json") + ".steps.jsonl"),
+            trace_path=output.with_name(output.name.removesuffix(".json") + ".steps.jsonl") if keep_steps else None,
             seed=seed,
             run_id=f"validate-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}",
         ) as engine:
