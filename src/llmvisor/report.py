@@ -68,6 +68,7 @@ def error_cdfs(result: dict, test: StepTrace) -> str:
             for q, style in (("p50", ":"), ("p90", "--"), ("p99", "-.")):
                 axis.axvline(floor[q] * 100, color="gray", linestyle=style, linewidth=1, label=f"noise floor {q}")
         axis.set_xscale("symlog", linthresh=1)
+        axis.set_xlim(left=0)
         axis.set_xlabel("|predicted − measured| / measured (%)")
         axis.set_ylabel("fraction of held-out steps")
         axis.set_title(f"error CDF, {phase}")
