@@ -271,7 +271,7 @@ class ProfiledEngine:
         """Write the steps not yet written; the recorder's overhead figures."""
         self.scheduler.flush_trace()
         overhead = self.scheduler.recorder_overhead().as_dict()
-        fractions = np.asarray(self.scheduler.step_overhead_s) / np.maximum(np.asarray(self.scheduler.step_latency_s), 1e-12)
+        fractions = np.asarray(self.scheduler.overhead_s_per_step) / np.maximum(np.asarray(self.scheduler.latency_s_per_step), 1e-12)
         if fractions.size:
             overhead["step_fraction_p50"] = float(np.percentile(fractions, 50))
             overhead["step_fraction_p99"] = float(np.percentile(fractions, 99))

@@ -116,8 +116,8 @@ class RecordingScheduler(Scheduler):
         self._recorder_time_s = 0.0
         self._recorded_latency_s = 0.0
         self._max_step_fraction = 0.0
-        self.step_overhead_s = array("d")
-        self.step_latency_s = array("d")
+        self.overhead_s_per_step = array("d")
+        self.latency_s_per_step = array("d")
         if self.scheduler_config.async_scheduling or self.vllm_config.max_concurrent_batches > 1:
             logger.warning(
                 "llmvisor: steps overlap (async scheduling or a batch queue); step latencies are approximate. "
@@ -156,9 +156,9 @@ class RecordingScheduler(Scheduler):
             overhead_s = schedule_overhead_s + time.perf_counter() - entered
             self._recorder_time_s += overhead_s
             self._max_step_fraction = max(self._max_step_fraction, overhead_s / latency_s)
-            if len(self.step_overhead_s) < MAX_KEPT_STEPS:
-                self.step_overhead_s.append(overhead_s)
-                self.step_latency_s.append(latency_s)
+            if len(self.overhead_s_per_step) < MAX_KEPT_STEPS:
+                self.overhead_s_per_step.append(overhead_s)
+                self.latency_s_per_step.append(latency_s)
         result = super().update_from_output(scheduler_output, model_runner_output)
         self._last_update_exit_s = time.perf_counter()
         return result
