@@ -120,7 +120,7 @@ def test_goals_compare_attributed_vtc_with_the_baselines():
 def test_report_sections_render(run):
     analysed = {"attributed": analyse_run(run, fixed_model(), window_s=1.0, warmup_s=0.0)}
     result = {
-        "setup": {"workload": {"tenants": workload_tenants(2, rate_rps=1, doc_tokens=512, n_docs=1, prompt_tokens=8, output_tokens=8)}, "window_s": 1.0, "warmup_s": 0.0},
+        "setup": {"workload": {"tenants": workload_tenants(2, rate_rps=1, history_tokens=512, n_conversations=1, prompt_tokens=8, output_tokens=8)}, "window_s": 1.0, "warmup_s": 0.0},
         "policies": analysed,
     }
     sections = report_sections(json.loads(json.dumps(result)))

@@ -2,11 +2,12 @@
 
 Workload (stated, the same arrivals for every policy): every tenant sends requests of the same size, 64 new
 prompt tokens and 64 output tokens by default, at the same Poisson rate, fast enough that every tenant is
-backlogged. The long-context tenants' requests carry a long shared document in front of those 64 tokens
-(a few documents, prefilled once during warm-up and then served from vLLM's prefix cache), so per request they
-run the same tokens as everyone else, and VTC's token count sees them as equal, but every prefill chunk attends
-over the document and every decode reads its KV cache. That is the case the issue names: same request and
-token rate, more engine time.
+backlogged. The long-context tenants' requests continue multi-turn conversations: each prompt is one
+conversation's long history (prefilled once during warm-up, then served from vLLM's prefix cache) followed by
+the 64 new tokens; conversations are continued in turn and outnumber the requests running at once, so running
+requests never share a history. Per request they run the same tokens as everyone else, and VTC's token count
+sees them as equal, but every prefill chunk attends over the history and every decode reads its KV cache. That
+is the case the issue names: same request and token rate, more engine time.
 
 Each policy runs in a fresh engine in its own process (`llmvisor.engines.vllm.fair_experiment`), recording the
 step trace. Analysis here, identical for every policy: each step's measured time is split by llmvisor's shares
@@ -31,6 +32,7 @@ import numpy as np
 import typer
 
 from llmvisor.errors import LlmvisorError
+from llmvisor.features import FEATURE_NAMES
 
 POLICIES = ("fcfs", "tokens", "attributed")
 POLICY_LABELS = {"fcfs": "vLLM FCFS", "tokens": "token VTC", "attributed": "attributed VTC"}
@@ -60,7 +62,7 @@ def _fairness(values: list[float]) -> tuple[float | None, float | None]:
     return max_min_ratio(values), jain_index(values)
 
 
-def workload_tenants(n_tenants: int, *, rate_rps: float, doc_tokens: int, n_docs: int, prompt_tokens: int, output_tokens: int) -> list[dict]:
+def workload_tenants(n_tenants: int, *, rate_rps: float, history_tokens: int, n_conversations: int, prompt_tokens: int, output_tokens: int) -> list[dict]:
     """Alternating long-context and short-context tenants: long, short, long-2, short-2."""
     if not 2 <= n_tenants <= 4:
         raise LlmvisorError(f"--tenants must be 2 to 4 (got {n_tenants})")
@@ -72,8 +74,8 @@ def workload_tenants(n_tenants: int, *, rate_rps: float, doc_tokens: int, n_docs
             {
                 "name": ("long" if long else "short") + suffix,
                 "rate_rps": rate_rps,
-                "doc_tokens": doc_tokens if long else 0,
-                "n_docs": n_docs if long else 0,
+                "history_tokens": history_tokens if long else 0,
+                "n_conversations": n_conversations if long else 0,
                 "prompt_tokens": prompt_tokens,
                 "output_tokens": output_tokens,
             }
@@ -219,6 +221,37 @@ def _median(values: list[float]) -> float | None:
     return float(np.median(values)) if values else None
 
 
+def insitu_check(runs: dict, *, window_s: float, warmup_s: float) -> dict | None:
+    """Fairness judged by a second model, fitted on the experiment's own steps (every policy's run).
+
+    The charging model comes from a profiling sweep; this one sees the workload itself (e.g. contexts that
+    share cached documents), so a policy that is fair only under the charging model's split shows it here.
+    Its own caveat: batch composition varies less than in a sweep, so its coefficients are less certain.
+    """
+    from llmvisor.model import StepLatencyModel
+    from llmvisor.trace import concat_traces, read_trace
+
+    if len(runs) < 2:
+        return None
+    traces = []
+    for run in runs.values():
+        trace = read_trace(run["trace"])
+        traces.append(trace.select_steps(trace.step_id_per_step >= run["first_step"]))
+    model = StepLatencyModel().fit(concat_traces(traces))
+    out = {
+        "model_boundary_new_tokens": model.boundary_,
+        "model_coef_s": [dict(zip(FEATURE_NAMES, map(float, row))) for row in model.coef_],
+        "fit_info": {k: v for k, v in model.fit_info_.items() if isinstance(v, (int, float, str))},
+        "policies": {},
+    }
+    for name, run in runs.items():
+        summary = analyse_run(run, model, window_s=window_s, warmup_s=warmup_s)["summary"]
+        out["policies"][name] = {
+            key: summary[key] for key in ("attributed_s", "engine_time_max_min", "jain", "window_engine_time_max_min", "window_jain")
+        }
+    return out
+
+
 def goals(policies: dict) -> dict:
     """The issue's goals, judged on the figures (None where a policy did not run)."""
     out: dict = {"max_min_goal": GOAL_MAX_MIN, "jain_goal": GOAL_JAIN, "throughput_loss_goal": GOAL_THROUGHPUT_LOSS}
@@ -317,7 +350,8 @@ def report_sections(result: dict) -> list[tuple[str, str]]:
     note = (
         f"<p class='note'>{len(setup['workload']['tenants'])} tenants, each {setup['workload']['tenants'][0]['rate_rps']:.2f} requests/s "
         f"of {setup['workload']['tenants'][0]['prompt_tokens']} new prompt + {setup['workload']['tenants'][0]['output_tokens']} output tokens; "
-        f"long-context tenants' prompts follow a {setup['workload']['tenants'][0]['doc_tokens']}-token cached document. "
+        f"long-context tenants' prompts continue one of {setup['workload']['tenants'][0]['n_conversations']} conversations with a "
+        f"{setup['workload']['tenants'][0]['history_tokens']}-token history in the prefix cache. "
         f"Figures over {setup['window_s']:.0f} s windows after {setup['warmup_s']:.0f} s; fairness among tenants backlogged throughout.</p>"
     )
     table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
@@ -358,12 +392,12 @@ def fairness(
     engine_model: Annotated[Path | None, typer.Option(help="Engine model folder (config.json runs with dummy weights). Default: the shipped engine model.")] = None,
     policy: Annotated[list[str] | None, typer.Option(help="Policies to run: fcfs, tokens, attributed (repeat). Default: all three.")] = None,
     tenants: Annotated[int, typer.Option(help="Tenants, 2 to 4: long-context and short-context alternately.")] = 2,
-    rate_rps: Annotated[float, typer.Option(help="Requests per second from each tenant (Poisson); high enough that all stay backlogged.")] = 3.0,
-    doc_tokens: Annotated[int, typer.Option(help="Long-context tenants: tokens of the shared document in front of each prompt.")] = 1536,
-    n_docs: Annotated[int, typer.Option(help="Long-context tenants: distinct documents.")] = 4,
+    rate_rps: Annotated[float, typer.Option(help="Requests per second from each tenant (Poisson); high enough that all stay backlogged.")] = 16.0,
+    history_tokens: Annotated[int, typer.Option(help="Long-context tenants: tokens of conversation history (prefix-cached) in front of each prompt.")] = 1536,
+    conversations: Annotated[int, typer.Option(help="Long-context tenants: conversations, continued in turn; more than run at once, so running requests do not share a history.")] = 40,
     prompt_tokens: Annotated[int, typer.Option(help="New prompt tokens per request (every tenant).")] = 64,
     output_tokens: Annotated[int, typer.Option(help="Output tokens per request (every tenant).")] = 64,
-    duration_s: Annotated[float, typer.Option(help="Seconds of arrivals and measurement per policy.")] = 100.0,
+    duration_s: Annotated[float, typer.Option(help="Seconds of arrivals and measurement per policy.")] = 90.0,
     warmup_s: Annotated[float, typer.Option(help="Seconds at the start left out of the figures (queues build up).")] = 10.0,
     window_s: Annotated[float, typer.Option(help="Window of the per-tenant time series.")] = 10.0,
     max_model_len: Annotated[int, typer.Option(help="Engine: longest prompt + output.")] = 4096,
@@ -394,7 +428,7 @@ def fairness(
     engine_dir = str(engine_model or _default_engine_model())
     output.mkdir(parents=True, exist_ok=True)
     workload = {
-        "tenants": workload_tenants(tenants, rate_rps=rate_rps, doc_tokens=doc_tokens, n_docs=n_docs, prompt_tokens=prompt_tokens, output_tokens=output_tokens),
+        "tenants": workload_tenants(tenants, rate_rps=rate_rps, history_tokens=history_tokens, n_conversations=conversations, prompt_tokens=prompt_tokens, output_tokens=output_tokens),
         "duration_s": duration_s,
         "seed": seed,
     }
@@ -422,6 +456,7 @@ def fairness(
         console.print(f"  done in {time.perf_counter() - started:.0f} s{extra}")
     analysed = {name: analyse_run(run, charge_model, window_s=window_s, warmup_s=warmup_s) for name, run in runs.items()}
     first = next(iter(runs.values()))
+    check = insitu_check(runs, window_s=window_s, warmup_s=warmup_s)
     result = {
         "experiment": "fairness",
         "setup": {
@@ -432,10 +467,13 @@ def fairness(
             "window_s": window_s,
             "warmup_s": warmup_s,
             "attribution_rule": "shapley",
+            "model_boundary_new_tokens": charge_model.boundary_,
+            "model_coef_s": [dict(zip(FEATURE_NAMES, map(float, row))) for row in charge_model.coef_],
             "hardware": _hardware(),
         },
         "policies": analysed,
         "goals": goals(analysed),
+        "insitu_check": check,
     }
     (output / "fairness.json").write_text(json.dumps(result, indent=2) + "\n")
     figure = plot(result)

@@ -201,6 +201,7 @@ class FairScheduler(RecordingScheduler):
         self._tenant_key = config.tenant_key
         self._default_tenant = config.default_tenant
         self.waiting = TenantRequestQueue(self)
+        self._queue_time_counted_s = 0.0
         self.admissions: deque[Admission] = deque(maxlen=max(1, config.log_size))
         self.preemptions: deque[Preemption] = deque(maxlen=max(1, config.log_size))
         self.num_admitted = 0
@@ -303,7 +304,6 @@ class FairScheduler(RecordingScheduler):
     def schedule(self, *args, **kwargs):
         started = time.perf_counter()
         queue = self.waiting
-        queue_time_before = queue.time_s
         self._pass_now_s = time.monotonic()
         self._pass_running = None
         self._pass_reserved.clear()
@@ -319,9 +319,13 @@ class FairScheduler(RecordingScheduler):
         if scheduler_output.total_num_scheduled_tokens:
             self._steps[id(scheduler_output)] = self._step_slices(scheduler_output)
         finished = time.perf_counter()
-        self._pending_schedule_s = before_s + (finished - resumed) + (queue.time_s - queue_time_before)
+        # queue work since the last pass: arrivals (add_request) in between and this pass's admissions
+        queue_s = queue.time_s - self._queue_time_counted_s
+        self._queue_time_counted_s = queue.time_s
         if scheduler_output.total_num_scheduled_tokens:
-            self._steps[id(scheduler_output)] += (finished, self._pending_schedule_s)
+            self._steps[id(scheduler_output)] += (finished, before_s + (finished - resumed) + queue_s)
+        else:
+            self._fair_time_s += before_s + (finished - resumed) + queue_s
         return scheduler_output
 
     def _step_slices(self, scheduler_output) -> tuple:
