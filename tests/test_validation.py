@@ -124,25 +124,34 @@ def test_cluster_bootstrap_is_wider_than_independent_when_groups_are_alike():
 class GameEngine:
     """Measures steps of a known cost function (plus optional multiplicative noise); counts the steps run."""
 
-    def __init__(self, cost_fn, *, noise: float = 0.0, seed: int = 0, fail_every: int = 0, crash_after: int | None = None):
+    def __init__(self, cost_fn, *, noise: float = 0.0, seed: int = 0, fail_every: int = 0, crash_after: int | None = None,
+                 slow_steps: range = range(0)):
         self.cost_fn = cost_fn
         self.noise = noise
         self.rng = np.random.default_rng(seed)
         self.n_steps = 0
+        self.n_calls = 0
         self.fail_every = fail_every
         self.crash_after = crash_after
+        self.slow_steps = slow_steps
 
-    def _run(self, slices: list[Slice]) -> MeasuredStep:
-        self.n_steps += 1
+    def _run(self, slices: list[Slice], *, canary: bool = False) -> MeasuredStep:
+        self.n_calls += 1
+        slow = 3.0 if self.n_calls in self.slow_steps else 1.0  # another process busy on the machine
+        if not canary:
+            self.n_steps += 1
         if self.crash_after is not None and self.n_steps > self.crash_after:
             raise KeyboardInterrupt("simulated crash")
-        t = self.cost_fn(slices) * (1 + self.noise * self.rng.standard_normal())
+        t = slow * self.cost_fn(slices) * (1 + self.noise * self.rng.standard_normal())
         if self.fail_every and self.n_steps % self.fail_every == 0:
             return MeasuredStep(t, slices, slices[:-1], 2, "the batch ran as 2 steps")
         return MeasuredStep(t, slices, list(slices), 1)
 
     def prefill_step(self, lengths):
         return self._run([Slice(p, 0, True) for p in lengths])
+
+    def canary_step(self):
+        return self._run([Slice(128, 0, True)], canary=True)
 
     def prepare_decode(self, contexts, *, max_decode_steps):
         return {"contexts": list(contexts)}
@@ -232,14 +241,15 @@ def test_measure_resumes_from_the_journal(tmp_path):
         v.measure(crashing, batches, v.Journal(path), repeat=2, warm_up_steps=0)
     journal = v.Journal(path)
     done = sum(len(ms) for ms in journal.measurements.values())
-    assert done == 25
-    with open(path, "a") as handle:  # a line cut short by the crash
+    assert 0 < done <= 25  # whole batch-rounds reach the journal; the one cut short is measured again
+    assert done == sum(((1 << b.size) - 1) * 2 for b in batches[: len({k[0] for k in journal.measurements})])
+    with open(path, "a") as handle:  # a line cut short by a crash
         handle.write('{"type": "measurement", "batch_ke')
 
     engine = GameEngine(additive_cost)
     counts = v.measure(engine, batches, v.Journal(path), repeat=2, warm_up_steps=0)
-    assert engine.n_steps == total - 25 == counts["measured_now"]
-    assert counts["reused"] == 25
+    assert engine.n_steps == total - done == counts["measured_now"]
+    assert counts["reused"] == done
 
     idle = GameEngine(additive_cost)
     counts = v.measure(idle, batches, v.Journal(path), repeat=2, warm_up_steps=0)
@@ -248,6 +258,34 @@ def test_measure_resumes_from_the_journal(tmp_path):
     more = GameEngine(additive_cost)
     v.measure(more, batches, v.Journal(path), repeat=3, warm_up_steps=0)
     assert more.n_steps == total // 2  # one more repeat of every subset, nothing else
+    journal = v.Journal(path)
+    for key, ms in journal.measurements.items():
+        assert sorted(m.repeat for m in ms) == [0, 1, 2]
+
+
+def test_interference_guard_discards_and_redoes_a_slowed_batch_round(tmp_path):
+    """Steps slowed 3× by another process (canaries too) are thrown away and measured again once quiet."""
+    batches, _ = v.draw_batches(mixes(), ENVELOPE, n_batches=4, max_batch=3, replicate_every=0, seed=2)
+    path = tmp_path / "j.jsonl"
+    engine = GameEngine(additive_cost, slow_steps=range(20, 30))
+    sleeps = []
+    progress = []
+    counts = v.measure(engine, batches, v.Journal(path), repeat=2, warm_up_steps=0, guard=v.InterferenceGuard(every=4),
+                       sleep=sleeps.append, on_step=progress.append)
+    assert counts["discarded_batch_rounds"] >= 1 and counts["flagged_batch_rounds"] == 0
+    assert sum(progress) == counts["measured_now"] == sum(((1 << b.size) - 1) * 2 for b in batches)
+    journal = v.Journal(path)
+    assert len(journal.interference) == counts["discarded_batch_rounds"]
+    for b in batches:  # what was kept is the engine's own cost, never the slowed one
+        for subset in range(1, 1 << b.size):
+            members = [i for i in range(b.size) if subset >> i & 1]
+            expected = additive_cost([Slice(b.num_new_tokens[i], b.num_context_tokens[i], b.phase == "prefill") for i in members])
+            for m in journal.get(b, 0, subset):
+                assert not m.interference
+                if b.phase == "prefill":
+                    assert m.step_latency_s == pytest.approx(expected)
+    result = v.build_result(batches, journal, known_model(), repeat=2, n_bootstrap=10)
+    assert result["interference"]["n_batch_rounds_discarded"] == counts["discarded_batch_rounds"]
 
 
 def test_steps_that_did_not_run_as_intended_are_rejected_and_redone(tmp_path):
@@ -375,13 +413,15 @@ def test_controlled_steps_on_vllm_run_exactly_the_intended_batches(tmp_path):
         step = engine.decode_step(handle, [1])
         assert step.matches, step.reason
         assert step.n_engine_steps == 1 and step.recorded == [Slice(1, 17, False)]
+        canary = engine.canary_step()  # a prefill step while the decode batch is held: runs alone, disturbs nothing
+        assert canary.matches and canary.recorded == [Slice(128, 0, True)], canary.reason
         step = engine.decode_step(handle, [0, 1])
-        assert step.matches and step.recorded == [Slice(1, 130, False), Slice(1, 18, False)]
+        assert step.matches and step.recorded == [Slice(1, 130, False), Slice(1, 18, False)], step.reason
         engine.release(handle)
         step = engine.prefill_step([37, 90])
         assert step.matches and step.recorded == [Slice(37, 0, True), Slice(90, 0, True)] and step.step_latency_s > 0
-        counts = v.measure(engine, batches, journal, repeat=2, warm_up_steps=1)
-    assert counts["measured_now"] == 2 * 3 * 2
+        counts = v.measure(engine, batches, journal, repeat=2, warm_up_steps=1, guard=v.InterferenceGuard(tolerance=10.0, calibration=3))
+    assert counts["measured_now"] == 2 * 3 * 2 and counts["rejected_now"] == 0
     # Every step the recorder wrote: each controlled step ran alone and as intended.
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
     steps: dict[int, list[dict]] = {}
@@ -389,6 +429,7 @@ def test_controlled_steps_on_vllm_run_exactly_the_intended_batches(tmp_path):
         steps.setdefault(row["step_id"], []).append(row)
     compositions = [sorted((r["num_new_tokens"], r["num_context_tokens"], r["phase"]) for r in s) for s in steps.values()]
     assert [(37, 0, "prefill")] in compositions and [(37, 0, "prefill"), (90, 0, "prefill")] in compositions
+    assert all(len(c) <= 2 for c in compositions)  # nothing else ever ran alongside
     decode_steps = [c for c in compositions if c[0][2] == "decode"]
     assert all(n == 1 for c in decode_steps for n, _, _ in c)
     for mask in (1, 2, 3):

@@ -167,7 +167,9 @@ def validate(
                 disable=json_output and not console.is_terminal,
             ) as progress:
                 task = progress.add_task("subset steps", total=n_missing)
-                counts = v.measure(engine, specs, journal, repeat=repeat, seed=seed, on_step=lambda: progress.advance(task))
+                counts = v.measure(
+                    engine, specs, journal, repeat=repeat, seed=seed, guard=v.InterferenceGuard(), on_step=lambda n: progress.advance(task, n)
+                )
     measure_s = time.perf_counter() - started
 
     settings = {
@@ -189,6 +191,7 @@ def validate(
         "journal": journal_path.name,
         "measured_now": counts.get("measured_now", 0),
         "rejected_now": counts.get("rejected_now", 0),
+        "discarded_batch_rounds_now": counts.get("discarded_batch_rounds", 0),
         "measure_wall_s": round(measure_s, 1),
         "host": platform.node(),
         **({"engine": engine_facts.get("engine"), "engine_facts": engine_facts} if engine_facts else {}),

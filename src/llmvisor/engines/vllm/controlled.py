@@ -172,6 +172,7 @@ class ControlledEngine:
         self.run_id = run_id
         self._rng = random.Random(seed)
         self._counter = 0
+        self._held: set[str] = set()
         self._trace_offset = 0
         self.llm = None
         self.engine = None
@@ -335,39 +336,61 @@ class ControlledEngine:
         ids = list(self.scheduler.requests)
         if ids:
             self.engine.abort_request(ids, internal=True)
-        self.scheduler.allowed_request_ids = None
-        # Let the engine retire aborted requests (no tokens run: nothing is recorded).
-        for _ in range(4):
-            if not self.engine.has_unfinished_requests():
-                break
-            self._step()
+        self._held = set()
+        self._flush_finished()
         self._read_new_steps()
 
     # ------------------------------------------------------------------------------------------------
+    def _flush_finished(self) -> None:
+        """Run empty steps until finished requests are retired from the worker's batch.
+
+        vLLM tells the worker which requests finished in the *next* step; that cleanup would otherwise be
+        timed inside the following controlled step. An empty step (nothing scheduled: held requests stay
+        held) does it outside any measured window and is not recorded.
+        """
+        for _ in range(4):
+            if not self.scheduler.finished_req_ids:
+                return
+            self.scheduler.allowed_request_ids = set()
+            self._step()
+
+    def _abort_unheld(self) -> None:
+        stray = [rid for rid in self.scheduler.requests if rid not in self._held]
+        if stray:
+            self.engine.abort_request(stray, internal=True)
+            self._flush_finished()
+
     def prefill_step(self, prompt_lengths: list[int]) -> MeasuredStep:
-        """Run fresh prompts of these lengths as one prefill step (context 0 each) and time it."""
+        """Run fresh prompts of these lengths as one prefill step (context 0 each) and time it.
+
+        A held decode batch (`prepare_decode`) stays held: it neither runs nor is disturbed.
+        """
         self._check_lengths(prompt_lengths, what="prefill step")
         if sum(prompt_lengths) > self.limits.max_num_batched_tokens:
             raise LlmvisorError(
                 f"prefill step of {sum(prompt_lengths)} tokens exceeds max_num_batched_tokens {self.limits.max_num_batched_tokens}"
             )
-        if self.engine.has_unfinished_requests():
-            self._abort_all()
+        self._abort_unheld()
         self._read_new_steps()
-        self.scheduler.allowed_request_ids = None
+        self.scheduler.allowed_request_ids = set()  # new requests are admitted from the waiting queue; held ones wait
         intended: dict[str, Slice] = {}
         params = self._sampling(1)
         for length in prompt_lengths:
             rid = self.engine.add_request(self._new_id("p"), self._prompt(length), params)
             intended[rid] = Slice(length, 0, True)
-        n_calls = 0
-        while self.engine.has_unfinished_requests() and n_calls < 8:
+        requests = self.scheduler.requests
+        for _ in range(4):
+            if not any(rid in requests for rid in intended):
+                break
             self._step()
-            n_calls += 1
         steps = self._read_new_steps()
-        if self.engine.has_unfinished_requests():
-            self._abort_all()
+        self._abort_unheld()
+        self._flush_finished()
         return self._compare(intended, steps)
+
+    def canary_step(self) -> MeasuredStep:
+        """A fixed reference step (a 128-token prefill), repeated between controlled steps to detect interference."""
+        return self.prefill_step([min(128, self.limits.max_num_batched_tokens, self.limits.max_model_len - 1)])
 
     def prepare_decode(self, context_lengths: list[int], *, max_decode_steps: int) -> DecodeBatch:
         """Prefill one request per context length, each to exactly that context, for decode steps.
@@ -382,6 +405,7 @@ class ControlledEngine:
         if self.engine.has_unfinished_requests():
             self._abort_all()
         ids = []
+        self._held = set()
         for length in context_lengths:
             ids.append(self.engine.add_request(self._new_id("d"), self._prompt(length), self._sampling(max_decode_steps + 1)))
         requests = self.scheduler.requests
@@ -398,6 +422,7 @@ class ControlledEngine:
         else:
             raise LlmvisorError("decode batch did not finish its prefill")
         self.scheduler.allowed_request_ids = set()
+        self._held = set(ids)
         self._read_new_steps()
         actual = [requests[rid].num_computed_tokens for rid in ids]
         if actual != list(context_lengths):
@@ -424,6 +449,7 @@ class ControlledEngine:
 
     def release(self, batch: DecodeBatch) -> None:
         """Abort a decode batch's requests, freeing their KV cache."""
+        self._held = set()
         self._abort_all()
 
     def warm_up(self, *, prefill_lengths: list[int], decode_contexts: list[int], n_steps: int = 3) -> None:
