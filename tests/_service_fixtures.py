@@ -1,7 +1,7 @@
 """Fixtures shared by the ledger and service tests: a fitted model file, real databases, keys, step rows.
 
 PostgreSQL runs where LLMVISOR_TEST_POSTGRES_URL is set (`scripts/start-postgres.sh` prints one);
-each test then starts from empty tables.
+each test then starts from empty tables, so the database must be a throwaway one (its name must contain "test").
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import os
 
 import numpy as np
 import pytest
+from sqlalchemy.engine import make_url
 
 from llmvisor.ledger import Ledger
 from llmvisor.ledger.schema import metadata
@@ -38,6 +39,10 @@ def model_path(tmp_path_factory):
 
 
 def empty_postgres(url: str) -> str:
+    """Drop the ledger's tables: only in a database whose name says it is for tests."""
+    database = make_url(url).database or ""
+    if "test" not in database:
+        pytest.fail(f"LLMVISOR_TEST_POSTGRES_URL names database {database!r}; the tests wipe it, so its name must contain 'test'")
     ledger = Ledger(url)
     metadata.drop_all(ledger._write_engine)
     ledger.close()
