@@ -18,7 +18,7 @@ trap 'grep -qs "^$ME " "$LOCK" && rm -f "$LOCK"' EXIT
 
 if [[ $WHAT == all || $WHAT == sweep ]]; then
 "$PYTHON" -m llmvisor.profile --plan sweep -o "$OUT/sweep.parquet" --run-id sweep-v1 \
-  --points 40 --repeat 2 --max-decode-steps 64 --seed 0 "${ENGINE[@]}"
+  --points 40 --repeat 2 --max-decode-steps 64 --warmup-seconds 240 --seed 0 "${ENGINE[@]}"
 fi
 [[ $WHAT == all || $WHAT == workloads ]] || exit 0
 "$PYTHON" -m llmvisor.profile --plan workload -o "$OUT/azure-conv.parquet" --run-id azure-conv-v1 \

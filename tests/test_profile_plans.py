@@ -6,7 +6,7 @@ import pytest
 
 from llmvisor.errors import LlmvisorError
 from llmvisor.profile.plans import Envelope, build_workload, fit_lengths, read_workload_csv, sweep_episodes
-from llmvisor.profile.stats import coverage, noise_floor
+from llmvisor.profile.stats import coverage, mark_warmup_window, noise_floor
 from llmvisor.trace import trace_from_rows
 
 ENVELOPE = Envelope(max_model_len=4096, max_num_batched_tokens=2048, max_num_seqs=32, kv_cache_tokens=200_000)
@@ -118,3 +118,15 @@ def test_noise_floor_groups_identical_steps_and_skips_warmup():
     assert summary["n_steps"] == 6
     assert summary["step_kinds"] == {"pure_prefill": 1, "pure_decode": 3, "mixed": 2}
     assert summary["envelope_reached"]["batch_size / max_num_seqs"] == 0.5
+
+
+def test_mark_warmup_window_marks_steps_by_start_time():
+    rows = []
+    for step_id, start in enumerate([100.0, 100.5, 101.0, 103.0]):
+        for row in step_rows(step_id, 1.0, [(1, 10), (1, 20)], warmup=step_id == 0):
+            rows.append(row | {"timestamp_s": start})
+    trace = trace_from_rows(rows)
+    assert mark_warmup_window(trace, 0) == 1
+    assert mark_warmup_window(trace, 1.0) == 2
+    assert mark_warmup_window(trace, 2.5) == 3
+    assert trace.extra["is_warmup"].tolist() == [True] * 6 + [False] * 2

@@ -45,6 +45,7 @@ def profile(
     threads: Annotated[int | None, typer.Option(help="Engine (CPU build): OpenMP/torch threads. Default: as the environment says.")] = None,
     enforce_eager: Annotated[bool, typer.Option(help="Engine: skip torch.compile (faster start, slower steps).")] = False,
     warmup_steps: Annotated[int, typer.Option(help="Steps after engine start marked is_warmup.")] = 3,
+    warmup_seconds: Annotated[float, typer.Option(help="Also mark is_warmup every step starting within this many seconds of the first.")] = 0.0,
     run_id: Annotated[str | None, typer.Option(help="Run id written on every row. Default: from the plan and the time.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the design, the prompts and the decode subsets.")] = 0,
     keep_jsonl: Annotated[bool, typer.Option(help="Keep the JSONL the recorder wrote, beside the output.")] = False,
@@ -122,10 +123,11 @@ def profile(
         max_seconds=max_seconds,
     )
 
-    from llmvisor.profile.stats import coverage, noise_floor, print_coverage, print_noise_floor
+    from llmvisor.profile.stats import coverage, mark_warmup_window, noise_floor, print_coverage, print_noise_floor
     from llmvisor.trace import read_trace, write_trace
 
     trace = read_trace(jsonl_path)
+    n_warmup = mark_warmup_window(trace, warmup_seconds)
     engine_info = result["engine"]
     floor = noise_floor(trace) if repeat > 1 else None
     summary = coverage(trace, engine_info)
@@ -151,6 +153,7 @@ def profile(
         "engine": engine_info,
         **plan_info,
         "warmup_steps": warmup_steps,
+        "warmup_rule": warmup_rule(warmup_steps, warmup_seconds, n_warmup),
         "noise_floor": floor,
         "recorder_overhead": result["overhead"],
         "coverage": summary,
@@ -176,6 +179,13 @@ def profile(
             f"tenants: {plan_info['tenant_rule']}; arrivals: {plan_info['arrival']}"
         )
     console.print(f"wrote {trace.n_steps} steps ({trace.n_slices} rows) of run {run_id!r} to {output}")
+
+
+def warmup_rule(warmup_steps: int, warmup_seconds: float, n_warmup: int) -> str:
+    rule = f"is_warmup: the first {warmup_steps} steps after engine start"
+    if warmup_seconds > 0:
+        rule += f", and every step starting within {warmup_seconds:g} s of the first step"
+    return rule + f" ({n_warmup} steps); kept in the trace, left out of the noise floor and coverage"
 
 
 def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat, points, max_decode_steps,

@@ -23,6 +23,18 @@ def warmup_mask_per_step(trace: StepTrace) -> np.ndarray:
     return np.logical_or.reduceat(flags, trace.step_starts)
 
 
+def mark_warmup_window(trace: StepTrace, seconds: float) -> int:
+    """Also mark as warm-up every step that starts within `seconds` of the trace's first step; returns how many
+    steps are marked now. Needs the ``timestamp_s`` column (the recorder writes it)."""
+    if seconds > 0 and trace.n_slices and "timestamp_s" in trace.extra:
+        timestamp = np.asarray(trace.extra["timestamp_s"], dtype=float)
+        flags = np.zeros(trace.n_slices, dtype=bool)
+        if "is_warmup" in trace.extra:
+            flags = np.repeat(warmup_mask_per_step(trace), trace.batch_size_per_step)
+        trace.extra["is_warmup"] = flags | (timestamp < timestamp.min() + seconds)
+    return int(warmup_mask_per_step(trace).sum())
+
+
 def composition_keys(trace: StepTrace) -> list[tuple]:
     """Per step, the multiset of (num_new_tokens, num_context_tokens, is_prefill) of its slices."""
     keys = []
