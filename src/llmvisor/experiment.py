@@ -462,7 +462,7 @@ def fairness(
         "setup": {
             "model": os.path.basename(model_path),
             "engine_model": os.path.basename(os.path.normpath(engine_dir)),
-            "engine": first["engine"],
+            "engine": {**first["engine"], "model": os.path.basename(os.path.normpath(first["engine"]["model"]))},
             "workload": first["workload"],
             "window_s": window_s,
             "warmup_s": warmup_s,
