@@ -445,6 +445,8 @@ def fairness(
     for name in policies:
         out_dir = output / name
         if analyse_only:
+            if not (out_dir / "result.json").is_file():
+                raise LlmvisorError(f"--analyse-only: {out_dir / 'result.json'} not found; run policy {name} first")
             runs[name] = json.loads((out_dir / "result.json").read_text())
             continue
         spec = {"policy": name, "out_dir": str(out_dir), "model_dir": engine_dir, "model_path": model_path, "engine": engine, "workload": workload}
