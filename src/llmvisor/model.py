@@ -94,6 +94,8 @@ class StepLatencyModel:
         without any chunked prefill).
     fit_info_ : dict
         Steps used, dropped by each rule, the boundary search's cross-validated scores, training runs.
+    train_step_mask_ : ndarray of bool
+        Which steps of the training trace the final fit used (not saved with the model).
 
     Notes
     -----
@@ -216,6 +218,7 @@ class StepLatencyModel:
             n_outliers = int(outliers.sum())
             keep &= ~outliers
 
+        self.train_step_mask_ = keep
         x_fit, y_fit, load_fit, runs_fit = x[keep], y[keep], load[keep], runs[keep]
         search = self._search_boundary(x_fit, y_fit, load_fit, runs_fit)
         self.boundary_ = search["chosen"]
