@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The README's test command: installs what the tests need into .venv (llmvisor with its test extras, the vLLM
+# CPU build), starts a throwaway PostgreSQL server for the database tests (unless LLMVISOR_TEST_POSTGRES_URL
+# already names one), runs pytest with any arguments given, and stops the server again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install-test.sh
+if [[ -z "${LLMVISOR_TEST_POSTGRES_URL:-}" ]]; then
+    LLMVISOR_TEST_POSTGRES_URL="$(bash scripts/start-postgres.sh)"
+    export LLMVISOR_TEST_POSTGRES_URL
+    trap 'bash scripts/start-postgres.sh --stop' EXIT
+fi
+.venv/bin/python -m pytest "$@"
