@@ -18,6 +18,7 @@ TRAIN_TRACE = "sweep.parquet"
 HELD_OUT_TRACES = ("azure-conv.parquet", "azure-code.parquet", "arxiv-summarization.parquet", "multi-tenant.parquet")
 MULTI_TENANT_TRACE = "multi-tenant.parquet"
 VALIDATION_RESULT = "validation.json"
+FAIRNESS_RESULT = "fairness.json"
 
 
 def data_dir() -> Path:
@@ -102,6 +103,11 @@ def run_demo(output_dir: Path, *, n_bootstrap: int = 1000, progress=None) -> dic
         from llmvisor.validation import report_sections
 
         sections.extend(report_sections(validation))
+    fairness_path = data_dir() / FAIRNESS_RESULT
+    if fairness_path.is_file():
+        from llmvisor.experiment import report_sections as fairness_sections
+
+        sections.extend(fairness_sections(json.loads(fairness_path.read_text())))
     report = write_report(output_dir, sections, title="llmvisor demo on shipped vLLM traces", data=summary)
     return {"result": result, "summary": summary, "report": report, "model": model, "by_rule": by_rule_plus_tokens}
 
