@@ -30,6 +30,7 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from llmvisor.engines.vllm.settings import RecorderSettings
+from llmvisor.service.client import StepPusher
 from llmvisor.trace import TraceWriter
 
 logger = init_logger(__name__)
@@ -97,6 +98,9 @@ class RecordingScheduler(Scheduler):
             os.makedirs(directory, exist_ok=True)
             self._writer = TraceWriter(self.trace_path, flush_every_steps=1 << 62)
             logger.info("llmvisor: recording step trace of run %r to %s", self.run_id, self.trace_path)
+        self._pusher = StepPusher.from_env()
+        if self._pusher is not None:
+            logger.info("llmvisor: pushing steps of run %r to the accounting service at %s", self.run_id, self._pusher.url)
         model = self.vllm_config.model_config.model
         self._constant_columns = {
             "run_id": self.run_id,
@@ -126,7 +130,7 @@ class RecordingScheduler(Scheduler):
 
     def schedule(self, *args, **kwargs):
         scheduler_output = self._schedule_step(*args, **kwargs)
-        if self._writer is None or scheduler_output.total_num_scheduled_tokens == 0:
+        if not self.is_recording or scheduler_output.total_num_scheduled_tokens == 0:
             return scheduler_output
         started = time.perf_counter()
         slices = self._slices(scheduler_output)
@@ -181,8 +185,8 @@ class RecordingScheduler(Scheduler):
         return slices
 
     def flush_trace(self) -> None:
-        """Encode and append the steps recorded since the last flush."""
-        if self._writer is None:
+        """Encode the steps recorded since the last flush; append them to the trace and hand them to the service."""
+        if not self.is_recording:
             return
         first_step_id = self.num_recorded_steps - len(self._unwritten)
         warmup_steps = self.recorder_settings.warmup_steps
@@ -191,26 +195,33 @@ class RecordingScheduler(Scheduler):
             step_id = first_step_id + offset
             timestamp_s = start_s + self._wall_minus_perf_s
             is_warmup = step_id < warmup_steps
-            self._writer.write_step(
-                [
-                    {
-                        "step_id": step_id,
-                        "step_latency_s": latency_s,
-                        "request_id": request_id,
-                        "tenant": str(tenant),
-                        "num_new_tokens": num_new,
-                        "num_context_tokens": num_context,
-                        "phase": "prefill" if is_prefill else "decode",
-                        "timestamp_s": timestamp_s,
-                        **constant,
-                        "is_warmup": is_warmup,
-                    }
-                    for request_id, tenant, num_new, num_context, is_prefill in slices
-                ]
-            )
-        self._writer.flush()
+            rows = [
+                {
+                    "step_id": step_id,
+                    "step_latency_s": latency_s,
+                    "request_id": request_id,
+                    "tenant": str(tenant),
+                    "num_new_tokens": num_new,
+                    "num_context_tokens": num_context,
+                    "phase": "prefill" if is_prefill else "decode",
+                    "timestamp_s": timestamp_s,
+                    **constant,
+                    "is_warmup": is_warmup,
+                }
+                for request_id, tenant, num_new, num_context, is_prefill in slices
+            ]
+            if self._writer is not None:
+                self._writer.write_step(rows)
+            if self._pusher is not None:
+                self._pusher.push_step(rows)
+        if self._writer is not None:
+            self._writer.flush()
         self._unwritten.clear()
         self._last_flush_s = time.perf_counter()
+
+    @property
+    def is_recording(self) -> bool:
+        return self._writer is not None or self._pusher is not None
 
     def recorder_overhead(self) -> RecorderOverhead:
         return RecorderOverhead(
@@ -234,4 +245,9 @@ class RecordingScheduler(Scheduler):
                 overhead.recorder_time_per_step_us,
             )
             self._writer = None
+        if self._pusher is not None:
+            self.flush_trace()
+            if not self._pusher.close():
+                logger.warning("llmvisor: some steps are not acknowledged by the service yet; they stay in the spool %s", self._pusher.spool_path)
+            self._pusher = None
         super().shutdown()

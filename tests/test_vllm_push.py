@@ -1,0 +1,85 @@
+"""Recorder → accounting service on the real engine: every step the engine ran is in the ledger exactly once."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+try:
+    import vllm  # noqa: F401
+except Exception as error:  # noqa: BLE001 - a broken install raises more than ImportError
+    pytest.skip(f"vLLM is not importable ({type(error).__name__}: {error})", allow_module_level=True)
+
+from llmvisor.ledger import Ledger
+from llmvisor.model import StepLatencyModel
+from llmvisor.service.process import ServerProcess
+from llmvisor.synthetic import synthetic_trace
+from llmvisor.trace import read_trace
+
+from test_vllm_recorder import ENGINE_ENV, TINY_CONFIG
+
+pytestmark = pytest.mark.vllm
+
+
+def test_recorder_pushes_every_step_to_the_service_once(tmp_path, monkeypatch):
+    from vllm import LLM, SamplingParams
+
+    from llmvisor.engines.vllm.recorder import RecordingScheduler
+
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY_CONFIG))
+    model_path = tmp_path / "model.json"
+    StepLatencyModel().fit(synthetic_trace(1000)).to_json(model_path)
+    db_url = f"sqlite:///{tmp_path}/ledger.db"
+    ledger = Ledger(db_url)
+    admin_key = ledger.create_key(is_admin=True)
+    ledger.close()
+    server = ServerProcess(model_path, db_url, log_path=tmp_path / "server.log").start()
+    try:
+        for name, value in ENGINE_ENV.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        monkeypatch.setenv("LLMVISOR_TRACE_PATH", str(tmp_path / "trace.jsonl"))
+        monkeypatch.setenv("LLMVISOR_RUN_ID", "push-test")
+        monkeypatch.setenv("LLMVISOR_SERVICE_URL", server.url)
+        monkeypatch.setenv("LLMVISOR_SERVICE_KEY", admin_key)
+        monkeypatch.setenv("LLMVISOR_SPOOL", str(tmp_path / "spool.jsonl"))
+        llm = LLM(
+            model=str(tmp_path / "tiny"),
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            max_model_len=512,
+            max_num_batched_tokens=64,
+            max_num_seqs=4,
+            distributed_executor_backend="uni",
+            async_scheduling=False,
+            enable_prefix_caching=False,
+            enforce_eager=True,
+            scheduler_cls=RecordingScheduler,
+        )
+        rng = np.random.default_rng(1)
+        requests = [(120, 6, "alice"), (30, 8, "bob"), (70, 4, "alice")]
+        llm.generate(
+            [{"prompt_token_ids": rng.integers(10, 1000, n).tolist()} for n, _, _ in requests],
+            [SamplingParams(max_tokens=out, ignore_eos=True, detokenize=False, extra_args={"tenant": t}) for _, out, t in requests],
+            use_tqdm=False,
+        )
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        server.stop()
+
+    trace = read_trace(tmp_path / "trace.jsonl")
+    ledger = Ledger(db_url)
+    totals = ledger.totals()
+    usage = {row.tenant: row.attributed_ns for row in ledger.tenant_usage()}
+    ledger.close()
+    assert not (tmp_path / "spool.jsonl").exists()
+    assert totals.num_steps == trace.n_steps > 0
+    assert totals.num_slices == trace.n_slices
+    measured_ns = int(round(trace.step_latency_s_per_step.sum() * 1e9))
+    assert abs(totals.measured_ns - measured_ns) <= trace.n_steps
+    assert totals.attributed_ns == totals.measured_ns
+    assert set(usage) == {"alice", "bob"}
+    assert sum(usage.values()) == totals.attributed_ns
