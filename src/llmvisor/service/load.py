@@ -177,7 +177,7 @@ def load(
     steps: Annotated[int, typer.Option(help="Steps to send per target.", min=1, max=2_000_000)] = 60_000,
     batch_size: Annotated[int, typer.Option(help="Requests per step (B).", min=1, max=1024)] = 32,
     steps_per_request: Annotated[int, typer.Option(help="Steps per POST.", min=1, max=20_000)] = 1000,
-    concurrency: Annotated[int, typer.Option(help="Concurrent client connections.", min=1, max=16)] = 2,
+    concurrency: Annotated[int, typer.Option(help="Concurrent client connections (the service ingests one batch at a time).", min=1, max=16)] = 1,
     max_seconds: Annotated[float, typer.Option(help="Stop sending after this long, per target.", min=1, max=600)] = 120.0,
     body: Annotated[str, typer.Option(help="Body form: 'columns' (one list per column) or 'rows' (one object per row).")] = "columns",
 ) -> None:
