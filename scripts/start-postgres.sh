@@ -8,8 +8,8 @@
 # Installs Debian's `postgresql` package if no server binaries are found (apt-get update first), then runs
 # initdb in a fresh temporary directory as the `postgres` user (as the current user when not root), starts
 # the server on a free loopback port with trust authentication, and creates the database `llmvisor_test`.
-# Loopback only; nothing else can reach it. `--stop` stops the server this script last started and
-# removes its directory.
+# Loopback only; nothing else can reach it. `--stop` stops the server this script last started (and not
+# yet stopped) and removes its directory, so nested start/stop pairs each stop their own.
 set -euo pipefail
 
 STATE_FILE="${TMPDIR:-/tmp}/llmvisor-test-postgres.dir"
@@ -37,11 +37,14 @@ as_owner() {
 }
 
 if [[ "${1:-}" == "--stop" ]]; then
-    if [[ -f "$STATE_FILE" ]]; then
-        datadir="$(cat "$STATE_FILE")"
+    # The state file lists the servers started, one data directory a line; stop the latest.
+    if [[ -s "$STATE_FILE" ]]; then
+        datadir="$(tail -n 1 "$STATE_FILE")"
         bindir="$(find_bindir)"
         as_owner "$bindir/pg_ctl" -D "$datadir" -m fast -w stop >&2 || true
-        rm -rf "$datadir" "$STATE_FILE"
+        rm -rf "$datadir"
+        sed -i '$d' "$STATE_FILE"
+        [[ -s "$STATE_FILE" ]] || rm -f "$STATE_FILE"
         log "stopped and removed $datadir"
     else
         log "no server started by this script is recorded in $STATE_FILE"
@@ -86,6 +89,6 @@ as_owner "$bindir/initdb" -D "$datadir" -U "$user" --auth=trust -E UTF8 --locale
 as_owner "$bindir/pg_ctl" -D "$datadir" -l "$datadir/server.log" -w -t 60 \
     -o "-p $port -c listen_addresses=127.0.0.1 -k $datadir -c max_connections=100" start >&2
 as_owner "$bindir/createdb" -h 127.0.0.1 -p "$port" -U "$user" "$DATABASE"
-echo "$datadir" > "$STATE_FILE"
+echo "$datadir" >> "$STATE_FILE"
 log "PostgreSQL $("$bindir/postgres" --version | awk '{print $3}') on 127.0.0.1:$port, data in $datadir (stop: bash scripts/start-postgres.sh --stop)"
 echo "postgresql+psycopg://$user@127.0.0.1:$port/$DATABASE"
