@@ -134,6 +134,13 @@ BAD = [
 ]
 
 
+def test_values_python_cannot_store_are_trace_errors():
+    with pytest.raises(TraceError, match="row 1: step_id: integer out of the 64-bit range"):
+        trace_from_rows([row(step_id=2**70)])
+    with pytest.raises(TraceError, match="row 2: tenant: not valid UTF-8 text"):
+        trace_from_rows([row(0, "a"), row(0, "b", tenant="\ud800")])
+
+
 @pytest.mark.parametrize("suffix", SUFFIXES)
 @pytest.mark.parametrize("name,mutate,reason", BAD, ids=[b[0] for b in BAD])
 def test_reader_rejects_with_file_row_and_reason(tmp_path, suffix, name, mutate, reason):
@@ -163,7 +170,7 @@ def test_non_finite_latency_is_rejected(tmp_path):
 @pytest.mark.parametrize("suffix", SUFFIXES)
 def test_rows_of_one_step_must_agree_on_latency(tmp_path, suffix):
     rows = [row(0, "a", 0.02), row(1, "a", 0.05), row(1, "b", 0.06)]
-    with pytest.raises(TraceError, match=r"step 1 of run 'run' \(rows 2, 3\): rows disagree on step_latency_s"):
+    with pytest.raises(TraceError, match=r"step 1 of run 'run' \(rows 2, 3\): rows disagree on step_latency_s \(0.05 vs 0.06\)"):
         read_trace(write_rows(tmp_path / f"t{suffix}", rows, suffix))
 
 

@@ -273,7 +273,7 @@ def build_trace(
             raise _fail(
                 path,
                 f"step {sorted_step[starts[k]]} of run {run_id[order[starts[k]]]!r} (rows {_rows(rows)})",
-                f"rows disagree on step_latency_s ({low[k]!r} vs {high[k]!r})",
+                f"rows disagree on step_latency_s ({float(low[k])!r} vs {float(high[k])!r})",
             )
         request_codes = pc.dictionary_encode(pa.array(request_id[order], pa.string())).indices.to_numpy(
             zero_copy_only=False
@@ -324,9 +324,17 @@ def _python_value_type_error(column: str, value) -> str | None:
     if value is None:
         return "missing value"
     if column in STRING_COLUMNS:
-        return None if isinstance(value, str) else f"expected a string, got {value!r}"
+        if not isinstance(value, str):
+            return f"expected a string, got {value!r}"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"not valid UTF-8 text: {value!r}"
+        return None
     if column in INTEGER_COLUMNS:
         ok = isinstance(value, int) and not isinstance(value, bool)
+        if ok and not -(2**63) <= value < 2**63:
+            return f"integer out of the 64-bit range: {value}"
         return None if ok else f"expected an integer, got {value!r}"
     if column in FLOAT_COLUMNS:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
