@@ -369,6 +369,74 @@ def test_validate_command_user_errors(tmp_path):
         validate(model=model_path, output=tmp_path / "r.txt")
 
 
+def _write_mix_csvs(folder):
+    rng = np.random.default_rng(7)
+    folder.mkdir()
+    for name in v.WORKLOAD_FILES:
+        with open(folder / name, "w") as handle:
+            handle.write("num_prefill_tokens,num_decode_tokens\n")
+            for p, o in zip(rng.lognormal(6.5, 0.9, 300).astype(int) + 1, rng.lognormal(4.5, 1.0, 300).astype(int)):
+                handle.write(f"{p},{o}\n")
+
+
+def test_validate_re_analyses_a_packed_journal_without_the_engine(tmp_path, monkeypatch):
+    """A finished (shipped, gzipped) journal is re-analysed under another model; vLLM is never started."""
+    import gzip
+
+    from llmvisor.engines.vllm import controlled
+    from llmvisor.validation_command import default_engine_model_dir, validate
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine must not start when everything is measured")
+
+    monkeypatch.setattr(controlled, "ControlledEngine", no_engine)
+    workloads = tmp_path / "workloads"
+    _write_mix_csvs(workloads)
+    batches, _ = v.draw_batches(v.read_length_mixes(workloads), ENVELOPE, n_batches=4, max_batch=3, seed=0)
+    engine_settings = {
+        "engine_model_config": json.loads((default_engine_model_dir() / "config.json").read_text()),
+        "max_model_len": 4096, "max_num_batched_tokens": 2048, "max_num_seqs": 32, "threads": None,
+    }
+    plain = tmp_path / "r.journal.jsonl"
+    journal = v.Journal(plain)
+    journal.write_header({"engine_settings": engine_settings, "seed": 0})
+    v.measure(GameEngine(additive_cost, noise=0.01), batches, journal, repeat=3)
+    with open(plain, "rb") as source, gzip.open(tmp_path / "r.journal.jsonl.gz", "wb") as target:
+        target.write(source.read())
+    plain.unlink()
+    model_path = tmp_path / "model.json"
+    known_model().to_json(model_path)
+    output = tmp_path / "r.json"
+    validate(output=output, model=model_path, workloads=workloads, batches=4, max_batch=3, n_bootstrap=20)
+    result = json.loads(output.read_text())
+    assert result["n_batches_measured"] == 4 and result["settings"]["model_segments"]
+    assert result["summary"]["errors"]["prefill"]["shapley"]["shapley"]["p90"] < 0.05
+    assert v.report_sections(result)
+
+    # Measurements taken under other engine settings are never mixed in.
+    with pytest.raises(LlmvisorError, match="other engine settings"):
+        validate(output=output, model=model_path, workloads=workloads, batches=4, max_batch=3, threads=1)
+
+
+def test_shipped_validation_result_renders():
+    """The result shipped with the package holds what the demo's report needs."""
+    from importlib import resources
+
+    path = resources.files("llmvisor") / "data" / "validation.json"
+    if not path.is_file():
+        pytest.skip("no shipped validation result")
+    result = json.loads(path.read_text())
+    summary = result["summary"]
+    assert result["n_batches_measured"] >= 100
+    assert set(summary["errors"]) == {"prefill", "decode"}
+    for phase in ("prefill", "decode"):
+        assert summary["noise_floor"]["shapley"][phase]["n_batches"] > 0
+        assert summary["errors"][phase]["shapley"]["shapley"]["n"] == summary["n_requests"][phase]
+    assert summary["n_batches"]["prefill"] >= 50 and summary["n_batches"]["decode"] >= 50
+    sections = v.report_sections(result)
+    assert len(sections) == 4
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The real engine
 

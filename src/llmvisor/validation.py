@@ -882,6 +882,27 @@ METHOD_NOTES = {
 }
 
 
+def rounded(value, digits: int = 6):
+    """A JSON-ready copy with floats to ``digits`` significant digits (far below the measurement noise)."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}") if math.isfinite(value) else value
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [rounded(v, digits) for v in value]
+    return value
+
+
+def dumps_result(result: dict) -> str:
+    """The result as JSON text: indented, except one compact line per batch record (keeps the file small)."""
+    result = rounded(result)
+    head = {k: val for k, val in result.items() if k != "batches"}
+    batches = result.get("batches", [])
+    text = json.dumps(head, indent=1, allow_nan=False)
+    lines = ",\n".join("  " + json.dumps(b, separators=(",", ":"), allow_nan=False) for b in batches)
+    return text[:-2] + ',\n "batches": [\n' + lines + "\n ]\n}\n"
+
+
 def _guard_rule(guard: InterferenceGuard | None = None) -> str:
     g = guard or InterferenceGuard()
     return (
@@ -1037,18 +1058,26 @@ def report_sections(validation: dict) -> list[tuple[str, str]]:
     figure, axes = plt.subplots(1, len(phases), figsize=(5.5 * len(phases), 4.2), squeeze=False)
     for axis, phase in zip(axes[0], phases):
         phase_records = [r for r in records if r["phase"] == phase]
+        drawn: dict[str, np.ndarray] = {}
         for method in methods + ["model_exact_shapley"]:
             if method not in phase_records[0]["shares_s"]:
                 continue
             truth, share = _fractions(phase_records, method)
             errors = np.sort(np.abs(share - truth))
-            axis.plot(errors * 100, np.linspace(0, 1, errors.size), label=method, color=_COLORS.get(method))
+            same = next((name for name, e in drawn.items() if e.shape == errors.shape and np.allclose(e, errors, rtol=0, atol=1e-9)), None)
+            if same is not None:  # identical curve (e.g. token_proportional = equal_split for decode): say so, draw once
+                axis.plot([], [], color=_COLORS.get(method), label=f"{method} (= {same})")
+                continue
+            drawn[method] = errors
+            width = 2.2 if method == HEADLINE_METHOD else 1.2
+            axis.plot(errors * 100, np.linspace(0, 1, errors.size), label=method, color=_COLORS.get(method), linewidth=width)
         f = floor.get("shapley", {}).get(phase, {})
         for q, style in (("p50", ":"), ("p90", "--")):
             if f.get(q) is not None:
                 axis.axvline(f[q] * 100, color="gray", linestyle=style, linewidth=1, label=f"noise floor {q}")
         axis.axvline(GOAL["p90_max"] * 100, color="green", linestyle="-.", linewidth=0.8, label="goal p90")
         axis.set_xscale("symlog", linthresh=1)
+        axis.set_xlim(left=0)
         axis.set_xlabel("|share − measured Shapley| / step time (%)")
         axis.set_ylabel("fraction of requests")
         axis.set_title(f"error CDF, {phase}")
@@ -1057,3 +1086,56 @@ def report_sections(validation: dict) -> list[tuple[str, str]]:
     sections.append(("Validation: share vs measured Shapley (each point a request)", scatter))
     sections.append(("Validation: error CDF per rule", cdf))
     return sections
+
+
+def markdown_summary(validation: dict) -> str:
+    """The result's headline tables in Markdown (what docs/validation.md quotes), so the figures are regenerable."""
+    summary = validation["summary"]
+    pct = lambda x: "–" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+
+    def cell(m: dict, q: int) -> str:
+        ci = m.get(f"p{q}_ci95")
+        return pct(m[f"p{q}"]) + (f" [{pct(ci[0])}, {pct(ci[1])}]" if ci else "")
+
+    lines = []
+    for target, title in (("shapley", "measured Shapley value"), ("loo", "leave-one-out marginal cost")):
+        lines += [f"|share − {title}| / measured step time:", "",
+                  "| phase | method | requests | p50 [95% CI] | p90 [95% CI] | p99 [95% CI] | p90 gain vs token_proportional |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for phase, tables in summary["errors"].items():
+            token_p90 = tables[target]["token_proportional"]["p90"]
+            for method in ("shapley", "shapley_predicted", "proportional", "proportional_predicted", "paper", "token_proportional",
+                           "equal_split", "kv_tokens_proportional", "measured_additive_fit"):
+                m = tables[target].get(method)
+                if not m:
+                    continue
+                gain = token_p90 / m["p90"] if m["p90"] else None
+                lines.append(f"| {phase} | {method} | {m['n']} | {cell(m, 50)} | {cell(m, 90)} | {cell(m, 99)} | "
+                             f"{'–' if gain is None else f'{gain:.2f}×'} |")
+        lines.append("")
+    lines += ["| phase | kind | requests | shapley p90 | token_proportional p90 | equal_split p90 | measured_additive_fit p90 |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for phase, kinds in summary["errors_by_kind"].items():
+        for kind, t in kinds.items():
+            lines.append(f"| {phase} | {kind} | {t['shapley']['n']} | {pct(t['shapley']['p90'])} | {pct(t['token_proportional']['p90'])} | "
+                         f"{pct(t['equal_split']['p90'])} | {pct(t['measured_additive_fit']['p90'])} |")
+    lines += ["", "| phase | noise floor of a measured Shapley value p50 / p90 / p99 | step repeat spread p50 / p90 / p99 | (Σ LOO − T) / T p10 / p50 / p90 |",
+              "| --- | ---: | ---: | ---: |"]
+    for phase in summary["errors"]:
+        f = summary["noise_floor"]["shapley"][phase]
+        st = summary["noise_floor"]["step"][phase]
+        g = summary["loo_sum_gap_fraction"][phase]
+        lines.append(f"| {phase} | {cell(f, 50)} / {cell(f, 90)} / {cell(f, 99)} ({f['n_batches']} batches) | "
+                     f"{pct(st['p50'])} / {pct(st['p90'])} / {pct(st['p99'])} | {pct(g['p10'])} / {pct(g['p50'])} / {pct(g['p90'])} |")
+    lines += ["", "| phase | additive fit RMS residual p50 / p90 | shared cost (additive fit) share of step p10 / p50 / p90 | model's subset-step error p50 / p90 |",
+              "| --- | ---: | ---: | ---: |"]
+    for phase, a in summary["additivity"].items():
+        lines.append(f"| {phase} | {pct(a['rms_residual_fraction']['p50'])} / {pct(a['rms_residual_fraction']['p90'])} | "
+                     f"{pct(a['intercept_fraction_of_step']['p10'])} / {pct(a['intercept_fraction_of_step']['p50'])} / {pct(a['intercept_fraction_of_step']['p90'])} | "
+                     f"{pct(a['model_subset_rel_err']['p50'])} / {pct(a['model_subset_rel_err']['p90'])} |")
+    lines += ["", "| phase | candidate non-additive term | coefficient (s per unit) | t | share of the additive residual explained |",
+              "| --- | --- | ---: | ---: | ---: |"]
+    for phase, d in summary.get("interactions", {}).items():
+        for name, t in d["terms"].items():
+            lines.append(f"| {phase} | {name} | {t['coef']:.3g} ± {t['std_err']:.2g} | {t['t']:.1f} | {pct(t['explained_fraction_of_additive_residual'])} |")
+    return "\n".join(lines) + "\n"

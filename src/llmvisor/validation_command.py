@@ -6,9 +6,11 @@ journal is re-analysed without it.
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import os
-import platform
+import shutil
 import time
 from importlib import resources
 from pathlib import Path
@@ -124,6 +126,11 @@ def validate(
     }
     output.parent.mkdir(parents=True, exist_ok=True)
     journal_path = journal_path_for(output)
+    packed = journal_path.with_name(journal_path.name + ".gz")
+    if not journal_path.exists() and packed.exists():
+        # A shipped result carries its journal compressed: unpack it, so this run re-analyses (or extends) it.
+        with gzip.open(packed, "rb") as source, open(journal_path, "wb") as target:
+            shutil.copyfileobj(source, target)
     _check_journal_settings(journal_path, engine_settings)
     journal = v.Journal(journal_path)
     if not journal_path.exists():
@@ -172,9 +179,29 @@ def validate(
                 )
     measure_s = time.perf_counter() - started
 
+    previous_runs: list[dict] = []
+    if output.exists():
+        try:
+            previous_runs = list(json.loads(output.read_text(encoding="utf-8")).get("settings", {}).get("measurement_runs", []))
+        except (OSError, json.JSONDecodeError, AttributeError):
+            previous_runs = []
+    if counts.get("measured_now"):
+        previous_runs.append(
+            {
+                "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "measured_steps": counts.get("measured_now", 0),
+                "rejected_steps": counts.get("rejected_now", 0),
+                "discarded_batch_rounds": counts.get("discarded_batch_rounds", 0),
+                "wall_s": round(measure_s, 1),
+                **engine_facts,
+            }
+        )
+    model_bytes = Path(model).read_bytes()
     settings = {
         "model": str(model),
+        "model_sha256": hashlib.sha256(model_bytes).hexdigest(),
         "model_boundary_new_tokens": latency_model.boundary_,
+        "model_segments": latency_model.to_dict()["segments"],
         "engine_model_dir": str(engine_dir),
         **{k: val for k, val in engine_settings.items() if k != "engine_model_config"},
         "engine_model_config": engine_settings["engine_model_config"],
@@ -185,28 +212,18 @@ def validate(
         "repeat": repeat,
         "replicate_every": replicate_every,
         "adversarial_fraction": adversarial_fraction,
+        "max_prefill_tokens": max_prefill_tokens,
         "seed": seed,
         "workloads": [f"{m.name}.csv" for m in mixes],
         "length_rules": length_rules,
         "journal": journal_path.name,
-        "measured_now": counts.get("measured_now", 0),
-        "rejected_now": counts.get("rejected_now", 0),
-        "discarded_batch_rounds_now": counts.get("discarded_batch_rounds", 0),
-        "measure_wall_s": round(measure_s, 1),
-        "host": platform.node(),
-        **({"engine": engine_facts.get("engine"), "engine_facts": engine_facts} if engine_facts else {}),
+        "measurement_runs": previous_runs,
     }
-    if not engine_facts and output.exists():
-        try:
-            previous = json.loads(output.read_text(encoding="utf-8")).get("settings", {})
-            for key in ("engine", "engine_facts"):
-                if key in previous:
-                    settings[key] = previous[key]
-        except (OSError, json.JSONDecodeError):
-            pass
+    if previous_runs and previous_runs[-1].get("engine"):
+        settings["engine"] = previous_runs[-1]["engine"]
     result = v.build_result(specs, journal, latency_model, repeat=repeat, n_bootstrap=n_bootstrap, seed=seed, settings=settings)
     tmp = output.with_name(output.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    tmp.write_text(v.dumps_result(result), encoding="utf-8")
     tmp.replace(output)
     if json_output:
         typer.echo(json.dumps(result["summary"], indent=2))
