@@ -11,7 +11,10 @@ may be scheduled.
   them all and finishes them.
 - Decode steps: the batch's requests are first prefilled (once) to their chosen contexts, only the requests
   still in prefill being allowed to run, so none decodes early. Then any subset runs as a decode step of
-  its own by allowing only its requests; each run grows a member's context by one token.
+  its own by allowing only its requests; each run grows a member's context by one token. A held decode
+  batch stays held through prefill steps (e.g. the interference guard's canary, `canary_step`).
+- Finished requests are retired by an empty, unrecorded step, so that cleanup is not timed inside the next
+  controlled step.
 
 Every step's rows are read back from the trace file the recorder writes (flushed every step) and compared
 with the intended composition: the same requests, each with the intended new and context tokens and
