@@ -331,7 +331,14 @@ def demo(
     stdout.print(table)
     validation = outcome["summary"].get("validation")
     if validation:
-        stdout.print(f"validation against measured Shapley values: see the report ({len(validation)} entries)")
+        for phase, errors in validation["errors"].items():
+            ours, tokens = errors["shapley"]["shapley"], errors["shapley"].get("token_proportional")
+            stdout.print(
+                f"validation vs measured Shapley values ({phase}): shapley share error p50 {ours['p50']:.1%}, "
+                f"p90 {ours['p90']:.1%} of step time"
+                + (f"; token-proportional p90 {tokens['p90']:.1%}" if tokens else ""),
+                highlight=False,
+            )
     stdout.print(f"report: {outcome['report']}", highlight=False)
 
 
