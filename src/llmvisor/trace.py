@@ -329,12 +329,12 @@ def _python_value_type_error(column: str, value) -> str | None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            return f"not valid UTF-8 text: {value!r}"
+            return f"not valid Unicode text (cannot be encoded as UTF-8): {value!r}"
         return None
     if column in INTEGER_COLUMNS:
         ok = isinstance(value, int) and not isinstance(value, bool)
         if ok and not -(2**63) <= value < 2**63:
-            return f"integer out of the 64-bit range: {value}"
+            return f"integer out of range (64-bit): {value}"
         return None if ok else f"expected an integer, got {value!r}"
     if column in FLOAT_COLUMNS:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
