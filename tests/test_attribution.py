@@ -19,17 +19,7 @@ from llmvisor.synthetic import DEFAULT_COEF_S, synthetic_trace
 
 def fixed_model(coef_sets, boundary=None) -> StepLatencyModel:
     """A model with given coefficients, loaded the way a model file is."""
-    names = ("all",) if boundary is None else ("memory_bound", "compute_bound")
-    return StepLatencyModel.from_dict(
-        {
-            "format": "llmvisor.step_latency_model",
-            "format_version": 1,
-            "params": {},
-            "feature_names": list(FEATURE_NAMES),
-            "boundary_new_tokens": boundary,
-            "segments": [{"name": n, "coef_s": dict(zip(FEATURE_NAMES, c))} for n, c in zip(names, coef_sets)],
-        }
-    )
+    return StepLatencyModel.from_coefficients([dict(zip(FEATURE_NAMES, c)) for c in coef_sets], boundary)
 
 
 BASE = [DEFAULT_COEF_S[n] for n in FEATURE_NAMES]

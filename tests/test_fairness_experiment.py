@@ -8,23 +8,13 @@ import numpy as np
 import pytest
 
 from llmvisor.experiment import analyse_run, goals, report_sections, workload_tenants
-from llmvisor.features import FEATURE_NAMES
 from llmvisor.model import StepLatencyModel
 from llmvisor.synthetic import DEFAULT_COEF_S
 from llmvisor.trace import TraceWriter
 
 
 def fixed_model() -> StepLatencyModel:
-    return StepLatencyModel.from_dict(
-        {
-            "format": "llmvisor.step_latency_model",
-            "format_version": 1,
-            "params": {},
-            "feature_names": list(FEATURE_NAMES),
-            "boundary_new_tokens": None,
-            "segments": [{"name": "all", "coef_s": {n: DEFAULT_COEF_S[n] for n in FEATURE_NAMES}}],
-        }
-    )
+    return StepLatencyModel.from_coefficients([dict(DEFAULT_COEF_S)])
 
 
 @pytest.fixture

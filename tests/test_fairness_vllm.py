@@ -14,7 +14,6 @@ pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[
 
 from llmvisor.attribution import attribute_arrays  # noqa: E402
 from llmvisor.fairness import FairnessConfig, Quota  # noqa: E402
-from llmvisor.features import FEATURE_NAMES  # noqa: E402
 from llmvisor.model import StepLatencyModel  # noqa: E402
 from llmvisor.synthetic import DEFAULT_COEF_S  # noqa: E402
 from llmvisor.trace import read_trace  # noqa: E402
@@ -43,16 +42,7 @@ TINY_CONFIG = {
 
 
 def fixed_model() -> StepLatencyModel:
-    return StepLatencyModel.from_dict(
-        {
-            "format": "llmvisor.step_latency_model",
-            "format_version": 1,
-            "params": {},
-            "feature_names": list(FEATURE_NAMES),
-            "boundary_new_tokens": None,
-            "segments": [{"name": "all", "coef_s": {n: DEFAULT_COEF_S[n] for n in FEATURE_NAMES}}],
-        }
-    )
+    return StepLatencyModel.from_coefficients([dict(DEFAULT_COEF_S)])
 
 
 class Engine:

@@ -31,7 +31,6 @@ from llmvisor.model import StepLatencyModel
 from llmvisor.trace import StepTrace
 
 RULES = ("shapley", "proportional", "paper")
-_PREFILL = slice(1, 6)
 
 
 def _check_rule(rule: str) -> None:

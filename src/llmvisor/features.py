@@ -27,8 +27,6 @@ FEATURE_NAMES = (
     "decode_requests",
 )
 N_FEATURES = len(FEATURE_NAMES)
-SLICE_FEATURES = slice(1, N_FEATURES)
-"""Every feature but the intercept belongs to one slice; the intercept belongs to the step."""
 
 
 def slice_feature_matrix(num_new_tokens: np.ndarray, num_context_tokens: np.ndarray, is_prefill: np.ndarray) -> np.ndarray:

@@ -378,6 +378,22 @@ class StepLatencyModel:
         return model
 
     @classmethod
+    def from_coefficients(cls, coef_s: list[dict], boundary_new_tokens: float | None = None) -> StepLatencyModel:
+        """A model with known coefficients (one dict of seconds per feature for each segment), checked as a
+        model file is: for tests, and for users who take coefficients from elsewhere."""
+        names = ("all",) if boundary_new_tokens is None else SEGMENT_NAMES
+        return cls.from_dict(
+            {
+                "format": MODEL_FORMAT,
+                "format_version": MODEL_FORMAT_VERSION,
+                "params": {},
+                "feature_names": list(FEATURE_NAMES),
+                "boundary_new_tokens": boundary_new_tokens,
+                "segments": [{"name": name, "coef_s": coef} for name, coef in zip(names, coef_s)],
+            }
+        )
+
+    @classmethod
     def from_json(cls, path: str | os.PathLike) -> StepLatencyModel:
         try:
             with open(path, encoding="utf-8") as handle:
