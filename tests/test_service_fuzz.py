@@ -132,8 +132,9 @@ def test_post_steps_never_answers_5xx(service, body):
         assert _reconciles(client, admin)
 
 
+# A URL is bytes: a lone surrogate cannot be put in a query string by any client, so it is left to the body tests.
 query_values = st.one_of(
-    any_text,
+    st.text(alphabet=st.characters(codec=None, exclude_categories=("Cs",)), max_size=12),
     st.integers(-(2**70), 2**70).map(str),
     st.floats().map(str),
     st.sampled_from(["minute", "hour", "day", "2025-01-01T00:00:00Z", "2025-01-01 00:00:00 00:00", "1e400", "-1", "\x00"]),
