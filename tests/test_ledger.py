@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sqlalchemy import select, text
+from sqlalchemy import create_engine, inspect, select, text
 
 from _service_fixtures import T0_S, db_url, keys, ledger, make_steps, measured_ns, model_path  # noqa: F401
 from llmvisor.attribution import attribute
@@ -143,6 +143,58 @@ def test_totals_reconcile_with_every_query_and_independent_sums(ledger, model):
     assert len(one) == 1 and one[0].num_steps == sum(1 for g in runs["run-1"] if any(r["request_id"] == "req-0" for r in g))
 
 
+def test_usage_of_a_request_adds_up_across_batches_within_one_second(ledger, model):
+    """Steps 10 ms apart, stored 7 at a time: most (request, second) rows are written by several batches."""
+    groups = make_steps(n_steps=300, batch_size=6, step_interval_s=0.01, seed=3)
+    for i in range(0, len(groups), 7):
+        ledger.ingest(prepare(model, groups[i : i + 7]))
+    expected: dict[str, dict] = {}
+    for group, records in ((g, prepare(model, [g])) for g in groups):
+        timestamp_us = int(round(group[0]["timestamp_s"] * 1e6))
+        for request_id, tokens, share_ns in zip(records.request_id, records.num_new_tokens, records.attributed_ns):
+            row = expected.setdefault(request_id, {"ns": 0, "steps": 0, "tokens": 0, "first": timestamp_us, "last": timestamp_us})
+            row["ns"] += int(share_ns)
+            row["steps"] += 1
+            row["tokens"] += int(tokens)
+            row["first"], row["last"] = min(row["first"], timestamp_us), max(row["last"], timestamp_us)
+    stored = {r.request_id: r for r in ledger.request_usage(limit=10_000)}
+    assert set(stored) == set(expected)
+    for request_id, want in expected.items():
+        got = stored[request_id]
+        assert (got.attributed_ns, got.num_steps, got.num_new_tokens) == (want["ns"], want["steps"], want["tokens"])
+        assert (got.first_timestamp_us, got.last_timestamp_us) == (want["first"], want["last"])
+    totals = ledger.totals()
+    assert totals.attributed_ns == totals.measured_ns == measured_ns(groups)
+    assert totals.num_slices == sum(len(g) for g in groups)
+    whole_second_us = int(T0_S + 1) * 10**6
+    first_second = ledger.totals(end_us=whole_second_us)
+    assert first_second.measured_ns == measured_ns([g for g in groups if g[0]["timestamp_s"] < T0_S + 1])
+    assert first_second.attributed_ns == first_second.measured_ns
+    with pytest.raises(LedgerError, match="whole second"):
+        ledger.tenant_usage(start_us=whole_second_us + 500)
+
+
+def test_a_stored_step_reads_back_with_every_slice_and_share(ledger, model):
+    groups = make_steps(n_steps=40, batch_size=12, seed=5)
+    ledger.ingest(prepare(model, groups[:25]))
+    ledger.ingest(prepare(model, groups[20:]))  # five duplicates: the blob holds only the new steps
+    for group in (groups[0], groups[22], groups[39]):
+        records = prepare(model, [group])
+        detail = ledger.step_detail("run-a", group[0]["step_id"])
+        assert detail.measured_ns == int(records.measured_ns[0])
+        assert detail.content_sha256 == records.content_sha256[0]
+        assert detail.timestamp_us == int(round(group[0]["timestamp_s"] * 1e6))
+        want = sorted(
+            zip(records.request_id, records.tenant, records.num_new_tokens.tolist(), records.num_context_tokens.tolist(),
+                np.where(records.is_prefill, "prefill", "decode"), records.attributed_ns.tolist())
+        )
+        got = [(x.request_id, x.tenant, x.num_new_tokens, x.num_context_tokens, x.phase, x.attributed_ns) for x in detail.slices]
+        assert got == [tuple(w) for w in want]
+        assert sum(x.attributed_ns for x in detail.slices) == detail.measured_ns
+    assert ledger.step_detail("run-a", 40) is None
+    assert ledger.step_detail("run-b", 0) is None
+
+
 def test_concurrent_ingest_of_overlapping_batches_stores_each_step_once(ledger, model):
     groups = make_steps(n_steps=200, batch_size=8)
     batches = [prepare(model, groups[i : i + 60]) for i in range(0, 200, 20)]
@@ -205,6 +257,21 @@ def test_other_schema_versions_and_bad_urls_are_clear_errors(tmp_path):
     store.close()
     with pytest.raises(LedgerError, match="schema version 99"):
         Ledger(url)
+
+    # A schema-1 ledger (a row per slice) is refused before anything is written to it.
+    old_url = f"sqlite:///{tmp_path}/schema1.db"
+    engine = create_engine(old_url)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE ledger_info (name VARCHAR(64) PRIMARY KEY, value TEXT NOT NULL)"))
+        conn.execute(text("INSERT INTO ledger_info VALUES ('schema_version', '1')"))
+        conn.execute(text("CREATE TABLE slices (run_id TEXT, attributed_ns BIGINT)"))
+        conn.execute(text("INSERT INTO slices VALUES ('r', 5)"))
+    with pytest.raises(LedgerError, match="schema version 1, this llmvisor reads 2; the database was left as it is"):
+        Ledger(old_url)
+    with engine.connect() as conn:
+        assert sorted(inspect(conn).get_table_names()) == ["ledger_info", "slices"]
+        assert conn.execute(text("SELECT * FROM slices")).all() == [("r", 5)]
+    engine.dispose()
     with pytest.raises(LedgerError, match="unsupported database"):
         Ledger("mysql://localhost/x")
     with pytest.raises(LedgerError, match="not a database URL"):

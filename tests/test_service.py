@@ -203,7 +203,7 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
     assert routes == {
         ("POST", "/v1/steps"), ("GET", "/v1/usage/tenants"), ("GET", "/v1/usage/requests"), ("GET", "/v1/usage/top"),
         ("GET", "/v1/usage/totals"), ("GET", "/v1/whoami"), ("POST", "/v1/keys"), ("GET", "/v1/keys"),
-        ("DELETE", "/v1/keys/{key_id}"), ("GET", "/metrics"), ("GET", "/healthz"),
+        ("DELETE", "/v1/keys/{key_id}"), ("GET", "/metrics"), ("GET", "/healthz"), ("GET", "/v1/steps/{run_id}/{step_id}"),
     }
     forbidden = [
         ("GET", "/v1/usage/tenants?tenant=tenant-0"),
@@ -216,6 +216,7 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
         ("DELETE", f"/v1/keys/{keys['tenant-0'].split('_')[1]}"),
         ("GET", "/metrics"),
         ("POST", "/v1/steps"),
+        ("GET", "/v1/steps/run-a/0"),
     ]
     for method, path in forbidden:
         kwargs = {"json": {"tenant": "tenant-0"}} if path == "/v1/keys" and method == "POST" else {}
@@ -238,7 +239,8 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
     assert client.get("/v1/usage/tenants?tenant=tenant-1", headers=other).status_code == 200
     assert client.get("/v1/whoami", headers=other).json()["tenant"] == "tenant-1"
 
-    for path in ("/v1/usage/tenants", "/v1/usage/requests", "/v1/usage/top", "/v1/usage/totals", "/v1/keys", "/metrics", "/v1/whoami"):
+    for path in ("/v1/usage/tenants", "/v1/usage/requests", "/v1/usage/top", "/v1/usage/totals", "/v1/keys", "/metrics",
+                 "/v1/whoami", "/v1/steps/run-a/0"):
         assert client.get(path).status_code == 401
         assert client.get(path, headers=bearer("lvk_x_y")).status_code == 401
 
@@ -274,6 +276,8 @@ def test_usage_queries_sum_to_the_totals_in_every_bucket_and_range(client, admin
         ("/v1/usage/tenants?start=soon", "start: expected an ISO 8601 time or Unix seconds"),
         ("/v1/usage/tenants?start=nan", "out of range"),
         ("/v1/usage/tenants?start=10&end=5", "end must be after start"),
+        ("/v1/usage/tenants?start=10.5", "usage is kept per second; give a whole second, not '10.5'"),
+        ("/v1/usage/totals?end=2025-06-15T15:19:10.25", "end: usage is kept per second"),
         ("/v1/usage/top?n=0", "'n'"),
         ("/v1/usage/requests?limit=100000", "'limit'"),
         ("/v1/usage/requests?tenant=a%00b", "NUL"),
@@ -283,6 +287,21 @@ def test_bad_query_parameters_are_422_with_a_message(client, admin, query, messa
     response = client.get(query, headers=admin)
     assert response.status_code == 422
     assert message in response.json()["detail"]
+
+
+def test_a_step_reads_back_with_its_shares_for_an_admin(client, admin):
+    groups = make_steps(n_steps=5, batch_size=6, seed=2)
+    assert post(client, groups, admin).status_code == 200
+    step = client.get("/v1/steps/run-a/3", headers=admin)
+    assert step.status_code == 200
+    body = step.json()
+    assert body["measured_ns"] == measured_ns(groups[3:4])
+    assert sum(x["attributed_ns"] for x in body["slices"]) == body["measured_ns"]
+    assert sorted(x["request_id"] for x in body["slices"]) == sorted(r["request_id"] for r in groups[3])
+    assert [x["request_id"] for x in body["slices"]] == sorted(x["request_id"] for x in body["slices"])
+    missing = client.get("/v1/steps/run-a/99", headers=admin)
+    assert missing.status_code == 404 and "no step 99 of run 'run-a'" in missing.json()["detail"]
+    assert client.get("/v1/steps/run-a/x", headers=admin).status_code == 422
 
 
 def test_metrics_count_what_was_ingested_and_rejected(client, admin):

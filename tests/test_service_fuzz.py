@@ -7,6 +7,7 @@ trace contract reaches far more often than one derived from the OpenAPI schema, 
 from __future__ import annotations
 
 import json
+from urllib.parse import quote
 
 import pytest
 from fastapi.testclient import TestClient
@@ -137,7 +138,10 @@ query_values = st.one_of(
     st.text(alphabet=st.characters(codec=None, exclude_categories=("Cs",)), max_size=12),
     st.integers(-(2**70), 2**70).map(str),
     st.floats().map(str),
-    st.sampled_from(["minute", "hour", "day", "2025-01-01T00:00:00Z", "2025-01-01 00:00:00 00:00", "1e400", "-1", "\x00"]),
+    st.sampled_from(
+        ["minute", "hour", "day", "2025-01-01T00:00:00Z", "2025-01-01 00:00:00 00:00", "1e400", "-1", "\x00", "1.5",
+         "2025-01-01T00:00:00.5"]
+    ),
 )
 
 
@@ -156,3 +160,13 @@ def test_usage_queries_never_answer_5xx(service, path, params, who):
     if who == "tenant" and response.status_code == 200 and path != "/v1/usage/totals":
         rows = response.json().get("tenants") or response.json().get("requests") or []
         assert all(row["tenant"] == "tenant-0" for row in rows)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(run_id=query_values, step_id=query_values, who=st.sampled_from(["admin", "tenant"]))
+def test_step_reads_never_answer_5xx(service, run_id, step_id, who):
+    client, keys = service
+    response = client.get(f"/v1/steps/{quote(run_id, safe='')}/{quote(step_id, safe='')}", headers=bearer(keys[who]))
+    assert response.status_code < 500, response.text
+    if who == "tenant":
+        assert response.status_code != 200, response.text

@@ -4,16 +4,22 @@ Seconds are stored as integer nanoseconds (``*_ns``) so that sums are exact in S
 tenant's total plus the other tenants' totals equals the measured total to the nanosecond, whatever the
 order of summation. Times are integer microseconds since the Unix epoch (``*_us``), so time buckets are
 integer divisions that SQLite and PostgreSQL compute alike.
+
+Schema 2 keeps one row per step (the idempotency key, measured and predicted time), each ingest's slices
+as one compressed Parquet blob (the detail, for audits: a trace-format file with an ``attributed_ns``
+column), and usage per request per second of step start, which every usage query reads. A row per slice
+(schema 1) made the database most of the ingest cost; per second, a request has one row instead of one per
+step, and a second is finer than any bill.
 """
 
 from __future__ import annotations
 
 from sqlalchemy import (
     BigInteger,
-    Float,
     Boolean,
     Column,
-    ForeignKeyConstraint,
+    Float,
+    ForeignKey,
     Index,
     Integer,
     LargeBinary,
@@ -23,15 +29,30 @@ from sqlalchemy import (
     Text,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+USAGE_RESOLUTION_US = 1_000_000
+"""Usage is kept per second of step start, so usage queries take time ranges in whole seconds."""
 
 metadata = MetaData()
+
+# SQLite autoincrements only an INTEGER PRIMARY KEY (which is 64-bit there).
+_AutoincrementId = BigInteger().with_variant(Integer, "sqlite")
 
 ledger_info = Table(
     "ledger_info",
     metadata,
     Column("name", String(64), primary_key=True),
     Column("value", Text, nullable=False),
+)
+
+slice_batches = Table(
+    "slice_batches",
+    metadata,
+    Column("batch_id", _AutoincrementId, primary_key=True, autoincrement=True),
+    Column("ingested_at_us", BigInteger, nullable=False),
+    Column("num_steps", Integer, nullable=False),
+    Column("num_slices", Integer, nullable=False),
+    Column("slices_parquet", LargeBinary, nullable=False, doc="the steps' slices as a trace-format Parquet file"),
 )
 
 steps = Table(
@@ -45,23 +66,24 @@ steps = Table(
     Column("timestamp_us", BigInteger, nullable=False, doc="step start (trace timestamp_s, else ingest time)"),
     Column("ingested_at_us", BigInteger, nullable=False),
     Column("content_sha256", LargeBinary(32), nullable=False, doc="canonical content, for idempotent re-sends"),
+    Column("slice_batch_id", BigInteger, ForeignKey("slice_batches.batch_id"), nullable=False),
     Index("ix_steps_timestamp_us", "timestamp_us"),
 )
 
-slices = Table(
-    "slices",
+usage_per_second = Table(
+    "usage_per_second",
     metadata,
     Column("run_id", Text, primary_key=True),
-    Column("step_id", BigInteger, primary_key=True, autoincrement=False),
     Column("request_id", Text, primary_key=True),
-    Column("tenant", Text, nullable=False),
-    Column("num_new_tokens", BigInteger, nullable=False),
-    Column("num_context_tokens", BigInteger, nullable=False),
-    Column("phase", String(8), nullable=False),
+    Column("tenant", Text, primary_key=True),
+    Column("second_us", BigInteger, primary_key=True, autoincrement=False, doc="start of the second its steps started in"),
     Column("attributed_ns", BigInteger, nullable=False),
-    Column("timestamp_us", BigInteger, nullable=False, doc="copied from the step so usage queries need no join"),
-    ForeignKeyConstraint(["run_id", "step_id"], ["steps.run_id", "steps.step_id"], ondelete="CASCADE"),
-    Index("ix_slices_tenant_timestamp_us", "tenant", "timestamp_us"),
+    Column("num_slices", BigInteger, nullable=False, doc="steps the request ran in during this second"),
+    Column("num_new_tokens", BigInteger, nullable=False),
+    Column("first_timestamp_us", BigInteger, nullable=False),
+    Column("last_timestamp_us", BigInteger, nullable=False),
+    Index("ix_usage_per_second_tenant_second_us", "tenant", "second_us"),
+    Index("ix_usage_per_second_second_us", "second_us"),
 )
 
 api_keys = Table(

@@ -3,6 +3,9 @@
 Each ingest is one transaction. Steps are keyed by (run_id, step_id): a step already stored with the same
 content hash is acknowledged and skipped, one stored with a different hash is a conflict and the whole
 batch is rejected, so a batch is either stored whole or not at all and no second is ever counted twice.
+What a transaction writes (`schema`): a row per new step, the new steps' slices as one Parquet blob, and the
+per-request, per-second usage they add to, summed into existing rows. The blob and the sums are built
+before the write lock is taken, and again inside it only if some steps turn out to be stored already.
 """
 
 from __future__ import annotations
@@ -11,10 +14,13 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
-from sqlalchemy import Connection, Engine, and_, create_engine, event, func, insert, select, update
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from sqlalchemy import Connection, Engine, and_, create_engine, event, func, insert, inspect, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.pool import StaticPool
@@ -22,19 +28,30 @@ from sqlalchemy.pool import StaticPool
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import keys as keys_module
 from llmvisor.ledger.keys import Principal
-from llmvisor.ledger.schema import SCHEMA_VERSION, api_keys, ledger_info, metadata, slices, steps
+from llmvisor.ledger.schema import (
+    SCHEMA_VERSION,
+    USAGE_RESOLUTION_US,
+    api_keys,
+    ledger_info,
+    metadata,
+    slice_batches,
+    steps,
+    usage_per_second,
+)
 
 BUCKET_US = {"minute": 60_000_000, "hour": 3_600_000_000, "day": 86_400_000_000}
 SQLITE_BUSY_TIMEOUT_S = 30.0
 _LOOKUP_CHUNK = 500
 _WRITE_ATTEMPTS = 5
-# `_insert` builds rows as tuples in these column orders.
+_PARQUET_COMPRESSION = "zstd"
+_USAGE_KEY = ("run_id", "request_id", "tenant", "second_us")
+_USAGE_SUMS = ("attributed_ns", "num_slices", "num_new_tokens")
+# `_StoredBatch` builds rows as tuples in these column orders.
 assert [c.name for c in steps.columns] == [
-    "run_id", "step_id", "measured_ns", "predicted_s", "batch_size", "timestamp_us", "ingested_at_us", "content_sha256"
+    "run_id", "step_id", "measured_ns", "predicted_s", "batch_size", "timestamp_us", "ingested_at_us", "content_sha256",
+    "slice_batch_id",
 ]
-assert [c.name for c in slices.columns] == [
-    "run_id", "step_id", "request_id", "tenant", "num_new_tokens", "num_context_tokens", "phase", "attributed_ns", "timestamp_us"
-]
+assert [c.name for c in usage_per_second.columns] == [*_USAGE_KEY, *_USAGE_SUMS, "first_timestamp_us", "last_timestamp_us"]
 
 
 class LedgerError(LlmvisorError):
@@ -56,29 +73,137 @@ class StepConflictError(LlmvisorError):
 
 @dataclass
 class StepRecords:
-    """Attributed steps ready to store, as plain Python lists (what the database drivers take fastest).
+    """Attributed steps ready to store.
 
-    Per step: ``run_id`` … ``content_sha256``; per slice: ``request_id`` … ``attributed_ns``, the slices of
-    step k being ``step_offsets[k]:step_offsets[k + 1]``. ``attributed_ns`` of a step sum to its ``measured_ns``.
+    Per step (length ``n_steps``): ``run_id`` … ``content_sha256``; per slice: ``request_id`` …
+    ``attributed_ns``, the slices of step k being ``step_offsets[k]:step_offsets[k + 1]``. Strings are object
+    arrays. ``attributed_ns`` of a step sum to its ``measured_ns``.
     """
 
-    run_id: list[str]
-    step_id: list[int]
-    measured_ns: list[int]
-    predicted_s: list[float]
-    timestamp_us: list[int]
+    run_id: np.ndarray
+    step_id: np.ndarray
+    step_latency_s: np.ndarray
+    measured_ns: np.ndarray
+    predicted_s: np.ndarray
+    timestamp_us: np.ndarray
     content_sha256: list[bytes]
     step_offsets: np.ndarray
-    request_id: list[str]
-    tenant: list[str]
-    num_new_tokens: list[int]
-    num_context_tokens: list[int]
-    phase: list[str]
-    attributed_ns: list[int]
+    request_id: np.ndarray
+    tenant: np.ndarray
+    num_new_tokens: np.ndarray
+    num_context_tokens: np.ndarray
+    is_prefill: np.ndarray
+    attributed_ns: np.ndarray
 
     @property
     def n_steps(self) -> int:
-        return len(self.run_id)
+        return int(self.step_offsets.shape[0] - 1)
+
+    @property
+    def n_slices(self) -> int:
+        return int(self.step_offsets[-1])
+
+    def select_steps(self, step_mask: np.ndarray) -> StepRecords:
+        """The records of the steps where ``step_mask`` is true."""
+        step_mask = np.asarray(step_mask, dtype=bool)
+        sizes = np.diff(self.step_offsets)
+        slice_mask = np.repeat(step_mask, sizes)
+        values = {}
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if item.name == "step_offsets":
+                value = np.concatenate(([0], np.cumsum(sizes[step_mask]))).astype(np.int64)
+            elif item.name == "content_sha256":
+                value = [digest for digest, keep in zip(value, step_mask.tolist()) if keep]
+            else:
+                value = value[step_mask if item.name in _PER_STEP else slice_mask]
+            values[item.name] = value
+        return StepRecords(**values)
+
+
+_PER_STEP = frozenset(("run_id", "step_id", "step_latency_s", "measured_ns", "predicted_s", "timestamp_us"))
+
+
+class _StoredBatch:
+    """What one ingest writes, built from the records of its new steps: step rows, the slices' Parquet
+    blob and usage rows (one per request per second, sorted by key so concurrent upserts lock in one order)."""
+
+    def __init__(self, records: StepRecords):
+        self.n_steps = records.n_steps
+        self.n_slices = records.n_slices
+        sizes = np.diff(records.step_offsets)
+        step_of_slice = np.repeat(np.arange(self.n_steps), sizes)
+        run_names, run_codes = np.unique(records.run_id.astype(str), return_inverse=True)
+        run_id = pa.DictionaryArray.from_arrays(pa.array(run_codes[step_of_slice], pa.int32()), pa.array(run_names))
+        timestamp_us = records.timestamp_us[step_of_slice]
+        table = pa.table(
+            {
+                "run_id": run_id,
+                "step_id": records.step_id[step_of_slice],
+                "step_latency_s": records.step_latency_s[step_of_slice],
+                "request_id": pa.array(records.request_id, pa.string()),
+                "tenant": pa.array(records.tenant, pa.string()),
+                "num_new_tokens": records.num_new_tokens,
+                "num_context_tokens": records.num_context_tokens,
+                "phase": pa.DictionaryArray.from_arrays(
+                    pa.array(records.is_prefill.astype(np.int8)), pa.array(["decode", "prefill"])
+                ),
+                "timestamp_s": timestamp_us / 1e6,
+                "attributed_ns": records.attributed_ns,
+            }
+        )
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, compression=_PARQUET_COMPRESSION)
+        self.slices_parquet = sink.getvalue().to_pybytes()
+
+        second_us = (timestamp_us // USAGE_RESOLUTION_US) * USAGE_RESOLUTION_US
+        usage = (
+            pa.table(
+                {
+                    "run_id": run_id,
+                    "request_id": table["request_id"],
+                    "tenant": table["tenant"],
+                    "second_us": second_us,
+                    "attributed_ns": records.attributed_ns,
+                    "num_new_tokens": records.num_new_tokens,
+                    "timestamp_us": timestamp_us,
+                }
+            )
+            .group_by(list(_USAGE_KEY), use_threads=False)
+            .aggregate(
+                [
+                    ("attributed_ns", "sum"),
+                    ("attributed_ns", "count"),
+                    ("num_new_tokens", "sum"),
+                    ("timestamp_us", "min"),
+                    ("timestamp_us", "max"),
+                ]
+            )
+        )
+        usage = usage.set_column(usage.schema.get_field_index("run_id"), "run_id", pc.cast(usage["run_id"], pa.string()))
+        usage = usage.sort_by([(name, "ascending") for name in _USAGE_KEY])
+        names = [*_USAGE_KEY, "attributed_ns_sum", "attributed_ns_count", "num_new_tokens_sum", "timestamp_us_min", "timestamp_us_max"]
+        self.usage_columns = [usage[name].to_pylist() for name in names]
+        self._records = records
+
+    def step_rows(self, slice_batch_id: int, ingested_at_us: int) -> list[tuple]:
+        records = self._records
+        return list(
+            zip(
+                records.run_id.tolist(),
+                records.step_id.tolist(),
+                records.measured_ns.tolist(),
+                records.predicted_s.tolist(),
+                np.diff(records.step_offsets).tolist(),
+                records.timestamp_us.tolist(),
+                [ingested_at_us] * self.n_steps,
+                records.content_sha256,
+                [slice_batch_id] * self.n_steps,
+            )
+        )
+
+    def usage_rows(self) -> list[tuple]:
+        return list(zip(*self.usage_columns))
 
 
 @dataclass(frozen=True)
@@ -125,6 +250,30 @@ class Totals:
     measured_ns: int
     num_slices: int
     attributed_ns: int
+
+
+@dataclass(frozen=True)
+class SliceShare:
+    request_id: str
+    tenant: str
+    num_new_tokens: int
+    num_context_tokens: int
+    phase: str
+    attributed_ns: int
+
+
+@dataclass(frozen=True)
+class StepDetail:
+    """A stored step as an audit sees it: what was measured and predicted, and each slice's share."""
+
+    run_id: str
+    step_id: int
+    measured_ns: int
+    predicted_s: float
+    timestamp_us: int
+    ingested_at_us: int
+    content_sha256: bytes
+    slices: list[SliceShare]
 
 
 @dataclass(frozen=True)
@@ -209,14 +358,20 @@ class Ledger:
         return make_url(self.url).render_as_string(hide_password=True)
 
     def _create_schema(self) -> None:
+        """Create the tables of an empty database; refuse, before writing anything, one of another schema."""
         try:
             with self._write_engine.begin() as conn:
+                if inspect(conn).has_table(ledger_info.name):
+                    version = conn.execute(select(ledger_info.c.value).where(ledger_info.c.name == "schema_version")).scalar()
+                    if version is not None and version != str(SCHEMA_VERSION):
+                        raise LedgerError(
+                            f"{self.safe_url}: ledger schema version {version}, this llmvisor reads {SCHEMA_VERSION}; "
+                            "the database was left as it is"
+                        )
                 metadata.create_all(conn, checkfirst=True)
                 version = conn.execute(select(ledger_info.c.value).where(ledger_info.c.name == "schema_version")).scalar()
                 if version is None:
                     conn.execute(insert(ledger_info).values(name="schema_version", value=str(SCHEMA_VERSION)))
-                elif version != str(SCHEMA_VERSION):
-                    raise LedgerError(f"{self.safe_url}: ledger schema version {version}, this llmvisor reads {SCHEMA_VERSION}")
         except OperationalError as error:
             raise LedgerError(f"cannot open database {self.safe_url}: {' '.join(str(error.orig).split())}") from None
         except IntegrityError:
@@ -256,7 +411,9 @@ class Ledger:
 
     def ingest(self, records: StepRecords) -> IngestOutcome:
         """Store the steps not yet stored, in one transaction; raise `StepConflictError` if any differs."""
-        keys = list(zip(records.run_id, records.step_id))
+        keys = list(zip(records.run_id.tolist(), records.step_id.tolist()))
+        # Built outside the lock on the expectation that every step is new, which holds unless this is a retry.
+        all_new = _StoredBatch(records) if records.n_steps else None
         for attempt in range(_WRITE_ATTEMPTS):
             try:
                 with self._write() as conn:
@@ -265,7 +422,14 @@ class Ledger:
                     if conflicts:
                         raise StepConflictError(conflicts)
                     inserted = [k not in stored for k in keys]
-                    self._insert(conn, records, inserted)
+                    if all(inserted):
+                        batch = all_new
+                    elif any(inserted):
+                        batch = _StoredBatch(records.select_steps(np.asarray(inserted)))
+                    else:
+                        batch = None
+                    if batch is not None:
+                        self._insert(conn, batch)
                 return IngestOutcome(inserted)
             except (IntegrityError, OperationalError):
                 # A concurrent writer stored some of these keys first (PostgreSQL) or the database was busy;
@@ -290,75 +454,72 @@ class Ledger:
                     stored[(run_id, step_id)] = bytes(digest)
         return stored
 
-    def _bulk_insert(self, conn: Connection, table, rows: list[tuple]) -> None:
-        """Rows (tuples in the table's column order) straight to the driver: COPY on PostgreSQL, executemany
-        on SQLite. SQLAlchemy's per-row parameter processing, and psycopg's executemany, each cost more than
-        the database's own work at thousands of rows per batch."""
-        columns = ", ".join(column.name for column in table.columns)
-        if self.backend == "postgresql":
-            statement = f"COPY {table.name} ({columns}) FROM STDIN"
-            driver = self._write_engine.dialect.dbapi
+    def _raw_cursor(self, conn: Connection, statement: str):
+        """The driver's own cursor, with its errors wrapped the way SQLAlchemy would (IntegrityError...)."""
+        driver = self._write_engine.dialect.dbapi
+
+        @contextmanager
+        def cursor():
             try:
-                with conn.connection.driver_connection.cursor() as cursor:
-                    with cursor.copy(statement) as copy:
-                        for row in rows:
-                            copy.write_row(row)
+                with conn.connection.driver_connection.cursor() as raw:
+                    yield raw
             except driver.Error as error:
-                # The raw cursor bypasses SQLAlchemy; wrap its errors the way SQLAlchemy would (IntegrityError...).
                 raise DBAPIError.instance(statement, None, error, driver.Error) from error
-        else:
-            placeholders = ", ".join(["?"] * len(table.columns))
-            conn.exec_driver_sql(f"INSERT INTO {table.name} ({columns}) VALUES ({placeholders})", rows)
 
-    def _insert(self, conn: Connection, records: StepRecords, inserted: list[bool]) -> None:
-        new_steps = [k for k, new in enumerate(inserted) if new]
-        if not new_steps:
-            return
+        return cursor()
+
+    def _insert(self, conn: Connection, batch: _StoredBatch) -> None:
+        """Rows straight to the driver (COPY and one array-valued upsert on PostgreSQL, executemany on
+        SQLite): SQLAlchemy's per-row parameter processing would cost more than the database's own work."""
         ingested_at_us = now_us()
-        offsets = records.step_offsets
-        batch_size = np.diff(offsets).tolist()
-        step_rows = [
-            (
-                records.run_id[k],
-                records.step_id[k],
-                records.measured_ns[k],
-                records.predicted_s[k],
-                batch_size[k],
-                records.timestamp_us[k],
-                ingested_at_us,
-                records.content_sha256[k],
+        slice_batch_id = conn.execute(
+            insert(slice_batches)
+            .values(ingested_at_us=ingested_at_us, num_steps=batch.n_steps, num_slices=batch.n_slices,
+                    slices_parquet=batch.slices_parquet)
+            .returning(slice_batches.c.batch_id)
+        ).scalar_one()
+        step_rows = batch.step_rows(slice_batch_id, ingested_at_us)
+        step_columns = ", ".join(column.name for column in steps.columns)
+        usage_columns = ", ".join(column.name for column in usage_per_second.columns)
+        key = ", ".join(_USAGE_KEY)
+        if self.backend == "postgresql":
+            copy_statement = f"COPY steps ({step_columns}) FROM STDIN"
+            with self._raw_cursor(conn, copy_statement) as cursor:
+                with cursor.copy(copy_statement) as copy:
+                    for row in step_rows:
+                        copy.write_row(row)
+            types = ["text", "text", "text", "bigint", "bigint", "bigint", "bigint", "bigint", "bigint"]
+            upsert = (
+                f"INSERT INTO usage_per_second ({usage_columns}) "
+                f"SELECT * FROM unnest({', '.join(f'%s::{t}[]' for t in types)}) "
+                f"ON CONFLICT ({key}) DO UPDATE SET "
+                + ", ".join(f"{name} = usage_per_second.{name} + excluded.{name}" for name in _USAGE_SUMS)
+                + ", first_timestamp_us = LEAST(usage_per_second.first_timestamp_us, excluded.first_timestamp_us)"
+                + ", last_timestamp_us = GREATEST(usage_per_second.last_timestamp_us, excluded.last_timestamp_us)"
             )
-            for k in new_steps
-        ]
-        self._bulk_insert(conn, steps, step_rows)
-
-        step_of_slice = np.repeat(np.arange(records.n_steps), np.diff(offsets))
-        keep = np.asarray(inserted, dtype=bool)[step_of_slice]
-        all_new = bool(keep.all())
-        step_of_slice = step_of_slice[keep]
-
-        def per_slice(values: list) -> list:
-            return values if all_new else np.asarray(values, dtype=object)[keep].tolist()
-
-        slice_rows = zip(
-            np.asarray(records.run_id, dtype=object)[step_of_slice].tolist(),
-            np.asarray(records.step_id, dtype=np.int64)[step_of_slice].tolist(),
-            per_slice(records.request_id),
-            per_slice(records.tenant),
-            per_slice(records.num_new_tokens),
-            per_slice(records.num_context_tokens),
-            per_slice(records.phase),
-            per_slice(records.attributed_ns),
-            np.asarray(records.timestamp_us, dtype=np.int64)[step_of_slice].tolist(),
-        )
-        self._bulk_insert(conn, slices, list(slice_rows))
+            with self._raw_cursor(conn, upsert) as cursor:
+                cursor.execute(upsert, batch.usage_columns)
+        else:
+            conn.exec_driver_sql(f"INSERT INTO steps ({step_columns}) VALUES ({', '.join(['?'] * len(steps.columns))})", step_rows)
+            upsert = (
+                f"INSERT INTO usage_per_second ({usage_columns}) VALUES ({', '.join(['?'] * len(usage_per_second.columns))}) "
+                f"ON CONFLICT ({key}) DO UPDATE SET "
+                + ", ".join(f"{name} = {name} + excluded.{name}" for name in _USAGE_SUMS)
+                + ", first_timestamp_us = min(first_timestamp_us, excluded.first_timestamp_us)"
+                + ", last_timestamp_us = max(last_timestamp_us, excluded.last_timestamp_us)"
+            )
+            conn.exec_driver_sql(upsert, batch.usage_rows())
 
     # -----------------------------------------------------------------------------------------------------
-    # Queries; time ranges are [start_us, end_us) on the step's timestamp, None meaning unbounded.
+    # Queries; time ranges are [start_us, end_us) on the step's timestamp, None meaning unbounded, in whole
+    # seconds (usage is kept per second).
 
     @staticmethod
     def _range(column, start_us: int | None, end_us: int | None) -> list:
         conditions = []
+        for name, bound in (("start", start_us), ("end", end_us)):
+            if bound is not None and bound % USAGE_RESOLUTION_US:
+                raise LedgerError(f"{name}: usage is kept per second; give a whole second, not {bound / 1e6!r}")
         if start_us is not None:
             conditions.append(column >= start_us)
         if end_us is not None:
@@ -373,22 +534,18 @@ class Ledger:
         tenant: str | None = None,
     ) -> list[UsageRow]:
         """Attributed time per tenant (and per UTC bucket of ``bucket`` if given), ordered by tenant and time."""
-        conditions = self._range(slices.c.timestamp_us, start_us, end_us)
+        usage = usage_per_second
+        conditions = self._range(usage.c.second_us, start_us, end_us)
         if tenant is not None:
-            conditions.append(slices.c.tenant == tenant)
-        columns = [slices.c.tenant]
+            conditions.append(usage.c.tenant == tenant)
+        columns = [usage.c.tenant]
         if bucket is not None:
             if bucket not in BUCKET_US:
                 raise LedgerError(f"unknown bucket {bucket!r}; choose one of {', '.join(BUCKET_US)}")
             size = BUCKET_US[bucket]
-            columns.append(((slices.c.timestamp_us // size) * size).label("bucket_start_us"))
+            columns.append(((usage.c.second_us // size) * size).label("bucket_start_us"))
         query = (
-            select(
-                *columns,
-                func.sum(slices.c.attributed_ns),
-                func.count(),
-                func.sum(slices.c.num_new_tokens),
-            )
+            select(*columns, func.sum(usage.c.attributed_ns), func.sum(usage.c.num_slices), func.sum(usage.c.num_new_tokens))
             .where(and_(True, *conditions))
             .group_by(*columns)
             .order_by(*columns)
@@ -417,25 +574,26 @@ class Ledger:
         offset: int = 0,
     ) -> list[RequestUsageRow]:
         """Attributed time per request, largest first."""
-        conditions = self._range(slices.c.timestamp_us, start_us, end_us)
-        for column, value in ((slices.c.tenant, tenant), (slices.c.run_id, run_id), (slices.c.request_id, request_id)):
+        usage = usage_per_second
+        conditions = self._range(usage.c.second_us, start_us, end_us)
+        for column, value in ((usage.c.tenant, tenant), (usage.c.run_id, run_id), (usage.c.request_id, request_id)):
             if value is not None:
                 conditions.append(column == value)
-        total = func.sum(slices.c.attributed_ns)
+        total = func.sum(usage.c.attributed_ns)
         query = (
             select(
-                slices.c.run_id,
-                slices.c.request_id,
-                slices.c.tenant,
+                usage.c.run_id,
+                usage.c.request_id,
+                usage.c.tenant,
                 total,
-                func.count(),
-                func.sum(slices.c.num_new_tokens),
-                func.min(slices.c.timestamp_us),
-                func.max(slices.c.timestamp_us),
+                func.sum(usage.c.num_slices),
+                func.sum(usage.c.num_new_tokens),
+                func.min(usage.c.first_timestamp_us),
+                func.max(usage.c.last_timestamp_us),
             )
             .where(and_(True, *conditions))
-            .group_by(slices.c.run_id, slices.c.request_id, slices.c.tenant)
-            .order_by(total.desc(), slices.c.run_id, slices.c.request_id, slices.c.tenant)
+            .group_by(usage.c.run_id, usage.c.request_id, usage.c.tenant)
+            .order_by(total.desc(), usage.c.run_id, usage.c.request_id, usage.c.tenant)
             .limit(limit)
             .offset(offset)
         )
@@ -445,12 +603,13 @@ class Ledger:
 
     def top_tenants(self, n: int, start_us: int | None = None, end_us: int | None = None) -> list[UsageRow]:
         """The ``n`` tenants with the most attributed time, largest first."""
-        total = func.sum(slices.c.attributed_ns)
+        usage = usage_per_second
+        total = func.sum(usage.c.attributed_ns)
         query = (
-            select(slices.c.tenant, total, func.count(), func.sum(slices.c.num_new_tokens))
-            .where(and_(True, *self._range(slices.c.timestamp_us, start_us, end_us)))
-            .group_by(slices.c.tenant)
-            .order_by(total.desc(), slices.c.tenant)
+            select(usage.c.tenant, total, func.sum(usage.c.num_slices), func.sum(usage.c.num_new_tokens))
+            .where(and_(True, *self._range(usage.c.second_us, start_us, end_us)))
+            .group_by(usage.c.tenant)
+            .order_by(total.desc(), usage.c.tenant)
             .limit(n)
         )
         with self._read() as conn:
@@ -462,16 +621,50 @@ class Ledger:
         step_query = select(func.count(), func.coalesce(func.sum(steps.c.measured_ns), 0)).where(
             and_(True, *self._range(steps.c.timestamp_us, start_us, end_us))
         )
-        slice_query = select(func.count(), func.coalesce(func.sum(slices.c.attributed_ns), 0)).where(
-            and_(True, *self._range(slices.c.timestamp_us, start_us, end_us))
-        )
+        usage = usage_per_second
+        usage_query = select(
+            func.coalesce(func.sum(usage.c.num_slices), 0), func.coalesce(func.sum(usage.c.attributed_ns), 0)
+        ).where(and_(True, *self._range(usage.c.second_us, start_us, end_us)))
         engine = self._read_engine
         if self.backend == "postgresql":
             engine = engine.execution_options(isolation_level="REPEATABLE READ")
         with engine.begin() as conn:
             n_steps, measured = conn.execute(step_query).one()
-            n_slices, attributed = conn.execute(slice_query).one()
+            n_slices, attributed = conn.execute(usage_query).one()
         return Totals(int(n_steps), int(measured), int(n_slices), int(attributed))
+
+    def step_detail(self, run_id: str, step_id: int) -> StepDetail | None:
+        """One stored step with its slices and their shares, read back from its batch's Parquet blob."""
+        with self._read() as conn:
+            row = conn.execute(
+                select(steps, slice_batches.c.slices_parquet)
+                .join(slice_batches, slice_batches.c.batch_id == steps.c.slice_batch_id)
+                .where(steps.c.run_id == run_id, steps.c.step_id == step_id)
+            ).first()
+        if row is None:
+            return None
+        table = pq.read_table(
+            pa.BufferReader(bytes(row.slices_parquet)), filters=[("run_id", "=", run_id), ("step_id", "=", step_id)]
+        )
+        table = table.sort_by([("request_id", "ascending")])
+        return StepDetail(
+            run_id=row.run_id,
+            step_id=int(row.step_id),
+            measured_ns=int(row.measured_ns),
+            predicted_s=float(row.predicted_s),
+            timestamp_us=int(row.timestamp_us),
+            ingested_at_us=int(row.ingested_at_us),
+            content_sha256=bytes(row.content_sha256),
+            slices=[
+                SliceShare(
+                    request_id=r["request_id"], tenant=r["tenant"], num_new_tokens=r["num_new_tokens"],
+                    num_context_tokens=r["num_context_tokens"], phase=r["phase"], attributed_ns=r["attributed_ns"],
+                )
+                for r in table.select(
+                    ["request_id", "tenant", "num_new_tokens", "num_context_tokens", "phase", "attributed_ns"]
+                ).to_pylist()
+            ],
+        )
 
     # -----------------------------------------------------------------------------------------------------
     # API keys

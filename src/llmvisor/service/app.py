@@ -26,6 +26,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 import llmvisor
 from llmvisor.ledger import Ledger, Principal, StepConflictError
+from llmvisor.ledger.schema import USAGE_RESOLUTION_US
 from llmvisor.ledger.store import now_us
 from llmvisor.model import StepLatencyModel
 from llmvisor.service.ingest import MAX_STRING_CHARS, MAX_TIMESTAMP_S, PayloadError, prepare_batch, read_batch
@@ -158,6 +159,28 @@ class TotalsResponse(BaseModel):
     attributed_ns: int = Field(description="equals measured_ns: every measured nanosecond is billed once")
 
 
+class SliceShareOut(BaseModel):
+    request_id: str
+    tenant: str
+    num_new_tokens: int
+    num_context_tokens: int
+    phase: str
+    attributed_s: float
+    attributed_ns: int
+
+
+class StepOut(BaseModel):
+    run_id: str
+    step_id: int
+    measured_s: float
+    measured_ns: int
+    predicted_s: float = Field(description="the model's prediction of the whole step")
+    started_at: datetime
+    ingested_at: datetime
+    content_sha256: str = Field(description="hex digest of the step's canonical content (idempotency key)")
+    slices: list[SliceShareOut] = Field(description="by request id; attributed_ns sum to measured_ns")
+
+
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     tenant: str | None = Field(None, min_length=1, max_length=MAX_STRING_CHARS)
@@ -220,6 +243,9 @@ def parse_time_us(name: str, value: str | None) -> int | None:
 
 def _time_range(start: str | None, end: str | None) -> tuple[int | None, int | None]:
     start_us, end_us = parse_time_us("start", start), parse_time_us("end", end)
+    for name, value, us in (("start", start, start_us), ("end", end, end_us)):
+        if us is not None and us % USAGE_RESOLUTION_US:
+            raise HTTPException(422, f"{name}: usage is kept per second; give a whole second, not {value!r}")
     if start_us is not None and end_us is not None and end_us <= start_us:
         raise HTTPException(422, "end must be after start")
     return start_us, end_us
@@ -240,8 +266,8 @@ def _scoped_tenant(principal: Principal, tenant: str | None) -> str | None:
     return principal.tenant
 
 
-TimeParam = Annotated[str | None, Query(description="ISO 8601 time or Unix seconds; inclusive")]
-EndParam = Annotated[str | None, Query(description="ISO 8601 time or Unix seconds; exclusive")]
+TimeParam = Annotated[str | None, Query(description="ISO 8601 time or Unix seconds, a whole second; inclusive")]
+EndParam = Annotated[str | None, Query(description="ISO 8601 time or Unix seconds, a whole second; exclusive")]
 NameParam = Annotated[str | None, Query(max_length=MAX_STRING_CHARS)]
 
 
@@ -361,12 +387,11 @@ def create_app(
         outcome = ledger.ingest(records)
         inserted_steps = np.asarray(outcome.inserted, dtype=bool)
         inserted_slices = np.repeat(inserted_steps, np.diff(records.step_offsets))
-        attributed_ns = np.asarray(records.attributed_ns, dtype=np.int64)[inserted_slices]
-        tenants = records.tenant if inserted_slices.all() else [t for t, keep in zip(records.tenant, inserted_slices) if keep]
+        attributed_ns = records.attributed_ns[inserted_slices]
         metrics.record_ingest(
-            tenants,
+            records.tenant[inserted_slices],
             attributed_ns,
-            np.asarray(records.measured_ns)[inserted_steps],
+            records.measured_ns[inserted_steps],
             prepared.residual_s[inserted_steps],
             prepared.predicted_step_s[inserted_steps],
             outcome.n_inserted,
@@ -417,6 +442,32 @@ def create_app(
                 raise
             metrics.ingest_errors.labels("database").inc()
             return JSONResponse(status_code=503, content={"detail": "database unavailable; retry"}, headers={"Retry-After": "1"})
+
+    @app.get(
+        "/v1/steps/{run_id}/{step_id}",
+        response_model=StepOut,
+        summary="One stored step and every slice's share (admin; for audits)",
+        responses={404: {"description": "no such step stored"}},
+    )
+    def get_step(
+        run_id: Annotated[str, PathParam(max_length=MAX_STRING_CHARS)],
+        step_id: Annotated[int, PathParam(ge=-(2**63), lt=2**63)],
+        _principal: Annotated[Principal, Depends(admin_key)],
+    ):
+        detail = ledger.step_detail(_check_name("run_id", run_id), step_id)
+        if detail is None:
+            raise HTTPException(404, f"no step {step_id} of run {run_id!r} is stored")
+        return StepOut(
+            run_id=detail.run_id, step_id=detail.step_id, measured_s=detail.measured_ns / 1e9,
+            measured_ns=detail.measured_ns, predicted_s=detail.predicted_s, started_at=_to_datetime(detail.timestamp_us),
+            ingested_at=_to_datetime(detail.ingested_at_us), content_sha256=detail.content_sha256.hex(),
+            slices=[
+                SliceShareOut(request_id=x.request_id, tenant=x.tenant, num_new_tokens=x.num_new_tokens,
+                              num_context_tokens=x.num_context_tokens, phase=x.phase,
+                              attributed_s=x.attributed_ns / 1e9, attributed_ns=x.attributed_ns)
+                for x in detail.slices
+            ],
+        )
 
     # -----------------------------------------------------------------------------------------------------
     # Usage

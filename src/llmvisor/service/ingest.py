@@ -322,19 +322,20 @@ def prepare_batch(model: StepLatencyModel, trace: StepTrace, *, received_at_us: 
     attributed_ns = apportion_ns(attribution.share_s, trace.step_offsets, measured_ns)
     timestamp_us = [received_at_us if t is None else int(round(t * 1e6)) for t in timestamps_s]
     records = StepRecords(
-        run_id=trace.run_id_per_step.tolist(),
-        step_id=trace.step_id_per_step.tolist(),
-        measured_ns=measured_ns.tolist(),
-        predicted_s=attribution.predicted_step_s.tolist(),
-        timestamp_us=timestamp_us,
+        run_id=trace.run_id_per_step,
+        step_id=trace.step_id_per_step,
+        step_latency_s=measured_s,
+        measured_ns=measured_ns,
+        predicted_s=attribution.predicted_step_s,
+        timestamp_us=np.asarray(timestamp_us, dtype=np.int64),
         content_sha256=content_digests(trace, timestamps_s),
         step_offsets=trace.step_offsets,
-        request_id=trace.request_id.tolist(),
-        tenant=trace.tenant.tolist(),
-        num_new_tokens=trace.num_new_tokens.tolist(),
-        num_context_tokens=trace.num_context_tokens.tolist(),
-        phase=np.where(trace.is_prefill, "prefill", "decode").tolist(),
-        attributed_ns=attributed_ns.tolist(),
+        request_id=trace.request_id,
+        tenant=trace.tenant,
+        num_new_tokens=trace.num_new_tokens,
+        num_context_tokens=trace.num_context_tokens,
+        is_prefill=trace.is_prefill,
+        attributed_ns=attributed_ns,
     )
     return PreparedBatch(
         records=records,

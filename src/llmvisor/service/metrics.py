@@ -125,7 +125,7 @@ class ServiceMetrics:
 
     def record_ingest(
         self,
-        tenants: list[str],
+        tenants: np.ndarray,
         attributed_ns: np.ndarray,
         measured_ns: np.ndarray,
         residual_s: np.ndarray,
