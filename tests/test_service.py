@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
@@ -11,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from _service_fixtures import T0_S, bearer, db_url, keys, ledger, make_steps, measured_ns, model_path  # noqa: F401
 from llmvisor.service.app import create_app
+from llmvisor.trace import trace_from_rows, write_trace
 
 
 @pytest.fixture
@@ -115,6 +118,60 @@ BAD_COLUMN_BODIES = [
 @pytest.mark.parametrize("body, status, message", BAD_COLUMN_BODIES, ids=[m for _, _, m in BAD_COLUMN_BODIES])
 def test_malformed_column_payloads_get_4xx_with_the_reason(client, admin, body, status, message):
     response = client.post("/v1/steps", content=body, headers={**admin, "Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    assert message in response.json()["detail"]
+    assert totals(client, admin)["num_steps"] == 0
+
+
+PARQUET = {"Content-Type": "application/vnd.apache.parquet"}
+
+
+def parquet_body(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def test_a_parquet_trace_file_is_the_same_ledger_entry_as_the_json_forms(client, admin, tmp_path):
+    groups = make_steps(n_steps=30)
+    path = tmp_path / "steps.parquet"
+    write_trace(trace_from_rows([dict(r, engine="vllm") for g in groups[:20] for r in g]), path)
+    first = client.post("/v1/steps", content=path.read_bytes(), headers={**admin, **PARQUET})
+    assert first.status_code == 200, first.text
+    assert first.json()["steps_inserted"] == 20 and first.json()["attributed_ns"] == measured_ns(groups[:20])
+    mixed = post(client, groups, admin).json()
+    assert mixed["steps_duplicate"] == 20 and mixed["steps_inserted"] == 10
+    table = pa.Table.from_pylist([r for g in groups for r in g])
+    again = client.post("/v1/steps", content=parquet_body(table), headers={**admin, "Content-Type": "application/vnd.apache.parquet; x=1"})
+    assert again.json()["steps_duplicate"] == 30
+    assert totals(client, admin)["measured_ns"] == measured_ns(groups)
+
+
+def _parquet_table(**changes) -> pa.Table:
+    """Rows of three steps; each change is a column name to drop (None) or to replace by ``f(num_rows)``."""
+    table = pa.Table.from_pylist([r for g in make_steps(n_steps=3, batch_size=4, seed=9) for r in g])
+    for name, make in changes.items():
+        if make is None:
+            table = table.drop_columns([name])
+        else:
+            table = table.set_column(table.schema.get_field_index(name), name, make(table.num_rows))
+    return table
+
+
+BAD_PARQUET_BODIES = [
+    (b"PAR1 not really", 400, "not a readable Parquet file"),
+    (parquet_body(_parquet_table(tenant=None)), 422, "missing column(s) tenant"),
+    (parquet_body(_parquet_table(step_id=lambda n: pa.array([0.0] * n))), 422, "step_id: expected integer values"),
+    (parquet_body(_parquet_table(phase=lambda n: pa.array(["decode"] * (n - 1) + [None]))), 422, "phase: missing value"),
+    (parquet_body(_parquet_table(timestamp_s=lambda n: pa.array(["noon"] * n))), 422, "timestamp_s: expected Unix seconds"),
+    (parquet_body(_parquet_table(num_new_tokens=lambda n: pa.array([0] * n))), 422, "num_new_tokens"),
+    (parquet_body(pa.Table.from_pylist([r for g in make_steps(n_steps=501, batch_size=1) for r in g])), 413, "steps, at most 500"),
+]
+
+
+@pytest.mark.parametrize("body, status, message", BAD_PARQUET_BODIES, ids=[m for _, _, m in BAD_PARQUET_BODIES])
+def test_malformed_parquet_bodies_get_4xx_with_the_reason(client, admin, body, status, message):
+    response = client.post("/v1/steps", content=body, headers={**admin, **PARQUET})
     assert response.status_code == status, response.text
     assert message in response.json()["detail"]
     assert totals(client, admin)["num_steps"] == 0

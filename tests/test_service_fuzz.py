@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from urllib.parse import quote
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
@@ -170,3 +172,30 @@ def test_step_reads_never_answer_5xx(service, run_id, step_id, who):
     assert response.status_code < 500, response.text
     if who == "tenant":
         assert response.status_code != 200, response.text
+
+
+@st.composite
+def near_valid_parquet(draw):
+    """A Parquet file of near-valid steps (Arrow infers each column's type), some bytes then overwritten."""
+    rows = [row for step in draw(st.lists(near_valid_steps(), min_size=1, max_size=4)) for row in step]
+    sink = pa.BufferOutputStream()
+    try:
+        pq.write_table(pa.Table.from_pylist(rows), sink)
+    except (pa.ArrowException, OverflowError):
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.table({"run_id": ["r"]}), sink)
+    data = bytearray(sink.getvalue().to_pybytes())
+    for _ in range(draw(st.integers(0, 4))):
+        data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+    return bytes(data)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(body=near_valid_parquet() | st.binary(max_size=200))
+def test_parquet_bodies_never_answer_5xx(service, body):
+    client, keys = service
+    admin = bearer(keys["admin"])
+    response = client.post("/v1/steps", content=body, headers={**admin, "Content-Type": "application/vnd.apache.parquet"})
+    assert response.status_code < 500, response.text
+    if response.status_code == 200:
+        assert _reconciles(client, admin)

@@ -205,6 +205,22 @@ def test_unknown_extension_and_garbage_are_clear_errors(tmp_path):
         read_trace(tmp_path / "t.jsonl")
 
 
+def test_damaged_parquet_files_are_clear_errors_in_both_readers(tmp_path):
+    path = tmp_path / "t.parquet"
+    write_trace(trace_from_rows([row(0, "a"), row(0, "b"), row(1, "a")]), path)
+    data = path.read_bytes()
+    (tmp_path / "bad-name.parquet").write_bytes(data.replace(b"request_id", b"\x80equest_id"))
+    (tmp_path / "truncated.parquet").write_bytes(data[: len(data) // 2] + data[-8:])
+    for damaged in ("bad-name.parquet", "truncated.parquet"):
+        with pytest.raises(TraceError, match="not a readable Parquet file"):
+            read_trace(tmp_path / damaged)
+        with pytest.raises(TraceError, match="not a readable Parquet file"):
+            list(iter_trace(tmp_path / damaged))
+    pq.write_table(pa.Table.from_pylist([row(0, "a")]).drop_columns(["run_id"]), tmp_path / "no-run.parquet")
+    with pytest.raises(TraceError, match=r"missing column\(s\) run_id"):
+        list(iter_trace(tmp_path / "no-run.parquet"))
+
+
 def test_parquet_wrong_column_type_names_the_column(tmp_path):
     table = pa.Table.from_pylist([row(0, "a")]).set_column(2, "step_latency_s", pa.array(["0.1"]))
     pq.write_table(table, tmp_path / "t.parquet")

@@ -448,7 +448,9 @@ def _is_string_like(data_type: pa.DataType) -> bool:
     return pa.types.is_string(data_type) or pa.types.is_large_string(data_type)
 
 
-def _columns_from_arrow(path: str, table: pa.Table, first_row: int = 1) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def trace_columns_from_arrow(path: str, table: pa.Table, first_row: int = 1) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Check an Arrow table's required columns (presence, types, nulls) and convert every column for
+    `build_trace`; rows are numbered from ``first_row`` in messages. Parquet files and the service use it."""
     _check_required(path, table.column_names)
     row_numbers = np.arange(first_row, first_row + table.num_rows)
     columns: dict[str, np.ndarray] = {}
@@ -469,6 +471,10 @@ def _columns_from_arrow(path: str, table: pa.Table, first_row: int = 1) -> tuple
             values = np.asarray(values, dtype=object)
         columns[name] = values
     return columns, row_numbers
+
+
+_PARQUET_ERRORS = (pa.ArrowException, OSError, ValueError)
+"""What reading a damaged Parquet file can raise (bad UTF-8 in its metadata is a UnicodeDecodeError)."""
 
 
 def _trace_metadata(schema_metadata: dict | None) -> dict:
@@ -503,10 +509,11 @@ def read_trace(path: str | os.PathLike, *, speculative_decoding: bool = False) -
     else:
         try:
             table = pq.read_table(path)
-        except (pa.ArrowInvalid, OSError) as error:
+            _check_required(path, table.column_names)  # decoding the names is where bad UTF-8 fails
+        except _PARQUET_ERRORS as error:
             raise _fail(path, "file", f"not a readable Parquet file ({error})") from None
         metadata = _trace_metadata(table.schema.metadata)
-        columns, rows = _columns_from_arrow(path, table)
+        columns, rows = trace_columns_from_arrow(path, table)
     return build_trace(columns, path=path, row_numbers=rows, metadata=metadata, speculative_decoding=speculative_decoding)
 
 
@@ -565,13 +572,22 @@ def iter_trace(path: str | os.PathLike, *, batch_rows: int = 1 << 20) -> Iterato
         return
     try:
         parquet = pq.ParquetFile(path)
-    except (pa.ArrowInvalid, OSError) as error:
+        names = parquet.schema_arrow.names
+    except _PARQUET_ERRORS as error:
         raise _fail(path, "file", f"not a readable Parquet file ({error})") from None
+    _check_required(path, names)
     metadata = _trace_metadata(parquet.schema_arrow.metadata)
     finished: set[tuple[str, int]] = set()
     pending: pa.Table | None = None
     first_row = 1
-    for batch in parquet.iter_batches(batch_size=batch_rows):
+    batches = parquet.iter_batches(batch_size=batch_rows)
+    while True:
+        try:
+            batch = next(batches, None)
+        except _PARQUET_ERRORS as error:
+            raise _fail(path, f"rows from {first_row}", f"not a readable Parquet file ({error})") from None
+        if batch is None:
+            break
         table = pa.Table.from_batches([batch])
         if pending is not None:
             table = pa.concat_tables([pending, table.cast(pending.schema)])
@@ -590,7 +606,7 @@ def iter_trace(path: str | os.PathLike, *, batch_rows: int = 1 << 20) -> Iterato
 
 
 def _build_piece(path: str, table: pa.Table, first_row: int, metadata: dict, finished: set) -> StepTrace:
-    columns, rows = _columns_from_arrow(path, table, first_row)
+    columns, rows = trace_columns_from_arrow(path, table, first_row)
     trace = build_trace(columns, path=path, row_numbers=rows, metadata=metadata)
     for run, step in zip(trace.run_id_per_step.tolist(), trace.step_id_per_step.tolist()):
         if (run, step) in finished:

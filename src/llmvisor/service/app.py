@@ -29,7 +29,14 @@ from llmvisor.ledger import Ledger, Principal, StepConflictError
 from llmvisor.ledger.schema import USAGE_RESOLUTION_US
 from llmvisor.ledger.store import now_us
 from llmvisor.model import StepLatencyModel
-from llmvisor.service.ingest import MAX_STRING_CHARS, MAX_TIMESTAMP_S, PayloadError, prepare_batch, read_batch
+from llmvisor.service.ingest import (
+    MAX_STRING_CHARS,
+    MAX_TIMESTAMP_S,
+    PARQUET_MEDIA_TYPE,
+    PayloadError,
+    prepare_batch,
+    read_batch,
+)
 from llmvisor.service.metrics import ServiceMetrics
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -373,13 +380,13 @@ def create_app(
     # batch then makes each of those row inserts wait for the GIL (measured: 3.0k vs 4.0k steps/s, SQLite).
     ingest_lock = threading.Lock()
 
-    def _ingest(body: bytes) -> IngestResponse:
+    def _ingest(body: bytes, content_type: str | None) -> IngestResponse:
         with ingest_lock:
-            return _ingest_one(body)
+            return _ingest_one(body, content_type)
 
-    def _ingest_one(body: bytes) -> IngestResponse:
+    def _ingest_one(body: bytes, content_type: str | None) -> IngestResponse:
         started_s = time.perf_counter()
-        trace = read_batch(body, max_steps=max_steps_per_request, max_rows=max_rows_per_request)
+        trace = read_batch(body, max_steps=max_steps_per_request, max_rows=max_rows_per_request, content_type=content_type)
         if trace.n_steps == 0:
             return IngestResponse(steps_received=0, steps_inserted=0, steps_duplicate=0, slices_inserted=0, attributed_ns=0)
         prepared = prepare_batch(model, trace, received_at_us=now_us())
@@ -411,15 +418,24 @@ def create_app(
         response_model=IngestResponse,
         summary="Ingest a batch of steps",
         description=(
-            "Trace rows of whole steps, as one list of rows per step or as one list per column. Each step is "
+            "Trace rows of whole steps: JSON with one list of rows per step or one list per column, or a trace-format "
+            "Parquet file (Content-Type: application/vnd.apache.parquet). Each step is "
             "attributed with the service's model and stored with its slices, the whole batch in one transaction. "
             "Idempotent on (run_id, step_id): an identical re-send (in either form) is acknowledged as a "
             "duplicate; a different one is a 409 naming the steps. Rows in validation messages are numbered "
             "across the batch (and named steps[i][j] in the row form)."
         ),
-        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": STEP_BATCH_SCHEMA}}}},
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": STEP_BATCH_SCHEMA},
+                    PARQUET_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
+                },
+            }
+        },
         responses={
-            400: {"description": "body is not JSON"},
+            400: {"description": "body is not JSON (or not Parquet, for that content type)"},
             409: {"description": "a step was stored before with different content"},
             413: {"description": "body, steps or rows over the limits"},
             422: {"description": "rows break the trace format"},
@@ -429,7 +445,7 @@ def create_app(
     async def post_steps(request: Request, _principal: Annotated[Principal, Depends(ingest_key)]):
         try:
             body = await _read_body(request)
-            return await run_in_threadpool(_ingest, body)
+            return await run_in_threadpool(_ingest, body, request.headers.get("content-type"))
         except PayloadError as error:
             metrics.ingest_errors.labels(error.reason).inc()
             return JSONResponse(status_code=error.status, content={"detail": str(error)})

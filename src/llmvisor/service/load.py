@@ -1,7 +1,9 @@
 """``llmvisor load``: sustained ingest throughput of the service, on loopback, bounded in steps and time.
 
 Request bodies are built once from a template (a fresh run id per request), so the figure is the
-server's: parsing, validation, attribution, hashing and the database, not the load generator's JSON.
+server's: parsing, validation, attribution, hashing and the database, not the load generator's encoding.
+The run id is swapped by a byte replacement of equal length, which leaves a Parquet body a valid file too
+(its run_id column is stored uncompressed, without page checksums).
 """
 
 from __future__ import annotations
@@ -18,15 +20,26 @@ from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import typer
 
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
 from llmvisor.service.client import columns_body
+from llmvisor.service.ingest import PARQUET_MEDIA_TYPE
 from llmvisor.service.process import ServerProcess
 
-_RUN_PLACEHOLDER = "__LLMVISOR_LOAD_RUN__"
+_RUN_PLACEHOLDER = "__LLMVISOR_LOAD_RUN_ID__"
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+BODY_FORMS = {"columns": "application/json", "rows": "application/json", "parquet": PARQUET_MEDIA_TYPE}
+
+
+def _run_id(tag: str, index: int | str) -> str:
+    run_id = f"load-{tag}-{index:>07}"
+    if len(run_id) != len(_RUN_PLACEHOLDER):
+        raise AssertionError("a load run id must be as long as its placeholder")
+    return run_id
 
 
 @dataclass
@@ -56,8 +69,8 @@ class LoadResult:
 def step_batch_template(
     steps_per_request: int, batch_size: int, *, body: str = "columns", n_tenants: int = 8, seed: int = 0
 ) -> bytes:
-    """A POST /v1/steps body (``body``: "columns" or "rows" form) of decode steps over a set of running
-    requests, one in ten steps with a prefill."""
+    """A POST /v1/steps body (``body``: "columns", "rows" or "parquet") of decode steps over a set of
+    running requests, one in ten steps with a prefill."""
     rng = np.random.default_rng(seed)
     start_s = time.time()
     context = rng.integers(64, 4096, size=batch_size)
@@ -86,6 +99,12 @@ def step_batch_template(
         groups.append(rows)
     if body == "columns":
         return columns_body(groups)
+    if body == "parquet":
+        sink = pa.BufferOutputStream()
+        table = pa.Table.from_pylist([row for rows in groups for row in rows])
+        compression = {name: "none" if name == "run_id" else "zstd" for name in table.column_names}
+        pq.write_table(table, sink, compression=compression, write_page_checksum=False)
+        return sink.getvalue().to_pybytes()
     return json.dumps({"steps": groups}, separators=(",", ":")).encode()
 
 
@@ -104,16 +123,15 @@ def run_load(
     """POST pre-built batches from ``concurrency`` threads until ``total_steps`` or ``max_seconds``."""
     template = step_batch_template(steps_per_request, batch_size, body=body)
     n_requests = max(1, total_steps // steps_per_request)
-    tag = uuid.uuid4().hex[:12]
-    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+    tag = uuid.uuid4().hex[:11]
+    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": BODY_FORMS[body]}
     next_index = iter(range(n_requests))
     index_lock = threading.Lock()
     done = {"steps": 0, "requests": 0, "errors": 0}
     done_lock = threading.Lock()
 
     with httpx.Client(base_url=url, headers=headers, timeout=120.0) as warm:
-        body = template.replace(_RUN_PLACEHOLDER.encode(), f"load-{tag}-warmup".encode())
-        response = warm.post("/v1/steps", content=body)
+        response = warm.post("/v1/steps", content=template.replace(_RUN_PLACEHOLDER.encode(), _run_id(tag, "warmup").encode()))
         if response.status_code != 200:
             raise LlmvisorError(f"{url}: warm-up batch answered {response.status_code}: {response.text[:300]}")
 
@@ -126,9 +144,9 @@ def run_load(
                     i = next(next_index, None)
                 if i is None:
                     return
-                body = template.replace(_RUN_PLACEHOLDER.encode(), f"load-{tag}-{i:06d}".encode())
+                content = template.replace(_RUN_PLACEHOLDER.encode(), _run_id(tag, i).encode())
                 try:
-                    response = client.post("/v1/steps", content=body)
+                    response = client.post("/v1/steps", content=content)
                     ok = response.status_code == 200
                 except httpx.HTTPError:
                     ok = False
@@ -179,11 +197,13 @@ def load(
     steps_per_request: Annotated[int, typer.Option(help="Steps per POST.", min=1, max=20_000)] = 1000,
     concurrency: Annotated[int, typer.Option(help="Concurrent client connections (the service ingests one batch at a time).", min=1, max=16)] = 1,
     max_seconds: Annotated[float, typer.Option(help="Stop sending after this long, per target.", min=1, max=600)] = 120.0,
-    body: Annotated[str, typer.Option(help="Body form: 'columns' (one list per column) or 'rows' (one object per row).")] = "columns",
+    body: Annotated[
+        str, typer.Option(help="Body form: 'parquet' (a trace file), 'columns' (JSON, one list per column) or 'rows' (JSON, one object per row).")
+    ] = "parquet",
 ) -> None:
     """Measure sustained ingest throughput (steps/s) on loopback; bounded by --steps and --max-seconds."""
-    if body not in ("columns", "rows"):
-        raise LlmvisorError(f"--body {body!r}: choose columns or rows")
+    if body not in BODY_FORMS:
+        raise LlmvisorError(f"--body {body!r}: choose {', '.join(BODY_FORMS)}")
     options = dict(total_steps=steps, batch_size=batch_size, steps_per_request=steps_per_request,
                    concurrency=concurrency, max_seconds=max_seconds, body=body)
     if url is not None:
