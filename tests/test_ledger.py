@@ -51,6 +51,19 @@ def test_apportion_ns_is_exact_nonnegative_and_close(steps_shares, data):
             assert np.abs(out[offsets[k] : offsets[k + 1]] - exact).max() <= 1 + measured[k] * 1e-12
 
 
+def test_apportion_ns_is_the_same_for_even_and_uneven_batch_sizes():
+    """Uneven sizes take the per-step loop instead of the padded matrix; both give the same nanoseconds."""
+    rng = np.random.default_rng(0)
+    sizes = [3000] + [1] * 500 + [7] * 20
+    shares = rng.random(sum(sizes))
+    offsets = np.concatenate(([0], np.cumsum(sizes)))
+    measured = rng.integers(10**6, 10**9, size=len(sizes))
+    uneven = apportion_ns(shares, offsets, measured)
+    even = [apportion_ns(shares[a:b], np.array([0, b - a]), measured[k : k + 1]) for k, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))]
+    np.testing.assert_array_equal(uneven, np.concatenate(even))
+    assert (np.add.reduceat(uneven, offsets[:-1]) == measured).all()
+
+
 def test_content_hash_ignores_row_order_and_unstored_columns_but_sees_every_stored_value(model):
     groups = make_steps(n_steps=3, batch_size=6, seed=1)
     base = prepare(model, groups).content_sha256

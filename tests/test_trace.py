@@ -292,3 +292,21 @@ def test_cli_reports_bad_trace_in_one_line_with_exit_code_2(tmp_path):
     assert "Traceback" not in result.stderr
     assert "rows disagree on step_latency_s" in result.stderr and str(path) in result.stderr
     assert not (tmp_path / "m.json").exists()
+
+
+_ANY_VALUE = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**64), 2**64)
+    | st.floats()
+    | st.text(alphabet=st.characters(codec=None), max_size=4)
+    | st.lists(st.integers(), max_size=2)
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.sampled_from(["run_id", "step_id", "step_latency_s", "num_new_tokens", "phase"]), values=st.lists(_ANY_VALUE, max_size=6))
+def test_the_column_at_a_time_type_check_agrees_with_the_per_value_check(name, values):
+    from llmvisor.trace import _python_value_type_error, _values_are_valid
+
+    assert _values_are_valid(name, values) == all(_python_value_type_error(name, v) is None for v in values)

@@ -303,12 +303,21 @@ def apportion_ns(share_s: np.ndarray, step_offsets: np.ndarray, measured_ns: np.
     ends = step_offsets[1:] - 1
     share_s = np.asarray(share_s, dtype=np.float64)
     # Running sums per step, not one over the batch minus an offset: a tiny share after a large step would
-    # vanish in the subtraction.
-    local = np.empty_like(share_s)
-    for start, stop in zip(starts.tolist(), step_offsets[1:].tolist()):
-        np.cumsum(share_s[start:stop], out=local[start:stop])
+    # vanish in the subtraction. All steps at once in a zero-padded (steps x largest batch) matrix, unless
+    # the batch sizes are too uneven for that to be cheap.
+    step_of_slice = np.repeat(np.arange(sizes.size), sizes)
+    position = np.arange(share_s.size) - starts[step_of_slice]
+    width = int(sizes.max()) if sizes.size else 0
+    if sizes.size * width <= 4 * share_s.size + 1024:
+        padded = np.zeros((sizes.size, width))
+        padded[step_of_slice, position] = share_s
+        local = np.cumsum(padded, axis=1)[step_of_slice, position]
+    else:
+        local = np.empty_like(share_s)
+        for start, stop in zip(starts.tolist(), step_offsets[1:].tolist()):
+            np.cumsum(share_s[start:stop], out=local[start:stop])
     total = local[ends]
-    position = np.arange(step_offsets[-1]) - np.repeat(starts, sizes) + 1
+    position = position + 1
     with np.errstate(divide="ignore", invalid="ignore"):
         fraction = np.where(
             np.repeat(total > 0, sizes), local / np.repeat(total, sizes), position / np.repeat(sizes, sizes)
@@ -320,10 +329,24 @@ def apportion_ns(share_s: np.ndarray, step_offsets: np.ndarray, measured_ns: np.
     return cumulative_ns - previous
 
 
+_SLICE_RECORD = np.dtype(
+    [("request_id_bytes", "<u4"), ("tenant_bytes", "<u4"), ("num_new_tokens", "<i8"), ("num_context_tokens", "<i8"),
+     ("is_prefill", "u1")]
+)
+
+
+def _string_buffers(values: pa.Array) -> tuple[np.ndarray, memoryview]:
+    """Offsets and UTF-8 bytes of a large_string array."""
+    offsets = np.frombuffer(values.buffers()[1], dtype=np.int64)[values.offset : values.offset + len(values) + 1]
+    data = values.buffers()[2]
+    return offsets, memoryview(data if data is not None else b"")
+
+
 def content_digests(trace: StepTrace, timestamps_s: list[float | None]) -> list[bytes]:
-    """SHA-256 of each step's canonical content: its key, measured time, timestamp and slices sorted by
-    request, strings length-prefixed so no two different steps share an encoding. Optional columns other
-    than ``timestamp_s`` are not stored and so not hashed."""
+    """SHA-256 of each step's canonical content: its key, measured time and timestamp, then its slices
+    sorted by request as fixed-width records (byte lengths of the request id and tenant, token counts, phase)
+    followed by the request ids' and tenants' UTF-8 bytes. The lengths make the encoding unambiguous. Columns
+    other than the required ones and ``timestamp_s`` are not stored and so not hashed."""
     n = trace.n_slices
     if n == 0:
         return []
@@ -331,30 +354,28 @@ def content_digests(trace: StepTrace, timestamps_s: list[float | None]) -> list[
     order = pc.sort_indices(
         pa.table({"step": trace.slice_step_index, "request": request}),
         sort_keys=[("step", "ascending"), ("request", "ascending")],
-    )
-    request = request.take(order)
-    tenant = pa.array(trace.tenant, pa.string()).take(order)
-    fields = [
-        pc.cast(pc.utf8_length(request), pa.string()),
-        request,
-        pc.cast(pc.utf8_length(tenant), pa.string()),
-        tenant,
-        pc.cast(pa.array(trace.num_new_tokens).take(order), pa.string()),
-        pc.cast(pa.array(trace.num_context_tokens).take(order), pa.string()),
-        pa.array(trace.is_prefill).take(order).cast(pa.int8()).cast(pa.string()),
-        pa.array([""] * n, pa.string()),
-    ]
-    lines = pc.binary_join_element_wise(*fields, "\x1f").cast(pa.large_string())
-    line_offsets = np.frombuffer(lines.buffers()[1], dtype=np.int64)[lines.offset : lines.offset + n + 1]
-    data = memoryview(lines.buffers()[2]) if lines.buffers()[2] is not None else memoryview(b"")
-    slice_bounds = line_offsets[trace.step_offsets].tolist()
+    ).to_numpy()
+    request_offsets, request_data = _string_buffers(request.take(order).cast(pa.large_string()))
+    tenant_offsets, tenant_data = _string_buffers(pa.array(trace.tenant, pa.string()).take(order).cast(pa.large_string()))
+    records = np.empty(n, dtype=_SLICE_RECORD)
+    records["request_id_bytes"] = np.diff(request_offsets)
+    records["tenant_bytes"] = np.diff(tenant_offsets)
+    records["num_new_tokens"] = trace.num_new_tokens[order]
+    records["num_context_tokens"] = trace.num_context_tokens[order]
+    records["is_prefill"] = trace.is_prefill[order]
+    fixed = memoryview(records.tobytes())
+    bounds = trace.step_offsets
+    fixed_at = (bounds * _SLICE_RECORD.itemsize).tolist()
+    request_at = request_offsets[bounds].tolist()
+    tenant_at = tenant_offsets[bounds].tolist()
     digests = []
     for k, (run_id, step_id, latency_s, timestamp_s) in enumerate(
         zip(trace.run_id_per_step.tolist(), trace.step_id_per_step.tolist(), trace.step_latency_s_per_step.tolist(), timestamps_s)
     ):
-        header = f"v1\x1e{len(run_id)}\x1f{run_id}\x1f{step_id}\x1f{latency_s!r}\x1f{timestamp_s!r}\x1e".encode()
-        digest = hashlib.sha256(header)
-        digest.update(data[slice_bounds[k] : slice_bounds[k + 1]])
+        digest = hashlib.sha256(f"v2\x1e{len(run_id)}\x1f{run_id}\x1f{step_id}\x1f{latency_s!r}\x1f{timestamp_s!r}\x1e".encode())
+        digest.update(fixed[fixed_at[k] : fixed_at[k + 1]])
+        digest.update(request_data[request_at[k] : request_at[k + 1]])
+        digest.update(tenant_data[tenant_at[k] : tenant_at[k + 1]])
         digests.append(digest.digest())
     return digests
 
