@@ -50,7 +50,7 @@ def test_keys_create_function(tmp_path, capsys):
 def test_load_command_runs_bounded_and_reconciles(model_path, capsys):
     for body in ("parquet", "columns", "rows"):
         load(db=["sqlite"], url=None, api_key=None, model=model_path, steps=1500, batch_size=8, steps_per_request=500,
-             concurrency=2, max_seconds=60, body=body)
+             concurrency=2, step_interval_ms=20.0, max_seconds=60, body=body)
         line = capsys.readouterr().out.strip()
         assert re.search(r"^sqlite .*: 1,500 steps \(B=8\) in [\d.]+ s = [\d,]+ steps/s", line), line
         assert f"in the {body} form" in line and "0 failed POSTs; totals reconcile" in line

