@@ -334,7 +334,8 @@ def _sqlite_engine(url: str, *, immediate: bool) -> Engine:
 
 
 class Ledger:
-    """Durable per-step, per-slice record of attributed time, with usage queries and API keys.
+    """Durable record of attributed time (per step, per slice, per request per second), with usage queries
+    and API keys.
 
     Parameters
     ----------
