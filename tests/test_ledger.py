@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 
 import numpy as np
@@ -62,6 +63,54 @@ def test_apportion_ns_is_the_same_for_even_and_uneven_batch_sizes():
     even = [apportion_ns(shares[a:b], np.array([0, b - a]), measured[k : k + 1]) for k, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))]
     np.testing.assert_array_equal(uneven, np.concatenate(even))
     assert (np.add.reduceat(uneven, offsets[:-1]) == measured).all()
+
+
+def _reference_digest(rows: list[dict]) -> bytes:
+    """The documented canonical encoding v1, written out plainly (`content_digests` is the vectorised one)."""
+    first = rows[0]
+    timestamp_s = first.get("timestamp_s")
+    header = (
+        f"v1\x1e{len(first['run_id'])}\x1f{first['run_id']}\x1f{first['step_id']}\x1f{float(first['step_latency_s'])!r}"
+        f"\x1f{None if timestamp_s is None else float(timestamp_s)!r}\x1e"
+    )
+    slices = "".join(
+        f"{len(r['request_id'])}\x1f{r['request_id']}\x1f{len(r['tenant'])}\x1f{r['tenant']}\x1f"
+        f"{r['num_new_tokens']}\x1f{r['num_context_tokens']}\x1f{int(r['phase'] == 'prefill')}\x1f"
+        for r in sorted(rows, key=lambda r: r["request_id"])
+    )
+    return hashlib.sha256((header + slices).encode()).digest()
+
+
+_names = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\x00"), min_size=1, max_size=6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.dictionaries(_names, st.tuples(_names, st.integers(1, 10**6), st.integers(0, 10**9), st.booleans()), min_size=1, max_size=5),
+            st.floats(1e-6, 10.0),
+            st.one_of(st.none(), st.floats(0, 2e9)),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    run_id=_names,
+)
+def test_step_digests_follow_the_documented_encoding(model_path, steps, run_id):
+    model = StepLatencyModel.from_json(model_path)
+    groups = []
+    for step_id, (requests, latency_s, timestamp_s) in enumerate(steps):
+        rows = []
+        for request_id, (tenant, tokens, context, prefill) in requests.items():
+            row = {"run_id": run_id, "step_id": step_id, "step_latency_s": latency_s, "request_id": request_id,
+                   "tenant": tenant, "num_new_tokens": tokens if prefill else 1, "num_context_tokens": context,
+                   "phase": "prefill" if prefill else "decode"}
+            if timestamp_s is not None:
+                row["timestamp_s"] = timestamp_s
+            rows.append(row)
+        groups.append(rows)
+    assert prepare(model, groups).content_sha256 == [_reference_digest(rows) for rows in groups]
 
 
 def test_content_hash_ignores_row_order_and_unstored_columns_but_sees_every_stored_value(model):

@@ -329,24 +329,12 @@ def apportion_ns(share_s: np.ndarray, step_offsets: np.ndarray, measured_ns: np.
     return cumulative_ns - previous
 
 
-_SLICE_RECORD = np.dtype(
-    [("request_id_bytes", "<u4"), ("tenant_bytes", "<u4"), ("num_new_tokens", "<i8"), ("num_context_tokens", "<i8"),
-     ("is_prefill", "u1")]
-)
-
-
-def _string_buffers(values: pa.Array) -> tuple[np.ndarray, memoryview]:
-    """Offsets and UTF-8 bytes of a large_string array."""
-    offsets = np.frombuffer(values.buffers()[1], dtype=np.int64)[values.offset : values.offset + len(values) + 1]
-    data = values.buffers()[2]
-    return offsets, memoryview(data if data is not None else b"")
-
-
 def content_digests(trace: StepTrace, timestamps_s: list[float | None]) -> list[bytes]:
-    """SHA-256 of each step's canonical content: its key, measured time and timestamp, then its slices
-    sorted by request as fixed-width records (byte lengths of the request id and tenant, token counts, phase)
-    followed by the request ids' and tenants' UTF-8 bytes. The lengths make the encoding unambiguous. Columns
-    other than the required ones and ``timestamp_s`` are not stored and so not hashed."""
+    """SHA-256 of each step's canonical content (encoding v1, which stored ledgers hold, so it must not
+    change): ``v1␞{len(run_id)}␟{run_id}␟{step_id}␟{repr(latency_s)}␟{repr(timestamp_s)}␞`` followed by one
+    ``{len(request_id)}␟{request_id}␟{len(tenant)}␟{tenant}␟{new}␟{context}␟{0|1 prefill}␟`` per slice, sorted
+    by request id (␞ = 0x1e, ␟ = 0x1f, lengths in characters). Columns other than the required ones and
+    ``timestamp_s`` are not stored and so not hashed."""
     n = trace.n_slices
     if n == 0:
         return []
@@ -354,28 +342,30 @@ def content_digests(trace: StepTrace, timestamps_s: list[float | None]) -> list[
     order = pc.sort_indices(
         pa.table({"step": trace.slice_step_index, "request": request}),
         sort_keys=[("step", "ascending"), ("request", "ascending")],
-    ).to_numpy()
-    request_offsets, request_data = _string_buffers(request.take(order).cast(pa.large_string()))
-    tenant_offsets, tenant_data = _string_buffers(pa.array(trace.tenant, pa.string()).take(order).cast(pa.large_string()))
-    records = np.empty(n, dtype=_SLICE_RECORD)
-    records["request_id_bytes"] = np.diff(request_offsets)
-    records["tenant_bytes"] = np.diff(tenant_offsets)
-    records["num_new_tokens"] = trace.num_new_tokens[order]
-    records["num_context_tokens"] = trace.num_context_tokens[order]
-    records["is_prefill"] = trace.is_prefill[order]
-    fixed = memoryview(records.tobytes())
-    bounds = trace.step_offsets
-    fixed_at = (bounds * _SLICE_RECORD.itemsize).tolist()
-    request_at = request_offsets[bounds].tolist()
-    tenant_at = tenant_offsets[bounds].tolist()
+    )
+    request = request.take(order)
+    tenant = pa.array(trace.tenant, pa.string()).take(order)
+    fields = [
+        pc.cast(pc.utf8_length(request), pa.string()),
+        request,
+        pc.cast(pc.utf8_length(tenant), pa.string()),
+        tenant,
+        pc.cast(pa.array(trace.num_new_tokens).take(order), pa.string()),
+        pc.cast(pa.array(trace.num_context_tokens).take(order), pa.string()),
+        pa.array(trace.is_prefill).take(order).cast(pa.int8()).cast(pa.string()),
+        pa.scalar("", pa.string()),
+    ]
+    lines = pc.binary_join_element_wise(*fields, "\x1f").cast(pa.large_string())
+    line_offsets = np.frombuffer(lines.buffers()[1], dtype=np.int64)[lines.offset : lines.offset + n + 1]
+    data = memoryview(lines.buffers()[2]) if lines.buffers()[2] is not None else memoryview(b"")
+    slice_bounds = line_offsets[trace.step_offsets].tolist()
     digests = []
     for k, (run_id, step_id, latency_s, timestamp_s) in enumerate(
         zip(trace.run_id_per_step.tolist(), trace.step_id_per_step.tolist(), trace.step_latency_s_per_step.tolist(), timestamps_s)
     ):
-        digest = hashlib.sha256(f"v2\x1e{len(run_id)}\x1f{run_id}\x1f{step_id}\x1f{latency_s!r}\x1f{timestamp_s!r}\x1e".encode())
-        digest.update(fixed[fixed_at[k] : fixed_at[k + 1]])
-        digest.update(request_data[request_at[k] : request_at[k + 1]])
-        digest.update(tenant_data[tenant_at[k] : tenant_at[k + 1]])
+        header = f"v1\x1e{len(run_id)}\x1f{run_id}\x1f{step_id}\x1f{latency_s!r}\x1f{timestamp_s!r}\x1e".encode()
+        digest = hashlib.sha256(header)
+        digest.update(data[slice_bounds[k] : slice_bounds[k + 1]])
         digests.append(digest.digest())
     return digests
 
