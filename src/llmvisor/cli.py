@@ -24,6 +24,8 @@ app = typer.Typer(
 )
 keys_app = typer.Typer(help="API keys of the accounting service.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
+ledger_app = typer.Typer(help="The accounting service's ledger database.", no_args_is_help=True)
+app.add_typer(ledger_app, name="ledger")
 experiment_app = typer.Typer(help="Experiments on the real engine.", no_args_is_help=True)
 app.add_typer(experiment_app, name="experiment")
 
@@ -346,7 +348,7 @@ def _register_adapters() -> None:
     """Commands whose code lives beside its domain (engine glue, service); vLLM is imported only when they run."""
     from llmvisor.experiment import fairness
     from llmvisor.profile.command import profile
-    from llmvisor.service.command import keys_create, keys_list, keys_revoke, serve
+    from llmvisor.service.command import keys_create, keys_list, keys_revoke, ledger_migrate, serve
     from llmvisor.service.load import load
     from llmvisor.validation_command import validate
 
@@ -357,6 +359,7 @@ def _register_adapters() -> None:
     keys_app.command("create")(user_errors(keys_create))
     keys_app.command("list")(user_errors(keys_list))
     keys_app.command("revoke")(user_errors(keys_revoke))
+    ledger_app.command("migrate")(user_errors(ledger_migrate))
     experiment_app.command("fairness")(user_errors(fairness))
 
 

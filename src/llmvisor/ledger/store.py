@@ -95,6 +95,8 @@ class StepRecords:
     num_context_tokens: np.ndarray
     is_prefill: np.ndarray
     attributed_ns: np.ndarray
+    ingested_at_us: np.ndarray | None = None
+    """Per step; None stamps them with the time they are stored (a migration keeps the original times)."""
 
     @property
     def n_steps(self) -> int:
@@ -116,13 +118,15 @@ class StepRecords:
                 value = np.concatenate(([0], np.cumsum(sizes[step_mask]))).astype(np.int64)
             elif item.name == "content_sha256":
                 value = [digest for digest, keep in zip(value, step_mask.tolist()) if keep]
+            elif value is None:
+                pass
             else:
                 value = value[step_mask if item.name in _PER_STEP else slice_mask]
             values[item.name] = value
         return StepRecords(**values)
 
 
-_PER_STEP = frozenset(("run_id", "step_id", "step_latency_s", "measured_ns", "predicted_s", "timestamp_us"))
+_PER_STEP = frozenset(("run_id", "step_id", "step_latency_s", "measured_ns", "predicted_s", "timestamp_us", "ingested_at_us"))
 
 
 class _StoredBatch:
@@ -197,7 +201,7 @@ class _StoredBatch:
                 records.predicted_s.tolist(),
                 np.diff(records.step_offsets).tolist(),
                 records.timestamp_us.tolist(),
-                [ingested_at_us] * self.n_steps,
+                [ingested_at_us] * self.n_steps if records.ingested_at_us is None else records.ingested_at_us.tolist(),
                 records.content_sha256,
                 [slice_batch_id] * self.n_steps,
             )

@@ -1,0 +1,214 @@
+"""Copy a schema-1 ledger (a row per slice) into a new, empty schema-2 ledger; the old one is only read.
+
+A copy rather than an upgrade in place: nothing already stored can be damaged by a migration that stops
+half way, the two can be compared afterwards, and the copy may go to another database (SQLite to
+PostgreSQL). Steps keep their content digests (both schemas use digest encoding v1), so a step re-sent
+after the migration is still recognised as a duplicate, or as a conflict. Keys keep their hashes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Float,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    create_engine,
+    func,
+    inspect,
+    insert,
+    select,
+)
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
+
+from llmvisor.ledger.schema import api_keys
+from llmvisor.ledger.store import Ledger, LedgerError, StepRecords, normalize_url
+
+_schema_1 = MetaData()
+_steps_1 = Table(
+    "steps",
+    _schema_1,
+    Column("run_id", Text, primary_key=True),
+    Column("step_id", BigInteger, primary_key=True),
+    Column("measured_ns", BigInteger),
+    Column("predicted_s", Float),
+    Column("batch_size", Integer),
+    Column("timestamp_us", BigInteger),
+    Column("ingested_at_us", BigInteger),
+    Column("content_sha256", LargeBinary(32)),
+)
+_slices_1 = Table(
+    "slices",
+    _schema_1,
+    Column("run_id", Text, primary_key=True),
+    Column("step_id", BigInteger, primary_key=True),
+    Column("request_id", Text, primary_key=True),
+    Column("tenant", Text),
+    Column("num_new_tokens", BigInteger),
+    Column("num_context_tokens", BigInteger),
+    Column("phase", String(8)),
+    Column("attributed_ns", BigInteger),
+    Column("timestamp_us", BigInteger),
+)
+_ledger_info_1 = Table("ledger_info", _schema_1, Column("name", String(64), primary_key=True), Column("value", Text))
+_api_keys_1 = api_keys.to_metadata(_schema_1)
+SCHEMA_1_TABLES = (_ledger_info_1, _steps_1, _slices_1, _api_keys_1)
+"""Schema 1 as it was stored, for reading it (and for tests that build one)."""
+
+
+@dataclass(frozen=True)
+class MigrationReport:
+    num_steps: int
+    num_slices: int
+    measured_ns: int
+    attributed_ns: int
+    num_keys: int
+    attributed_ns_per_tenant: dict[str, int]
+
+
+def _schema_1_totals(conn) -> MigrationReport:
+    n_steps, measured = conn.execute(select(func.count(), func.coalesce(func.sum(_steps_1.c.measured_ns), 0))).one()
+    n_slices, attributed = conn.execute(select(func.count(), func.coalesce(func.sum(_slices_1.c.attributed_ns), 0))).one()
+    per_tenant = dict(conn.execute(select(_slices_1.c.tenant, func.sum(_slices_1.c.attributed_ns)).group_by(_slices_1.c.tenant)).all())
+    n_keys = conn.execute(select(func.count()).select_from(_api_keys_1)).scalar_one()
+    return MigrationReport(int(n_steps), int(n_slices), int(measured), int(attributed), int(n_keys),
+                           {tenant: int(ns) for tenant, ns in per_tenant.items()})
+
+
+def _records(rows: list[tuple]) -> StepRecords:
+    """Rows of the step-slice join, whole steps in (run_id, step_id) order, as records to store."""
+    columns = list(zip(*rows))
+    run_id, step_id = np.asarray(columns[0], dtype=object), np.asarray(columns[1], dtype=np.int64)
+    new_step = np.ones(len(rows), dtype=bool)
+    new_step[1:] = (run_id[1:] != run_id[:-1]) | (step_id[1:] != step_id[:-1])
+    starts = np.flatnonzero(new_step)
+    measured_ns = np.asarray(columns[2], dtype=np.int64)[starts]
+    return StepRecords(
+        run_id=run_id[starts],
+        step_id=step_id[starts],
+        step_latency_s=measured_ns / 1e9,
+        measured_ns=measured_ns,
+        predicted_s=np.asarray(columns[3], dtype=np.float64)[starts],
+        timestamp_us=np.asarray(columns[4], dtype=np.int64)[starts],
+        content_sha256=[bytes(columns[5][k]) for k in starts.tolist()],
+        step_offsets=np.append(starts, len(rows)).astype(np.int64),
+        request_id=np.asarray(columns[7], dtype=object),
+        tenant=np.asarray(columns[8], dtype=object),
+        num_new_tokens=np.asarray(columns[9], dtype=np.int64),
+        num_context_tokens=np.asarray(columns[10], dtype=np.int64),
+        is_prefill=np.asarray(columns[11], dtype=object) == "prefill",
+        attributed_ns=np.asarray(columns[12], dtype=np.int64),
+        ingested_at_us=np.asarray(columns[6], dtype=np.int64)[starts],
+    )
+
+
+def _whole_steps(result, min_rows: int) -> Iterator[list[tuple]]:
+    """Chunks of at least ``min_rows`` rows that never split a step."""
+    chunk: list[tuple] = []
+    for row in result:
+        if len(chunk) >= min_rows and (row[0], row[1]) != (chunk[-1][0], chunk[-1][1]):
+            yield chunk
+            chunk = []
+        chunk.append(row)
+    if chunk:
+        yield chunk
+
+
+def migrate_schema_1(
+    source_url: str,
+    target_url: str,
+    *,
+    rows_per_batch: int = 200_000,
+    progress: Callable[[int, int], None] | None = None,
+) -> MigrationReport:
+    """Copy every key, step and slice of a schema-1 ledger into an empty ledger at ``target_url``, then
+    check that steps, slices, measured time and every tenant's attributed time match exactly.
+    ``progress`` is called with the steps copied so far and the steps to copy, after each batch."""
+    parsed = make_url(normalize_url(source_url))
+    source_name = parsed.render_as_string(hide_password=True)
+    if parsed.get_backend_name() == "sqlite" and not Path(parsed.database or "").is_file():
+        raise LedgerError(f"{source_name}: no such SQLite file")
+    source = create_engine(parsed)
+    try:
+        with source.connect() as conn:
+            if not inspect(conn).has_table("ledger_info"):
+                raise LedgerError(f"{source_name}: not an llmvisor ledger (no ledger_info table)")
+            version = conn.execute(select(_ledger_info_1.c.value).where(_ledger_info_1.c.name == "schema_version")).scalar()
+            if version != "1":
+                raise LedgerError(f"{source_name}: ledger schema version {version}; only version 1 is migrated")
+            expected = _schema_1_totals(conn)
+    except OperationalError as error:
+        source.dispose()
+        raise LedgerError(f"cannot read {source_name}: {' '.join(str(error.orig).split())}") from None
+    except LedgerError:
+        source.dispose()
+        raise
+
+    target = Ledger(target_url)
+    target_name = target.safe_url
+    copied_steps = 0
+    try:
+        before = target.totals()
+        if before.num_steps or target.list_keys():
+            raise LedgerError(f"{target_name}: the target of a migration must be an empty ledger")
+        with source.connect() as conn:
+            keys = [dict(row._mapping) for row in conn.execute(select(_api_keys_1))]
+        if keys:
+            with target._write() as write:
+                write.execute(insert(api_keys), keys)
+        join = (
+            select(
+                _steps_1.c.run_id, _steps_1.c.step_id, _steps_1.c.measured_ns, _steps_1.c.predicted_s,
+                _steps_1.c.timestamp_us, _steps_1.c.content_sha256, _steps_1.c.ingested_at_us,
+                _slices_1.c.request_id, _slices_1.c.tenant, _slices_1.c.num_new_tokens, _slices_1.c.num_context_tokens,
+                _slices_1.c.phase, _slices_1.c.attributed_ns,
+            )
+            .join(_slices_1, (_slices_1.c.run_id == _steps_1.c.run_id) & (_slices_1.c.step_id == _steps_1.c.step_id))
+            .order_by(_steps_1.c.run_id, _steps_1.c.step_id, _slices_1.c.request_id)
+        )
+        with source.connect() as conn:
+            result = conn.execution_options(stream_results=True, yield_per=10_000).execute(join)
+            for chunk in _whole_steps(result, rows_per_batch):
+                records = _records(chunk)
+                outcome = target.ingest(records)
+                if outcome.n_duplicate:
+                    raise LedgerError(f"{target_name}: {outcome.n_duplicate} steps were already there during the copy")
+                copied_steps += records.n_steps
+                if progress is not None:
+                    progress(copied_steps, expected.num_steps)
+        copied = target.totals()
+        per_tenant = {row.tenant: row.attributed_ns for row in target.tenant_usage()}
+        n_keys = len(target.list_keys())
+    finally:
+        target.close()
+        source.dispose()
+    mismatches = [
+        f"{name}: {have} copied, {want} in the source"
+        for name, have, want in (
+            ("steps", copied.num_steps, expected.num_steps),
+            ("slices", copied.num_slices, expected.num_slices),
+            ("measured ns", copied.measured_ns, expected.measured_ns),
+            ("attributed ns", copied.attributed_ns, expected.attributed_ns),
+            ("keys", n_keys, expected.num_keys),
+        )
+        if have != want
+    ]
+    mismatches += [
+        f"tenant {tenant!r}: {per_tenant.get(tenant, 0)} ns copied, {ns} in the source"
+        for tenant, ns in expected.attributed_ns_per_tenant.items()
+        if per_tenant.get(tenant, 0) != ns
+    ]
+    if mismatches:
+        raise LedgerError(f"the copy in {target_name} does not match its source ({'; '.join(mismatches)}); do not use it")
+    return expected

@@ -1,0 +1,120 @@
+"""Schema-1 ledgers copied into schema 2: every total, key and step detail carried over, the source untouched."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from sqlalchemy import create_engine, insert, inspect
+
+from _service_fixtures import T0_S, db_url, make_steps, model_path  # noqa: F401
+from llmvisor.errors import LlmvisorError
+from llmvisor.ledger import Ledger, LedgerError, StepConflictError
+from llmvisor.ledger import keys as keys_module
+from llmvisor.ledger.migrate import SCHEMA_1_TABLES, migrate_schema_1
+from llmvisor.model import StepLatencyModel
+from llmvisor.service.command import ledger_migrate
+from llmvisor.service.ingest import prepare_batch, validate_trace
+
+ledger_info_1, steps_1, slices_1, api_keys_1 = SCHEMA_1_TABLES
+
+
+def _schema_1_ledger(path, model, groups) -> tuple[str, str, list[tuple]]:
+    """A schema-1 ledger holding ``groups`` as the old service stored them; returns its URL, a tenant key
+    and the slice rows."""
+    url = f"sqlite:///{path}"
+    engine = create_engine(url)
+    SCHEMA_1_TABLES[0].metadata.create_all(engine)
+    records = prepare_batch(model, validate_trace(groups), received_at_us=0).records
+    sizes = np.diff(records.step_offsets)
+    step_rows = [
+        dict(run_id=r, step_id=s, measured_ns=m, predicted_s=p, batch_size=b, timestamp_us=t, ingested_at_us=t + 500_000,
+             content_sha256=d)
+        for r, s, m, p, b, t, d in zip(records.run_id.tolist(), records.step_id.tolist(), records.measured_ns.tolist(),
+                                      records.predicted_s.tolist(), sizes.tolist(), records.timestamp_us.tolist(),
+                                      records.content_sha256)
+    ]
+    step_of_slice = np.repeat(np.arange(records.n_steps), sizes)
+    slice_rows = [
+        dict(run_id=records.run_id[k], step_id=int(records.step_id[k]), request_id=q, tenant=t, num_new_tokens=p,
+             num_context_tokens=c, phase="prefill" if f else "decode", attributed_ns=a, timestamp_us=int(records.timestamp_us[k]))
+        for k, q, t, p, c, f, a in zip(step_of_slice.tolist(), records.request_id.tolist(), records.tenant.tolist(),
+                                       records.num_new_tokens.tolist(), records.num_context_tokens.tolist(),
+                                       records.is_prefill.tolist(), records.attributed_ns.tolist())
+    ]
+    key_id, key, digest = keys_module.new_key()
+    with engine.begin() as conn:
+        conn.execute(insert(ledger_info_1).values(name="schema_version", value="1"))
+        conn.execute(insert(steps_1), step_rows)
+        conn.execute(insert(slices_1), slice_rows)
+        conn.execute(insert(api_keys_1).values(key_id=key_id, secret_sha256=digest, tenant="tenant-1", is_admin=False,
+                                               created_at_us=1, revoked_at_us=None))
+    engine.dispose()
+    return url, key, slice_rows
+
+
+def test_a_schema_1_ledger_is_copied_whole_and_left_as_it_was(tmp_path, model_path, db_url):
+    model = StepLatencyModel.from_json(model_path)
+    groups = make_steps("run-a", 120, batch_size=9, step_interval_s=0.3, seed=1) + make_steps("run-b", 60, n_tenants=4, seed=2)
+    source_path = tmp_path / "schema1.db"
+    source_url, key, slice_rows = _schema_1_ledger(source_path, model, groups)
+    source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
+
+    calls = []
+    report = migrate_schema_1(source_url, db_url, rows_per_batch=300, progress=lambda done, total: calls.append((done, total)))
+    assert report.num_steps == 180 and report.num_slices == len(slice_rows) and report.num_keys == 1
+    assert len(calls) >= 3 and calls[-1] == (180, 180)
+    assert hashlib.sha256(source_path.read_bytes()).hexdigest() == source_digest
+
+    ledger = Ledger(db_url)
+    try:
+        totals = ledger.totals()
+        assert (totals.num_steps, totals.num_slices) == (180, len(slice_rows))
+        assert totals.measured_ns == totals.attributed_ns == sum(r["attributed_ns"] for r in slice_rows)
+        per_request: dict[tuple, list] = {}
+        for row in slice_rows:
+            per_request.setdefault((row["run_id"], row["request_id"]), []).append(row)
+        for usage in ledger.request_usage(limit=10_000):
+            rows = per_request.pop((usage.run_id, usage.request_id))
+            assert usage.attributed_ns == sum(r["attributed_ns"] for r in rows) and usage.num_steps == len(rows)
+            assert (usage.first_timestamp_us, usage.last_timestamp_us) == (min(r["timestamp_us"] for r in rows),
+                                                                           max(r["timestamp_us"] for r in rows))
+        assert not per_request
+        step = ledger.step_detail("run-a", 7)
+        want = sorted((r["request_id"], r["tenant"], r["attributed_ns"]) for r in slice_rows if (r["run_id"], r["step_id"]) == ("run-a", 7))
+        assert [(x.request_id, x.tenant, x.attributed_ns) for x in step.slices] == want
+        assert step.ingested_at_us == step.timestamp_us + 500_000
+        assert ledger.authenticate(key).tenant == "tenant-1"
+
+        # Digests carried over: the same steps re-sent are duplicates, a changed one a conflict.
+        again = ledger.ingest(prepare_batch(model, validate_trace(groups), received_at_us=0).records)
+        assert again.n_duplicate == 180 and again.n_inserted == 0
+        changed = [[dict(r) for r in g] for g in groups[3:4]]
+        changed[0][0]["num_context_tokens"] += 1
+        with pytest.raises(StepConflictError):
+            ledger.ingest(prepare_batch(model, validate_trace(changed), received_at_us=0).records)
+    finally:
+        ledger.close()
+
+    with pytest.raises(LedgerError, match="must be an empty ledger"):
+        migrate_schema_1(source_url, db_url)
+    with pytest.raises(LedgerError, match="only version 1 is migrated"):
+        migrate_schema_1(db_url, f"sqlite:///{tmp_path}/other.db")
+    with pytest.raises(LedgerError, match="no such SQLite file"):
+        migrate_schema_1(f"sqlite:///{tmp_path}/missing.db", f"sqlite:///{tmp_path}/other.db")
+    assert not (tmp_path / "missing.db").exists()
+    engine = create_engine(source_url)
+    with engine.connect() as conn:
+        assert sorted(inspect(conn).get_table_names()) == ["api_keys", "ledger_info", "slices", "steps"]
+    engine.dispose()
+
+
+def test_the_migrate_command_reports_what_it_copied(tmp_path, model_path, capsys):
+    model = StepLatencyModel.from_json(model_path)
+    source_url, _, slice_rows = _schema_1_ledger(tmp_path / "schema1.db", model, make_steps(n_steps=30, start_s=T0_S))
+    ledger_migrate(source=source_url, target=f"sqlite:///{tmp_path}/schema2.db")
+    out = capsys.readouterr().out
+    assert f"copied 30 steps, {len(slice_rows)} slices, 1 keys" in out and "The source was not changed." in out
+    with pytest.raises(LlmvisorError, match="only version 1 is migrated"):
+        ledger_migrate(source=f"sqlite:///{tmp_path}/schema2.db", target=f"sqlite:///{tmp_path}/third.db")
