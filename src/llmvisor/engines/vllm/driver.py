@@ -38,6 +38,24 @@ class EngineSettings:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def llm_kwargs(self, *, has_weights: bool, enable_prefix_caching: bool, scheduler_cls: type) -> dict:
+        """Arguments of `vllm.LLM` for an in-process, synchronous engine (the scheduler and the recorder
+        must run in this process, between steps) with these settings."""
+        return dict(
+            model=self.model,
+            load_format="auto" if has_weights else "dummy",
+            skip_tokenizer_init=True,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            distributed_executor_backend="uni",
+            async_scheduling=False,
+            enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=self.enforce_eager,
+            seed=self.seed,
+            scheduler_cls=scheduler_cls,
+        )
+
 
 def check_model_dir(model: str) -> bool:
     """Validate a model folder; True when it holds weights, False when it is a bare config (dummy weights)."""
@@ -85,20 +103,7 @@ class ProfiledEngine:
 
         self.settings = settings
         self.has_weights = has_weights
-        self.llm = LLM(
-            model=settings.model,
-            load_format="auto" if has_weights else "dummy",
-            skip_tokenizer_init=True,
-            max_model_len=settings.max_model_len,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            max_num_seqs=settings.max_num_seqs,
-            distributed_executor_backend="uni",
-            async_scheduling=False,
-            enable_prefix_caching=False,
-            enforce_eager=settings.enforce_eager,
-            seed=settings.seed,
-            scheduler_cls=ProfilingScheduler,
-        )
+        self.llm = LLM(**settings.llm_kwargs(has_weights=has_weights, enable_prefix_caching=False, scheduler_cls=ProfilingScheduler))
         self.engine = self.llm.llm_engine
         self.scheduler = self.engine.engine_core.engine_core.scheduler
         vllm_config = self.engine.vllm_config

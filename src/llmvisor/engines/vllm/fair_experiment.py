@@ -90,20 +90,8 @@ def run(spec: dict) -> dict:
     from llmvisor.fairness import FairnessConfig
 
     started_engine = time.perf_counter()
-    llm = LLM(
-        model=settings.model,
-        load_format="auto" if has_weights else "dummy",
-        skip_tokenizer_init=True,
-        max_model_len=settings.max_model_len,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_num_seqs=settings.max_num_seqs,
-        distributed_executor_backend="uni",
-        async_scheduling=False,
-        enable_prefix_caching=True,
-        enforce_eager=settings.enforce_eager,
-        seed=settings.seed,
-        scheduler_cls=RecordingScheduler if policy == "fcfs" else FairScheduler,
-    )
+    scheduler_cls = RecordingScheduler if policy == "fcfs" else FairScheduler
+    llm = LLM(**settings.llm_kwargs(has_weights=has_weights, enable_prefix_caching=True, scheduler_cls=scheduler_cls))
     engine_start_s = time.perf_counter() - started_engine
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
