@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmvisor.engines.vllm import settings as recorder_settings
+from llmvisor.engines.vllm.driver import freeze_startup_objects
 from llmvisor.errors import LlmvisorError
 
 DEFAULT_KV_CACHE_GIB = 2
@@ -230,6 +231,7 @@ class ControlledEngine:
             max_num_batched_tokens=int(config.max_num_batched_tokens),
             max_num_seqs=int(config.max_num_seqs),
         )
+        freeze_startup_objects()
 
     def describe(self) -> dict:
         """Engine facts for the result's settings."""

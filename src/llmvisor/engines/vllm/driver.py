@@ -9,6 +9,7 @@ random token ids, so a folder with only a ``config.json`` runs with dummy weight
 
 from __future__ import annotations
 
+import gc
 import glob
 import json
 import os
@@ -82,6 +83,15 @@ def configure_environment(settings: EngineSettings) -> None:
         os.environ["OMP_NUM_THREADS"] = str(settings.threads)
 
 
+def freeze_startup_objects() -> None:
+    """Move everything alive now out of the garbage collector's reach.
+
+    A full collection scans every object vLLM and torch created at start-up: measured at up to 0.7 s, inside
+    engine steps, in an in-process driver. vLLM's own engine-core process does the same after start-up."""
+    gc.collect()
+    gc.freeze()
+
+
 class ProfiledEngine:
     """An in-process vLLM engine with the profiling scheduler, recording to ``trace_path``."""
 
@@ -114,6 +124,7 @@ class ProfiledEngine:
         self.torch_threads = torch.get_num_threads()
         self._rng = np.random.default_rng(settings.seed)
         self._live: set[str] = set()
+        freeze_startup_objects()
 
     @property
     def envelope(self) -> Envelope:
