@@ -130,10 +130,7 @@ def _trace_from_columns(columns, *, max_rows: int) -> StepTrace:
             except (pa.ArrowException, OverflowError, UnicodeError, TypeError, ValueError) as error:
                 raise PayloadError(422, "invalid_trace", f"{BODY_PATH}: column {name}: {error}") from None
         else:
-            values = np.empty(n_rows, dtype=object)
-            for i, value in enumerate(columns[name]):
-                values[i] = value
-            arrays[name] = values
+            arrays[name] = _optional_numbers(columns[name])
     try:
         typed, row_numbers = trace_columns_from_arrow(BODY_PATH, pa.table({k: v for k, v in arrays.items() if isinstance(v, pa.Array)}))
         typed.update({k: v for k, v in arrays.items() if not isinstance(v, pa.Array)})
@@ -142,6 +139,21 @@ def _trace_from_columns(columns, *, max_rows: int) -> StepTrace:
         raise PayloadError(422, "invalid_trace", str(error)) from None
     _check_storage_limits(trace)
     return trace
+
+
+def _optional_numbers(values: list) -> np.ndarray:
+    """A float64 array when every value is a number; else the values as given (object array), for
+    `_step_timestamps` to name the first bad one or to date the steps without one."""
+    try:
+        array = pa.array(values)
+        if (pa.types.is_floating(array.type) or pa.types.is_integer(array.type)) and array.null_count == 0:
+            return array.to_numpy().astype(np.float64)
+    except (pa.ArrowException, OverflowError, UnicodeError, TypeError, ValueError):
+        pass
+    given = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        given[i] = value
+    return given
 
 
 def _trace_from_parquet(body: bytes, *, max_rows: int) -> StepTrace:
