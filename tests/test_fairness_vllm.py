@@ -18,27 +18,11 @@ from llmvisor.model import StepLatencyModel  # noqa: E402
 from llmvisor.synthetic import DEFAULT_COEF_S  # noqa: E402
 from llmvisor.trace import read_trace  # noqa: E402
 
+from _tiny_llama import write_tiny_llama  # noqa: E402
+
 pytestmark = pytest.mark.vllm
 
-TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "hidden_act": "silu",
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "vocab_size": 1024,
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "torch_dtype": "bfloat16",
-}
+TINY_FIELDS = {"num_key_value_heads": 2, "max_position_embeddings": 2048, "rope_theta": 10000.0, "vocab_size": 1024}
 
 
 def fixed_model() -> StepLatencyModel:
@@ -53,9 +37,7 @@ class Engine:
 
         from llmvisor.engines.vllm.fair import FairScheduler
 
-        model_dir = folder / "model"
-        model_dir.mkdir()
-        (model_dir / "config.json").write_text(json.dumps(TINY_CONFIG))
+        model_dir = write_tiny_llama(folder / "model", **TINY_FIELDS)
         self.trace_path = str(folder / "trace.jsonl")
         saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "LLMVISOR_TRACE_PATH", "LLMVISOR_WARMUP_STEPS", "LLMVISOR_FAIR_CONFIG")}
         os.environ.update(

@@ -17,6 +17,8 @@ from llmvisor.errors import LlmvisorError
 from llmvisor.features import FEATURE_NAMES
 from llmvisor.model import StepLatencyModel
 
+from _tiny_llama import write_tiny_llama
+
 
 def game(n: int, value) -> np.ndarray:
     """Cost of every subset (index = bit mask) from a function of the member list."""
@@ -440,25 +442,7 @@ def test_shipped_validation_result_renders():
 # ----------------------------------------------------------------------------------------------------------
 # The real engine
 
-TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "hidden_act": "silu",
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-05,
-    "rope_theta": 10000.0,
-    "vocab_size": 1000,
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "torch_dtype": "bfloat16",
-}
+TINY_FIELDS = {"num_key_value_heads": 2, "max_position_embeddings": 1024, "rope_theta": 10000.0, "vocab_size": 1000}
 
 
 @pytest.mark.vllm
@@ -466,9 +450,7 @@ def test_controlled_steps_on_vllm_run_exactly_the_intended_batches(tmp_path):
     pytest.importorskip("vllm")
     from llmvisor.engines.vllm.controlled import ControlledEngine
 
-    model_dir = tmp_path / "tiny"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(TINY_CONFIG))
+    model_dir = write_tiny_llama(tmp_path / "tiny", **TINY_FIELDS)
     batches = [
         v.BatchSpec(0, "prefill", "workload", "test", (37, 90), (0, 0)),
         v.BatchSpec(1, "decode", "workload", "test", (1, 1), (130, 17)),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -18,7 +17,8 @@ from llmvisor.service.process import ServerProcess
 from llmvisor.synthetic import synthetic_trace
 from llmvisor.trace import read_trace
 
-from test_vllm_recorder import ENGINE_ENV, TINY_CONFIG
+from _tiny_llama import tiny_engine_args, write_tiny_llama
+from test_vllm_recorder import ENGINE_ENV, TINY_FIELDS
 
 pytestmark = pytest.mark.vllm
 
@@ -28,8 +28,7 @@ def test_recorder_pushes_every_step_to_the_service_once(tmp_path, monkeypatch):
 
     from llmvisor.engines.vllm.recorder import RecordingScheduler
 
-    (tmp_path / "tiny").mkdir()
-    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY_CONFIG))
+    model_dir = write_tiny_llama(tmp_path / "tiny", **TINY_FIELDS)
     model_path = tmp_path / "model.json"
     StepLatencyModel().fit(synthetic_trace(1000)).to_json(model_path)
     db_url = f"sqlite:///{tmp_path}/ledger.db"
@@ -46,19 +45,7 @@ def test_recorder_pushes_every_step_to_the_service_once(tmp_path, monkeypatch):
         monkeypatch.setenv("LLMVISOR_SERVICE_URL", server.url)
         monkeypatch.setenv("LLMVISOR_SERVICE_KEY", admin_key)
         monkeypatch.setenv("LLMVISOR_SPOOL", str(tmp_path / "spool.jsonl"))
-        llm = LLM(
-            model=str(tmp_path / "tiny"),
-            load_format="dummy",
-            skip_tokenizer_init=True,
-            max_model_len=512,
-            max_num_batched_tokens=64,
-            max_num_seqs=4,
-            distributed_executor_backend="uni",
-            async_scheduling=False,
-            enable_prefix_caching=False,
-            enforce_eager=True,
-            scheduler_cls=RecordingScheduler,
-        )
+        llm = LLM(**tiny_engine_args(model_dir, RecordingScheduler))
         rng = np.random.default_rng(1)
         requests = [(120, 6, "alice"), (30, 8, "bob"), (70, 4, "alice")]
         llm.generate(

@@ -7,7 +7,6 @@ tokens, prefill while the context is shorter than the prompt.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -27,35 +26,18 @@ except Exception as error:  # noqa: BLE001 - a broken install (torchvision misma
 
 from llmvisor.trace import read_trace
 
+from _tiny_llama import tiny_engine_args, write_tiny_llama
+
 pytestmark = pytest.mark.vllm
 
-TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "head_dim": 32,
-    "hidden_act": "silu",
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-05,
-    "vocab_size": 1024,
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "torch_dtype": "bfloat16",
-}
+TINY_FIELDS = {"num_key_value_heads": 4, "max_position_embeddings": 1024, "vocab_size": 1024}
 
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    (folder / "config.json").write_text(json.dumps(TINY_CONFIG))
-    return str(folder)
+    return str(write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama", **TINY_FIELDS))
 
 
 def slices_by_request(trace) -> dict[str, list[tuple[int, int, int, bool, str]]]:
@@ -98,19 +80,7 @@ def test_offline_rows_match_what_was_scheduled(tiny_model, tmp_path, monkeypatch
     monkeypatch.setenv("LLMVISOR_RUN_ID", "offline-test")
     monkeypatch.setenv("LLMVISOR_WARMUP_STEPS", "2")
 
-    llm = LLM(
-        model=tiny_model,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        max_model_len=512,
-        max_num_batched_tokens=64,
-        max_num_seqs=4,
-        distributed_executor_backend="uni",
-        async_scheduling=False,
-        enable_prefix_caching=False,
-        enforce_eager=True,
-        scheduler_cls=RecordingScheduler,
-    )
+    llm = LLM(**tiny_engine_args(tiny_model, RecordingScheduler))
     requests = [(150, 5, "alice"), (40, 9, "bob"), (97, 3, None), (1, 4, "alice"), (64, 1, "bob")]
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(10, 1000, n).tolist()} for n, _, _ in requests]
