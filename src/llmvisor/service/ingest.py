@@ -130,7 +130,10 @@ def _trace_from_columns(columns, *, max_rows: int) -> StepTrace:
             except (pa.ArrowException, OverflowError, UnicodeError, TypeError, ValueError) as error:
                 raise PayloadError(422, "invalid_trace", f"{BODY_PATH}: column {name}: {error}") from None
         else:
-            arrays[name] = _optional_numbers(columns[name])
+            try:
+                arrays[name] = _optional_numbers(pa.array(columns[name]))
+            except (pa.ArrowException, OverflowError, UnicodeError, TypeError, ValueError):
+                arrays[name] = _objects(columns[name])
     try:
         typed, row_numbers = trace_columns_from_arrow(BODY_PATH, pa.table({k: v for k, v in arrays.items() if isinstance(v, pa.Array)}))
         typed.update({k: v for k, v in arrays.items() if not isinstance(v, pa.Array)})
@@ -141,19 +144,20 @@ def _trace_from_columns(columns, *, max_rows: int) -> StepTrace:
     return trace
 
 
-def _optional_numbers(values: list) -> np.ndarray:
+def _optional_numbers(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """A float64 array when every value is a number; else the values as given (object array), for
     `_step_timestamps` to name the first bad one or to date the steps without one."""
-    try:
-        array = pa.array(values)
-        if (pa.types.is_floating(array.type) or pa.types.is_integer(array.type)) and array.null_count == 0:
-            return array.to_numpy().astype(np.float64)
-    except (pa.ArrowException, OverflowError, UnicodeError, TypeError, ValueError):
-        pass
-    given = np.empty(len(values), dtype=object)
+    if (pa.types.is_floating(values.type) or pa.types.is_integer(values.type)) and values.null_count == 0:
+        return values.to_numpy().astype(np.float64)
+    return _objects(values.to_pylist())
+
+
+def _objects(values: list) -> np.ndarray:
+    """A 1-d object array of the values, whatever they are (lists stay elements)."""
+    array = np.empty(len(values), dtype=object)
     for i, value in enumerate(values):
-        given[i] = value
-    return given
+        array[i] = value
+    return array
 
 
 def _trace_from_parquet(body: bytes, *, max_rows: int) -> StepTrace:
@@ -171,14 +175,8 @@ def _trace_from_parquet(body: bytes, *, max_rows: int) -> StepTrace:
         return trace_from_rows([], path=BODY_PATH)
     optional = {}
     if "timestamp_s" in table.column_names:
-        column = table.column("timestamp_s")
+        optional["timestamp_s"] = _optional_numbers(table.column("timestamp_s"))
         table = table.drop_columns(["timestamp_s"])
-        if (pa.types.is_floating(column.type) or pa.types.is_integer(column.type)) and column.null_count == 0:
-            optional["timestamp_s"] = column.to_numpy().astype(np.float64)
-        else:
-            values = np.empty(table.num_rows, dtype=object)
-            values[:] = column.to_pylist()
-            optional["timestamp_s"] = values
     try:
         typed, row_numbers = trace_columns_from_arrow(BODY_PATH, table)
         typed.update(optional)
