@@ -340,3 +340,7 @@ def test_other_schema_versions_and_bad_urls_are_clear_errors(tmp_path):
         Ledger("no url")
     with pytest.raises(LedgerError, match="cannot open database"):
         Ledger(f"sqlite:///{tmp_path}/missing-dir/x.db")
+    (tmp_path / "notes.db").write_text("not a database")
+    with pytest.raises(LedgerError, match="cannot open database .*: file is not a database"):
+        Ledger(f"sqlite:///{tmp_path}/notes.db")
+    assert (tmp_path / "notes.db").read_text() == "not a database"

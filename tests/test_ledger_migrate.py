@@ -104,6 +104,9 @@ def test_a_schema_1_ledger_is_copied_whole_and_left_as_it_was(tmp_path, model_pa
     with pytest.raises(LedgerError, match="no such SQLite file"):
         migrate_schema_1(f"sqlite:///{tmp_path}/missing.db", f"sqlite:///{tmp_path}/other.db")
     assert not (tmp_path / "missing.db").exists()
+    (tmp_path / "notes.db").write_text("not a database")
+    with pytest.raises(LedgerError, match="cannot read .*: file is not a database"):
+        migrate_schema_1(f"sqlite:///{tmp_path}/notes.db", f"sqlite:///{tmp_path}/other.db")
     engine = create_engine(source_url)
     with engine.connect() as conn:
         assert sorted(inspect(conn).get_table_names()) == ["api_keys", "ledger_info", "slices", "steps"]

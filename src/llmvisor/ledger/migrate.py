@@ -30,7 +30,7 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DatabaseError
 
 from llmvisor.ledger.schema import api_keys
 from llmvisor.ledger.store import Ledger, LedgerError, StepRecords, normalize_url
@@ -148,7 +148,7 @@ def migrate_schema_1(
             if version != "1":
                 raise LedgerError(f"{source_name}: ledger schema version {version}; only version 1 is migrated")
             expected = _schema_1_totals(conn)
-    except OperationalError as error:
+    except DatabaseError as error:  # unreachable, or not a database at all
         source.dispose()
         raise LedgerError(f"cannot read {source_name}: {' '.join(str(error.orig).split())}") from None
     except LedgerError:

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from sqlalchemy import Connection, Engine, and_, create_engine, event, func, insert, inspect, select, update
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import ArgumentError, DatabaseError, DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.pool import StaticPool
 
 from llmvisor.errors import LlmvisorError
@@ -381,11 +381,11 @@ class Ledger:
                 version = conn.execute(select(ledger_info.c.value).where(ledger_info.c.name == "schema_version")).scalar()
                 if version is None:
                     conn.execute(insert(ledger_info).values(name="schema_version", value=str(SCHEMA_VERSION)))
-        except OperationalError as error:
-            raise LedgerError(f"cannot open database {self.safe_url}: {' '.join(str(error.orig).split())}") from None
         except IntegrityError:
             # Another process created the schema at the same moment; it is there now.
             pass
+        except DatabaseError as error:  # unreachable, or not a database at all ("file is not a database")
+            raise LedgerError(f"cannot open database {self.safe_url}: {' '.join(str(error.orig).split())}") from None
 
     def ping(self) -> bool:
         """Whether the database answers."""
