@@ -17,17 +17,17 @@ echo "$ME $(date -u)" > "$LOCK"
 trap 'grep -qs "^$ME " "$LOCK" && rm -f "$LOCK"' EXIT
 
 if [[ $WHAT == all || $WHAT == sweep ]]; then
-"$PYTHON" -m llmvisor.profile --plan sweep -o "$OUT/sweep.parquet" --run-id sweep-v1 \
+"$PYTHON" -m llmvisor.cli profile --plan sweep -o "$OUT/sweep.parquet" --run-id sweep-v1 \
   --points 40 --repeat 2 --max-decode-steps 64 --warmup-seconds 240 --seed 0 "${ENGINE[@]}"
 fi
 [[ $WHAT == all || $WHAT == workloads ]] || exit 0
-"$PYTHON" -m llmvisor.profile --plan workload -o "$OUT/azure-conv.parquet" --run-id azure-conv-v1 \
+"$PYTHON" -m llmvisor.cli profile --plan workload -o "$OUT/azure-conv.parquet" --run-id azure-conv-v1 \
   --workload "$WORKLOADS/azure-2023-conv.csv" --num-requests 160 --concurrency 16 --max-seconds 240 "${ENGINE[@]}"
-"$PYTHON" -m llmvisor.profile --plan workload -o "$OUT/azure-code.parquet" --run-id azure-code-v1 \
+"$PYTHON" -m llmvisor.cli profile --plan workload -o "$OUT/azure-code.parquet" --run-id azure-code-v1 \
   --workload "$WORKLOADS/azure-2023-code.csv" --num-requests 120 --concurrency 16 --max-seconds 240 "${ENGINE[@]}"
-"$PYTHON" -m llmvisor.profile --plan workload -o "$OUT/arxiv-summarization.parquet" --run-id arxiv-summarization-v1 \
+"$PYTHON" -m llmvisor.cli profile --plan workload -o "$OUT/arxiv-summarization.parquet" --run-id arxiv-summarization-v1 \
   --workload "$WORKLOADS/arxiv-summarization.csv" --num-requests 100 --concurrency 16 --max-seconds 240 "${ENGINE[@]}"
-"$PYTHON" -m llmvisor.profile --plan workload -o "$OUT/multi-tenant.parquet" --run-id multi-tenant-v1 \
+"$PYTHON" -m llmvisor.cli profile --plan workload -o "$OUT/multi-tenant.parquet" --run-id multi-tenant-v1 \
   --workload "$WORKLOADS/azure-2023-conv.csv" --workload "$WORKLOADS/azure-2023-code.csv" \
   --workload "$WORKLOADS/arxiv-summarization.csv" --start-row 1000 --num-requests 50 --concurrency 16 \
   --max-seconds 240 "${ENGINE[@]}"

@@ -14,8 +14,8 @@ from sqlalchemy.engine import make_url
 
 from llmvisor.ledger import Ledger
 from llmvisor.ledger.schema import metadata
-from llmvisor.model import StepLatencyModel
-from llmvisor.synthetic import synthetic_trace
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.synthetic import synthetic_trace
 
 POSTGRES_URL = os.environ.get("LLMVISOR_TEST_POSTGRES_URL")
 BACKENDS = [

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmvisor.attribution import RULES, StepAttributor, aggregate, attribute, attribute_arrays
+from llmvisor.core.attribution import RULES, StepAttributor, aggregate, attribute, attribute_arrays
 from llmvisor.errors import LlmvisorError
-from llmvisor.features import FEATURE_NAMES, slice_feature_matrix
-from llmvisor.model import StepLatencyModel
-from llmvisor.synthetic import DEFAULT_COEF_S, synthetic_trace
+from llmvisor.core.features import FEATURE_NAMES, slice_feature_matrix
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.synthetic import DEFAULT_COEF_S, synthetic_trace
 
 
 def fixed_model(coef_sets, boundary=None) -> StepLatencyModel:

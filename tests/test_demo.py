@@ -9,19 +9,19 @@ import sys
 
 import pytest
 
-from llmvisor.demo import HELD_OUT_TRACES, TRAIN_TRACE, shipped_trace
-from llmvisor.trace import read_trace
+from llmvisor.shipped import HELD_OUT_TRACES, TRAIN_TRACE, trace_path
+from llmvisor.core.trace import read_trace
 
 
 def test_shipped_traces_are_real_vllm_recordings_with_distinct_runs():
     runs = set()
     for name in (TRAIN_TRACE, *HELD_OUT_TRACES):
-        trace = read_trace(shipped_trace(name))
+        trace = read_trace(trace_path(name))
         assert trace.n_steps > 100
         assert set(trace.extra["engine"].tolist()) == {"vllm"}
         assert not runs & set(trace.run_ids)
         runs |= set(trace.run_ids)
-    sweep = read_trace(shipped_trace(TRAIN_TRACE))
+    sweep = read_trace(trace_path(TRAIN_TRACE))
     assert {"p50", "p90", "p99"} <= set(sweep.metadata["noise_floor"])
     assert sweep.is_prefill_per_step.any() and (~sweep.is_prefill_per_step).any()
     mixed = [sweep.is_prefill[a:b].any() and not sweep.is_prefill[a:b].all() for a, b in zip(sweep.step_offsets[:-1], sweep.step_offsets[1:])]

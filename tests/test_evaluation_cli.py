@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-from llmvisor.baselines import PaperOLSBaseline, RandomForestBaseline, TokenCountBaseline
+from llmvisor.evaluation.baselines import PaperOLSBaseline, RandomForestBaseline, TokenCountBaseline
 from llmvisor.errors import LlmvisorError
-from llmvisor.evaluation import error_summary, evaluate
-from llmvisor.synthetic import synthetic_trace
-from llmvisor.trace import write_trace
+from llmvisor.evaluation.heldout import error_summary, evaluate
+from llmvisor.core.synthetic import synthetic_trace
+from llmvisor.core.trace import write_trace
 
 
 def run_cli(*args, check=True):

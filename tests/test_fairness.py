@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmvisor.attribution import StepAttributor, own_terms_s
+from llmvisor.core.attribution import StepAttributor, own_terms_s
 from llmvisor.errors import LlmvisorError
-from llmvisor.fairness import (
+from llmvisor.fairness.policy import (
     ENV_CONFIG,
     AdmissionController,
     FairnessConfig,
@@ -24,9 +24,9 @@ from llmvisor.fairness import (
     jain_index,
     max_min_ratio,
 )
-from llmvisor.features import FEATURE_NAMES
-from llmvisor.model import StepLatencyModel
-from llmvisor.synthetic import DEFAULT_COEF_S
+from llmvisor.core.features import FEATURE_NAMES
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.synthetic import DEFAULT_COEF_S
 
 BASE = [DEFAULT_COEF_S[n] for n in FEATURE_NAMES]
 HEAVY = [c * 3 for c in BASE]

@@ -12,11 +12,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
 
-from llmvisor.attribution import attribute_arrays  # noqa: E402
-from llmvisor.fairness import FairnessConfig, Quota  # noqa: E402
-from llmvisor.model import StepLatencyModel  # noqa: E402
-from llmvisor.synthetic import DEFAULT_COEF_S  # noqa: E402
-from llmvisor.trace import read_trace  # noqa: E402
+from llmvisor.core.attribution import attribute_arrays  # noqa: E402
+from llmvisor.fairness.policy import FairnessConfig, Quota  # noqa: E402
+from llmvisor.core.model import StepLatencyModel  # noqa: E402
+from llmvisor.core.synthetic import DEFAULT_COEF_S  # noqa: E402
+from llmvisor.core.trace import read_trace  # noqa: E402
 
 from _tiny_llama import write_tiny_llama  # noqa: E402
 
@@ -213,7 +213,7 @@ def test_quota_holds_an_over_budget_tenant_back_and_work_conserving_lets_it_use_
 
 def test_slo_admission_stops_batching_where_predicted_time_per_token_would_exceed_it(small_kv):
     model = fixed_model()
-    from llmvisor.fairness import AdmissionController
+    from llmvisor.fairness.policy import AdmissionController
 
     probe = AdmissionController(model, tpot_slo_s=None)
     prompt, outputs = 64, 8

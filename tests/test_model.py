@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from llmvisor.errors import LlmvisorError, ModelError, NotFittedError
-from llmvisor.features import FEATURE_NAMES
-from llmvisor.model import StepLatencyModel
-from llmvisor.synthetic import DEFAULT_COEF_S, synthetic_trace
-from llmvisor.trace import StepTrace, concat_traces
+from llmvisor.core.features import FEATURE_NAMES
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.synthetic import DEFAULT_COEF_S, synthetic_trace
+from llmvisor.core.trace import StepTrace, concat_traces
 
 TRUE = np.array([DEFAULT_COEF_S[name] for name in FEATURE_NAMES])
 

@@ -11,12 +11,12 @@ import pytest
 from _service_fixtures import model_path  # noqa: F401
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
-from llmvisor.service.command import keys_create
+from llmvisor.cli.serve import keys_create
 from llmvisor.service.load import _check_loopback, load
 
 
 def run_service_command(*args):
-    return subprocess.run([sys.executable, "-m", "llmvisor.service", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "llmvisor.cli", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_keys_commands_print_the_key_once_and_store_only_its_hash(tmp_path):

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmvisor.errors import TraceError
-from llmvisor.trace import (
+from llmvisor.core.trace import (
     TraceWriter,
     iter_trace,
     read_trace,
@@ -236,7 +236,7 @@ def test_run_ids_must_not_collide_across_files(tmp_path):
 
 
 def test_streaming_parquet_yields_whole_steps_matching_a_full_read(tmp_path):
-    from llmvisor.synthetic import synthetic_trace
+    from llmvisor.core.synthetic import synthetic_trace
 
     trace = synthetic_trace(500, max_batch_size=9, seed=4)
     write_trace(trace, tmp_path / "big.parquet")
@@ -307,6 +307,6 @@ _ANY_VALUE = (
 @settings(max_examples=300, deadline=None)
 @given(name=st.sampled_from(["run_id", "step_id", "step_latency_s", "num_new_tokens", "phase"]), values=st.lists(_ANY_VALUE, max_size=6))
 def test_the_column_at_a_time_type_check_agrees_with_the_per_value_check(name, values):
-    from llmvisor.trace import _python_value_type_error, _values_are_valid
+    from llmvisor.core.trace import _python_value_type_error, _values_are_valid
 
     assert _values_are_valid(name, values) == all(_python_value_type_error(name, v) is None for v in values)

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmvisor import validation as v
+from llmvisor.validation import study as v
 from llmvisor.engines.vllm.controlled import MeasuredStep, Slice
 from llmvisor.errors import LlmvisorError
-from llmvisor.features import FEATURE_NAMES
-from llmvisor.model import StepLatencyModel
+from llmvisor.core.features import FEATURE_NAMES
+from llmvisor.core.model import StepLatencyModel
 
 from _tiny_llama import write_tiny_llama
 
@@ -357,7 +357,7 @@ def test_report_sections_render_from_a_result(tmp_path):
 
 
 def test_validate_command_user_errors(tmp_path):
-    from llmvisor.validation_command import validate
+    from llmvisor.cli.validate import validate
 
     with pytest.raises(LlmvisorError, match="no such model file"):
         validate(model=tmp_path / "missing.json", output=tmp_path / "r.json")
@@ -386,7 +386,8 @@ def test_validate_re_analyses_a_packed_journal_without_the_engine(tmp_path, monk
     import gzip
 
     from llmvisor.engines.vllm import controlled
-    from llmvisor.validation_command import default_engine_model_dir, validate
+    from llmvisor.cli.validate import validate
+    from llmvisor.shipped import engine_model_dir
 
     def no_engine(*args, **kwargs):
         raise AssertionError("the engine must not start when everything is measured")
@@ -396,7 +397,7 @@ def test_validate_re_analyses_a_packed_journal_without_the_engine(tmp_path, monk
     _write_mix_csvs(workloads)
     batches, _ = v.draw_batches(v.read_length_mixes(workloads), ENVELOPE, n_batches=4, max_batch=3, seed=0)
     engine_settings = {
-        "engine_model_config": json.loads((default_engine_model_dir() / "config.json").read_text()),
+        "engine_model_config": json.loads((engine_model_dir() / "config.json").read_text()),
         "max_model_len": 4096, "max_num_batched_tokens": 2048, "max_num_seqs": 32, "threads": None,
     }
     plain = tmp_path / "r.journal.jsonl"

@@ -12,10 +12,10 @@ except Exception as error:  # noqa: BLE001 - a broken install raises more than I
     pytest.skip(f"vLLM is not importable ({type(error).__name__}: {error})", allow_module_level=True)
 
 from llmvisor.ledger import Ledger
-from llmvisor.model import StepLatencyModel
+from llmvisor.core.model import StepLatencyModel
 from llmvisor.service.process import ServerProcess
-from llmvisor.synthetic import synthetic_trace
-from llmvisor.trace import read_trace
+from llmvisor.core.synthetic import synthetic_trace
+from llmvisor.core.trace import read_trace
 
 from _tiny_llama import tiny_engine_args, write_tiny_llama
 from test_vllm_recorder import ENGINE_ENV, TINY_FIELDS

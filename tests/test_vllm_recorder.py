@@ -24,7 +24,7 @@ try:
 except Exception as error:  # noqa: BLE001 - a broken install (torchvision mismatch) raises more than ImportError
     pytest.skip(f"vLLM is not importable ({type(error).__name__}: {error})", allow_module_level=True)
 
-from llmvisor.trace import read_trace
+from llmvisor.core.trace import read_trace
 
 from _tiny_llama import tiny_engine_args, write_tiny_llama
 
@@ -206,7 +206,7 @@ def test_openai_server_with_scheduler_cls_records_tenants(tiny_model, tmp_path):
 def test_profile_sweep_on_tiny_model(tiny_model, tmp_path):
     output = tmp_path / "sweep.parquet"
     command = [
-        sys.executable, "-m", "llmvisor.profile", "--plan", "sweep", "-o", str(output),
+        sys.executable, "-m", "llmvisor.cli", "profile", "--plan", "sweep", "-o", str(output),
         "--model", tiny_model, "--points", "3", "--repeat", "2", "--max-decode-steps", "6",
         "--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
         "--kv-cache-gib", "1", "--threads", "1", "--enforce-eager", "--run-id", "tiny-sweep",
@@ -235,7 +235,7 @@ def test_profile_sweep_on_tiny_model(tiny_model, tmp_path):
 def test_profile_rejects_bad_input_with_exit_code_2(tmp_path):
     missing = tmp_path / "no-such-model"
     result = subprocess.run(
-        [sys.executable, "-m", "llmvisor.profile", "-o", str(tmp_path / "x.parquet"), "--model", str(missing)],
+        [sys.executable, "-m", "llmvisor.cli", "profile", "-o", str(tmp_path / "x.parquet"), "--model", str(missing)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from llmvisor.trace import StepTrace
+from llmvisor.core.trace import StepTrace
 
 QUANTILES = (0.0, 0.1, 0.5, 0.9, 1.0)
 QUANTILE_NAMES = ("min", "p10", "p50", "p90", "max")

@@ -27,7 +27,7 @@ import llmvisor
 from llmvisor.ledger import Ledger, Principal, StepConflictError
 from llmvisor.ledger.schema import USAGE_RESOLUTION_US
 from llmvisor.ledger.store import now_us
-from llmvisor.model import StepLatencyModel
+from llmvisor.core.model import StepLatencyModel
 from llmvisor.service.ingest import (
     MAX_STRING_CHARS,
     MAX_TIMESTAMP_S,

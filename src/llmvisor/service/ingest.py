@@ -3,7 +3,7 @@
 A body holds trace rows (format v1) of whole steps, in one of three forms:
 
 - JSON ``{"steps": [[row, ...], ...]}``: one list of row objects per step, validated by the trace reader's
-  row validator (`llmvisor.trace.trace_from_rows`);
+  row validator (`llmvisor.core.trace.trace_from_rows`);
 - JSON ``{"columns": {"run_id": [...], "step_id": [...], ...}}``: the same rows as one list per column,
   validated by the trace reader's Arrow validator (the one Parquet files go through), vectorised, so several
   times cheaper per row; rows are grouped into steps by (run_id, step_id);
@@ -11,7 +11,7 @@ A body holds trace rows (format v1) of whole steps, in one of three forms:
   wrote, through the same Arrow validator, without the JSON parsing: the cheapest form.
 
 This module adds only the envelope (one group per step) and the limits of storage (string lengths, NUL,
-magnitudes); the trace contract itself is checked by `llmvisor.trace`.
+magnitudes); the trace contract itself is checked by `llmvisor.core.trace`.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from llmvisor.attribution import attribute
+from llmvisor.core.attribution import attribute
 from llmvisor.errors import LlmvisorError, TraceError
 from llmvisor.ledger import StepRecords
-from llmvisor.model import StepLatencyModel
-from llmvisor.trace import REQUIRED_COLUMNS, StepTrace, build_trace, trace_columns_from_arrow, trace_from_rows
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.trace import REQUIRED_COLUMNS, StepTrace, build_trace, trace_columns_from_arrow, trace_from_rows
 
 BODY_PATH = "request body"
 MAX_STRING_CHARS = 512

@@ -26,7 +26,7 @@ import typer
 
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
-from llmvisor.service.client import columns_body
+from llmvisor.client import columns_body
 from llmvisor.service.ingest import PARQUET_MEDIA_TYPE
 from llmvisor.service.process import ServerProcess
 
@@ -227,8 +227,8 @@ def load(
     with tempfile.TemporaryDirectory(prefix="llmvisor-load-") as scratch:
         model_path = model
         if model_path is None:
-            from llmvisor.model import StepLatencyModel
-            from llmvisor.synthetic import synthetic_trace
+            from llmvisor.core.model import StepLatencyModel
+            from llmvisor.core.synthetic import synthetic_trace
 
             model_path = Path(scratch) / "model.json"
             StepLatencyModel().fit(synthetic_trace(2000)).to_json(model_path)

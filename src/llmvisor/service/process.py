@@ -22,7 +22,7 @@ def free_loopback_port() -> int:
 
 
 class ServerProcess:
-    """``python -m llmvisor.service serve`` in a child process, bound to 127.0.0.1.
+    """``python -m llmvisor.cli serve`` in a child process, bound to 127.0.0.1.
 
     The port is fixed at construction, so a restarted server answers at the same URL.
     """
@@ -39,7 +39,7 @@ class ServerProcess:
 
     def start(self, timeout_s: float = 30.0) -> ServerProcess:
         command = [
-            sys.executable, "-m", "llmvisor.service", "serve",
+            sys.executable, "-m", "llmvisor.cli", "serve",
             "--model", self.model_path, "--db", self.db_url,
             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *self.extra_args,
         ]

@@ -1,6 +1,6 @@
 """Controlled steps on a real vLLM engine: make a chosen batch run as exactly one engine step, and time it.
 
-The validation (`llmvisor.validation`) needs the measured time T(S) of every subset S of a batch. This
+The validation (`llmvisor.validation.study`) needs the measured time T(S) of every subset S of a batch. This
 module makes each such step happen on vLLM, in-process, and times it the way the step recorder does
 (`RecordingScheduler`: from ``schedule()`` returning to ``update_from_output()`` being entered), because it
 *is* the recorder: `ControlledScheduler` subclasses it and only adds a filter on which running requests

@@ -1,4 +1,4 @@
-"""`FairScheduler`: vLLM's scheduler with VTC admission, quotas and SLO admission control (`llmvisor.fairness`).
+"""`FairScheduler`: vLLM's scheduler with VTC admission, quotas and SLO admission control (`llmvisor.fairness.policy`).
 
 Pass it as ``LLM(..., scheduler_cls=FairScheduler)`` or to the OpenAI server as
 ``--scheduler-cls llmvisor.engines.vllm.fair.FairScheduler``; settings come from ``LLMVISOR_FAIR_CONFIG``
@@ -33,7 +33,7 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.request_queue import RequestQueue
 
 from llmvisor.engines.vllm.recorder import RecordingScheduler
-from llmvisor.fairness import AdmissionDecision, FairnessConfig, FairShare
+from llmvisor.fairness.policy import AdmissionDecision, FairnessConfig, FairShare
 
 logger = init_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""One policy's run of the fairness experiment on the real vLLM engine (driven by `llmvisor.experiment`).
+"""One policy's run of the fairness experiment on the real vLLM engine (driven by `llmvisor.fairness.experiment`).
 
 Runs in its own process (``python -m llmvisor.engines.vllm.fair_experiment SPEC.json``) so each policy gets a
 fresh engine. The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, async scheduling off),
@@ -7,7 +7,7 @@ and ``attributed`` are `FairScheduler` with that cost. Arrivals follow a schedul
 for every policy; each step's new output tokens are logged with the time the step returned.
 
 The spec (JSON) holds ``policy``, ``out_dir``, ``model_dir`` (engine config folder), ``model_path`` (llmvisor
-model), ``engine`` (EngineSettings fields) and ``workload`` (see `llmvisor.experiment.fairness`).
+model), ``engine`` (EngineSettings fields) and ``workload`` (see `llmvisor.fairness.experiment.fairness`).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def run(spec: dict) -> dict:
 
     from llmvisor.engines.vllm.fair import FairScheduler
     from llmvisor.engines.vllm.recorder import RecordingScheduler
-    from llmvisor.fairness import FairnessConfig
+    from llmvisor.fairness.policy import FairnessConfig
 
     started_engine = time.perf_counter()
     scheduler_cls = RecordingScheduler if policy == "fcfs" else FairScheduler

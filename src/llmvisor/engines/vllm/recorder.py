@@ -30,8 +30,8 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from llmvisor.engines.vllm.settings import RecorderSettings
-from llmvisor.service.client import StepPusher
-from llmvisor.trace import TraceWriter
+from llmvisor.client import StepPusher
+from llmvisor.core.trace import TraceWriter
 
 logger = init_logger(__name__)
 

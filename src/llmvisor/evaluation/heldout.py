@@ -7,10 +7,10 @@ from collections.abc import Callable
 import numpy as np
 from sklearn.metrics import r2_score
 
-from llmvisor.baselines import PaperOLSBaseline, RandomForestBaseline, TokenCountBaseline
+from llmvisor.evaluation.baselines import PaperOLSBaseline, RandomForestBaseline, TokenCountBaseline
 from llmvisor.errors import LlmvisorError
-from llmvisor.model import StepLatencyModel
-from llmvisor.trace import StepTrace
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.trace import StepTrace
 
 MODEL_FACTORIES: dict[str, Callable[[], object]] = {
     "llmvisor": StepLatencyModel,

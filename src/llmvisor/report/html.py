@@ -14,20 +14,20 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from llmvisor.evaluation import relative_errors, steady_steps  # noqa: E402
-from llmvisor.trace import StepTrace  # noqa: E402
+from llmvisor.evaluation.heldout import relative_errors, steady_steps  # noqa: E402
+from llmvisor.core.trace import StepTrace  # noqa: E402
 
 MODEL_COLORS = {"llmvisor": "#1f77b4", "paper_ols": "#ff7f0e", "token_count": "#d62728", "random_forest": "#2ca02c"}
 
 
-def _png(figure) -> str:
+def figure_png_base64(figure) -> str:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
     plt.close(figure)
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def _img(encoded: str, alt: str) -> str:
+def img_tag(encoded: str, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{encoded}">'
 
 
@@ -49,7 +49,7 @@ def predicted_vs_measured(result: dict, test: StepTrace) -> str:
         axis.set_xlabel("measured step time (ms)")
         axis.set_ylabel("predicted step time (ms)")
         axis.legend()
-    return _img(_png(figure), "predicted vs measured step time per phase")
+    return img_tag(figure_png_base64(figure), "predicted vs measured step time per phase")
 
 
 def error_cdfs(result: dict, test: StepTrace) -> str:
@@ -73,7 +73,7 @@ def error_cdfs(result: dict, test: StepTrace) -> str:
         axis.set_ylabel("fraction of held-out steps")
         axis.set_title(f"error CDF, {phase}")
         axis.legend(fontsize=7)
-    return _img(_png(figure), "relative error CDF per model")
+    return img_tag(figure_png_base64(figure), "relative error CDF per model")
 
 
 def tenant_bars(by_rule: dict[str, dict[str, float]], title: str) -> str:
@@ -86,7 +86,7 @@ def tenant_bars(by_rule: dict[str, dict[str, float]], title: str) -> str:
     axis.set_ylabel("attributed engine time (s)")
     axis.set_title(title)
     axis.legend()
-    return _img(_png(figure), title)
+    return img_tag(figure_png_base64(figure), title)
 
 
 def metrics_table(result: dict) -> str:

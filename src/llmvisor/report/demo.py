@@ -3,33 +3,24 @@
 from __future__ import annotations
 
 import json
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
-from llmvisor.attribution import RULES, aggregate, attribute
-from llmvisor.errors import LlmvisorError
-from llmvisor.evaluation import evaluate, to_json_ready
-from llmvisor.report import error_cdfs, metrics_table, predicted_vs_measured, tenant_bars, write_report
-from llmvisor.trace import StepTrace, read_trace, read_traces
+from llmvisor.core.attribution import RULES, aggregate, attribute
+from llmvisor.shipped import (
+    FAIRNESS_RESULT,
+    HELD_OUT_TRACES,
+    MULTI_TENANT_TRACE,
+    TRAIN_TRACE,
+    VALIDATION_RESULT,
+    result_path,
+    trace_path,
+)
+from llmvisor.evaluation.heldout import evaluate, to_json_ready
+from llmvisor.report.html import error_cdfs, metrics_table, predicted_vs_measured, tenant_bars, write_report
+from llmvisor.core.trace import StepTrace, read_trace, read_traces
 
-TRAIN_TRACE = "sweep.parquet"
-HELD_OUT_TRACES = ("azure-conv.parquet", "azure-code.parquet", "arxiv-summarization.parquet", "multi-tenant.parquet")
-MULTI_TENANT_TRACE = "multi-tenant.parquet"
-VALIDATION_RESULT = "validation.json"
-FAIRNESS_RESULT = "fairness.json"
-
-
-def data_dir() -> Path:
-    return Path(str(resources.files("llmvisor") / "data"))
-
-
-def shipped_trace(name: str) -> Path:
-    path = data_dir() / "traces" / name
-    if not path.is_file():
-        raise LlmvisorError(f"{path}: shipped trace missing (is the package installed whole?)")
-    return path
 
 
 def token_service(trace: StepTrace) -> dict[str, float]:
@@ -44,8 +35,8 @@ def token_service(trace: StepTrace) -> dict[str, float]:
 def run_demo(output_dir: Path, *, n_bootstrap: int = 1000, progress=None) -> dict:
     step = progress or (lambda message: None)
     step("reading shipped traces")
-    train = read_trace(shipped_trace(TRAIN_TRACE))
-    test = read_traces([shipped_trace(name) for name in HELD_OUT_TRACES])
+    train = read_trace(trace_path(TRAIN_TRACE))
+    test = read_traces([trace_path(name) for name in HELD_OUT_TRACES])
     step("fitting llmvisor and baselines on the sweep, evaluating on held-out workloads")
     result = evaluate(train, test, n_bootstrap=n_bootstrap)
     model = result["fitted"]["llmvisor"]
@@ -53,7 +44,7 @@ def run_demo(output_dir: Path, *, n_bootstrap: int = 1000, progress=None) -> dic
     model.to_json(output_dir / "model.json")
 
     step("attributing the multi-tenant run")
-    tenants_trace = read_trace(shipped_trace(MULTI_TENANT_TRACE))
+    tenants_trace = read_trace(trace_path(MULTI_TENANT_TRACE))
     by_rule = {rule: aggregate(tenants_trace, attribute(model, tenants_trace, rule), "tenant") for rule in RULES}
     tokens = token_service(tenants_trace)
     measured_s = float(tenants_trace.step_latency_s_per_step.sum())
@@ -71,7 +62,7 @@ def run_demo(output_dir: Path, *, n_bootstrap: int = 1000, progress=None) -> dic
             "token_service": tokens,
         },
     }
-    validation_path = data_dir() / VALIDATION_RESULT
+    validation_path = result_path(VALIDATION_RESULT)
     validation = json.loads(validation_path.read_text()) if validation_path.is_file() else None
     if validation is not None:
         summary["validation"] = validation.get("summary", validation)
@@ -100,12 +91,12 @@ def run_demo(output_dir: Path, *, n_bootstrap: int = 1000, progress=None) -> dic
     if coverage:
         sections.insert(2, ("Sweep coverage of the engine envelope", f"<pre>{json.dumps(coverage, indent=1)}</pre>"))
     if validation is not None:
-        from llmvisor.validation import report_sections
+        from llmvisor.validation.study import report_sections
 
         sections.extend(report_sections(validation))
-    fairness_path = data_dir() / FAIRNESS_RESULT
+    fairness_path = result_path(FAIRNESS_RESULT)
     if fairness_path.is_file():
-        from llmvisor.experiment import report_sections as fairness_sections
+        from llmvisor.fairness.experiment import report_sections as fairness_sections
 
         sections.extend(fairness_sections(json.loads(fairness_path.read_text())))
     report = write_report(output_dir, sections, title="llmvisor demo on shipped vLLM traces", data=summary)

@@ -10,8 +10,8 @@ from sklearn.ensemble import RandomForestRegressor
 from sklearn.linear_model import LinearRegression
 
 from llmvisor.errors import NotFittedError
-from llmvisor.features import summary_step_features
-from llmvisor.trace import StepTrace
+from llmvisor.core.features import summary_step_features
+from llmvisor.core.trace import StepTrace
 
 
 class _PerPhase:

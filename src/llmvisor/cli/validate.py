@@ -12,23 +12,13 @@ import json
 import os
 import shutil
 import time
-from importlib import resources
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from llmvisor import shipped
 from llmvisor.errors import LlmvisorError
-
-
-def default_engine_model_dir() -> Path:
-    """The shipped engine model: a Llama-shaped config.json, run with dummy weights."""
-    return Path(str(resources.files("llmvisor") / "data" / "engine-model"))
-
-
-def default_model_path() -> Path:
-    """The shipped model, fitted on the shipped vLLM sweep trace."""
-    return Path(str(resources.files("llmvisor") / "data" / "model.json"))
 
 
 def journal_path_for(output: Path) -> Path:
@@ -83,11 +73,11 @@ def validate(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from llmvisor import validation as v
-    from llmvisor.model import StepLatencyModel
+    from llmvisor.validation import study as v
+    from llmvisor.core.model import StepLatencyModel
 
     console = Console(stderr=True)
-    model = model if model is not None else default_model_path()
+    model = model if model is not None else shipped.latency_model_path()
     latency_model = StepLatencyModel.from_json(model)
     if repeat < 1:
         raise LlmvisorError(f"--repeat: must be at least 1 (got {repeat})")
@@ -97,7 +87,7 @@ def validate(
         raise LlmvisorError(f"--n-bootstrap: must be 0 or more (got {n_bootstrap})")
     if output.suffix.lower() != ".json":
         raise LlmvisorError(f"{output}: the result must be a .json file")
-    engine_dir = engine_model if engine_model is not None else default_engine_model_dir()
+    engine_dir = engine_model if engine_model is not None else shipped.engine_model_dir()
     config_path = engine_dir / "config.json"
     if not config_path.is_file():
         raise LlmvisorError(f"{engine_dir}: no config.json in the engine model folder")

@@ -31,20 +31,15 @@ from typing import Annotated
 import numpy as np
 import typer
 
+from llmvisor import shipped
 from llmvisor.errors import LlmvisorError
-from llmvisor.features import FEATURE_NAMES
+from llmvisor.core.features import FEATURE_NAMES
 
 POLICIES = ("fcfs", "tokens", "attributed")
 POLICY_LABELS = {"fcfs": "vLLM FCFS", "tokens": "token VTC", "attributed": "attributed VTC"}
 GOAL_MAX_MIN = 1.2
 GOAL_JAIN = 0.95
 GOAL_THROUGHPUT_LOSS = 0.05
-
-
-def _default_engine_model() -> Path:
-    from llmvisor.profile.command import default_model_dir
-
-    return default_model_dir()
 
 
 def _percentiles(values: list[float]) -> dict:
@@ -55,7 +50,7 @@ def _percentiles(values: list[float]) -> dict:
 
 
 def _fairness(values: list[float]) -> tuple[float | None, float | None]:
-    from llmvisor.fairness import jain_index, max_min_ratio
+    from llmvisor.fairness.policy import jain_index, max_min_ratio
 
     if len(values) < 2:
         return None, None
@@ -88,8 +83,8 @@ def workload_tenants(n_tenants: int, *, rate_rps: float, history_tokens: int, n_
 
 def analyse_run(result: dict, model, *, window_s: float, warmup_s: float) -> dict:
     """Per-tenant, per-window figures of one policy's run (see the module docstring)."""
-    from llmvisor.attribution import attribute_arrays
-    from llmvisor.trace import read_trace
+    from llmvisor.core.attribution import attribute_arrays
+    from llmvisor.core.trace import read_trace
 
     tenants = list(result["tenants"])
     index = {t: k for k, t in enumerate(tenants)}
@@ -228,8 +223,8 @@ def insitu_check(runs: dict, *, window_s: float, warmup_s: float) -> dict | None
     share cached documents), so a policy that is fair only under the charging model's split shows it here.
     Its own caveat: batch composition varies less than in a sweep, so its coefficients are less certain.
     """
-    from llmvisor.model import StepLatencyModel
-    from llmvisor.trace import concat_traces, read_trace
+    from llmvisor.core.model import StepLatencyModel
+    from llmvisor.core.trace import concat_traces, read_trace
 
     if len(runs) < 2:
         return None
@@ -317,7 +312,7 @@ def report_sections(result: dict) -> list[tuple[str, str]]:
     """HTML sections for the llmvisor report: the plot and a summary table per policy."""
     import html
 
-    from llmvisor.report import _img, _png
+    from llmvisor.report.html import img_tag, figure_png_base64
 
     rows = []
     for policy in POLICIES:
@@ -357,7 +352,7 @@ def report_sections(result: dict) -> list[tuple[str, str]]:
     table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
     return [
         ("Fairness: FCFS vs token VTC vs attributed VTC", note + table),
-        ("Fairness over time", _img(_png(plot(result)), "attributed engine time, token service and TTFT per tenant per window")),
+        ("Fairness over time", img_tag(figure_png_base64(plot(result)), "attributed engine time, token service and TTFT per tenant per window")),
     ]
 
 
@@ -413,19 +408,18 @@ def fairness(
     """Fair sharing on the real vLLM engine: FCFS vs token VTC vs attributed VTC, per tenant over time."""
     from rich.console import Console
 
-    from llmvisor.fairness import shipped_model_path
-    from llmvisor.model import StepLatencyModel
+    from llmvisor.core.model import StepLatencyModel
 
     console = Console(stderr=True)
     policies = list(policy or POLICIES)
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise LlmvisorError(f"--policy: unknown {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
-    model_path = str(model) if model is not None else shipped_model_path()
+    model_path = str(model) if model is not None else str(shipped.latency_model_path())
     if model_path is None or not os.path.exists(model_path):
         raise LlmvisorError(f"--model: {model_path or 'no shipped model.json'} not found; fit one with `llmvisor fit TRACE -o model.json`")
     charge_model = StepLatencyModel.from_json(model_path)
-    engine_dir = str(engine_model or _default_engine_model())
+    engine_dir = str(engine_model or shipped.engine_model_dir())
     output.mkdir(parents=True, exist_ok=True)
     workload = {
         "tenants": workload_tenants(tenants, rate_rps=rate_rps, history_tokens=history_tokens, n_conversations=conversations, prompt_tokens=prompt_tokens, output_tokens=output_tokens),

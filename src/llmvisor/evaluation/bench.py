@@ -6,11 +6,11 @@ import time
 
 import numpy as np
 
-from llmvisor.attribution import StepAttributor, attribute
-from llmvisor.baselines import RandomForestBaseline
-from llmvisor.features import summary_step_features
-from llmvisor.model import StepLatencyModel
-from llmvisor.synthetic import synthetic_trace
+from llmvisor.core.attribution import StepAttributor, attribute
+from llmvisor.evaluation.baselines import RandomForestBaseline
+from llmvisor.core.features import summary_step_features
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.synthetic import synthetic_trace
 
 BATCH_SIZES = (1, 8, 64, 256)
 

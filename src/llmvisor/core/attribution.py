@@ -27,8 +27,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from llmvisor.errors import LlmvisorError
-from llmvisor.model import StepLatencyModel
-from llmvisor.trace import StepTrace
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.trace import StepTrace
 
 RULES = ("shapley", "proportional", "paper")
 

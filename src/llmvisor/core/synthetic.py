@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmvisor.features import FEATURE_NAMES, slice_feature_matrix
-from llmvisor.trace import StepTrace
+from llmvisor.core.features import FEATURE_NAMES, slice_feature_matrix
+from llmvisor.core.trace import StepTrace
 
 DEFAULT_COEF_S = {
     "intercept": 8e-3,

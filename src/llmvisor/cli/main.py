@@ -122,8 +122,8 @@ def fit(
     keep_warmup: WarmupOption = False,
 ) -> None:
     """Fit the step-latency model on traces and save it as versioned JSON."""
-    from llmvisor.model import StepLatencyModel
-    from llmvisor.trace import read_traces
+    from llmvisor.core.model import StepLatencyModel
+    from llmvisor.core.trace import read_traces
 
     trace = read_traces(traces)
     model = StepLatencyModel(**model_params(segments, ols, outlier_threshold, keep_warmup)).fit(trace)
@@ -182,8 +182,8 @@ def eval_command(
     keep_warmup: WarmupOption = False,
 ) -> None:
     """Fit llmvisor and the baselines on --train, report errors on --test per phase."""
-    from llmvisor.evaluation import evaluate, to_json_ready
-    from llmvisor.trace import read_traces
+    from llmvisor.evaluation.heldout import evaluate, to_json_ready
+    from llmvisor.core.trace import read_traces
 
     result = evaluate(
         read_traces(train),
@@ -214,9 +214,9 @@ def attribute_command(
     top: Annotated[int, typer.Option(help="Rows to show in the table (JSON holds all).")] = 20,
 ) -> None:
     """Attribute every step's measured time to requests or tenants (streaming; memory stays bounded)."""
-    from llmvisor.attribution import RULES, aggregate, attribute
-    from llmvisor.model import StepLatencyModel
-    from llmvisor.trace import iter_trace
+    from llmvisor.core.attribution import RULES, aggregate, attribute
+    from llmvisor.core.model import StepLatencyModel
+    from llmvisor.core.trace import iter_trace
 
     if by not in ("tenant", "request"):
         raise LlmvisorError(f"--by: expected tenant or request, got {by!r}")
@@ -266,7 +266,7 @@ def attribute_command(
 @user_errors
 def bench(json_output: JsonFlag = False) -> None:
     """Measure per-step attribution latency, offline throughput and fit time in this run."""
-    from llmvisor.bench import run_benchmarks
+    from llmvisor.evaluation.bench import run_benchmarks
 
     with stderr.status("benchmarking") as status:
         result = run_benchmarks(progress=lambda message: status.update(message))
@@ -302,7 +302,7 @@ def demo(
     bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples for the 95% intervals.")] = 1000,
 ) -> None:
     """Fit on the shipped vLLM sweep, evaluate on held-out workloads, attribute per tenant, write a report."""
-    from llmvisor.demo import run_demo
+    from llmvisor.report.demo import run_demo
 
     with stderr.status("demo") as status:
         outcome = run_demo(output_dir, n_bootstrap=bootstrap, progress=lambda message: status.update(message))
@@ -346,11 +346,11 @@ def demo(
 
 def _register_adapters() -> None:
     """Commands whose code lives beside its domain (engine glue, service); vLLM is imported only when they run."""
-    from llmvisor.experiment import fairness
-    from llmvisor.profile.command import profile
-    from llmvisor.service.command import keys_create, keys_list, keys_revoke, ledger_migrate, serve
+    from llmvisor.fairness.experiment import fairness
+    from llmvisor.cli.profile import profile
+    from llmvisor.cli.serve import keys_create, keys_list, keys_revoke, ledger_migrate, serve
     from llmvisor.service.load import load
-    from llmvisor.validation_command import validate
+    from llmvisor.cli.validate import validate
 
     app.command("profile")(user_errors(profile))
     app.command("validate")(user_errors(validate))

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from llmvisor.trace import REQUIRED_COLUMNS, TraceWriter
+from llmvisor.core.trace import REQUIRED_COLUMNS, TraceWriter
 
 log = logging.getLogger("llmvisor.pusher")
 

@@ -6,20 +6,15 @@ import os
 import shlex
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from llmvisor import shipped
 from llmvisor.errors import LlmvisorError
 
 PLANS = ("sweep", "workload")
-
-
-def default_model_dir() -> Path:
-    """The shipped engine model: a Llama-shaped config.json, run with dummy weights."""
-    return Path(str(resources.files("llmvisor") / "data" / "engine-model"))
 
 
 def profile(
@@ -68,7 +63,7 @@ def profile(
         raise LlmvisorError("--workload: only the workload plan replays workload CSVs (use --plan workload)")
     if concurrency < 1:
         raise LlmvisorError(f"--concurrency: must be at least 1 (got {concurrency})")
-    model_dir = str(model if model is not None else default_model_dir())
+    model_dir = str(model if model is not None else shipped.engine_model_dir())
 
     from llmvisor.engines.vllm.driver import EngineSettings, check_model_dir
 
@@ -124,7 +119,7 @@ def profile(
     )
 
     from llmvisor.profile.stats import coverage, mark_warmup_window, noise_floor, print_coverage, print_noise_floor
-    from llmvisor.trace import read_trace, write_trace
+    from llmvisor.core.trace import read_trace, write_trace
 
     trace = read_trace(jsonl_path)
     n_warmup = mark_warmup_window(trace, warmup_seconds)

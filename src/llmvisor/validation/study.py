@@ -621,7 +621,7 @@ def quantiles_with_ci(
 
 
 def _model_shares(model, new: np.ndarray, context: np.ndarray, is_prefill: np.ndarray, measured_s: float) -> dict[str, np.ndarray]:
-    from llmvisor.attribution import RULES, attribute_arrays
+    from llmvisor.core.attribution import RULES, attribute_arrays
 
     offsets = np.array([0, new.size])
     shares = {}
@@ -635,7 +635,7 @@ def _model_shares(model, new: np.ndarray, context: np.ndarray, is_prefill: np.nd
 
 def model_subset_costs(model, new: np.ndarray, context: np.ndarray, is_prefill: np.ndarray) -> np.ndarray:
     """The model's predicted time of every subset of a batch (index = bit mask; 0 for the empty set)."""
-    from llmvisor.attribution import attribute_arrays
+    from llmvisor.core.attribution import attribute_arrays
 
     n = new.size
     masks = subset_masks(n)[1:]
@@ -991,7 +991,7 @@ def report_sections(validation: dict) -> list[tuple[str, str]]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from llmvisor.report import _img, _png
+    from llmvisor.report.html import img_tag, figure_png_base64
 
     records = validation.get("batches", [])
     summary = validation.get("summary") or {}
@@ -1053,7 +1053,7 @@ def report_sections(validation: dict) -> list[tuple[str, str]]:
                 axis.set_xlabel("measured Shapley / step", fontsize=8)
             if row == 0 and col == 0:
                 axis.legend(fontsize=6)
-    scatter = _img(_png(figure), "share vs measured Shapley value per method and phase")
+    scatter = img_tag(figure_png_base64(figure), "share vs measured Shapley value per method and phase")
 
     figure, axes = plt.subplots(1, len(phases), figsize=(5.5 * len(phases), 4.2), squeeze=False)
     for axis, phase in zip(axes[0], phases):
@@ -1082,7 +1082,7 @@ def report_sections(validation: dict) -> list[tuple[str, str]]:
         axis.set_ylabel("fraction of requests")
         axis.set_title(f"error CDF, {phase}")
         axis.legend(fontsize=7)
-    cdf = _img(_png(figure), "error CDF per method with the noise floor")
+    cdf = img_tag(figure_png_base64(figure), "error CDF per method with the noise floor")
     sections.append(("Validation: share vs measured Shapley (each point a request)", scatter))
     sections.append(("Validation: error CDF per rule", cdf))
     return sections

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmvisor.errors import LlmvisorError
-from llmvisor.trace import StepTrace
+from llmvisor.core.trace import StepTrace
 
 FEATURE_NAMES = (
     "intercept",

@@ -13,7 +13,7 @@ The cost is pluggable:
 
 - ``tokens``: VTC's own, prompt tokens ×1 and output tokens ×2 (the weights are configurable);
 - ``attributed``: engine seconds. Each step's measured time is split among its requests by llmvisor's
-  shares (`llmvisor.attribution.StepAttributor`, Shapley by default) and charged at every step, prefill
+  shares (`llmvisor.core.attribution.StepAttributor`, Shapley by default) and charged at every step, prefill
   chunks and decodes alike. Token counts miss what long contexts cost (attention over the context, KV reads
   in decode); attributed seconds include it, so equal counters mean equal engine time.
 
@@ -43,18 +43,17 @@ import tomllib
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib import resources
 
 import numpy as np
 
-from llmvisor.attribution import RULES, StepAttributor
+from llmvisor.core.attribution import RULES, StepAttributor
+from llmvisor import shipped
 from llmvisor.errors import LlmvisorError
-from llmvisor.model import StepLatencyModel
+from llmvisor.core.model import StepLatencyModel
 
 COSTS = ("tokens", "attributed")
 DEFAULT_TENANT = "default"
 ENV_CONFIG = "LLMVISOR_FAIR_CONFIG"
-SHIPPED_MODEL = "model.json"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -207,7 +206,7 @@ class FairnessConfig:
         """The model to charge and predict with, or None when nothing configured needs one."""
         if not self.needs_model:
             return None
-        path = self.model or shipped_model_path()
+        path = self.model or str(shipped.latency_model_path())
         if path is None or not os.path.exists(path):
             missing = f"model file {path!r} does not exist" if path else "llmvisor ships no model.json"
             raise LlmvisorError(
@@ -215,11 +214,6 @@ class FairnessConfig:
                 "set \"model\" to a file written by `llmvisor fit`"
             )
         return StepLatencyModel.from_json(path)
-
-
-def shipped_model_path() -> str | None:
-    path = resources.files("llmvisor") / "data" / SHIPPED_MODEL
-    return str(path) if path.is_file() else None
 
 
 def _number(value, key: str, source: str, *, positive: bool = False) -> float:

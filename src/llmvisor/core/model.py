@@ -11,8 +11,8 @@ import scipy.linalg
 import scipy.optimize
 
 from llmvisor.errors import LlmvisorError, ModelError, NotFittedError
-from llmvisor.features import FEATURE_NAMES, N_FEATURES, step_feature_matrix, step_new_tokens
-from llmvisor.trace import StepTrace
+from llmvisor.core.features import FEATURE_NAMES, N_FEATURES, step_feature_matrix, step_new_tokens
+from llmvisor.core.trace import StepTrace
 
 MODEL_FORMAT = "llmvisor.step_latency_model"
 MODEL_FORMAT_VERSION = 1
@@ -101,7 +101,7 @@ class StepLatencyModel:
     -----
     This is NNLS (or OLS) on per-step sums of per-slice features, wrapped as a predictor. The segment of a step
     is chosen by its own load, and the same coefficients price every slice of that step, which is what makes
-    each slice's term an additive share of the step (see ``llmvisor.attribution``).
+    each slice's term an additive share of the step (see ``llmvisor.core.attribution``).
     """
 
     def __init__(

@@ -1,0 +1,1 @@
+"""Judging latency models: held-out evaluation against baselines, and speed benchmarks."""

@@ -1,0 +1,1 @@
+"""The HTML report and the end-to-end demo that writes it."""

@@ -1,0 +1,47 @@
+"""Where the data shipped inside the package lives: one definition of every shipped path.
+
+"Engine model" is the engine's weights folder (a Llama-shaped ``config.json``, run with dummy weights);
+"latency model" is a fitted `StepLatencyModel` file. The two are never called plain "model" here.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from llmvisor.errors import LlmvisorError
+
+TRAIN_TRACE = "sweep.parquet"
+HELD_OUT_TRACES = ("azure-conv.parquet", "azure-code.parquet", "arxiv-summarization.parquet", "multi-tenant.parquet")
+MULTI_TENANT_TRACE = "multi-tenant.parquet"
+VALIDATION_RESULT = "validation.json"
+VALIDATION_JOURNAL = "validation.journal.jsonl.gz"
+FAIRNESS_RESULT = "fairness.json"
+
+
+def data_dir() -> Path:
+    """The package's data folder (inside an installed wheel or the source tree alike)."""
+    return Path(str(resources.files("llmvisor") / "data"))
+
+
+def engine_model_dir() -> Path:
+    """The shipped engine model: a Llama-shaped config.json, run with dummy weights."""
+    return data_dir() / "engine-model"
+
+
+def latency_model_path() -> Path:
+    """The shipped latency model, fitted on the shipped vLLM sweep trace."""
+    return data_dir() / "model.json"
+
+
+def trace_path(name: str) -> Path:
+    """A shipped step trace by file name; a clear error if the package was installed without it."""
+    path = data_dir() / "traces" / name
+    if not path.is_file():
+        raise LlmvisorError(f"{path}: shipped trace missing (is the package installed whole?)")
+    return path
+
+
+def result_path(name: str) -> Path:
+    """A shipped result file (validation, fairness) by file name."""
+    return data_dir() / name

@@ -1,0 +1,1 @@
+"""Ground truth for attribution: shares compared with cost games measured on the real engine."""
