@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from llmvisor.errors import LlmvisorError
-from llmvisor.profile.plans import Envelope, build_workload, fit_lengths, read_workload_csv, sweep_episodes
+from llmvisor.core.workloads import read_workload_csv
+from llmvisor.profile.plans import Envelope, build_workload, fit_lengths, sweep_episodes
 from llmvisor.profile.stats import coverage, mark_warmup_window, noise_floor
 from llmvisor.core.trace import trace_from_rows
 

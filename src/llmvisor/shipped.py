@@ -2,10 +2,13 @@
 
 "Engine model" is the engine's weights folder (a Llama-shaped ``config.json``, run with dummy weights);
 "latency model" is a fitted `StepLatencyModel` file. The two are never called plain "model" here.
+What the package records about its own files (trace metadata, result settings) names them by
+`portable_path` ("llmvisor/data/..."), never by where this installation happens to live.
 """
 
 from __future__ import annotations
 
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -17,6 +20,9 @@ MULTI_TENANT_TRACE = "multi-tenant.parquet"
 VALIDATION_RESULT = "validation.json"
 VALIDATION_JOURNAL = "validation.journal.jsonl.gz"
 FAIRNESS_RESULT = "fairness.json"
+WORKLOAD_FILES = ("azure-2023-conv.csv", "azure-2023-code.csv", "arxiv-summarization.csv")
+"""The real request-length mixes shipped in ``data/workloads`` (provenance in its README.md)."""
+PACKAGE_DATA_PREFIX = "llmvisor/data"
 
 
 def data_dir() -> Path:
@@ -40,6 +46,20 @@ def trace_path(name: str) -> Path:
     if not path.is_file():
         raise LlmvisorError(f"{path}: shipped trace missing (is the package installed whole?)")
     return path
+
+
+def workloads_dir() -> Path:
+    """The shipped request-length mixes (`WORKLOAD_FILES`): Azure conversation, Azure code, arXiv summarization."""
+    return data_dir() / "workloads"
+
+
+def portable_path(path: str | os.PathLike) -> str:
+    """How to record a path: a file inside the package's data as "llmvisor/data/<relative path>", any other as given."""
+    try:
+        inside = Path(path).resolve().relative_to(data_dir().resolve())
+    except (OSError, ValueError):
+        return str(path)
+    return f"{PACKAGE_DATA_PREFIX}/{inside.as_posix()}" if inside.parts else PACKAGE_DATA_PREFIX
 
 
 def result_path(name: str) -> Path:

@@ -26,13 +26,14 @@ prefilled, each step runs a random number (0 up to half the budget) of the decod
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from llmvisor import shipped
+from llmvisor.core.workloads import WorkloadRow, read_workload_csv
 from llmvisor.errors import LlmvisorError
 
 SWEEP_DIMENSIONS = ("pool_size", "longest_prompt", "token_budget", "decode_steps", "second_wave")
@@ -145,58 +146,6 @@ class WorkloadPlan:
     metadata: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class WorkloadRow:
-    prompt_len: int
-    output_len: int
-    arrival_s: float | None
-
-
-def read_workload_csv(path: str) -> list[WorkloadRow]:
-    """Read a request-length CSV (num_prefill_tokens, num_decode_tokens, optional arrived_at)."""
-    if not os.path.isfile(path):
-        raise LlmvisorError(f"{path}: no such workload file")
-    try:
-        with open(path, encoding="utf-8", newline="") as handle:
-            reader = csv.DictReader(handle)
-            columns = reader.fieldnames or []
-            missing = [name for name in ("num_prefill_tokens", "num_decode_tokens") if name not in columns]
-            if missing:
-                raise LlmvisorError(f"{path}: header: missing column(s) {', '.join(missing)}")
-            has_arrival = "arrived_at" in columns
-            rows = []
-            for line, record in enumerate(reader, start=2):
-                prompt = _token_count(path, line, "num_prefill_tokens", record.get("num_prefill_tokens"))
-                output = _token_count(path, line, "num_decode_tokens", record.get("num_decode_tokens"))
-                arrival = _arrival(path, line, record.get("arrived_at")) if has_arrival else None
-                rows.append(WorkloadRow(prompt, output, arrival))
-    except UnicodeDecodeError:
-        raise LlmvisorError(f"{path}: not a text CSV file") from None
-    if not rows:
-        raise LlmvisorError(f"{path}: no requests in workload file")
-    return rows
-
-
-def _token_count(path: str, line: int, column: str, text: str | None) -> int:
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise LlmvisorError(f"{path}: line {line}: {column}: expected a token count, got {text!r}") from None
-    if not math.isfinite(value) or value < 1 or value != int(value):
-        raise LlmvisorError(f"{path}: line {line}: {column}: expected a whole number >= 1, got {text!r}")
-    return int(value)
-
-
-def _arrival(path: str, line: int, text: str | None) -> float:
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise LlmvisorError(f"{path}: line {line}: arrived_at: expected seconds, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise LlmvisorError(f"{path}: line {line}: arrived_at: expected finite seconds >= 0, got {text!r}")
-    return value
-
-
 def workload_name(path: str) -> str:
     return os.path.splitext(os.path.basename(path))[0]
 
@@ -292,7 +241,7 @@ def build_workload(
         arrival_text = f"trace arrivals: arrived_at (from the first selected row) times {time_scale}"
     metadata = {
         "workloads": [
-            {"path": path, "name": name, "rows": f"{start_row}..{start_row + len(reqs) - 1}", "n_requests": len(reqs)}
+            {"path": shipped.portable_path(path), "name": name, "rows": f"{start_row}..{start_row + len(reqs) - 1}", "n_requests": len(reqs)}
             for path, name, reqs in zip(paths, names, per_file)
         ],
         "length_rule": length_text,
