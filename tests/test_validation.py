@@ -8,16 +8,32 @@ import math
 
 import numpy as np
 import pytest
+from _tiny_llama import write_tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmvisor.validation import study as v
-from llmvisor.engines.vllm.controlled import MeasuredStep, Slice
-from llmvisor.errors import LlmvisorError
+from llmvisor import shipped
 from llmvisor.core.features import FEATURE_NAMES
 from llmvisor.core.model import StepLatencyModel
-
-from _tiny_llama import write_tiny_llama
+from llmvisor.engines.vllm.controlled import MeasuredStep, Slice
+from llmvisor.errors import LlmvisorError
+from llmvisor.validation.analysis import (
+    analyse_batch,
+    build_result,
+    interaction_diagnostics,
+    quantiles_with_ci,
+)
+from llmvisor.validation.game import additive_fit, exact_shapley, leave_one_out
+from llmvisor.validation.measurement import InterferenceGuard, Journal, measure
+from llmvisor.validation.plans import (
+    PHASES,
+    BatchSpec,
+    Envelope,
+    LengthMix,
+    draw_batches,
+    read_length_mixes,
+)
+from llmvisor.validation.report import report_sections
 
 
 def game(n: int, value) -> np.ndarray:
@@ -45,10 +61,10 @@ def test_additive_game_shapley_is_own_plus_equal_split_of_intercept():
     own = np.array([0.010, 0.003, 0.020, 0.0, 0.007])
     b = 0.012
     cost = game(5, lambda s: b + own[s].sum())
-    np.testing.assert_allclose(v.exact_shapley(cost), own + b / 5, rtol=0, atol=1e-15)
-    np.testing.assert_allclose(v.leave_one_out(cost), own, atol=1e-15)
-    assert v.leave_one_out(cost).sum() - cost[-1] == pytest.approx(-b)
-    fit = v.additive_fit(cost)
+    np.testing.assert_allclose(exact_shapley(cost), own + b / 5, rtol=0, atol=1e-15)
+    np.testing.assert_allclose(leave_one_out(cost), own, atol=1e-15)
+    assert leave_one_out(cost).sum() - cost[-1] == pytest.approx(-b)
+    fit = additive_fit(cost)
     assert fit["intercept_s"] == pytest.approx(b)
     np.testing.assert_allclose(fit["shapley_s"], own + b / 5, atol=1e-12)
     assert fit["rms_residual_fraction"] < 1e-12
@@ -60,16 +76,16 @@ def test_max_game_shapley_is_the_airport_split():
     cost = game(4, lambda s: a[s].max())
     # sorted: 1, 1, 4, 9 -> first increment 1 split by 4, then 3 split by 2 (requests 0 and 2), then 5 by 1
     expected = np.array([1 / 4 + 3 / 2, 1 / 4, 1 / 4 + 3 / 2 + 5, 1 / 4])
-    np.testing.assert_allclose(v.exact_shapley(cost), expected)
-    np.testing.assert_allclose(v.leave_one_out(cost), [0, 0, 5, 0])
-    assert v.additive_fit(cost)["rms_residual_fraction"] > 0.05
+    np.testing.assert_allclose(exact_shapley(cost), expected)
+    np.testing.assert_allclose(leave_one_out(cost), [0, 0, 5, 0])
+    assert additive_fit(cost)["rms_residual_fraction"] > 0.05
 
 
 def test_shapley_of_a_batch_wide_padding_game():
     """Padding: every member pays for the longest one, v(S) = |S|·max a_i; brute force agrees."""
     a = np.array([100.0, 10.0, 10.0])
     cost = game(3, lambda s: len(s) * a[s].max())
-    phi = v.exact_shapley(cost)
+    phi = exact_shapley(cost)
     np.testing.assert_allclose(phi, brute_force_shapley(cost, 3))
     # Orders: request 0 first adds 100, second 200 − 10, last 300 − 20: (100 + 190 + 280) / 3 = 190.
     np.testing.assert_allclose(phi, [190.0, 55.0, 55.0])  # far above its own 100: it causes the others' padding
@@ -80,16 +96,16 @@ def test_shapley_of_a_batch_wide_padding_game():
 def test_shapley_axioms_on_random_games(n, seed):
     rng = np.random.default_rng(seed)
     cost = np.concatenate([[0.0], rng.random((1 << n) - 1)])
-    phi = v.exact_shapley(cost)
+    phi = exact_shapley(cost)
     assert phi.sum() == pytest.approx(cost[-1])  # efficiency
     np.testing.assert_allclose(phi, brute_force_shapley(cost, n), atol=1e-12)
 
 
 def test_game_input_is_checked():
     with pytest.raises(ValueError):
-        v.exact_shapley(np.array([0.0, 1.0, 2.0]))
+        exact_shapley(np.array([0.0, 1.0, 2.0]))
     with pytest.raises(ValueError):
-        v.exact_shapley(np.array([1.0, 1.0]))
+        exact_shapley(np.array([1.0, 1.0]))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -100,7 +116,7 @@ def test_quantiles_match_numpy_and_intervals_cover_them():
     rng = np.random.default_rng(1)
     errors = rng.exponential(0.05, 400)
     groups = np.repeat(np.arange(100), 4)
-    out = v.quantiles_with_ci(errors, groups, n_bootstrap=300)
+    out = quantiles_with_ci(errors, groups, n_bootstrap=300)
     for q in (50, 90, 99):
         assert out[f"p{q}"] == pytest.approx(np.percentile(errors, q))
         low, high = out[f"p{q}_ci95"]
@@ -113,9 +129,9 @@ def test_cluster_bootstrap_is_wider_than_independent_when_groups_are_alike():
     rng = np.random.default_rng(2)
     per_group = rng.exponential(0.05, 40)
     errors = np.repeat(per_group, 5)
-    clustered = v.quantiles_with_ci(errors, np.repeat(np.arange(40), 5), n_bootstrap=500)
-    independent = v.quantiles_with_ci(errors, np.arange(200), n_bootstrap=500)
-    width = lambda out: out["p50_ci95"][1] - out["p50_ci95"][0]  # noqa: E731
+    clustered = quantiles_with_ci(errors, np.repeat(np.arange(40), 5), n_bootstrap=500)
+    independent = quantiles_with_ci(errors, np.arange(200), n_bootstrap=500)
+    width = lambda out: out["p50_ci95"][1] - out["p50_ci95"][0]
     assert width(clustered) > 1.5 * width(independent)
 
 
@@ -191,20 +207,20 @@ def known_model(d6: float = D6) -> StepLatencyModel:
     )
 
 
-ENVELOPE = v.Envelope(max_model_len=4096, max_num_batched_tokens=2048, max_num_seqs=32)
+ENVELOPE = Envelope(max_model_len=4096, max_num_batched_tokens=2048, max_num_seqs=32)
 
 
-def mixes() -> list[v.LengthMix]:
+def mixes() -> list[LengthMix]:
     rng = np.random.default_rng(0)
     return [
-        v.LengthMix(name, rng.lognormal(6.5, 0.9, 2000).astype(int) + 1, rng.lognormal(4.5, 1.0, 2000).astype(int))
+        LengthMix(name, rng.lognormal(6.5, 0.9, 2000).astype(int) + 1, rng.lognormal(4.5, 1.0, 2000).astype(int))
         for name in ("conv", "code", "arxiv")
     ]
 
 
 def test_draw_batches_respects_limits_and_is_deterministic():
-    batches, rules = v.draw_batches(mixes(), ENVELOPE, n_batches=40, max_batch=5, seed=3)
-    again, _ = v.draw_batches(mixes(), ENVELOPE, n_batches=60, max_batch=5, seed=3)
+    batches, rules = draw_batches(mixes(), ENVELOPE, n_batches=40, max_batch=5, seed=3)
+    again, _ = draw_batches(mixes(), ENVELOPE, n_batches=60, max_batch=5, seed=3)
     assert [b.key for b in batches] == [b.key for b in again[:40]]  # extending the run keeps earlier batches
     assert {b.size for b in batches} == {2, 3, 4, 5}
     assert {b.phase for b in batches} == {"prefill", "decode"}
@@ -224,24 +240,24 @@ def test_draw_batches_respects_limits_and_is_deterministic():
 
 def test_bad_arguments_are_user_errors():
     with pytest.raises(LlmvisorError, match="max-batch"):
-        v.draw_batches(mixes(), ENVELOPE, n_batches=4, max_batch=1)
+        draw_batches(mixes(), ENVELOPE, n_batches=4, max_batch=1)
     with pytest.raises(LlmvisorError, match="batches"):
-        v.draw_batches(mixes(), ENVELOPE, n_batches=0, max_batch=3)
+        draw_batches(mixes(), ENVELOPE, n_batches=0, max_batch=3)
     with pytest.raises(LlmvisorError, match="repeat"):
-        v.measure(GameEngine(additive_cost), [], v.Journal("/nonexistent/j.jsonl"), repeat=0)
+        measure(GameEngine(additive_cost), [], Journal("/nonexistent/j.jsonl"), repeat=0)
     with pytest.raises(LlmvisorError, match="workload file missing"):
-        v.read_length_mixes("/nonexistent")
+        read_length_mixes("/nonexistent")
 
 
 def test_measure_resumes_from_the_journal(tmp_path):
-    batches, _ = v.draw_batches(mixes(), ENVELOPE, n_batches=6, max_batch=4, replicate_every=0, seed=1)
+    batches, _ = draw_batches(mixes(), ENVELOPE, n_batches=6, max_batch=4, replicate_every=0, seed=1)
     total = sum(((1 << b.size) - 1) * 2 for b in batches)
     path = tmp_path / "j.jsonl"
 
     crashing = GameEngine(additive_cost, crash_after=25)
     with pytest.raises(KeyboardInterrupt):
-        v.measure(crashing, batches, v.Journal(path), repeat=2, warm_up_steps=0)
-    journal = v.Journal(path)
+        measure(crashing, batches, Journal(path), repeat=2, warm_up_steps=0)
+    journal = Journal(path)
     done = sum(len(ms) for ms in journal.measurements.values())
     assert 0 < done <= 25  # whole batch-rounds reach the journal; the one cut short is measured again
     assert done == sum(((1 << b.size) - 1) * 2 for b in batches[: len({k[0] for k in journal.measurements})])
@@ -249,34 +265,34 @@ def test_measure_resumes_from_the_journal(tmp_path):
         handle.write('{"type": "measurement", "batch_ke')
 
     engine = GameEngine(additive_cost)
-    counts = v.measure(engine, batches, v.Journal(path), repeat=2, warm_up_steps=0)
+    counts = measure(engine, batches, Journal(path), repeat=2, warm_up_steps=0)
     assert engine.n_steps == total - done == counts["measured_now"]
     assert counts["reused"] == done
 
     idle = GameEngine(additive_cost)
-    counts = v.measure(idle, batches, v.Journal(path), repeat=2, warm_up_steps=0)
+    counts = measure(idle, batches, Journal(path), repeat=2, warm_up_steps=0)
     assert idle.n_steps == 0 and counts["measured_now"] == 0
 
     more = GameEngine(additive_cost)
-    v.measure(more, batches, v.Journal(path), repeat=3, warm_up_steps=0)
+    measure(more, batches, Journal(path), repeat=3, warm_up_steps=0)
     assert more.n_steps == total // 2  # one more repeat of every subset, nothing else
-    journal = v.Journal(path)
+    journal = Journal(path)
     for key, ms in journal.measurements.items():
         assert sorted(m.repeat for m in ms) == [0, 1, 2]
 
 
 def test_interference_guard_discards_and_redoes_a_slowed_batch_round(tmp_path):
     """Steps slowed 3× by another process (canaries too) are thrown away and measured again once quiet."""
-    batches, _ = v.draw_batches(mixes(), ENVELOPE, n_batches=4, max_batch=3, replicate_every=0, seed=2)
+    batches, _ = draw_batches(mixes(), ENVELOPE, n_batches=4, max_batch=3, replicate_every=0, seed=2)
     path = tmp_path / "j.jsonl"
     engine = GameEngine(additive_cost, slow_steps=range(20, 30))
     sleeps = []
     progress = []
-    counts = v.measure(engine, batches, v.Journal(path), repeat=2, warm_up_steps=0, guard=v.InterferenceGuard(every=4),
+    counts = measure(engine, batches, Journal(path), repeat=2, warm_up_steps=0, guard=InterferenceGuard(every=4),
                        sleep=sleeps.append, on_step=progress.append)
     assert counts["discarded_batch_rounds"] >= 1 and counts["flagged_batch_rounds"] == 0
     assert sum(progress) == counts["measured_now"] == sum(((1 << b.size) - 1) * 2 for b in batches)
-    journal = v.Journal(path)
+    journal = Journal(path)
     assert len(journal.interference) == counts["discarded_batch_rounds"]
     for b in batches:  # what was kept is the engine's own cost, never the slowed one
         for subset in range(1, 1 << b.size):
@@ -286,20 +302,20 @@ def test_interference_guard_discards_and_redoes_a_slowed_batch_round(tmp_path):
                 assert not m.interference
                 if b.phase == "prefill":
                     assert m.step_latency_s == pytest.approx(expected)
-    result = v.build_result(batches, journal, known_model(), repeat=2, n_bootstrap=10)
+    result = build_result(batches, journal, known_model(), repeat=2, n_bootstrap=10)
     assert result["interference"]["n_batch_rounds_discarded"] == counts["discarded_batch_rounds"]
 
 
 def test_steps_that_did_not_run_as_intended_are_rejected_and_redone(tmp_path):
-    batches, _ = v.draw_batches(mixes(), ENVELOPE, n_batches=2, max_batch=3, replicate_every=0)
-    journal = v.Journal(tmp_path / "j.jsonl")
+    batches, _ = draw_batches(mixes(), ENVELOPE, n_batches=2, max_batch=3, replicate_every=0)
+    journal = Journal(tmp_path / "j.jsonl")
     engine = GameEngine(additive_cost, fail_every=4)
-    counts = v.measure(engine, batches, journal, repeat=1, warm_up_steps=0)
+    counts = measure(engine, batches, journal, repeat=1, warm_up_steps=0)
     assert counts["rejected_now"] > 0
     assert counts["measured_now"] == sum((1 << b.size) - 1 for b in batches)
-    assert v.Journal(tmp_path / "j.jsonl").n_rejected == counts["rejected_now"]
+    assert Journal(tmp_path / "j.jsonl").n_rejected == counts["rejected_now"]
     with pytest.raises(LlmvisorError, match="did not run as the intended step"):
-        v.measure(GameEngine(additive_cost, fail_every=1), batches, v.Journal(tmp_path / "k.jsonl"), repeat=1, warm_up_steps=0)
+        measure(GameEngine(additive_cost, fail_every=1), batches, Journal(tmp_path / "k.jsonl"), repeat=1, warm_up_steps=0)
 
 
 def test_a_correct_additive_model_matches_measured_shapley_exactly(tmp_path):
@@ -307,12 +323,12 @@ def test_a_correct_additive_model_matches_measured_shapley_exactly(tmp_path):
 
     (Decode cost is made independent of context here, since contexts grow while a batch is measured.)
     """
-    batches, _ = v.draw_batches(mixes(), ENVELOPE, n_batches=12, max_batch=5, replicate_every=2)
-    journal = v.Journal(tmp_path / "j.jsonl")
-    v.measure(GameEngine(lambda s: additive_cost(s) if s[0].is_prefill else B + D7 * len(s)), batches, journal, repeat=3)
-    result = v.build_result(batches, journal, known_model(d6=0.0), repeat=3, n_bootstrap=50)
+    batches, _ = draw_batches(mixes(), ENVELOPE, n_batches=12, max_batch=5, replicate_every=2)
+    journal = Journal(tmp_path / "j.jsonl")
+    measure(GameEngine(lambda s: additive_cost(s) if s[0].is_prefill else B + D7 * len(s)), batches, journal, repeat=3)
+    result = build_result(batches, journal, known_model(d6=0.0), repeat=3, n_bootstrap=50)
     summary = result["summary"]
-    for phase in v.PHASES:
+    for phase in PHASES:
         shapley = summary["errors"][phase]["shapley"]
         assert shapley["shapley"]["p99"] < 1e-9
         assert shapley["shapley_predicted"]["p99"] < 1e-9
@@ -332,10 +348,10 @@ def test_a_max_dependent_cost_shows_up_as_non_additivity(tmp_path):
     def padded(slices):
         return B + D7 * len(slices) + 4e-6 * len(slices) * max(s.num_context_tokens for s in slices)
 
-    batches = [v.BatchSpec(0, "decode", "adversarial", "test", (1, 1, 1, 1), (3000, 20, 30, 40))]
-    journal = v.Journal(tmp_path / "j.jsonl")
-    v.measure(GameEngine(padded), batches, journal, repeat=1, warm_up_steps=0)
-    record = v.analyse_batch(batches[0], journal, known_model(), repeat=1)
+    batches = [BatchSpec(0, "decode", "adversarial", "test", (1, 1, 1, 1), (3000, 20, 30, 40))]
+    journal = Journal(tmp_path / "j.jsonl")
+    measure(GameEngine(padded), batches, journal, repeat=1, warm_up_steps=0)
+    record = analyse_batch(batches[0], journal, known_model(), repeat=1)
     assert record["additive_fit"]["rms_residual_fraction"] > 0.01
     phi = np.array(record["shapley_s"])
     share = np.array(record["shares_s"]["shapley"])
@@ -344,12 +360,12 @@ def test_a_max_dependent_cost_shows_up_as_non_additivity(tmp_path):
 
 
 def test_report_sections_render_from_a_result(tmp_path):
-    batches, _ = v.draw_batches(mixes(), ENVELOPE, n_batches=8, max_batch=3, replicate_every=2)
-    journal = v.Journal(tmp_path / "j.jsonl")
-    v.measure(GameEngine(additive_cost, noise=0.03), batches, journal, repeat=3)
-    result = v.build_result(batches, journal, known_model(), repeat=3, n_bootstrap=50, settings={"repeat": 3, "max_batch": 3})
+    batches, _ = draw_batches(mixes(), ENVELOPE, n_batches=8, max_batch=3, replicate_every=2)
+    journal = Journal(tmp_path / "j.jsonl")
+    measure(GameEngine(additive_cost, noise=0.03), batches, journal, repeat=3)
+    result = build_result(batches, journal, known_model(), repeat=3, n_bootstrap=50, settings={"repeat": 3, "max_batch": 3})
     result = json.loads(json.dumps(result))  # as read back from the shipped file
-    sections = v.report_sections(result)
+    sections = report_sections(result)
     assert len(sections) == 4
     assert all(isinstance(h, str) and isinstance(body, str) for h, body in sections)
     assert sum(body.count("data:image/png;base64,") for _, body in sections) == 2
@@ -374,7 +390,7 @@ def test_validate_command_user_errors(tmp_path):
 def _write_mix_csvs(folder):
     rng = np.random.default_rng(7)
     folder.mkdir()
-    for name in v.WORKLOAD_FILES:
+    for name in shipped.WORKLOAD_FILES:
         with open(folder / name, "w") as handle:
             handle.write("num_prefill_tokens,num_decode_tokens\n")
             for p, o in zip(rng.lognormal(6.5, 0.9, 300).astype(int) + 1, rng.lognormal(4.5, 1.0, 300).astype(int)):
@@ -385,8 +401,8 @@ def test_validate_re_analyses_a_packed_journal_without_the_engine(tmp_path, monk
     """A finished (shipped, gzipped) journal is re-analysed under another model; vLLM is never started."""
     import gzip
 
-    from llmvisor.engines.vllm import controlled
     from llmvisor.cli.validate import validate
+    from llmvisor.engines.vllm import controlled
     from llmvisor.shipped import engine_model_dir
 
     def no_engine(*args, **kwargs):
@@ -395,15 +411,15 @@ def test_validate_re_analyses_a_packed_journal_without_the_engine(tmp_path, monk
     monkeypatch.setattr(controlled, "ControlledEngine", no_engine)
     workloads = tmp_path / "workloads"
     _write_mix_csvs(workloads)
-    batches, _ = v.draw_batches(v.read_length_mixes(workloads), ENVELOPE, n_batches=4, max_batch=3, seed=0)
+    batches, _ = draw_batches(read_length_mixes(workloads), ENVELOPE, n_batches=4, max_batch=3, seed=0)
     engine_settings = {
         "engine_model_config": json.loads((engine_model_dir() / "config.json").read_text()),
         "max_model_len": 4096, "max_num_batched_tokens": 2048, "max_num_seqs": 32, "threads": None,
     }
     plain = tmp_path / "r.journal.jsonl"
-    journal = v.Journal(plain)
+    journal = Journal(plain)
     journal.write_header({"engine_settings": engine_settings, "seed": 0})
-    v.measure(GameEngine(additive_cost, noise=0.01), batches, journal, repeat=3)
+    measure(GameEngine(additive_cost, noise=0.01), batches, journal, repeat=3)
     with open(plain, "rb") as source, gzip.open(tmp_path / "r.journal.jsonl.gz", "wb") as target:
         target.write(source.read())
     plain.unlink()
@@ -414,7 +430,7 @@ def test_validate_re_analyses_a_packed_journal_without_the_engine(tmp_path, monk
     result = json.loads(output.read_text())
     assert result["n_batches_measured"] == 4 and result["settings"]["model_segments"]
     assert result["summary"]["errors"]["prefill"]["shapley"]["shapley"]["p90"] < 0.05
-    assert v.report_sections(result)
+    assert report_sections(result)
 
     # Measurements taken under other engine settings are never mixed in.
     with pytest.raises(LlmvisorError, match="other engine settings"):
@@ -436,7 +452,7 @@ def test_shipped_validation_result_renders():
         assert summary["noise_floor"]["shapley"][phase]["n_batches"] > 0
         assert summary["errors"][phase]["shapley"]["shapley"]["n"] == summary["n_requests"][phase]
     assert summary["n_batches"]["prefill"] >= 50 and summary["n_batches"]["decode"] >= 50
-    sections = v.report_sections(result)
+    sections = report_sections(result)
     assert len(sections) == 4
 
 
@@ -453,11 +469,11 @@ def test_controlled_steps_on_vllm_run_exactly_the_intended_batches(tmp_path):
 
     model_dir = write_tiny_llama(tmp_path / "tiny", **TINY_FIELDS)
     batches = [
-        v.BatchSpec(0, "prefill", "workload", "test", (37, 90), (0, 0)),
-        v.BatchSpec(1, "decode", "workload", "test", (1, 1), (130, 17)),
+        BatchSpec(0, "prefill", "workload", "test", (37, 90), (0, 0)),
+        BatchSpec(1, "decode", "workload", "test", (1, 1), (130, 17)),
     ]
     trace = tmp_path / "steps.jsonl"
-    journal = v.Journal(tmp_path / "j.jsonl")
+    journal = Journal(tmp_path / "j.jsonl")
     with ControlledEngine(model_dir, max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=8, kv_cache_gib=1, trace_path=trace) as engine:
         # Direct check of one decode subset and its recorded composition.
         handle = engine.prepare_decode([130, 17], max_decode_steps=20)
@@ -471,7 +487,7 @@ def test_controlled_steps_on_vllm_run_exactly_the_intended_batches(tmp_path):
         engine.release(handle)
         step = engine.prefill_step([37, 90])
         assert step.matches and step.recorded == [Slice(37, 0, True), Slice(90, 0, True)] and step.step_latency_s > 0
-        counts = v.measure(engine, batches, journal, repeat=2, warm_up_steps=1, guard=v.InterferenceGuard(tolerance=10.0, calibration=3))
+        counts = measure(engine, batches, journal, repeat=2, warm_up_steps=1, guard=InterferenceGuard(tolerance=10.0, calibration=3))
     assert counts["measured_now"] == 2 * 3 * 2 and counts["rejected_now"] == 0
     # Every step the recorder wrote: each controlled step ran alone and as intended.
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
@@ -496,12 +512,12 @@ def test_interaction_diagnostics_find_a_padding_cost(tmp_path):
     def padded(slices):
         return B + D7 * len(slices) + 2e-6 * len(slices) * max(s.num_context_tokens for s in slices)
 
-    batches, _ = v.draw_batches(mixes(), ENVELOPE, n_batches=24, max_batch=5, replicate_every=0, seed=5)
+    batches, _ = draw_batches(mixes(), ENVELOPE, n_batches=24, max_batch=5, replicate_every=0, seed=5)
     batches = [b for b in batches if b.phase == "decode"]
-    journal = v.Journal(tmp_path / "j.jsonl")
-    v.measure(GameEngine(padded), batches, journal, repeat=1, warm_up_steps=0)
-    records = [v.analyse_batch(b, journal, known_model(), repeat=1) for b in batches]
-    found = v.interaction_diagnostics(records)["decode"]["terms"]
+    journal = Journal(tmp_path / "j.jsonl")
+    measure(GameEngine(padded), batches, journal, repeat=1, warm_up_steps=0)
+    records = [analyse_batch(b, journal, known_model(), repeat=1) for b in batches]
+    found = interaction_diagnostics(records)["decode"]["terms"]
     assert found["size_x_max_tokens"]["explained_fraction_of_additive_residual"] > 0.95
     assert found["size_x_max_tokens"]["coef"] == pytest.approx(2e-6, rel=0.05)
     assert found["pairs"]["explained_fraction_of_additive_residual"] < 0.5

@@ -18,7 +18,16 @@ from typing import Annotated
 import typer
 
 from llmvisor import shipped
+from llmvisor.core.model import StepLatencyModel
 from llmvisor.errors import LlmvisorError
+from llmvisor.validation.analysis import Method, build_result, dumps_result
+from llmvisor.validation.measurement import (
+    InterferenceGuard,
+    Journal,
+    measure,
+    missing_measurements,
+)
+from llmvisor.validation.plans import Envelope, draw_batches, read_length_mixes
 
 
 def journal_path_for(output: Path) -> Path:
@@ -57,7 +66,7 @@ def validate(
     repeat: Annotated[int, typer.Option(help="Times each subset step is measured; the median is kept.")] = 3,
     replicate_every: Annotated[int, typer.Option(help="Measure every Nth pair of batches twice, independently, for the noise floor (0: never).")] = 4,
     adversarial_fraction: Annotated[float, typer.Option(help="Share of batches with one long request among short ones.")] = 0.2,
-    workloads: Annotated[Path | None, typer.Option(help="Folder with azure-2023-conv.csv, azure-2023-code.csv, arxiv-summarization.csv. Default: ../shared/data/workloads.")] = None,
+    workloads: Annotated[Path | None, typer.Option(help="Folder with azure-2023-conv.csv, azure-2023-code.csv, arxiv-summarization.csv. Default: the shipped ones.")] = None,
     max_prefill_tokens: Annotated[int | None, typer.Option(help="Most tokens in a prefill batch (default: max_num_batched_tokens).")] = None,
     max_model_len: Annotated[int, typer.Option(help="Engine: longest prompt + output.")] = 4096,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Engine: most tokens in one step.")] = 2048,
@@ -71,10 +80,14 @@ def validate(
 ) -> None:
     """Validate per-request shares against exact Shapley values measured on the real engine."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    from llmvisor.validation import study as v
-    from llmvisor.core.model import StepLatencyModel
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     console = Console(stderr=True)
     model = model if model is not None else shipped.latency_model_path()
@@ -91,12 +104,9 @@ def validate(
     config_path = engine_dir / "config.json"
     if not config_path.is_file():
         raise LlmvisorError(f"{engine_dir}: no config.json in the engine model folder")
-    workloads_dir = workloads if workloads is not None else v.default_workloads_dir()
-    if workloads_dir is None:
-        raise LlmvisorError("--workloads: no folder given and ../shared/data/workloads not found")
-    mixes = v.read_length_mixes(workloads_dir)
-    envelope = v.Envelope(max_model_len, max_num_batched_tokens, max_num_seqs)
-    specs, length_rules = v.draw_batches(
+    mixes = read_length_mixes(workloads if workloads is not None else shipped.workloads_dir())
+    envelope = Envelope(max_model_len, max_num_batched_tokens, max_num_seqs)
+    specs, length_rules = draw_batches(
         mixes,
         envelope,
         n_batches=batches,
@@ -122,10 +132,10 @@ def validate(
         with gzip.open(packed, "rb") as source, open(journal_path, "wb") as target:
             shutil.copyfileobj(source, target)
     _check_journal_settings(journal_path, engine_settings)
-    journal = v.Journal(journal_path)
+    journal = Journal(journal_path)
     if not journal_path.exists():
         journal.write_header({"engine_settings": engine_settings, "seed": seed})
-    todo = v.missing_measurements(specs, journal, repeat)
+    todo = missing_measurements(specs, journal, repeat)
     n_missing = sum(len(masks) for masks in todo.values())
 
     engine_facts: dict = {}
@@ -164,8 +174,8 @@ def validate(
                 disable=json_output and not console.is_terminal,
             ) as progress:
                 task = progress.add_task("subset steps", total=n_missing)
-                counts = v.measure(
-                    engine, specs, journal, repeat=repeat, seed=seed, guard=v.InterferenceGuard(), on_step=lambda n: progress.advance(task, n)
+                counts = measure(
+                    engine, specs, journal, repeat=repeat, seed=seed, guard=InterferenceGuard(), on_step=lambda n: progress.advance(task, n)
                 )
     measure_s = time.perf_counter() - started
 
@@ -188,11 +198,11 @@ def validate(
         )
     model_bytes = Path(model).read_bytes()
     settings = {
-        "model": str(model),
+        "model": shipped.portable_path(model),
         "model_sha256": hashlib.sha256(model_bytes).hexdigest(),
         "model_boundary_new_tokens": latency_model.boundary_,
         "model_segments": latency_model.to_dict()["segments"],
-        "engine_model_dir": str(engine_dir),
+        "engine_model_dir": shipped.portable_path(engine_dir),
         **{k: val for k, val in engine_settings.items() if k != "engine_model_config"},
         "engine_model_config": engine_settings["engine_model_config"],
         "kv_cache_gib": kv_cache_gib,
@@ -211,15 +221,27 @@ def validate(
     }
     if previous_runs and previous_runs[-1].get("engine"):
         settings["engine"] = previous_runs[-1]["engine"]
-    result = v.build_result(specs, journal, latency_model, repeat=repeat, n_bootstrap=n_bootstrap, seed=seed, settings=settings)
+    result = build_result(specs, journal, latency_model, repeat=repeat, n_bootstrap=n_bootstrap, seed=seed, settings=settings)
     tmp = output.with_name(output.name + f".tmp-{os.getpid()}")
-    tmp.write_text(v.dumps_result(result), encoding="utf-8")
+    tmp.write_text(dumps_result(result), encoding="utf-8")
     tmp.replace(output)
     if json_output:
         typer.echo(json.dumps(result["summary"], indent=2))
     else:
         print_summary(console, result)
         console.print(f"wrote {output} ({result['n_batches_measured']} batches; journal {journal_path.name})")
+
+
+SUMMARY_METHODS = (
+    Method.SHAPLEY,
+    Method.SHAPLEY_PREDICTED,
+    Method.PROPORTIONAL,
+    Method.PAPER,
+    Method.MODEL_EXACT_SHAPLEY,
+    Method.TOKEN_PROPORTIONAL,
+    Method.EQUAL_SPLIT,
+    Method.MEASURED_ADDITIVE_FIT,
+)
 
 
 def print_summary(console, result: dict) -> None:
@@ -238,7 +260,7 @@ def print_summary(console, result: dict) -> None:
     for column in ("phase", "method", "p50 [95% CI]", "p90 [95% CI]", "p99", "p90 gain vs tokens"):
         table.add_column(column, justify="right" if column != "method" else "left")
     for phase, tables in summary["errors"].items():
-        for method in ("shapley", "shapley_predicted", "proportional", "paper", "model_exact_shapley", "token_proportional", "equal_split", "measured_additive_fit"):
+        for method in SUMMARY_METHODS:
             m = tables["shapley"].get(method)
             if not m:
                 continue

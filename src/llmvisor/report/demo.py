@@ -20,6 +20,7 @@ from llmvisor.shipped import (
 from llmvisor.evaluation.heldout import evaluate, to_json_ready
 from llmvisor.report.html import error_cdfs, metrics_table, predicted_vs_measured, tenant_bars, write_report
 from llmvisor.core.trace import StepTrace, read_trace, read_traces
+from llmvisor.validation.report import report_sections as validation_sections
 
 
 
@@ -91,9 +92,7 @@ def run_demo(output_dir: Path, *, n_bootstrap: int = 1000, progress=None) -> dic
     if coverage:
         sections.insert(2, ("Sweep coverage of the engine envelope", f"<pre>{json.dumps(coverage, indent=1)}</pre>"))
     if validation is not None:
-        from llmvisor.validation.study import report_sections
-
-        sections.extend(report_sections(validation))
+        sections.extend(validation_sections(validation))
     fairness_path = result_path(FAIRNESS_RESULT)
     if fairness_path.is_file():
         from llmvisor.fairness.experiment import report_sections as fairness_sections

@@ -1,10 +1,10 @@
 """Controlled steps on a real vLLM engine: make a chosen batch run as exactly one engine step, and time it.
 
-The validation (`llmvisor.validation.study`) needs the measured time T(S) of every subset S of a batch. This
-module makes each such step happen on vLLM, in-process, and times it the way the step recorder does
-(`RecordingScheduler`: from ``schedule()`` returning to ``update_from_output()`` being entered), because it
-*is* the recorder: `ControlledScheduler` subclasses it and only adds a filter on which running requests
-may be scheduled.
+The validation needs the measured time T(S) of every subset S of a batch; this engine satisfies its
+`llmvisor.validation.measurement.Measurer` protocol. This module makes each such step happen on vLLM,
+in-process, and times it the way the step recorder does (`RecordingScheduler`: from ``schedule()``
+returning to ``update_from_output()`` being entered), because it *is* the recorder: `ControlledScheduler`
+subclasses it and only adds a filter on which running requests may be scheduled.
 
 - Prefill steps: fresh prompts of the chosen lengths (random token ids, prefix caching off, so context 0)
   are submitted together with ``max_tokens=1`` and a token budget that fits them all; one engine step runs

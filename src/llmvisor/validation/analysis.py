@@ -1,0 +1,388 @@
+"""Judging attribution rules by the measured games: per-batch truth and shares, error quantiles, the result.
+
+For each fully measured batch: the **exact Shapley value** φ_i of the measured game (the only efficient,
+symmetric, additive split of T(B), and the measured counterpart of what the ``shapley`` rule computes from
+the model) and the **leave-one-out** marginal cost T(B) − T(B∖i), whose sum misses T(B) by the shared cost.
+Every request's share under each method (`Method`) is compared with φ_i (and LOO_i); errors are fractions
+of the measured step time T(B). Quantiles come with batch-clustered bootstrap intervals (requests of one
+batch share its measurements, so batches, not requests, are resampled).
+
+The **noise floor**: some batches are measured twice, independently; |φ⁽¹⁾ − φ⁽²⁾| / (√2·T(B)) estimates
+how far one measured Shapley value is from the true one, the error a perfect predictor would still show.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from enum import StrEnum
+
+import numpy as np
+
+from llmvisor.core.attribution import RULES, attribute_arrays
+from llmvisor.validation.game import (
+    additive_design,
+    additive_fit,
+    exact_shapley,
+    leave_one_out,
+    members,
+    subset_masks,
+)
+from llmvisor.validation.measurement import Journal, guard_rule
+from llmvisor.validation.plans import PHASES, BatchSpec, Phase
+
+RESULT_FORMAT = "llmvisor.validation"
+RESULT_FORMAT_VERSION = 1
+
+
+class Method(StrEnum):
+    """A way of splitting a step's time among its requests, as named in the result's ``shares_s``."""
+
+    SHAPLEY = "shapley"
+    SHAPLEY_PREDICTED = "shapley_predicted"
+    PROPORTIONAL = "proportional"
+    PROPORTIONAL_PREDICTED = "proportional_predicted"
+    PAPER = "paper"
+    MODEL_EXACT_SHAPLEY = "model_exact_shapley"
+    TOKEN_PROPORTIONAL = "token_proportional"
+    EQUAL_SPLIT = "equal_split"
+    KV_TOKENS_PROPORTIONAL = "kv_tokens_proportional"
+    MEASURED_ADDITIVE_FIT = "measured_additive_fit"
+
+
+HEADLINE_METHOD = Method.SHAPLEY
+GOAL = {"median_max": 0.05, "p90_max": 0.10, "p90_improvement_vs_token_proportional_min": 2.0}
+
+
+def _weighted_quantiles(values: np.ndarray, counts: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    return np.percentile(np.repeat(values, counts), qs)
+
+
+def quantiles_with_ci(
+    errors: np.ndarray, groups: np.ndarray, *, qs=(50, 90, 99), n_bootstrap: int = 1000, seed: int = 0
+) -> dict:
+    """Quantiles of ``errors`` and their bootstrap 95% intervals, resampling whole groups (batches)."""
+    errors = np.asarray(errors, dtype=np.float64)
+    out: dict = {"n": int(errors.size)}
+    if errors.size == 0:
+        for q in qs:
+            out[f"p{q}"] = None
+            out[f"p{q}_ci95"] = None
+        return out
+    qs_arr = np.asarray(qs, dtype=np.float64)
+    point = np.percentile(errors, qs_arr)
+    _, group_index = np.unique(np.asarray(groups), return_inverse=True)
+    n_groups = int(group_index.max()) + 1
+    rng = np.random.default_rng(seed)
+    boot = np.empty((n_bootstrap, qs_arr.size))
+    for b in range(n_bootstrap):
+        draws = np.bincount(rng.integers(0, n_groups, n_groups), minlength=n_groups)
+        boot[b] = _weighted_quantiles(errors, draws[group_index], qs_arr)
+    low, high = np.percentile(boot, [2.5, 97.5], axis=0) if n_bootstrap else (point, point)
+    for k, q in enumerate(qs):
+        out[f"p{q}"] = float(point[k])
+        out[f"p{q}_ci95"] = [float(low[k]), float(high[k])]
+    out["mean"] = float(errors.mean())
+    return out
+
+
+def model_shares(model, new: np.ndarray, context: np.ndarray, is_prefill: np.ndarray, measured_s: float) -> dict[str, np.ndarray]:
+    offsets = np.array([0, new.size])
+    shares = {}
+    for rule in RULES:
+        scaled = attribute_arrays(model, new, context, is_prefill, offsets, np.array([measured_s]), rule)
+        shares[rule] = scaled.share_s
+        if rule != Method.PAPER:
+            shares[f"{rule}_predicted"] = attribute_arrays(model, new, context, is_prefill, offsets, None, rule).share_s
+    return shares
+
+
+def model_subset_costs(model, new: np.ndarray, context: np.ndarray, is_prefill: np.ndarray) -> np.ndarray:
+    """The model's predicted time of every subset of a batch (index = bit mask; 0 for the empty set)."""
+    n = new.size
+    masks = subset_masks(n)[1:]
+    subsets = [members(int(m), n) for m in masks]
+    flat = np.concatenate(subsets)
+    offsets = np.concatenate([[0], np.cumsum([len(m) for m in subsets])])
+    predicted = attribute_arrays(model, new[flat], context[flat], is_prefill[flat], offsets, None, "paper").predicted_step_s
+    return np.concatenate([[0.0], predicted])
+
+
+def analyse_batch(batch: BatchSpec, journal: Journal, model, repeat: int) -> dict | None:
+    """Measured game, Shapley and LOO values, and every method's shares for one fully measured batch."""
+    n = batch.size
+    rounds = []
+    for round_ in range(batch.rounds):
+        cost = np.zeros(1 << n)
+        spread = []
+        flagged = False
+        contexts: list[list[int]] = [[] for _ in range(n)]
+        for subset in range(1, 1 << n):
+            taken = journal.get(batch, round_, subset)[:repeat]
+            if len(taken) < repeat:
+                return None
+            times = np.array([m.step_latency_s for m in taken])
+            flagged |= any(m.interference for m in taken)
+            cost[subset] = float(np.median(times))
+            if times.size >= 2:
+                spread.extend(np.abs(times - cost[subset]) / cost[subset])
+            for m in taken:
+                for i, c in zip(members(subset, n), m.num_context_tokens):
+                    contexts[i].append(c)
+        rounds.append({"cost": cost, "spread": spread, "contexts": contexts, "flagged": flagged})
+    first = rounds[0]
+    cost = first["cost"]
+    measured_s = float(cost[-1])
+    phi = exact_shapley(cost)
+    loo = leave_one_out(cost)
+    new = np.array(batch.num_new_tokens, dtype=np.float64)
+    nominal = np.array(batch.num_context_tokens, dtype=np.float64)
+    context = np.array([np.mean(c) for c in first["contexts"]]) if batch.phase == Phase.DECODE else nominal
+    is_prefill = np.full(n, batch.phase == Phase.PREFILL)
+    shares = model_shares(model, new, np.rint(context), is_prefill, measured_s)
+    model_cost = model_subset_costs(model, new, np.rint(context), is_prefill)
+    model_phi = exact_shapley(model_cost)
+    shares[Method.MODEL_EXACT_SHAPLEY] = model_phi * (measured_s / model_phi.sum()) if model_phi.sum() > 0 else np.full(n, measured_s / n)
+    weights = new if batch.phase == Phase.PREFILL else np.ones(n)
+    shares[Method.TOKEN_PROPORTIONAL] = measured_s * weights / weights.sum()
+    shares[Method.EQUAL_SPLIT] = np.full(n, measured_s / n)
+    kv = new + context
+    shares[Method.KV_TOKENS_PROPORTIONAL] = measured_s * kv / kv.sum()
+    fit = additive_fit(cost)
+    shares[Method.MEASURED_ADDITIVE_FIT] = np.asarray(fit["shapley_s"])
+    out = {
+        "index": batch.index,
+        "phase": batch.phase,
+        "kind": batch.kind,
+        "source": batch.source,
+        "size": n,
+        "num_new_tokens": list(batch.num_new_tokens),
+        "nominal_context_tokens": list(batch.num_context_tokens),
+        "num_context_tokens": context.tolist(),
+        "context_drift_tokens": float(max((max(c) - min(c)) for c in first["contexts"])),
+        "measured_step_s": measured_s,
+        "subset_step_s": [r["cost"][1:].tolist() for r in rounds],
+        "model_subset_step_s": model_cost[1:].tolist(),
+        "shapley_s": phi.tolist(),
+        "loo_s": loo.tolist(),
+        "loo_sum_gap_fraction": float((loo.sum() - measured_s) / measured_s),
+        "shares_s": {k: np.asarray(v, dtype=np.float64).tolist() for k, v in shares.items()},
+        "additive_fit": fit,
+        "step_spread": first["spread"],
+        "interference_flagged": any(r["flagged"] for r in rounds),
+    }
+    if len(rounds) > 1:
+        out["shapley_replicate_s"] = exact_shapley(rounds[1]["cost"]).tolist()
+        out["measured_step_replicate_s"] = float(rounds[1]["cost"][-1])
+    return out
+
+
+INTERACTION_TERMS = {
+    "max_tokens": "max over the subset of the request's length (decode: context; prefill: new tokens)",
+    "size_x_max_tokens": "|S| · max length: every request padded to the longest (attention padding)",
+    "pairs": "|S|·(|S| − 1)/2: a cost growing with the number of request pairs",
+    "total_tokens_squared": "(Σ length)²: a cost convex in the step's total tokens",
+}
+
+
+def _term(name: str, lengths: np.ndarray) -> float:
+    if name == "max_tokens":
+        return float(lengths.max())
+    if name == "size_x_max_tokens":
+        return float(lengths.size * lengths.max())
+    if name == "pairs":
+        return lengths.size * (lengths.size - 1) / 2
+    if name == "total_tokens_squared":
+        return float(lengths.sum()) ** 2
+    raise KeyError(name)
+
+
+def interaction_diagnostics(records: list[dict]) -> dict:
+    """Which non-additive cost, if any, the measured games hold beyond the additive form, per phase.
+
+    Pooled over batches of 3 or more requests: each batch keeps its own additive game (b + Σ f_i, fixed
+    effects), and one coefficient per candidate term (``INTERACTION_TERMS``) is fitted on what the additive
+    games leave (Frisch–Waugh). Reported: the coefficient (seconds per unit), its standard error and t, and
+    the share of the additive residual it explains; a term that explains little leaves nothing to fix.
+    """
+    out: dict = {}
+    for phase in PHASES:
+        batches = [r for r in records if r["phase"] == phase and r["size"] >= 3]
+        if not batches:
+            continue
+        residuals, projected = [], {name: [] for name in INTERACTION_TERMS}
+        for r in batches:
+            n = r["size"]
+            lengths = np.asarray(r["num_context_tokens"] if phase == Phase.DECODE else r["num_new_tokens"], dtype=np.float64)
+            masks = subset_masks(n)[1:]
+            x = additive_design(n)
+            pinv = np.linalg.pinv(x)
+            y = np.asarray(r["subset_step_s"][0])
+            residuals.append(y - x @ (pinv @ y))
+            for name in INTERACTION_TERMS:
+                z = np.array([_term(name, lengths[members(int(m), n)]) for m in masks])
+                projected[name].append(z - x @ (pinv @ z))
+        res = np.concatenate(residuals)
+        dof = res.size - sum(r["size"] + 1 for r in batches)
+        terms = {}
+        for name, pieces in projected.items():
+            z = np.concatenate(pieces)
+            zz = float(z @ z)
+            if zz <= 0:
+                continue
+            coef = float(res @ z) / zz
+            left = res - coef * z
+            sigma2 = float(left @ left) / max(dof - 1, 1)
+            explained = 1 - float(left @ left) / float(res @ res) if float(res @ res) > 0 else 0.0
+            terms[name] = {
+                "coef": coef,
+                "std_err": math.sqrt(sigma2 / zz),
+                "t": coef / math.sqrt(sigma2 / zz) if sigma2 > 0 else None,
+                "explained_fraction_of_additive_residual": explained,
+                "description": INTERACTION_TERMS[name],
+            }
+        out[phase] = {
+            "n_batches": len(batches),
+            "additive_residual_rms_s": float(np.sqrt(np.mean(res**2))),
+            "additive_residual_rms_fraction": float(np.sqrt(np.mean(np.concatenate([rr / r["measured_step_s"] for rr, r in zip(residuals, batches)]) ** 2))),
+            "terms": terms,
+        }
+    return out
+
+
+def _error_table(records: list[dict], target: str, methods: list[str], n_bootstrap: int, seed: int) -> dict:
+    out = {}
+    for method in methods:
+        errors, groups = [], []
+        for r in records:
+            truth = np.asarray(r[f"{target}_s"])
+            share = np.asarray(r["shares_s"][method])
+            errors.extend(np.abs(share - truth) / r["measured_step_s"])
+            groups.extend([r["index"]] * r["size"])
+        out[method] = quantiles_with_ci(np.array(errors), np.array(groups), n_bootstrap=n_bootstrap, seed=seed)
+    return out
+
+
+def plain_quantiles(values: Iterable[float], qs=(10, 50, 90, 99)) -> dict:
+    values = np.asarray(list(values), dtype=np.float64)
+    if values.size == 0:
+        return {"n": 0}
+    out = {"n": int(values.size), "mean": float(values.mean())}
+    out.update({f"p{q}": float(np.percentile(values, q)) for q in qs})
+    return out
+
+
+def summarize(records: list[dict], *, n_bootstrap: int = 1000, seed: int = 0) -> dict:
+    """Error quantiles per phase (and per kind) for every method against measured Shapley and LOO values."""
+    if not records:
+        return {}
+    methods = list(records[0]["shares_s"])
+    summary: dict = {"errors": {}, "errors_by_kind": {}, "improvement_vs_token_proportional": {}, "loo_sum_gap_fraction": {},
+                     "noise_floor": {"step": {}, "shapley": {}}, "additivity": {}, "goal": dict(GOAL), "goal_met": {}}
+    for phase in PHASES:
+        phase_records = [r for r in records if r["phase"] == phase]
+        if not phase_records:
+            continue
+        errors = {target: _error_table(phase_records, target, methods, n_bootstrap, seed) for target in ("shapley", "loo")}
+        summary["errors"][phase] = errors
+        summary["errors_by_kind"][phase] = {
+            kind: _error_table([r for r in phase_records if r["kind"] == kind], "shapley", methods, 0, seed)
+            for kind in sorted({r["kind"] for r in phase_records})
+        }
+        token_p90 = errors["shapley"][Method.TOKEN_PROPORTIONAL]["p90"]
+        summary["improvement_vs_token_proportional"][phase] = {
+            m: (token_p90 / v["p90"] if v["p90"] else None) for m, v in errors["shapley"].items()
+        }
+        summary["loo_sum_gap_fraction"][phase] = plain_quantiles(r["loo_sum_gap_fraction"] for r in phase_records)
+        summary["noise_floor"]["step"][phase] = plain_quantiles(x for r in phase_records for x in r["step_spread"])
+        replicated = [r for r in phase_records if "shapley_replicate_s" in r]
+        floor_errors, floor_groups = [], []
+        for r in replicated:
+            diff = np.abs(np.asarray(r["shapley_s"]) - np.asarray(r["shapley_replicate_s"])) / (math.sqrt(2) * r["measured_step_s"])
+            floor_errors.extend(diff)
+            floor_groups.extend([r["index"]] * r["size"])
+        summary["noise_floor"]["shapley"][phase] = {
+            "n_batches": len(replicated),
+            **quantiles_with_ci(np.array(floor_errors), np.array(floor_groups), n_bootstrap=n_bootstrap, seed=seed),
+            "full_step_rel_diff": plain_quantiles(
+                abs(r["measured_step_s"] - r["measured_step_replicate_s"]) / r["measured_step_s"] for r in replicated
+            ),
+        }
+        summary["additivity"][phase] = {
+            "rms_residual_fraction": plain_quantiles(r["additive_fit"]["rms_residual_fraction"] for r in phase_records),
+            "max_residual_fraction": plain_quantiles(r["additive_fit"]["max_residual_fraction"] for r in phase_records),
+            "intercept_fraction_of_step": plain_quantiles(r["additive_fit"]["intercept_s"] / r["measured_step_s"] for r in phase_records),
+            "model_subset_rel_err": plain_quantiles(
+                abs(p - m) / m for r in phase_records for p, m in zip(r["model_subset_step_s"], r["subset_step_s"][0])
+            ),
+        }
+        head = errors["shapley"][HEADLINE_METHOD]
+        improvement = summary["improvement_vs_token_proportional"][phase][HEADLINE_METHOD]
+        summary["goal_met"][phase] = {
+            "median": head["p50"] <= GOAL["median_max"],
+            "p90": head["p90"] <= GOAL["p90_max"],
+            "vs_token_proportional": improvement is not None and improvement >= GOAL["p90_improvement_vs_token_proportional_min"],
+        }
+    summary["interactions"] = interaction_diagnostics(records)
+    summary["n_batches"] = {p: sum(r["phase"] == p for r in records) for p in PHASES}
+    summary["n_requests"] = {p: sum(r["size"] for r in records if r["phase"] == p) for p in PHASES}
+    summary["methods"] = methods
+    return summary
+
+
+METHOD_NOTES = {
+    Method.SHAPLEY: "llmvisor default: own terms + equal split of the intercept, scaled to the measured step time",
+    Method.SHAPLEY_PREDICTED: "the same from the model alone (shares sum to the predicted step time)",
+    Method.PROPORTIONAL: "llmvisor: own terms only, scaled to the measured step time",
+    Method.PROPORTIONAL_PREDICTED: "the same, scaled to the predicted step time",
+    Method.PAPER: "llmvisor paper reading: own terms only, intercept and residual unattributed",
+    Method.MODEL_EXACT_SHAPLEY: "exact Shapley value of the model's own game (every subset priced, in its own segment), scaled",
+    Method.TOKEN_PROPORTIONAL: "the measured step split by tokens (VTC-style; equals equal_split for decode steps)",
+    Method.EQUAL_SPLIT: "the measured step split equally",
+    Method.KV_TOKENS_PROPORTIONAL: "the measured step split by new + context tokens",
+    Method.MEASURED_ADDITIVE_FIT: "not a method: Shapley of the best additive game fitted to the measured subsets (the limit of any own-terms + shared-intercept rule)",
+}
+
+
+def rounded(value, digits: int = 6):
+    """A JSON-ready copy with floats to ``digits`` significant digits (far below the measurement noise)."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}") if math.isfinite(value) else value
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [rounded(v, digits) for v in value]
+    return value
+
+
+def dumps_result(result: dict) -> str:
+    """The result as JSON text: indented, except one compact line per batch record (keeps the file small)."""
+    result = rounded(result)
+    head = {k: val for k, val in result.items() if k != "batches"}
+    batches = result.get("batches", [])
+    text = json.dumps(head, indent=1, allow_nan=False)
+    lines = ",\n".join("  " + json.dumps(b, separators=(",", ":"), allow_nan=False) for b in batches)
+    return text[:-2] + ',\n "batches": [\n' + lines + "\n ]\n}\n"
+
+
+def build_result(batches: list[BatchSpec], journal: Journal, model, *, repeat: int, n_bootstrap: int = 1000, seed: int = 0, settings: dict | None = None) -> dict:
+    """The full validation result (JSON-ready): settings, per-batch records, summary."""
+    records = [r for r in (analyse_batch(b, journal, model, repeat) for b in batches) if r is not None]
+    return {
+        "format": RESULT_FORMAT,
+        "format_version": RESULT_FORMAT_VERSION,
+        "settings": dict(settings or {}),
+        "method_notes": METHOD_NOTES,
+        "n_batches_planned": len(batches),
+        "n_batches_measured": len(records),
+        "n_steps_rejected": journal.n_rejected,
+        "interference": {
+            "rule": guard_rule(),
+            "n_batch_rounds_discarded": len(journal.interference),
+            "n_batches_flagged": sum(1 for r in records if r.get("interference_flagged")),
+            "canary_s": plain_quantiles(journal.canary_s),
+        },
+        "summary": summarize(records, n_bootstrap=n_bootstrap, seed=seed),
+        "batches": records,
+    }

@@ -1,0 +1,365 @@
+"""Measuring the subset games on an engine, resumably, with a guard against other work on the machine.
+
+For a batch B, the engine runs every non-empty subset S ⊆ B as one step of its own (each request with the
+same new and context tokens as in B), ``repeat`` times: T(S). Measurements are appended to a JSONL journal
+(`Journal`) as each batch-round finishes; a re-run with the same journal measures only what is missing.
+
+The engine is anything that satisfies `Measurer` (on vLLM: `llmvisor.engines.vllm.controlled.ControlledEngine`);
+this module imports no engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from llmvisor.errors import LlmvisorError
+from llmvisor.validation.game import members
+from llmvisor.validation.plans import BatchSpec, Phase
+
+JOURNAL_FORMAT = "llmvisor.validation.journal"
+
+
+class RecordedSlice(Protocol):
+    """One request's part of a step as the engine recorded it."""
+
+    @property
+    def num_context_tokens(self) -> int: ...
+
+
+class StepResult(Protocol):
+    """One controlled step: its time, what actually ran, and whether that was the intended batch."""
+
+    @property
+    def step_latency_s(self) -> float: ...
+
+    @property
+    def recorded(self) -> Sequence[RecordedSlice]:
+        """The requests that ran, in the order they were asked for."""
+
+    @property
+    def matches(self) -> bool:
+        """True when exactly the intended requests ran, with the intended tokens, as one engine step."""
+
+    @property
+    def reason(self) -> str:
+        """Why the step did not match (empty when it did)."""
+
+
+class Measurer(Protocol):
+    """What `measure` needs from an engine: run a chosen batch as exactly one step and time it.
+
+    A decode batch is first prefilled to its contexts (``prepare_decode``, returning an opaque handle); then
+    any subset of it (``members``: indices into the contexts) runs as one decode step, each run growing a
+    member's context by one token, until ``release``. ``canary_step`` runs a fixed reference step (a small
+    prefill) and must leave a held decode batch held.
+    """
+
+    def prefill_step(self, prompt_lengths: list[int]) -> StepResult: ...
+
+    def canary_step(self) -> StepResult: ...
+
+    def prepare_decode(self, context_lengths: list[int], *, max_decode_steps: int) -> Any: ...
+
+    def decode_step(self, batch: Any, members: list[int]) -> StepResult: ...
+
+    def release(self, batch: Any) -> None: ...
+
+
+@dataclass
+class Measurement:
+    batch_key: str
+    round: int
+    subset: int
+    """Bit mask over the batch's requests (bit i = request i)."""
+    repeat: int
+    step_latency_s: float
+    num_context_tokens: list[int]
+    """Recorded context of each member (in batch order), as the step ran."""
+    interference: bool = False
+    """Kept although the interference guard flagged its batch-round (after every redo was flagged too)."""
+
+
+class Journal:
+    """Append-only JSONL of measurements; reading it back tells a resumed run what is already measured."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.measurements: dict[tuple[str, int, int], list[Measurement]] = {}
+        self.n_rejected = 0
+        self.interference: list[dict] = []
+        self.canary_s: list[float] = []
+        if self.path.exists():
+            self._load()
+
+    def _load(self) -> None:
+        data = self.path.read_bytes()
+        complete = data.rfind(b"\n") + 1
+        if complete < len(data):
+            # A line cut short by a crash: drop it (its measurement is simply taken again), so appends stay whole.
+            with open(self.path, "r+b") as handle:
+                handle.truncate(complete)
+        for line_number, line in enumerate(data[:complete].decode("utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise LlmvisorError(f"{self.path}: line {line_number}: not valid JSON") from None
+            try:
+                self._ingest(row)
+            except (KeyError, TypeError, ValueError):
+                raise LlmvisorError(f"{self.path}: line {line_number}: malformed {row.get('type', 'row')}") from None
+
+    def _ingest(self, row: dict) -> None:
+        kind = row.get("type")
+        if kind == "rejected":
+            self.n_rejected += 1
+        elif kind == "interference":
+            self.interference.append(row)
+            self.canary_s.extend(float(t) for t in row.get("canary_s", []))
+        elif kind == "canaries":
+            self.canary_s.extend(float(t) for t in row.get("canary_s", []))
+        elif kind == "measurement":
+            m = Measurement(
+                str(row["batch_key"]), int(row["round"]), int(row["subset"]), int(row["repeat"]),
+                float(row["step_latency_s"]), [int(c) for c in row["num_context_tokens"]], bool(row.get("interference", False)),
+            )
+            self.measurements.setdefault((m.batch_key, m.round, m.subset), []).append(m)
+
+    def get(self, batch: BatchSpec, round_: int, subset: int) -> list[Measurement]:
+        return self.measurements.get((batch.key, round_, subset), [])
+
+    def _append(self, row: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row) + "\n")
+            handle.flush()
+
+    def log(self, row: dict) -> None:
+        """An informational line (canaries, discarded batch-rounds), kept for the record."""
+        self._append(row)
+        self._ingest(row)
+
+    def write_header(self, header: dict) -> None:
+        """The first line of a new journal: what it was measured under."""
+        self._append({"type": "header", "format": JOURNAL_FORMAT, **header})
+
+    def add(self, m: Measurement) -> None:
+        self.log({"type": "measurement", **asdict(m)})
+
+    def reject(self, batch: BatchSpec, subset: int, reason: str) -> None:
+        self.log({"type": "rejected", "batch_key": batch.key, "subset": subset, "reason": reason})
+
+
+def missing_measurements(batches: Iterable[BatchSpec], journal: Journal, repeat: int) -> dict[tuple[int, int], list[int]]:
+    """(batch index, round) → subset masks, one entry per repeat still to measure."""
+    todo: dict[tuple[int, int], list[int]] = {}
+    for batch in batches:
+        for round_ in range(batch.rounds):
+            masks = []
+            for subset in range(1, 1 << batch.size):
+                masks += [subset] * max(0, repeat - len(journal.get(batch, round_, subset)))
+            if masks:
+                todo[(batch.index, round_)] = masks
+    return todo
+
+
+@dataclass
+class InterferenceGuard:
+    """Detects other work on the machine by re-timing a fixed reference step (a *canary*) between steps.
+
+    On a shared machine another process can slow every step for seconds at a time; medians of K repeats
+    do not remove that when it lasts longer than a few steps. The measurer's ``canary_step()`` runs before
+    and after every (batch, round) and after every ``every`` subset steps. If any canary of a batch-round is
+    slower than ``1 + tolerance`` times the baseline (the median of the last ``window`` canaries that
+    passed, started from ``calibration`` canaries), that batch-round's measurements are discarded (logged
+    in the journal), the guard waits until ``quiet_needed`` canaries in a row pass, and the batch-round is
+    measured again; after ``max_redos`` redos it is kept and flagged.
+    """
+
+    tolerance: float = 0.25
+    every: int = 8
+    calibration: int = 7
+    window: int = 25
+    quiet_needed: int = 3
+    max_redos: int = 4
+    max_wait_s: float = 600.0
+    poll_s: float = 2.0
+    accepted_s: list[float] = field(default_factory=list)
+    all_s: list[float] = field(default_factory=list)
+
+    @property
+    def baseline_s(self) -> float:
+        return float(np.median(self.accepted_s[-self.window :]))
+
+    def _canary(self, measurer: Measurer) -> float:
+        step = measurer.canary_step()
+        if not step.matches:
+            raise LlmvisorError(f"canary step did not run as intended: {step.reason}")
+        t = float(step.step_latency_s)
+        self.all_s.append(t)
+        return t
+
+    def calibrate(self, measurer: Measurer) -> None:
+        times = sorted(self._canary(measurer) for _ in range(self.calibration))
+        # The lower half: a calibration caught in interference would otherwise pass everything.
+        self.accepted_s = times[: max(1, (len(times) + 1) // 2)]
+
+    def check(self, measurer: Measurer) -> tuple[bool, float]:
+        t = self._canary(measurer)
+        ok = t <= (1 + self.tolerance) * self.baseline_s
+        if ok:
+            self.accepted_s.append(t)
+        return ok, t
+
+    def wait_quiet(self, measurer: Measurer, sleep: Callable[[float], None]) -> bool:
+        """Poll canaries until ``quiet_needed`` pass in a row; False if ``max_wait_s`` passed first."""
+        waited, streak = 0.0, 0
+        while waited < self.max_wait_s:
+            ok, _ = self.check(measurer)
+            streak = streak + 1 if ok else 0
+            if streak >= self.quiet_needed:
+                return True
+            sleep(self.poll_s)
+            waited += self.poll_s
+        return False
+
+
+def measure(
+    measurer: Measurer,
+    batches: list[BatchSpec],
+    journal: Journal,
+    *,
+    repeat: int,
+    max_attempts: int = 3,
+    warm_up_steps: int = 1,
+    seed: int = 0,
+    guard: InterferenceGuard | None = None,
+    on_step: Callable[[int], None] | None = None,
+    sleep: Callable[[float], None] | None = None,
+) -> dict:
+    """Measure every missing (batch, round, subset, repeat) on ``measurer``, appending to ``journal``.
+
+    Within a batch and round, subsets run in a seeded random order, so slow drifts of the machine (and, for
+    decode, contexts growing by one token per run) spread evenly over subsets. A step whose recorded
+    composition differs from the intended one is logged as rejected and run again (``max_attempts``).
+    A batch-round's measurements reach the journal together once it is done (and, with a ``guard``, found
+    free of interference), so a crash loses at most one batch-round. ``on_step(n)`` reports progress (n < 0
+    when a discarded batch-round is taken back). Returns counts of what was measured now.
+    """
+    if repeat < 1:
+        raise LlmvisorError(f"--repeat: must be at least 1 (got {repeat})")
+    sleep = sleep or time.sleep
+    progress = on_step or (lambda n: None)
+    by_index = {b.index: b for b in batches}
+    todo = missing_measurements(batches, journal, repeat)
+    counts = {"measured_now": 0, "rejected_now": 0, "discarded_batch_rounds": 0, "flagged_batch_rounds": 0}
+    counts["reused"] = sum(
+        min(repeat, len(journal.get(b, r, s))) for b in batches for r in range(b.rounds) for s in range(1, 1 << b.size)
+    )
+    if guard is not None and todo and not guard.accepted_s:
+        guard.calibrate(measurer)
+        journal.log({"type": "canaries", "calibration": True, "canary_s": guard.all_s[:], "baseline_s": guard.baseline_s})
+    for (index, round_), masks in todo.items():
+        batch = by_index[index]
+        rng = np.random.default_rng([seed, index, round_, len(masks)])
+        order = [masks[i] for i in rng.permutation(len(masks))]
+        for redo in range(guard.max_redos + 1 if guard else 1):
+            taken, canaries, clean = _measure_batch_round(measurer, batch, round_, order, journal, max_attempts, warm_up_steps, guard, progress, counts)
+            if clean or redo == (guard.max_redos if guard else 0):
+                break
+            counts["discarded_batch_rounds"] += 1
+            journal.log({"type": "interference", "batch_key": batch.key, "round": round_, "canary_s": canaries,
+                         "baseline_s": guard.baseline_s, "tolerance": guard.tolerance, "discarded_steps": len(taken)})
+            progress(-len(taken))
+            guard.wait_quiet(measurer, sleep)
+        if not clean:
+            counts["flagged_batch_rounds"] += 1
+        if guard is not None:
+            journal.log({"type": "canaries", "batch_key": batch.key, "round": round_, "canary_s": canaries, "baseline_s": guard.baseline_s})
+        for m in taken:
+            m.repeat = len(journal.get(batch, m.round, m.subset))
+            m.interference = not clean
+            journal.add(m)
+        counts["measured_now"] += len(taken)
+    return counts
+
+
+def _measure_batch_round(
+    measurer: Measurer,
+    batch: BatchSpec,
+    round_: int,
+    order: list[int],
+    journal: Journal,
+    max_attempts: int,
+    warm_up_steps: int,
+    guard: InterferenceGuard | None,
+    progress: Callable[[int], None],
+    counts: dict,
+) -> tuple[list[Measurement], list[float], bool]:
+    """One pass over a batch-round's subset steps; returns (measurements, canary times, no interference)."""
+    full = (1 << batch.size) - 1
+    taken: list[Measurement] = []
+    canaries: list[float] = []
+    clean = True
+
+    def canary() -> None:
+        nonlocal clean
+        if guard is not None:
+            ok, t = guard.check(measurer)
+            canaries.append(t)
+            clean &= ok
+
+    canary()
+    if batch.phase == Phase.DECODE:
+        runs_per_request = max(sum(1 for m in order if m >> i & 1) for i in range(batch.size))
+        handle = measurer.prepare_decode(
+            list(batch.num_context_tokens), max_decode_steps=runs_per_request + warm_up_steps + 4 * max_attempts
+        )
+        run = lambda subset: measurer.decode_step(handle, members(subset, batch.size))
+    else:
+        handle = None
+        run = lambda subset: measurer.prefill_step([batch.num_new_tokens[i] for i in members(subset, batch.size)])
+    try:
+        for _ in range(warm_up_steps):
+            run(full)
+        for j, subset in enumerate(order):
+            for _attempt in range(max_attempts):
+                step = run(subset)
+                if step.matches:
+                    taken.append(
+                        Measurement(batch.key, round_, subset, 0, float(step.step_latency_s), [int(s.num_context_tokens) for s in step.recorded])
+                    )
+                    break
+                journal.reject(batch, subset, step.reason)
+                counts["rejected_now"] += 1
+            else:
+                raise LlmvisorError(
+                    f"batch {batch.index}: subset {members(subset, batch.size)} did not run as the intended step "
+                    f"in {max_attempts} attempts (last: {step.reason})"
+                )
+            progress(1)
+            if guard is not None and (j + 1) % guard.every == 0 and j + 1 < len(order):
+                canary()
+        canary()
+    finally:
+        if handle is not None:
+            measurer.release(handle)
+    return taken, canaries, clean
+
+
+def guard_rule(guard: InterferenceGuard | None = None) -> str:
+    g = guard or InterferenceGuard()
+    return (
+        f"a fixed canary step (128-token prefill) before and after every batch-round and after every {g.every} subset steps; "
+        f"a batch-round with a canary over {1 + g.tolerance:g} × the baseline (median of the last {g.window} passing canaries) "
+        f"is discarded and measured again once {g.quiet_needed} canaries in a row pass (at most {g.max_redos} redos, then kept and flagged)"
+    )

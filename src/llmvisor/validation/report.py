@@ -1,0 +1,241 @@
+"""The validation result for people: HTML report sections (tables, scatter, error CDFs) and Markdown tables."""
+
+from __future__ import annotations
+
+import html
+
+import numpy as np
+
+from llmvisor.report.html import figure_png_base64, img_tag
+from llmvisor.validation.analysis import GOAL, HEADLINE_METHOD, METHOD_NOTES, Method
+from llmvisor.validation.plans import PHASES, BatchKind
+
+REPORT_METHODS = (
+    Method.SHAPLEY,
+    Method.SHAPLEY_PREDICTED,
+    Method.PROPORTIONAL,
+    Method.PAPER,
+    Method.TOKEN_PROPORTIONAL,
+    Method.EQUAL_SPLIT,
+)
+"""One scatter panel and one CDF curve each (plus `Method.MODEL_EXACT_SHAPLEY` on the CDF)."""
+MARKDOWN_METHODS = (
+    Method.SHAPLEY,
+    Method.SHAPLEY_PREDICTED,
+    Method.PROPORTIONAL,
+    Method.PROPORTIONAL_PREDICTED,
+    Method.PAPER,
+    Method.TOKEN_PROPORTIONAL,
+    Method.EQUAL_SPLIT,
+    Method.KV_TOKENS_PROPORTIONAL,
+    Method.MEASURED_ADDITIVE_FIT,
+)
+METHOD_COLORS = {
+    Method.SHAPLEY: "#1f77b4",
+    Method.SHAPLEY_PREDICTED: "#17becf",
+    Method.PROPORTIONAL: "#9467bd",
+    Method.PAPER: "#ff7f0e",
+    Method.TOKEN_PROPORTIONAL: "#d62728",
+    Method.EQUAL_SPLIT: "#7f7f7f",
+    Method.MODEL_EXACT_SHAPLEY: "#2ca02c",
+    Method.KV_TOKENS_PROPORTIONAL: "#8c564b",
+}
+
+
+def _fractions(records: list[dict], method: str, target: str = "shapley") -> tuple[np.ndarray, np.ndarray]:
+    truth, share = [], []
+    for r in records:
+        truth.extend(np.asarray(r[f"{target}_s"]) / r["measured_step_s"])
+        share.extend(np.asarray(r["shares_s"][method]) / r["measured_step_s"])
+    return np.array(truth), np.array(share)
+
+
+def _pct(value) -> str:
+    return "–" if value is None else f"{100 * value:.1f}%"
+
+
+def _summary_table(summary: dict, target: str = "shapley") -> str:
+    methods = [m for m in summary.get("methods", []) if m != Method.MEASURED_ADDITIVE_FIT] + [Method.MEASURED_ADDITIVE_FIT]
+    rows = []
+    for phase, tables in summary.get("errors", {}).items():
+        for method in methods:
+            m = tables[target].get(method)
+            if not m:
+                continue
+            cells = [method, phase, str(m["n"])]
+            for q in (50, 90, 99):
+                ci = m.get(f"p{q}_ci95")
+                cells.append(_pct(m[f"p{q}"]) + (f" [{_pct(ci[0])}, {_pct(ci[1])}]" if ci else ""))
+            rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("method", "phase", "requests", "p50 [95% CI]", "p90 [95% CI]", "p99 [95% CI]"))
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def report_sections(validation: dict) -> list[tuple[str, str]]:
+    """HTML sections for the report: summary tables, share-vs-Shapley scatter, error CDFs per rule."""
+    records = validation.get("batches", [])
+    summary = validation.get("summary") or {}
+    if not records or not summary:
+        return [("Validation against measured Shapley values", "<p>No validation result.</p>")]
+    settings = validation.get("settings", {})
+    floor = summary.get("noise_floor", {})
+    notes = validation.get("method_notes", METHOD_NOTES)
+    intro = (
+        f"<p>{validation['n_batches_measured']} batches ({summary['n_batches'].get('prefill', 0)} prefill, "
+        f"{summary['n_batches'].get('decode', 0)} decode; sizes {settings.get('min_batch', 2)}–{settings.get('max_batch', '?')}) were run "
+        f"on {html.escape(str(settings.get('engine', 'the engine')))} as controlled steps: every non-empty subset of each batch as a step of its own, "
+        f"{settings.get('repeat', '?')} times, median kept. Each request's exact Shapley value of the measured game is the ground truth. "
+        "Errors are |share − measured Shapley| as a fraction of the measured step time; intervals are bootstrap 95% over batches.</p>"
+    )
+    gap_parts = [
+        f"{phase}: median {_pct(g.get('p50'))} (p10 {_pct(g.get('p10'))}, p90 {_pct(g.get('p90'))})"
+        for phase, g in summary.get("loo_sum_gap_fraction", {}).items()
+        if g.get("n")
+    ]
+    floor_parts = [
+        f"{phase}: p50 {_pct(f.get('p50'))}, p90 {_pct(f.get('p90'))}, p99 {_pct(f.get('p99'))} ({f.get('n_batches', 0)} batches measured twice)"
+        for phase, f in floor.get("shapley", {}).items()
+        if f.get("n")
+    ]
+    notes_html = "<ul>" + "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in notes.items()) + "</ul>"
+    sections = [
+        (
+            "Validation: shares vs measured Shapley values",
+            intro
+            + _summary_table(summary)
+            + f"<p>Leave-one-out marginal costs sum to T(B) − Σ LOO short of the step by (Σ LOO − T) / T = {'; '.join(gap_parts)}.</p>"
+            + f"<p>Noise floor of a measured Shapley value (two independent measurements, |Δφ| / (√2·T)): {'; '.join(floor_parts) or 'not measured'}.</p>"
+            + f"<p class='note'>Methods:</p>{notes_html}",
+        ),
+        ("Validation: shares vs leave-one-out marginal cost", _summary_table(summary, "loo")),
+    ]
+
+    phases = [p for p in PHASES if any(r["phase"] == p for r in records)]
+    methods = [m for m in REPORT_METHODS if m in records[0]["shares_s"]]
+    scatter = img_tag(figure_png_base64(share_scatter_figure(records, phases, methods)), "share vs measured Shapley value per method and phase")
+    cdf = img_tag(figure_png_base64(error_cdf_figure(records, floor, phases, methods)), "error CDF per method with the noise floor")
+    sections.append(("Validation: share vs measured Shapley (each point a request)", scatter))
+    sections.append(("Validation: error CDF per rule", cdf))
+    return sections
+
+
+def share_scatter_figure(records: list[dict], phases: list[str], methods: list[str]):
+    """One panel per phase and method: each request's share against its measured Shapley value (fractions of the step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(phases), len(methods), figsize=(3.0 * len(methods), 3.0 * len(phases)), squeeze=False)
+    for row, phase in enumerate(phases):
+        phase_records = [r for r in records if r["phase"] == phase]
+        for col, method in enumerate(methods):
+            axis = axes[row][col]
+            truth, share = _fractions(phase_records, method)
+            adversarial = np.concatenate([[r["kind"] == BatchKind.ADVERSARIAL] * r["size"] for r in phase_records])
+            axis.scatter(truth[~adversarial], share[~adversarial], s=7, alpha=0.6, color=METHOD_COLORS.get(method), label="workload batches")
+            axis.scatter(truth[adversarial], share[adversarial], s=12, alpha=0.8, marker="x", color="black", label="adversarial batches")
+            high = max(float(truth.max()), float(share.max()), 0.05) * 1.05
+            axis.plot([0, high], [0, high], color="black", linewidth=0.7)
+            axis.set_xlim(0, high)
+            axis.set_ylim(0, high)
+            axis.set_title(f"{method} ({phase})", fontsize=8)
+            axis.tick_params(labelsize=7)
+            if col == 0:
+                axis.set_ylabel("share / measured step", fontsize=8)
+            if row == len(phases) - 1:
+                axis.set_xlabel("measured Shapley / step", fontsize=8)
+    # Above all panels, so no point is hidden.
+    figure.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=8, frameon=False)
+    return figure
+
+
+def error_cdf_figure(records: list[dict], floor: dict, phases: list[str], methods: list[str]):
+    """One panel per phase: the CDF of |share − measured Shapley| / step per method, with the noise floor and goal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(phases), figsize=(5.5 * len(phases), 4.2), squeeze=False)
+    for axis, phase in zip(axes[0], phases):
+        phase_records = [r for r in records if r["phase"] == phase]
+        drawn: dict[str, np.ndarray] = {}
+        for method in methods + [Method.MODEL_EXACT_SHAPLEY]:
+            if method not in phase_records[0]["shares_s"]:
+                continue
+            truth, share = _fractions(phase_records, method)
+            errors = np.sort(np.abs(share - truth))
+            same = next((name for name, e in drawn.items() if e.shape == errors.shape and np.allclose(e, errors, rtol=0, atol=1e-9)), None)
+            if same is not None:  # identical curve (e.g. token_proportional = equal_split for decode): say so, draw once
+                axis.plot([], [], color=METHOD_COLORS.get(method), label=f"{method} (= {same})")
+                continue
+            drawn[method] = errors
+            width = 2.2 if method == HEADLINE_METHOD else 1.2
+            axis.plot(errors * 100, np.linspace(0, 1, errors.size), label=method, color=METHOD_COLORS.get(method), linewidth=width)
+        f = floor.get("shapley", {}).get(phase, {})
+        for q, style in (("p50", ":"), ("p90", "--")):
+            if f.get(q) is not None:
+                axis.axvline(f[q] * 100, color="gray", linestyle=style, linewidth=1, label=f"noise floor {q}")
+        axis.axvline(GOAL["p90_max"] * 100, color="green", linestyle="-.", linewidth=0.8, label="goal p90")
+        axis.set_xscale("symlog", linthresh=1)
+        axis.set_xlim(left=0)
+        axis.set_xlabel("|share − measured Shapley| / step time (%)")
+        axis.set_ylabel("fraction of requests")
+        axis.set_title(f"error CDF, {phase}")
+        # Below the axes (and their x label): inside, it covered the shapley curve on decode.
+        axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+    figure.subplots_adjust(wspace=0.25)
+    return figure
+
+
+def markdown_summary(validation: dict) -> str:
+    """The result's headline tables in Markdown (what docs/validation.md quotes), so the figures are regenerable."""
+    summary = validation["summary"]
+    pct = lambda x: "–" if x is None else f"{100 * x:.1f}%"
+
+    def cell(m: dict, q: int) -> str:
+        ci = m.get(f"p{q}_ci95")
+        return pct(m[f"p{q}"]) + (f" [{pct(ci[0])}, {pct(ci[1])}]" if ci else "")
+
+    lines = []
+    for target, title in (("shapley", "measured Shapley value"), ("loo", "leave-one-out marginal cost")):
+        lines += [f"|share − {title}| / measured step time:", "",
+                  "| phase | method | requests | p50 [95% CI] | p90 [95% CI] | p99 [95% CI] | p90 gain vs token_proportional |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for phase, tables in summary["errors"].items():
+            token_p90 = tables[target][Method.TOKEN_PROPORTIONAL]["p90"]
+            for method in MARKDOWN_METHODS:
+                m = tables[target].get(method)
+                if not m:
+                    continue
+                gain = token_p90 / m["p90"] if m["p90"] else None
+                lines.append(f"| {phase} | {method} | {m['n']} | {cell(m, 50)} | {cell(m, 90)} | {cell(m, 99)} | "
+                             f"{'–' if gain is None else f'{gain:.2f}×'} |")
+        lines.append("")
+    lines += ["| phase | kind | requests | shapley p90 | token_proportional p90 | equal_split p90 | measured_additive_fit p90 |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for phase, kinds in summary["errors_by_kind"].items():
+        for kind, t in kinds.items():
+            lines.append(f"| {phase} | {kind} | {t['shapley']['n']} | {pct(t['shapley']['p90'])} | {pct(t['token_proportional']['p90'])} | "
+                         f"{pct(t['equal_split']['p90'])} | {pct(t['measured_additive_fit']['p90'])} |")
+    lines += ["", "| phase | noise floor of a measured Shapley value p50 / p90 / p99 | step repeat spread p50 / p90 / p99 | (Σ LOO − T) / T p10 / p50 / p90 |",
+              "| --- | ---: | ---: | ---: |"]
+    for phase in summary["errors"]:
+        f = summary["noise_floor"]["shapley"][phase]
+        st = summary["noise_floor"]["step"][phase]
+        g = summary["loo_sum_gap_fraction"][phase]
+        lines.append(f"| {phase} | {cell(f, 50)} / {cell(f, 90)} / {cell(f, 99)} ({f['n_batches']} batches) | "
+                     f"{pct(st['p50'])} / {pct(st['p90'])} / {pct(st['p99'])} | {pct(g['p10'])} / {pct(g['p50'])} / {pct(g['p90'])} |")
+    lines += ["", "| phase | additive fit RMS residual p50 / p90 | shared cost (additive fit) share of step p10 / p50 / p90 | model's subset-step error p50 / p90 |",
+              "| --- | ---: | ---: | ---: |"]
+    for phase, a in summary["additivity"].items():
+        lines.append(f"| {phase} | {pct(a['rms_residual_fraction']['p50'])} / {pct(a['rms_residual_fraction']['p90'])} | "
+                     f"{pct(a['intercept_fraction_of_step']['p10'])} / {pct(a['intercept_fraction_of_step']['p50'])} / {pct(a['intercept_fraction_of_step']['p90'])} | "
+                     f"{pct(a['model_subset_rel_err']['p50'])} / {pct(a['model_subset_rel_err']['p90'])} |")
+    lines += ["", "| phase | candidate non-additive term | coefficient (s per unit) | t | share of the additive residual explained |",
+              "| --- | --- | ---: | ---: | ---: |"]
+    for phase, d in summary.get("interactions", {}).items():
+        for name, t in d["terms"].items():
+            lines.append(f"| {phase} | {name} | {t['coef']:.3g} ± {t['std_err']:.2g} | {t['t']:.1f} | {pct(t['explained_fraction_of_additive_residual'])} |")
+    return "\n".join(lines) + "\n"
