@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-src/llmvisor/data/traces}
-WORKLOADS=${WORKLOADS:-../shared/data/workloads}
+WORKLOADS=${WORKLOADS:-src/llmvisor/data/workloads}
 ENGINE=(--max-model-len 4096 --max-num-batched-tokens 2048 --max-num-seqs 32 --kv-cache-gib 4 --threads 2)
 WHAT=${1:-all}  # all | sweep | workloads
 LOCK=/tmp/llmvisor-quiet.lock

@@ -144,7 +144,7 @@ def profile(
     trace.metadata = {
         "run_id": run_id,
         "recorded_at": stamp,
-        "command": " ".join(shlex.quote(arg) for arg in sys.argv),
+        "command": recorded_command(sys.argv),
         "engine": engine_info,
         **plan_info,
         "warmup_steps": warmup_steps,
@@ -174,6 +174,18 @@ def profile(
             f"tenants: {plan_info['tenant_rule']}; arrivals: {plan_info['arrival']}"
         )
     console.print(f"wrote {trace.n_steps} steps ({trace.n_slices} rows) of run {run_id!r} to {output}")
+
+
+def recorded_command(argv: list[str]) -> str:
+    """The command line as run, for the trace's metadata: the program as ``llmvisor``, and files shipped in the
+    package by their package name (`shipped.portable_path`), so the record says nothing of this machine."""
+    args = []
+    for arg in argv[1:]:
+        option, equals, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        if value and os.path.exists(value):
+            value = shipped.portable_path(value)
+        args.append(option + equals + value)
+    return " ".join(shlex.quote(arg) for arg in ["llmvisor", *args])
 
 
 def warmup_rule(warmup_steps: int, warmup_seconds: float, n_warmup: int) -> str:
