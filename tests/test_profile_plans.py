@@ -131,3 +131,11 @@ def test_mark_warmup_window_marks_steps_by_start_time():
     assert mark_warmup_window(trace, 1.0) == 2
     assert mark_warmup_window(trace, 2.5) == 3
     assert trace.extra["is_warmup"].tolist() == [True] * 6 + [False] * 2
+
+
+def test_zero_output_rows_are_refused_for_replay_but_kept_in_a_length_mix(tmp_path):
+    path = write_csv(tmp_path / "mix.csv", "num_prefill_tokens,num_decode_tokens\n10,0\n20,3\n")
+    with pytest.raises(LlmvisorError, match="line 2: num_decode_tokens: expected a whole number >= 1"):
+        read_workload_csv(path)
+    rows = read_workload_csv(path, min_output_tokens=0)
+    assert [(r.prompt_len, r.output_len) for r in rows] == [(10, 0), (20, 3)]

@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 from _tiny_llama import write_tiny_llama
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from llmvisor import shipped
 from llmvisor.core.features import FEATURE_NAMES
 from llmvisor.core.model import StepLatencyModel
-from llmvisor.engines.vllm.controlled import MeasuredStep, Slice
+from llmvisor.engines.vllm.controlled import ControlledEngine, MeasuredStep, Slice
 from llmvisor.errors import LlmvisorError
 from llmvisor.validation.analysis import (
     analyse_batch,
@@ -24,7 +25,12 @@ from llmvisor.validation.analysis import (
     quantiles_with_ci,
 )
 from llmvisor.validation.game import additive_fit, exact_shapley, leave_one_out
-from llmvisor.validation.measurement import InterferenceGuard, Journal, measure
+from llmvisor.validation.measurement import (
+    InterferenceGuard,
+    Journal,
+    Measurer,
+    measure,
+)
 from llmvisor.validation.plans import (
     PHASES,
     BatchSpec,
@@ -33,7 +39,12 @@ from llmvisor.validation.plans import (
     draw_batches,
     read_length_mixes,
 )
-from llmvisor.validation.report import report_sections
+from llmvisor.validation.report import (
+    REPORT_METHODS,
+    error_cdf_figure,
+    report_sections,
+    share_scatter_figure,
+)
 
 
 def game(n: int, value) -> np.ndarray:
@@ -370,6 +381,34 @@ def test_report_sections_render_from_a_result(tmp_path):
     assert all(isinstance(h, str) and isinstance(body, str) for h, body in sections)
     assert sum(body.count("data:image/png;base64,") for _, body in sections) == 2
     assert result["summary"]["noise_floor"]["shapley"]["decode"]["p50"] > 0
+
+
+def test_report_legends_hide_no_data():
+    """On the shipped result (where the CDF legend once covered the shapley curve on decode): no legend overlaps an axes."""
+    result = json.loads((shipped.result_path(shipped.VALIDATION_RESULT)).read_text())
+    records = result["batches"]
+    methods = [m for m in REPORT_METHODS if m in records[0]["shares_s"]]
+    floor = result["summary"]["noise_floor"]
+    for figure in (error_cdf_figure(records, floor, list(PHASES), methods), share_scatter_figure(records, list(PHASES), methods)):
+        figure.canvas.draw()
+        renderer = figure.canvas.get_renderer()
+        legends = list(figure.legends) + [a.get_legend() for a in figure.axes if a.get_legend() is not None]
+        assert legends
+        for legend in legends:
+            box = legend.get_window_extent(renderer)
+            for axis in figure.axes:
+                assert not box.overlaps(axis.get_window_extent(renderer)), (axis.get_title(), box, axis.get_window_extent(renderer))
+        plt.close(figure)
+
+
+def test_controlled_engine_satisfies_the_measurer_protocol():
+    assert issubclass(ControlledEngine, Measurer)
+    assert isinstance(GameEngine(additive_cost), Measurer)
+
+    class NoRelease(GameEngine):
+        release = None
+
+    assert not isinstance(NoRelease(additive_cost), Measurer)
 
 
 def test_validate_command_user_errors(tmp_path):

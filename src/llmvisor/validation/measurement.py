@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -53,6 +53,7 @@ class StepResult(Protocol):
         """Why the step did not match (empty when it did)."""
 
 
+@runtime_checkable
 class Measurer(Protocol):
     """What `measure` needs from an engine: run a chosen batch as exactly one step and time it.
 
