@@ -6,7 +6,7 @@ class LlmvisorError(Exception):
 
 
 class TraceError(LlmvisorError, ValueError):
-    """A step trace breaks the format contract (`shared/docs/trace-format.md`)."""
+    """A step trace breaks the format contract (`docs/trace-format.md`)."""
 
 
 class ModelError(LlmvisorError, ValueError):
@@ -15,3 +15,10 @@ class ModelError(LlmvisorError, ValueError):
 
 class NotFittedError(LlmvisorError, AttributeError):
     """An estimator was used before `fit`."""
+
+
+class MissingExtraError(LlmvisorError, ImportError):
+    """A command or module needs an optional dependency set (an extra) that is not installed.
+
+    An ImportError too, so `import llmvisor.service` without FastAPI fails the way Python code expects.
+    """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -10,10 +11,80 @@ from typing import Annotated, Optional
 
 import numpy as np
 import typer
+import typer.main
+from typer.core import TyperGroup
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from llmvisor import extras
 from llmvisor.errors import LlmvisorError
+
+ADAPTERS: dict[str, dict[str, tuple[str, str, tuple[str, ...]]]] = {
+    "": {
+        "profile": ("llmvisor.cli.profile", "profile", ("vllm",)),
+        "validate": ("llmvisor.cli.validate", "validate", ()),
+        "serve": ("llmvisor.cli.serve", "serve", ("service",)),
+        "load": ("llmvisor.service.load", "load", ("service",)),
+    },
+    "keys": {
+        "create": ("llmvisor.cli.serve", "keys_create", ("service",)),
+        "list": ("llmvisor.cli.serve", "keys_list", ("service",)),
+        "revoke": ("llmvisor.cli.serve", "keys_revoke", ("service",)),
+    },
+    "ledger": {"migrate": ("llmvisor.cli.serve", "ledger_migrate", ("service",))},
+    "experiment": {"fairness": ("llmvisor.fairness.experiment", "fairness", ("vllm", "report"))},
+}
+"""Commands whose code lives beside its domain, by group: (module, function, extras it needs). They are
+imported only when run or listed in help, so `llmvisor fit` never imports the service, an engine or a plot."""
+
+
+class AdapterGroup(TyperGroup):
+    """A command group that also offers the ADAPTERS of its group, each imported on first use.
+
+    A command whose extra is missing is replaced by one that prints the install hint (exit 2) for any arguments.
+    """
+
+    group = ""
+
+    def list_commands(self, ctx):
+        return [*super().list_commands(ctx), *ADAPTERS[self.group]]
+
+    def get_command(self, ctx, name):
+        if name in ADAPTERS[self.group] and name not in self.commands:
+            self.commands[name] = adapter_command(" ".join(filter(None, ("llmvisor", self.group, name))), *ADAPTERS[self.group][name])
+            self.commands[name].name = name
+        return super().get_command(ctx, name)
+
+
+def adapter_group(group: str) -> type[AdapterGroup]:
+    return type(f"AdapterGroup[{group or 'llmvisor'}]", (AdapterGroup,), {"group": group})
+
+
+def adapter_command(command_line: str, module: str, function: str, needs: tuple[str, ...]):
+    missing = extras.missing_modules(*needs)
+    if missing:
+        return missing_extra_command(extras.hint(command_line, *needs, missing=missing))
+    single = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    single.command()(user_errors(getattr(importlib.import_module(module), function)))
+    return typer.main.get_command(single)
+
+
+def missing_extra_command(message: str):
+    """Stands in for a command whose extra is missing: whatever the arguments (--help too), one line and exit 2."""
+    single = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+    @single.command(
+        help=escape(f"(not installed) {message}"),
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+        add_help_option=False,
+    )
+    def missing_extra(ctx: typer.Context) -> None:
+        stderr.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=2)
+
+    return typer.main.get_command(single)
+
 
 app = typer.Typer(
     name="llmvisor",
@@ -21,12 +92,13 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    cls=adapter_group(""),
 )
-keys_app = typer.Typer(help="API keys of the accounting service.", no_args_is_help=True)
+keys_app = typer.Typer(cls=adapter_group("keys"), help="API keys of the accounting service.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
-ledger_app = typer.Typer(help="The accounting service's ledger database.", no_args_is_help=True)
+ledger_app = typer.Typer(cls=adapter_group("ledger"), help="The accounting service's ledger database.", no_args_is_help=True)
 app.add_typer(ledger_app, name="ledger")
-experiment_app = typer.Typer(help="Experiments on the real engine.", no_args_is_help=True)
+experiment_app = typer.Typer(cls=adapter_group("experiment"), help="Experiments on the real engine.", no_args_is_help=True)
 app.add_typer(experiment_app, name="experiment")
 
 stdout = Console()
@@ -44,7 +116,7 @@ def user_errors(command):
         try:
             return command(*args, **kwargs)
         except LlmvisorError as error:
-            stderr.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+            stderr.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=2) from None
 
     return wrapper
@@ -182,6 +254,7 @@ def eval_command(
     keep_warmup: WarmupOption = False,
 ) -> None:
     """Fit llmvisor and the baselines on --train, report errors on --test per phase."""
+    extras.require("llmvisor eval", "eval")
     from llmvisor.evaluation.heldout import evaluate, to_json_ready
     from llmvisor.core.trace import read_traces
 
@@ -266,6 +339,7 @@ def attribute_command(
 @user_errors
 def bench(json_output: JsonFlag = False) -> None:
     """Measure per-step attribution latency, offline throughput and fit time in this run."""
+    extras.require("llmvisor bench", "eval")
     from llmvisor.evaluation.bench import run_benchmarks
 
     with stderr.status("benchmarking") as status:
@@ -302,6 +376,7 @@ def demo(
     bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples for the 95% intervals.")] = 1000,
 ) -> None:
     """Fit on the shipped vLLM sweep, evaluate on held-out workloads, attribute per tenant, write a report."""
+    extras.require("llmvisor demo", "eval", "report")
     from llmvisor.report.demo import run_demo
 
     with stderr.status("demo") as status:
@@ -342,28 +417,6 @@ def demo(
                 highlight=False,
             )
     stdout.print(f"report: {outcome['report']}", highlight=False)
-
-
-def _register_adapters() -> None:
-    """Commands whose code lives beside its domain (engine glue, service); vLLM is imported only when they run."""
-    from llmvisor.fairness.experiment import fairness
-    from llmvisor.cli.profile import profile
-    from llmvisor.cli.serve import keys_create, keys_list, keys_revoke, ledger_migrate, serve
-    from llmvisor.service.load import load
-    from llmvisor.cli.validate import validate
-
-    app.command("profile")(user_errors(profile))
-    app.command("validate")(user_errors(validate))
-    app.command("serve")(user_errors(serve))
-    app.command("load")(user_errors(load))
-    keys_app.command("create")(user_errors(keys_create))
-    keys_app.command("list")(user_errors(keys_list))
-    keys_app.command("revoke")(user_errors(keys_revoke))
-    ledger_app.command("migrate")(user_errors(ledger_migrate))
-    experiment_app.command("fairness")(user_errors(fairness))
-
-
-_register_adapters()
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from llmvisor import shipped
+from llmvisor import extras, shipped
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.errors import LlmvisorError
 from llmvisor.validation.analysis import Method, build_result, dumps_result
@@ -142,6 +142,7 @@ def validate(
     counts = {"measured_now": 0, "rejected_now": 0}
     started = time.perf_counter()
     if n_missing:
+        extras.require("llmvisor validate (measuring on the engine)", "vllm")
         from llmvisor.engines.vllm.controlled import ControlledEngine
 
         console.print(f"[bold]validate[/]: {n_missing} subset steps to measure on {engine_dir} (journal {journal_path})")

@@ -1,7 +1,11 @@
 """Durable per-tenant ledger of attributed engine time (SQLite or PostgreSQL via SQLAlchemy)."""
 
-from llmvisor.ledger.keys import Principal
-from llmvisor.ledger.store import (
+from llmvisor import extras
+
+extras.require("llmvisor.ledger", "service", modules=["sqlalchemy"])
+
+from llmvisor.ledger.keys import Principal  # noqa: E402
+from llmvisor.ledger.store import (  # noqa: E402
     BUCKET_US,
     IngestOutcome,
     KeyInfo,

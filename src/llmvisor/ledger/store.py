@@ -25,6 +25,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.pool import StaticPool
 
+from llmvisor import extras
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import keys as keys_module
 from llmvisor.ledger.keys import Principal
@@ -302,6 +303,8 @@ def normalize_url(url: str) -> str:
         raise LedgerError(f"not a database URL: {url!r} (expected sqlite:///PATH or postgresql+psycopg://...)") from None
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.get_backend_name() == "postgresql":
+        extras.require("a PostgreSQL ledger", "postgres")
     if parsed.get_backend_name() not in ("sqlite", "postgresql"):
         raise LedgerError(f"unsupported database {parsed.get_backend_name()!r}; use SQLite or PostgreSQL")
     return parsed.render_as_string(hide_password=False)

@@ -4,6 +4,10 @@
 `llmvisor.client.StepPusher` the engine-side client. See docs/service.md.
 """
 
-from llmvisor.service.app import create_app
+from llmvisor import extras
+
+extras.require("llmvisor.service", "service")
+
+from llmvisor.service.app import create_app  # noqa: E402
 
 __all__ = ["create_app"]
