@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The README's test command: installs what the tests need into .venv (llmvisor with its test extras, the vLLM
-# CPU build), starts a throwaway PostgreSQL server for the database tests (unless LLMVISOR_TEST_POSTGRES_URL
+# The README's test command: installs what the tests need into .venv (llmvisor with every extra and the test
+# tools), runs ruff (lint, no reformatting), starts a throwaway PostgreSQL server for the database tests (unless LLMVISOR_TEST_POSTGRES_URL
 # already names one), runs pytest with any arguments given, and stops the server again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-test.sh
+.venv/bin/python -m ruff check src tests
 if [[ -z "${LLMVISOR_TEST_POSTGRES_URL:-}" ]]; then
     LLMVISOR_TEST_POSTGRES_URL="$(bash scripts/start-postgres.sh)"
     export LLMVISOR_TEST_POSTGRES_URL
