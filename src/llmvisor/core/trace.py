@@ -1,4 +1,4 @@
-"""Read, validate and write step traces (format version 1, `shared/docs/trace-format.md`).
+"""Read, validate and write step traces (format version 1, `docs/trace-format.md`).
 
 A trace has one row per request slice per step. In memory it is a `StepTrace`: columnar numpy arrays with
 the slices of each step made contiguous and ordered by (run_id, step_id), plus per-step views
