@@ -349,7 +349,7 @@ def _register_adapters() -> None:
     from llmvisor.fairness.experiment import fairness
     from llmvisor.cli.profile import profile
     from llmvisor.cli.serve import keys_create, keys_list, keys_revoke, ledger_migrate, serve
-    from llmvisor.service.load import load
+    from llmvisor.cli.load import load
     from llmvisor.cli.validate import validate
 
     app.command("profile")(user_errors(profile))
