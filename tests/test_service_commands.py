@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -12,7 +13,8 @@ from _service_fixtures import model_path  # noqa: F401
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
 from llmvisor.cli.serve import keys_create
-from llmvisor.service.load import _check_loopback, load
+from llmvisor.cli.load import load
+from llmvisor.service.load import check_loopback
 
 
 def run_service_command(*args):
@@ -50,15 +52,35 @@ def test_keys_create_function(tmp_path, capsys):
 def test_load_command_runs_bounded_and_reconciles(model_path, capsys):
     for body in ("parquet", "columns", "rows"):
         load(db=["sqlite"], url=None, api_key=None, model=model_path, steps=1500, batch_size=8, steps_per_request=500,
-             concurrency=2, step_interval_ms=20.0, max_seconds=60, body=body)
+             concurrency=2, step_interval_ms=20.0, max_seconds=60, body=body, json_output=False)
         line = capsys.readouterr().out.strip()
         assert re.search(r"^sqlite .*: 1,500 steps \(B=8\) in [\d.]+ s = [\d,]+ steps/s", line), line
         assert f"in the {body} form" in line and "0 failed POSTs; totals reconcile" in line
 
 
+def test_load_json_prints_the_measured_figures(model_path, capsys):
+    load(db=["sqlite", "sqlite"], url=None, api_key=None, model=model_path, steps=1000, batch_size=4, steps_per_request=250,
+         concurrency=1, step_interval_ms=20.0, max_seconds=60, body="columns", json_output=True)
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["settings"] == {"batch_size": 4, "steps_per_request": 250, "concurrency": 1, "body": "columns", "step_interval_ms": 20.0}
+    assert len(printed["targets"]) == 2
+    for target in printed["targets"]:
+        assert target["target"].startswith("sqlite (sqlite:///")
+        assert target["steps"] == 1000 and target["slices"] == 4000 and target["requests"] == 4 and target["failed_posts"] == 0
+        assert target["reconciled"] is True
+        assert target["steps_per_s"] == pytest.approx(target["steps"] / target["elapsed_s"])
+
+
+def test_load_json_from_the_command_line_is_only_json(model_path):
+    done = run_service_command("load", "--model", str(model_path), "--steps", "200", "--batch-size", "2",
+                               "--steps-per-request", "100", "--concurrency", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["targets"][0]["steps"] == 200
+
+
 def test_load_only_targets_loopback():
-    _check_loopback("http://127.0.0.1:8000")
-    _check_loopback("http://localhost:8000")
+    check_loopback("http://127.0.0.1:8000")
+    check_loopback("http://localhost:8000")
     for url in ("http://10.0.0.1:8000", "http://example.com", "http://192.168.1.1"):
         with pytest.raises(LlmvisorError, match="loopback"):
-            _check_loopback(url)
+            check_loopback(url)

@@ -25,7 +25,7 @@ ADAPTERS: dict[str, dict[str, tuple[str, str, tuple[str, ...]]]] = {
         "profile": ("llmvisor.cli.profile", "profile", ("vllm",)),
         "validate": ("llmvisor.cli.validate", "validate", ()),
         "serve": ("llmvisor.cli.serve", "serve", ("service",)),
-        "load": ("llmvisor.service.load", "load", ("service",)),
+        "load": ("llmvisor.cli.load", "load", ("service",)),
     },
     "keys": {
         "create": ("llmvisor.cli.serve", "keys_create", ("service",)),

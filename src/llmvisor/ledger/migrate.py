@@ -165,7 +165,7 @@ def migrate_schema_1(
         with source.connect() as conn:
             keys = [dict(row._mapping) for row in conn.execute(select(_api_keys_1))]
         if keys:
-            with target._write() as write:
+            with target.write_transaction() as write:
                 write.execute(insert(api_keys), keys)
         join = (
             select(

@@ -405,7 +405,8 @@ class Ledger:
             self._read_engine.dispose()
 
     @contextmanager
-    def _write(self) -> Iterator[Connection]:
+    def write_transaction(self) -> Iterator[Connection]:
+        """One write transaction; on SQLite writers take turns on a lock (one writer at a time)."""
         if self._write_lock is None:
             with self._write_engine.begin() as conn:
                 yield conn
@@ -428,7 +429,7 @@ class Ledger:
         all_new = _StoredBatch(records) if records.n_steps else None
         for attempt in range(_WRITE_ATTEMPTS):
             try:
-                with self._write() as conn:
+                with self.write_transaction() as conn:
                     stored = self._stored_hashes(conn, keys)
                     conflicts = [k for k, digest in zip(keys, records.content_sha256) if k in stored and stored[k] != digest]
                     if conflicts:
@@ -688,7 +689,7 @@ class Ledger:
         if tenant is not None and not tenant:
             raise LedgerError("the tenant name must not be empty")
         key_id, key, digest = keys_module.new_key()
-        with self._write() as conn:
+        with self.write_transaction() as conn:
             conn.execute(
                 insert(api_keys).values(
                     key_id=key_id, secret_sha256=digest, tenant=tenant, is_admin=is_admin, created_at_us=now_us()
@@ -723,7 +724,7 @@ class Ledger:
 
     def revoke_key(self, key_id: str) -> bool:
         """Revoke a key; False if there is no such unrevoked key."""
-        with self._write() as conn:
+        with self.write_transaction() as conn:
             result = conn.execute(
                 update(api_keys)
                 .where(api_keys.c.key_id == key_id, api_keys.c.revoked_at_us.is_(None))

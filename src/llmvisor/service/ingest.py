@@ -59,10 +59,13 @@ class PreparedBatch:
 PARQUET_MEDIA_TYPE = "application/vnd.apache.parquet"
 
 
-def read_batch(body: bytes, *, max_steps: int, max_rows: int, content_type: str | None = None) -> StepTrace:
-    """The validated trace of a body in any form; size limits are a 413, the rest a 400/422."""
+def read_batch(
+    body: bytes, *, max_steps: int, max_rows: int, max_decoded_bytes: int, content_type: str | None = None
+) -> StepTrace:
+    """The validated trace of a body in any form; size limits are a 413, the rest a 400/422.
+    ``max_decoded_bytes`` bounds what a Parquet body may decode to (see `_trace_from_parquet`)."""
     if content_type is not None and content_type.split(";")[0].strip().lower() == PARQUET_MEDIA_TYPE:
-        trace = _trace_from_parquet(body, max_rows=max_rows)
+        trace = _trace_from_parquet(body, max_rows=max_rows, max_decoded_bytes=max_decoded_bytes)
         if trace.n_steps > max_steps:
             raise PayloadError(413, "too_large", f"{BODY_PATH}: {trace.n_steps} steps, at most {max_steps} per request")
         return trace
@@ -160,15 +163,81 @@ def _objects(values: list) -> np.ndarray:
     return array
 
 
-def _trace_from_parquet(body: bytes, *, max_rows: int) -> StepTrace:
-    """A Parquet body through the trace reader's Arrow validator; only stored columns are read."""
+def check_parquet_footer(parquet: pq.ParquetFile, columns: list[str], *, body_bytes: int, max_decoded_bytes: int) -> None:
+    """Refuse, from the footer alone, a file whose columns to read are nested or declare more uncompressed
+    bytes than ``max_decoded_bytes``, or whose column chunks lie outside the body."""
+    schema = parquet.schema_arrow
+    for name in columns:
+        kind = schema.field(name).type
+        if pa.types.is_nested(kind):
+            raise PayloadError(422, "invalid_trace", f"{BODY_PATH}: column {name}: expected a flat column, got Arrow type {kind}")
+    metadata = parquet.metadata
+    wanted = set(columns)
+    declared_bytes = 0
+    for g in range(metadata.num_row_groups):
+        group = metadata.row_group(g)
+        for c in range(group.num_columns):
+            chunk = group.column(c)
+            if chunk.path_in_schema not in wanted:
+                continue
+            offsets = [chunk.data_page_offset] + ([chunk.dictionary_page_offset] if chunk.has_dictionary_page else [])
+            if chunk.total_compressed_size > body_bytes or any(not 0 <= offset < body_bytes for offset in offsets):
+                raise PayloadError(
+                    400, "bad_parquet", f"{BODY_PATH}: column {chunk.path_in_schema}, row group {g}: pages outside the file"
+                )
+            declared_bytes += chunk.total_uncompressed_size
+    if declared_bytes > max_decoded_bytes:
+        raise PayloadError(
+            413,
+            "too_large",
+            f"{BODY_PATH}: Parquet columns declare {declared_bytes} bytes uncompressed, at most {max_decoded_bytes}",
+        )
+
+
+def decoded_string_bytes(column: pa.ChunkedArray) -> int:
+    """The bytes a string column takes once its dictionary is expanded, counted without expanding it."""
+    total = 0
+    for chunk in column.chunks:
+        if pa.types.is_dictionary(chunk.type):
+            per_row = pc.take(pc.binary_length(chunk.dictionary), chunk.indices)
+            total += pc.sum(per_row).as_py() or 0
+        elif pa.types.is_string(chunk.type) or pa.types.is_binary(chunk.type):
+            total += chunk.buffers()[2].size if chunk.buffers()[2] is not None else 0
+    return int(total)
+
+
+def _trace_from_parquet(body: bytes, *, max_rows: int, max_decoded_bytes: int) -> StepTrace:
+    """A Parquet body through the trace reader's Arrow validator; only stored columns are read.
+
+    A small file can decode to a huge table (zstd, or a long string repeated through a dictionary), so
+    before any column is read the footer must declare at most ``max_rows`` rows and at most
+    ``max_decoded_bytes`` uncompressed bytes in the columns read; string columns are then read as
+    dictionaries, and the bytes they would expand to must also stay within ``max_decoded_bytes`` before
+    they are expanded. ``max_decoded_bytes`` is the body limit: a Parquet body may not decode to more than a
+    JSON body may hold.
+    """
     try:
         parquet = pq.ParquetFile(pa.BufferReader(body))
         n_rows = parquet.metadata.num_rows
         if n_rows > max_rows:
             raise PayloadError(413, "too_large", f"{BODY_PATH}: {n_rows} rows, at most {max_rows} per request")
         names = parquet.schema_arrow.names
-        table = parquet.read(columns=[n for n in (*REQUIRED_COLUMNS, *STORED_OPTIONAL_COLUMNS) if n in names], use_threads=False)
+        columns = [n for n in (*REQUIRED_COLUMNS, *STORED_OPTIONAL_COLUMNS) if n in names]
+        check_parquet_footer(parquet, columns, body_bytes=len(body), max_decoded_bytes=max_decoded_bytes)
+        physical = {parquet.schema.column(i).path: parquet.schema.column(i).physical_type for i in range(len(parquet.schema))}
+        byte_columns = [n for n in columns if physical.get(n) == "BYTE_ARRAY"]
+        if byte_columns:
+            parquet = pq.ParquetFile(pa.BufferReader(body), metadata=parquet.metadata, read_dictionary=byte_columns)
+        table = parquet.read(columns=columns, use_threads=False)
+        string_bytes = sum(decoded_string_bytes(table.column(n)) for n in byte_columns)
+        if string_bytes > max_decoded_bytes:
+            raise PayloadError(
+                413, "too_large", f"{BODY_PATH}: Parquet string columns expand to {string_bytes} bytes, at most {max_decoded_bytes}"
+            )
+        for name in byte_columns:
+            column = table.column(name)
+            if pa.types.is_dictionary(column.type):
+                table = table.set_column(table.schema.get_field_index(name), name, column.cast(column.type.value_type))
     except (pa.ArrowException, OSError, ValueError) as error:  # a damaged file can fail anywhere, even in UTF-8
         raise PayloadError(400, "bad_parquet", f"{BODY_PATH}: not a readable Parquet file ({error})") from None
     if table.num_rows == 0:

@@ -1,4 +1,5 @@
-"""``llmvisor load``: sustained ingest throughput of the service, on loopback, bounded in steps and time.
+"""Sustained ingest throughput of the service on loopback, bounded in steps and time: the measurement of
+``llmvisor load`` (the command itself is `llmvisor.cli.load`).
 
 Request bodies are built once from a template (a fresh run id per request), so the figure is the
 server's: parsing, validation, attribution, hashing and the database, not the load generator's encoding.
@@ -15,18 +16,18 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import typer
 
+from llmvisor.client import columns_body
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.synthetic import synthetic_trace
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
-from llmvisor.client import columns_body
 from llmvisor.service.ingest import PARQUET_MEDIA_TYPE
 from llmvisor.service.process import ServerProcess
 
@@ -55,6 +56,19 @@ class LoadResult:
     @property
     def steps_per_s(self) -> float:
         return self.steps / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "target": self.target,
+            "steps": self.steps,
+            "slices": self.slices,
+            "elapsed_s": self.elapsed_s,
+            "steps_per_s": self.steps_per_s,
+            "slices_per_s": self.slices / self.elapsed_s if self.elapsed_s > 0 else 0.0,
+            "requests": self.requests,
+            "failed_posts": self.errors,
+            "reconciled": self.reconciled,
+        }
 
     def line(self, batch_size: int, steps_per_request: int, concurrency: int, body: str, step_interval_ms: float) -> str:
         reconciled = {True: "totals reconcile", False: "TOTALS DO NOT RECONCILE", None: "totals not checked"}[self.reconciled]
@@ -182,57 +196,43 @@ def run_load(
     return LoadResult(target, done["steps"], done["steps"] * batch_size, elapsed_s, done["requests"], done["errors"], reconciled)
 
 
-def _check_loopback(url: str) -> None:
+def check_loopback(url: str) -> None:
     host = urlsplit(url).hostname or ""
     if host not in _LOOPBACK_HOSTS and not host.startswith("127."):
         raise LlmvisorError(f"{url}: the load command only targets loopback addresses (127.0.0.0/8, localhost, ::1)")
 
 
-def load(
-    db: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--db",
-            help="Database to load (repeatable): 'sqlite' for a temporary SQLite file, or a URL of a scratch "
-            "database (load runs are stored there). A server is started for each.",
-        ),
-    ] = None,
-    url: Annotated[str | None, typer.Option(help="Load an already running service on loopback instead (needs --api-key).")] = None,
-    api_key: Annotated[str | None, typer.Option(help="Admin key for --url.")] = None,
-    model: Annotated[Path | None, typer.Option(help="Latency model JSON; default: one fitted on synthetic steps.")] = None,
-    steps: Annotated[int, typer.Option(help="Steps to send per target.", min=1, max=2_000_000)] = 60_000,
-    batch_size: Annotated[int, typer.Option(help="Requests per step (B).", min=1, max=1024)] = 32,
-    steps_per_request: Annotated[int, typer.Option(help="Steps per POST.", min=1, max=20_000)] = 1000,
-    concurrency: Annotated[int, typer.Option(help="Concurrent client connections, like engines pushing at once.", min=1, max=16)] = 2,
-    step_interval_ms: Annotated[
-        float, typer.Option(help="Time between the steps' timestamps; the ledger stores a row per request per second.", min=0, max=3_600_000)
-    ] = 20.0,
-    max_seconds: Annotated[float, typer.Option(help="Stop sending after this long, per target.", min=1, max=600)] = 120.0,
-    body: Annotated[
-        str, typer.Option(help="Body form: 'parquet' (a trace file), 'columns' (JSON, one list per column) or 'rows' (JSON, one object per row).")
-    ] = "parquet",
-) -> None:
-    """Measure sustained ingest throughput (steps/s) on loopback; bounded by --steps and --max-seconds."""
+def load_targets(
+    db_targets: list[str],
+    *,
+    url: str | None = None,
+    api_key: str | None = None,
+    model_path: Path | None = None,
+    total_steps: int,
+    batch_size: int,
+    steps_per_request: int,
+    concurrency: int,
+    max_seconds: float,
+    body: str = "parquet",
+    step_interval_s: float = 0.02,
+) -> list[LoadResult]:
+    """Run the load against a running service at ``url`` (loopback only), or against a server started on a
+    loopback port for each of ``db_targets`` ('sqlite' for a temporary file, or a scratch database URL)."""
     if body not in BODY_FORMS:
         raise LlmvisorError(f"--body {body!r}: choose {', '.join(BODY_FORMS)}")
-    options = dict(total_steps=steps, batch_size=batch_size, steps_per_request=steps_per_request, step_interval_s=step_interval_ms / 1e3,
-                   concurrency=concurrency, max_seconds=max_seconds, body=body)
+    options = dict(total_steps=total_steps, batch_size=batch_size, steps_per_request=steps_per_request,
+                   step_interval_s=step_interval_s, concurrency=concurrency, max_seconds=max_seconds, body=body)
     if url is not None:
-        _check_loopback(url)
+        check_loopback(url)
         if not api_key:
             raise LlmvisorError("--url needs --api-key (an admin key)")
-        result = run_load(url, api_key, target=url, **options)
-        typer.echo(result.line(batch_size, steps_per_request, concurrency, body, step_interval_ms))
-        return
+        return [run_load(url, api_key, target=url, **options)]
+    results = []
     with tempfile.TemporaryDirectory(prefix="llmvisor-load-") as scratch:
-        model_path = model
         if model_path is None:
-            from llmvisor.core.model import StepLatencyModel
-            from llmvisor.core.synthetic import synthetic_trace
-
             model_path = Path(scratch) / "model.json"
             StepLatencyModel().fit(synthetic_trace(2000)).to_json(model_path)
-        for target in db or ["sqlite"]:
+        for target in db_targets or ["sqlite"]:
             db_url = f"sqlite:///{scratch}/ledger-{uuid.uuid4().hex[:8]}.db" if target == "sqlite" else target
             ledger = Ledger(db_url)
             try:
@@ -240,5 +240,5 @@ def load(
             finally:
                 ledger.close()
             with ServerProcess(model_path, db_url, log_path=Path(scratch) / "server.log") as server:
-                result = run_load(server.url, key, target=f"{ledger.backend} ({ledger.safe_url})", **options)
-            typer.echo(result.line(batch_size, steps_per_request, concurrency, body, step_interval_ms))
+                results.append(run_load(server.url, key, target=f"{ledger.backend} ({ledger.safe_url})", **options))
+    return results

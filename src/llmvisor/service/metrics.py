@@ -1,7 +1,8 @@
 """Prometheus metrics of one service process, in a registry of its own (so apps in one process don't mix).
 
 Counters restart at zero with the process, as Prometheus expects; the ledger, not the metrics, is the
-record. The residual histograms are filled a whole batch at a time with numpy, since a batch holds
+record. Each tenant named is a Prometheus series, so the tenants named are capped (``max_tenant_labels``):
+tenants first seen after the cap are counted under ``tenant="other"``, and how many were is exported. The residual histograms are filled a whole batch at a time with numpy, since a batch holds
 thousands of steps and `Histogram.observe` costs a Python call per value.
 """
 
@@ -12,10 +13,11 @@ import threading
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import HistogramMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
+OTHER_TENANT_LABEL = "other"
 INGEST_ERROR_REASONS = ("unauthorized", "forbidden", "too_large", "bad_json", "bad_parquet", "bad_shape", "invalid_trace", "conflict", "database")
 _RESIDUAL_BOUNDS_S = (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0)
 RESIDUAL_BUCKETS_S = tuple(sorted(-b for b in _RESIDUAL_BOUNDS_S)) + (0.0,) + _RESIDUAL_BOUNDS_S
@@ -74,7 +76,11 @@ class BatchSummary(Collector):
 
 
 class ServiceMetrics:
-    def __init__(self):
+    def __init__(self, *, max_tenant_labels: int = 1000):
+        self.max_tenant_labels = max_tenant_labels
+        self._tenants_labelled: set[str] = set()
+        self._tenants_folded: set[str] = set()
+        self._tenant_lock = threading.Lock()
         self.registry = CollectorRegistry(auto_describe=True)
         self.attributed_seconds = Counter(
             "llmvisor_attributed_seconds", "Engine seconds attributed to each tenant (steps ingested by this process).",
@@ -82,6 +88,12 @@ class ServiceMetrics:
         )
         self.measured_seconds = Counter(
             "llmvisor_measured_seconds", "Measured engine seconds of the steps ingested (equals the sum over tenants).",
+            registry=self.registry,
+        )
+        self.tenants_folded = Gauge(
+            "llmvisor_tenants_folded",
+            f'Distinct tenants counted under tenant="{OTHER_TENANT_LABEL}" in llmvisor_attributed_seconds_total '
+            "because the number of tenants named had reached its cap.",
             registry=self.registry,
         )
         self.steps_ingested = Counter("llmvisor_steps_ingested", "Steps stored.", registry=self.registry)
@@ -123,6 +135,25 @@ class ServiceMetrics:
                           self.relative_residual_distribution):
             self.registry.register(collector)
 
+    def count_ingest_error(self, reason: str) -> None:
+        """One rejected POST /v1/steps request (whatever the number of steps in it), by reason."""
+        if reason not in INGEST_ERROR_REASONS:
+            raise ValueError(f"unknown ingest error reason {reason!r}")
+        self.ingest_errors.labels(reason).inc()
+
+    def tenant_label(self, tenant: str) -> str:
+        """The tenant's own label while fewer than ``max_tenant_labels`` tenants are named, else "other"."""
+        with self._tenant_lock:
+            if tenant in self._tenants_labelled:
+                return tenant
+            if len(self._tenants_labelled) < self.max_tenant_labels:
+                self._tenants_labelled.add(tenant)
+                return tenant
+            if tenant not in self._tenants_folded:
+                self._tenants_folded.add(tenant)
+                self.tenants_folded.set(len(self._tenants_folded))
+            return OTHER_TENANT_LABEL
+
     def record_ingest(
         self,
         tenants: np.ndarray,
@@ -140,7 +171,7 @@ class ServiceMetrics:
             codes = encoded.indices.to_numpy(zero_copy_only=False)
             per_tenant_ns = np.bincount(codes, weights=attributed_ns, minlength=len(names))
             for name, total_ns in zip(names, per_tenant_ns.tolist()):
-                self.attributed_seconds.labels(name).inc(total_ns / 1e9)
+                self.attributed_seconds.labels(self.tenant_label(name)).inc(total_ns / 1e9)
         self.measured_seconds.inc(float(np.sum(measured_ns)) / 1e9)
         self.steps_ingested.inc(n_steps)
         self.steps_duplicate.inc(n_duplicate)

@@ -1,0 +1,59 @@
+"""``llmvisor load``: the command over `llmvisor.service.load`, printing a line or JSON per target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from llmvisor.service.load import load_targets
+
+
+def load(
+    db: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--db",
+            help="Database to load (repeatable): 'sqlite' for a temporary SQLite file, or a URL of a scratch "
+            "database (load runs are stored there). A server is started for each.",
+        ),
+    ] = None,
+    url: Annotated[str | None, typer.Option(help="Load an already running service on loopback instead (needs --api-key).")] = None,
+    api_key: Annotated[str | None, typer.Option(help="Admin key for --url.")] = None,
+    model: Annotated[Path | None, typer.Option(help="Latency model JSON; default: one fitted on synthetic steps.")] = None,
+    steps: Annotated[int, typer.Option(help="Steps to send per target.", min=1, max=2_000_000)] = 60_000,
+    batch_size: Annotated[int, typer.Option(help="Requests per step (B).", min=1, max=1024)] = 32,
+    steps_per_request: Annotated[int, typer.Option(help="Steps per POST.", min=1, max=20_000)] = 1000,
+    concurrency: Annotated[int, typer.Option(help="Concurrent client connections, like engines pushing at once.", min=1, max=16)] = 2,
+    step_interval_ms: Annotated[
+        float, typer.Option(help="Time between the steps' timestamps; the ledger stores a row per request per second.", min=0, max=3_600_000)
+    ] = 20.0,
+    max_seconds: Annotated[float, typer.Option(help="Stop sending after this long, per target.", min=1, max=600)] = 120.0,
+    body: Annotated[
+        str, typer.Option(help="Body form: 'parquet' (a trace file), 'columns' (JSON, one list per column) or 'rows' (JSON, one object per row).")
+    ] = "parquet",
+    json_output: Annotated[bool, typer.Option("--json", help="Print only JSON to stdout: the settings and each target's figures.")] = False,
+) -> None:
+    """Measure sustained ingest throughput (steps/s) on loopback; bounded by --steps and --max-seconds."""
+    results = load_targets(
+        db or [],
+        url=url,
+        api_key=api_key,
+        model_path=model,
+        total_steps=steps,
+        batch_size=batch_size,
+        steps_per_request=steps_per_request,
+        concurrency=concurrency,
+        max_seconds=max_seconds,
+        body=body,
+        step_interval_s=step_interval_ms / 1e3,
+    )
+    if json_output:
+        settings = {"batch_size": batch_size, "steps_per_request": steps_per_request, "concurrency": concurrency,
+                    "body": body, "step_interval_ms": step_interval_ms}
+        typer.echo(json.dumps({"settings": settings, "targets": [result.to_json() for result in results]}, indent=2))
+        return
+    for result in results:
+        typer.echo(result.line(batch_size, steps_per_request, concurrency, body, step_interval_ms))

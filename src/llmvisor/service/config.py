@@ -1,0 +1,24 @@
+"""The limits and switches of one service instance (`create_app`'s arguments), kept on ``app.state.settings``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_SMALL_BODY_BYTES = 64 * 1024
+DEFAULT_MAX_STEPS_PER_REQUEST = 20_000
+DEFAULT_MAX_ROWS_PER_REQUEST = 1_000_000
+DEFAULT_MAX_TENANT_LABELS = 1000
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    """``max_body_bytes`` bounds POST /v1/steps (and what a Parquet body may decode to); every other route
+    takes at most ``max_small_body_bytes``. ``public_metrics`` serves /metrics without a key."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_small_body_bytes: int = DEFAULT_MAX_SMALL_BODY_BYTES
+    max_steps_per_request: int = DEFAULT_MAX_STEPS_PER_REQUEST
+    max_rows_per_request: int = DEFAULT_MAX_ROWS_PER_REQUEST
+    max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS
+    public_metrics: bool = False

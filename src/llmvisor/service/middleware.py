@@ -1,0 +1,112 @@
+"""`RequestGuard`: body-size limits on every route and keys checked before a byte of the body is read.
+
+FastAPI reads and parses a declared body before it resolves a route's dependencies, so without this an
+unauthenticated client could make the service read and parse a body of any size. The guard is a pure ASGI
+middleware in front of the app:
+
+- a declared ``Content-Length`` over the route's limit is a 413 without reading the body;
+- a body sent without a length (chunked) is counted as it is read, and reading stops with a 413 at the limit;
+- on the routes that need a key, a missing or invalid bearer key is a 401 before the body is read, and on
+  the routes that take a body and need an admin key (ingest, key creation) a tenant key is a 403.
+
+POST /v1/steps may carry ``max_body_bytes``; every other route ``max_small_body_bytes``. The principal found
+is handed to the route's key dependency in the ASGI scope.
+"""
+
+from __future__ import annotations
+
+from fastapi import HTTPException
+from fastapi.concurrency import run_in_threadpool
+from fastapi.security.utils import get_authorization_scheme_param
+from sqlalchemy.exc import DBAPIError
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from llmvisor.ledger import Ledger
+from llmvisor.service.config import ServiceSettings
+from llmvisor.service.deps import INGEST_FORBIDDEN_DETAIL, PRINCIPAL_SCOPE_KEY
+from llmvisor.service.metrics import ServiceMetrics
+from llmvisor.service.responses import database_unavailable, error, unauthorized
+from llmvisor.service.routes.keys import KEYS_PATH
+from llmvisor.service.routes.steps import INGEST_PATH, is_database_outage
+
+OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+ADMIN_BODY_ROUTES = {("POST", INGEST_PATH): INGEST_FORBIDDEN_DETAIL, ("POST", KEYS_PATH): "this needs an admin key"}
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from ``receive`` when a body without a declared length passes the limit: FastAPI passes an
+    HTTPException raised while it reads a body on unchanged, so the answer is this 413."""
+
+    def __init__(self, limit_bytes: int):
+        super().__init__(413, f"request body of more than {limit_bytes} bytes; at most {limit_bytes}")
+
+
+class RequestGuard:
+    def __init__(self, app: ASGIApp, *, ledger: Ledger, metrics: ServiceMetrics, settings: ServiceSettings):
+        self.app = app
+        self.ledger = ledger
+        self.metrics = metrics
+        self.settings = settings
+
+    def needs_key(self, path: str) -> bool:
+        if path == "/metrics":
+            return not self.settings.public_metrics
+        return path not in OPEN_PATHS
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        method, path = scope["method"], scope["path"]
+        is_ingest = method == "POST" and path == INGEST_PATH
+        limit_bytes = self.settings.max_body_bytes if is_ingest else self.settings.max_small_body_bytes
+
+        def refuse(reason: str, response) -> ASGIApp:
+            if is_ingest:
+                self.metrics.count_ingest_error(reason)
+            return response
+
+        headers = Headers(scope=scope)
+        declared = headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                await refuse("bad_json", error(400, "Content-Length is not a number"))(scope, receive, send)
+                return
+            if int(declared) > limit_bytes:
+                detail = f"request body of {declared} bytes, at most {limit_bytes}"
+                await refuse("too_large", error(413, detail))(scope, receive, send)
+                return
+        if self.needs_key(path):
+            scheme, credentials = get_authorization_scheme_param(headers.get("authorization"))
+            principal = None
+            if scheme.lower() == "bearer" and credentials:
+                try:
+                    principal = await run_in_threadpool(self.ledger.authenticate, credentials)
+                except DBAPIError as database_error:
+                    if not is_database_outage(database_error):
+                        raise
+                    await refuse("database", database_unavailable())(scope, receive, send)
+                    return
+            if principal is None:
+                await refuse("unauthorized", unauthorized())(scope, receive, send)
+                return
+            forbidden = ADMIN_BODY_ROUTES.get((method, path))
+            if forbidden is not None and not principal.is_admin:
+                await refuse("forbidden", error(403, forbidden))(scope, receive, send)
+                return
+            scope[PRINCIPAL_SCOPE_KEY] = principal
+
+        received_bytes = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received_bytes
+            message = await receive()
+            if message["type"] == "http.request":
+                received_bytes += len(message.get("body", b""))
+                if received_bytes > limit_bytes:
+                    refuse("too_large", None)
+                    raise BodyTooLarge(limit_bytes)
+            return message
+
+        await self.app(scope, limited_receive, send)

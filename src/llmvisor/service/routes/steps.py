@@ -1,0 +1,171 @@
+"""``POST /v1/steps`` (ingest a batch) and ``GET /v1/steps/{run_id}/{step_id}`` (one stored step, for audits)."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+import numpy as np
+from fastapi import APIRouter, HTTPException, Path, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.ledger import Ledger, StepConflictError
+from llmvisor.ledger.store import now_us
+from llmvisor.service.config import ServiceSettings
+from llmvisor.service.deps import (
+    AdminKey,
+    IngestKey,
+    LedgerDep,
+    MetricsDep,
+    ModelDep,
+    SettingsDep,
+    check_name,
+    to_datetime,
+)
+from llmvisor.service.ingest import (
+    MAX_STRING_CHARS,
+    PARQUET_MEDIA_TYPE,
+    PayloadError,
+    prepare_batch,
+    read_batch,
+)
+from llmvisor.service.metrics import ServiceMetrics
+from llmvisor.service.responses import database_unavailable, error
+from llmvisor.service.schemas import (
+    STEP_BATCH_SCHEMA,
+    IngestResponse,
+    SliceShareOut,
+    StepOut,
+)
+
+INGEST_PATH = "/v1/steps"
+MAX_CONFLICTS_LISTED = 1000
+
+router = APIRouter(tags=["steps"])
+
+
+def is_database_outage(error: DBAPIError) -> bool:
+    """An unreachable or busy database (retry) rather than a bug: OperationalError or a dropped connection."""
+    return isinstance(error, OperationalError) or error.connection_invalidated
+
+
+# Batches from several connections run in parallel threads: one can be parsed (pyarrow and numpy release
+# the GIL) while another waits on the database, which serialises only the write itself.
+def ingest_body(
+    body: bytes, content_type: str | None, *, model: StepLatencyModel, ledger: Ledger, metrics: ServiceMetrics, settings: ServiceSettings
+) -> IngestResponse:
+    started_s = time.perf_counter()
+    trace = read_batch(
+        body,
+        max_steps=settings.max_steps_per_request,
+        max_rows=settings.max_rows_per_request,
+        max_decoded_bytes=settings.max_body_bytes,
+        content_type=content_type,
+    )
+    if trace.n_steps == 0:
+        return IngestResponse(steps_received=0, steps_inserted=0, steps_duplicate=0, slices_inserted=0, attributed_ns=0)
+    prepared = prepare_batch(model, trace, received_at_us=now_us())
+    records = prepared.records
+    outcome = ledger.ingest(records)
+    inserted_steps = np.asarray(outcome.inserted, dtype=bool)
+    inserted_slices = np.repeat(inserted_steps, np.diff(records.step_offsets))
+    attributed_ns = records.attributed_ns[inserted_slices]
+    metrics.record_ingest(
+        records.tenant[inserted_slices],
+        attributed_ns,
+        records.measured_ns[inserted_steps],
+        prepared.residual_s[inserted_steps],
+        prepared.predicted_step_s[inserted_steps],
+        outcome.n_inserted,
+        outcome.n_duplicate,
+    )
+    metrics.ingest_batch_seconds.observe(time.perf_counter() - started_s)
+    return IngestResponse(
+        steps_received=records.n_steps,
+        steps_inserted=outcome.n_inserted,
+        steps_duplicate=outcome.n_duplicate,
+        slices_inserted=int(inserted_slices.sum()),
+        attributed_ns=int(attributed_ns.sum()),
+    )
+
+
+@router.post(
+    INGEST_PATH,
+    response_model=IngestResponse,
+    summary="Ingest a batch of steps",
+    description=(
+        "Trace rows of whole steps: JSON with one list of rows per step or one list per column, or a trace-format "
+        "Parquet file (Content-Type: application/vnd.apache.parquet). Each step is "
+        "attributed with the service's model and stored with its slices, the whole batch in one transaction. "
+        "Idempotent on (run_id, step_id): an identical re-send (in either form) is acknowledged as a "
+        "duplicate; a different one is a 409 naming the steps. Rows in validation messages are numbered "
+        "across the batch (and named steps[i][j] in the row form)."
+    ),
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": STEP_BATCH_SCHEMA},
+                PARQUET_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
+            },
+        }
+    },
+    responses={
+        400: {"description": "body is not JSON (or not Parquet, for that content type)"},
+        409: {"description": "a step was stored before with different content"},
+        413: {"description": "body, steps, rows or a Parquet body's decoded size over the limits"},
+        422: {"description": "rows break the trace format"},
+        503: {"description": "database unavailable; retry"},
+    },
+)
+async def post_steps(
+    request: Request, _principal: IngestKey, model: ModelDep, ledger: LedgerDep, metrics: MetricsDep, settings: SettingsDep
+):
+    try:
+        body = await request.body()
+        return await run_in_threadpool(
+            ingest_body, body, request.headers.get("content-type"), model=model, ledger=ledger, metrics=metrics, settings=settings
+        )
+    except PayloadError as payload_error:
+        metrics.count_ingest_error(payload_error.reason)
+        return error(payload_error.status, str(payload_error))
+    except StepConflictError as conflict:
+        metrics.count_ingest_error("conflict")
+        listed = [{"run_id": r, "step_id": s} for r, s in conflict.conflicts[:MAX_CONFLICTS_LISTED]]
+        return JSONResponse(status_code=409, content={"detail": str(conflict), "conflicting_steps": listed})
+    except DBAPIError as database_error:
+        if not is_database_outage(database_error):
+            raise
+        metrics.count_ingest_error("database")
+        return database_unavailable()
+
+
+@router.get(
+    "/v1/steps/{run_id}/{step_id}",
+    response_model=StepOut,
+    summary="One stored step and every slice's share (admin; for audits)",
+    responses={404: {"description": "no such step stored"}},
+)
+def get_step(
+    run_id: Annotated[str, Path(max_length=MAX_STRING_CHARS)],
+    step_id: Annotated[int, Path(ge=-(2**63), lt=2**63)],
+    _principal: AdminKey,
+    ledger: LedgerDep,
+):
+    detail = ledger.step_detail(check_name("run_id", run_id), step_id)
+    if detail is None:
+        raise HTTPException(404, f"no step {step_id} of run {run_id!r} is stored")
+    return StepOut(
+        run_id=detail.run_id, step_id=detail.step_id, measured_s=detail.measured_ns / 1e9,
+        measured_ns=detail.measured_ns, predicted_s=detail.predicted_s, started_at=to_datetime(detail.timestamp_us),
+        ingested_at=to_datetime(detail.ingested_at_us), content_sha256=detail.content_sha256.hex(),
+        slices=[
+            SliceShareOut(request_id=x.request_id, tenant=x.tenant, num_new_tokens=x.num_new_tokens,
+                          num_context_tokens=x.num_context_tokens, phase=x.phase,
+                          attributed_s=x.attributed_ns / 1e9, attributed_ns=x.attributed_ns)
+            for x in detail.slices
+        ],
+    )

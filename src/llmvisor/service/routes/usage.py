@@ -1,0 +1,129 @@
+"""``/v1/usage/*``: attributed time per tenant, per request, the top tenants and the reconciliation totals."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, HTTPException, Query
+
+from llmvisor.service.deps import (
+    AdminKey,
+    AnyKey,
+    LedgerDep,
+    NameParam,
+    TimeRangeDep,
+    check_name,
+    scoped_tenant,
+    to_datetime,
+)
+from llmvisor.service.schemas import (
+    BucketUsage,
+    RequestUsage,
+    RequestUsageResponse,
+    TenantUsage,
+    TenantUsageResponse,
+    TopResponse,
+    TotalsResponse,
+)
+
+router = APIRouter(prefix="/v1/usage", tags=["usage"])
+
+
+def tenant_usage(rows) -> list[TenantUsage]:
+    return [
+        TenantUsage(tenant=r.tenant, attributed_s=r.attributed_ns / 1e9, attributed_ns=r.attributed_ns,
+                    num_slices=r.num_slices, num_new_tokens=r.num_new_tokens)
+        for r in rows
+    ]
+
+
+def tenant_buckets(rows) -> list[TenantUsage]:
+    by_tenant: dict[str, list] = {}
+    for row in rows:
+        by_tenant.setdefault(row.tenant, []).append(row)
+    tenants = []
+    for name, tenant_rows in by_tenant.items():
+        total_ns = sum(r.attributed_ns for r in tenant_rows)
+        tenants.append(
+            TenantUsage(
+                tenant=name,
+                attributed_s=total_ns / 1e9,
+                attributed_ns=total_ns,
+                num_slices=sum(r.num_slices for r in tenant_rows),
+                num_new_tokens=sum(r.num_new_tokens for r in tenant_rows),
+                buckets=[
+                    BucketUsage(start=to_datetime(r.bucket_start_us), attributed_s=r.attributed_ns / 1e9,
+                                attributed_ns=r.attributed_ns, num_slices=r.num_slices, num_new_tokens=r.num_new_tokens)
+                    for r in tenant_rows
+                ],
+            )
+        )
+    return tenants
+
+
+@router.get("/tenants", response_model=TenantUsageResponse, summary="Attributed time per tenant")
+def usage_tenants(
+    principal: AnyKey,
+    ledger: LedgerDep,
+    span: TimeRangeDep,
+    bucket: Annotated[Literal["minute", "hour", "day"] | None, Query(description="UTC buckets")] = None,
+    tenant: NameParam = None,
+):
+    scoped = scoped_tenant(principal, check_name("tenant", tenant))
+    rows = ledger.tenant_usage(span.start_us, span.end_us, bucket, scoped)
+    tenants = tenant_usage(rows) if bucket is None else tenant_buckets(rows)
+    return TenantUsageResponse(start=span.start, end=span.end, bucket=bucket, tenants=tenants)
+
+
+@router.get(
+    "/requests",
+    response_model=RequestUsageResponse,
+    summary="Attributed time per request, largest first",
+    responses={404: {"description": "the request named by run_id and request_id has no usage this key may read"}},
+)
+def usage_requests(
+    principal: AnyKey,
+    ledger: LedgerDep,
+    span: TimeRangeDep,
+    tenant: NameParam = None,
+    run_id: NameParam = None,
+    request_id: NameParam = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
+):
+    scoped = scoped_tenant(principal, check_name("tenant", tenant))
+    rows = ledger.request_usage(
+        span.start_us, span.end_us, scoped, check_name("run_id", run_id), check_name("request_id", request_id), limit, offset
+    )
+    if not rows and request_id is not None and offset == 0:
+        raise HTTPException(404, f"no usage of request {request_id!r} visible to this key in this range")
+    return RequestUsageResponse(
+        start=span.start,
+        end=span.end,
+        requests=[
+            RequestUsage(run_id=r.run_id, request_id=r.request_id, tenant=r.tenant, attributed_s=r.attributed_ns / 1e9,
+                         attributed_ns=r.attributed_ns, num_steps=r.num_steps, num_new_tokens=r.num_new_tokens,
+                         first_step_at=to_datetime(r.first_timestamp_us), last_step_at=to_datetime(r.last_timestamp_us))
+            for r in rows
+        ],
+    )
+
+
+@router.get("/top", response_model=TopResponse, summary="The N tenants with the most attributed time (admin)")
+def usage_top(_principal: AdminKey, ledger: LedgerDep, span: TimeRangeDep, n: Annotated[int, Query(ge=1, le=1000)] = 10):
+    return TopResponse(start=span.start, end=span.end, tenants=tenant_usage(ledger.top_tenants(n, span.start_us, span.end_us)))
+
+
+@router.get("/totals", response_model=TotalsResponse, summary="Measured and attributed totals (admin)")
+def usage_totals(_principal: AdminKey, ledger: LedgerDep, span: TimeRangeDep):
+    totals = ledger.totals(span.start_us, span.end_us)
+    return TotalsResponse(
+        start=span.start,
+        end=span.end,
+        num_steps=totals.num_steps,
+        measured_s=totals.measured_ns / 1e9,
+        measured_ns=totals.measured_ns,
+        num_slices=totals.num_slices,
+        attributed_s=totals.attributed_ns / 1e9,
+        attributed_ns=totals.attributed_ns,
+    )

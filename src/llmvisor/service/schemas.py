@@ -1,0 +1,195 @@
+"""Request and response bodies of the HTTP API, by role: ingest, usage, audit, keys.
+
+They validate the small inputs and document every answer in the OpenAPI document; the large ingest bodies
+are parsed by `llmvisor.service.ingest`, so `STEP_BATCH_SCHEMA` only describes them.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmvisor.service.ingest import MAX_STRING_CHARS
+
+# ---------------------------------------------------------------------------------------------------------
+# Ingest
+
+
+class TraceRow(BaseModel):
+    """One request slice of one step, as in the step-trace format v1 (`docs/trace-format.md`)."""
+
+    model_config = ConfigDict(extra="allow")
+    run_id: str
+    step_id: int
+    step_latency_s: float = Field(gt=0)
+    request_id: str
+    tenant: str
+    num_new_tokens: int = Field(ge=1)
+    num_context_tokens: int = Field(ge=0)
+    phase: Literal["prefill", "decode"]
+    timestamp_s: float | None = Field(None, ge=0, description="step start, Unix seconds; else the time received")
+
+
+_ROW_SCHEMA = TraceRow.model_json_schema()
+STEP_BATCH_SCHEMA = {
+    "oneOf": [
+        {
+            "title": "StepsAsRows",
+            "type": "object",
+            "required": ["steps"],
+            "properties": {
+                "steps": {
+                    "type": "array",
+                    "description": "One list per step holding all of that step's rows.",
+                    "items": {"type": "array", "minItems": 1, "items": _ROW_SCHEMA},
+                }
+            },
+        },
+        {
+            "title": "StepsAsColumns",
+            "type": "object",
+            "required": ["columns"],
+            "properties": {
+                "columns": {
+                    "type": "object",
+                    "description": "The rows of whole steps, one list per column, all of one length (cheaper to validate).",
+                    "required": _ROW_SCHEMA["required"],
+                    "properties": {
+                        name: {"type": "array", "items": {k: v for k, v in prop.items() if k != "title"}}
+                        for name, prop in _ROW_SCHEMA["properties"].items()
+                    },
+                }
+            },
+        },
+    ]
+}
+
+
+class IngestResponse(BaseModel):
+    steps_received: int
+    steps_inserted: int
+    steps_duplicate: int = Field(description="already stored with identical content: acknowledged, not counted again")
+    slices_inserted: int
+    attributed_ns: int = Field(description="seconds newly attributed by this batch, in integer nanoseconds")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Usage
+
+
+class BucketUsage(BaseModel):
+    start: datetime
+    attributed_s: float
+    attributed_ns: int
+    num_slices: int
+    num_new_tokens: int
+
+
+class TenantUsage(BaseModel):
+    tenant: str
+    attributed_s: float
+    attributed_ns: int = Field(description="exact total; attributed_s is this divided by 1e9")
+    num_slices: int
+    num_new_tokens: int
+    buckets: list[BucketUsage] | None = None
+
+
+class TenantUsageResponse(BaseModel):
+    start: datetime | None
+    end: datetime | None
+    bucket: str | None
+    tenants: list[TenantUsage]
+
+
+class RequestUsage(BaseModel):
+    run_id: str
+    request_id: str
+    tenant: str
+    attributed_s: float
+    attributed_ns: int
+    num_steps: int
+    num_new_tokens: int
+    first_step_at: datetime
+    last_step_at: datetime
+
+
+class RequestUsageResponse(BaseModel):
+    start: datetime | None
+    end: datetime | None
+    requests: list[RequestUsage]
+
+
+class TopResponse(BaseModel):
+    start: datetime | None
+    end: datetime | None
+    tenants: list[TenantUsage]
+
+
+class TotalsResponse(BaseModel):
+    start: datetime | None
+    end: datetime | None
+    num_steps: int
+    measured_s: float
+    measured_ns: int
+    num_slices: int
+    attributed_s: float
+    attributed_ns: int = Field(description="equals measured_ns: every measured nanosecond is billed once")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Audit
+
+
+class SliceShareOut(BaseModel):
+    request_id: str
+    tenant: str
+    num_new_tokens: int
+    num_context_tokens: int
+    phase: str
+    attributed_s: float
+    attributed_ns: int
+
+
+class StepOut(BaseModel):
+    run_id: str
+    step_id: int
+    measured_s: float
+    measured_ns: int
+    predicted_s: float = Field(description="the model's prediction of the whole step")
+    started_at: datetime
+    ingested_at: datetime
+    content_sha256: str = Field(description="hex digest of the step's canonical content (idempotency key)")
+    slices: list[SliceShareOut] = Field(description="by request id; attributed_ns sum to measured_ns")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Keys
+
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tenant: str | None = Field(None, min_length=1, max_length=MAX_STRING_CHARS)
+    admin: bool = False
+
+
+class KeyCreated(BaseModel):
+    key: str = Field(description="shown once; only a hash is stored")
+    key_id: str
+    tenant: str | None
+    is_admin: bool
+
+
+class KeyDescription(BaseModel):
+    key_id: str
+    tenant: str | None
+    is_admin: bool
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class WhoAmI(BaseModel):
+    key_id: str
+    tenant: str | None
+    is_admin: bool
