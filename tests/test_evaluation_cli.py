@@ -12,16 +12,27 @@ import numpy as np
 import pytest
 
 from llmvisor.cli.main import expand_multi_file_flags
-from llmvisor.evaluation.baselines import PaperOLSBaseline, RandomForestBaseline, StepLatencyPredictor, TokenCountBaseline
-from llmvisor.errors import LlmvisorError
-from llmvisor.evaluation.heldout import MODEL_FACTORIES, block_bootstrap_quantile_ci, error_summary, evaluate
 from llmvisor.core.synthetic import synthetic_trace
 from llmvisor.core.trace import write_trace
+from llmvisor.errors import LlmvisorError
+from llmvisor.evaluation.baselines import (
+    PaperOLSBaseline,
+    RandomForestBaseline,
+    StepLatencyPredictor,
+    TokenCountBaseline,
+)
+from llmvisor.evaluation.heldout import (
+    MODEL_FACTORIES,
+    block_bootstrap_quantile_ci,
+    error_summary,
+    evaluate,
+)
 
 
 def run_cli(*args, check=True):
     result = subprocess.run(
         [sys.executable, "-m", "llmvisor.cli", *map(str, args)],
+        check=False,
         capture_output=True,
         text=True,
         env={**os.environ, "COLUMNS": "200"},

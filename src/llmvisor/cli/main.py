@@ -6,7 +6,7 @@ import functools
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import numpy as np
 import typer
@@ -152,7 +152,7 @@ def evaluation_table(result: dict) -> Table:
             if not metrics.get("n_steps"):
                 continue
 
-            def cell(key: str, sign: str = "") -> str:
+            def cell(key: str, sign: str = "", metrics: dict = metrics) -> str:
                 ci = metrics.get(f"{key}_ci95")
                 text = f"{metrics[key]:{sign}.1%}"
                 return text + (f" [{ci[0]:{sign}.1%}, {ci[1]:{sign}.1%}]" if ci else "")
@@ -232,8 +232,8 @@ def eval_command(
     keep_warmup: WarmupOption = False,
 ) -> None:
     """Fit llmvisor and the baselines on --train, report errors on --test per phase."""
-    from llmvisor.evaluation.heldout import evaluate, to_json_ready
     from llmvisor.core.trace import read_traces
+    from llmvisor.evaluation.heldout import evaluate, to_json_ready
 
     result = evaluate(
         read_traces(train),
@@ -399,11 +399,17 @@ def demo(
 
 def _register_adapters() -> None:
     """Commands whose code lives beside its domain (engine glue, service); vLLM is imported only when they run."""
-    from llmvisor.fairness.experiment import fairness
     from llmvisor.cli.profile import profile
-    from llmvisor.cli.serve import keys_create, keys_list, keys_revoke, ledger_migrate, serve
-    from llmvisor.service.load import load
+    from llmvisor.cli.serve import (
+        keys_create,
+        keys_list,
+        keys_revoke,
+        ledger_migrate,
+        serve,
+    )
     from llmvisor.cli.validate import validate
+    from llmvisor.fairness.experiment import fairness
+    from llmvisor.service.load import load
 
     app.command("profile")(user_errors(profile))
     app.command("validate")(user_errors(validate))

@@ -12,9 +12,9 @@ import numpy as np
 from sklearn.ensemble import RandomForestRegressor
 from sklearn.linear_model import LinearRegression
 
-from llmvisor.errors import NotFittedError
 from llmvisor.core.features import summary_step_features
 from llmvisor.core.trace import StepTrace
+from llmvisor.errors import NotFittedError
 
 PHASE_NAMES = ("prefill", "decode")
 

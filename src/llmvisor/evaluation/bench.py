@@ -10,11 +10,11 @@ import numpy as np
 import scipy.signal
 
 from llmvisor.core.attribution import StepAttributor, attribute
-from llmvisor.evaluation.baselines import RandomForestBaseline
-from llmvisor.evaluation.heldout import QUANTILES, block_bootstrap_quantile_ci
 from llmvisor.core.features import summary_step_features
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import synthetic_trace
+from llmvisor.evaluation.baselines import RandomForestBaseline
+from llmvisor.evaluation.heldout import QUANTILES, block_bootstrap_quantile_ci
 
 BATCH_SIZES = (1, 8, 64, 256)
 

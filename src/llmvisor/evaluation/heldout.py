@@ -8,6 +8,9 @@ from collections.abc import Callable
 import numpy as np
 from sklearn.metrics import r2_score
 
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.trace import StepTrace
+from llmvisor.errors import LlmvisorError
 from llmvisor.evaluation.baselines import (
     PaperOLSBaseline,
     RandomForestBaseline,
@@ -15,9 +18,6 @@ from llmvisor.evaluation.baselines import (
     TokenCountBaseline,
     step_phases,
 )
-from llmvisor.errors import LlmvisorError
-from llmvisor.core.model import StepLatencyModel
-from llmvisor.core.trace import StepTrace
 
 MODEL_FACTORIES: dict[str, Callable[..., StepLatencyPredictor]] = {
     "llmvisor": StepLatencyModel,

@@ -48,10 +48,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmvisor.core.attribution import RULES, StepAttributor
 from llmvisor import shipped
-from llmvisor.errors import LlmvisorError
+from llmvisor.core.attribution import RULES, StepAttributor
 from llmvisor.core.model import StepLatencyModel
+from llmvisor.errors import LlmvisorError
 
 COSTS = ("tokens", "attributed")
 DEFAULT_TENANT = "default"
