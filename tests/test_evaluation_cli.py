@@ -6,20 +6,33 @@ import json
 import os
 import subprocess
 import sys
+import tracemalloc
 
 import numpy as np
 import pytest
 
-from llmvisor.evaluation.baselines import PaperOLSBaseline, RandomForestBaseline, TokenCountBaseline
-from llmvisor.errors import LlmvisorError
-from llmvisor.evaluation.heldout import error_summary, evaluate
+from llmvisor.cli.main import expand_multi_file_flags
 from llmvisor.core.synthetic import synthetic_trace
 from llmvisor.core.trace import write_trace
+from llmvisor.errors import LlmvisorError
+from llmvisor.evaluation.baselines import (
+    PaperOLSBaseline,
+    RandomForestBaseline,
+    StepLatencyPredictor,
+    TokenCountBaseline,
+)
+from llmvisor.evaluation.heldout import (
+    MODEL_FACTORIES,
+    block_bootstrap_quantile_ci,
+    error_summary,
+    evaluate,
+)
 
 
 def run_cli(*args, check=True):
     result = subprocess.run(
         [sys.executable, "-m", "llmvisor.cli", *map(str, args)],
+        check=False,
         capture_output=True,
         text=True,
         env={**os.environ, "COLUMNS": "200"},
@@ -34,12 +47,13 @@ def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("traces")
     write_trace(synthetic_trace(1500, noise=0.04, run_id="train", seed=1), folder / "train.parquet")
     write_trace(synthetic_trace(400, noise=0.04, run_id="test", seed=2), folder / "test.csv")
+    write_trace(synthetic_trace(300, noise=0.04, run_id="test2", seed=3), folder / "test2.parquet")
     return folder
 
 
 def test_error_summary_percentiles_and_intervals():
     measured = np.full(1000, 2.0)
-    predicted = measured * (1 + np.linspace(0, 0.5, 1000))
+    predicted = measured * (1 + np.random.default_rng(0).permutation(np.linspace(0, 0.5, 1000)))  # neighbours unalike
     summary = error_summary(predicted, measured, n_bootstrap=200)
     assert summary["n_steps"] == 1000
     assert summary["rel_err_p50"] == pytest.approx(0.25, abs=1e-3)
@@ -81,6 +95,8 @@ def test_cli_eval_json_has_the_documented_shape(files):
     for phases in data["models"].values():
         for phase in ("prefill", "decode", "all"):
             assert {"n_steps", "r2", "rel_err_p50", "rel_err_p90", "rel_err_p99"} <= set(phases[phase])
+            assert {"signed_err_p10", "signed_err_p50", "signed_err_p90", "signed_err_p50_ci95", "n_unseen_phase_fallback"} <= set(phases[phase])
+            assert phases[phase]["signed_err_p10"] <= phases[phase]["signed_err_p50"] <= phases[phase]["signed_err_p90"]
     for phase in ("prefill", "decode"):
         ratio = data["improvement"][phase]["p90"]
         expected = data["models"]["token_count"][phase]["rel_err_p90"] / data["models"]["llmvisor"][phase]["rel_err_p90"]
@@ -119,3 +135,103 @@ def test_cli_user_errors_are_one_line_exit_2(files, tmp_path, args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def ar1(n: int, phi: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    shocks = rng.standard_normal(n)
+    out = np.empty(n)
+    out[0] = shocks[0]
+    for k in range(1, n):
+        out[k] = phi * out[k - 1] + np.sqrt(1 - phi * phi) * shocks[k]
+    return out
+
+
+def test_block_bootstrap_with_single_step_blocks_matches_resampling_steps():
+    values = np.random.default_rng(0).lognormal(size=2000)
+    ours = block_bootstrap_quantile_ci(values, (50, 90, 99), n_resamples=2000, block_steps=1)["ci"]
+    rng = np.random.default_rng(1)
+    resampled = np.percentile(values[rng.integers(0, values.size, size=(2000, values.size))], [50, 90, 99], axis=1)
+    exact = np.percentile(resampled, [2.5, 97.5], axis=1).T
+    for k, q in enumerate((50, 90, 99)):
+        assert ours[q] == pytest.approx(exact[k], rel=0.04)
+
+
+def test_block_bootstrap_widens_intervals_where_neighbouring_steps_are_alike():
+    values = np.abs(ar1(20_000, 0.95, seed=0))
+    blocks = block_bootstrap_quantile_ci(values, (50, 90), n_resamples=400)
+    steps = block_bootstrap_quantile_ci(values, (50, 90), n_resamples=400, block_steps=1)
+    assert blocks["block_steps"] > 1
+    for q in (50, 90):
+        assert np.diff(blocks["ci"][q])[0] > 2 * np.diff(steps["ci"][q])[0]
+        assert blocks["ci"][q][0] <= np.percentile(values, q) <= blocks["ci"][q][1]
+
+
+def test_block_bootstrap_is_deterministic_under_a_seed_and_keeps_blocks_within_runs():
+    values = np.random.default_rng(3).random(30)
+    runs = np.array(["a"] * 10 + ["b"] * 7 + ["c"] * 13)
+    first = block_bootstrap_quantile_ci(values, (50, 90), n_resamples=300, seed=5, groups=runs, block_steps=4)
+    again = block_bootstrap_quantile_ci(values, (50, 90), n_resamples=300, seed=5, groups=runs, block_steps=4)
+    other = block_bootstrap_quantile_ci(values, (50, 90), n_resamples=300, seed=6, groups=runs, block_steps=4)
+    assert first == again and first["ci"] != other["ci"]
+    assert first["n_blocks"] == 3 + 2 + 4  # ceil(10/4) + ceil(7/4) + ceil(13/4): no block spans two runs
+
+
+def test_block_bootstrap_memory_does_not_grow_with_the_number_of_steps():
+    peaks_mib = {}
+    for n in (100_000, 2_000_000):
+        values = np.abs(np.random.default_rng(n).standard_normal(n))
+        runs = np.repeat(np.arange(4), n // 4)
+        tracemalloc.start()
+        block_bootstrap_quantile_ci(values, (50, 90, 99), n_resamples=200, groups=runs)
+        peaks_mib[n] = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+    assert peaks_mib[2_000_000] < 100  # resampling steps would hold 2e6 · 200 · 8 B = 3 GB
+    assert peaks_mib[2_000_000] < 1.5 * peaks_mib[100_000]
+
+
+def test_signed_errors_show_a_model_that_predicts_low():
+    measured = np.random.default_rng(0).uniform(0.01, 0.1, 3000)
+    predicted = measured * np.random.default_rng(1).uniform(0.85, 0.95, 3000)
+    summary = error_summary(predicted, measured, n_bootstrap=200)
+    assert summary["signed_err_p50"] == pytest.approx(-0.10, abs=0.005)
+    low, high = summary["signed_err_p50_ci95"]
+    assert low <= summary["signed_err_p50"] <= high < 0
+    assert summary["signed_err_p90"] < 0
+    assert summary["underprediction_factor_p90"] == pytest.approx(1 / 0.86, rel=0.01)
+
+
+def test_llmvisor_and_every_baseline_are_step_latency_predictors():
+    for name, factory in MODEL_FACTORIES.items():
+        assert isinstance(factory(), StepLatencyPredictor), name
+
+
+def test_steps_of_a_phase_absent_from_training_are_counted_not_hidden():
+    full = synthetic_trace(1500, seed=1, run_id="a", noise=0.02)
+    prefill_only = full.select_steps(full.is_prefill_per_step)
+    test = synthetic_trace(300, seed=2, run_id="b")
+    n_decode = int((~test.is_prefill_per_step).sum())
+    assert 0 < n_decode < test.n_steps
+    result = evaluate(prefill_only, test, n_bootstrap=0)
+    for name in MODEL_FACTORIES:
+        counts = {phase: result["models"][name][phase]["n_unseen_phase_fallback"] for phase in ("prefill", "decode", "all")}
+        assert counts == {"prefill": 0, "decode": n_decode, "all": n_decode}, name
+    baseline = TokenCountBaseline().fit(prefill_only)
+    baseline.predict(test)
+    assert baseline.n_unseen_phase_fallback_ == {"prefill": 0, "decode": n_decode}
+    seen_both = evaluate(full, test, model_names=("token_count",), n_bootstrap=0)
+    assert seen_both["models"]["token_count"]["all"]["n_unseen_phase_fallback"] == 0
+
+
+def test_several_files_may_follow_one_train_or_test_flag():
+    assert expand_multi_file_flags(["--train", "a", "b", "--test", "c", "d", "--bootstrap", "5", "--json"], ("--train", "--test")) == [
+        "--train", "a", "--train", "b", "--test", "c", "--test", "d", "--bootstrap", "5", "--json",
+    ]
+
+
+def test_cli_eval_takes_several_test_files_after_one_flag_as_the_readme_writes(files):
+    one_flag = run_cli("eval", "--train", files / "train.parquet", "--test", files / "test.csv", files / "test2.parquet", "--json", "--bootstrap", "20")
+    data = json.loads(one_flag.stdout)
+    assert data["test_runs"] == ["test", "test2"]
+    repeated = run_cli("eval", "--train", files / "train.parquet", "--test", files / "test.csv", "--test", files / "test2.parquet", "--json", "--bootstrap", "20")
+    assert json.loads(repeated.stdout)["models"] == data["models"]

@@ -11,6 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmvisor.core.attribution import StepAttributor, own_terms_s
+from llmvisor.core.features import FEATURE_NAMES
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.synthetic import DEFAULT_COEF_S, synthetic_trace
 from llmvisor.errors import LlmvisorError
 from llmvisor.fairness.policy import (
     ENV_CONFIG,
@@ -24,9 +27,6 @@ from llmvisor.fairness.policy import (
     jain_index,
     max_min_ratio,
 )
-from llmvisor.core.features import FEATURE_NAMES
-from llmvisor.core.model import StepLatencyModel
-from llmvisor.core.synthetic import DEFAULT_COEF_S
 
 BASE = [DEFAULT_COEF_S[n] for n in FEATURE_NAMES]
 HEAVY = [c * 3 for c in BASE]
@@ -264,6 +264,47 @@ def test_choose_stops_at_a_deferred_head_instead_of_skipping_to_cheaper_tenants(
     assert share.num_deferred == 1
     fits = share.admission.decide(0, 0, 10, 0, 4)
     assert share.choose(["expensive", "cheap"], 0.0, decide=lambda tenant: fits) == "expensive"
+
+
+def test_admission_on_a_model_that_predicts_low_admits_less_with_a_prediction_factor():
+    """The engine runs at BASE, the model predicts 15% low; with the factor admission stops violating the SLO."""
+    engine = AdmissionController(fixed_model([BASE]), tpot_slo_s=None)
+    biased = fixed_model([[c * 0.85 for c in BASE]])
+    slo = engine.decide(8, 8 * 1000, num_prompt_tokens=200, output_tokens=50).predicted_tpot_s
+    raw = AdmissionController(biased, tpot_slo_s=slo, prediction_factor=1.0)
+    calibrated = AdmissionController(biased, tpot_slo_s=slo, prediction_factor=1 / 0.85)
+    outcomes = {"raw": [0, 0], "calibrated": [0, 0]}
+    for running in range(1, 16):
+        for context in (200, 600, 1000, 1400):
+            for prompt in (50, 200, 800):
+                true_tpot = engine.decide(running, running * context, prompt, 0, 50).predicted_tpot_s
+                for name, controller in (("raw", raw), ("calibrated", calibrated)):
+                    decision = controller.decide(running, running * context, prompt, 0, 50)
+                    assert decision.model_tpot_s == pytest.approx(true_tpot * 0.85)
+                    if decision.admit:
+                        outcomes[name][0] += 1
+                        outcomes[name][1] += true_tpot > slo * (1 + 1e-9)
+    assert outcomes["calibrated"][0] < outcomes["raw"][0]
+    assert outcomes["raw"][1] > 0 and outcomes["calibrated"][1] == 0
+
+
+def test_prediction_factor_comes_from_the_config_or_else_the_fit_residuals(tmp_path):
+    fitted = StepLatencyModel().fit(synthetic_trace(1500, noise=0.08, seed=1))
+    r90 = fitted.fit_info_["train_rel_err_p90"]
+    controller = AdmissionController(fitted, tpot_slo_s=0.05)
+    assert controller.prediction_factor == pytest.approx(1 / (1 - r90)) and controller.prediction_factor > 1
+    assert "fit residuals" in controller.prediction_factor_source
+    decision = controller.decide(4, 4000, 100, 0, 10)
+    assert decision.predicted_tpot_s == pytest.approx(decision.model_tpot_s / (1 - r90))
+    assert AdmissionController(fixed_model([BASE]), tpot_slo_s=0.05).prediction_factor == 1.0  # no fit residuals
+    fitted_path = tmp_path / "fitted.json"
+    fitted.to_json(fitted_path)
+    share = FairShare(FairnessConfig.from_dict({"cost": "tokens", "model": str(fitted_path), "tpot_slo_s": 0.05, "tpot_prediction_factor": 1.3}))
+    assert share.admission.prediction_factor == 1.3 and share.admission.prediction_factor_source == "configured"
+    assert FairnessConfig.from_dict({"tpot_prediction_factor": 1.3}).as_dict()["tpot_prediction_factor"] == 1.3
+    for bad in (0, -1, "x"):
+        with pytest.raises(LlmvisorError, match="tpot_prediction_factor must be a positive number"):
+            FairnessConfig.from_dict({"tpot_prediction_factor": bad})
 
 
 # ---------------------------------------------------------------------------------------------- charging

@@ -7,10 +7,11 @@ import importlib
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import numpy as np
 import typer
+import typer.core
 import typer.main
 from typer.core import TyperGroup
 from rich.console import Console
@@ -216,21 +217,42 @@ def fit(
 
 def evaluation_table(result: dict) -> Table:
     table = Table(title=f"Held-out step-latency error (test runs: {', '.join(result['test_runs'])})")
-    for column in ("model", "phase", "steps", "R²", "p50", "p90 [95% CI]", "p99 [95% CI]"):
+    for column in ("model", "phase", "steps", "R²", "p50", "p90 [95% CI]", "p99 [95% CI]", "signed p50 [95% CI]", "signed p10 / p90"):
         table.add_column(column, justify="right" if column not in ("model", "phase") else "left")
     for name, phases in result["models"].items():
         for phase, metrics in phases.items():
             if not metrics.get("n_steps"):
                 continue
 
-            def cell(q: int) -> str:
-                ci = metrics.get(f"rel_err_p{q}_ci95")
-                text = f"{metrics[f'rel_err_p{q}']:.1%}"
-                return text + (f" [{ci[0]:.1%}, {ci[1]:.1%}]" if ci else "")
+            def cell(key: str, sign: str = "", metrics: dict = metrics) -> str:
+                ci = metrics.get(f"{key}_ci95")
+                text = f"{metrics[key]:{sign}.1%}"
+                return text + (f" [{ci[0]:{sign}.1%}, {ci[1]:{sign}.1%}]" if ci else "")
 
             r2 = metrics.get("r2")
-            table.add_row(name, phase, str(metrics["n_steps"]), "-" if r2 is None else f"{r2:.3f}", cell(50), cell(90), cell(99))
+            table.add_row(
+                name,
+                phase,
+                str(metrics["n_steps"]),
+                "-" if r2 is None else f"{r2:.3f}",
+                cell("rel_err_p50"),
+                cell("rel_err_p90"),
+                cell("rel_err_p99"),
+                cell("signed_err_p50", "+"),
+                f"{metrics['signed_err_p10']:+.1%} / {metrics['signed_err_p90']:+.1%}",
+            )
     return table
+
+
+def unseen_phase_lines(result: dict) -> list[str]:
+    """One line per model that predicted steps of a phase its training steps never held."""
+    lines = []
+    for name, phases in result["models"].items():
+        counts = {phase: phases[phase].get("n_unseen_phase_fallback", 0) for phase in ("prefill", "decode")}
+        if any(counts.values()):
+            held = ", ".join(f"{n} {phase}" for phase, n in counts.items() if n)
+            lines.append(f"{name}: predicted {held} step(s) of a phase absent from its training steps (extrapolated from the other phase)")
+    return lines
 
 
 def noise_floor_line(result: dict) -> str:
@@ -241,11 +263,39 @@ def noise_floor_line(result: dict) -> str:
     return "noise floor (re-measuring identical steps) — " + ("; ".join(parts) if parts else "not measured in these traces")
 
 
-@app.command("eval")
+class MultiFileOptionsCommand(typer.core.TyperCommand):
+    """Lets ``--train A B --test C D`` name several files after one flag, as ``--train A --train B ...`` would.
+
+    Click options take one value each; before parsing, the words that follow a flag in ``MULTI_FILE_FLAGS``
+    (up to the next word starting with ``-``) each get the flag repeated in front of them."""
+
+    MULTI_FILE_FLAGS = ("--train", "--test")
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, expand_multi_file_flags(args, self.MULTI_FILE_FLAGS))
+
+
+def expand_multi_file_flags(args: list[str], flags: tuple[str, ...]) -> list[str]:
+    out: list[str] = []
+    flag = None
+    for k, word in enumerate(args):
+        if word == "--":
+            return out + args[k:]
+        if word.startswith("-"):
+            flag = word if word in flags else None
+            out.append(word)
+        elif flag is not None and out and out[-1] != flag:
+            out += [flag, word]
+        else:
+            out.append(word)
+    return out
+
+
+@app.command("eval", cls=MultiFileOptionsCommand)
 @user_errors
 def eval_command(
-    train: Annotated[list[Path], typer.Option("--train", help="Traces to fit on.")],
-    test: Annotated[list[Path], typer.Option("--test", help="Held-out traces (other runs) to judge on.")],
+    train: Annotated[list[Path], typer.Option("--train", help="Traces to fit on (several may follow one --train).")],
+    test: Annotated[list[Path], typer.Option("--test", help="Held-out traces (other runs) to judge on (several may follow one --test).")],
     json_output: JsonFlag = False,
     bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples for the 95% intervals.")] = 1000,
     segments: SegmentsOption = "auto",
@@ -255,8 +305,8 @@ def eval_command(
 ) -> None:
     """Fit llmvisor and the baselines on --train, report errors on --test per phase."""
     extras.require("llmvisor eval", "eval")
-    from llmvisor.evaluation.heldout import evaluate, to_json_ready
     from llmvisor.core.trace import read_traces
+    from llmvisor.evaluation.heldout import evaluate, to_json_ready
 
     result = evaluate(
         read_traces(train),
@@ -268,6 +318,9 @@ def eval_command(
         print_json(to_json_ready(result))
         return
     stdout.print(evaluation_table(result))
+    stdout.print("signed error = (predicted − measured) / measured: negative means predicted faster than measured", highlight=False)
+    for line in unseen_phase_lines(result):
+        stdout.print(f"[yellow]warning:[/] {line}", highlight=False)
     for phase, values in result.get("improvement", {}).items():
         stdout.print(
             f"improvement over token_count ({phase}): p90 {values['p90']:.2f}×, p99 {values['p99']:.2f}×",

@@ -1,21 +1,44 @@
 """Baselines llmvisor is compared with, fitted on the same training steps and judged on the same held-out steps.
 
-Each has ``fit(trace) -> self`` and ``predict(trace) -> seconds per step``, like ``StepLatencyModel``.
+Every one of them, and ``StepLatencyModel``, is a ``StepLatencyPredictor``: ``fit(trace) -> self`` and
+``predict(trace) -> seconds per step``.
 """
 
 from __future__ import annotations
+
+from typing import Protocol, Self, runtime_checkable
 
 import numpy as np
 from sklearn.ensemble import RandomForestRegressor
 from sklearn.linear_model import LinearRegression
 
-from llmvisor.errors import NotFittedError
 from llmvisor.core.features import summary_step_features
 from llmvisor.core.trace import StepTrace
+from llmvisor.errors import NotFittedError
+
+PHASE_NAMES = ("prefill", "decode")
+
+
+@runtime_checkable
+class StepLatencyPredictor(Protocol):
+    """What held-out evaluation needs of a model: learn from a trace's steps, predict each step's seconds."""
+
+    def fit(self, trace: StepTrace) -> Self: ...
+
+    def predict(self, trace: StepTrace) -> np.ndarray: ...
+
+
+def step_phases(trace: StepTrace) -> np.ndarray:
+    """Each step's phase: "prefill" if it holds any prefill slice, else "decode"."""
+    return np.where(trace.is_prefill_per_step, "prefill", "decode")
 
 
 class _PerPhase:
-    """One regressor for prefill steps (any prefill slice) and one for decode-only steps."""
+    """One regressor for prefill steps (any prefill slice) and one for decode-only steps.
+
+    A phase the training steps never held is predicted by the other phase's regressor; ``predict`` counts
+    those steps in ``n_unseen_phase_fallback_`` (per phase) so that it is reported, not silent.
+    """
 
     def _design(self, trace: StepTrace) -> np.ndarray:
         raise NotImplementedError
@@ -23,7 +46,7 @@ class _PerPhase:
     def _regressor(self):
         return LinearRegression()
 
-    def fit(self, trace: StepTrace):
+    def fit(self, trace: StepTrace) -> Self:
         x = self._design(trace)
         y = trace.step_latency_s_per_step
         prefill = trace.is_prefill_per_step
@@ -39,9 +62,12 @@ class _PerPhase:
         x = self._design(trace)
         prefill = trace.is_prefill_per_step
         out = np.full(trace.n_steps, np.nan)
+        self.n_unseen_phase_fallback_ = {}
         for name, mask in (("prefill", prefill), ("decode", ~prefill)):
+            regressor = self.regressors_.get(name)
+            self.n_unseen_phase_fallback_[name] = 0 if regressor is not None else int(mask.sum())
             if mask.any():
-                regressor = self.regressors_.get(name) or next(iter(self.regressors_.values()))
+                regressor = regressor or next(iter(self.regressors_.values()))
                 out[mask] = regressor.predict(x[mask])
         return out
 
@@ -81,7 +107,7 @@ class RandomForestBaseline:
         self.min_samples_leaf = min_samples_leaf
         self.random_state = random_state
 
-    def fit(self, trace: StepTrace):
+    def fit(self, trace: StepTrace) -> Self:
         x, self.feature_names_ = summary_step_features(trace)
         self.forest_ = RandomForestRegressor(
             n_estimators=self.n_estimators,

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import resource
 import time
+import tracemalloc
 
 import numpy as np
+import scipy.signal
 
 from llmvisor.core.attribution import StepAttributor, attribute
-from llmvisor.evaluation.baselines import RandomForestBaseline
 from llmvisor.core.features import summary_step_features
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import synthetic_trace
+from llmvisor.evaluation.baselines import RandomForestBaseline
+from llmvisor.evaluation.heldout import QUANTILES, block_bootstrap_quantile_ci
 
 BATCH_SIZES = (1, 8, 64, 256)
 
@@ -93,3 +97,39 @@ def run_benchmarks(*, model: StepLatencyModel | None = None, n_fit_steps: int = 
     result["fit_n_slices"] = fit_trace.n_slices
     result["fit_boundary_new_tokens"] = fitted.boundary_
     return result
+
+
+def run_bootstrap_benchmark(*, n_steps: int = 10_000_000, n_resamples: int = 1000, seed: int = 0) -> dict:
+    """Seconds and peak memory of the block-bootstrap intervals (p50/p90/p99) on ``n_steps`` synthetic errors.
+
+    The errors are |AR(1)| with lag-one correlation 0.9, so neighbours are alike as in a trace. Peak memory is
+    what tracemalloc saw allocated during the call beyond the input (numpy reports its buffers to it), so it
+    is the bootstrap's own; resampling steps one by one would hold ``8·n_steps·n_resamples`` bytes.
+    """
+    rng = np.random.default_rng(seed)
+    shocks = rng.standard_normal(n_steps)
+    errors = np.abs(scipy.signal.lfilter([np.sqrt(1 - 0.9**2)], [1.0, -0.9], shocks)) * 0.05
+    del shocks
+    runs = np.repeat(np.arange(max(1, n_steps // 1_000_000)), 1_000_000)[:n_steps]
+    if runs.size < n_steps:
+        runs = np.concatenate([runs, np.full(n_steps - runs.size, runs[-1] if runs.size else 0)])
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    start = time.perf_counter()
+    result = block_bootstrap_quantile_ci(errors, QUANTILES, n_resamples=n_resamples, seed=seed, groups=runs)
+    seconds = time.perf_counter() - start
+    _, peak_bytes = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {
+        "n_steps": n_steps,
+        "n_resamples": n_resamples,
+        "n_runs": int(runs[-1]) + 1,
+        "block_steps": result["block_steps"],
+        "n_blocks": result["n_blocks"],
+        "seconds": seconds,
+        "peak_traced_mib": peak_bytes / 2**20,
+        "input_mib": (errors.nbytes + runs.nbytes) / 2**20,
+        "step_resampling_would_hold_mib": 8 * n_steps * n_resamples / 2**20,
+        "ci95": {str(q): bounds for q, bounds in result["ci"].items()},
+        "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
