@@ -6,7 +6,7 @@ import functools
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import numpy as np
 import typer
@@ -346,7 +346,7 @@ def demo(
 
 def _register_adapters() -> None:
     """Commands whose code lives beside its domain (engine glue, service); vLLM is imported only when they run."""
-    from llmvisor.fairness.experiment import fairness
+    from llmvisor.cli.experiment import fairness
     from llmvisor.cli.profile import profile
     from llmvisor.cli.serve import keys_create, keys_list, keys_revoke, ledger_migrate, serve
     from llmvisor.service.load import load
