@@ -120,6 +120,7 @@ def fit(
     ols: OlsOption = False,
     outlier_threshold: OutlierOption = "5",
     keep_warmup: WarmupOption = False,
+    json_output: JsonFlag = False,
 ) -> None:
     """Fit the step-latency model on traces and save it as versioned JSON."""
     from llmvisor.core.model import StepLatencyModel
@@ -129,6 +130,9 @@ def fit(
     model = StepLatencyModel(**model_params(segments, ols, outlier_threshold, keep_warmup)).fit(trace)
     model.to_json(output)
     info = model.fit_info_
+    if json_output:
+        print_json({"output": str(output), "boundary_new_tokens": model.boundary_, "model": model.to_dict()})
+        return
     stderr.print(coefficient_table(model))
     boundary = "none" if model.boundary_ is None else f"{model.boundary_:g} new tokens per step"
     stderr.print(
