@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmvisor.cli import engine_options as eo
+from llmvisor.cli.console import print_table
 from llmvisor.fairness.experiment import POLICIES, POLICY_LABELS, format_seconds, run_experiment, workload_tenants
 
 
@@ -101,5 +102,5 @@ def print_summary(console: Console, result: dict) -> None:
                 f"{summary['jain']:.3f}" if k == 0 and summary["jain"] is not None else "",
                 f"{summary['output_tokens_per_s']:.1f}" if k == 0 else "",
             )
-    console.print(table)
+    print_table(table, console)
     console.print(result["goals"])

@@ -10,9 +10,9 @@ from typing import Annotated
 
 import numpy as np
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from llmvisor.cli.console import print_table, stderr, stdout
 from llmvisor.errors import LlmvisorError
 
 app = typer.Typer(
@@ -29,8 +29,6 @@ app.add_typer(ledger_app, name="ledger")
 experiment_app = typer.Typer(help="Experiments on the real engine.", no_args_is_help=True)
 app.add_typer(experiment_app, name="experiment")
 
-stdout = Console()
-stderr = Console(stderr=True)
 
 TracePaths = Annotated[list[Path], typer.Argument(help="Step-trace files (.jsonl, .csv, .parquet).")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print only JSON to stdout.")]
@@ -133,7 +131,7 @@ def fit(
     if json_output:
         print_json({"output": str(output), "boundary_new_tokens": model.boundary_, "model": model.to_dict()})
         return
-    stderr.print(coefficient_table(model))
+    print_table(coefficient_table(model), stderr)
     boundary = "none" if model.boundary_ is None else f"{model.boundary_:g} new tokens per step"
     stderr.print(
         f"steps: {info['n_steps_used']} used of {info['n_steps_total']} "
@@ -198,7 +196,7 @@ def eval_command(
     if json_output:
         print_json(to_json_ready(result))
         return
-    stdout.print(evaluation_table(result))
+    print_table(evaluation_table(result))
     for phase, values in result.get("improvement", {}).items():
         stdout.print(
             f"improvement over token_count ({phase}): p90 {values['p90']:.2f}×, p99 {values['p99']:.2f}×",
@@ -258,7 +256,7 @@ def attribute_command(
     table.add_column("fraction", justify="right")
     for key, row in list(output["by"].items())[:top]:
         table.add_row(key, f"{row['attributed_s']:.3f}", f"{row['fraction']:.1%}")
-    stdout.print(table)
+    print_table(table)
     stdout.print(
         f"{n_steps} steps; measured {measured_s:.3f} s, attributed {attributed_s:.3f} s"
         + (f", unattributed {measured_s - attributed_s:.3f} s" if rule == "paper" else ""),
@@ -290,7 +288,7 @@ def bench(json_output: JsonFlag = False) -> None:
             f"{result['random_forest_step_us'][key]:.0f}",
             f"{result['speedup_vs_random_forest'][key]:.0f}×",
         )
-    stdout.print(table)
+    print_table(table)
     stdout.print(
         f"offline attribution: {result['offline_slices_per_s'] / 1e6:.1f} M slices/s; "
         f"fit on {result['fit_n_steps']} steps ({result['fit_n_slices']} slices) with segment search: {result['fit_100k_steps_s']:.2f} s",
@@ -318,11 +316,11 @@ def demo(
     boundary = "none" if model.boundary_ is None else f"{model.boundary_:g} new tokens per step"
     info = model.fit_info_
     stdout.print(
-        f"fitted on {info['n_steps_used']} sweep steps ({info['n_warmup_dropped']} warm-up and "
-        f"{info['n_outliers_dropped']} outlier steps dropped by the stated rules); segment boundary: {boundary}",
+        f"fitted on {info['n_steps_used']:,} of {info['n_steps_total']:,} sweep steps ({info['n_warmup_dropped']:,} warm-up and "
+        f"{info['n_outliers_dropped']:,} outlier steps dropped by the stated rules); segment boundary: {boundary}",
         highlight=False,
     )
-    stdout.print(evaluation_table(result))
+    print_table(evaluation_table(result))
     for phase, values in result.get("improvement", {}).items():
         if values["p90"]:
             stdout.print(f"improvement over token_count ({phase}): p90 {values['p90']:.2f}×, p99 {values['p99']:.2f}×", highlight=False)
@@ -334,7 +332,7 @@ def demo(
         table.add_column(rule, justify="right")
     for tenant in sorted(next(iter(by_rule.values()))):
         table.add_row(tenant, *(f"{totals.get(tenant, 0.0):.2f}" for totals in by_rule.values()))
-    stdout.print(table)
+    print_table(table)
     validation = outcome["summary"].get("validation")
     if validation:
         for phase, errors in validation["errors"].items():

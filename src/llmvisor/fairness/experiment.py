@@ -299,10 +299,11 @@ def plot(result: dict):
     axes[0, 0].set_ylabel("attributed engine time per window (s)")
     axes[1, 0].set_ylabel("token service per window (k VTC tokens)")
     axes[2, 0].set_ylabel("TTFT p50 (s)")
-    axes[0, 0].legend(fontsize=8)
     for axis in axes.flat:
         axis.grid(alpha=0.3)
-    figure.tight_layout()
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    figure.tight_layout(rect=(0, 0, 1, 0.96))
+    figure.legend(handles, labels, loc="upper center", ncol=len(labels) or 1, fontsize=9, frameon=False)
     return figure
 
 
