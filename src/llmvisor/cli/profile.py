@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from llmvisor.cli import engine_options as eo
+from llmvisor.cli.console import stdout_to_stderr
 from llmvisor.errors import LlmvisorError
 
 PLANS = ("sweep", "workload")
@@ -102,21 +103,22 @@ def profile(
     if jsonl_path.exists():
         jsonl_path.unlink()
 
-    result = _record(
-        console,
-        settings,
-        plan=plan,
-        jsonl_path=str(jsonl_path),
-        run_id=run_id,
-        warmup_steps=warmup_steps,
-        repeat=repeat,
-        points=points,
-        max_decode_steps=max_decode_steps,
-        workload_plan=workload_plan,
-        arrival=arrival,
-        concurrency=concurrency,
-        max_seconds=max_seconds,
-    )
+    with stdout_to_stderr(json_output):
+        result = _record(
+            console,
+            settings,
+            plan=plan,
+            jsonl_path=str(jsonl_path),
+            run_id=run_id,
+            warmup_steps=warmup_steps,
+            repeat=repeat,
+            points=points,
+            max_decode_steps=max_decode_steps,
+            workload_plan=workload_plan,
+            arrival=arrival,
+            concurrency=concurrency,
+            max_seconds=max_seconds,
+        )
 
     from llmvisor.profile.stats import coverage, mark_warmup_window, noise_floor, print_coverage, print_noise_floor
     from llmvisor.core.trace import read_trace, write_trace
@@ -187,7 +189,7 @@ def profile_summary(trace, output: Path) -> dict:
         "plan": metadata["plan"],
         "n_steps": int(trace.n_steps),
         "n_rows": int(trace.n_slices),
-        "n_warmup_steps": int(trace.is_warmup_per_step.sum()) if hasattr(trace, "is_warmup_per_step") else None,
+        "n_warmup_steps": int(trace.is_warmup_per_step.sum()),
         **{key: metadata.get(key) for key in ("engine", "coverage", "noise_floor", "recorder_overhead", "wall_time_s", "warmup_rule")},
     }
 
