@@ -50,3 +50,40 @@ def test_demo_runs_end_to_end(tmp_path):
     page = (tmp_path / "report" / "index.html").read_text()
     assert page.count("data:image/png;base64,") >= 3
     assert (tmp_path / "report" / "model.json").is_file()
+
+
+def test_demo_report_links_its_json_and_explains_the_step_counts(tmp_path):
+    """Piped (not a terminal, COLUMNS unset: rich would assume 80 columns), every table row stays on one line."""
+    env = {key: value for key, value in os.environ.items() if key not in ("COLUMNS", "LINES")}
+    result = subprocess.run(
+        [sys.executable, "-m", "llmvisor.cli", "demo", "-o", str(tmp_path / "report"), "--bootstrap", "20"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    rows = [line for line in lines if line.startswith("│")]
+    assert rows, result.stdout
+    # a wrapped cell continues on a line whose first cell (model or tenant) is blank
+    assert [line for line in rows if line.split("│")[1].strip() == ""] == []
+    evaluation_rows = [line for line in rows if line.split("│")[2].strip() in ("prefill", "decode", "all")]
+    assert len(evaluation_rows) == 12 and all(line.count("%") == 9 for line in evaluation_rows)
+    assert max(map(len, lines)) > 80
+
+    folder = tmp_path / "report"
+    page = (folder / "index.html").read_text()
+    for name in ("model.json", "summary.json", "coverage.json", "boundary_search.json"):
+        assert f"href='{name}'" in page and json.loads((folder / name).read_text())
+    assert "<pre>" not in page, "raw JSON belongs behind the links, not in the page"
+    model = json.loads((folder / "model.json").read_text())
+    coverage = json.loads((folder / "coverage.json").read_text())
+    info = model["fit_info"]
+    train = read_trace(trace_path(TRAIN_TRACE))
+    assert coverage["n_steps"] == train.n_steps - info["n_warmup_dropped"]
+    assert info["n_steps_used"] == coverage["n_steps"] - info["n_outliers_dropped"]
+    for count in (train.n_steps, info["n_warmup_dropped"], coverage["n_steps"], info["n_outliers_dropped"], info["n_steps_used"]):
+        assert f"{count:,}" in page
+    for name in model["feature_names"]:
+        assert f"<code>{name}</code>" in page

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 import numpy as np
 import pytest
@@ -121,3 +122,12 @@ def test_the_migrate_command_reports_what_it_copied(tmp_path, model_path, capsys
     assert f"copied 30 steps, {len(slice_rows)} slices, 1 keys" in out and "The source was not changed." in out
     with pytest.raises(LlmvisorError, match="only version 1 is migrated"):
         ledger_migrate(source=f"sqlite:///{tmp_path}/schema2.db", target=f"sqlite:///{tmp_path}/third.db")
+
+
+def test_the_migrate_command_json_holds_the_copied_totals(tmp_path, model_path, capsys):
+    model = StepLatencyModel.from_json(model_path)
+    source_url, _, slice_rows = _schema_1_ledger(tmp_path / "schema1.db", model, make_steps(n_steps=12, start_s=T0_S))
+    ledger_migrate(source=source_url, target=f"sqlite:///{tmp_path}/schema2.db", json_output=True)
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_steps"] == 12 and report["num_slices"] == len(slice_rows) and report["num_keys"] == 1
+    assert sum(report["attributed_ns_per_tenant"].values()) == report["attributed_ns"]

@@ -7,6 +7,7 @@ tokens, prefill while the context is shorter than the prompt.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -209,7 +210,7 @@ def test_profile_sweep_on_tiny_model(tiny_model, tmp_path):
         sys.executable, "-m", "llmvisor.cli", "profile", "--plan", "sweep", "-o", str(output),
         "--model", tiny_model, "--points", "3", "--repeat", "2", "--max-decode-steps", "6",
         "--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
-        "--kv-cache-gib", "1", "--threads", "1", "--enforce-eager", "--run-id", "tiny-sweep",
+        "--kv-cache-gib", "1", "--threads", "1", "--enforce-eager", "--run-id", "tiny-sweep", "--json",
     ]  # fmt: skip
     result = subprocess.run(command, env={**os.environ, **ENGINE_ENV}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -217,6 +218,9 @@ def test_profile_sweep_on_tiny_model(tiny_model, tmp_path):
     assert "noise floor" in result.stderr and "recorder overhead" in result.stderr
 
     trace = read_trace(output)
+    summary = json.loads(result.stdout)  # stdout holds only the JSON, vLLM's logs go to stderr
+    assert summary["output"] == str(output) and summary["run_id"] == "tiny-sweep"
+    assert summary["n_steps"] == trace.n_steps and summary["coverage"]["n_steps"] == trace.metadata["coverage"]["n_steps"]
     assert trace.n_steps > 10 and set(trace.run_id.tolist()) == {"tiny-sweep"}
     assert not output.with_suffix(".recording.jsonl").exists()
     metadata = trace.metadata

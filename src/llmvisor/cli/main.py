@@ -14,11 +14,11 @@ import typer
 import typer.core
 import typer.main
 from typer.core import TyperGroup
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from llmvisor import extras
+from llmvisor.cli.console import print_table, stderr, stdout
 from llmvisor.errors import LlmvisorError
 
 ADAPTERS: dict[str, dict[str, tuple[str, str, tuple[str, ...]]]] = {
@@ -34,7 +34,7 @@ ADAPTERS: dict[str, dict[str, tuple[str, str, tuple[str, ...]]]] = {
         "revoke": ("llmvisor.cli.serve", "keys_revoke", ("service",)),
     },
     "ledger": {"migrate": ("llmvisor.cli.serve", "ledger_migrate", ("service",))},
-    "experiment": {"fairness": ("llmvisor.fairness.experiment", "fairness", ("vllm", "report"))},
+    "experiment": {"fairness": ("llmvisor.cli.experiment", "fairness", ("vllm", "report"))},
 }
 """Commands whose code lives beside its domain, by group: (module, function, extras it needs). They are
 imported only when run or listed in help, so `llmvisor fit` never imports the service, an engine or a plot."""
@@ -102,8 +102,6 @@ app.add_typer(ledger_app, name="ledger")
 experiment_app = typer.Typer(cls=adapter_group("experiment"), help="Experiments on the real engine.", no_args_is_help=True)
 app.add_typer(experiment_app, name="experiment")
 
-stdout = Console()
-stderr = Console(stderr=True)
 
 TracePaths = Annotated[list[Path], typer.Argument(help="Step-trace files (.jsonl, .csv, .parquet).")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print only JSON to stdout.")]
@@ -193,6 +191,7 @@ def fit(
     ols: OlsOption = False,
     outlier_threshold: OutlierOption = "5",
     keep_warmup: WarmupOption = False,
+    json_output: JsonFlag = False,
 ) -> None:
     """Fit the step-latency model on traces and save it as versioned JSON."""
     from llmvisor.core.model import StepLatencyModel
@@ -202,7 +201,10 @@ def fit(
     model = StepLatencyModel(**model_params(segments, ols, outlier_threshold, keep_warmup)).fit(trace)
     model.to_json(output)
     info = model.fit_info_
-    stderr.print(coefficient_table(model))
+    if json_output:
+        print_json({"output": str(output), "boundary_new_tokens": model.boundary_, "model": model.to_dict()})
+        return
+    print_table(coefficient_table(model), stderr)
     boundary = "none" if model.boundary_ is None else f"{model.boundary_:g} new tokens per step"
     stderr.print(
         f"steps: {info['n_steps_used']} used of {info['n_steps_total']} "
@@ -317,7 +319,7 @@ def eval_command(
     if json_output:
         print_json(to_json_ready(result))
         return
-    stdout.print(evaluation_table(result))
+    print_table(evaluation_table(result))
     stdout.print("signed error = (predicted − measured) / measured: negative means predicted faster than measured", highlight=False)
     for line in unseen_phase_lines(result):
         stdout.print(f"[yellow]warning:[/] {line}", highlight=False)
@@ -380,7 +382,7 @@ def attribute_command(
     table.add_column("fraction", justify="right")
     for key, row in list(output["by"].items())[:top]:
         table.add_row(key, f"{row['attributed_s']:.3f}", f"{row['fraction']:.1%}")
-    stdout.print(table)
+    print_table(table)
     stdout.print(
         f"{n_steps} steps; measured {measured_s:.3f} s, attributed {attributed_s:.3f} s"
         + (f", unattributed {measured_s - attributed_s:.3f} s" if rule == "paper" else ""),
@@ -413,7 +415,7 @@ def bench(json_output: JsonFlag = False) -> None:
             f"{result['random_forest_step_us'][key]:.0f}",
             f"{result['speedup_vs_random_forest'][key]:.0f}×",
         )
-    stdout.print(table)
+    print_table(table)
     stdout.print(
         f"offline attribution: {result['offline_slices_per_s'] / 1e6:.1f} M slices/s; "
         f"fit on {result['fit_n_steps']} steps ({result['fit_n_slices']} slices) with segment search: {result['fit_100k_steps_s']:.2f} s",
@@ -442,11 +444,11 @@ def demo(
     boundary = "none" if model.boundary_ is None else f"{model.boundary_:g} new tokens per step"
     info = model.fit_info_
     stdout.print(
-        f"fitted on {info['n_steps_used']} sweep steps ({info['n_warmup_dropped']} warm-up and "
-        f"{info['n_outliers_dropped']} outlier steps dropped by the stated rules); segment boundary: {boundary}",
+        f"fitted on {info['n_steps_used']:,} of {info['n_steps_total']:,} sweep steps ({info['n_warmup_dropped']:,} warm-up and "
+        f"{info['n_outliers_dropped']:,} outlier steps dropped by the stated rules); segment boundary: {boundary}",
         highlight=False,
     )
-    stdout.print(evaluation_table(result))
+    print_table(evaluation_table(result))
     for phase, values in result.get("improvement", {}).items():
         if values["p90"]:
             stdout.print(f"improvement over token_count ({phase}): p90 {values['p90']:.2f}×, p99 {values['p99']:.2f}×", highlight=False)
@@ -458,7 +460,7 @@ def demo(
         table.add_column(rule, justify="right")
     for tenant in sorted(next(iter(by_rule.values()))):
         table.add_row(tenant, *(f"{totals.get(tenant, 0.0):.2f}" for totals in by_rule.values()))
-    stdout.print(table)
+    print_table(table)
     validation = outcome["summary"].get("validation")
     if validation:
         for phase, errors in validation["errors"].items():

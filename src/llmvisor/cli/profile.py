@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
@@ -12,6 +13,8 @@ from typing import Annotated
 import typer
 
 from llmvisor import shipped
+from llmvisor.cli import engine_options as eo
+from llmvisor.cli.console import stdout_to_stderr
 from llmvisor.errors import LlmvisorError
 
 PLANS = ("sweep", "workload")
@@ -20,7 +23,7 @@ PLANS = ("sweep", "workload")
 def profile(
     output: Annotated[Path, typer.Option("--output", "-o", help="Trace to write (.parquet, with metadata).")],
     plan: Annotated[str, typer.Option(help="sweep: space-filling episodes over the engine envelope; workload: replay --workload CSVs.")] = "sweep",
-    model: Annotated[Path | None, typer.Option(help="Hugging Face model folder; a folder with only config.json runs with dummy weights. Default: the shipped engine model.")] = None,
+    engine_model: eo.EngineModelOrOldModel = None,
     workload: Annotated[list[Path] | None, typer.Option(help="Request-length CSV (num_prefill_tokens, num_decode_tokens[, arrived_at]); repeat for a multi-tenant mix, one tenant per file.")] = None,
     points: Annotated[int, typer.Option(help="sweep: number of design points (episodes).")] = 48,
     repeat: Annotated[int, typer.Option(help="Run the whole plan this many times with identical batches; 2 or more measures the noise floor.")] = 1,
@@ -33,22 +36,23 @@ def profile(
     concurrency: Annotated[int, typer.Option(help="workload, closed loop: requests in flight.")] = 16,
     time_scale: Annotated[float, typer.Option(help="workload, trace arrivals: multiply arrived_at by this.")] = 1.0,
     max_seconds: Annotated[float | None, typer.Option(help="workload: stop submitting and abort after this many seconds per repeat.")] = None,
-    max_model_len: Annotated[int, typer.Option(help="Engine: longest prompt + output.")] = 4096,
-    max_num_batched_tokens: Annotated[int, typer.Option(help="Engine: most tokens in one step.")] = 2048,
-    max_num_seqs: Annotated[int, typer.Option(help="Engine: most requests in one step.")] = 32,
-    kv_cache_gib: Annotated[int, typer.Option(help="Engine (CPU build): KV cache size, VLLM_CPU_KVCACHE_SPACE.")] = 4,
-    threads: Annotated[int | None, typer.Option(help="Engine (CPU build): OpenMP/torch threads. Default: as the environment says.")] = None,
-    enforce_eager: Annotated[bool, typer.Option(help="Engine: skip torch.compile (faster start, slower steps).")] = False,
+    max_model_len: eo.MaxModelLen = eo.MAX_MODEL_LEN,
+    max_num_batched_tokens: eo.MaxNumBatchedTokens = eo.MAX_NUM_BATCHED_TOKENS,
+    max_num_seqs: eo.MaxNumSeqs = eo.MAX_NUM_SEQS,
+    kv_cache_gib: eo.KvCacheGib = eo.KV_CACHE_GIB,
+    threads: eo.Threads = eo.THREADS,
+    enforce_eager: eo.EnforceEager = eo.ENFORCE_EAGER,
     warmup_steps: Annotated[int, typer.Option(help="Steps after engine start marked is_warmup.")] = 3,
     warmup_seconds: Annotated[float, typer.Option(help="Also mark is_warmup every step starting within this many seconds of the first.")] = 0.0,
     run_id: Annotated[str | None, typer.Option(help="Run id written on every row. Default: from the plan and the time.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the design, the prompts and the decode subsets.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the design, the prompts, the decode subsets and the engine's sampling.")] = 0,
     keep_jsonl: Annotated[bool, typer.Option(help="Keep the JSONL the recorder wrote, beside the output.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print a JSON summary (run, steps, coverage, noise floor, overhead) to stdout; progress stays on stderr.")] = False,
 ) -> None:
     """Profile a vLLM engine in this process and write its step trace."""
     from rich.console import Console
 
-    from llmvisor.profile.plans import Envelope, build_workload, sweep_episodes, workload_name
+    from llmvisor.profile.plans import Envelope, build_workload, workload_name
 
     console = Console(stderr=True)
     if plan not in PLANS:
@@ -63,21 +67,20 @@ def profile(
         raise LlmvisorError("--workload: only the workload plan replays workload CSVs (use --plan workload)")
     if concurrency < 1:
         raise LlmvisorError(f"--concurrency: must be at least 1 (got {concurrency})")
-    model_dir = str(model if model is not None else shipped.engine_model_dir())
-
-    from llmvisor.engines.vllm.driver import EngineSettings, check_model_dir
-
-    check_model_dir(model_dir)
-    settings = EngineSettings(
-        model=model_dir,
+    settings = eo.engine_settings(
+        engine_model,
         max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
-        kv_cache_space_gib=kv_cache_gib,
+        kv_cache_gib=kv_cache_gib,
         enforce_eager=enforce_eager,
-        seed=seed,
         threads=threads,
+        seed=seed,
     )
+
+    from llmvisor.engines.vllm.driver import check_model_dir
+
+    check_model_dir(settings.model)
     envelope = Envelope(max_model_len, max_num_batched_tokens, max_num_seqs)
     workload_plan = None
     if plan == "workload":
@@ -102,21 +105,22 @@ def profile(
     if jsonl_path.exists():
         jsonl_path.unlink()
 
-    result = _record(
-        console,
-        settings,
-        plan=plan,
-        jsonl_path=str(jsonl_path),
-        run_id=run_id,
-        warmup_steps=warmup_steps,
-        repeat=repeat,
-        points=points,
-        max_decode_steps=max_decode_steps,
-        workload_plan=workload_plan,
-        arrival=arrival,
-        concurrency=concurrency,
-        max_seconds=max_seconds,
-    )
+    with stdout_to_stderr(json_output):
+        result = _record(
+            console,
+            settings,
+            plan=plan,
+            jsonl_path=str(jsonl_path),
+            run_id=run_id,
+            warmup_steps=warmup_steps,
+            repeat=repeat,
+            points=points,
+            max_decode_steps=max_decode_steps,
+            workload_plan=workload_plan,
+            arrival=arrival,
+            concurrency=concurrency,
+            max_seconds=max_seconds,
+        )
 
     from llmvisor.profile.stats import coverage, mark_warmup_window, noise_floor, print_coverage, print_noise_floor
     from llmvisor.core.trace import read_trace, write_trace
@@ -174,6 +178,22 @@ def profile(
             f"tenants: {plan_info['tenant_rule']}; arrivals: {plan_info['arrival']}"
         )
     console.print(f"wrote {trace.n_steps} steps ({trace.n_slices} rows) of run {run_id!r} to {output}")
+    if json_output:
+        typer.echo(json.dumps(profile_summary(trace, output), indent=2, default=str))
+
+
+def profile_summary(trace, output: Path) -> dict:
+    """The machine-readable summary of a recorded trace: where it is, what it holds and its metadata's figures."""
+    metadata = trace.metadata
+    return {
+        "output": str(output),
+        "run_id": metadata["run_id"],
+        "plan": metadata["plan"],
+        "n_steps": int(trace.n_steps),
+        "n_rows": int(trace.n_slices),
+        "n_warmup_steps": int(trace.is_warmup_per_step.sum()),
+        **{key: metadata.get(key) for key in ("engine", "coverage", "noise_floor", "recorder_overhead", "wall_time_s", "warmup_rule")},
+    }
 
 
 def recorded_command(argv: list[str]) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated
@@ -11,6 +12,7 @@ import typer
 
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
+from llmvisor.ledger.keys import split_key
 
 DEFAULT_DB_URL = "sqlite:///llmvisor.db"
 DbOption = Annotated[
@@ -20,6 +22,11 @@ DbOption = Annotated[
         help="Ledger database URL: sqlite:///PATH (WAL mode) or postgresql+psycopg://USER:PASSWORD@HOST:PORT/DB.",
     ),
 ]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print only JSON to stdout.")]
+
+
+def echo_json(data) -> None:
+    typer.echo(json.dumps(data, indent=2))
 
 
 def serve(
@@ -55,6 +62,7 @@ def keys_create(
     tenant: Annotated[str | None, typer.Option("--tenant", help="Tenant whose usage the key may read.")] = None,
     db: DbOption = DEFAULT_DB_URL,
     admin: Annotated[bool, typer.Option("--admin", help="An admin key: ingest, key administration, every tenant.")] = False,
+    json_output: JsonOption = False,
 ) -> None:
     """Create an API key and print it once; only its hash is stored."""
     if admin == (tenant is not None):
@@ -64,16 +72,36 @@ def keys_create(
         key = ledger.create_key(tenant, is_admin=admin)
     finally:
         ledger.close()
+    if json_output:
+        echo_json({"key": key, "key_id": split_key(key)[0], "tenant": tenant, "admin": admin})
+        return
     typer.echo(key)
 
 
-def keys_list(db: DbOption = DEFAULT_DB_URL) -> None:
+def keys_list(db: DbOption = DEFAULT_DB_URL, json_output: JsonOption = False) -> None:
     """List API keys (ids, tenants, roles; never the secrets)."""
     ledger = Ledger(db)
     try:
         keys = ledger.list_keys()
     finally:
         ledger.close()
+    if json_output:
+        echo_json(
+            [
+                {
+                    "key_id": key.key_id,
+                    "tenant": key.tenant,
+                    "admin": bool(key.is_admin),
+                    "revoked": key.revoked_at_us is not None,
+                    "created_utc": datetime.fromtimestamp(key.created_at_us / 1e6, tz=timezone.utc).isoformat(timespec="seconds"),
+                    "revoked_utc": None
+                    if key.revoked_at_us is None
+                    else datetime.fromtimestamp(key.revoked_at_us / 1e6, tz=timezone.utc).isoformat(timespec="seconds"),
+                }
+                for key in keys
+            ]
+        )
+        return
     for key in keys:
         created = datetime.fromtimestamp(key.created_at_us / 1e6, tz=timezone.utc).isoformat(timespec="seconds")
         role = "admin" if key.is_admin else f"tenant={key.tenant}"
@@ -84,6 +112,7 @@ def keys_list(db: DbOption = DEFAULT_DB_URL) -> None:
 def keys_revoke(
     key_id: Annotated[str, typer.Argument(help="The key id (the part after lvk_ and before the next _).")],
     db: DbOption = DEFAULT_DB_URL,
+    json_output: JsonOption = False,
 ) -> None:
     """Revoke an API key; requests with it are refused from then on."""
     ledger = Ledger(db)
@@ -93,21 +122,39 @@ def keys_revoke(
         ledger.close()
     if not revoked:
         raise LlmvisorError(f"no active key {key_id!r}")
+    if json_output:
+        echo_json({"revoked": key_id})
+        return
     typer.echo(f"revoked {key_id}")
 
 
 def ledger_migrate(
     source: Annotated[str, typer.Option("--from", help="URL of the schema-1 ledger to copy (only read).")],
     target: Annotated[str, typer.Option("--to", help="URL of an empty database to copy it into (schema 2).")],
+    json_output: JsonOption = False,
 ) -> None:
     """Copy a schema-1 ledger into a new schema-2 ledger and check that every total matches."""
     from rich.progress import Progress
 
     from llmvisor.ledger.migrate import migrate_schema_1
 
-    with Progress(transient=True) as progress:
+    with Progress(transient=True, disable=json_output) as progress:
         task = progress.add_task("copying steps", total=None)
         report = migrate_schema_1(source, target, progress=lambda done, total: progress.update(task, completed=done, total=total))
+    if json_output:
+        echo_json(
+            {
+                "num_steps": report.num_steps,
+                "num_slices": report.num_slices,
+                "num_keys": report.num_keys,
+                "num_tenants": len(report.attributed_ns_per_tenant),
+                "measured_ns": report.measured_ns,
+                "attributed_ns": report.attributed_ns,
+                "attributed_ns_per_tenant": report.attributed_ns_per_tenant,
+                "totals_match": True,
+            }
+        )
+        return
     typer.echo(
         f"copied {report.num_steps:,} steps, {report.num_slices:,} slices, {report.num_keys} keys and "
         f"{len(report.attributed_ns_per_tenant)} tenants' usage; measured and attributed ns, and every tenant's "

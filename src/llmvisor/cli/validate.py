@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 
 from llmvisor import extras, shipped
+from llmvisor.cli import engine_options as eo
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.errors import LlmvisorError
 from llmvisor.validation.analysis import Method, build_result, dumps_result
@@ -59,8 +60,8 @@ def _check_journal_settings(journal_path: Path, engine_settings: dict) -> None:
 
 def validate(
     output: Annotated[Path, typer.Option("--output", "-o", help="Result JSON; measurements go to RESULT.journal.jsonl beside it, and a re-run resumes from it.")],
-    model: Annotated[Path | None, typer.Option("--model", "-m", help="Fitted llmvisor model (JSON) whose shares are judged. Default: the shipped model.")] = None,
-    engine_model: Annotated[Path | None, typer.Option(help="Hugging Face model folder run by vLLM (a bare config.json runs with dummy weights). Default: the shipped engine model.")] = None,
+    model: eo.LatencyModel = None,
+    engine_model: eo.EngineModel = None,
     batches: Annotated[int, typer.Option(help="Batches to validate (alternating prefill and decode).")] = 100,
     max_batch: Annotated[int, typer.Option(help="Largest batch (2 to 8); every non-empty subset of a batch is measured.")] = 5,
     repeat: Annotated[int, typer.Option(help="Times each subset step is measured; the median is kept.")] = 3,
@@ -68,11 +69,11 @@ def validate(
     adversarial_fraction: Annotated[float, typer.Option(help="Share of batches with one long request among short ones.")] = 0.2,
     workloads: Annotated[Path | None, typer.Option(help="Folder with azure-2023-conv.csv, azure-2023-code.csv, arxiv-summarization.csv. Default: the shipped ones.")] = None,
     max_prefill_tokens: Annotated[int | None, typer.Option(help="Most tokens in a prefill batch (default: max_num_batched_tokens).")] = None,
-    max_model_len: Annotated[int, typer.Option(help="Engine: longest prompt + output.")] = 4096,
-    max_num_batched_tokens: Annotated[int, typer.Option(help="Engine: most tokens in one step.")] = 2048,
-    max_num_seqs: Annotated[int, typer.Option(help="Engine: most requests in one step.")] = 32,
-    kv_cache_gib: Annotated[int, typer.Option(help="Engine (CPU build): KV cache size, VLLM_CPU_KVCACHE_SPACE.")] = 4,
-    threads: Annotated[int | None, typer.Option(help="Engine (CPU build): OpenMP/torch threads, as for `llmvisor profile`. Default: as the environment says.")] = None,
+    max_model_len: eo.MaxModelLen = eo.MAX_MODEL_LEN,
+    max_num_batched_tokens: eo.MaxNumBatchedTokens = eo.MAX_NUM_BATCHED_TOKENS,
+    max_num_seqs: eo.MaxNumSeqs = eo.MAX_NUM_SEQS,
+    kv_cache_gib: eo.KvCacheGib = eo.KV_CACHE_GIB,
+    threads: eo.Threads = eo.THREADS,
     seed: Annotated[int, typer.Option(help="Seed of the batches and the measuring order.")] = 0,
     n_bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples for the 95% intervals.")] = 1000,
     keep_steps: Annotated[bool, typer.Option(help="Keep the recorder's trace of every engine step run (RESULT.steps.jsonl).")] = False,

@@ -26,10 +26,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
 
 import numpy as np
-import typer
 
 from llmvisor import shipped
 from llmvisor.errors import LlmvisorError
@@ -301,10 +299,11 @@ def plot(result: dict):
     axes[0, 0].set_ylabel("attributed engine time per window (s)")
     axes[1, 0].set_ylabel("token service per window (k VTC tokens)")
     axes[2, 0].set_ylabel("TTFT p50 (s)")
-    axes[0, 0].legend(fontsize=8)
     for axis in axes.flat:
         axis.grid(alpha=0.3)
-    figure.tight_layout()
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    figure.tight_layout(rect=(0, 0, 1, 0.96))
+    figure.legend(handles, labels, loc="upper center", ncol=len(labels) or 1, fontsize=9, frameon=False)
     return figure
 
 
@@ -328,10 +327,10 @@ def report_sections(result: dict) -> list[tuple[str, str]]:
                 f"{summary['attributed_fraction'][tenant]:.1%}",
                 f"{summary['token_service'][tenant]:.0f}",
                 f"{summary['requests_finished'][tenant]}",
-                _fmt(summary["ttft_s"][tenant]["p50"]),
-                _fmt(summary["ttft_s"][tenant]["p99"]),
-                _fmt(summary["tpot_s"][tenant]["p50"], 1000),
-                _fmt(summary["tpot_s"][tenant]["p99"], 1000),
+                format_seconds(summary["ttft_s"][tenant]["p50"]),
+                format_seconds(summary["ttft_s"][tenant]["p99"]),
+                format_seconds(summary["tpot_s"][tenant]["p50"], 1000),
+                format_seconds(summary["tpot_s"][tenant]["p99"], 1000),
                 f"{summary['engine_time_max_min']:.2f}" if k == 0 and summary["engine_time_max_min"] is not None else "",
                 f"{summary['jain']:.3f}" if k == 0 and summary["jain"] is not None else "",
                 f"{summary['output_tokens_per_s']:.1f}" if k == 0 else "",
@@ -356,7 +355,7 @@ def report_sections(result: dict) -> list[tuple[str, str]]:
     ]
 
 
-def _fmt(value, scale: float = 1.0) -> str:
+def format_seconds(value, scale: float = 1.0) -> str:
     return "—" if value is None else f"{value * scale:.2f}" if value * scale < 100 else f"{value * scale:.0f}"
 
 
@@ -381,60 +380,35 @@ def run_policy(spec: dict, log_path: Path) -> dict:
     return json.loads((Path(spec["out_dir"]) / "result.json").read_text())
 
 
-def fairness(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for traces, logs, fairness.json and fairness.png.")] = Path("fairness-experiment"),
-    model: Annotated[Path | None, typer.Option(help="llmvisor model to charge with and to attribute by (`llmvisor fit`). Default: the shipped model.")] = None,
-    engine_model: Annotated[Path | None, typer.Option(help="Engine model folder (config.json runs with dummy weights). Default: the shipped engine model.")] = None,
-    policy: Annotated[list[str] | None, typer.Option(help="Policies to run: fcfs, tokens, attributed (repeat). Default: all three.")] = None,
-    tenants: Annotated[int, typer.Option(help="Tenants, 2 to 4: long-context and short-context alternately.")] = 2,
-    rate_rps: Annotated[float, typer.Option(help="Requests per second from each tenant (Poisson); high enough that all stay backlogged.")] = 16.0,
-    history_tokens: Annotated[int, typer.Option(help="Long-context tenants: tokens of conversation history (prefix-cached) in front of each prompt.")] = 1536,
-    conversations: Annotated[int, typer.Option(help="Long-context tenants: conversations, continued in turn; more than run at once, so running requests do not share a history.")] = 40,
-    prompt_tokens: Annotated[int, typer.Option(help="New prompt tokens per request (every tenant).")] = 64,
-    output_tokens: Annotated[int, typer.Option(help="Output tokens per request (every tenant).")] = 64,
-    duration_s: Annotated[float, typer.Option(help="Seconds of arrivals and measurement per policy.")] = 90.0,
-    warmup_s: Annotated[float, typer.Option(help="Seconds at the start left out of the figures (queues build up).")] = 10.0,
-    window_s: Annotated[float, typer.Option(help="Window of the per-tenant time series.")] = 10.0,
-    max_model_len: Annotated[int, typer.Option(help="Engine: longest prompt + output.")] = 4096,
-    max_num_seqs: Annotated[int, typer.Option(help="Engine: most requests in one step.")] = 32,
-    max_num_batched_tokens: Annotated[int, typer.Option(help="Engine: most tokens in one step.")] = 2048,
-    kv_cache_gib: Annotated[int, typer.Option(help="Engine (CPU build): KV cache GiB.")] = 4,
-    threads: Annotated[int | None, typer.Option(help="Engine (CPU build): OpenMP/torch threads (the profile command's setting).")] = None,
-    enforce_eager: Annotated[bool, typer.Option(help="Engine: skip torch.compile.")] = False,
-    seed: Annotated[int, typer.Option(help="Seed of arrivals and prompts (the same for every policy).")] = 0,
-    analyse_only: Annotated[bool, typer.Option(help="Re-analyse the runs already in --output instead of running the engine.")] = False,
-    json_output: Annotated[bool, typer.Option("--json", help="Print only the result JSON to stdout.")] = False,
+def run_experiment(
+    output: Path,
+    *,
+    latency_model_path: Path | None,
+    engine_dir: Path,
+    engine: dict,
+    policies: list[str],
+    workload: dict,
+    window_s: float,
+    warmup_s: float,
+    analyse_only: bool = False,
+    progress=None,
 ) -> dict:
-    """Fair sharing on the real vLLM engine: FCFS vs token VTC vs attributed VTC, per tenant over time."""
-    from rich.console import Console
+    """Run each policy in its own engine process (or re-read its run), analyse all alike, write fairness.json/png.
 
+    ``engine`` holds the `EngineSettings` fields other than the engine model; ``workload`` is
+    ``{"tenants": workload_tenants(...), "duration_s": ..., "seed": ...}``.
+    """
     from llmvisor.core.model import StepLatencyModel
 
-    console = Console(stderr=True)
-    policies = list(policy or POLICIES)
+    say = progress or (lambda message: None)
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise LlmvisorError(f"--policy: unknown {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
-    model_path = str(model) if model is not None else str(shipped.latency_model_path())
-    if model_path is None or not os.path.exists(model_path):
-        raise LlmvisorError(f"--model: {model_path or 'no shipped model.json'} not found; fit one with `llmvisor fit TRACE -o model.json`")
+    model_path = str(latency_model_path if latency_model_path is not None else shipped.latency_model_path())
+    if not os.path.exists(model_path):
+        raise LlmvisorError(f"--latency-model: {model_path} not found; fit one with `llmvisor fit TRACE -o model.json`")
     charge_model = StepLatencyModel.from_json(model_path)
-    engine_dir = str(engine_model or shipped.engine_model_dir())
     output.mkdir(parents=True, exist_ok=True)
-    workload = {
-        "tenants": workload_tenants(tenants, rate_rps=rate_rps, history_tokens=history_tokens, n_conversations=conversations, prompt_tokens=prompt_tokens, output_tokens=output_tokens),
-        "duration_s": duration_s,
-        "seed": seed,
-    }
-    engine = {
-        "max_model_len": max_model_len,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "max_num_seqs": max_num_seqs,
-        "kv_cache_space_gib": kv_cache_gib,
-        "enforce_eager": enforce_eager,
-        "seed": seed,
-        "threads": threads,
-    }
     runs = {}
     for name in policies:
         out_dir = output / name
@@ -443,13 +417,13 @@ def fairness(
                 raise LlmvisorError(f"--analyse-only: {out_dir / 'result.json'} not found; run policy {name} first")
             runs[name] = json.loads((out_dir / "result.json").read_text())
             continue
-        spec = {"policy": name, "out_dir": str(out_dir), "model_dir": engine_dir, "model_path": model_path, "engine": engine, "workload": workload}
-        console.print(f"[bold]fairness[/]: running {POLICY_LABELS[name]} for {duration_s:.0f} s (+ engine start) …")
+        spec = {"policy": name, "out_dir": str(out_dir), "model_dir": str(engine_dir), "model_path": model_path, "engine": engine, "workload": workload}
+        say(f"running {POLICY_LABELS[name]} for {workload['duration_s']:.0f} s (+ engine start) …")
         started = time.perf_counter()
         runs[name] = run_policy(spec, out_dir / "engine.log")
         overhead = runs[name].get("scheduler_overhead")
         extra = f"; scheduler's own work {100 * overhead['fraction_of_step_time']:.3f}% of step time ({overhead['added_time_per_step_us']:.0f} µs/step)" if overhead else ""
-        console.print(f"  done in {time.perf_counter() - started:.0f} s{extra}")
+        say(f"  done in {time.perf_counter() - started:.0f} s{extra}")
     analysed = {name: analyse_run(run, charge_model, window_s=window_s, warmup_s=warmup_s) for name, run in runs.items()}
     first = next(iter(runs.values()))
     check = insitu_check(runs, window_s=window_s, warmup_s=warmup_s)
@@ -457,7 +431,7 @@ def fairness(
         "experiment": "fairness",
         "setup": {
             "model": os.path.basename(model_path),
-            "engine_model": os.path.basename(os.path.normpath(engine_dir)),
+            "engine_model": os.path.basename(os.path.normpath(str(engine_dir))),
             "engine": {**first["engine"], "model": os.path.basename(os.path.normpath(first["engine"]["model"]))},
             "workload": first["workload"],
             "window_s": window_s,
@@ -474,11 +448,6 @@ def fairness(
     (output / "fairness.json").write_text(json.dumps(result, indent=2) + "\n")
     figure = plot(result)
     figure.savefig(output / "fairness.png", dpi=110, bbox_inches="tight")
-    if json_output:
-        print(json.dumps(result, indent=2))
-    else:
-        _print_summary(console, result)
-        console.print(f"wrote {output / 'fairness.json'} and {output / 'fairness.png'}")
     return result
 
 
@@ -491,28 +460,3 @@ def _hardware() -> str:
     except OSError:
         pass
     return "unknown"
-
-
-def _print_summary(console, result: dict) -> None:
-    from rich.table import Table
-
-    table = Table(title="fairness: attributed engine time per tenant (backlogged throughout)")
-    for column in ("policy", "tenant", "engine s", "share", "token service", "TTFT p50/p99 s", "TPOT p50/p99 ms", "max/min", "Jain", "out tok/s"):
-        table.add_column(column, justify="right")
-    for policy, data in result["policies"].items():
-        summary = data["summary"]
-        for k, tenant in enumerate(summary["attributed_s"]):
-            table.add_row(
-                POLICY_LABELS[policy] if k == 0 else "",
-                tenant,
-                f"{summary['attributed_s'][tenant]:.1f}",
-                f"{summary['attributed_fraction'][tenant]:.1%}",
-                f"{summary['token_service'][tenant]:.0f}",
-                f"{_fmt(summary['ttft_s'][tenant]['p50'])}/{_fmt(summary['ttft_s'][tenant]['p99'])}",
-                f"{_fmt(summary['tpot_s'][tenant]['p50'], 1000)}/{_fmt(summary['tpot_s'][tenant]['p99'], 1000)}",
-                f"{summary['engine_time_max_min']:.2f}" if k == 0 and summary["engine_time_max_min"] is not None else "",
-                f"{summary['jain']:.3f}" if k == 0 and summary["jain"] is not None else "",
-                f"{summary['output_tokens_per_s']:.1f}" if k == 0 else "",
-            )
-    console.print(table)
-    console.print(result["goals"])

@@ -8,6 +8,20 @@ from pathlib import Path
 import numpy as np
 
 from llmvisor.core.attribution import RULES, aggregate, attribute
+from llmvisor.core.trace import StepTrace, read_trace, read_traces
+from llmvisor.evaluation.heldout import evaluate, to_json_ready
+from llmvisor.report.html import (
+    boundary_search_plot,
+    coverage_plots,
+    error_cdfs,
+    json_links,
+    metrics_table,
+    model_coefficients_table,
+    predicted_vs_measured,
+    step_counts_note,
+    tenant_bars,
+    write_report,
+)
 from llmvisor.shipped import (
     FAIRNESS_RESULT,
     HELD_OUT_TRACES,
@@ -17,11 +31,7 @@ from llmvisor.shipped import (
     result_path,
     trace_path,
 )
-from llmvisor.evaluation.heldout import evaluate, to_json_ready
-from llmvisor.report.html import error_cdfs, metrics_table, predicted_vs_measured, tenant_bars, write_report
-from llmvisor.core.trace import StepTrace, read_trace, read_traces
 from llmvisor.validation.report import report_sections as validation_sections
-
 
 
 def token_service(trace: StepTrace) -> dict[str, float]:
@@ -70,12 +80,22 @@ def run_demo(output_dir: Path, *, n_bootstrap: int = 1000, progress=None) -> dic
 
     step("writing the report")
     coverage = train.metadata.get("coverage")
+    model_dict = model.to_dict()
+    files = {
+        "model.json": ("the fitted latency model (load it with StepLatencyModel.from_json)", None),
+        "summary.json": ("evaluation, attribution and validation figures of this report", None),
+        "coverage.json": ("the sweep's coverage of the engine envelope (quantiles, step kinds, reach)", coverage),
+        "boundary_search.json": ("cross-validated error of every candidate segment boundary", model.fit_info_.get("boundary_search")),
+    }
+    extra_files = {name: content for name, (_, content) in files.items() if content is not None}
+    links = {name: what for name, (what, content) in files.items() if content is not None or name in ("model.json", "summary.json")}
     sections = [
         (
             "What this is",
             "<p>llmvisor fitted on the shipped sweep trace (recorded from the vLLM CPU build) and judged on held-out "
             f"workload runs it never saw: {', '.join(result['test_runs'])}. Errors are |predicted − measured| / measured per "
-            "step; intervals are bootstrap 95%. Warm-up steps are excluded from judging and counted.</p>",
+            "step; intervals are bootstrap 95%. Warm-up steps are excluded from judging and counted.</p>"
+            + step_counts_note(train, model.fit_info_, coverage),
         ),
         ("Held-out step-latency error", metrics_table(result) + _improvement_html(result) + _noise_html(result)),
         ("Predicted vs measured", predicted_vs_measured(result, test)),
@@ -87,18 +107,23 @@ def run_demo(output_dir: Path, *, n_bootstrap: int = 1000, progress=None) -> dic
             "measured time; proportional: intercept follows own terms; paper: own terms only (intercept and residual "
             "unattributed); token share: the measured time split by VTC's token counts.</p>",
         ),
-        ("Model", f"<pre>{json.dumps(model.to_dict(), indent=1)[:6000]}</pre>"),
+        ("Latency model: coefficients", model_coefficients_table(model_dict)),
+        ("Latency model: segment boundary search", boundary_search_plot(model.fit_info_)),
     ]
     if coverage:
-        sections.insert(2, ("Sweep coverage of the engine envelope", f"<pre>{json.dumps(coverage, indent=1)}</pre>"))
+        sections.insert(2, ("Sweep coverage of the engine envelope", coverage_plots(train, train.metadata.get("engine"))))
     if validation is not None:
         sections.extend(validation_sections(validation))
     fairness_path = result_path(FAIRNESS_RESULT)
     if fairness_path.is_file():
         from llmvisor.fairness.experiment import report_sections as fairness_sections
 
-        sections.extend(fairness_sections(json.loads(fairness_path.read_text())))
-    report = write_report(output_dir, sections, title="llmvisor demo on shipped vLLM traces", data=summary)
+        fairness = json.loads(fairness_path.read_text())
+        sections.extend(fairness_sections(fairness))
+        extra_files["fairness.json"] = fairness
+        links["fairness.json"] = "the fairness experiment's result (per policy, per tenant, per window)"
+    sections.append(("Raw data (JSON, next to this page)", json_links(links)))
+    report = write_report(output_dir, sections, title="llmvisor demo on shipped vLLM traces", data=summary, files=extra_files)
     return {"result": result, "summary": summary, "report": report, "model": model, "by_rule": by_rule_plus_tokens}
 
 

@@ -15,47 +15,14 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from llmvisor.engines.settings import EngineSettings
 from llmvisor.errors import LlmvisorError
 from llmvisor.profile.plans import Envelope, Episode, WorkloadPlan
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
-
-
-@dataclass
-class EngineSettings:
-    model: str
-    max_model_len: int = 4096
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 32
-    kv_cache_space_gib: int = 4
-    enforce_eager: bool = False
-    seed: int = 0
-    threads: int | None = None
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    def llm_kwargs(self, *, has_weights: bool, enable_prefix_caching: bool, scheduler_cls: type) -> dict:
-        """Arguments of `vllm.LLM` for an in-process, synchronous engine (the scheduler and the recorder
-        must run in this process, between steps) with these settings."""
-        return dict(
-            model=self.model,
-            load_format="auto" if has_weights else "dummy",
-            skip_tokenizer_init=True,
-            max_model_len=self.max_model_len,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            distributed_executor_backend="uni",
-            async_scheduling=False,
-            enable_prefix_caching=enable_prefix_caching,
-            enforce_eager=self.enforce_eager,
-            seed=self.seed,
-            scheduler_cls=scheduler_cls,
-        )
 
 
 def check_model_dir(model: str) -> bool:

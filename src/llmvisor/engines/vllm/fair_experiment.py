@@ -7,7 +7,7 @@ and ``attributed`` are `FairScheduler` with that cost. Arrivals follow a schedul
 for every policy; each step's new output tokens are logged with the time the step returned.
 
 The spec (JSON) holds ``policy``, ``out_dir``, ``model_dir`` (engine config folder), ``model_path`` (llmvisor
-model), ``engine`` (EngineSettings fields) and ``workload`` (see `llmvisor.fairness.experiment.fairness`).
+model), ``engine`` (EngineSettings fields) and ``workload`` (see `llmvisor.fairness.experiment.run_experiment`).
 """
 
 from __future__ import annotations

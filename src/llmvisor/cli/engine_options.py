@@ -1,0 +1,76 @@
+"""Typer options of the engine settings, built from their one definition (`llmvisor.engines.settings`).
+
+Every command that starts an engine declares its engine options with these types and defaults, and turns
+them into `EngineSettings` with `engine_settings`. Importing this module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from llmvisor import shipped
+from llmvisor.engines.settings import EngineSettings, default, setting_field
+
+ENGINE_PANEL = "Engine settings"
+
+
+def engine_option(name: str, *aliases: str, help_suffix: str = "") -> typer.models.OptionInfo:
+    """The typer option of one `EngineSettings` field: its option name (plus ``aliases``) and help text."""
+    metadata = setting_field(name).metadata
+    return typer.Option(metadata["option"], *aliases, help=metadata["help"] + help_suffix, rich_help_panel=ENGINE_PANEL)
+
+
+EngineModel = Annotated[Path | None, engine_option("model")]
+EngineModelOrOldModel = Annotated[Path | None, engine_option("model", "--model", help_suffix=" (--model: its older name.)")]
+MaxModelLen = Annotated[int, engine_option("max_model_len")]
+MaxNumBatchedTokens = Annotated[int, engine_option("max_num_batched_tokens")]
+MaxNumSeqs = Annotated[int, engine_option("max_num_seqs")]
+KvCacheGib = Annotated[int, engine_option("kv_cache_space_gib")]
+EnforceEager = Annotated[bool, engine_option("enforce_eager")]
+Threads = Annotated[int | None, engine_option("threads")]
+
+MAX_MODEL_LEN = default("max_model_len")
+MAX_NUM_BATCHED_TOKENS = default("max_num_batched_tokens")
+MAX_NUM_SEQS = default("max_num_seqs")
+KV_CACHE_GIB = default("kv_cache_space_gib")
+ENFORCE_EAGER = default("enforce_eager")
+THREADS = default("threads")
+
+LatencyModel = Annotated[
+    Path | None,
+    typer.Option(
+        "--latency-model",
+        "--model",
+        "-m",
+        help="Latency model: the fitted step-latency model file (JSON from `llmvisor fit`). Default: the shipped "
+        "latency model. (--model is its older name.)",
+        dir_okay=False,
+    ),
+]
+
+
+def engine_settings(
+    engine_model: Path | None,
+    *,
+    max_model_len: int = MAX_MODEL_LEN,
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+    max_num_seqs: int = MAX_NUM_SEQS,
+    kv_cache_gib: int = KV_CACHE_GIB,
+    enforce_eager: bool = ENFORCE_EAGER,
+    threads: int | None = THREADS,
+    seed: int = 0,
+) -> EngineSettings:
+    """The command's engine options as `EngineSettings`; no engine model means the shipped one."""
+    return EngineSettings(
+        model=str(engine_model if engine_model is not None else shipped.engine_model_dir()),
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        kv_cache_space_gib=kv_cache_gib,
+        enforce_eager=enforce_eager,
+        seed=seed,
+        threads=threads,
+    )

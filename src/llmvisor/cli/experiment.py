@@ -1,0 +1,106 @@
+"""`llmvisor experiment fairness`: FCFS vs token VTC vs attributed VTC on the real engine, per tenant over time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from llmvisor.cli import engine_options as eo
+from llmvisor.cli.console import print_table
+from llmvisor.fairness.experiment import POLICIES, POLICY_LABELS, format_seconds, run_experiment, workload_tenants
+
+
+def fairness(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for traces, logs, fairness.json and fairness.png.")] = Path("fairness-experiment"),
+    model: eo.LatencyModel = None,
+    engine_model: eo.EngineModel = None,
+    policy: Annotated[list[str] | None, typer.Option(help="Policies to run: fcfs, tokens, attributed (repeat). Default: all three.")] = None,
+    tenants: Annotated[int, typer.Option(help="Tenants, 2 to 4: long-context and short-context alternately.")] = 2,
+    rate_rps: Annotated[float, typer.Option(help="Requests per second from each tenant (Poisson); high enough that all stay backlogged.")] = 16.0,
+    history_tokens: Annotated[int, typer.Option(help="Long-context tenants: tokens of conversation history (prefix-cached) in front of each prompt.")] = 1536,
+    conversations: Annotated[int, typer.Option(help="Long-context tenants: conversations, continued in turn; more than run at once, so running requests do not share a history.")] = 40,
+    prompt_tokens: Annotated[int, typer.Option(help="New prompt tokens per request (every tenant).")] = 64,
+    output_tokens: Annotated[int, typer.Option(help="Output tokens per request (every tenant).")] = 64,
+    duration_s: Annotated[float, typer.Option(help="Seconds of arrivals and measurement per policy.")] = 90.0,
+    warmup_s: Annotated[float, typer.Option(help="Seconds at the start left out of the figures (queues build up).")] = 10.0,
+    window_s: Annotated[float, typer.Option(help="Window of the per-tenant time series, in seconds.")] = 10.0,
+    max_model_len: eo.MaxModelLen = eo.MAX_MODEL_LEN,
+    max_num_seqs: eo.MaxNumSeqs = eo.MAX_NUM_SEQS,
+    max_num_batched_tokens: eo.MaxNumBatchedTokens = eo.MAX_NUM_BATCHED_TOKENS,
+    kv_cache_gib: eo.KvCacheGib = eo.KV_CACHE_GIB,
+    threads: eo.Threads = eo.THREADS,
+    enforce_eager: eo.EnforceEager = eo.ENFORCE_EAGER,
+    seed: Annotated[int, typer.Option(help="Seed of arrivals, prompts and the engine's sampling (the same for every policy).")] = 0,
+    analyse_only: Annotated[bool, typer.Option(help="Re-analyse the runs already in --output instead of running the engine.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print only the result JSON to stdout.")] = False,
+) -> None:
+    """Fair sharing on the real vLLM engine: FCFS vs token VTC vs attributed VTC, per tenant over time."""
+    console = Console(stderr=True)
+    settings = eo.engine_settings(
+        engine_model,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        kv_cache_gib=kv_cache_gib,
+        enforce_eager=enforce_eager,
+        threads=threads,
+        seed=seed,
+    )
+    engine = {key: value for key, value in settings.as_dict().items() if key != "model"}
+    workload = {
+        "tenants": workload_tenants(
+            tenants,
+            rate_rps=rate_rps,
+            history_tokens=history_tokens,
+            n_conversations=conversations,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+        ),
+        "duration_s": duration_s,
+        "seed": seed,
+    }
+    result = run_experiment(
+        output,
+        latency_model_path=model,
+        engine_dir=Path(settings.model),
+        engine=engine,
+        policies=list(policy or POLICIES),
+        workload=workload,
+        window_s=window_s,
+        warmup_s=warmup_s,
+        analyse_only=analyse_only,
+        progress=lambda message: console.print(f"[bold]fairness[/]: {message}", highlight=False),
+    )
+    if json_output:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    print_summary(console, result)
+    console.print(f"wrote {output / 'fairness.json'} and {output / 'fairness.png'}", highlight=False)
+
+
+def print_summary(console: Console, result: dict) -> None:
+    table = Table(title="fairness: attributed engine time per tenant (backlogged throughout)")
+    for column in ("policy", "tenant", "engine s", "share", "token service", "TTFT p50/p99 s", "TPOT p50/p99 ms", "max/min", "Jain", "out tok/s"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for policy, data in result["policies"].items():
+        summary = data["summary"]
+        for k, tenant in enumerate(summary["attributed_s"]):
+            table.add_row(
+                POLICY_LABELS[policy] if k == 0 else "",
+                tenant,
+                f"{summary['attributed_s'][tenant]:.1f}",
+                f"{summary['attributed_fraction'][tenant]:.1%}",
+                f"{summary['token_service'][tenant]:.0f}",
+                f"{format_seconds(summary['ttft_s'][tenant]['p50'])}/{format_seconds(summary['ttft_s'][tenant]['p99'])}",
+                f"{format_seconds(summary['tpot_s'][tenant]['p50'], 1000)}/{format_seconds(summary['tpot_s'][tenant]['p99'], 1000)}",
+                f"{summary['engine_time_max_min']:.2f}" if k == 0 and summary["engine_time_max_min"] is not None else "",
+                f"{summary['jain']:.3f}" if k == 0 and summary["jain"] is not None else "",
+                f"{summary['output_tokens_per_s']:.1f}" if k == 0 else "",
+            )
+    print_table(table, console)
+    console.print(result["goals"])

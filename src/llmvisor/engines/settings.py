@@ -1,0 +1,80 @@
+"""Engine settings, each defined once with its command-line option and help text; imports no engine.
+
+The commands that start an engine (`llmvisor profile`, `validate`, `experiment fairness`) build their options
+from these fields (``llmvisor.cli.engine_options``), so a setting has one name, one default and one meaning.
+Words: the *engine model* is the Hugging Face weights folder the engine runs; the *latency model* is the fitted
+`StepLatencyModel` file that predicts and attributes step time. Fields marked ``cpu_only`` are settings of
+vLLM's CPU build and do nothing on other builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+
+
+def setting(default, *, option: str, help: str, cpu_only: bool = False):
+    """A field of `EngineSettings` with the option name and help text the commands show."""
+    if cpu_only:
+        help = f"vLLM CPU build only: {help}"
+    return field(default=default, metadata={"option": option, "help": help, "cpu_only": cpu_only})
+
+
+@dataclass
+class EngineSettings:
+    model: str = setting(
+        "",
+        option="--engine-model",
+        help="Engine model: the Hugging Face model folder vLLM runs (a folder with only config.json runs with dummy "
+        "weights). Default: the shipped engine model.",
+    )
+    max_model_len: int = setting(4096, option="--max-model-len", help="Longest prompt + output, in tokens.")
+    max_num_batched_tokens: int = setting(2048, option="--max-num-batched-tokens", help="Most tokens in one engine step.")
+    max_num_seqs: int = setting(32, option="--max-num-seqs", help="Most requests in one engine step.")
+    kv_cache_space_gib: int = setting(
+        4, option="--kv-cache-gib", help="KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE).", cpu_only=True
+    )
+    enforce_eager: bool = setting(
+        False, option="--enforce-eager/--no-enforce-eager", help="Skip torch.compile: faster start, slower steps."
+    )
+    seed: int = setting(0, option="--seed", help="Seed of the engine's sampling.")
+    threads: int | None = setting(
+        None,
+        option="--threads",
+        help="OpenMP/torch threads of the engine (sets OMP_NUM_THREADS and torch.set_num_threads before vLLM "
+        "starts); runs that are compared should use the same count. Default: as the environment says.",
+        cpu_only=True,
+    )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def llm_kwargs(self, *, has_weights: bool, enable_prefix_caching: bool, scheduler_cls: type) -> dict:
+        """Arguments of `vllm.LLM` for an in-process, synchronous engine (the scheduler and the recorder
+        must run in this process, between steps) with these settings."""
+        return {
+            "model": self.model,
+            "load_format": "auto" if has_weights else "dummy",
+            "skip_tokenizer_init": True,
+            "max_model_len": self.max_model_len,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs,
+            "distributed_executor_backend": "uni",
+            "async_scheduling": False,
+            "enable_prefix_caching": enable_prefix_caching,
+            "enforce_eager": self.enforce_eager,
+            "seed": self.seed,
+            "scheduler_cls": scheduler_cls,
+        }
+
+
+def setting_field(name: str) -> Field:
+    """The dataclass field of one engine setting (its default and its ``option``/``help`` metadata)."""
+    for item in fields(EngineSettings):
+        if item.name == name:
+            return item
+    raise KeyError(name)
+
+
+def default(name: str):
+    value = setting_field(name).default
+    return None if value is MISSING else value

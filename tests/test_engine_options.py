@@ -1,0 +1,48 @@
+"""Engine options are defined once (EngineSettings) and every command that starts an engine shows that definition."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import fields
+
+import typer
+
+from llmvisor.cli.main import app
+from llmvisor.engines.settings import EngineSettings
+
+ENGINE_COMMANDS = (("profile",), ("validate",), ("experiment", "fairness"))
+
+
+def command(path: tuple[str, ...]):
+    node = typer.main.get_command(app)
+    for name in path:
+        node = node.commands[name]
+    return node
+
+
+def test_every_engine_command_takes_the_settings_options_with_their_one_help_and_default():
+    definitions = {f.metadata["option"].split("/")[0]: f for f in fields(EngineSettings)}
+    for path in ENGINE_COMMANDS:
+        options = {opt: param for param in command(path).params for opt in param.opts}
+        for name in ("--engine-model", "--max-model-len", "--max-num-batched-tokens", "--max-num-seqs", "--kv-cache-gib", "--threads"):
+            param, definition = options[name], definitions[name]
+            assert param.help.startswith(definition.metadata["help"]), (path, name)
+            if name != "--engine-model":
+                assert param.default == definition.default, (path, name)
+        for name in ("--kv-cache-gib", "--threads"):
+            assert options[name].help.startswith("vLLM CPU build only:"), (path, name)
+
+
+def test_engine_model_and_latency_model_are_named_apart_and_old_names_still_work():
+    profile = {opt: param.name for param in command(("profile",)).params for opt in param.opts}
+    assert profile["--engine-model"] == profile["--model"] == "engine_model"
+    for path in (("validate",), ("experiment", "fairness")):
+        options = {opt: param.name for param in command(path).params for opt in param.opts}
+        assert options["--latency-model"] == options["--model"] == "model"
+        assert options["--engine-model"] == "engine_model"
+
+
+def test_the_engine_options_import_no_engine():
+    code = "import sys, llmvisor.cli.engine_options, llmvisor.cli.main; print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
