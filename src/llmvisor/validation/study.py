@@ -634,16 +634,11 @@ def _model_shares(model, new: np.ndarray, context: np.ndarray, is_prefill: np.nd
 
 
 def model_subset_costs(model, new: np.ndarray, context: np.ndarray, is_prefill: np.ndarray) -> np.ndarray:
-    """The model's predicted time of every subset of a batch (index = bit mask; 0 for the empty set)."""
-    from llmvisor.core.attribution import attribute_arrays
+    """The model's predicted time of every subset of a batch (index = bit mask; 0 for the empty set): the
+    cost game whose Shapley value the attribution rule is (``llmvisor.core.attribution.subset_costs_s``)."""
+    from llmvisor.core.attribution import subset_costs_s
 
-    n = new.size
-    masks = subset_masks(n)[1:]
-    members = [_members(int(m), n) for m in masks]
-    flat = np.concatenate(members)
-    offsets = np.concatenate([[0], np.cumsum([len(m) for m in members])])
-    predicted = attribute_arrays(model, new[flat], context[flat], is_prefill[flat], offsets, None, "paper").predicted_step_s
-    return np.concatenate([[0.0], predicted])
+    return subset_costs_s(model, new, context, is_prefill)
 
 
 def analyse_batch(batch: BatchSpec, journal: Journal, model, repeat: int) -> dict | None:
