@@ -216,3 +216,38 @@ def test_aggregate_by_tenant_and_request_conserves_the_total():
         aggregate(trace, result, "model")
     with pytest.raises(LlmvisorError, match="unknown attribution rule"):
         attribute(model, trace, "fair")
+
+
+def test_own_terms_are_the_slice_features_times_the_named_coefficients():
+    from llmvisor.core.features import COEF_FEATURE, Coef, own_terms_s
+
+    rng = np.random.default_rng(0)
+    new, context = rng.integers(1, 500, 50), rng.integers(0, 4000, 50)
+    prefill = rng.random(50) < 0.5
+    new[~prefill] = 1
+    coef = rng.random(len(FEATURE_NAMES))
+    np.testing.assert_allclose(own_terms_s(coef, new, context, prefill), slice_feature_matrix(new, context, prefill) @ coef)
+    assert COEF_FEATURE[Coef.A4] == "prefill_requests" and COEF_FEATURE[Coef.D2] == "decode_context_tokens"
+
+
+def test_rules_parse_from_their_names_and_unknown_names_are_one_line_errors():
+    assert [parse_rule(name) for name in RULES] == list(AttributionRule)
+    assert parse_rule("shapley") is AttributionRule.SHAPLEY == "shapley"
+    with pytest.raises(LlmvisorError, match="unknown attribution rule 'fair'"):
+        parse_rule("fair")
+
+
+def test_equal_splits_are_counted_offline_and_online():
+    """An OLS model can predict ≤ 0 for every request of a step; the step is then split equally, and counted."""
+    negative = [-1e-3] + [0.0] * (len(FEATURE_NAMES) - 1)
+    model = fixed_model([negative])
+    trace = synthetic_trace(20, seed=1)
+    result = attribute(model, trace, "shapley")
+    assert result.n_equal_split == trace.n_steps
+    np.testing.assert_allclose(result.share_s, np.repeat(trace.step_latency_s_per_step / trace.batch_size_per_step, trace.batch_size_per_step))
+    assert attribute(fixed_model([BASE]), trace).n_equal_split == 0
+    online = StepAttributor(model)
+    for k in range(3):
+        s = slice(trace.step_offsets[k], trace.step_offsets[k + 1])
+        online.attribute(trace.num_new_tokens[s].astype(float), trace.num_context_tokens[s].astype(float), trace.is_prefill[s], 0.1)
+    assert online.n_equal_split == 3

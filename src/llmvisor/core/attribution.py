@@ -329,6 +329,7 @@ class StepAttributor:
         self.boundary = model.boundary_
         self._coef_array = np.array(model.coef_, dtype=np.float64)
         self._coef = [tuple(float(v) for v in row) for row in model.coef_]
+        self._decode = [(row[Coef.B], row[Coef.D2], row[Coef.D4]) for row in self._coef]
         self._nonnegative = bool(np.all(model.coef_ >= 0))
         self._ones = np.ones(max_batch_size)
         self._out = np.empty(max_batch_size)
@@ -348,9 +349,11 @@ class StepAttributor:
         """Predicted step time of a batch, for admission decisions."""
         n = num_new_tokens.shape[0]
         ones = self._ones[:n]
-        coef = self._coef[self._segment(num_new_tokens, ones)]
+        segment = self._segment(num_new_tokens, ones)
+        coef = self._coef[segment]
         if np.count_nonzero(is_prefill) == 0:
-            return coef[Coef.B] + coef[Coef.D2] * num_context_tokens.dot(ones) + coef[Coef.D4] * n
+            b, d2, d4 = self._decode[segment]
+            return b + d2 * num_context_tokens.dot(ones) + d4 * n
         return coef[Coef.B] + float(self._own_terms(coef, num_new_tokens, num_context_tokens, is_prefill, n).dot(ones))
 
     def attribute(
@@ -363,9 +366,8 @@ class StepAttributor:
         """Each request's share of the step in seconds (summing to ``measured_s`` when given)."""
         n = num_new_tokens.shape[0]
         ones = self._ones[:n]
-        segment = self._segment(num_new_tokens, ones)
-        coef = self._coef[segment]
-        b, d2, d4 = coef[Coef.B], coef[Coef.D2], coef[Coef.D4]
+        segment = 0 if self.boundary is None or num_new_tokens.dot(ones) < self.boundary else 1
+        b, d2, d4 = self._decode[segment]
         shapley = self.rule is AttributionRule.SHAPLEY
         if shapley and segment == 1 and num_new_tokens.min() < self.boundary:
             phi = self._straddling_shapley(num_new_tokens, num_context_tokens, is_prefill)
@@ -383,7 +385,7 @@ class StepAttributor:
             np.multiply(num_context_tokens, d2 * scale, out=out)
             out += ((d4 + b / n) if shapley else d4) * scale
             return out
-        own = self._own_terms(coef, num_new_tokens, num_context_tokens, is_prefill, n)
+        own = self._own_terms(self._coef[segment], num_new_tokens, num_context_tokens, is_prefill, n)
         if self.rule is AttributionRule.PAPER:
             return own
         target = own.dot(ones) + b if measured_s is None else measured_s

@@ -46,18 +46,15 @@ PARAMETER_CONSTRAINTS: dict[str, tuple] = {
 
 def composition_groups(trace: StepTrace) -> np.ndarray:
     """Per step, an integer id shared by exactly the steps of identical composition: the same multiset of
-    (num_new_tokens, num_context_tokens, phase) slices. A 64-bit hash of the sorted slices, so two
-    different compositions share an id with probability ~2⁻⁶⁴ per pair."""
+    (num_new_tokens, num_context_tokens, phase) slices. A 64-bit multiset hash (the wrapping sum of each
+    slice's mixed hash, so slice order does not matter and nothing is sorted): two different compositions
+    share an id with probability ~2⁻⁶⁴ per pair."""
     if trace.n_steps == 0:
         return np.zeros(0, dtype=np.intp)
-    step = trace.slice_step_index
-    order = np.lexsort((trace.num_context_tokens, trace.num_new_tokens, trace.is_prefill, step))
-    rank = (np.arange(trace.n_slices) - np.repeat(trace.step_starts, trace.batch_size_per_step)).astype(np.uint64)
     with np.errstate(over="ignore"):
-        key = _mix64(trace.num_new_tokens[order].astype(np.uint64))
-        key = _mix64(key ^ trace.num_context_tokens[order].astype(np.uint64))
-        key = _mix64(key ^ trace.is_prefill[order].astype(np.uint64))
-        key = _mix64(key ^ rank)
+        key = _mix64(trace.num_new_tokens.astype(np.uint64))
+        key = _mix64(key ^ trace.num_context_tokens.astype(np.uint64))
+        key = _mix64(key ^ trace.is_prefill.astype(np.uint64))
         step_hash = np.add.reduceat(key, trace.step_starts) ^ _mix64(trace.batch_size_per_step.astype(np.uint64))
     return np.unique(step_hash, return_inverse=True)[1].astype(np.intp)
 
