@@ -339,7 +339,7 @@ def test_an_unreadable_is_warmup_value_is_a_one_line_error():
     trace = trace_from_rows([row(0, "a"), row(1, "a")])
     trace.extra["is_warmup"] = np.array(["no", "maybe"], dtype=object)
     with pytest.raises(TraceError, match="slice 2: is_warmup: .*'maybe'"):
-        trace.is_warmup_per_step
+        _ = trace.is_warmup_per_step
 
 
 def test_a_trace_indexes_by_steps_as_scikit_learn_does():

@@ -34,10 +34,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from scipy.special import gammaln
 
-from llmvisor.errors import LlmvisorError
 from llmvisor.core.features import Coef, decode_own_s, own_terms_s, prefill_own_s
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import StepTrace
+from llmvisor.errors import LlmvisorError
 
 __all__ = [
     "RULES",
@@ -104,47 +104,46 @@ def _log_binomial(n, k):
     return gammaln(np.asarray(n) + 1.0) - gammaln(np.asarray(k) + 1.0) - gammaln(np.asarray(n) - np.asarray(k) + 1.0)
 
 
-def _add_shifted(target: np.ndarray, source: np.ndarray, shift: int, cap: int) -> None:
-    """target[:, min(l + shift, cap)] += source[:, l] for every load l ≤ cap (the last column is "≥ cap")."""
-    if shift >= cap:
-        target[:, cap] += source.sum(axis=1)
-        return
-    target[:, shift:cap] += source[:, : cap - shift]
-    target[:, cap] += source[:, cap - shift :].sum(axis=1)
+def _pivot_sums(sizes, loads, means, own: int, cap: int, pivotal_from: int) -> tuple[float, float, float, float]:
+    """Sums over k of four expectations for a uniformly drawn k-subset S of the other players, who come in
+    groups (``sizes[g]`` players of load ``loads[g]`` each; ``means[g]`` the mean of Δf over the group):
+    Pr(L ≥ pivotal_from), Pr(pivotal_from ≤ L < cap), E[Σ Δf over members outside group ``own``; same window]
+    and E[members of group ``own``; same window], L = S's load capped at ``cap``.
 
-
-def _subset_load_tables(sizes, loads, means, own: int, cap: int):
-    """For a uniformly drawn k-subset of players in groups (``sizes[g]`` players of load ``loads[g]`` each;
-    ``means[g]`` the mean of a per-player value over the group), three tables over (k, capped load l):
-    Pr(L = l | k), E[Σ of the value over members not in group ``own``; L = l | k] and
-    E[members of group ``own``; L = l | k]. Groups are merged one at a time through the hypergeometric
-    law of how a k-subset splits between the players merged so far and the next group."""
-    prob = np.zeros((1, cap + 1))
-    prob[0, 0] = 1.0
-    other = np.zeros_like(prob)
-    own_count = np.zeros_like(prob)
+    Groups are merged smallest first through the hypergeometric law of how a k-subset splits between the
+    players merged so far and the next group; the state is the sparse set of reachable (k, L), small when the
+    prefills are few, and the largest group (typically the decodes) is summed over without being stored.
+    """
+    groups = [g for g in np.argsort(np.asarray(sizes), kind="stable") if sizes[g] > 0]
+    k = np.zeros(1, dtype=np.int64)
+    load = np.zeros(1, dtype=np.int64)
+    prob, other, own_count = np.ones(1), np.zeros(1), np.zeros(1)
     merged = 0
-    for g in np.argsort(-np.asarray(sizes), kind="stable"):
+    for index, g in enumerate(groups):
         m = int(sizes[g])
-        if m == 0:
-            continue
-        k = np.arange(merged + 1)
-        new_prob = np.zeros((merged + m + 1, cap + 1))
-        new_other = np.zeros_like(new_prob)
-        new_own = np.zeros_like(new_prob)
-        for c in range(m + 1):
-            weight = np.exp(_log_binomial(merged, k) + _log_binomial(m, c) - _log_binomial(merged + m, k + c))[:, None]
-            shift = min(int(c * loads[g]), cap)
-            rows = slice(c, c + merged + 1)
-            _add_shifted(new_prob[rows], prob * weight, shift, cap)
-            if g == own:
-                _add_shifted(new_other[rows], other * weight, shift, cap)
-                _add_shifted(new_own[rows], (own_count + c * prob) * weight, shift, cap)
-            else:
-                _add_shifted(new_other[rows], (other + c * means[g] * prob) * weight, shift, cap)
-                _add_shifted(new_own[rows], own_count * weight, shift, cap)
-        prob, other, own_count, merged = new_prob, new_other, new_own, merged + m
-    return prob, other, own_count
+        c = np.arange(m + 1)[None, :]
+        weight = np.exp(_log_binomial(merged, k[:, None]) + _log_binomial(m, c) - _log_binomial(merged + m, k[:, None] + c))
+        new_load = np.minimum(load[:, None] + c * int(loads[g]), cap)
+        new_prob = prob[:, None] * weight
+        if g == own:
+            new_other = other[:, None] * weight
+            new_own = (own_count[:, None] + c * prob[:, None]) * weight
+        else:
+            new_other = (other[:, None] + c * means[g] * prob[:, None]) * weight
+            new_own = own_count[:, None] * weight
+        if index == len(groups) - 1:
+            prob, other, own_count, load = new_prob.ravel(), new_other.ravel(), new_own.ravel(), new_load.ravel()
+            break
+        key = ((k[:, None] + c) * (cap + 1) + new_load).ravel()
+        unique_key, inverse = np.unique(key, return_inverse=True)
+        k, load = unique_key // (cap + 1), unique_key % (cap + 1)
+        prob = np.bincount(inverse, new_prob.ravel())
+        other = np.bincount(inverse, new_other.ravel())
+        own_count = np.bincount(inverse, new_own.ravel())
+        merged += m
+    crossing = load >= pivotal_from
+    window = crossing & (load < cap)
+    return float(prob[crossing].sum()), float(prob[window].sum()), float(other[window].sum()), float(own_count[window].sum())
 
 
 def step_shapley_s(coef: np.ndarray, boundary: float | None, num_new_tokens, num_context_tokens, is_prefill) -> np.ndarray:
@@ -153,7 +152,7 @@ def step_shapley_s(coef: np.ndarray, boundary: float | None, num_new_tokens, num
     ``coef`` is the model's (n_segments, N_FEATURES) array. Closed form unless the step straddles the
     boundary; then v = g₀ + h with g₀ the memory-bound game (closed form) and h(S) = [L(S) ≥ B]·(Δb + ΣΔf),
     whose value is exact from the distribution of a random coalition's size and load: slices are grouped
-    by load (all decodes share load 1), so the cost is a few array passes per distinct load, not 2^n.
+    by load (all decodes share load 1), so the cost grows with the distinct loads' subsets, not with 2^n.
     """
     p = np.asarray(num_new_tokens, dtype=np.float64)
     n = p.size
@@ -173,13 +172,9 @@ def step_shapley_s(coef: np.ndarray, boundary: float | None, num_new_tokens, num
     for g in range(loads.size):
         available = sizes.copy()
         available[g] -= 1
-        prob, other, own_count = _subset_load_tables(available, loads, means, g, cap)
         pivotal_from = max(cap - int(loads[g]), 0)
-        crosses = prob[:, pivotal_from:].sum() / n
-        window = slice(pivotal_from, cap)
-        pivotal = prob[:, window].sum() / n
-        pivotal_other = other[:, window].sum() / n
-        pivotal_own = own_count[:, window].sum() / n
+        sums = _pivot_sums(available, loads, means, g, cap, pivotal_from)
+        crosses, pivotal, pivotal_other, pivotal_own = (value / n for value in sums)
         members = np.flatnonzero(group == g)
         own_mean = (totals[g] - delta_f[members]) / max(available[g], 1)
         phi[members] += delta_f[members] * crosses + delta_b * pivotal + pivotal_other + own_mean * pivotal_own

@@ -15,8 +15,8 @@ from enum import IntEnum
 
 import numpy as np
 
-from llmvisor.errors import LlmvisorError
 from llmvisor.core.trace import StepTrace
+from llmvisor.errors import LlmvisorError
 
 FEATURE_NAMES = (
     "intercept",

@@ -12,9 +12,14 @@ import numpy as np
 import scipy.linalg
 import scipy.optimize
 
-from llmvisor.errors import LlmvisorError, ModelError, NotFittedError
-from llmvisor.core.features import FEATURE_NAMES, N_FEATURES, Coef, step_feature_matrix, step_new_tokens
+from llmvisor.core.features import (
+    FEATURE_NAMES,
+    N_FEATURES,
+    step_feature_matrix,
+    step_new_tokens,
+)
 from llmvisor.core.trace import StepTrace
+from llmvisor.errors import LlmvisorError, ModelError, NotFittedError
 
 MODEL_FORMAT = "llmvisor.step_latency_model"
 MODEL_FORMAT_VERSION = 1
@@ -180,8 +185,8 @@ class StepLatencyModel:
     and ``score`` is minus the median absolute relative error of the step predictions.
 
     This is NNLS (or OLS) on per-step sums of per-slice features, wrapped as a predictor. The segment of a step
-    is chosen by its own load, and the same coefficients price every slice of that step, which is what makes
-    each slice's term an additive share of the step (see ``llmvisor.core.attribution``).
+    is chosen by its own load and the same coefficients price every slice of that step; attribution prices
+    each subset of a step in the subset's own segment (see ``llmvisor.core.attribution``).
     """
 
     def __init__(
