@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from sqlalchemy.engine import make_url
 
-from llmvisor.ledger import Ledger
-from llmvisor.ledger.schema import metadata
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import synthetic_trace
+from llmvisor.ledger import Ledger
+from llmvisor.ledger.schema import metadata
 
 POSTGRES_URL = os.environ.get("LLMVISOR_TEST_POSTGRES_URL")
 BACKENDS = [

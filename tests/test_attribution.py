@@ -10,11 +10,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmvisor.core.attribution import RULES, StepAttributor, aggregate, attribute, attribute_arrays
-from llmvisor.errors import LlmvisorError
+from llmvisor.core.attribution import (
+    RULES,
+    AttributionRule,
+    StepAttributor,
+    aggregate,
+    attribute,
+    attribute_arrays,
+    parse_rule,
+    step_shapley_s,
+    subset_costs_s,
+)
 from llmvisor.core.features import FEATURE_NAMES, slice_feature_matrix
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import DEFAULT_COEF_S, synthetic_trace
+from llmvisor.core.trace import StepTrace
+from llmvisor.errors import LlmvisorError
 
 
 def fixed_model(coef_sets, boundary=None) -> StepLatencyModel:
@@ -63,21 +74,83 @@ def exact_shapley(values_of_subsets, n):
 
 
 @settings(max_examples=60, deadline=None)
-@given(step=steps(max_batch=6))
-def test_shapley_rule_is_the_exact_shapley_value_of_the_models_cost_game(step):
+@given(step=steps(max_batch=6), boundary=st.floats(2.0, 2500.0))
+def test_shapley_rule_is_the_exact_shapley_value_of_the_models_cost_game(step, boundary):
+    """The game: v(S) = the model's time of a step running S alone, priced in S's own segment."""
     new, context, is_prefill, _ = step
-    model = fixed_model([BASE, HEAVY], boundary=300.0)
-    load = new.sum()
-    coef = np.array(HEAVY if load >= 300 else BASE)
-    own = slice_feature_matrix(new, context, is_prefill) @ coef
+    model = fixed_model([BASE, HEAVY], boundary=boundary)
 
     def cost(subset):
-        return 0.0 if not subset else coef[0] + sum(own[j] for j in subset)
+        if not subset:
+            return 0.0
+        members = sorted(subset)
+        coef = np.array(HEAVY if new[members].sum() >= boundary else BASE)
+        return coef[0] + float((slice_feature_matrix(new[members], context[members], is_prefill[members]) @ coef).sum())
 
     expected = exact_shapley(cost, len(new))
     predicted = attribute_arrays(model, new, context, is_prefill, np.array([0, len(new)]), None, "shapley")
     np.testing.assert_allclose(predicted.share_s, expected, rtol=1e-9)
     assert math.isclose(predicted.share_s.sum(), predicted.predicted_step_s[0], rel_tol=1e-12)
+
+
+@st.composite
+def straddling_steps(draw):
+    """Batches of up to 9 slices with repeated loads (decodes all run 1 token) and a boundary between the
+    smallest slice's load and the batch's, so subsets fall on both sides of it."""
+    n_decode = draw(st.integers(0, 6))
+    prefill_new = draw(st.lists(st.sampled_from([3, 5, 40, 200, 1000]), min_size=0 if n_decode >= 2 else 1, max_size=3))
+    new = np.array([1] * n_decode + prefill_new, dtype=np.int64)
+    is_prefill = np.array([False] * n_decode + [True] * len(prefill_new))
+    context = np.array(draw(st.lists(st.integers(0, 4096), min_size=new.size, max_size=new.size)), dtype=np.int64)
+    low, high = int(new.min()), int(new.sum())
+    boundary = draw(st.floats(low + 0.5, high, exclude_max=False)) if high > low else float(high)
+    return new, context, is_prefill, boundary
+
+
+@settings(max_examples=120, deadline=None)
+@given(step=straddling_steps(), seed=st.integers(0, 2**32 - 1))
+def test_two_segment_shapley_matches_brute_force_over_every_subset(step, seed):
+    """Random independent coefficient sets (a segment may be cheaper in some terms than the other), batches
+    straddling the boundary: step_shapley_s against Shapley's formula over all 2^n subsets of v = subset_costs_s."""
+    new, context, is_prefill, boundary = step
+    rng = np.random.default_rng(seed)
+    coef_sets = [np.array(BASE) * rng.uniform(0.2, 5.0, size=len(BASE)) for _ in range(2)]
+    model = fixed_model(coef_sets, boundary=boundary)
+    costs = subset_costs_s(model, new, context, is_prefill)
+    n = new.size
+    expected = exact_shapley(lambda subset: costs[sum(1 << j for j in subset)], n)
+    phi = step_shapley_s(model.coef_, model.boundary_, new, context, is_prefill)
+    np.testing.assert_allclose(phi, expected, rtol=1e-9, atol=1e-15)
+    assert math.isclose(phi.sum(), costs[-1], rel_tol=1e-12)
+    online = StepAttributor(model).attribute(new.astype(float), context.astype(float), is_prefill)
+    np.testing.assert_allclose(online, np.maximum(expected, 0) * costs[-1] / np.maximum(expected, 0).sum(), rtol=1e-9)
+
+
+def test_subset_costs_price_each_subset_in_its_own_segment():
+    model = fixed_model([BASE, HEAVY], boundary=100.0)
+    new, context, prefill = np.array([80, 60]), np.array([0, 0]), np.array([True, True])
+    costs = subset_costs_s(model, new, context, prefill)
+    alone = [model.predict(trace_of(new[[i]], context[[i]], prefill[[i]]))[0] for i in range(2)]
+    assert costs[0] == 0.0
+    assert costs[1] == pytest.approx(alone[0]) and costs[2] == pytest.approx(alone[1])
+    assert costs[3] == pytest.approx(model.predict(trace_of(new, context, prefill))[0])
+    own_heavy = slice_feature_matrix(new, context, prefill) @ np.array(HEAVY)
+    assert costs[1] < HEAVY[0] + own_heavy[0]
+
+
+def trace_of(new, context, prefill) -> StepTrace:
+    n = len(new)
+    return StepTrace(
+        run_id=np.full(n, "r", dtype=object),
+        step_id=np.zeros(n, dtype=np.int64),
+        step_latency_s=np.ones(n),
+        request_id=np.array([f"q{i}" for i in range(n)], dtype=object),
+        tenant=np.full(n, "t", dtype=object),
+        num_new_tokens=np.asarray(new, dtype=np.int64),
+        num_context_tokens=np.asarray(context, dtype=np.int64),
+        is_prefill=np.asarray(prefill, dtype=bool),
+        step_offsets=np.array([0, n]),
+    )
 
 
 def test_paper_rule_leaves_the_intercept_and_residual_unattributed():
@@ -93,7 +166,9 @@ def test_paper_rule_leaves_the_intercept_and_residual_unattributed():
 
 def test_rules_differ_in_how_the_intercept_is_split():
     model = fixed_model([BASE])
-    new = np.array([1000, 1]); context = np.array([0, 100]); prefill = np.array([True, False])
+    new = np.array([1000, 1])
+    context = np.array([0, 100])
+    prefill = np.array([True, False])
     offsets = np.array([0, 2])
     shapley = attribute_arrays(model, new, context, prefill, offsets, None, "shapley").share_s
     proportional = attribute_arrays(model, new, context, prefill, offsets, None, "proportional").share_s
@@ -143,3 +218,38 @@ def test_aggregate_by_tenant_and_request_conserves_the_total():
         aggregate(trace, result, "model")
     with pytest.raises(LlmvisorError, match="unknown attribution rule"):
         attribute(model, trace, "fair")
+
+
+def test_own_terms_are_the_slice_features_times_the_named_coefficients():
+    from llmvisor.core.features import COEF_FEATURE, Coef, own_terms_s
+
+    rng = np.random.default_rng(0)
+    new, context = rng.integers(1, 500, 50), rng.integers(0, 4000, 50)
+    prefill = rng.random(50) < 0.5
+    new[~prefill] = 1
+    coef = rng.random(len(FEATURE_NAMES))
+    np.testing.assert_allclose(own_terms_s(coef, new, context, prefill), slice_feature_matrix(new, context, prefill) @ coef)
+    assert COEF_FEATURE[Coef.A4] == "prefill_requests" and COEF_FEATURE[Coef.D2] == "decode_context_tokens"
+
+
+def test_rules_parse_from_their_names_and_unknown_names_are_one_line_errors():
+    assert [parse_rule(name) for name in RULES] == list(AttributionRule)
+    assert parse_rule("shapley") is AttributionRule.SHAPLEY == "shapley"
+    with pytest.raises(LlmvisorError, match="unknown attribution rule 'fair'"):
+        parse_rule("fair")
+
+
+def test_equal_splits_are_counted_offline_and_online():
+    """An OLS model can predict ≤ 0 for every request of a step; the step is then split equally, and counted."""
+    negative = [-1e-3] + [0.0] * (len(FEATURE_NAMES) - 1)
+    model = fixed_model([negative])
+    trace = synthetic_trace(20, seed=1)
+    result = attribute(model, trace, "shapley")
+    assert result.n_equal_split == trace.n_steps
+    np.testing.assert_allclose(result.share_s, np.repeat(trace.step_latency_s_per_step / trace.batch_size_per_step, trace.batch_size_per_step))
+    assert attribute(fixed_model([BASE]), trace).n_equal_split == 0
+    online = StepAttributor(model)
+    for k in range(3):
+        s = slice(trace.step_offsets[k], trace.step_offsets[k + 1])
+        online.attribute(trace.num_new_tokens[s].astype(float), trace.num_context_tokens[s].astype(float), trace.is_prefill[s], 0.1)
+    assert online.n_equal_split == 3

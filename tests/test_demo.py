@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from llmvisor.shipped import HELD_OUT_TRACES, TRAIN_TRACE, trace_path
 from llmvisor.core.trace import read_trace
+from llmvisor.shipped import HELD_OUT_TRACES, TRAIN_TRACE, trace_path
 
 
 def test_shipped_traces_are_real_vllm_recordings_with_distinct_runs():

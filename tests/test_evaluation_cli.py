@@ -108,6 +108,7 @@ def test_cli_fit_then_attribute_conserves_measured_time(files, tmp_path):
     for rule in ("shapley", "proportional"):
         data = json.loads(run_cli("attribute", files / "test.csv", "--model", tmp_path / "model.json", "--json", "--rule", rule).stdout)
         assert data["rule"] == rule
+        assert data["n_steps_split_equally"] == 0
         assert data["total_attributed_s"] == pytest.approx(data["total_measured_s"], rel=1e-9)
         assert sum(v["attributed_s"] for v in data["by"].values()) == pytest.approx(data["total_measured_s"], rel=1e-9)
         assert sum(v["fraction"] for v in data["by"].values()) == pytest.approx(1.0)
@@ -115,6 +116,18 @@ def test_cli_fit_then_attribute_conserves_measured_time(files, tmp_path):
     assert paper["total_attributed_s"] < paper["total_measured_s"]
     by_request = json.loads(run_cli("attribute", files / "test.csv", "--model", tmp_path / "model.json", "--json", "--by", "request").stdout)
     assert all(key.startswith("test/") for key in by_request["by"])
+
+
+def test_cli_attribute_reports_the_steps_it_split_equally(files, tmp_path):
+    """A model predicting ≤ 0 for every request (possible under OLS) falls back to equal splits: counted."""
+    from llmvisor.core.features import FEATURE_NAMES
+    from llmvisor.core.model import StepLatencyModel
+
+    negative = dict.fromkeys(FEATURE_NAMES, 0.0) | {"intercept": -1e-3}
+    StepLatencyModel.from_coefficients([negative]).to_json(tmp_path / "negative.json")
+    data = json.loads(run_cli("attribute", files / "test.csv", "--model", tmp_path / "negative.json", "--json").stdout)
+    assert data["n_steps_split_equally"] == data["n_steps"] > 0
+    assert data["total_attributed_s"] == pytest.approx(data["total_measured_s"], rel=1e-9)
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from llmvisor.fairness.experiment import analyse_run, goals, report_sections, workload_tenants
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import DEFAULT_COEF_S
 from llmvisor.core.trace import TraceWriter
+from llmvisor.fairness.experiment import analyse_run, goals, report_sections, workload_tenants
 
 
 def fixed_model() -> StepLatencyModel:

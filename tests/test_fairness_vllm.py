@@ -12,13 +12,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
 
+from _tiny_llama import write_tiny_llama  # noqa: E402
 from llmvisor.core.attribution import attribute_arrays  # noqa: E402
-from llmvisor.fairness.policy import FairnessConfig, Quota  # noqa: E402
 from llmvisor.core.model import StepLatencyModel  # noqa: E402
 from llmvisor.core.synthetic import DEFAULT_COEF_S  # noqa: E402
 from llmvisor.core.trace import read_trace  # noqa: E402
-
-from _tiny_llama import write_tiny_llama  # noqa: E402
+from llmvisor.fairness.policy import FairnessConfig, Quota  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -13,9 +13,9 @@ from sqlalchemy import create_engine, inspect, select, text
 
 from _service_fixtures import T0_S, db_url, keys, ledger, make_steps, measured_ns, model_path  # noqa: F401
 from llmvisor.core.attribution import attribute
+from llmvisor.core.model import StepLatencyModel
 from llmvisor.ledger import Ledger, LedgerError, StepConflictError
 from llmvisor.ledger.schema import api_keys, ledger_info
-from llmvisor.core.model import StepLatencyModel
 from llmvisor.service.ingest import apportion_ns, prepare_batch, validate_trace
 
 

@@ -10,12 +10,12 @@ import pytest
 from sqlalchemy import create_engine, insert, inspect
 
 from _service_fixtures import T0_S, db_url, make_steps, model_path  # noqa: F401
+from llmvisor.cli.serve import ledger_migrate
+from llmvisor.core.model import StepLatencyModel
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger, LedgerError, StepConflictError
 from llmvisor.ledger import keys as keys_module
 from llmvisor.ledger.migrate import SCHEMA_1_TABLES, migrate_schema_1
-from llmvisor.core.model import StepLatencyModel
-from llmvisor.cli.serve import ledger_migrate
 from llmvisor.service.ingest import prepare_batch, validate_trace
 
 ledger_info_1, steps_1, slices_1, api_keys_1 = SCHEMA_1_TABLES

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from llmvisor.errors import LlmvisorError, ModelError, NotFittedError
 from llmvisor.core.features import FEATURE_NAMES
-from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.model import PARAMETER_CONSTRAINTS, StepLatencyModel, composition_groups, group_k_fold
 from llmvisor.core.synthetic import DEFAULT_COEF_S, synthetic_trace
 from llmvisor.core.trace import StepTrace, concat_traces
+from llmvisor.errors import LlmvisorError, ModelError, NotFittedError
 
 TRUE = np.array([DEFAULT_COEF_S[name] for name in FEATURE_NAMES])
 
@@ -148,3 +148,112 @@ def test_speculative_decode_slices_are_refused_by_the_model():
     trace.num_new_tokens[~trace.is_prefill] = 2
     with pytest.raises(LlmvisorError, match="speculative"):
         StepLatencyModel().fit(trace)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The scikit-learn estimator contract (scikit-learn is a test dependency, not a core one)
+
+
+def test_clone_gives_an_unfitted_copy_with_the_same_parameters():
+    from sklearn.base import clone
+
+    model = StepLatencyModel(segments=300.0, positive=False, outlier_threshold=None, cv_folds=3)
+    model.fit(synthetic_trace(300, seed=1))
+    copy = clone(model)
+    assert copy.get_params() == model.get_params()
+    assert not hasattr(copy, "coef_")
+    with pytest.raises(NotFittedError):
+        copy.check_is_fitted()
+    model.check_is_fitted()
+
+
+def test_get_params_reads_every_init_parameter_and_set_params_sets_them():
+    model = StepLatencyModel()
+    params = model.get_params(deep=True)
+    assert set(params) == set(PARAMETER_CONSTRAINTS)
+    assert model.set_params(segments="none", cv_folds=4) is model
+    assert model.get_params()["segments"] == "none" and model.cv_folds == 4
+    with pytest.raises(LlmvisorError, match="no parameter 'segment'"):
+        model.set_params(segment="none")
+
+
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [
+        ("segments", "some"),
+        ("segments", -5),
+        ("segments", True),
+        ("positive", "yes"),
+        ("weights", "square"),
+        ("outlier_threshold", 0),
+        ("drop_warmup", 1),
+        ("cv_folds", 1),
+        ("cv_folds", 2.5),
+        ("n_boundary_candidates", 0),
+        ("min_steps_per_segment", "40"),
+    ],
+)
+def test_every_parameter_is_checked_by_fit(name, bad):
+    with pytest.raises(LlmvisorError, match=f"parameter {name} must be"):
+        StepLatencyModel(**{name: bad}).fit(synthetic_trace(60))
+
+
+def test_fit_returns_self_and_learned_attributes_end_in_underscore():
+    model = StepLatencyModel(segments="none")
+    assert model.fit(synthetic_trace(200, seed=3)) is model
+    learned = set(vars(model)) - set(model.get_params())
+    assert learned and all(name.endswith("_") for name in learned)
+
+
+def test_grid_search_with_group_folds_drives_the_model_on_a_trace():
+    from sklearn.model_selection import GridSearchCV, GroupKFold
+
+    trace = piecewise_trace(boundary=500, seed=3)
+    episodes = np.arange(trace.n_steps) // 500
+    search = GridSearchCV(
+        StepLatencyModel(outlier_threshold=None),
+        {"segments": ["none", 500.0], "positive": [True, False]},
+        cv=GroupKFold(n_splits=3),
+    )
+    search.fit(trace, groups=episodes)
+    assert search.best_params_["segments"] == 500.0
+    scores = search.cv_results_["mean_test_score"]
+    with_boundary = [s for s, p in zip(scores, search.cv_results_["params"]) if p["segments"] == 500.0]
+    without = [s for s, p in zip(scores, search.cv_results_["params"]) if p["segments"] == "none"]
+    assert min(with_boundary) > max(without)
+    assert search.best_estimator_.boundary_ == 500.0
+    assert search.score(trace) == search.best_estimator_.score(trace) <= 0
+
+
+def test_a_repeated_sweep_keeps_identical_compositions_in_one_fold():
+    once = synthetic_trace(300, seed=7, noise=0.02)
+    repeated = once.take_steps(np.concatenate([np.arange(300), np.arange(300)]))
+    groups = composition_groups(repeated)
+    assert np.array_equal(groups[:300], groups[300:])
+    assert np.unique(groups).size == np.unique(composition_groups(once)).size
+    for test in group_k_fold(groups, 5):
+        assert not (set(groups[test]) & set(groups[~test]))
+    model = StepLatencyModel().fit(repeated)
+    search = model.fit_info_["boundary_search"]
+    assert search["fold_grouping"] == "composition"
+    assert search["n_groups"] == np.unique(groups).size
+
+
+def test_composition_groups_ignore_slice_order_and_tell_compositions_apart():
+    trace = synthetic_trace(200, seed=2)
+    reversed_slices = trace.take_steps(np.arange(trace.n_steps))
+    for k in range(trace.n_steps):
+        s = slice(trace.step_offsets[k], trace.step_offsets[k + 1])
+        for name in ("num_new_tokens", "num_context_tokens", "is_prefill"):
+            getattr(reversed_slices, name)[s] = getattr(trace, name)[s][::-1]
+    assert np.array_equal(composition_groups(trace), composition_groups(reversed_slices))
+    changed = trace.take_steps(np.arange(trace.n_steps))
+    changed.num_context_tokens[0] += 1
+    assert composition_groups(changed)[0] != composition_groups(trace)[0]
+
+
+def test_an_episode_column_groups_the_folds_of_a_single_run():
+    trace = synthetic_trace(600, seed=4, noise=0.02)
+    trace.extra["episode"] = np.repeat(np.arange(trace.n_steps) // 100, trace.batch_size_per_step)
+    search = StepLatencyModel().fit(trace).fit_info_["boundary_search"]
+    assert search["fold_grouping"] == "episode" and search["n_groups"] == 6

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from llmvisor.errors import LlmvisorError
+from llmvisor.core.trace import trace_from_rows
 from llmvisor.core.workloads import read_workload_csv
+from llmvisor.errors import LlmvisorError
 from llmvisor.profile.plans import Envelope, build_workload, fit_lengths, sweep_episodes
 from llmvisor.profile.stats import coverage, mark_warmup_window, noise_floor
-from llmvisor.core.trace import trace_from_rows
 
 ENVELOPE = Envelope(max_model_len=4096, max_num_batched_tokens=2048, max_num_seqs=32, kv_cache_tokens=200_000)
 

@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from _service_fixtures import T0_S, bearer, db_url, keys, ledger, make_steps, measured_ns, model_path  # noqa: F401
-from llmvisor.service.app import create_app
 from llmvisor.core.trace import trace_from_rows, write_trace
+from llmvisor.service.app import create_app
 
 
 @pytest.fixture

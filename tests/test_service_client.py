@@ -10,9 +10,9 @@ import pytest
 import uvicorn
 
 from _service_fixtures import bearer, make_steps, measured_ns, model_path  # noqa: F401
+from llmvisor.client import StepPusher, _read_spool
 from llmvisor.ledger import Ledger
 from llmvisor.service.app import create_app
-from llmvisor.client import StepPusher, _read_spool
 from llmvisor.service.process import ServerProcess, free_loopback_port
 
 

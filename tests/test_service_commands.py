@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from _service_fixtures import model_path  # noqa: F401
+from llmvisor.cli.load import load
+from llmvisor.cli.serve import keys_create
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
-from llmvisor.cli.serve import keys_create
-from llmvisor.cli.load import load
 from llmvisor.service.load import check_loopback
 
 

@@ -8,7 +8,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from _service_fixtures import bearer, db_url, make_steps, measured_ns, model_path  # noqa: F401
 from llmvisor.ledger import Ledger

@@ -14,15 +14,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmvisor.errors import TraceError
 from llmvisor.core.trace import (
     TraceWriter,
     iter_trace,
+    parse_is_warmup,
     read_trace,
     read_traces,
     trace_from_rows,
     write_trace,
 )
+from llmvisor.errors import TraceError
 
 SUFFIXES = (".jsonl", ".csv", ".parquet")
 
@@ -310,3 +311,45 @@ def test_the_column_at_a_time_type_check_agrees_with_the_per_value_check(name, v
     from llmvisor.core.trace import _python_value_type_error, _values_are_valid
 
     assert _values_are_valid(name, values) == all(_python_value_type_error(name, v) is None for v in values)
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        (np.array([True, False]), [True, False]),
+        (np.array([1, 0]), [True, False]),
+        (np.array(["yes", "no"], dtype=object), [True, False]),
+        (np.array(["True", "false"], dtype=object), [True, False]),
+        (np.array([" 1 ", "0"], dtype=object), [True, False]),
+        (np.array(["Y", ""], dtype=object), [True, False]),
+        (np.array([None, True], dtype=object), [False, True]),
+    ],
+)
+def test_is_warmup_has_one_reading_shared_by_the_fit_and_the_profiler(values, expected):
+    from llmvisor.profile.stats import warmup_mask_per_step
+
+    trace = trace_from_rows([row(0, "a"), row(1, "a")])
+    trace.extra["is_warmup"] = values
+    assert parse_is_warmup(values).tolist() == expected
+    assert trace.is_warmup_per_step.tolist() == expected
+    assert warmup_mask_per_step(trace).tolist() == expected
+
+
+def test_an_unreadable_is_warmup_value_is_a_one_line_error():
+    trace = trace_from_rows([row(0, "a"), row(1, "a")])
+    trace.extra["is_warmup"] = np.array(["no", "maybe"], dtype=object)
+    with pytest.raises(TraceError, match="slice 2: is_warmup: .*'maybe'"):
+        _ = trace.is_warmup_per_step
+
+
+def test_a_trace_indexes_by_steps_as_scikit_learn_does():
+    trace = trace_from_rows([row(0, "a"), row(0, "b"), row(1, "a"), row(2, "a"), row(2, "c")])
+    assert len(trace) == 3 and trace.shape == (3,)
+    picked = trace[np.array([2, 0])]
+    assert picked.step_id_per_step.tolist() == [2, 0]
+    assert picked.request_id.tolist() == ["a", "c", "a", "b"]
+    assert trace[np.array([2, 0]), ...].request_id.tolist() == picked.request_id.tolist()
+    assert trace[np.array([False, True, False])].step_id_per_step.tolist() == [1]
+    assert trace[1:].n_steps == 2
+    with pytest.raises(TypeError):
+        trace[np.array([0.5])]

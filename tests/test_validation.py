@@ -9,10 +9,10 @@ import math
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
-from _tiny_llama import write_tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _tiny_llama import write_tiny_llama
 from llmvisor import shipped
 from llmvisor.core.features import FEATURE_NAMES
 from llmvisor.core.model import StepLatencyModel
@@ -142,7 +142,8 @@ def test_cluster_bootstrap_is_wider_than_independent_when_groups_are_alike():
     errors = np.repeat(per_group, 5)
     clustered = quantiles_with_ci(errors, np.repeat(np.arange(40), 5), n_bootstrap=500)
     independent = quantiles_with_ci(errors, np.arange(200), n_bootstrap=500)
-    width = lambda out: out["p50_ci95"][1] - out["p50_ci95"][0]
+    def width(out):
+        return out["p50_ci95"][1] - out["p50_ci95"][0]
     assert width(clustered) > 1.5 * width(independent)
 
 
@@ -288,7 +289,7 @@ def test_measure_resumes_from_the_journal(tmp_path):
     measure(more, batches, Journal(path), repeat=3, warm_up_steps=0)
     assert more.n_steps == total // 2  # one more repeat of every subset, nothing else
     journal = Journal(path)
-    for key, ms in journal.measurements.items():
+    for _key, ms in journal.measurements.items():
         assert sorted(m.repeat for m in ms) == [0, 1, 2]
 
 

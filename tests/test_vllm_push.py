@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
@@ -11,13 +10,12 @@ try:
 except Exception as error:  # noqa: BLE001 - a broken install raises more than ImportError
     pytest.skip(f"vLLM is not importable ({type(error).__name__}: {error})", allow_module_level=True)
 
-from llmvisor.ledger import Ledger
+from _tiny_llama import tiny_engine_args, write_tiny_llama
 from llmvisor.core.model import StepLatencyModel
-from llmvisor.service.process import ServerProcess
 from llmvisor.core.synthetic import synthetic_trace
 from llmvisor.core.trace import read_trace
-
-from _tiny_llama import tiny_engine_args, write_tiny_llama
+from llmvisor.ledger import Ledger
+from llmvisor.service.process import ServerProcess
 from test_vllm_recorder import ENGINE_ENV, TINY_FIELDS
 
 pytestmark = pytest.mark.vllm

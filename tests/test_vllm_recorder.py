@@ -25,9 +25,8 @@ try:
 except Exception as error:  # noqa: BLE001 - a broken install (torchvision mismatch) raises more than ImportError
     pytest.skip(f"vLLM is not importable ({type(error).__name__}: {error})", allow_module_level=True)
 
-from llmvisor.core.trace import read_trace
-
 from _tiny_llama import tiny_engine_args, write_tiny_llama
+from llmvisor.core.trace import read_trace
 
 pytestmark = pytest.mark.vllm
 
@@ -111,7 +110,7 @@ def test_offline_rows_match_what_was_scheduled(tiny_model, tmp_path, monkeypatch
     expected = {}
     for n, out, tenant in requests:
         expected.setdefault(n, (out, tenant or "default"))
-    for request_id, rows in by_request.items():
+    for _request_id, rows in by_request.items():
         prompt_len = sum(p for _, p, _, is_prefill, _ in rows if is_prefill)
         output_len, tenant = expected[prompt_len]
         check_request_slices(rows, prompt_len, output_len)

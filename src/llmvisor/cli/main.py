@@ -13,9 +13,9 @@ import numpy as np
 import typer
 import typer.core
 import typer.main
-from typer.core import TyperGroup
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
 from llmvisor import extras
 from llmvisor.cli.console import print_table, stderr, stdout
@@ -342,7 +342,7 @@ def attribute_command(
     top: Annotated[int, typer.Option(help="Rows to show in the table (JSON holds all).")] = 20,
 ) -> None:
     """Attribute every step's measured time to requests or tenants (streaming; memory stays bounded)."""
-    from llmvisor.core.attribution import RULES, aggregate, attribute
+    from llmvisor.core.attribution import RULES, AttributionRule, aggregate, attribute
     from llmvisor.core.model import StepLatencyModel
     from llmvisor.core.trace import iter_trace
 
@@ -350,21 +350,25 @@ def attribute_command(
         raise LlmvisorError(f"--by: expected tenant or request, got {by!r}")
     if rule not in RULES:
         raise LlmvisorError(f"--rule: expected one of {', '.join(RULES)}, got {rule!r}")
+    rule = AttributionRule(rule)
     fitted = StepLatencyModel.from_json(model)
     totals: dict[str, float] = {}
     measured_s = 0.0
     n_steps = 0
+    n_equal_split = 0
     for path in traces:
         for piece in iter_trace(path):
             result = attribute(fitted, piece, rule)
             measured_s += float(result.total_measured_s)
             n_steps += piece.n_steps
+            n_equal_split += result.n_equal_split
             for key, value in aggregate(piece, result, by).items():
                 totals[key] = totals.get(key, 0.0) + value
     attributed_s = float(sum(totals.values()))
     output = {
-        "rule": rule,
+        "rule": rule.value,
         "n_steps": n_steps,
+        "n_steps_split_equally": n_equal_split,
         "total_measured_s": measured_s,
         "total_attributed_s": attributed_s,
         "unattributed_s": measured_s - attributed_s,
@@ -385,7 +389,8 @@ def attribute_command(
     print_table(table)
     stdout.print(
         f"{n_steps} steps; measured {measured_s:.3f} s, attributed {attributed_s:.3f} s"
-        + (f", unattributed {measured_s - attributed_s:.3f} s" if rule == "paper" else ""),
+        + (f", unattributed {measured_s - attributed_s:.3f} s" if rule is AttributionRule.PAPER else "")
+        + (f"; {n_equal_split} steps split equally (the model predicted ≤ 0 for every request)" if n_equal_split else ""),
         highlight=False,
     )
 

@@ -122,8 +122,8 @@ def profile(
             max_seconds=max_seconds,
         )
 
-    from llmvisor.profile.stats import coverage, mark_warmup_window, noise_floor, print_coverage, print_noise_floor
     from llmvisor.core.trace import read_trace, write_trace
+    from llmvisor.profile.stats import coverage, mark_warmup_window, noise_floor, print_coverage, print_noise_floor
 
     trace = read_trace(jsonl_path)
     n_warmup = mark_warmup_window(trace, warmup_seconds)

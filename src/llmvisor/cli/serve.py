@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
@@ -93,17 +93,17 @@ def keys_list(db: DbOption = DEFAULT_DB_URL, json_output: JsonOption = False) ->
                     "tenant": key.tenant,
                     "admin": bool(key.is_admin),
                     "revoked": key.revoked_at_us is not None,
-                    "created_utc": datetime.fromtimestamp(key.created_at_us / 1e6, tz=timezone.utc).isoformat(timespec="seconds"),
+                    "created_utc": datetime.fromtimestamp(key.created_at_us / 1e6, tz=UTC).isoformat(timespec="seconds"),
                     "revoked_utc": None
                     if key.revoked_at_us is None
-                    else datetime.fromtimestamp(key.revoked_at_us / 1e6, tz=timezone.utc).isoformat(timespec="seconds"),
+                    else datetime.fromtimestamp(key.revoked_at_us / 1e6, tz=UTC).isoformat(timespec="seconds"),
                 }
                 for key in keys
             ]
         )
         return
     for key in keys:
-        created = datetime.fromtimestamp(key.created_at_us / 1e6, tz=timezone.utc).isoformat(timespec="seconds")
+        created = datetime.fromtimestamp(key.created_at_us / 1e6, tz=UTC).isoformat(timespec="seconds")
         role = "admin" if key.is_admin else f"tenant={key.tenant}"
         state = "revoked" if key.revoked_at_us is not None else "active"
         typer.echo(f"{key.key_id}\t{role}\t{state}\tcreated {created}")

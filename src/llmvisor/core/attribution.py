@@ -1,62 +1,200 @@
 """Split each step's time among the requests that ran in it.
 
 The model prices a step as T̂ = b + Σ_i f_i: a shared intercept b and one own term f_i per slice, with the
-coefficients of the step's segment. Read as a cost game v(S) = b·[S ≠ ∅] + Σ_{i∈S} f_i (every subset priced
-with the coefficients of the step that actually ran), the Shapley value is
+coefficients of the step's segment. The default rule, ``shapley``, is the exact Shapley value of the cost game
 
-    φ_i = f_i + b / |B|
+    v(S) = the model's predicted time of a step running the slices S alone
+         = b_s(S) + Σ_{i∈S} f_i^s(S),   s(S) = the segment of S's own load (Σ_{i∈S} p_i vs the boundary),
 
-since the additive part goes to its owner and b, paid once by whichever request comes first, is each
-request's with probability 1/|B|. That is the default rule, ``shapley``. When the step's measured time T is
-known, the residual T − T̂ is spread in proportion to the predicted shares: share_i = φ_i · T / Σφ. With
-nonnegative coefficients φ_i ≥ 0, so shares are ≥ 0 and sum to T exactly: every measured second is billed
-once. Under an unconstrained (OLS) fit a φ_i can be negative; it is clipped to 0 before scaling (and if every
-φ_i is 0 the step is split equally), so the guarantees hold for any model.
+the same game the validation study measures (each subset run alone on the engine). With one segment, or when
+every subset falls in the step's segment, it is φ_i = f_i + b / |B|: the additive part goes to its owner and b,
+paid once by whichever request comes first, is each request's with probability 1/|B|. When a step straddles
+the boundary (its load is over it, some of its subsets' are under it), φ adds each slice's expected marginal
+effect of crossing the boundary, computed exactly over subset loads (``step_shapley_s``).
+
+When the step's measured time T is known, the residual T − T̂ is spread in proportion to the predicted
+shares: share_i = φ_i · T / Σφ. With nonnegative coefficients φ_i ≥ 0, so shares are ≥ 0 and sum to T
+exactly: every measured second is billed once. Under an unconstrained (OLS) fit a φ_i can be negative; it is
+clipped to 0 before scaling, and if every φ_i is 0 the step is split equally (counted: ``n_equal_split``),
+so the guarantees hold for any model.
 
 Alternatives, named in every output:
-- ``proportional``: share_i = T · f_i⁺ / Σ f⁺ (the intercept follows the own terms; no equal part).
+- ``proportional``: share_i = T · f_i⁺ / Σ f⁺ with the step's segment (the intercept follows the own terms).
 - ``paper``: the paper's plain reading, share_i = f_i; b and the residual are left unattributed.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from scipy.special import gammaln
 
-from llmvisor.errors import LlmvisorError
+from llmvisor.core.features import Coef, decode_own_s, own_terms_s, prefill_own_s
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import StepTrace
+from llmvisor.errors import LlmvisorError
 
-RULES = ("shapley", "proportional", "paper")
+__all__ = [
+    "RULES",
+    "Attribution",
+    "AttributionRule",
+    "StepAttributor",
+    "aggregate",
+    "attribute",
+    "attribute_arrays",
+    "own_terms_s",
+    "parse_rule",
+    "step_shapley_s",
+    "subset_costs_s",
+]
 
 
-def _check_rule(rule: str) -> None:
-    if rule not in RULES:
-        raise LlmvisorError(f"unknown attribution rule {rule!r}; choose one of {', '.join(RULES)}")
+class AttributionRule(StrEnum):
+    """How a step's time is split; the values are the names used on the command line and in outputs."""
+
+    SHAPLEY = "shapley"
+    PROPORTIONAL = "proportional"
+    PAPER = "paper"
+
+    def __str__(self) -> str:
+        return self.value
 
 
-def own_terms_s(coef: np.ndarray, num_new_tokens, num_context_tokens, is_prefill) -> np.ndarray:
-    """Each slice's own predicted seconds under one coefficient set (vectorised over slices)."""
-    _, k1, k2, k3, k4, k5, d6, d7 = coef
+RULES = tuple(rule.value for rule in AttributionRule)
+"""The rules' names, in the order outputs list them."""
+
+
+def parse_rule(rule: str | AttributionRule) -> AttributionRule:
+    """The rule named ``rule``; a one-line ``LlmvisorError`` listing the choices otherwise."""
+    try:
+        return AttributionRule(rule)
+    except ValueError:
+        raise LlmvisorError(f"unknown attribution rule {rule!r}; choose one of {', '.join(RULES)}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The cost game and its exact Shapley value
+
+
+def subset_costs_s(model: StepLatencyModel, num_new_tokens, num_context_tokens, is_prefill) -> np.ndarray:
+    """v(S) for every subset S of one batch (index = bit mask, bit i = slice i; v(∅) = 0): the model's
+    predicted time of a step running S alone, in S's own segment. Exponential in the batch size: for
+    validation and tests on small batches."""
+    model.check_is_fitted()
     p = np.asarray(num_new_tokens, dtype=np.float64)
-    c = np.asarray(num_context_tokens, dtype=np.float64)
-    prefill = p * (k1 + k3 * p + k4 * c) + k2 * c + k5
-    decode = d6 * c + d7
-    return np.where(is_prefill, prefill, decode)
+    n = p.size
+    if n > 20:
+        raise LlmvisorError(f"subset_costs_s enumerates 2^n subsets; a batch of {n} slices is too large")
+    masks = np.arange(1 << n)
+    members = ((masks[:, None] >> np.arange(n)) & 1).astype(np.float64)
+    own = np.stack([own_terms_s(row, p, num_context_tokens, is_prefill) for row in model.coef_])
+    by_segment = members @ own.T + model.coef_[:, Coef.B]
+    segment = model.segment_of_steps(members @ p)
+    costs = by_segment[masks, segment]
+    costs[0] = 0.0
+    return costs
+
+
+def _log_binomial(n, k):
+    return gammaln(np.asarray(n) + 1.0) - gammaln(np.asarray(k) + 1.0) - gammaln(np.asarray(n) - np.asarray(k) + 1.0)
+
+
+def _pivot_sums(sizes, loads, means, own: int, cap: int, pivotal_from: int) -> tuple[float, float, float, float]:
+    """Sums over k of four expectations for a uniformly drawn k-subset S of the other players, who come in
+    groups (``sizes[g]`` players of load ``loads[g]`` each; ``means[g]`` the mean of Δf over the group):
+    Pr(L ≥ pivotal_from), Pr(pivotal_from ≤ L < cap), E[Σ Δf over members outside group ``own``; same window]
+    and E[members of group ``own``; same window], L = S's load capped at ``cap``.
+
+    Groups are merged smallest first through the hypergeometric law of how a k-subset splits between the
+    players merged so far and the next group; the state is the sparse set of reachable (k, L), small when the
+    prefills are few, and the largest group (typically the decodes) is summed over without being stored.
+    """
+    groups = [g for g in np.argsort(np.asarray(sizes), kind="stable") if sizes[g] > 0]
+    k = np.zeros(1, dtype=np.int64)
+    load = np.zeros(1, dtype=np.int64)
+    prob, other, own_count = np.ones(1), np.zeros(1), np.zeros(1)
+    merged = 0
+    for index, g in enumerate(groups):
+        m = int(sizes[g])
+        c = np.arange(m + 1)[None, :]
+        weight = np.exp(_log_binomial(merged, k[:, None]) + _log_binomial(m, c) - _log_binomial(merged + m, k[:, None] + c))
+        new_load = np.minimum(load[:, None] + c * int(loads[g]), cap)
+        new_prob = prob[:, None] * weight
+        if g == own:
+            new_other = other[:, None] * weight
+            new_own = (own_count[:, None] + c * prob[:, None]) * weight
+        else:
+            new_other = (other[:, None] + c * means[g] * prob[:, None]) * weight
+            new_own = own_count[:, None] * weight
+        if index == len(groups) - 1:
+            prob, other, own_count, load = new_prob.ravel(), new_other.ravel(), new_own.ravel(), new_load.ravel()
+            break
+        key = ((k[:, None] + c) * (cap + 1) + new_load).ravel()
+        unique_key, inverse = np.unique(key, return_inverse=True)
+        k, load = unique_key // (cap + 1), unique_key % (cap + 1)
+        prob = np.bincount(inverse, new_prob.ravel())
+        other = np.bincount(inverse, new_other.ravel())
+        own_count = np.bincount(inverse, new_own.ravel())
+        merged += m
+    crossing = load >= pivotal_from
+    window = crossing & (load < cap)
+    return float(prob[crossing].sum()), float(prob[window].sum()), float(other[window].sum()), float(own_count[window].sum())
+
+
+def step_shapley_s(coef: np.ndarray, boundary: float | None, num_new_tokens, num_context_tokens, is_prefill) -> np.ndarray:
+    """Exact Shapley value of one step's cost game v(S) = b_s(S) + Σ_{i∈S} f_i^s(S) (module docstring).
+
+    ``coef`` is the model's (n_segments, N_FEATURES) array. Closed form unless the step straddles the
+    boundary; then v = g₀ + h with g₀ the memory-bound game (closed form) and h(S) = [L(S) ≥ B]·(Δb + ΣΔf),
+    whose value is exact from the distribution of a random coalition's size and load: slices are grouped
+    by load (all decodes share load 1), so the cost grows with the distinct loads' subsets, not with 2^n.
+    """
+    p = np.asarray(num_new_tokens, dtype=np.float64)
+    n = p.size
+    segments = [own_terms_s(row, p, num_context_tokens, is_prefill) for row in coef]
+    if boundary is None or p.sum() < boundary:
+        return segments[0] + coef[0, Coef.B] / n
+    if p.min() >= boundary:
+        return segments[1] + coef[1, Coef.B] / n
+    cap = math.ceil(boundary)
+    delta_b = coef[1, Coef.B] - coef[0, Coef.B]
+    delta_f = segments[1] - segments[0]
+    loads, group = np.unique(p, return_inverse=True)
+    sizes = np.bincount(group, minlength=loads.size)
+    totals = np.bincount(group, weights=delta_f, minlength=loads.size)
+    means = totals / sizes
+    phi = segments[0] + coef[0, Coef.B] / n
+    for g in range(loads.size):
+        available = sizes.copy()
+        available[g] -= 1
+        pivotal_from = max(cap - int(loads[g]), 0)
+        sums = _pivot_sums(available, loads, means, g, cap, pivotal_from)
+        crosses, pivotal, pivotal_other, pivotal_own = (value / n for value in sums)
+        members = np.flatnonzero(group == g)
+        own_mean = (totals[g] - delta_f[members]) / max(available[g], 1)
+        phi[members] += delta_f[members] * crosses + delta_b * pivotal + pivotal_other + own_mean * pivotal_own
+    return phi
 
 
 @dataclass
 class Attribution:
-    """Per-slice shares of a trace under one rule, with the predictions they came from."""
+    """Per-slice shares of a trace under one rule, with the predictions they came from.
 
-    rule: str
+    ``n_equal_split`` counts the steps split equally because the rule's basis was 0 for every slice (an
+    unconstrained fit predicting ≤ 0): a fallback, reported rather than silent.
+    """
+
+    rule: AttributionRule
     share_s: np.ndarray
     own_s: np.ndarray
     predicted_step_s: np.ndarray
     measured_step_s: np.ndarray | None
+    n_equal_split: int = 0
 
     @property
     def total_attributed_s(self) -> float:
@@ -67,6 +205,13 @@ class Attribution:
         return None if self.measured_step_s is None else float(self.measured_step_s.sum())
 
 
+def _straddling_steps(model: StepLatencyModel, p: np.ndarray, starts: np.ndarray, load: np.ndarray) -> np.ndarray:
+    """Steps whose load is over the boundary while some of their slices' is under it (closed form fails)."""
+    if model.boundary_ is None or starts.size == 0:
+        return np.zeros(starts.size, dtype=bool)
+    return (load >= model.boundary_) & (np.minimum.reduceat(p, starts) < model.boundary_)
+
+
 def attribute_arrays(
     model: StepLatencyModel,
     num_new_tokens: np.ndarray,
@@ -74,21 +219,21 @@ def attribute_arrays(
     is_prefill: np.ndarray,
     step_offsets: np.ndarray,
     measured_step_s: np.ndarray | None = None,
-    rule: str = "shapley",
+    rule: str | AttributionRule = AttributionRule.SHAPLEY,
 ) -> Attribution:
     """Vectorised attribution of many steps given as flat slice arrays and step offsets."""
-    _check_rule(rule)
-    model._check_fitted()
+    rule = parse_rule(rule)
+    model.check_is_fitted()
     starts = step_offsets[:-1]
     batch_size = np.diff(step_offsets)
     if batch_size.size and batch_size.min() < 1:
         raise LlmvisorError("every step needs at least one slice")
     p = np.asarray(num_new_tokens, dtype=np.float64)
+    load = np.add.reduceat(p, starts) if starts.size else np.zeros(0)
     if model.boundary_ is None:
         own = own_terms_s(model.coef_[0], p, num_context_tokens, is_prefill)
-        shared_step = np.full(batch_size.shape, model.coef_[0, 0])
+        shared_step = np.full(batch_size.shape, model.coef_[0, Coef.B])
     else:
-        load = np.add.reduceat(p, starts) if starts.size else np.zeros(0)
         segment_step = model.segment_of_steps(load)
         segment_slice = np.repeat(segment_step, batch_size)
         own = np.where(
@@ -96,15 +241,19 @@ def attribute_arrays(
             own_terms_s(model.coef_[0], p, num_context_tokens, is_prefill),
             own_terms_s(model.coef_[1], p, num_context_tokens, is_prefill),
         )
-        shared_step = model.coef_[segment_step, 0]
+        shared_step = model.coef_[segment_step, Coef.B]
     own_sum = np.add.reduceat(own, starts) if starts.size else np.zeros(0)
     predicted = own_sum + shared_step
 
-    if rule == "paper":
+    n_equal_split = 0
+    if rule is AttributionRule.PAPER:
         share = own
     else:
-        if rule == "shapley":
+        if rule is AttributionRule.SHAPLEY:
             basis = own + np.repeat(shared_step / batch_size, batch_size)
+            for k in np.flatnonzero(_straddling_steps(model, p, starts, load)):
+                s = slice(step_offsets[k], step_offsets[k + 1])
+                basis[s] = step_shapley_s(model.coef_, model.boundary_, p[s], num_context_tokens[s], is_prefill[s])
         else:
             basis = own
         basis = np.maximum(basis, 0.0)
@@ -114,7 +263,8 @@ def attribute_arrays(
             scale = np.where(basis_sum > 0, target / basis_sum, 0.0)
         share = basis * np.repeat(scale, batch_size)
         empty = basis_sum <= 0
-        if empty.any():
+        n_equal_split = int(empty.sum())
+        if n_equal_split:
             equal = np.repeat(np.where(empty, target / batch_size, 0.0), batch_size)
             share = np.where(np.repeat(empty, batch_size), equal, share)
     return Attribution(
@@ -123,10 +273,13 @@ def attribute_arrays(
         own_s=own,
         predicted_step_s=predicted,
         measured_step_s=None if measured_step_s is None else np.asarray(measured_step_s, dtype=np.float64),
+        n_equal_split=n_equal_split,
     )
 
 
-def attribute(model: StepLatencyModel, trace: StepTrace, rule: str = "shapley", *, use_measured: bool = True) -> Attribution:
+def attribute(
+    model: StepLatencyModel, trace: StepTrace, rule: str | AttributionRule = AttributionRule.SHAPLEY, *, use_measured: bool = True
+) -> Attribution:
     """Shares of every slice of ``trace``; with ``use_measured`` the measured step times are split."""
     return attribute_arrays(
         model,
@@ -159,50 +312,44 @@ class StepAttributor:
 
     Coefficients are unpacked once and work arrays preallocated, so a step costs a handful of numpy calls
     on arrays of the batch's size; a decode-only step (the common case) is priced in closed form without
-    materialising its own terms first. Inputs are float64 arrays of new and context tokens and a bool array
-    of prefill flags, one entry per request; the returned array is reused by the next call.
-    Same results as ``attribute_arrays`` (tested).
+    materialising its own terms first. A step straddling a segment boundary takes the exact (slower)
+    ``step_shapley_s``. Inputs are float64 arrays of new and context tokens and a bool array of prefill
+    flags, one entry per request; the returned array is reused by the next call. Same results as
+    ``attribute_arrays`` (tested). ``n_equal_split`` counts the steps split equally (see ``Attribution``).
     """
 
-    def __init__(self, model: StepLatencyModel, rule: str = "shapley", max_batch_size: int = 4096):
-        _check_rule(rule)
-        model._check_fitted()
-        self.rule = rule
+    def __init__(self, model: StepLatencyModel, rule: str | AttributionRule = AttributionRule.SHAPLEY, max_batch_size: int = 4096):
+        self.rule = parse_rule(rule)
+        model.check_is_fitted()
         self.boundary = model.boundary_
+        self._coef_array = np.array(model.coef_, dtype=np.float64)
         self._coef = [tuple(float(v) for v in row) for row in model.coef_]
+        self._decode = [(row[Coef.B], row[Coef.D2], row[Coef.D4]) for row in self._coef]
         self._nonnegative = bool(np.all(model.coef_ >= 0))
         self._ones = np.ones(max_batch_size)
         self._out = np.empty(max_batch_size)
         self._work = np.empty(max_batch_size)
+        self.n_equal_split = 0
 
-    def _coefficients(self, p: np.ndarray, ones: np.ndarray) -> tuple:
-        if self.boundary is None or p.dot(ones) < self.boundary:
-            return self._coef[0]
-        return self._coef[1]
+    def _segment(self, p: np.ndarray, ones: np.ndarray) -> int:
+        return 0 if self.boundary is None or p.dot(ones) < self.boundary else 1
 
     def _own_terms(self, coef: tuple, p: np.ndarray, c: np.ndarray, is_prefill: np.ndarray, n: int) -> np.ndarray:
-        _, k1, k2, k3, k4, k5, d6, d7 = coef
         own = self._out[:n]
-        np.multiply(c, d6, out=own)
-        own += d7
-        work = self._work[:n]
-        np.multiply(p, k3, out=work)
-        work += k1
-        work += k4 * c
-        work *= p
-        work += k2 * c
-        work += k5
-        np.copyto(own, work, where=is_prefill)
+        np.copyto(own, decode_own_s(coef, c))
+        np.copyto(own, prefill_own_s(coef, p, c), where=is_prefill)
         return own
 
     def predict_step_s(self, num_new_tokens: np.ndarray, num_context_tokens: np.ndarray, is_prefill: np.ndarray) -> float:
         """Predicted step time of a batch, for admission decisions."""
         n = num_new_tokens.shape[0]
         ones = self._ones[:n]
-        coef = self._coefficients(num_new_tokens, ones)
+        segment = self._segment(num_new_tokens, ones)
+        coef = self._coef[segment]
         if np.count_nonzero(is_prefill) == 0:
-            return coef[0] + coef[6] * num_context_tokens.dot(ones) + coef[7] * n
-        return coef[0] + float(self._own_terms(coef, num_new_tokens, num_context_tokens, is_prefill, n).dot(ones))
+            b, d2, d4 = self._decode[segment]
+            return b + d2 * num_context_tokens.dot(ones) + d4 * n
+        return coef[Coef.B] + float(self._own_terms(coef, num_new_tokens, num_context_tokens, is_prefill, n).dot(ones))
 
     def attribute(
         self,
@@ -214,32 +361,47 @@ class StepAttributor:
         """Each request's share of the step in seconds (summing to ``measured_s`` when given)."""
         n = num_new_tokens.shape[0]
         ones = self._ones[:n]
-        coef = self._coefficients(num_new_tokens, ones)
-        b, d6, d7 = coef[0], coef[6], coef[7]
-        shapley = self.rule == "shapley"
-        if self.rule != "paper" and self._nonnegative and np.count_nonzero(is_prefill) == 0:
-            own_total = d6 * num_context_tokens.dot(ones) + d7 * n
+        segment = 0 if self.boundary is None or num_new_tokens.dot(ones) < self.boundary else 1
+        b, d2, d4 = self._decode[segment]
+        shapley = self.rule is AttributionRule.SHAPLEY
+        if shapley and segment == 1 and num_new_tokens.min() < self.boundary:
+            phi = self._straddling_shapley(num_new_tokens, num_context_tokens, is_prefill)
+            return self._spread(phi, phi.dot(ones) if measured_s is None else measured_s, n, clip=True)
+        if self.rule is not AttributionRule.PAPER and self._nonnegative and np.count_nonzero(is_prefill) == 0:
+            own_total = d2 * num_context_tokens.dot(ones) + d4 * n
             basis_total = own_total + b if shapley else own_total
             target = own_total + b if measured_s is None else measured_s
             out = self._out[:n]
             if basis_total <= 0:
+                self.n_equal_split += 1
                 out.fill(target / n)
                 return out
             scale = target / basis_total
-            np.multiply(num_context_tokens, d6 * scale, out=out)
-            out += ((d7 + b / n) if shapley else d7) * scale
+            np.multiply(num_context_tokens, d2 * scale, out=out)
+            out += ((d4 + b / n) if shapley else d4) * scale
             return out
-        own = self._own_terms(coef, num_new_tokens, num_context_tokens, is_prefill, n)
-        if self.rule == "paper":
+        own = self._own_terms(self._coef[segment], num_new_tokens, num_context_tokens, is_prefill, n)
+        if self.rule is AttributionRule.PAPER:
             return own
         target = own.dot(ones) + b if measured_s is None else measured_s
         if shapley:
             own += b / n
-        if not self._nonnegative:
-            np.maximum(own, 0.0, out=own)
-        total = own.dot(ones)
+        return self._spread(own, target, n, clip=not self._nonnegative)
+
+    def _straddling_shapley(self, p: np.ndarray, c: np.ndarray, is_prefill: np.ndarray) -> np.ndarray:
+        phi = step_shapley_s(self._coef_array, self.boundary, p, c, is_prefill)
+        out = self._out[: p.shape[0]]
+        np.copyto(out, phi)
+        return out
+
+    def _spread(self, basis: np.ndarray, target: float, n: int, *, clip: bool) -> np.ndarray:
+        """Scale ``basis`` (in place; its negative entries set to 0 first when ``clip``) to sum to ``target``."""
+        if clip:
+            np.maximum(basis, 0.0, out=basis)
+        total = basis.dot(self._ones[:n])
         if total > 0:
-            own *= target / total
+            basis *= target / total
         else:
-            own.fill(target / n)
-        return own
+            self.n_equal_split += 1
+            basis.fill(target / n)
+        return basis

@@ -11,10 +11,12 @@ the per-request term; they are merged into it (``decode_requests``) instead of f
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 import numpy as np
 
-from llmvisor.errors import LlmvisorError
 from llmvisor.core.trace import StepTrace
+from llmvisor.errors import LlmvisorError
 
 FEATURE_NAMES = (
     "intercept",
@@ -29,20 +31,62 @@ FEATURE_NAMES = (
 N_FEATURES = len(FEATURE_NAMES)
 
 
+class Coef(IntEnum):
+    """Position of each coefficient in a coefficient row, named as in the model formula (README, paper):
+
+    T = b + Σ_prefill (a1·p + a2·c + a3·p² + a5·p·c + a4) + Σ_decode (d2·c + d4)
+
+    The order is ``FEATURE_NAMES``' (the model file's), so a4 sits after a5; d1 and d3 (decode p and p²)
+    are merged into d4, since for a decode p = p² = 1.
+    """
+
+    B = 0
+    A1 = 1
+    A2 = 2
+    A3 = 3
+    A5 = 4
+    A4 = 5
+    D2 = 6
+    D4 = 7
+
+
+COEF_FEATURE = {coef: FEATURE_NAMES[coef] for coef in Coef}
+"""Each formula coefficient's feature name (b: intercept, a1: prefill_new_tokens, ..., d4: decode_requests)."""
+
+
+def prefill_own_s(coef, p, c):
+    """A prefill slice's own seconds: a1·p + a2·c + a3·p² + a5·p·c + a4 (scalars or arrays)."""
+    return p * (coef[Coef.A1] + coef[Coef.A3] * p + coef[Coef.A5] * c) + coef[Coef.A2] * c + coef[Coef.A4]
+
+
+def decode_own_s(coef, c):
+    """A decode slice's own seconds: d2·c + d4 (scalars or arrays)."""
+    return coef[Coef.D2] * c + coef[Coef.D4]
+
+
+def own_terms_s(coef, num_new_tokens, num_context_tokens, is_prefill) -> np.ndarray:
+    """Each slice's own predicted seconds under one coefficient row (vectorised over slices); the one
+    definition of a slice's term, used by the fit's features, attribution, admission and validation."""
+    p = np.asarray(num_new_tokens, dtype=np.float64)
+    c = np.asarray(num_context_tokens, dtype=np.float64)
+    return np.where(is_prefill, prefill_own_s(coef, p, c), decode_own_s(coef, c))
+
+
 def slice_feature_matrix(num_new_tokens: np.ndarray, num_context_tokens: np.ndarray, is_prefill: np.ndarray) -> np.ndarray:
-    """The (n_slices, N_FEATURES) matrix of each slice's own features; column 0 (intercept) is zero."""
+    """The (n_slices, N_FEATURES) matrix of each slice's own features; column b (intercept) is zero.
+    ``x @ coef`` is ``own_terms_s(coef, ...)`` (tested)."""
     p = np.asarray(num_new_tokens, dtype=np.float64)
     c = np.asarray(num_context_tokens, dtype=np.float64)
     prefill = np.asarray(is_prefill, dtype=bool)
     decode = ~prefill
     x = np.zeros((p.shape[0], N_FEATURES))
-    x[:, 1] = np.where(prefill, p, 0.0)
-    x[:, 2] = np.where(prefill, c, 0.0)
-    x[:, 3] = np.where(prefill, p * p, 0.0)
-    x[:, 4] = np.where(prefill, p * c, 0.0)
-    x[:, 5] = prefill
-    x[:, 6] = np.where(decode, c, 0.0)
-    x[:, 7] = decode
+    x[:, Coef.A1] = np.where(prefill, p, 0.0)
+    x[:, Coef.A2] = np.where(prefill, c, 0.0)
+    x[:, Coef.A3] = np.where(prefill, p * p, 0.0)
+    x[:, Coef.A5] = np.where(prefill, p * c, 0.0)
+    x[:, Coef.A4] = prefill
+    x[:, Coef.D2] = np.where(decode, c, 0.0)
+    x[:, Coef.D4] = decode
     return x
 
 
@@ -62,7 +106,7 @@ def step_feature_matrix(trace: StepTrace) -> np.ndarray:
     check_decode_slices(trace)
     x = slice_feature_matrix(trace.num_new_tokens, trace.num_context_tokens, trace.is_prefill)
     steps = np.add.reduceat(x, trace.step_starts, axis=0) if trace.n_steps else np.zeros((0, N_FEATURES))
-    steps[:, 0] = 1.0
+    steps[:, Coef.B] = 1.0
     return steps
 
 

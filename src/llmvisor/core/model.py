@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -10,13 +12,83 @@ import numpy as np
 import scipy.linalg
 import scipy.optimize
 
-from llmvisor.errors import LlmvisorError, ModelError, NotFittedError
-from llmvisor.core.features import FEATURE_NAMES, N_FEATURES, step_feature_matrix, step_new_tokens
+from llmvisor.core.features import (
+    FEATURE_NAMES,
+    N_FEATURES,
+    step_feature_matrix,
+    step_new_tokens,
+)
 from llmvisor.core.trace import StepTrace
+from llmvisor.errors import LlmvisorError, ModelError, NotFittedError
 
 MODEL_FORMAT = "llmvisor.step_latency_model"
 MODEL_FORMAT_VERSION = 1
 SEGMENT_NAMES = ("memory_bound", "compute_bound")
+EPISODE_COLUMN = "episode"
+"""Optional trace column naming the episode a step belongs to; the boundary search keeps an episode in one fold."""
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and bool(np.isfinite(value))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+PARAMETER_CONSTRAINTS: dict[str, tuple] = {
+    "segments": (lambda v: v in ("auto", "none") or (_is_real(v) and v > 0), "'auto', 'none' or a number of tokens > 0"),
+    "positive": (lambda v: isinstance(v, (bool, np.bool_)), "True or False"),
+    "weights": (lambda v: v in ("relative", "none"), "'relative' or 'none'"),
+    "outlier_threshold": (lambda v: v is None or (_is_real(v) and v > 0), "None or a number > 0"),
+    "drop_warmup": (lambda v: isinstance(v, (bool, np.bool_)), "True or False"),
+    "cv_folds": (lambda v: _is_int(v) and v >= 2, "an integer >= 2"),
+    "n_boundary_candidates": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "min_steps_per_segment": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+}
+"""Every hyper-parameter of ``StepLatencyModel``: (accepts value, what is accepted). ``fit`` checks them all."""
+
+
+def composition_groups(trace: StepTrace) -> np.ndarray:
+    """Per step, an integer id shared by exactly the steps of identical composition: the same multiset of
+    (num_new_tokens, num_context_tokens, phase) slices. A 64-bit multiset hash (the wrapping sum of each
+    slice's mixed hash, so slice order does not matter and nothing is sorted): two different compositions
+    share an id with probability ~2⁻⁶⁴ per pair."""
+    if trace.n_steps == 0:
+        return np.zeros(0, dtype=np.intp)
+    with np.errstate(over="ignore"):
+        key = _mix64(trace.num_new_tokens.astype(np.uint64))
+        key = _mix64(key ^ trace.num_context_tokens.astype(np.uint64))
+        key = _mix64(key ^ trace.is_prefill.astype(np.uint64))
+        step_hash = np.add.reduceat(key, trace.step_starts) ^ _mix64(trace.batch_size_per_step.astype(np.uint64))
+    return np.unique(step_hash, return_inverse=True)[1].astype(np.intp)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: spreads every input bit over the output (wrapping uint64 arithmetic)."""
+    x = (x + np.uint64(0x9E3779B97F4A7C15)) ^ (x >> np.uint64(30))
+    x = (x * np.uint64(0xBF58476D1CE4E5B9)) ^ (x >> np.uint64(27))
+    x = (x * np.uint64(0x94D049BB133111EB)) ^ (x >> np.uint64(31))
+    return x
+
+
+def group_k_fold(groups: np.ndarray, n_folds: int) -> list[np.ndarray]:
+    """Test masks of up to ``n_folds`` folds that never split a group (scikit-learn's GroupKFold idea in numpy).
+
+    Groups are laid out in order of first appearance and cut into contiguous blocks of about equal step
+    counts, so neighbouring steps (alike in a recorded trace) also stay together.
+    """
+    groups = np.asarray(groups)
+    if groups.size == 0:
+        return []
+    _, first, inverse, counts = np.unique(groups, return_index=True, return_inverse=True, return_counts=True)
+    by_appearance = np.argsort(first, kind="stable")
+    k = min(n_folds, by_appearance.size)
+    cumulative = np.cumsum(counts[by_appearance]) - counts[by_appearance]
+    fold_of_group = np.empty(by_appearance.size, dtype=np.intp)
+    fold_of_group[by_appearance] = np.minimum((cumulative * k) // groups.size, k - 1)
+    fold = fold_of_group[inverse.reshape(-1)]
+    return [fold == i for i in range(k) if (fold == i).any()]
 
 
 @dataclass(frozen=True)
@@ -80,8 +152,15 @@ class StepLatencyModel:
     drop_warmup : bool
         Drop steps marked ``is_warmup`` in the trace (counted in ``fit_info_``).
     cv_folds : int
-        Folds of the boundary search: grouped by run when the training data holds several runs, else
-        contiguous blocks of steps (neighbouring steps are alike; shuffling would leak).
+        Folds of the boundary search. A fold never splits a group of steps: the run when the training data
+        holds several runs, else the episode (column ``episode``) when the trace has one, else the step's
+        composition, so a repeated sweep's identical steps are never in train and test at once. Groups are
+        cut into contiguous blocks (neighbouring steps are alike; shuffling would leak). The grouping used is
+        ``fit_info_["boundary_search"]["fold_grouping"]``.
+    n_boundary_candidates : int
+        Load quantiles (and as many log-spaced values) tried as boundaries by ``segments="auto"``.
+    min_steps_per_segment : int
+        A candidate boundary is skipped when either side has fewer steps (or cannot identify every feature).
 
     Attributes
     ----------
@@ -99,9 +178,15 @@ class StepLatencyModel:
 
     Notes
     -----
+    The scikit-learn estimator contract holds without importing scikit-learn (the core install leaves it out):
+    hyper-parameters are stored unchanged by ``__init__`` and read back by ``get_params`` from its signature
+    (as ``sklearn.base.BaseEstimator`` does), learned attributes end in ``_``, ``fit`` returns self, so
+    ``sklearn.base.clone`` and ``GridSearchCV`` work; a ``StepTrace`` is the X (its samples are its steps)
+    and ``score`` is minus the median absolute relative error of the step predictions.
+
     This is NNLS (or OLS) on per-step sums of per-slice features, wrapped as a predictor. The segment of a step
-    is chosen by its own load, and the same coefficients price every slice of that step, which is what makes
-    each slice's term an additive share of the step (see ``llmvisor.core.attribution``).
+    is chosen by its own load and the same coefficients price every slice of that step; attribution prices
+    each subset of a step in the subset's own segment (see ``llmvisor.core.attribution``).
     """
 
     def __init__(
@@ -126,23 +211,44 @@ class StepLatencyModel:
         self.min_steps_per_segment = min_steps_per_segment
 
     # ---------------------------------------------------------------------------------------------------
-    def get_params(self) -> dict:
-        return {
-            "segments": self.segments,
-            "positive": self.positive,
-            "weights": self.weights,
-            "outlier_threshold": self.outlier_threshold,
-            "drop_warmup": self.drop_warmup,
-            "cv_folds": self.cv_folds,
-            "n_boundary_candidates": self.n_boundary_candidates,
-            "min_steps_per_segment": self.min_steps_per_segment,
-        }
+    @classmethod
+    def _param_names(cls) -> list[str]:
+        signature = inspect.signature(cls.__init__)
+        return sorted(name for name, p in signature.parameters.items() if name != "self" and p.kind == p.KEYWORD_ONLY)
 
-    def _check_params(self) -> None:
-        if self.weights not in ("relative", "none"):
-            raise LlmvisorError(f"weights must be 'relative' or 'none', got {self.weights!r}")
-        if not (self.segments in ("auto", "none") or isinstance(self.segments, (int, float))):
-            raise LlmvisorError(f"segments must be 'auto', 'none' or a number of tokens, got {self.segments!r}")
+    def get_params(self, deep: bool = True) -> dict:
+        """The hyper-parameters, by name (``deep`` is accepted for scikit-learn; there are no sub-estimators)."""
+        return {name: getattr(self, name) for name in self._param_names()}
+
+    def set_params(self, **params) -> StepLatencyModel:
+        """Set hyper-parameters by name (checked by the next ``fit``); returns self."""
+        valid = self._param_names()
+        for name, value in params.items():
+            if name not in valid:
+                raise LlmvisorError(f"StepLatencyModel has no parameter {name!r}; parameters: {', '.join(valid)}")
+            setattr(self, name, value)
+        return self
+
+    def __sklearn_tags__(self):
+        """scikit-learn's description of this estimator: a regressor whose X is a ``StepTrace`` (no array
+        checks) and whose targets come from X (y not required). Only scikit-learn calls it."""
+        from sklearn.utils import InputTags, RegressorTags, Tags, TargetTags
+
+        return Tags(
+            estimator_type="regressor",
+            target_tags=TargetTags(required=False),
+            regressor_tags=RegressorTags(),
+            input_tags=InputTags(two_d_array=False),
+            no_validation=True,
+        )
+
+    def check_params(self) -> None:
+        """Check every hyper-parameter against ``PARAMETER_CONSTRAINTS``: one line naming the first bad one."""
+        for name in self._param_names():
+            accepts, expected = PARAMETER_CONSTRAINTS[name]
+            value = getattr(self, name)
+            if not accepts(value):
+                raise LlmvisorError(f"StepLatencyModel parameter {name} must be {expected}, got {value!r}")
 
     def _row_weights(self, y: np.ndarray) -> np.ndarray:
         """Relative weighting divides each step's residual by its measured time, so a 10 ms decode step
@@ -166,17 +272,16 @@ class StepLatencyModel:
         segment = (load >= boundary).astype(np.intp)
         return np.einsum("ij,ij->i", x, coef[segment])
 
-    def _folds(self, run_per_step: np.ndarray) -> list[np.ndarray]:
-        runs = list(dict.fromkeys(run_per_step.tolist()))
-        n = run_per_step.shape[0]
-        if len(runs) >= 2:
-            k = min(self.cv_folds, len(runs))
-            fold_of_run = {run: i % k for i, run in enumerate(runs)}
-            fold = np.array([fold_of_run[r] for r in run_per_step.tolist()])
-        else:
-            k = self.cv_folds
-            fold = (np.arange(n) * k) // max(n, 1)
-        return [fold == i for i in range(k)]
+    @staticmethod
+    def fold_groups(trace: StepTrace) -> tuple[np.ndarray, str]:
+        """Per step, the group the boundary search's folds keep whole, and the grouping's name."""
+        runs = trace.run_id_per_step
+        if len(set(runs.tolist())) >= 2:
+            return np.unique(runs, return_inverse=True)[1], "run"
+        if EPISODE_COLUMN in trace.extra and trace.n_steps:
+            episodes = np.asarray(trace.extra[EPISODE_COLUMN])[trace.step_starts].astype(str)
+            return np.unique(episodes, return_inverse=True)[1], EPISODE_COLUMN
+        return composition_groups(trace), "composition"
 
     def _segment_is_estimable(self, x: np.ndarray, mask: np.ndarray) -> bool:
         if mask.sum() < self.min_steps_per_segment:
@@ -185,15 +290,23 @@ class StepLatencyModel:
         sub = sub / np.maximum(np.abs(sub).max(axis=0), 1e-300)
         return np.linalg.matrix_rank(sub) == int(self.identified_.sum())
 
-    def fit(self, trace: StepTrace) -> StepLatencyModel:
-        """Learn the coefficients (and the boundary) from a training trace's steps; returns self."""
-        self._check_params()
+    def fit(self, trace: StepTrace, y: None = None) -> StepLatencyModel:
+        """Learn the coefficients (and the boundary) from a training trace's steps; returns self.
+
+        The targets are the trace's own ``step_latency_s``; ``y`` exists for scikit-learn and must be None.
+        """
+        self.check_params()
+        if y is not None:
+            raise LlmvisorError("StepLatencyModel.fit: the targets are the trace's step_latency_s; pass y=None")
+        if not isinstance(trace, StepTrace):
+            raise LlmvisorError(f"StepLatencyModel.fit: expected a StepTrace, got {type(trace).__name__}")
         if trace.n_steps == 0:
             raise LlmvisorError("cannot fit on a trace with no steps")
         x = step_feature_matrix(trace)
         y = trace.step_latency_s_per_step
         load = step_new_tokens(trace)
         runs = trace.run_id_per_step
+        groups, grouping = self.fold_groups(trace)
         keep = np.ones(trace.n_steps, dtype=bool)
         n_warmup = 0
         if self.drop_warmup:
@@ -219,8 +332,8 @@ class StepLatencyModel:
             keep &= ~outliers
 
         self.train_step_mask_ = keep
-        x_fit, y_fit, load_fit, runs_fit = x[keep], y[keep], load[keep], runs[keep]
-        search = self._search_boundary(x_fit, y_fit, load_fit, runs_fit)
+        x_fit, y_fit, load_fit = x[keep], y[keep], load[keep]
+        search = self._search_boundary(x_fit, y_fit, load_fit, groups[keep], grouping)
         self.boundary_ = search["chosen"]
         w = self._row_weights(y_fit)
         self.coef_ = self._fit_segments(x_fit * w[:, None], y_fit * w, load_fit, self.boundary_)
@@ -244,7 +357,7 @@ class StepLatencyModel:
         }
         return self
 
-    def _search_boundary(self, x, y, load, runs) -> dict:
+    def _search_boundary(self, x, y, load, groups, grouping: str) -> dict:
         if self.segments == "none":
             return {"chosen": None, "report": {"mode": "none"}}
         if isinstance(self.segments, (int, float)) and not isinstance(self.segments, bool):
@@ -257,7 +370,7 @@ class StepLatencyModel:
             ]
         )
         candidates: list[float | None] = [None] + sorted({float(np.round(v)) for v in grid if v > load.min()})
-        folds = self._folds(runs)
+        folds = group_k_fold(groups, self.cv_folds)
         w = self._row_weights(y)
         aw, bw = x * w[:, None], y * w
         scores: dict[str, dict] = {}
@@ -294,37 +407,51 @@ class StepLatencyModel:
                 "mode": "auto",
                 "rule": "lowest cross-validated mean squared relative error; 'none' kept unless a boundary beats it by more than one standard error",
                 "n_folds": len(folds),
-                "fold_grouping": "run" if len(set(runs.tolist())) >= 2 else "contiguous steps",
+                "fold_grouping": grouping,
+                "n_groups": int(np.unique(groups).size),
                 "candidates": scores,
                 "chosen": chosen_key,
             },
         }
 
     # ---------------------------------------------------------------------------------------------------
-    def _check_fitted(self) -> None:
+    def check_is_fitted(self) -> None:
+        """Raise ``NotFittedError`` (one line) unless the model was fitted or loaded."""
         if not hasattr(self, "coef_"):
             raise NotFittedError("this StepLatencyModel is not fitted yet; call fit(trace) or load a model file")
 
     def segment_of_steps(self, load: np.ndarray) -> np.ndarray:
-        self._check_fitted()
+        self.check_is_fitted()
         if self.boundary_ is None:
             return np.zeros(np.shape(load), dtype=np.intp)
         return (np.asarray(load) >= self.boundary_).astype(np.intp)
 
     def predict(self, trace: StepTrace) -> np.ndarray:
         """Predicted latency of every step of ``trace``, in seconds."""
-        self._check_fitted()
+        self.check_is_fitted()
         x = step_feature_matrix(trace)
         return self._predict_rows(self.coef_, self.boundary_, x, step_new_tokens(trace))
 
+    def score(self, trace: StepTrace, y: None = None) -> float:
+        """Minus the median absolute relative error of the predicted step times (higher is better, as
+        scikit-learn's model selection expects); warm-up steps are left out when ``drop_warmup``."""
+        if y is not None:
+            raise LlmvisorError("StepLatencyModel.score: the targets are the trace's step_latency_s; pass y=None")
+        measured = trace.step_latency_s_per_step
+        used = ~trace.is_warmup_per_step if self.drop_warmup else np.ones(trace.n_steps, dtype=bool)
+        if not used.any():
+            raise LlmvisorError("StepLatencyModel.score: no steps to score (every step is warm-up)")
+        relative = np.abs(self.predict(trace)[used] - measured[used]) / measured[used]
+        return -float(np.median(relative))
+
     @property
     def segment_names_(self) -> tuple[str, ...]:
-        self._check_fitted()
+        self.check_is_fitted()
         return ("all",) if self.boundary_ is None else SEGMENT_NAMES
 
     # ---------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        self._check_fitted()
+        self.check_is_fitted()
         return {
             "format": MODEL_FORMAT,
             "format_version": MODEL_FORMAT_VERSION,

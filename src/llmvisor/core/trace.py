@@ -47,6 +47,37 @@ OPTIONAL_COLUMNS = ("timestamp_s", "engine", "engine_version", "model", "hardwar
 PHASES = ("prefill", "decode")
 SUFFIXES = (".jsonl", ".csv", ".parquet")
 
+WARMUP_TRUE = frozenset({"true", "1", "yes", "y", "t"})
+WARMUP_FALSE = frozenset({"false", "0", "no", "n", "f", ""})
+
+
+def parse_is_warmup(values: np.ndarray, *, path: str = "<memory>") -> np.ndarray:
+    """The optional ``is_warmup`` column as booleans: the one reading used by the model and the profiler.
+
+    Booleans and numbers count as usual (nonzero is warm-up); text is read case-insensitively as
+    true/1/yes/y/t or false/0/no/n/f/empty. Any other value is a ``TraceError`` naming it, rather than a
+    guess (a bare ``bool("no")`` would be True).
+    """
+    values = np.asarray(values)
+    if values.dtype == bool:
+        return values
+    if values.dtype.kind in "iuf":
+        return values != 0
+    flags = np.zeros(values.shape[0], dtype=bool)
+    for i, value in enumerate(values.tolist()):
+        if value is None:
+            continue
+        if isinstance(value, (bool, int, float)):
+            flags[i] = bool(value)
+            continue
+        text = str(value).strip().lower()
+        if text in WARMUP_TRUE:
+            flags[i] = True
+        elif text not in WARMUP_FALSE:
+            raise TraceError(f"{path}: slice {i + 1}: is_warmup: expected true/false, yes/no or 1/0, got {value!r}")
+    return flags
+
+
 ARROW_SCHEMA = pa.schema(
     [
         ("run_id", pa.string()),
@@ -89,6 +120,55 @@ class StepTrace:
     extra: dict[str, np.ndarray] = field(default_factory=dict)
     metadata: dict = field(default_factory=dict)
     sources: tuple[str, ...] = ()
+
+    # The three members below let scikit-learn treat a trace as X with one sample per step
+    # (``_num_samples`` reads ``shape[0]``, ``_safe_indexing`` calls ``trace[indices, ...]``), so model
+    # selection (GridSearchCV with GroupKFold) can split a trace by steps.
+    @property
+    def shape(self) -> tuple[int]:
+        """``(n_steps,)``: a trace's samples are its steps."""
+        return (self.n_steps,)
+
+    def __len__(self) -> int:
+        return self.n_steps
+
+    def __getitem__(self, key) -> StepTrace:
+        """The sub-trace of the steps ``key`` selects (integer indices in the given order, a boolean mask or a
+        slice); a ``(key, ...)`` tuple, as scikit-learn passes, is the same."""
+        if isinstance(key, tuple):
+            if len(key) != 2 or key[1] is not Ellipsis:
+                raise TypeError("a trace is indexed by steps only: trace[steps] or trace[steps, ...]")
+            key = key[0]
+        if isinstance(key, slice):
+            return self.take_steps(np.arange(self.n_steps)[key])
+        index = np.asarray(key)
+        if index.dtype == bool:
+            return self.select_steps(index)
+        if index.ndim != 1 or index.dtype.kind not in "iu":
+            raise TypeError(f"a trace is indexed by a 1-d array of step indices or a step mask, got {key!r}")
+        return self.take_steps(index)
+
+    def take_steps(self, steps: np.ndarray) -> StepTrace:
+        """A trace of the steps at indices ``steps``, in that order (repeats allowed)."""
+        steps = np.asarray(steps, dtype=np.intp)
+        sizes = self.batch_size_per_step[steps]
+        offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+        starts = self.step_starts[steps]
+        slices = np.repeat(starts - offsets[:-1], sizes) + np.arange(offsets[-1])
+        return StepTrace(
+            run_id=self.run_id[slices],
+            step_id=self.step_id[slices],
+            step_latency_s=self.step_latency_s[slices],
+            request_id=self.request_id[slices],
+            tenant=self.tenant[slices],
+            num_new_tokens=self.num_new_tokens[slices],
+            num_context_tokens=self.num_context_tokens[slices],
+            is_prefill=self.is_prefill[slices],
+            step_offsets=offsets,
+            extra={name: values[slices] for name, values in self.extra.items()},
+            metadata=dict(self.metadata),
+            sources=self.sources,
+        )
 
     @property
     def n_slices(self) -> int:
@@ -135,9 +215,7 @@ class StepTrace:
         """Steps the recorder marked as warm-up (optional column ``is_warmup`` on any of its rows)."""
         if "is_warmup" not in self.extra or self.n_steps == 0:
             return np.zeros(self.n_steps, dtype=bool)
-        values = self.extra["is_warmup"]
-        if values.dtype != bool:
-            values = np.array([str(v).strip().lower() in ("true", "1", "yes") for v in values.tolist()], dtype=bool)
+        values = parse_is_warmup(self.extra["is_warmup"], path=", ".join(self.sources) or "<memory>")
         return np.logical_or.reduceat(values, self.step_starts)
 
     @property

@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from llmvisor import shipped
-from llmvisor.errors import LlmvisorError
 from llmvisor.core.features import FEATURE_NAMES
+from llmvisor.errors import LlmvisorError
 
 POLICIES = ("fcfs", "tokens", "attributed")
 POLICY_LABELS = {"fcfs": "vLLM FCFS", "tokens": "token VTC", "attributed": "attributed VTC"}
@@ -311,7 +311,7 @@ def report_sections(result: dict) -> list[tuple[str, str]]:
     """HTML sections for the llmvisor report: the plot and a summary table per policy."""
     import html
 
-    from llmvisor.report.html import img_tag, figure_png_base64
+    from llmvisor.report.html import figure_png_base64, img_tag
 
     rows = []
     for policy in POLICIES:

@@ -50,6 +50,7 @@ import numpy as np
 
 from llmvisor import shipped
 from llmvisor.core.attribution import RULES, StepAttributor
+from llmvisor.core.features import Coef, prefill_own_s
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.errors import LlmvisorError
 
@@ -381,7 +382,7 @@ class AdmissionController:
     """Predicts what admitting a request does to the running decodes' time per output token.
 
     Closed-form on the model's coefficients: a decode-only step of n requests with total context C costs
-    ``b + d_c·C + d_1·n`` (coefficients of the segment its load n falls in); a prefill chunk of p tokens over c
+    ``b + d2·C + d4·n`` (the sum of n decode own terms) (coefficients of the segment its load n falls in); a prefill chunk of p tokens over c
     cached ones adds its own prefill terms to the step it runs in.
 
     Predictions run low on runs other than the one fitted (on the shipped traces the held-out median signed
@@ -400,7 +401,7 @@ class AdmissionController:
         max_chunk_tokens: int = 2048,
         prediction_factor: float | None = None,
     ):
-        model._check_fitted()
+        model.check_is_fitted()
         self.tpot_slo_s = tpot_slo_s
         self.prediction_factor, self.prediction_factor_source = self._resolve_factor(model, prediction_factor)
         self.max_chunk_tokens = max(1, int(max_chunk_tokens))
@@ -424,8 +425,8 @@ class AdmissionController:
     def decode_step_s(self, num_decodes: int, sum_context_tokens: float) -> float:
         if num_decodes <= 0:
             return 0.0
-        b, *_, d6, d7 = self._set(num_decodes)
-        return b + d6 * sum_context_tokens + d7 * num_decodes
+        coef = self._set(num_decodes)
+        return coef[Coef.B] + coef[Coef.D2] * sum_context_tokens + coef[Coef.D4] * num_decodes
 
     def prefill_cost_s(self, num_prompt_tokens: int, num_cached_tokens: int = 0, num_decodes: int = 0) -> float:
         """Own prefill terms of the request's chunks: the time its prefill adds to the steps it runs in."""
@@ -434,8 +435,7 @@ class AdmissionController:
         remaining = int(num_prompt_tokens) - context
         while remaining > 0:
             p = min(remaining, self.max_chunk_tokens)
-            _, k1, k2, k3, k4, k5, _, _ = self._set(p + num_decodes)
-            total += p * (k1 + k3 * p + k4 * context) + k2 * context + k5
+            total += prefill_own_s(self._set(p + num_decodes), p, context)
             context += p
             remaining -= p
         return total

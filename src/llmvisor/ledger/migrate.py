@@ -25,8 +25,8 @@ from sqlalchemy import (
     Text,
     create_engine,
     func,
-    inspect,
     insert,
+    inspect,
     select,
 )
 from sqlalchemy.engine import make_url

@@ -13,14 +13,9 @@ QUANTILE_NAMES = ("min", "p10", "p50", "p90", "max")
 
 
 def warmup_mask_per_step(trace: StepTrace) -> np.ndarray:
-    """True for steps the recorder marked as warm-up (column ``is_warmup``), per step."""
-    if "is_warmup" not in trace.extra:
-        return np.zeros(trace.n_steps, dtype=bool)
-    values = trace.extra["is_warmup"]
-    flags = np.array([bool(v) and v not in ("false", "False", "0") for v in values.tolist()], dtype=bool)
-    if trace.n_steps == 0:
-        return np.zeros(0, dtype=bool)
-    return np.logical_or.reduceat(flags, trace.step_starts)
+    """True for steps the recorder marked as warm-up (column ``is_warmup``), per step; the trace's own
+    reading of the column (``llmvisor.core.trace.parse_is_warmup``), so the profiler and the fit agree."""
+    return trace.is_warmup_per_step
 
 
 def mark_warmup_window(trace: StepTrace, seconds: float) -> int:

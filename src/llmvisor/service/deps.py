@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Query, Request
@@ -114,7 +114,7 @@ MetricsAccess = Annotated[None, Depends(metrics_access)]
 
 
 def to_datetime(us: int) -> datetime:
-    return datetime.fromtimestamp(us / 1e6, tz=timezone.utc)
+    return datetime.fromtimestamp(us / 1e6, tz=UTC)
 
 
 def parse_time_us(name: str, value: str | None) -> int | None:
@@ -135,7 +135,7 @@ def parse_time_us(name: str, value: str | None) -> int | None:
         else:
             raise HTTPException(422, f"{name}: expected an ISO 8601 time or Unix seconds, got {value!r}")
         if moment.tzinfo is None:
-            moment = moment.replace(tzinfo=timezone.utc)
+            moment = moment.replace(tzinfo=UTC)
         seconds = moment.timestamp()
     if not math.isfinite(seconds) or not 0 <= seconds < MAX_TIMESTAMP_S:
         raise HTTPException(422, f"{name}: {value!r} is out of range (Unix seconds from 0 to {MAX_TIMESTAMP_S:g})")

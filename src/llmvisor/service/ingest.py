@@ -28,10 +28,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from llmvisor.core.attribution import attribute
-from llmvisor.errors import LlmvisorError, TraceError
-from llmvisor.ledger import StepRecords
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import REQUIRED_COLUMNS, StepTrace, build_trace, trace_columns_from_arrow, trace_from_rows
+from llmvisor.errors import LlmvisorError, TraceError
+from llmvisor.ledger import StepRecords
 
 BODY_PATH = "request body"
 MAX_STRING_CHARS = 512

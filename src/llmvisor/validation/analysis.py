@@ -20,7 +20,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from llmvisor.core.attribution import RULES, attribute_arrays
+from llmvisor.core.attribution import RULES, attribute_arrays, subset_costs_s
 from llmvisor.validation.game import (
     additive_design,
     additive_fit,
@@ -99,14 +99,9 @@ def model_shares(model, new: np.ndarray, context: np.ndarray, is_prefill: np.nda
 
 
 def model_subset_costs(model, new: np.ndarray, context: np.ndarray, is_prefill: np.ndarray) -> np.ndarray:
-    """The model's predicted time of every subset of a batch (index = bit mask; 0 for the empty set)."""
-    n = new.size
-    masks = subset_masks(n)[1:]
-    subsets = [members(int(m), n) for m in masks]
-    flat = np.concatenate(subsets)
-    offsets = np.concatenate([[0], np.cumsum([len(m) for m in subsets])])
-    predicted = attribute_arrays(model, new[flat], context[flat], is_prefill[flat], offsets, None, "paper").predicted_step_s
-    return np.concatenate([[0.0], predicted])
+    """The model's predicted time of every subset of a batch (index = bit mask; 0 for the empty set): the
+    cost game whose Shapley value the attribution rule is (``llmvisor.core.attribution.subset_costs_s``)."""
+    return subset_costs_s(model, new, context, is_prefill)
 
 
 def analyse_batch(batch: BatchSpec, journal: Journal, model, repeat: int) -> dict | None:

@@ -325,10 +325,12 @@ def _measure_batch_round(
         handle = measurer.prepare_decode(
             list(batch.num_context_tokens), max_decode_steps=runs_per_request + warm_up_steps + 4 * max_attempts
         )
-        run = lambda subset: measurer.decode_step(handle, members(subset, batch.size))
+        def run(subset):
+            return measurer.decode_step(handle, members(subset, batch.size))
     else:
         handle = None
-        run = lambda subset: measurer.prefill_step([batch.num_new_tokens[i] for i in members(subset, batch.size)])
+        def run(subset):
+            return measurer.prefill_step([batch.num_new_tokens[i] for i in members(subset, batch.size)])
     try:
         for _ in range(warm_up_steps):
             run(full)

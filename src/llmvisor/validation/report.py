@@ -192,7 +192,8 @@ def error_cdf_figure(records: list[dict], floor: dict, phases: list[str], method
 def markdown_summary(validation: dict) -> str:
     """The result's headline tables in Markdown (what docs/validation.md quotes), so the figures are regenerable."""
     summary = validation["summary"]
-    pct = lambda x: "–" if x is None else f"{100 * x:.1f}%"
+    def pct(x):
+        return "–" if x is None else f"{100 * x:.1f}%"
 
     def cell(m: dict, q: int) -> str:
         ci = m.get(f"p{q}_ci95")

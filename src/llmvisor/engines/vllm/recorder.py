@@ -29,9 +29,9 @@ import vllm
 from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from llmvisor.engines.vllm.settings import RecorderSettings
 from llmvisor.client import StepPusher
 from llmvisor.core.trace import TraceWriter
+from llmvisor.engines.vllm.settings import RecorderSettings
 
 logger = init_logger(__name__)
 
