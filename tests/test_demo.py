@@ -69,7 +69,7 @@ def test_demo_report_links_its_json_and_explains_the_step_counts(tmp_path):
     # a wrapped cell continues on a line whose first cell (model or tenant) is blank
     assert [line for line in rows if line.split("│")[1].strip() == ""] == []
     evaluation_rows = [line for line in rows if line.split("│")[2].strip() in ("prefill", "decode", "all")]
-    assert len(evaluation_rows) == 12 and all(line.count("%") == 9 for line in evaluation_rows)
+    assert len(evaluation_rows) == 12 and all(line.count("%") == 14 for line in evaluation_rows)
     assert max(map(len, lines)) > 80
 
     folder = tmp_path / "report"

@@ -17,7 +17,7 @@ ENGINE_COMMANDS = (("profile",), ("validate",), ("experiment", "fairness"))
 def command(path: tuple[str, ...]):
     node = typer.main.get_command(app)
     for name in path:
-        node = node.commands[name]
+        node = node.get_command(typer.Context(node), name)
     return node
 
 
