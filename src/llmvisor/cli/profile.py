@@ -15,7 +15,10 @@ import typer
 from llmvisor import shipped
 from llmvisor.cli import engine_options as eo
 from llmvisor.cli.console import stdout_to_stderr
+from llmvisor.core.trace import read_trace, write_trace
 from llmvisor.errors import LlmvisorError
+from llmvisor.profile.plans import Envelope, build_workload, episode_dict, sweep_episodes, workload_name
+from llmvisor.profile.stats import coverage, mark_warmup_window, noise_floor, print_coverage, print_noise_floor
 
 PLANS = ("sweep", "workload")
 
@@ -52,7 +55,6 @@ def profile(
     """Profile a vLLM engine in this process and write its step trace."""
     from rich.console import Console
 
-    from llmvisor.profile.plans import Envelope, build_workload, workload_name
 
     console = Console(stderr=True)
     if plan not in PLANS:
@@ -122,8 +124,6 @@ def profile(
             max_seconds=max_seconds,
         )
 
-    from llmvisor.core.trace import read_trace, write_trace
-    from llmvisor.profile.stats import coverage, mark_warmup_window, noise_floor, print_coverage, print_noise_floor
 
     trace = read_trace(jsonl_path)
     n_warmup = mark_warmup_window(trace, warmup_seconds)
@@ -220,7 +220,6 @@ def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from llmvisor.engines.vllm.driver import ProfiledEngine
-    from llmvisor.profile.plans import episode_dict, sweep_episodes
 
     started = time.perf_counter()
     with console.status(f"starting vLLM on {settings.model} ..."):

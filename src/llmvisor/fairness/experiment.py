@@ -30,11 +30,14 @@ from pathlib import Path
 import numpy as np
 
 from llmvisor import shipped
+from llmvisor.core.attribution import attribute_arrays
 from llmvisor.core.features import FEATURE_NAMES
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.trace import concat_traces, read_trace
 from llmvisor.errors import LlmvisorError
+from llmvisor.fairness.policy import POLICIES, SchedulingPolicy, jain_index, max_min_ratio
 
-POLICIES = ("fcfs", "tokens", "attributed")
-POLICY_LABELS = {"fcfs": "vLLM FCFS", "tokens": "token VTC", "attributed": "attributed VTC"}
+POLICY_LABELS = {policy.value: policy.label for policy in SchedulingPolicy}
 GOAL_MAX_MIN = 1.2
 GOAL_JAIN = 0.95
 GOAL_THROUGHPUT_LOSS = 0.05
@@ -48,7 +51,6 @@ def _percentiles(values: list[float]) -> dict:
 
 
 def _fairness(values: list[float]) -> tuple[float | None, float | None]:
-    from llmvisor.fairness.policy import jain_index, max_min_ratio
 
     if len(values) < 2:
         return None, None
@@ -81,8 +83,6 @@ def workload_tenants(n_tenants: int, *, rate_rps: float, history_tokens: int, n_
 
 def analyse_run(result: dict, model, *, window_s: float, warmup_s: float) -> dict:
     """Per-tenant, per-window figures of one policy's run (see the module docstring)."""
-    from llmvisor.core.attribution import attribute_arrays
-    from llmvisor.core.trace import read_trace
 
     tenants = list(result["tenants"])
     index = {t: k for k, t in enumerate(tenants)}
@@ -221,8 +221,6 @@ def insitu_check(runs: dict, *, window_s: float, warmup_s: float) -> dict | None
     share cached documents), so a policy that is fair only under the charging model's split shows it here.
     Its own caveat: batch composition varies less than in a sweep, so its coefficients are less certain.
     """
-    from llmvisor.core.model import StepLatencyModel
-    from llmvisor.core.trace import concat_traces, read_trace
 
     if len(runs) < 2:
         return None
@@ -398,7 +396,6 @@ def run_experiment(
     ``engine`` holds the `EngineSettings` fields other than the engine model; ``workload`` is
     ``{"tenants": workload_tenants(...), "duration_s": ..., "seed": ...}``.
     """
-    from llmvisor.core.model import StepLatencyModel
 
     say = progress or (lambda message: None)
     unknown = [p for p in policies if p not in POLICIES]

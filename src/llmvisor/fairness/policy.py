@@ -45,6 +45,7 @@ import tomllib
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
 
@@ -54,7 +55,28 @@ from llmvisor.core.features import Coef, prefill_own_s
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.errors import LlmvisorError
 
-COSTS = ("tokens", "attributed")
+
+class ChargeCost(StrEnum):
+    """What a tenant's virtual counter is charged per step: VTC's token prices, or attributed engine seconds."""
+
+    TOKENS = "tokens"
+    ATTRIBUTED = "attributed"
+
+
+class SchedulingPolicy(StrEnum):
+    """How waiting requests are ordered: vLLM's FCFS, or VTC charged with one of the `ChargeCost`s."""
+
+    FCFS = "fcfs"
+    TOKENS = "tokens"
+    ATTRIBUTED = "attributed"
+
+    @property
+    def label(self) -> str:
+        return {"fcfs": "vLLM FCFS", "tokens": "token VTC", "attributed": "attributed VTC"}[self.value]
+
+
+COSTS = tuple(ChargeCost)
+POLICIES = tuple(SchedulingPolicy)
 DEFAULT_TENANT = "default"
 ENV_CONFIG = "LLMVISOR_FAIR_CONFIG"
 

@@ -21,8 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from llmvisor.engines.vllm.driver import EngineSettings, check_model_dir, configure_environment, freeze_startup_objects
-
-POLICIES = ("fcfs", "tokens", "attributed")
+from llmvisor.fairness.policy import POLICIES
 
 
 def arrival_schedule(workload: dict) -> list[dict]:
