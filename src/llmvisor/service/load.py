@@ -46,6 +46,7 @@ def _run_id(tag: str, index: int | str) -> str:
 @dataclass
 class LoadResult:
     target: str
+    database: str
     steps: int
     slices: int
     elapsed_s: float
@@ -60,6 +61,7 @@ class LoadResult:
     def to_json(self) -> dict:
         return {
             "target": self.target,
+            "database": self.database,
             "steps": self.steps,
             "slices": self.slices,
             "elapsed_s": self.elapsed_s,
@@ -134,6 +136,7 @@ def run_load(
     api_key: str,
     *,
     target: str,
+    database: str,
     total_steps: int,
     batch_size: int,
     steps_per_request: int,
@@ -193,7 +196,7 @@ def run_load(
         if response.status_code == 200:
             totals = response.json()
             reconciled = totals["attributed_ns"] == totals["measured_ns"]
-    return LoadResult(target, done["steps"], done["steps"] * batch_size, elapsed_s, done["requests"], done["errors"], reconciled)
+    return LoadResult(target, database, done["steps"], done["steps"] * batch_size, elapsed_s, done["requests"], done["errors"], reconciled)
 
 
 def check_loopback(url: str) -> None:
@@ -226,7 +229,7 @@ def load_targets(
         check_loopback(url)
         if not api_key:
             raise LlmvisorError("--url needs --api-key (an admin key)")
-        return [run_load(url, api_key, target=url, **options)]
+        return [run_load(url, api_key, target=url, database="unknown", **options)]
     results = []
     with tempfile.TemporaryDirectory(prefix="llmvisor-load-") as scratch:
         if model_path is None:
@@ -240,5 +243,5 @@ def load_targets(
             finally:
                 ledger.close()
             with ServerProcess(model_path, db_url, log_path=Path(scratch) / "server.log") as server:
-                results.append(run_load(server.url, key, target=f"{ledger.backend} ({ledger.safe_url})", **options))
+                results.append(run_load(server.url, key, target=f"{ledger.backend} ({ledger.safe_url})", database=ledger.backend, **options))
     return results

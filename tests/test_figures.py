@@ -1,0 +1,177 @@
+"""Every figure the README and the docs quote comes from a JSON file that a command wrote; these tests tie each
+quoted figure to its file, and the demo's file to what the demo computes now, so the three cannot drift.
+
+When a figure changes, rerun the command that writes its file (the README's Results section names them) and
+copy the figures this test reports as missing into the text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmvisor import shipped
+from llmvisor.validation.report import markdown_summary
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results"
+MODEL_ROWS = {"llmvisor": "llmvisor", "paper_ols": "paper_ols", "token_count": "token_count (VTC cost)", "random_forest": "random_forest"}
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def pct(value: float) -> str:
+    return f"{100 * value:.1f}%"
+
+
+def signed_pct(value: float) -> str:
+    return f"{100 * value:+.1f}%".replace("+-", "-")
+
+
+def thousands(value: float) -> str:
+    return f"{round(value):,}"
+
+
+def demo_figures(demo: dict) -> list[str]:
+    evaluation, fit = demo["evaluation"], demo["model"]["fit_info"]
+    figures = [
+        f"Fitted on the shipped sweep ({thousands(fit['n_steps_total'])} steps",
+        f"{thousands(fit['n_warmup_dropped'])} warm-up and {thousands(fit['n_outliers_dropped'])} outlier steps dropped",
+        f"{thousands(fit['n_steps_used'])} used",
+        f"({thousands(evaluation['models']['llmvisor']['all']['n_steps'])} steady steps)",
+    ]
+    for name, label in MODEL_ROWS.items():
+        cells = []
+        for phase in ("prefill", "decode"):
+            m = evaluation["models"][name][phase]
+            cells.append(" / ".join(pct(m[f"rel_err_{q}"]) for q in ("p50", "p90", "p99")))
+            cells.append(signed_pct(m["signed_err_p50"]))
+        figures.append(f"| {label} | " + " | ".join(cells) + " |")
+    gain = evaluation["improvement"]
+    figures.append(
+        f"prefill {gain['prefill']['p90']:.1f}× at p90, {gain['prefill']['p99']:.1f}× at p99; "
+        f"decode {gain['decode']['p90']:.1f}× at p90, {gain['decode']['p99']:.1f}× at p99"
+    )
+    floor = evaluation["noise_floor"]["train"]
+    figures.append(f"{pct(floor['p50'])} / {pct(floor['p90'])} / {pct(floor['p99'])} (p50 / p90 / p99)")
+    return figures
+
+
+def bench_figures(bench: dict) -> list[str]:
+    return [
+        f"{bench['attribute_step_us']['64']:.2f} µs per step at B=64",
+        f"decode-only steps {bench['attribute_step_us_decode_only']['64']:.2f} µs",
+        f"with a prefill chunk {bench['attribute_step_us_with_prefill']['64']:.1f} µs",
+        f"{thousands(bench['speedup_vs_random_forest']['64'])}× faster than a random forest",
+        f"{bench['offline_slices_per_s'] / 1e6:.0f} M slices/s",
+        f"fit on 100k steps ({bench['fit_n_slices'] / 1e6:.1f} M slices) with the boundary search in {bench['fit_100k_steps_s']:.2f} s",
+    ]
+
+
+def validation_figures(validation: dict) -> list[str]:
+    summary = validation["summary"]
+    errors = summary["errors"]
+    ours = {phase: errors[phase]["shapley"]["shapley"] for phase in ("prefill", "decode")}
+    tokens = {phase: errors[phase]["shapley"]["token_proportional"] for phase in ("prefill", "decode")}
+    gain = summary["improvement_vs_token_proportional"]["decode"]["shapley"]
+    return [
+        f"{summary['n_batches']['prefill'] + summary['n_batches']['decode']} batches of 2–5 requests",
+        f"{thousands(sum(run['measured_steps'] for run in validation['settings']['measurement_runs']))}\ncontrolled steps",
+        f"within {pct(ours['prefill']['p50'])} / {pct(ours['prefill']['p90'])} (prefill) and "
+        f"{pct(ours['decode']['p50'])} / {pct(ours['decode']['p90'])} (decode)",
+        f"{pct(tokens['decode']['p90'])} off at p90 ({gain:.1f}× worse)",
+        f"as good ({pct(tokens['prefill']['p90'])} at p90)",
+        f"miss {100 * -summary['loo_sum_gap_fraction']['decode']['p50']:.0f}% of a decode step at the median",
+    ]
+
+
+def fairness_figures(fairness: dict) -> list[str]:
+    summaries = {policy: run["summary"] for policy, run in fairness["policies"].items()}
+    attributed = summaries["attributed"]
+    return [
+        f"max/min {attributed['engine_time_max_min']:.2f}, Jain {attributed['jain']:.3f}",
+        f"FCFS gave {summaries['fcfs']['engine_time_max_min']:.2f}× and token VTC\n{summaries['tokens']['engine_time_max_min']:.2f}×",
+    ]
+
+
+def load_figures(load_result: dict) -> list[str]:
+    rates = {(t["database"], t["body"]): t["steps_per_s"] for t in load_result["targets"]}
+    return [
+        f"{thousands(rates[('sqlite', 'parquet')])} steps/s into SQLite and {thousands(rates[('postgresql', 'parquet')])} into PostgreSQL with Parquet bodies",
+        f"{thousands(rates[('sqlite', 'columns')])} and {thousands(rates[('postgresql', 'columns')])}\nwith JSON columns",
+    ]
+
+
+def missing_from(text: str, figures: list[str]) -> list[str]:
+    flat = " ".join(text.split())
+    return [figure for figure in figures if " ".join(figure.split()) not in flat]
+
+
+def test_readme_quotes_each_result_file():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    figures = [
+        *demo_figures(load(RESULTS / "demo.json")),
+        *bench_figures(load(RESULTS / "bench.json")),
+        *load_figures(load(RESULTS / "load.json")),
+        *validation_figures(load(shipped.result_path(shipped.VALIDATION_RESULT))),
+        *fairness_figures(load(shipped.result_path(shipped.FAIRNESS_RESULT))),
+    ]
+    assert missing_from(readme, figures) == []
+
+
+def test_validation_doc_holds_the_summary_generated_from_the_shipped_result():
+    summary = markdown_summary(load(shipped.result_path(shipped.VALIDATION_RESULT)))
+    assert missing_from((REPO / "docs" / "validation.md").read_text(encoding="utf-8"), summary.splitlines()) == []
+
+
+def test_service_doc_quotes_the_load_result():
+    assert missing_from((REPO / "docs" / "service.md").read_text(encoding="utf-8"), load_figures(load(RESULTS / "load.json"))) == []
+
+
+def test_the_quoting_check_catches_a_changed_figure():
+    demo = load(RESULTS / "demo.json")
+    demo["evaluation"]["models"]["llmvisor"]["decode"]["rel_err_p90"] += 0.01
+    assert missing_from((REPO / "README.md").read_text(encoding="utf-8"), demo_figures(demo))
+
+
+@pytest.mark.parametrize("section", ["evaluation", "model", "attribution"])
+def test_shipped_demo_result_is_what_the_demo_computes_now(section, demo_now):
+    shipped_demo = load(RESULTS / "demo.json")
+    if section == "evaluation":
+        for name in MODEL_ROWS:
+            for phase in ("prefill", "decode", "all"):
+                now, then = demo_now[section]["models"][name][phase], shipped_demo[section]["models"][name][phase]
+                point_estimates = [k for k in then if not k.endswith("_ci95")]
+                assert {k: now[k] for k in point_estimates} == pytest.approx({k: then[k] for k in point_estimates}, rel=1e-9, abs=1e-12)
+        assert demo_now[section]["improvement"] == pytest.approx(shipped_demo[section]["improvement"], rel=1e-9)
+    elif section == "model":
+        def coefficients(model: dict) -> list[float]:
+            return [value for segment in model["segments"] for value in segment["coef_s"].values()]
+
+        assert coefficients(demo_now[section]) == pytest.approx(coefficients(shipped_demo[section]), rel=1e-6, abs=1e-12)
+        assert demo_now[section]["boundary_new_tokens"] == shipped_demo[section]["boundary_new_tokens"]
+        assert {k: demo_now[section]["fit_info"][k] for k in ("n_steps_total", "n_steps_used", "n_warmup_dropped", "n_outliers_dropped")} == {
+            k: shipped_demo[section]["fit_info"][k] for k in ("n_steps_total", "n_steps_used", "n_warmup_dropped", "n_outliers_dropped")
+        }
+    else:
+        assert demo_now[section]["by_rule"] == pytest.approx(shipped_demo[section]["by_rule"], rel=1e-9)
+
+
+@pytest.fixture(scope="module")
+def demo_now(tmp_path_factory):
+    completed = subprocess.run(
+        [sys.executable, "-m", "llmvisor.cli", "demo", "-o", str(tmp_path_factory.mktemp("demo")), "--json", "--bootstrap", "20"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert completed.returncode == 0, completed.stderr
+    return json.loads(completed.stdout)
