@@ -101,6 +101,23 @@ def fairness_figures(fairness: dict) -> list[str]:
     ]
 
 
+def fairness_doc_figures(fairness: dict) -> list[str]:
+    labels = {"fcfs": "vLLM FCFS", "tokens": "token VTC", "attributed": "attributed VTC"}
+    figures = []
+    for policy, label in labels.items():
+        summary = fairness["policies"][policy]["summary"]
+        seconds = summary["interval_s"][1] - summary["interval_s"][0]
+        windows = summary["window_engine_time_max_min"]
+        figures += [
+            f"| {label} | {summary['attributed_s']['long']:.1f} / {summary['attributed_s']['short']:.1f} |",
+            f"{summary['engine_time_max_min']:.2f}",
+            f"{summary['jain']:.3f}",
+            f"| {windows['median']:.2f}, {windows['max']:.2f} | {sum(summary['output_tokens'].values()) / seconds:.0f}",
+            f"| {sum(summary['requests_finished'].values()) / seconds:.1f} |",
+        ]
+    return figures
+
+
 def load_figures(load_result: dict) -> list[str]:
     rates = {(t["database"], t["body"]): t["steps_per_s"] for t in load_result["targets"]}
     return [
@@ -133,6 +150,11 @@ def test_validation_doc_holds_the_summary_generated_from_the_shipped_result():
 
 def test_service_doc_quotes_the_load_result():
     assert missing_from((REPO / "docs" / "service.md").read_text(encoding="utf-8"), load_figures(load(RESULTS / "load.json"))) == []
+
+
+def test_fairness_doc_quotes_the_shipped_experiment():
+    fairness = load(shipped.result_path(shipped.FAIRNESS_RESULT))
+    assert missing_from((REPO / "docs" / "fairness.md").read_text(encoding="utf-8"), fairness_doc_figures(fairness)) == []
 
 
 def test_the_quoting_check_catches_a_changed_figure():
