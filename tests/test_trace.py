@@ -424,7 +424,7 @@ def test_v1_and_v2_traces_read_together_fill_in_nothing_shared(tmp_path):
 
 def test_streaming_and_arrow_readers_keep_the_sharing_columns(tmp_path):
     from llmvisor.core.synthetic import synthetic_trace
-    from llmvisor.core.trace import trace_columns_from_arrow, build_trace
+    from llmvisor.core.trace import build_trace, trace_columns_from_arrow
 
     trace = synthetic_trace(300, max_batch_size=9, shared_prefix_fraction=0.5, seed=5)
     write_trace(trace, tmp_path / "shared.parquet")
