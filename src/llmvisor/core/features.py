@@ -70,12 +70,14 @@ COEF_FEATURE = {coef: FEATURE_NAMES[coef] for coef in Coef}
 def prefill_own_s(coef, p, c, e=None):
     """A prefill slice's own seconds: a1·p + a2·c + a3·p² + a5·p·c + a4 + e·ĉ (scalars or arrays; ĉ = ``e``,
     the effective context, is c when not given)."""
-    return p * (coef[Coef.A1] + coef[Coef.A3] * p + coef[Coef.A5] * c) + coef[Coef.A2] * c + coef[Coef.A4] + coef[Coef.E] * (c if e is None else e)
+    own = p * (coef[Coef.A1] + coef[Coef.A3] * p + coef[Coef.A5] * c) + coef[Coef.A2] * c + coef[Coef.A4]
+    return own + coef[Coef.E] * (c if e is None else e) if coef[Coef.E] else own
 
 
 def decode_own_s(coef, c, e=None):
     """A decode slice's own seconds: d2·c + d4 + e·ĉ (scalars or arrays; ĉ = ``e`` is c when not given)."""
-    return coef[Coef.D2] * c + coef[Coef.D4] + coef[Coef.E] * (c if e is None else e)
+    own = coef[Coef.D2] * c + coef[Coef.D4]
+    return own + coef[Coef.E] * (c if e is None else e) if coef[Coef.E] else own
 
 
 def own_terms_s(coef, num_new_tokens, num_context_tokens, is_prefill, effective_context_tokens=None) -> np.ndarray:

@@ -15,6 +15,7 @@ means nothing is shared; a trace gives both or neither.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import itertools
 import json
@@ -781,7 +782,7 @@ def _with_sharing_columns(trace: StepTrace) -> StepTrace:
     extra = dict(trace.extra)
     extra["num_shared_context_tokens"] = trace.num_shared_context_tokens
     extra["effective_context_tokens"] = trace.effective_context_tokens
-    return StepTrace(**{**{f: getattr(trace, f) for f in trace.__dataclass_fields__}, "extra": extra})
+    return dataclasses.replace(trace, extra=extra)
 
 
 def iter_trace(path: str | os.PathLike, *, batch_rows: int = 1 << 20) -> Iterator[StepTrace]:
