@@ -20,6 +20,7 @@ from llmvisor.core.trace import (
     parse_is_warmup,
     read_trace,
     read_traces,
+    sharing_columns_from_blocks,
     trace_from_rows,
     write_trace,
 )
@@ -436,8 +437,6 @@ def test_streaming_and_arrow_readers_keep_the_sharing_columns(tmp_path):
 
 
 def test_sharing_columns_from_blocks_follow_the_definition():
-    from llmvisor.core.trace import sharing_columns_from_blocks
-
     # slices 0, 1, 2 read block A (16 tokens); 0 and 1 read block B (16); 2 reads block C (16) alone.
     shared, effective = sharing_columns_from_blocks([40, 32, 40], [(16, [0, 1, 2]), (16, [0, 1]), (16, [2])])
     assert shared.tolist() == [32, 32, 16]
