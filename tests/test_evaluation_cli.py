@@ -248,3 +248,34 @@ def test_cli_eval_takes_several_test_files_after_one_flag_as_the_readme_writes(f
     assert data["test_runs"] == ["test", "test2"]
     repeated = run_cli("eval", "--train", files / "train.parquet", "--test", files / "test.csv", "--test", files / "test2.parquet", "--json", "--bootstrap", "20")
     assert json.loads(repeated.stdout)["models"] == data["models"]
+
+
+SHARING_COEF_S = {"decode_context_tokens": 6e-8, "effective_context_tokens": 1.2e-7}
+
+
+def test_eval_reports_steps_with_and_without_shared_context_apart(tmp_path):
+    from llmvisor.core.synthetic import DEFAULT_COEF_S
+
+    coef = dict(DEFAULT_COEF_S, **SHARING_COEF_S)
+    train = synthetic_trace(1500, coef_s=coef, shared_prefix_fraction=0.5, noise=0.03, run_id="train", seed=1)
+    test = synthetic_trace(400, coef_s=coef, shared_prefix_fraction=0.5, noise=0.03, run_id="test", seed=2)
+    write_trace(train, tmp_path / "train.parquet")
+    write_trace(test, tmp_path / "test.parquet")
+    data = json.loads(run_cli("eval", "--train", tmp_path / "train.parquet", "--test", tmp_path / "test.parquet", "--json", "--bootstrap", "20").stdout)
+    shared = test.has_shared_context_per_step
+    for name in ("llmvisor", "token_count"):
+        groups = data["by_sharing"]
+        assert set(groups) == {"shared", "unique"}
+        assert groups["shared"][name]["all"]["n_steps"] == int(shared.sum()) > 0
+        assert groups["unique"][name]["all"]["n_steps"] == int((~shared).sum()) > 0
+        for phase in ("prefill", "decode", "all"):
+            counts = groups["shared"][name][phase]["n_steps"] + groups["unique"][name][phase]["n_steps"]
+            assert counts == data["models"][name][phase]["n_steps"]
+        assert set(data["models"][name]["all"]) - {"n_unseen_phase_fallback"} == set(groups["shared"][name]["all"])
+    assert data["by_sharing"]["shared"]["llmvisor"]["all"]["rel_err_p90"] < 0.1
+
+
+def test_a_v1_test_trace_has_no_shared_steps():
+    result = evaluate(synthetic_trace(600, run_id="a", seed=1), synthetic_trace(200, run_id="b", seed=2), model_names=("llmvisor",), n_bootstrap=0)
+    assert result["by_sharing"]["shared"]["llmvisor"]["all"]["n_steps"] == 0
+    assert result["by_sharing"]["unique"]["llmvisor"]["all"]["n_steps"] == result["models"]["llmvisor"]["all"]["n_steps"]

@@ -10,8 +10,9 @@ import pytest
 from llmvisor.core.features import FEATURE_NAMES
 from llmvisor.core.model import PARAMETER_CONSTRAINTS, StepLatencyModel, composition_groups, group_k_fold
 from llmvisor.core.synthetic import DEFAULT_COEF_S, synthetic_trace
-from llmvisor.core.trace import StepTrace, concat_traces
+from llmvisor.core.trace import StepTrace, concat_traces, read_trace
 from llmvisor.errors import LlmvisorError, ModelError, NotFittedError
+from llmvisor.shipped import HELD_OUT_TRACES, latency_model_path, trace_path
 
 TRUE = np.array([DEFAULT_COEF_S[name] for name in FEATURE_NAMES])
 
@@ -22,7 +23,8 @@ def test_fit_recovers_known_coefficients(positive):
     model = StepLatencyModel(segments="none", positive=positive).fit(trace)
     np.testing.assert_allclose(model.coef_[0], TRUE, rtol=1e-6)
     assert model.boundary_ is None
-    assert model.rank_ == len(FEATURE_NAMES)
+    assert model.rank_ == len(FEATURE_NAMES) - 1
+    assert model.fit_info_["unidentified_features"] == ["effective_context_tokens"]
 
 
 def test_fit_with_noise_is_close_and_predicts_held_out_steps():
@@ -94,7 +96,11 @@ def test_unidentified_features_are_held_at_zero_and_reported():
     trace = synthetic_trace(800, seed=7)
     trace.num_context_tokens[trace.is_prefill] = 0
     model = StepLatencyModel(segments="none").fit(trace)
-    assert set(model.fit_info_["unidentified_features"]) == {"prefill_context_tokens", "prefill_new_x_context_tokens"}
+    assert set(model.fit_info_["unidentified_features"]) == {
+        "prefill_context_tokens",
+        "prefill_new_x_context_tokens",
+        "effective_context_tokens",
+    }
     assert model.coef_[0][FEATURE_NAMES.index("prefill_new_x_context_tokens")] == 0
 
 
@@ -114,7 +120,8 @@ def test_json_round_trip_predicts_the_same(tmp_path):
     assert loaded.boundary_ == 400
     assert loaded.get_params() == model.get_params()
     data = json.loads((tmp_path / "m.json").read_text())
-    assert data["format_version"] == 1 and data["segments"][0]["name"] == "memory_bound"
+    assert data["format_version"] == 2 and data["segments"][0]["name"] == "memory_bound"
+    assert data["feature_names"][-1] == "effective_context_tokens"
 
 
 def test_bad_model_files_are_clear_errors(tmp_path):
@@ -257,3 +264,74 @@ def test_an_episode_column_groups_the_folds_of_a_single_run():
     trace.extra["episode"] = np.repeat(np.arange(trace.n_steps) // 100, trace.batch_size_per_step)
     search = StepLatencyModel().fit(trace).fit_info_["boundary_search"]
     assert search["fold_grouping"] == "episode" and search["n_groups"] == 6
+
+
+SHARING_COEF_S = dict(DEFAULT_COEF_S, decode_context_tokens=6e-8, prefill_context_tokens=5e-8, effective_context_tokens=1.2e-7)
+"""A synthetic engine where a context token costs 6e-8 s per reader plus 1.2e-7 s once per step."""
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.03])
+def test_fit_recovers_the_sharing_coefficient_from_a_v2_trace(noise):
+    trace = synthetic_trace(4000, coef_s=SHARING_COEF_S, shared_prefix_fraction=0.5, noise=noise, seed=21)
+    assert trace.has_shared_context_per_step.mean() > 0.3
+    model = StepLatencyModel(segments="none", outlier_threshold=None).fit(trace)
+    assert "effective_context_tokens" not in model.fit_info_["unidentified_features"]
+    coef = dict(zip(FEATURE_NAMES, model.coef_[0]))
+    rtol = 1e-6 if noise == 0 else 0.1
+    for name in ("effective_context_tokens", "decode_context_tokens", "decode_requests", "intercept"):
+        assert coef[name] == pytest.approx(SHARING_COEF_S[name], rel=rtol), name
+
+
+def test_a_v1_trace_cannot_identify_sharing_and_prices_context_per_request():
+    v1 = synthetic_trace(2000, coef_s=SHARING_COEF_S, seed=22)
+    model = StepLatencyModel(segments="none").fit(v1)
+    coef = dict(zip(FEATURE_NAMES, model.coef_[0]))
+    assert coef["effective_context_tokens"] == 0
+    assert "effective_context_tokens" in model.fit_info_["unidentified_features"]
+    total = SHARING_COEF_S["decode_context_tokens"] + SHARING_COEF_S["effective_context_tokens"]
+    assert coef["decode_context_tokens"] == pytest.approx(total, rel=1e-6)
+
+
+def test_version_1_model_files_load_with_sharing_held_at_zero(tmp_path):
+    model = StepLatencyModel(segments=400).fit(piecewise_trace(400, seed=9))
+    data = model.to_dict()
+    old = json.loads(json.dumps(data))
+    old["format_version"] = 1
+    old["feature_names"] = old["feature_names"][:-1]
+    old["identified_features"] = [n for n in old["identified_features"] if n != "effective_context_tokens"]
+    for segment in old["segments"]:
+        del segment["coef_s"]["effective_context_tokens"]
+    (tmp_path / "v1.json").write_text(json.dumps(old))
+    loaded = StepLatencyModel.from_json(tmp_path / "v1.json")
+    assert not loaded.identified_[FEATURE_NAMES.index("effective_context_tokens")]
+    shared = synthetic_trace(300, shared_prefix_fraction=0.5, seed=10)
+    np.testing.assert_array_equal(loaded.predict(shared), model.predict(shared))
+    old["feature_names"] = old["feature_names"][:-1]
+    (tmp_path / "bad.json").write_text(json.dumps(old))
+    with pytest.raises(ModelError, match="feature_names"):
+        StepLatencyModel.from_json(tmp_path / "bad.json")
+
+
+def test_the_shipped_model_predicts_v1_traces_by_its_version_1_coefficients():
+    data = json.loads(latency_model_path().read_text())
+    assert data["format_version"] == 1
+    model = StepLatencyModel.from_json(latency_model_path())
+    trace = read_trace(trace_path(HELD_OUT_TRACES[0]))
+    p = trace.num_new_tokens.astype(float)
+    c = trace.num_context_tokens.astype(float)
+    load = np.add.reduceat(p, trace.step_starts)
+    expected = np.zeros(trace.n_steps)
+    for k in range(trace.n_steps):
+        segment = 0 if data["boundary_new_tokens"] is None or load[k] < data["boundary_new_tokens"] else 1
+        coef = data["segments"][segment]["coef_s"]
+        s = slice(trace.step_offsets[k], trace.step_offsets[k + 1])
+        prefill = trace.is_prefill[s]
+        pp, cc = p[s], c[s]
+        own = np.where(
+            prefill,
+            coef["prefill_new_tokens"] * pp + coef["prefill_context_tokens"] * cc + coef["prefill_new_tokens_squared"] * pp**2
+            + coef["prefill_new_x_context_tokens"] * pp * cc + coef["prefill_requests"],
+            coef["decode_context_tokens"] * cc + coef["decode_requests"],
+        )
+        expected[k] = coef["intercept"] + own.sum()
+    np.testing.assert_allclose(model.predict(trace), expected, rtol=1e-12)

@@ -20,6 +20,7 @@ from llmvisor.core.trace import (
     parse_is_warmup,
     read_trace,
     read_traces,
+    sharing_columns_from_blocks,
     trace_from_rows,
     write_trace,
 )
@@ -353,3 +354,137 @@ def test_a_trace_indexes_by_steps_as_scikit_learn_does():
     assert trace[1:].n_steps == 2
     with pytest.raises(TypeError):
         trace[np.array([0.5])]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Version 2: the shared-KV columns
+
+
+def shared_row(step_id, request_id, context, shared, effective, **kwargs):
+    return row(step_id, request_id, context=context, num_shared_context_tokens=shared, effective_context_tokens=effective, **kwargs)
+
+
+def v2_rows():
+    """Step 0: a and b share a 64-token prefix (each reads half of it), c reads its own context; step 1: nothing shared."""
+    return [
+        shared_row(0, "a", 70, 64, 6 + 32.0),
+        shared_row(0, "b", 100, 64, 36 + 32.0),
+        shared_row(0, "c", 10, 0, 10.0),
+        shared_row(1, "a", 71, 0, 71.0),
+    ]
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_v2_columns_round_trip_in_every_file_type(tmp_path, suffix):
+    trace = read_trace(write_rows(tmp_path / f"v2{suffix}", v2_rows(), suffix))
+    assert trace.has_sharing_columns
+    assert trace.num_shared_context_tokens.tolist() == [64, 64, 0, 0]
+    assert trace.effective_context_tokens.tolist() == [38.0, 68.0, 10.0, 71.0]
+    assert trace.has_shared_context_per_step.tolist() == [True, False]
+    write_trace(trace, tmp_path / f"again{suffix}")
+    again = read_trace(tmp_path / f"again{suffix}")
+    np.testing.assert_array_equal(again.num_shared_context_tokens, trace.num_shared_context_tokens)
+    np.testing.assert_array_equal(again.effective_context_tokens, trace.effective_context_tokens)
+    assert again.extra["num_shared_context_tokens"].dtype == np.int64
+    assert again.extra["effective_context_tokens"].dtype == np.float64
+
+
+def test_parquet_format_version_is_2_with_the_sharing_columns_and_1_without(tmp_path):
+    def version(path):
+        return json.loads(pq.read_schema(path).metadata[b"llmvisor.trace"])["format_version"]
+
+    write_trace(trace_from_rows(v2_rows()), tmp_path / "v2.parquet")
+    write_trace(trace_from_rows([row()]), tmp_path / "v1.parquet")
+    assert (version(tmp_path / "v2.parquet"), version(tmp_path / "v1.parquet")) == (2, 1)
+    assert pq.read_schema(tmp_path / "v2.parquet").field("effective_context_tokens").type == pa.float64()
+    with TraceWriter(tmp_path / "w2.parquet") as writer:
+        writer.write_step([{**r, "effective_context_tokens": int(r["effective_context_tokens"])} for r in v2_rows()[:3]])
+    assert version(tmp_path / "w2.parquet") == 2
+    assert pq.read_schema(tmp_path / "w2.parquet").field("effective_context_tokens").type == pa.float64()
+    with TraceWriter(tmp_path / "w1.parquet") as writer:
+        writer.write_step([row()])
+    assert version(tmp_path / "w1.parquet") == 1
+
+
+def test_a_v1_trace_means_nothing_shared():
+    trace = trace_from_rows([row(0, "a", context=5), row(0, "b", context=7)])
+    assert not trace.has_sharing_columns
+    assert trace.num_shared_context_tokens.tolist() == [0, 0]
+    assert trace.effective_context_tokens.tolist() == [5.0, 7.0]
+    assert trace.has_shared_context_per_step.tolist() == [False]
+
+
+def test_v1_and_v2_traces_read_together_fill_in_nothing_shared(tmp_path):
+    write_trace(trace_from_rows([row(0, "x", context=9, run_id="old")]), tmp_path / "old.parquet")
+    write_trace(trace_from_rows(v2_rows()), tmp_path / "new.jsonl")
+    both = read_traces([tmp_path / "old.parquet", tmp_path / "new.jsonl"])
+    assert both.has_sharing_columns
+    assert both.effective_context_tokens.tolist() == [9.0, 38.0, 68.0, 10.0, 71.0]
+    assert both.num_shared_context_tokens.tolist() == [0, 64, 64, 0, 0]
+
+
+def test_streaming_and_arrow_readers_keep_the_sharing_columns(tmp_path):
+    from llmvisor.core.synthetic import synthetic_trace
+    from llmvisor.core.trace import build_trace, trace_columns_from_arrow
+
+    trace = synthetic_trace(300, max_batch_size=9, shared_prefix_fraction=0.5, seed=5)
+    write_trace(trace, tmp_path / "shared.parquet")
+    pieces = list(iter_trace(tmp_path / "shared.parquet", batch_rows=50))
+    assert len(pieces) > 5 and all(p.has_sharing_columns for p in pieces)
+    np.testing.assert_array_equal(np.concatenate([p.effective_context_tokens for p in pieces]), trace.effective_context_tokens)
+    columns, rows = trace_columns_from_arrow("body", pq.read_table(tmp_path / "shared.parquet"))
+    np.testing.assert_array_equal(build_trace(columns, row_numbers=rows).num_shared_context_tokens, trace.num_shared_context_tokens)
+
+
+def test_sharing_columns_from_blocks_follow_the_definition():
+    # slices 0, 1, 2 read block A (16 tokens); 0 and 1 read block B (16); 2 reads block C (16) alone.
+    shared, effective = sharing_columns_from_blocks([40, 32, 40], [(16, [0, 1, 2]), (16, [0, 1]), (16, [2])])
+    assert shared.tolist() == [32, 32, 16]
+    np.testing.assert_allclose(effective, [8 + 16 / 3 + 8, 16 / 3 + 8, 8 + 16 / 3 + 16])
+    assert effective.sum() == pytest.approx(8 + 16 + 16 + 16 + 8)
+    with pytest.raises(ValueError, match="slice 1"):
+        sharing_columns_from_blocks([40, 10], [(16, [0, 1])])
+
+
+def with_change(index, **change):
+    rows = v2_rows()
+    rows[index] = {**rows[index], **change}
+    return rows
+
+
+BAD_V2 = [
+    ("negative shared", with_change(2, num_shared_context_tokens=-1), "row 3", "num_shared_context_tokens: token count must be >= 0"),
+    ("shared over context", with_change(2, num_shared_context_tokens=11), "row 3", "shared tokens must be <= num_context_tokens"),
+    ("effective over context", with_change(2, effective_context_tokens=10.5), "row 3", "effective_context_tokens: must be <= num_context_tokens"),
+    ("negative effective", with_change(2, effective_context_tokens=-1.0), "row 3", "effective_context_tokens: must be >= 0"),
+    ("effective under exclusive", with_change(1, effective_context_tokens=35.0), "row 2", "must be >= num_context_tokens - num_shared_context_tokens"),
+    ("shared counted once", with_change(1, effective_context_tokens=99.0), "row 2", "a shared block has at least two readers"),
+    ("lone sharer", with_change(1, num_shared_context_tokens=0, effective_context_tokens=100.0), "step 0", "only one slice of the step has shared context"),
+    ("wrong type", with_change(0, num_shared_context_tokens=1.5), "row 1", "num_shared_context_tokens: expected an integer"),
+    ("missing value", with_change(3, effective_context_tokens=None), "row 4", "effective_context_tokens: missing value"),
+]
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+@pytest.mark.parametrize("name,rows,where,reason", BAD_V2, ids=[b[0] for b in BAD_V2])
+def test_reader_rejects_bad_sharing_columns(tmp_path, suffix, name, rows, where, reason):
+    path = write_rows(tmp_path / f"bad{suffix}", rows, suffix)
+    with pytest.raises(TraceError) as error:
+        read_trace(path)
+    message = str(error.value)
+    if suffix == ".parquet" and name == "wrong type":
+        where, reason = "column num_shared_context_tokens", "expected integer values"
+    assert str(path) in message and reason in message and where in message, message
+
+
+def test_non_finite_effective_context_and_a_lone_column_are_rejected():
+    with pytest.raises(TraceError, match="row 3: effective_context_tokens: must be finite"):
+        trace_from_rows(with_change(2, effective_context_tokens=float("nan")))
+    lone = [{k: v for k, v in r.items() if k != "effective_context_tokens"} for r in v2_rows()]
+    with pytest.raises(TraceError, match="header: column num_shared_context_tokens without effective_context_tokens"):
+        trace_from_rows(lone)
+
+
+def test_effective_context_within_float_rounding_of_a_bound_is_accepted():
+    rows = [shared_row(0, r, 30, 30, 10.000000000001 if r == "a" else 10.0) for r in "abc"]
+    assert trace_from_rows(rows).effective_context_tokens.sum() == pytest.approx(30)

@@ -14,7 +14,10 @@ import scipy.optimize
 
 from llmvisor.core.features import (
     FEATURE_NAMES,
+    FEATURE_NAMES_V1,
     N_FEATURES,
+    Coef,
+    shared_context_saving_per_step,
     step_feature_matrix,
     step_new_tokens,
 )
@@ -22,7 +25,11 @@ from llmvisor.core.trace import StepTrace
 from llmvisor.errors import LlmvisorError, ModelError, NotFittedError
 
 MODEL_FORMAT = "llmvisor.step_latency_model"
-MODEL_FORMAT_VERSION = 1
+MODEL_FORMAT_VERSION = 2
+"""Version 2 added the feature ``effective_context_tokens``; version-1 files are read with it held at 0 (not
+identified), which predicts what they always did."""
+READABLE_FORMAT_VERSIONS = {1: FEATURE_NAMES_V1, 2: FEATURE_NAMES}
+"""Each model file version this llmvisor reads, with its feature list."""
 SEGMENT_NAMES = ("memory_bound", "compute_bound")
 EPISODE_COLUMN = "episode"
 """Optional trace column naming the episode a step belongs to; the boundary search keeps an episode in one fold."""
@@ -129,8 +136,9 @@ def _solve(aw: np.ndarray, bw: np.ndarray, *, positive: bool, identified: np.nda
 class StepLatencyModel:
     """Predicts an engine step's latency as a shared intercept plus one additive term per request slice.
 
-    T = b + Σ_prefill (a1·p + a2·c + a3·p² + a5·p·c + a4) + Σ_decode (d2·c + d4), with p the tokens a request
-    runs in the step and c the tokens already in its KV cache. Optionally piecewise: steps whose load (total
+    T = b + Σ_prefill (a1·p + a2·c + a3·p² + a5·p·c + a4) + Σ_decode (d2·c + d4) + Σ_all e·ĉ, with p the tokens a
+    request runs in the step, c the tokens already in its KV cache and ĉ its effective context (c with each KV
+    block shared with other slices of the step divided among its readers; c in a v1 trace). Optionally piecewise: steps whose load (total
     new tokens) is below ``boundary_`` use the memory-bound coefficient set, the others the compute-bound set.
 
     Parameters
@@ -170,7 +178,8 @@ class StepLatencyModel:
         Steps with total new tokens < boundary_ use segment 0 (memory-bound), the others segment 1.
     identified_ : ndarray of bool
         Features the training data could identify; the others are held at 0 (e.g. ``prefill_new_x_context_tokens``
-        without any chunked prefill).
+        without any chunked prefill, ``effective_context_tokens`` without any shared context: without sharing
+        it equals the sum of the per-request context columns).
     fit_info_ : dict
         Steps used, dropped by each rule, the boundary search's cross-validated scores, training runs.
     train_step_mask_ : ndarray of bool
@@ -314,6 +323,8 @@ class StepLatencyModel:
             n_warmup = int(warm.sum())
             keep &= ~warm
         self.identified_ = np.abs(x[keep]).sum(axis=0) > 0
+        saving = shared_context_saving_per_step(x[keep])
+        self.identified_[Coef.E] &= bool(np.any(saving > 1e-9 * np.maximum(x[keep][:, Coef.E], 1.0)))
         if keep.sum() < self.identified_.sum():
             raise LlmvisorError(f"too few steps to fit ({int(keep.sum())} after dropping warm-up steps)")
 
@@ -479,21 +490,22 @@ class StepLatencyModel:
         if not isinstance(data, dict) or data.get("format") != MODEL_FORMAT:
             raise ModelError(f"{source}: not an llmvisor model file (format {data.get('format') if isinstance(data, dict) else None!r})")
         version = data.get("format_version")
-        if version != MODEL_FORMAT_VERSION:
-            raise ModelError(f"{source}: model format version {version!r} is not supported (this llmvisor reads {MODEL_FORMAT_VERSION})")
+        if version not in READABLE_FORMAT_VERSIONS or isinstance(version, bool):
+            readable = ", ".join(map(str, READABLE_FORMAT_VERSIONS))
+            raise ModelError(f"{source}: model format version {version!r} is not supported (this llmvisor reads {readable})")
         try:
             names = data["feature_names"]
-            if list(names) != list(FEATURE_NAMES):
+            if list(names) not in (list(v) for v in READABLE_FORMAT_VERSIONS.values()):
                 raise ModelError(f"{source}: feature_names {names} differ from this version's {list(FEATURE_NAMES)}")
             model = cls(**data.get("params", {}))
             model.boundary_ = None if data["boundary_new_tokens"] is None else float(data["boundary_new_tokens"])
-            model.coef_ = np.array([[float(s["coef_s"][n]) for n in FEATURE_NAMES] for s in data["segments"]])
+            model.coef_ = np.array([[float(s["coef_s"][n]) if n in names else 0.0 for n in FEATURE_NAMES] for s in data["segments"]])
             expected = 1 if model.boundary_ is None else 2
             if model.coef_.shape[0] != expected:
                 raise ModelError(f"{source}: segments: expected {expected} coefficient sets, got {model.coef_.shape[0]}")
             if not np.all(np.isfinite(model.coef_)):
                 raise ModelError(f"{source}: segments: coefficients must be finite")
-            model.identified_ = np.array([n in data.get("identified_features", FEATURE_NAMES) for n in FEATURE_NAMES])
+            model.identified_ = np.array([n in data.get("identified_features", names) and n in names for n in FEATURE_NAMES])
             model.rank_ = int(data.get("rank", 0))
             model.fit_info_ = dict(data.get("fit_info", {}))
             model.feature_names_ = FEATURE_NAMES
@@ -507,8 +519,11 @@ class StepLatencyModel:
     @classmethod
     def from_coefficients(cls, coef_s: list[dict], boundary_new_tokens: float | None = None) -> StepLatencyModel:
         """A model with known coefficients (one dict of seconds per feature for each segment), checked as a
-        model file is: for tests, and for users who take coefficients from elsewhere."""
+        model file is: for tests, and for users who take coefficients from elsewhere. Features added since
+        format version 1 (``effective_context_tokens``) are 0 unless given."""
         names = ("all",) if boundary_new_tokens is None else SEGMENT_NAMES
+        added = [name for name in FEATURE_NAMES if name not in FEATURE_NAMES_V1]
+        coef_s = [{**dict.fromkeys(added, 0.0), **coef} if isinstance(coef, dict) else coef for coef in coef_s]
         return cls.from_dict(
             {
                 "format": MODEL_FORMAT,

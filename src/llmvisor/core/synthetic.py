@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmvisor.core.features import FEATURE_NAMES, slice_feature_matrix
+from llmvisor.core.features import FEATURE_NAMES, FEATURE_NAMES_V1, slice_feature_matrix
 from llmvisor.core.trace import StepTrace
 
 DEFAULT_COEF_S = {
@@ -19,7 +19,12 @@ DEFAULT_COEF_S = {
     "prefill_requests": 4e-4,
     "decode_context_tokens": 1.5e-7,
     "decode_requests": 6e-4,
+    "effective_context_tokens": 0.0,
 }
+"""Coefficients of the synthetic engine; nothing is saved by sharing (``effective_context_tokens`` 0)."""
+
+BLOCK_SIZE_TOKENS = 16
+"""KV block size of the synthetic engine: shared prefixes are whole blocks, as prefix caching shares them."""
 
 
 def synthetic_trace(
@@ -31,6 +36,7 @@ def synthetic_trace(
     max_new_tokens: int = 512,
     max_context_tokens: int = 4096,
     prefill_fraction: float = 0.3,
+    shared_prefix_fraction: float = 0.0,
     noise: float = 0.0,
     run_id: str = "synthetic",
     n_tenants: int = 4,
@@ -39,9 +45,14 @@ def synthetic_trace(
     """Steps of random composition (decode-only, prefill-only and mixed) timed by a known linear model.
 
     ``noise`` is the standard deviation of multiplicative log-normal noise on each step's time.
+    ``shared_prefix_fraction`` > 0 makes a trace of format version 2: that fraction of the steps holding at
+    least two slices have a random group of them (two or more) read a common cached prefix of whole KV blocks,
+    their contexts being the prefix plus a private part; the step's time prices the prefix's blocks once
+    (``effective_context_tokens``). Coefficients missing from ``coef_s`` that a version-1 model lacks are 0.
     """
     rng = np.random.default_rng(seed)
-    coef = np.array([(coef_s or DEFAULT_COEF_S)[name] for name in FEATURE_NAMES])
+    coef_s = coef_s or DEFAULT_COEF_S
+    coef = np.array([coef_s[name] if name in FEATURE_NAMES_V1 else coef_s.get(name, 0.0) for name in FEATURE_NAMES])
     batch = rng.integers(min_batch_size, max_batch_size + 1, size=n_steps)
     offsets = np.concatenate(([0], np.cumsum(batch))).astype(np.int64)
     n = int(offsets[-1])
@@ -54,7 +65,12 @@ def synthetic_trace(
     context = np.where(
         is_prefill & (rng.random(n) < 0.5), 0, rng.integers(0, max_context_tokens + 1, size=n)
     ).astype(np.int64)
-    x = slice_feature_matrix(new_tokens, context, is_prefill)
+    extra: dict[str, np.ndarray] = {}
+    if shared_prefix_fraction > 0:
+        context, shared, effective = _shared_prefixes(rng, context, offsets, shared_prefix_fraction, max_context_tokens)
+        extra = {"num_shared_context_tokens": shared, "effective_context_tokens": effective}
+    effective_context = extra.get("effective_context_tokens")
+    x = slice_feature_matrix(new_tokens, context, is_prefill, effective_context)
     latency = np.add.reduceat(x @ coef, offsets[:-1]) + coef[0]
     if noise:
         latency = latency * rng.lognormal(0.0, noise, size=n_steps)
@@ -70,4 +86,24 @@ def synthetic_trace(
         num_context_tokens=context,
         is_prefill=is_prefill,
         step_offsets=offsets,
+        extra=extra,
     )
+
+
+def _shared_prefixes(rng, context, offsets, fraction, max_context_tokens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Give a random group of slices in some steps a common prefix; the new contexts and the v2 columns."""
+    context = context.copy()
+    shared = np.zeros(context.shape[0], dtype=np.int64)
+    effective = context.astype(np.float64)
+    max_blocks = max(1, max_context_tokens // BLOCK_SIZE_TOKENS)
+    for start, stop in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        size = stop - start
+        if size < 2 or rng.random() >= fraction:
+            continue
+        group = start + rng.choice(size, size=int(rng.integers(2, size + 1)), replace=False)
+        prefix = int(rng.integers(1, max_blocks + 1)) * BLOCK_SIZE_TOKENS
+        private = rng.integers(0, max(1, max_context_tokens - prefix) + 1, size=group.size)
+        context[group] = prefix + private
+        shared[group] = prefix
+        effective[group] = private + prefix / group.size
+    return context, shared, effective

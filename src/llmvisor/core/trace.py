@@ -1,4 +1,4 @@
-"""Read, validate and write step traces (format version 1, `docs/trace-format.md`).
+"""Read, validate and write step traces (format versions 1 and 2, `docs/trace-format.md`).
 
 A trace has one row per request slice per step. In memory it is a `StepTrace`: columnar numpy arrays with
 the slices of each step made contiguous and ordered by (run_id, step_id), plus per-step views
@@ -6,11 +6,16 @@ the slices of each step made contiguous and ordered by (run_id, step_id), plus p
 
 Every rejection the contract lists is a `TraceError` whose message names the file, the row (1-based data
 row: the JSONL line, the CSV line after the header, the Parquet row) or the step, and the reason.
+
+Version 2 adds two optional per-slice columns describing KV blocks shared between the slices of a step
+(prefix caching): ``num_shared_context_tokens`` and ``effective_context_tokens``. A trace without them (v1)
+means nothing is shared; a trace gives both or neither.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import itertools
 import json
@@ -27,12 +32,19 @@ import pyarrow.parquet as pq
 
 from llmvisor.errors import TraceError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest format version; files without the sharing columns are written as version 1."""
 METADATA_KEY = b"llmvisor.trace"
 
+SHARING_COLUMNS = ("num_shared_context_tokens", "effective_context_tokens")
+"""The format-2 columns: per slice, context tokens in KV blocks other slices of the step also read, and the
+context with each block divided among its readers. Both or neither."""
+SHARING_TOLERANCE = 1e-9
+"""Relative slack (of num_context_tokens, at least one token's worth) allowed in the bounds on
+``effective_context_tokens``, a sum of fractions that floating point cannot always hit exactly."""
 STRING_COLUMNS = ("run_id", "request_id", "tenant", "phase")
-INTEGER_COLUMNS = ("step_id", "num_new_tokens", "num_context_tokens")
-FLOAT_COLUMNS = ("step_latency_s",)
+INTEGER_COLUMNS = ("step_id", "num_new_tokens", "num_context_tokens", "num_shared_context_tokens")
+FLOAT_COLUMNS = ("step_latency_s", "effective_context_tokens")
 REQUIRED_COLUMNS = (
     "run_id",
     "step_id",
@@ -43,7 +55,9 @@ REQUIRED_COLUMNS = (
     "num_context_tokens",
     "phase",
 )
-OPTIONAL_COLUMNS = ("timestamp_s", "engine", "engine_version", "model", "hardware", "tensor_parallel_size")
+OPTIONAL_COLUMNS = ("timestamp_s", "engine", "engine_version", "model", "hardware", "tensor_parallel_size", *SHARING_COLUMNS)
+CHECKED_COLUMNS = (*REQUIRED_COLUMNS, *SHARING_COLUMNS)
+"""Columns whose values the reader type-checks (the optional ones only when present)."""
 PHASES = ("prefill", "decode")
 SUFFIXES = (".jsonl", ".csv", ".parquet")
 
@@ -91,6 +105,40 @@ ARROW_SCHEMA = pa.schema(
     ]
 )
 """The one definition of the required columns, used by every reader and writer."""
+SHARING_ARROW_FIELDS = {
+    "num_shared_context_tokens": pa.int64(),
+    "effective_context_tokens": pa.float64(),
+}
+"""The Arrow types of the version-2 columns, as the writers store them."""
+
+
+def format_version(column_names) -> int:
+    """2 when the sharing columns are present, else 1: the version a file with these columns is."""
+    return 2 if all(name in column_names for name in SHARING_COLUMNS) else 1
+
+
+def sharing_columns_from_blocks(num_context_tokens, block_readers) -> tuple[np.ndarray, np.ndarray]:
+    """The version-2 columns of one step from its KV block structure.
+
+    ``block_readers`` lists the step's context KV blocks as ``(tokens, reader indices)``: the tokens of the
+    block that lie in its readers' contexts and the slices (indices into ``num_context_tokens``) reading it.
+    Context tokens not covered by a listed block are read by their slice alone. Returns
+    ``(num_shared_context_tokens, effective_context_tokens)``.
+    """
+    context = np.asarray(num_context_tokens, dtype=np.int64)
+    shared = np.zeros(context.shape[0], dtype=np.int64)
+    effective = context.astype(np.float64)
+    covered = np.zeros(context.shape[0], dtype=np.int64)
+    for tokens, readers in block_readers:
+        readers = np.unique(np.asarray(readers, dtype=np.intp))
+        covered[readers] += int(tokens)
+        if readers.size >= 2:
+            shared[readers] += int(tokens)
+            effective[readers] -= tokens - tokens / readers.size
+    if np.any(covered > context):
+        i = int(np.argmax(covered > context))
+        raise ValueError(f"slice {i}: its blocks hold {covered[i]} context tokens, more than its {context[i]}")
+    return shared, effective
 
 
 @dataclass
@@ -219,6 +267,33 @@ class StepTrace:
         return np.logical_or.reduceat(values, self.step_starts)
 
     @property
+    def has_sharing_columns(self) -> bool:
+        """Whether the trace carries the version-2 sharing columns."""
+        return all(name in self.extra for name in SHARING_COLUMNS)
+
+    @property
+    def num_shared_context_tokens(self) -> np.ndarray:
+        """Per slice, context tokens in KV blocks other slices of its step also read (0 in a v1 trace)."""
+        if not self.has_sharing_columns:
+            return np.zeros(self.n_slices, dtype=np.int64)
+        return np.asarray(self.extra["num_shared_context_tokens"], dtype=np.int64)
+
+    @property
+    def effective_context_tokens(self) -> np.ndarray:
+        """Per slice, the context with each KV block divided among its readers in the step (the context
+        itself in a v1 trace: nothing shared)."""
+        if not self.has_sharing_columns:
+            return self.num_context_tokens.astype(np.float64)
+        return np.asarray(self.extra["effective_context_tokens"], dtype=np.float64)
+
+    @property
+    def has_shared_context_per_step(self) -> np.ndarray:
+        """Steps where some slice reads context shared with another slice (num_shared_context_tokens > 0)."""
+        if not self.has_sharing_columns or self.n_steps == 0:
+            return np.zeros(self.n_steps, dtype=bool)
+        return np.logical_or.reduceat(self.num_shared_context_tokens > 0, self.step_starts)
+
+    @property
     def run_ids(self) -> list[str]:
         return list(dict.fromkeys(self.run_id_per_step.tolist()))
 
@@ -263,8 +338,11 @@ class StepTrace:
         }
         for name, values in self.extra.items():
             columns[name] = pa.array(values.tolist() if values.dtype == object else values)
+        for name, data_type in SHARING_ARROW_FIELDS.items():
+            if name in columns:
+                columns[name] = columns[name].cast(data_type)
         table = pa.table(columns)
-        metadata = {METADATA_KEY: json.dumps({"format_version": FORMAT_VERSION, **self.metadata}).encode()}
+        metadata = {METADATA_KEY: json.dumps({"format_version": format_version(columns), **self.metadata}).encode()}
         return table.replace_schema_metadata(metadata)
 
 
@@ -322,6 +400,31 @@ def build_trace(
             "num_new_tokens",
             "a decode slice runs exactly 1 new token (speculative decoding not declared)",
         )
+    sharing = [name for name in SHARING_COLUMNS if name in columns]
+    if len(sharing) == 1:
+        (other,) = set(SHARING_COLUMNS) - set(sharing)
+        raise _fail(path, "header", f"column {sharing[0]} without {other}: the sharing columns come together (format version 2)")
+    shared_tokens = None
+    if sharing:
+        columns = dict(columns)
+        shared_tokens = columns["num_shared_context_tokens"] = np.asarray(columns["num_shared_context_tokens"], dtype=np.int64)
+        effective = columns["effective_context_tokens"] = np.asarray(columns["effective_context_tokens"], dtype=np.float64)
+        first_bad(shared_tokens < 0, "num_shared_context_tokens", "token count must be >= 0")
+        first_bad(shared_tokens > context_tokens, "num_shared_context_tokens", "shared tokens must be <= num_context_tokens")
+        first_bad(~np.isfinite(effective), "effective_context_tokens", "must be finite")
+        first_bad(effective < 0, "effective_context_tokens", "must be >= 0")
+        slack = SHARING_TOLERANCE * np.maximum(context_tokens, 1)
+        first_bad(effective > context_tokens + slack, "effective_context_tokens", "must be <= num_context_tokens")
+        first_bad(
+            effective < context_tokens - shared_tokens - slack,
+            "effective_context_tokens",
+            "must be >= num_context_tokens - num_shared_context_tokens (the unshared context is read by this slice alone)",
+        )
+        first_bad(
+            effective > context_tokens - shared_tokens / 2 + slack,
+            "effective_context_tokens",
+            "must be <= num_context_tokens - num_shared_context_tokens / 2 (a shared block has at least two readers)",
+        )
 
     run_id = np.asarray(columns["run_id"], dtype=object)
     step_id = np.asarray(columns["step_id"], dtype=np.int64)
@@ -367,6 +470,18 @@ def build_trace(
                 path,
                 f"step {step_id[a]} of run {run_id[a]!r} (rows {row_numbers[min(a, b)]} and {row_numbers[max(a, b)]})",
                 f"request {request_id[a]!r} appears twice in one step",
+            )
+
+    if shared_tokens is not None and n:
+        sharers = np.add.reduceat((shared_tokens[order] > 0).astype(np.int64), starts)
+        lone = np.flatnonzero(sharers == 1)
+        if lone.size:
+            k = lone[0]
+            rows = row_numbers[order[offsets[k] : offsets[k + 1]]]
+            raise _fail(
+                path,
+                f"step {sorted_step[starts[k]]} of run {run_id[order[starts[k]]]!r} (rows {_rows(rows)})",
+                "num_shared_context_tokens: only one slice of the step has shared context (a shared block has at least two readers)",
             )
 
     extra = {
@@ -452,7 +567,7 @@ def _columns_from_records(path: str, records: list[dict], row_numbers: list[int]
     columns: dict[str, np.ndarray] = {}
     for name in names:
         values = [record.get(name) for record in records]
-        if name in REQUIRED_COLUMNS and not _values_are_valid(name, values):
+        if name in CHECKED_COLUMNS and not _values_are_valid(name, values):
             for value, row in zip(values, row_numbers):
                 reason = _python_value_type_error(name, value)
                 if reason:
@@ -490,7 +605,7 @@ def _read_jsonl(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
 
 def _parse_strings(path: str, name: str, values: pa.Array, row_numbers: np.ndarray) -> np.ndarray:
     """Convert a string column to its contract type, naming the first row that does not parse."""
-    if name in STRING_COLUMNS or name not in REQUIRED_COLUMNS:
+    if name in STRING_COLUMNS or name not in CHECKED_COLUMNS:
         if name in REQUIRED_COLUMNS:
             empty = np.asarray(pc.equal(values, "").to_numpy(zero_copy_only=False), dtype=bool)
             if empty.any():
@@ -539,7 +654,7 @@ def _read_csv(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
 _ARROW_KIND = {
     **{name: ("string", pa.types.is_string) for name in STRING_COLUMNS},
     **{name: ("integer", pa.types.is_integer) for name in INTEGER_COLUMNS},
-    "step_latency_s": ("number", lambda t: pa.types.is_floating(t) or pa.types.is_integer(t)),
+    **{name: ("number", lambda t: pa.types.is_floating(t) or pa.types.is_integer(t)) for name in FLOAT_COLUMNS},
 }
 
 
@@ -557,7 +672,7 @@ def trace_columns_from_arrow(path: str, table: pa.Table, first_row: int = 1) -> 
     columns: dict[str, np.ndarray] = {}
     for name in table.column_names:
         column = table.column(name)
-        if name in REQUIRED_COLUMNS:
+        if name in CHECKED_COLUMNS:
             kind, accepts = _ARROW_KIND[name]
             ok = _is_string_like(column.type) if kind == "string" else accepts(column.type)
             if not ok:
@@ -634,6 +749,8 @@ def concat_traces(traces: Sequence[StepTrace]) -> StepTrace:
             if run in seen:
                 raise TraceError(f"{source}: run {run!r}: run id also used in {seen[run]}; run ids must be unique")
             seen[run] = source
+    if any(t.has_sharing_columns for t in traces):
+        traces = [t if t.has_sharing_columns else _with_sharing_columns(t) for t in traces]
     names = set.intersection(*(set(t.extra) for t in traces)) if traces else set()
     offsets = [np.zeros(1, dtype=np.int64)]
     base = 0
@@ -658,6 +775,14 @@ def concat_traces(traces: Sequence[StepTrace]) -> StepTrace:
         metadata=metadata,
         sources=tuple(s for t in traces for s in t.sources),
     )
+
+
+def _with_sharing_columns(trace: StepTrace) -> StepTrace:
+    """A v1 trace with the sharing columns filled in as "nothing shared", for joining with v2 traces."""
+    extra = dict(trace.extra)
+    extra["num_shared_context_tokens"] = trace.num_shared_context_tokens
+    extra["effective_context_tokens"] = trace.effective_context_tokens
+    return dataclasses.replace(trace, extra=extra)
 
 
 def iter_trace(path: str | os.PathLike, *, batch_rows: int = 1 << 20) -> Iterator[StepTrace]:
@@ -795,9 +920,13 @@ class TraceWriter:
         else:
             table = pa.Table.from_pylist(self._buffer)
             table = table.select(list(REQUIRED_COLUMNS) + [c for c in table.column_names if c not in REQUIRED_COLUMNS])
-            table = table.cast(pa.schema(list(ARROW_SCHEMA) + [f for f in table.schema if f.name not in REQUIRED_COLUMNS]))
+            extra_fields = [
+                pa.field(f.name, SHARING_ARROW_FIELDS.get(f.name, f.type)) for f in table.schema if f.name not in REQUIRED_COLUMNS
+            ]
+            table = table.cast(pa.schema(list(ARROW_SCHEMA) + extra_fields))
             if self._parquet is None:
-                metadata = {METADATA_KEY: json.dumps({"format_version": FORMAT_VERSION, **self.metadata}).encode()}
+                version = format_version(table.column_names)
+                metadata = {METADATA_KEY: json.dumps({"format_version": version, **self.metadata}).encode()}
                 self._parquet = pq.ParquetWriter(self._tmp, table.schema.with_metadata(metadata))
             self._parquet.write_table(table)
         self.n_steps_written += self._buffered_steps

@@ -219,7 +219,9 @@ def evaluate(
     stated rules), so the comparison is between model forms, not between cleaned and raw data.
 
     Returns ``{"models": {name: {phase: metrics}}, "improvement": {phase: {"p90", "p99"}}, ...}`` where
-    improvement is token_count's error divided by llmvisor's at that percentile.
+    improvement is token_count's error divided by llmvisor's at that percentile; ``"by_sharing"`` holds the
+    same metrics for the steps with shared KV context and those without (``{"shared": {name: {phase: metrics}},
+    "unique": {...}}``).
     """
     check_held_out(train, test)
     unknown = [name for name in model_names if name not in MODEL_FACTORIES]
@@ -245,6 +247,7 @@ def evaluate(
         "signed_error": "(predicted - measured) / measured; negative: the model predicts steps faster than they ran",
         "models": {},
         "by_run": {},
+        "by_sharing": {},
         "fitted": {},
         "predictions": {},
     }
@@ -269,6 +272,11 @@ def evaluate(
         unseen = unseen_phase_steps(fitted_on, test)
         for phase, mask in masks.items():
             result["models"][name][phase]["n_unseen_phase_fallback"] = int((unseen & mask).sum())
+        for group, in_group in sharing_groups(test).items():
+            result["by_sharing"].setdefault(group, {})[name] = {
+                phase: error_summary(predicted[mask & in_group], measured[mask & in_group], n_bootstrap=n_bootstrap, seed=seed, groups=runs[mask & in_group])
+                for phase, mask in masks.items()
+            }
         for run in test.run_ids:
             in_run = runs == run
             result["by_run"].setdefault(run, {})[name] = {
@@ -282,6 +290,13 @@ def evaluate(
         "test": test.metadata.get("noise_floor"),
     }
     return result
+
+
+def sharing_groups(test: StepTrace) -> dict[str, np.ndarray]:
+    """Step masks of the test steps with shared context (some slice has num_shared_context_tokens > 0, trace
+    format v2) and without it ("unique"; every step of a v1 trace), so errors on prefix-shared steps show apart."""
+    shared = test.has_shared_context_per_step
+    return {"shared": shared, "unique": ~shared}
 
 
 def unseen_phase_steps(fitted_on: StepTrace, test: StepTrace) -> np.ndarray:

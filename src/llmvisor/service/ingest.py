@@ -29,7 +29,14 @@ import pyarrow.parquet as pq
 
 from llmvisor.core.attribution import attribute
 from llmvisor.core.model import StepLatencyModel
-from llmvisor.core.trace import REQUIRED_COLUMNS, StepTrace, build_trace, trace_columns_from_arrow, trace_from_rows
+from llmvisor.core.trace import (
+    REQUIRED_COLUMNS,
+    SHARING_COLUMNS,
+    StepTrace,
+    build_trace,
+    trace_columns_from_arrow,
+    trace_from_rows,
+)
 from llmvisor.errors import LlmvisorError, TraceError
 from llmvisor.ledger import StepRecords
 
@@ -105,6 +112,9 @@ def _step_groups(groups, *, max_steps: int, max_rows: int) -> list[list[dict]]:
 
 
 STORED_OPTIONAL_COLUMNS = ("timestamp_s",)
+CHECKED_COLUMNS = (*REQUIRED_COLUMNS, *SHARING_COLUMNS)
+"""Columns read from every body form and checked by the trace reader; the sharing columns (format v2) are
+not stored but priced: shared KV blocks are split among their readers, whichever form the body takes."""
 
 
 def _trace_from_columns(columns, *, max_rows: int) -> StepTrace:
@@ -112,7 +122,7 @@ def _trace_from_columns(columns, *, max_rows: int) -> StepTrace:
     reader's Arrow validator. Columns that are not stored are not read."""
     if not isinstance(columns, dict):
         raise PayloadError(422, "bad_shape", f'{BODY_PATH}: "columns" must map column names to lists of values')
-    used = [name for name in (*REQUIRED_COLUMNS, *STORED_OPTIONAL_COLUMNS) if name in columns]
+    used = [name for name in (*CHECKED_COLUMNS, *STORED_OPTIONAL_COLUMNS) if name in columns]
     for name in used:
         if not isinstance(columns[name], list):
             raise PayloadError(422, "bad_shape", f"{BODY_PATH}: column {name}: expected a list of values")
@@ -127,7 +137,7 @@ def _trace_from_columns(columns, *, max_rows: int) -> StepTrace:
         return trace_from_rows([], path=BODY_PATH)
     arrays = {}
     for name in used:
-        if name in REQUIRED_COLUMNS:
+        if name in CHECKED_COLUMNS:
             try:
                 arrays[name] = pa.array(columns[name])
             except (pa.ArrowException, OverflowError, UnicodeError, TypeError, ValueError) as error:
@@ -222,7 +232,7 @@ def _trace_from_parquet(body: bytes, *, max_rows: int, max_decoded_bytes: int) -
         if n_rows > max_rows:
             raise PayloadError(413, "too_large", f"{BODY_PATH}: {n_rows} rows, at most {max_rows} per request")
         names = parquet.schema_arrow.names
-        columns = [n for n in (*REQUIRED_COLUMNS, *STORED_OPTIONAL_COLUMNS) if n in names]
+        columns = [n for n in (*CHECKED_COLUMNS, *STORED_OPTIONAL_COLUMNS) if n in names]
         check_parquet_footer(parquet, columns, body_bytes=len(body), max_decoded_bytes=max_decoded_bytes)
         physical = {parquet.schema.column(i).path: parquet.schema.column(i).physical_type for i in range(len(parquet.schema))}
         byte_columns = [n for n in columns if physical.get(n) == "BYTE_ARRAY"]
