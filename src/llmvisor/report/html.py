@@ -116,6 +116,10 @@ FEATURE_MEANINGS = {
     "prefill_requests": ("per prefilling request", "per-request overhead of a prefill slice (metadata, sampling)"),
     "decode_context_tokens": ("per context token of a decoding request", "reading the request's KV cache for its one new token (memory-bound)"),
     "decode_requests": ("per decoding request", "per-request cost of a decode slice: its token's compute and overhead"),
+    "effective_context_tokens": (
+        "per distinct context token read in a step",
+        "reading KV blocks once per step; a block shared by several requests (prefix caching) is split among its readers",
+    ),
 }
 
 
