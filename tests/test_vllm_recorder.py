@@ -78,6 +78,7 @@ def test_offline_rows_match_what_was_scheduled(tiny_model, tmp_path, monkeypatch
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("LLMVISOR_TRACE_PATH", str(trace_path))
     monkeypatch.setenv("LLMVISOR_RUN_ID", "offline-test")
+    monkeypatch.setenv("LLMVISOR_UNIQUE_RUN_ID", "0")
     monkeypatch.setenv("LLMVISOR_WARMUP_STEPS", "2")
 
     llm = LLM(**tiny_engine_args(tiny_model, RecordingScheduler))
