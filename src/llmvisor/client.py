@@ -516,9 +516,9 @@ class StepRelay:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         launcher = subprocess.Popen(
-            ["/bin/sh", "-c", f'"$0" -m llmvisor.client <&{read_fd} >&2 & echo $!', sys.executable],
-            pass_fds=(read_fd,),
-            stdin=subprocess.DEVNULL,
+            # a background job's stdin is /dev/null unless redirected: the pipe goes through fd 3
+            ["/bin/sh", "-c", 'exec 3<&0; "$0" -m llmvisor.client <&3 3<&- >&2 & echo $!', sys.executable],
+            stdin=read_fd,
             stdout=subprocess.PIPE,
             env=env,
             start_new_session=True,
@@ -615,6 +615,7 @@ def deliver(read_fd: int = 0) -> int:
         format=f"(llmvisor-delivery pid={os.getpid()}) %(levelname)s %(asctime)s %(name)s: %(message)s",
         datefmt="%m-%d %H:%M:%S",
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     port = os.environ.get(ENV_DELIVERY_METRICS_PORT)
     if port:
         prometheus_client.start_http_server(int(port), addr="127.0.0.1")
