@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -23,7 +24,7 @@ from llmvisor.core.trace import (
     trace_from_rows,
     write_trace,
 )
-from llmvisor.errors import TraceError
+from llmvisor.errors import LlmvisorError, TraceError
 
 SUFFIXES = (".jsonl", ".csv", ".parquet")
 
@@ -353,3 +354,18 @@ def test_a_trace_indexes_by_steps_as_scikit_learn_does():
     assert trace[1:].n_steps == 2
     with pytest.raises(TypeError):
         trace[np.array([0.5])]
+
+
+def test_errors_show_plain_numbers_and_an_empty_trace_names_its_file(tmp_path):
+    from llmvisor.core.model import StepLatencyModel
+
+    bad = tmp_path / "bad.jsonl"
+    row = {"run_id": "r", "step_id": 0, "step_latency_s": -0.01, "request_id": "a", "tenant": "t",
+           "num_new_tokens": 1, "num_context_tokens": 0, "phase": "decode"}  # fmt: skip
+    bad.write_text(json.dumps(row) + "\n")
+    with pytest.raises(TraceError, match=r"\(got -0\.01\)$"):
+        read_trace(bad)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(LlmvisorError, match=f"^{re.escape(str(empty))}: cannot fit on a trace with no steps"):
+        StepLatencyModel().fit(read_trace(empty))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -190,7 +191,8 @@ def test_openai_server_with_scheduler_cls_records_tenants(tiny_model, tmp_path):
             server.wait()
 
     trace = read_trace(trace_path)
-    assert set(trace.run_id.tolist()) == {"server-test"}
+    (run_id,) = set(trace.run_id.tolist())
+    assert re.fullmatch(r"server-test-\d{8}T\d{6}Z-[0-9a-f]{8}", run_id)  # the label plus this engine start
     by_request = slices_by_request(trace)
     assert len(by_request) == len(requests)
     expected = {prompt_len: (tenant, max_tokens) for tenant, prompt_len, max_tokens in requests}
