@@ -10,7 +10,7 @@ import pytest
 import uvicorn
 
 from _service_fixtures import bearer, make_steps, measured_ns, model_path  # noqa: F401
-from llmvisor.client import StepPusher, _read_spool
+from llmvisor.client import REJECTED_STEPS, StepPusher, _read_spool
 from llmvisor.ledger import Ledger
 from llmvisor.service.app import create_app
 from llmvisor.service.process import ServerProcess, free_loopback_port
@@ -107,8 +107,9 @@ def test_full_queue_spools_and_a_later_pusher_replays_the_spool(setup):
     assert totals.num_steps == 120 and totals.measured_ns == measured_ns(groups)
 
 
-def test_rejected_steps_go_aside_and_the_rest_of_their_batch_is_stored(setup):
+def test_rejected_steps_go_aside_and_the_rest_of_their_batch_is_stored(setup, caplog):
     server, ledger, key, url, spool = setup
+    rejected_before = REJECTED_STEPS._value.get()
     server.start()
     groups = make_steps(n_steps=40, batch_size=4)
     pusher = fast_pusher(url, key, spool, flush_interval_s=0.5)
@@ -124,6 +125,9 @@ def test_rejected_steps_go_aside_and_the_rest_of_their_batch_is_stored(setup):
     assert pusher.stats.rejected == 2
     rejected = _read_spool(pusher.rejected_path)[0]
     assert sorted(step[0]["step_id"] for step in rejected) == [0, 1]
+    assert REJECTED_STEPS._value.get() - rejected_before == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("rejected 2 of 41 step(s)" in m and str(pusher.rejected_path) in m for m in errors), errors
     totals = ledger.totals()
     kept = [groups[0], *groups[2:]]
     assert totals.num_steps == 39 and totals.measured_ns == measured_ns(kept)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -24,7 +25,7 @@ from llmvisor.core.trace import (
     trace_from_rows,
     write_trace,
 )
-from llmvisor.errors import TraceError
+from llmvisor.errors import LlmvisorError, TraceError
 
 SUFFIXES = (".jsonl", ".csv", ".parquet")
 
@@ -488,3 +489,18 @@ def test_non_finite_effective_context_and_a_lone_column_are_rejected():
 def test_effective_context_within_float_rounding_of_a_bound_is_accepted():
     rows = [shared_row(0, r, 30, 30, 10.000000000001 if r == "a" else 10.0) for r in "abc"]
     assert trace_from_rows(rows).effective_context_tokens.sum() == pytest.approx(30)
+
+
+def test_errors_show_plain_numbers_and_an_empty_trace_names_its_file(tmp_path):
+    from llmvisor.core.model import StepLatencyModel
+
+    bad = tmp_path / "bad.jsonl"
+    row = {"run_id": "r", "step_id": 0, "step_latency_s": -0.01, "request_id": "a", "tenant": "t",
+           "num_new_tokens": 1, "num_context_tokens": 0, "phase": "decode"}  # fmt: skip
+    bad.write_text(json.dumps(row) + "\n")
+    with pytest.raises(TraceError, match=r"\(got -0\.01\)$"):
+        read_trace(bad)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(LlmvisorError, match=f"^{re.escape(str(empty))}: cannot fit on a trace with no steps"):
+        StepLatencyModel().fit(read_trace(empty))

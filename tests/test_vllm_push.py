@@ -11,6 +11,7 @@ except Exception as error:  # noqa: BLE001 - a broken install raises more than I
     pytest.skip(f"vLLM is not importable ({type(error).__name__}: {error})", allow_module_level=True)
 
 from _tiny_llama import tiny_engine_args, write_tiny_llama
+from llmvisor.client import wait_for_delivery
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import synthetic_trace
 from llmvisor.core.trace import read_trace
@@ -51,7 +52,9 @@ def test_recorder_pushes_every_step_to_the_service_once(tmp_path, monkeypatch):
             [SamplingParams(max_tokens=out, ignore_eos=True, detokenize=False, extra_args={"tenant": t}) for _, out, t in requests],
             use_tqdm=False,
         )
+        delivery_pid = llm.llm_engine.engine_core.engine_core.scheduler.delivery_pid
         llm.llm_engine.engine_core.shutdown()
+        assert wait_for_delivery(delivery_pid, 60)
     finally:
         server.stop()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -78,6 +79,7 @@ def test_offline_rows_match_what_was_scheduled(tiny_model, tmp_path, monkeypatch
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("LLMVISOR_TRACE_PATH", str(trace_path))
     monkeypatch.setenv("LLMVISOR_RUN_ID", "offline-test")
+    monkeypatch.setenv("LLMVISOR_UNIQUE_RUN_ID", "0")
     monkeypatch.setenv("LLMVISOR_WARMUP_STEPS", "2")
 
     llm = LLM(**tiny_engine_args(tiny_model, RecordingScheduler))
@@ -189,7 +191,8 @@ def test_openai_server_with_scheduler_cls_records_tenants(tiny_model, tmp_path):
             server.wait()
 
     trace = read_trace(trace_path)
-    assert set(trace.run_id.tolist()) == {"server-test"}
+    (run_id,) = set(trace.run_id.tolist())
+    assert re.fullmatch(r"server-test-\d{8}T\d{6}Z-[0-9a-f]{8}", run_id)  # the label plus this engine start
     by_request = slices_by_request(trace)
     assert len(by_request) == len(requests)
     expected = {prompt_len: (tenant, max_tokens) for tenant, prompt_len, max_tokens in requests}

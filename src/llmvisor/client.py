@@ -7,7 +7,13 @@ replayed when the service answers again, and on the next start. Replays are safe
 idempotent on (run_id, step_id): a step sent twice is acknowledged and counted once.
 
 Steps the service rejects for their content (a 422, or a 409: same step id, different content) cannot be
-fixed by retrying; they are moved to ``<spool>.rejected.jsonl`` and logged, never silently dropped.
+fixed by retrying; they are moved to ``<spool>.rejected.jsonl``, logged as errors with the count and that
+path (again in a summary at close), and counted in the Prometheus counter ``llmvisor_pusher_steps_rejected_total``.
+
+`StepRelay` runs this pusher in a delivery process of its own for the vLLM recorder: vLLM's default
+shutdown SIGKILLs the engine-core process right after SIGTERM, so nothing left in that process's memory
+survives it; each step is written to a pipe as it ends, and the delivery process (not a child of the engine,
+so not in the process tree vLLM kills) writes the trace, pushes, and finishes when the pipe closes.
 
 Example::
 
@@ -22,11 +28,16 @@ optionally ``LLMVISOR_SPOOL`` set.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import queue
 import random
+import select
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -34,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import prometheus_client
 
 from llmvisor.core.trace import REQUIRED_COLUMNS, TraceWriter
 
@@ -43,6 +55,12 @@ ENV_URL = "LLMVISOR_SERVICE_URL"
 ENV_KEY = "LLMVISOR_SERVICE_KEY"
 ENV_SPOOL = "LLMVISOR_SPOOL"
 DEFAULT_SPOOL = "llmvisor-spool.jsonl"
+ENV_DELIVERY_METRICS_PORT = "LLMVISOR_DELIVERY_METRICS_PORT"
+
+REJECTED_STEPS = prometheus_client.Counter(
+    "llmvisor_pusher_steps_rejected", "Steps the accounting service refused for their content (kept in the rejected file)"
+)
+DELIVERED_STEPS = prometheus_client.Counter("llmvisor_pusher_steps_acknowledged", "Steps the accounting service acknowledged")
 
 
 @dataclass
@@ -65,6 +83,14 @@ class PusherStats:
         with self._lock:
             for name, value in counts.items():
                 setattr(self, name, getattr(self, name) + value)
+
+
+def service_url_from_env() -> str | None:
+    """``LLMVISOR_SERVICE_URL``, or None; a URL without ``LLMVISOR_SERVICE_KEY`` is an error."""
+    url = os.environ.get(ENV_URL)
+    if url and not os.environ.get(ENV_KEY):
+        raise ValueError(f"{ENV_URL} is set but {ENV_KEY} (an admin API key) is not")
+    return url or None
 
 
 class _Unavailable(Exception):
@@ -132,13 +158,10 @@ class StepPusher:
     @classmethod
     def from_env(cls, **kwargs) -> StepPusher | None:
         """A pusher configured from ``LLMVISOR_SERVICE_URL`` / ``_KEY`` / ``LLMVISOR_SPOOL``, or None if no URL."""
-        url = os.environ.get(ENV_URL)
+        url = service_url_from_env()
         if not url:
             return None
-        key = os.environ.get(ENV_KEY)
-        if not key:
-            raise ValueError(f"{ENV_URL} is set but {ENV_KEY} (an admin API key) is not")
-        return cls(url, key, os.environ.get(ENV_SPOOL, DEFAULT_SPOOL), **kwargs)
+        return cls(url, os.environ[ENV_KEY], os.environ.get(ENV_SPOOL, DEFAULT_SPOOL), **kwargs)
 
     # -----------------------------------------------------------------------------------------------------
     # Engine side
@@ -184,6 +207,11 @@ class StepPusher:
             self._stop.set()
             self._thread.join(timeout_s + 5.0)
             self._client.close()
+            if self.stats.rejected:
+                log.error(
+                    "llmvisor: the service rejected %d of %d step(s) pushed; they are NOT billed and kept in %s",
+                    self.stats.rejected, self.stats.pushed, self.rejected_path,
+                )
         return self.pending_steps() == 0
 
     def pending_steps(self) -> int:
@@ -277,6 +305,7 @@ class StepPusher:
         if status == 200:
             result = response.json()
             self.stats.add(acknowledged=result["steps_received"], duplicate=result["steps_duplicate"])
+            DELIVERED_STEPS.inc(result["steps_received"])
             return
         if status in (401, 403):
             raise _Unavailable(f"HTTP {status}: {_detail(response)}")
@@ -306,6 +335,7 @@ class StepPusher:
                 writer.write_step(step)
             writer.close()
         self.stats.add(rejected=len(steps))
+        REJECTED_STEPS.inc(len(steps))
 
     def _spool(self, steps: list[list[dict]]) -> None:
         try:
@@ -403,3 +433,226 @@ def _read_spool(path: Path) -> tuple[list[list[dict]], int]:
             steps[-1].append(row)
             current_requests.add(request if isinstance(request, (str, int, float)) or request is None else repr(request))
     return steps, unreadable
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Delivery out of the engine's process
+
+RELAY_PIPE_BYTES = 1 << 20
+DELIVERY_CLOSE_TIMEOUT_S = 30.0
+
+
+def step_rows(header: dict, step: list) -> list[dict]:
+    """Trace rows of one relayed step ``[step_id, timestamp_s, step_latency_s, slices]``; each slice is
+    ``[request_id, tenant, num_new_tokens, num_context_tokens, is_prefill]``, the header holds the rest."""
+    step_id, timestamp_s, latency_s, slices = step
+    constant = header["columns"]
+    is_warmup = step_id < header["warmup_steps"]
+    return [
+        {
+            "step_id": step_id,
+            "step_latency_s": latency_s,
+            "request_id": request_id,
+            "tenant": str(tenant),
+            "num_new_tokens": num_new,
+            "num_context_tokens": num_context,
+            "phase": "prefill" if is_prefill else "decode",
+            "timestamp_s": timestamp_s,
+            **constant,
+            "is_warmup": is_warmup,
+        }
+        for request_id, tenant, num_new, num_context, is_prefill in slices
+    ]
+
+
+class StepDelivery:
+    """Relayed steps to the trace file and the service: the delivery process's work (also the relay's
+    fallback in the engine's own process if the delivery process is gone)."""
+
+    def __init__(self, header: dict, pusher: StepPusher | None):
+        self.header = header
+        self.writer = TraceWriter(header["trace_path"], flush_every_steps=1 << 62) if header.get("trace_path") else None
+        self.pusher = pusher
+        self.num_steps = 0
+
+    def add(self, step: list) -> None:
+        rows = step_rows(self.header, step)
+        if self.writer is not None:
+            self.writer.write_step(rows)
+        if self.pusher is not None:
+            self.pusher.push_step(rows)
+        self.num_steps += 1
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self, timeout_s: float = DELIVERY_CLOSE_TIMEOUT_S) -> bool:
+        """Write the trace's last steps and send (or spool) the pusher's; True if the service has them all."""
+        if self.writer is not None:
+            self.writer.close()
+        return self.pusher.close(timeout_s) if self.pusher is not None else True
+
+
+class StepRelay:
+    """Engine side of the delivery process: ``send`` writes one encoded step to a pipe and returns.
+
+    The delivery process is started through ``/bin/sh`` in the background, so its parent exits at once and it
+    is not in the engine process's tree, which vLLM SIGKILLs at shutdown; it has its own session, so a
+    Ctrl-C to the server's process group does not reach it. It ignores SIGINT and SIGTERM and ends when the
+    pipe closes (the engine exited or was killed), after writing and pushing every whole step it received.
+    The pipe is non-blocking: if the delivery process falls behind, steps wait in this process's memory
+    and go out with the next ``send`` (or ``close``) rather than blocking the engine loop.
+    """
+
+    def __init__(self, header: dict):
+        self.header = header
+        read_fd, self._fd = os.pipe()
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, RELAY_PIPE_BYTES)
+        except OSError:
+            pass  # the system's limit is lower; the default pipe size still works
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        launcher = subprocess.Popen(
+            # a background job's stdin is /dev/null unless redirected: the pipe goes through fd 3
+            ["/bin/sh", "-c", 'exec 3<&0; "$0" -m llmvisor.client <&3 3<&- >&2 & echo $!', sys.executable],
+            stdin=read_fd,
+            stdout=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+        output, _ = launcher.communicate()
+        os.close(read_fd)
+        self.pid = int(output.strip())
+        self._pending = bytearray()
+        self._fallback: StepDelivery | None = None
+        self._send_now(json.dumps(header).encode() + b"\n", block=True)
+        os.set_blocking(self._fd, False)
+
+    def send(self, step: list) -> None:
+        """Hand over one step ``[step_id, timestamp_s, step_latency_s, slices]``."""
+        if self._fallback is not None:
+            self._fallback.add(step)
+            return
+        self._send_now(json.dumps(step).encode() + b"\n", block=False)
+
+    def _send_now(self, data: bytes, *, block: bool) -> None:
+        self._pending += data
+        try:
+            while self._pending:
+                written = os.write(self._fd, self._pending)
+                del self._pending[:written]
+        except BlockingIOError:
+            if block:
+                raise
+        except BrokenPipeError:
+            self._take_over()
+
+    def _take_over(self) -> None:
+        """The delivery process is gone: deliver from this process from now on (the steps still in the pipe
+        when it died are lost; this is logged)."""
+        log.error(
+            "llmvisor: the delivery process (pid %d) exited early; delivering from the engine process from now on",
+            self.pid,
+        )
+        self._fallback = StepDelivery(self.header, StepPusher.from_env())
+        for line in bytes(self._pending).splitlines():
+            try:
+                step = json.loads(line)
+            except ValueError:
+                continue  # the rest of a line partly written to the pipe
+            if isinstance(step, list):
+                self._fallback.add(step)
+        self._pending.clear()
+
+    def flush(self) -> None:
+        """Write whatever waits in this process to the pipe (blocking)."""
+        if self._fallback is not None:
+            self._fallback.flush()
+        elif self._pending:
+            os.set_blocking(self._fd, True)
+            self._send_now(b"", block=True)
+            os.set_blocking(self._fd, False)
+
+    def close(self) -> None:
+        """Send the rest and close the pipe; the delivery process then finishes on its own."""
+        if self._fd < 0:
+            return
+        self.flush()
+        os.close(self._fd)
+        self._fd = -1
+        if self._fallback is not None:
+            self._fallback.close()
+
+
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def wait_for_delivery(pid: int, timeout_s: float = DELIVERY_CLOSE_TIMEOUT_S + 10.0) -> bool:
+    """Wait until the delivery process ``pid`` has finished; False if it still runs after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while process_running(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def deliver(read_fd: int = 0) -> int:
+    """The delivery process: read the relay's header and steps from ``read_fd`` until it closes."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"(llmvisor-delivery pid={os.getpid()}) %(levelname)s %(asctime)s %(name)s: %(message)s",
+        datefmt="%m-%d %H:%M:%S",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    port = os.environ.get(ENV_DELIVERY_METRICS_PORT)
+    if port:
+        prometheus_client.start_http_server(int(port), addr="127.0.0.1")
+    buffer = bytearray()
+    delivery: StepDelivery | None = None
+    torn = 0
+    while True:
+        ready, _, _ = select.select([read_fd], [], [], 0.2)
+        chunk = os.read(read_fd, 1 << 20) if ready else None
+        if chunk == b"":
+            torn = 1 if buffer.strip() else 0
+            break
+        if chunk:
+            buffer += chunk
+            *lines, rest = bytes(buffer).split(b"\n")
+            buffer = bytearray(rest)
+            for line in lines:
+                if delivery is None:
+                    header = json.loads(line)
+                    delivery = StepDelivery(header, StepPusher.from_env())
+                    log.info("llmvisor: delivering steps of run %s", header["columns"]["run_id"])
+                else:
+                    delivery.add(json.loads(line))
+        if delivery is not None:
+            delivery.flush()
+    if delivery is None:
+        return 0
+    complete = delivery.close()
+    log.info(
+        "llmvisor: the engine closed the step relay; delivered %d steps of run %s%s%s",
+        delivery.num_steps,
+        delivery.header["columns"]["run_id"],
+        "" if complete else f"; some are not acknowledged yet and stay in the spool {delivery.pusher.spool_path}",
+        f"; {torn} torn step at the end skipped" if torn else "",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(deliver())

@@ -1,6 +1,12 @@
 """Errors a user can cause; the CLI prints them as one line and exits with code 2."""
 
 
+def plain(value):
+    """A numpy scalar as the Python number or string it holds, for messages (``-0.01``, not ``np.float64(-0.01)``)."""
+    item = getattr(value, "item", None)
+    return item() if callable(item) and getattr(value, "ndim", None) == 0 else value
+
+
 class LlmvisorError(Exception):
     """An error caused by the user's input or configuration, reported without a traceback."""
 

@@ -25,7 +25,7 @@ from enum import IntEnum
 import numpy as np
 
 from llmvisor.core.trace import StepTrace
-from llmvisor.errors import LlmvisorError
+from llmvisor.errors import LlmvisorError, plain
 
 FEATURE_NAMES = (
     "intercept",
@@ -118,7 +118,7 @@ def check_decode_slices(trace: StepTrace) -> None:
     if bad.any():
         i = int(np.argmax(bad))
         raise LlmvisorError(
-            f"{', '.join(trace.sources) or '<memory>'}: step {trace.step_id[i]} of run {trace.run_id[i]!r}: "
+            f"{', '.join(trace.sources) or '<memory>'}: step {trace.step_id[i]} of run {plain(trace.run_id[i])!r}: "
             "decode slices with more than one new token (speculative decoding) are not modelled"
         )
 

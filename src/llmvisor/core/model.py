@@ -310,7 +310,7 @@ class StepLatencyModel:
         if not isinstance(trace, StepTrace):
             raise LlmvisorError(f"StepLatencyModel.fit: expected a StepTrace, got {type(trace).__name__}")
         if trace.n_steps == 0:
-            raise LlmvisorError("cannot fit on a trace with no steps")
+            raise LlmvisorError(f"{', '.join(trace.sources) or '<memory>'}: cannot fit on a trace with no steps")
         x = step_feature_matrix(trace)
         y = trace.step_latency_s_per_step
         load = step_new_tokens(trace)

@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from llmvisor.errors import TraceError
+from llmvisor.errors import TraceError, plain
 
 FORMAT_VERSION = 2
 """The newest format version; files without the sharing columns are written as version 1."""
@@ -385,7 +385,7 @@ def build_trace(
     def first_bad(mask: np.ndarray, column: str, reason: str) -> None:
         if mask.any():
             i = int(np.argmax(mask))
-            raise _fail(path, f"row {row_numbers[i]}", f"{column}: {reason} (got {columns[column][i]!r})")
+            raise _fail(path, f"row {row_numbers[i]}", f"{column}: {reason} (got {plain(columns[column][i])!r})")
 
     first_bad(~np.isfinite(latency), "step_latency_s", "latency must be finite")
     first_bad(latency <= 0, "step_latency_s", "latency must be > 0")
@@ -454,7 +454,7 @@ def build_trace(
             rows = row_numbers[order[offsets[k] : offsets[k + 1]]]
             raise _fail(
                 path,
-                f"step {sorted_step[starts[k]]} of run {run_id[order[starts[k]]]!r} (rows {_rows(rows)})",
+                f"step {sorted_step[starts[k]]} of run {plain(run_id[order[starts[k]]])!r} (rows {_rows(rows)})",
                 f"rows disagree on step_latency_s ({float(low[k])!r} vs {float(high[k])!r})",
             )
         request_codes = pc.dictionary_encode(pa.array(request_id[order], pa.string())).indices.to_numpy(
@@ -468,8 +468,8 @@ def build_trace(
             a, b = order[pair[j]], order[pair[j + 1]]
             raise _fail(
                 path,
-                f"step {step_id[a]} of run {run_id[a]!r} (rows {row_numbers[min(a, b)]} and {row_numbers[max(a, b)]})",
-                f"request {request_id[a]!r} appears twice in one step",
+                f"step {step_id[a]} of run {plain(run_id[a])!r} (rows {row_numbers[min(a, b)]} and {row_numbers[max(a, b)]})",
+                f"request {plain(request_id[a])!r} appears twice in one step",
             )
 
     if shared_tokens is not None and n:

@@ -53,7 +53,7 @@ from llmvisor import shipped
 from llmvisor.core.attribution import RULES, StepAttributor
 from llmvisor.core.features import Coef, prefill_own_s
 from llmvisor.core.model import StepLatencyModel
-from llmvisor.errors import LlmvisorError
+from llmvisor.errors import LlmvisorError, plain
 
 
 class ChargeCost(StrEnum):
@@ -251,7 +251,7 @@ class FairnessConfig:
 def _number(value, key: str, source: str, *, positive: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (positive and value <= 0):
         need = "a positive number" if positive else "a non-negative number"
-        raise LlmvisorError(f"{source}: {key} must be {need} (got {value!r})")
+        raise LlmvisorError(f"{source}: {key} must be {need} (got {plain(value)!r})")
     return float(value)
 
 

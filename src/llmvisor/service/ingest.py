@@ -347,7 +347,7 @@ def _check_storage_limits(trace: StepTrace) -> None:
     latency = trace.step_latency_s_per_step
     if latency.size and latency.max() > MAX_STEP_LATENCY_S:
         raise PayloadError(
-            422, "invalid_trace", f"{BODY_PATH}: step_latency_s: {latency.max()!r} s, at most {MAX_STEP_LATENCY_S:g} s"
+            422, "invalid_trace", f"{BODY_PATH}: step_latency_s: {float(latency.max())} s, at most {MAX_STEP_LATENCY_S:g} s"
         )
 
 

@@ -198,6 +198,7 @@ class ControlledEngine:
         self.threads = pin_threads(self.num_threads)
         os.environ[recorder_settings.ENV_TRACE_PATH] = self.trace_path
         os.environ[recorder_settings.ENV_RUN_ID] = self.run_id
+        os.environ[recorder_settings.ENV_UNIQUE_RUN_ID] = "0"
         os.environ[recorder_settings.ENV_WARMUP_STEPS] = "0"
         os.environ[recorder_settings.ENV_FLUSH_EVERY_STEPS] = "1"
         os.environ.pop(recorder_settings.ENV_CONFIG, None)

@@ -67,6 +67,7 @@ class ProfiledEngine:
         configure_environment(settings)
         os.environ["LLMVISOR_TRACE_PATH"] = trace_path
         os.environ["LLMVISOR_RUN_ID"] = run_id
+        os.environ["LLMVISOR_UNIQUE_RUN_ID"] = "0"  # the profile command makes its run ids itself
         os.environ["LLMVISOR_WARMUP_STEPS"] = str(warmup_steps)
         os.environ.setdefault("LLMVISOR_MODEL_NAME", os.path.basename(os.path.normpath(settings.model)))
 

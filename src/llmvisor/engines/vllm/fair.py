@@ -7,7 +7,8 @@ Pass it as ``LLM(..., scheduler_cls=FairScheduler)`` or to the OpenAI server as
 
 What it changes in vLLM (0.32, V1):
 
-- ``self.waiting`` is a `TenantRequestQueue`: one FIFO per tenant (``sampling_params.extra_args["tenant"]``).
+- ``self.waiting`` is a `TenantRequestQueue`: one FIFO per tenant (`request_tenant` with the config's
+  ``tenant_key``; the recorded trace uses the same tenant).
   During a scheduling pass the queue offers the head of the tenant `FairShare.choose` picks, and reports itself
   empty when no tenant may be admitted (quota, SLO), which ends vLLM's admission loop for that pass.
 - Before each pass ``self.running`` is stably sorted by tenant counter, most-served tenant last. vLLM's FCFS
@@ -198,8 +199,8 @@ class FairScheduler(RecordingScheduler):
             logger.warning("llmvisor: FairScheduler replaces vLLM's %r policy with per-tenant VTC order", self.policy.value)
         self.fair_config = config
         self.fair = FairShare(config, model, max_chunk_tokens=int(self.scheduler_config.max_num_batched_tokens))
-        self._tenant_key = config.tenant_key
-        self._default_tenant = config.default_tenant
+        self.tenant_key = config.tenant_key
+        self.default_tenant = config.default_tenant
         self.waiting = TenantRequestQueue(self)
         self._queue_time_counted_s = 0.0
         self.admissions: deque[Admission] = deque(maxlen=max(1, config.log_size))
@@ -220,14 +221,6 @@ class FairScheduler(RecordingScheduler):
         self.fair_step_latency_s = array("d")
 
     # ---------------------------------------------------------------------------------------------------
-    def tenant_of(self, request) -> str:
-        params = request.sampling_params
-        extra = params.extra_args if params is not None else None
-        if not extra:
-            return self._default_tenant
-        tenant = extra.get(self._tenant_key)
-        return self._default_tenant if tenant is None else str(tenant)
-
     def _choose(self, tenants: list[str]) -> str | None:
         """Called by the queue during a pass (cached until the queue changes)."""
         fair = self.fair

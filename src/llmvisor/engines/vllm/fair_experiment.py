@@ -74,6 +74,7 @@ def run(spec: dict) -> dict:
     configure_environment(settings)
     os.environ["LLMVISOR_TRACE_PATH"] = str(trace_path)
     os.environ["LLMVISOR_RUN_ID"] = f"fairness-{policy}"
+    os.environ["LLMVISOR_UNIQUE_RUN_ID"] = "0"
     os.environ["LLMVISOR_WARMUP_STEPS"] = "0"
     os.environ["LLMVISOR_FAIR_CONFIG"] = json.dumps({"cost": policy if policy != "fcfs" else "tokens", "model": spec["model_path"]})
 

@@ -13,14 +13,16 @@ its ``schedule()`` return and the previous ``update_from_output()`` exit, an app
 Per slice it records ``num_new_tokens`` (``SchedulerOutput.num_scheduled_tokens``), ``num_context_tokens``
 (the request's computed tokens before the step as sent to the worker, prefix-cache hits included), the phase
 (prefill while the context is shorter than the prompt, or when a slice runs more than one token without
-speculative tokens, as a preempted request's recomputation does) and the tenant
-(``sampling_params.extra_args["tenant"]``, default ``"default"``). Request ids are vLLM's internal ids,
+speculative tokens, as a preempted request's recomputation does) and the tenant (`request_tenant`:
+``sampling_params.extra_args[tenant_key]``, default ``"default"``; `FairScheduler` decides it the same way). Request ids are vLLM's internal ids,
 ``"<external id>-<8 random characters>"``: unique within a run, which external ids need not be.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from array import array
 from dataclasses import dataclass
@@ -29,11 +31,12 @@ import vllm
 from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from llmvisor.client import StepPusher
+from llmvisor.client import StepPusher, StepRelay, service_url_from_env
 from llmvisor.core.trace import TraceWriter
 from llmvisor.engines.vllm.settings import RecorderSettings
 
 logger = init_logger(__name__)
+IDLE_FLUSH_AFTER_S = 0.1
 
 ENGINE = "vllm"
 DEFAULT_TENANT = "default"
@@ -86,21 +89,42 @@ def describe_hardware() -> str:
     return f"{cpu} ({torch.get_num_threads()} threads)"
 
 
+def request_tenant(request, tenant_key: str, default_tenant: str = DEFAULT_TENANT) -> str:
+    """A request's tenant: ``sampling_params.extra_args[tenant_key]`` (``vllm_xargs`` of the OpenAI server) as a
+    string, or ``default_tenant``. The recorder and `FairScheduler` both decide it here."""
+    params = request.sampling_params
+    extra = params.extra_args if params is not None else None
+    tenant = extra.get(tenant_key) if extra else None
+    return default_tenant if tenant is None else str(tenant)
+
+
+def route_llmvisor_logs() -> None:
+    """Send llmvisor's log records to vLLM's handlers (same stream, same format), once.
+
+    vLLM configures only its own ``vllm`` logger (no propagation to the root), so without this llmvisor's INFO
+    lines never reach the server log. The ``llmvisor`` logger gets vLLM's handler objects themselves and does
+    not propagate, so no line is written twice."""
+    ours = logging.getLogger("llmvisor")
+    theirs = logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
+
+
+route_llmvisor_logs()
+
+
 class RecordingScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.recorder_settings = RecorderSettings.from_env()
         self.trace_path = self.recorder_settings.trace_path
         self.run_id = self.recorder_settings.run_id
-        self._writer: TraceWriter | None = None
-        if self.trace_path:
-            directory = os.path.dirname(os.path.abspath(self.trace_path))
-            os.makedirs(directory, exist_ok=True)
-            self._writer = TraceWriter(self.trace_path, flush_every_steps=1 << 62)
-            logger.info("llmvisor: recording step trace of run %r to %s", self.run_id, self.trace_path)
-        self._pusher = StepPusher.from_env()
-        if self._pusher is not None:
-            logger.info("llmvisor: pushing steps of run %r to the accounting service at %s", self.run_id, self._pusher.url)
+        self.tenant_key = self.recorder_settings.tenant_key
+        self.default_tenant = DEFAULT_TENANT
         model = self.vllm_config.model_config.model
         self._constant_columns = {
             "run_id": self.run_id,
@@ -111,6 +135,7 @@ class RecordingScheduler(Scheduler):
             "hardware": self.recorder_settings.hardware or describe_hardware(),
             "tensor_parallel_size": int(self.parallel_config.tensor_parallel_size),
         }
+        self._writer, self._pusher, self._relay = self._start_delivery()
         self._wall_minus_perf_s = time.time() - time.perf_counter()
         self._in_flight: dict[int, tuple[float, list[tuple], float]] = {}
         self._unwritten: list[tuple[float, float, list[tuple]]] = []
@@ -122,6 +147,10 @@ class RecordingScheduler(Scheduler):
         self._max_step_fraction = 0.0
         self.overhead_s_per_step = array("d")
         self.latency_s_per_step = array("d")
+        self._flush_lock = threading.Lock()
+        self._flush_stop = threading.Event()
+        if self._writer is not None or self._pusher is not None:
+            threading.Thread(target=self._flush_when_idle, name="llmvisor-trace-flush", daemon=True).start()
         if self.scheduler_config.async_scheduling or self.vllm_config.max_concurrent_batches > 1:
             logger.warning(
                 "llmvisor: steps overlap (async scheduling or a batch queue); step latencies are approximate. "
@@ -149,14 +178,7 @@ class RecordingScheduler(Scheduler):
             scheduled, slices, schedule_overhead_s = in_flight
             start = max(scheduled, self._last_update_exit_s)
             latency_s = entered - start
-            self._unwritten.append((start, latency_s, slices))
-            self.num_recorded_steps += 1
-            self._recorded_latency_s += latency_s
-            if (
-                len(self._unwritten) >= self.recorder_settings.flush_every_steps
-                or entered - self._last_flush_s >= self.recorder_settings.flush_interval_s
-            ):
-                self.flush_trace()
+            self._record(start, latency_s, slices, entered)
             overhead_s = schedule_overhead_s + time.perf_counter() - entered
             self._recorder_time_s += overhead_s
             self._max_step_fraction = max(self._max_step_fraction, overhead_s / latency_s)
@@ -178,14 +200,71 @@ class RecordingScheduler(Scheduler):
         for request_id, num_context in contexts:
             request = self.requests[request_id]
             num_new = num_scheduled[request_id]
-            extra_args = request.sampling_params.extra_args if request.sampling_params is not None else None
-            tenant = extra_args.get("tenant", DEFAULT_TENANT) if extra_args else DEFAULT_TENANT
+            tenant = self.tenant_of(request)
             is_prefill = num_context < request.num_prompt_tokens or (num_new > 1 and request_id not in spec_tokens)
             slices.append((request_id, tenant, num_new, num_context, is_prefill))
         return slices
 
+    def tenant_of(self, request) -> str:
+        return request_tenant(request, self.tenant_key, self.default_tenant)
+
+    def _start_delivery(self) -> tuple[TraceWriter | None, StepPusher | None, StepRelay | None]:
+        """With a service URL, a delivery process writes the trace and pushes (`StepRelay`: each step leaves this
+        process as it ends, so vLLM's kill at shutdown loses none); without, this process writes the trace."""
+        if self.trace_path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.trace_path)), exist_ok=True)
+            logger.info("llmvisor: recording step trace of run %s to %s", self.run_id, self.trace_path)
+        url = service_url_from_env()
+        if url:
+            header = {
+                "columns": self._constant_columns,
+                "warmup_steps": self.recorder_settings.warmup_steps,
+                "trace_path": os.path.abspath(self.trace_path) if self.trace_path else None,
+            }
+            relay = StepRelay(header)
+            logger.info(
+                "llmvisor: steps of run %s go to the accounting service at %s through delivery process %d",
+                self.run_id, url, relay.pid,
+            )
+            return None, None, relay
+        writer = TraceWriter(self.trace_path, flush_every_steps=1 << 62) if self.trace_path else None
+        return writer, None, None
+
+    def _record(self, start_s: float, latency_s: float, slices: list[tuple], now_s: float) -> None:
+        if self._relay is not None:
+            self._relay.send([self.num_recorded_steps, start_s + self._wall_minus_perf_s, latency_s, slices])
+            self.num_recorded_steps += 1
+        else:
+            with self._flush_lock:
+                self._unwritten.append((start_s, latency_s, slices))
+                self.num_recorded_steps += 1
+            if (
+                len(self._unwritten) >= self.recorder_settings.flush_every_steps
+                or now_s - self._last_flush_s >= self.recorder_settings.flush_interval_s
+            ):
+                self.flush_trace()
+        self._recorded_latency_s += latency_s
+
+    def _flush_when_idle(self) -> None:
+        """Write recorded steps once the engine has run none for `IDLE_FLUSH_AFTER_S`, or the flush interval has
+        passed: the engine loop calls no scheduler method while idle, so its own check cannot do it."""
+        interval_s = self.recorder_settings.flush_interval_s
+        while not self._flush_stop.wait(IDLE_FLUSH_AFTER_S / 2):
+            if not self._unwritten:
+                continue
+            now_s = time.perf_counter()
+            if now_s - self._last_update_exit_s >= IDLE_FLUSH_AFTER_S or now_s - self._last_flush_s >= interval_s:
+                self.flush_trace()
+
     def flush_trace(self) -> None:
         """Encode the steps recorded since the last flush; append them to the trace and hand them to the service."""
+        if self._relay is not None:
+            self._relay.flush()
+            return
+        with self._flush_lock:
+            self._flush_unwritten()
+
+    def _flush_unwritten(self) -> None:
         if not self.is_recording:
             return
         first_step_id = self.num_recorded_steps - len(self._unwritten)
@@ -220,8 +299,13 @@ class RecordingScheduler(Scheduler):
         self._last_flush_s = time.perf_counter()
 
     @property
+    def delivery_pid(self) -> int | None:
+        """The delivery process's id (with a service URL), e.g. to wait for it after shutdown."""
+        return self._relay.pid if self._relay is not None else None
+
+    @property
     def is_recording(self) -> bool:
-        return self._writer is not None or self._pusher is not None
+        return self._writer is not None or self._pusher is not None or self._relay is not None
 
     def recorder_overhead(self) -> RecorderOverhead:
         return RecorderOverhead(
@@ -232,12 +316,22 @@ class RecordingScheduler(Scheduler):
         )
 
     def shutdown(self) -> None:
+        self._flush_stop.set()
+        if self._relay is not None:
+            self._relay.close()
+            overhead = self.recorder_overhead()
+            logger.info(
+                "llmvisor: relayed %d steps of run %s to delivery process %d; recorder overhead %.3f%% of step time "
+                "(%.1f us/step)",
+                overhead.n_steps, self.run_id, self._relay.pid, 100 * overhead.fraction, overhead.recorder_time_per_step_us,
+            )
+            self._relay = None
         if self._writer is not None:
             self.flush_trace()
             self._writer.close()
             overhead = self.recorder_overhead()
             logger.info(
-                "llmvisor: recorded %d steps of run %r to %s; recorder overhead %.3f%% of step time (%.1f us/step)",
+                "llmvisor: recorded %d steps of run %s to %s; recorder overhead %.3f%% of step time (%.1f us/step)",
                 overhead.n_steps,
                 self.run_id,
                 self.trace_path,

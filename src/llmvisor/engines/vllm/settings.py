@@ -6,15 +6,23 @@ no llmvisor code can hand it arguments; environment variables reach it there.
 Environment variables:
 
 - ``LLMVISOR_TRACE_PATH``: the JSONL file to append step rows to. Unset: the recorder is inert (plain vLLM).
-- ``LLMVISOR_RUN_ID``: the run id written on every row (default: ``vllm-<UTC time>-<pid>``).
+- ``LLMVISOR_RUN_ID``: the run's label (default ``vllm``). Each engine start records under its own run id,
+  ``<label>-<start UTC time>-<8 hex digits>``, so a restart with the same label never reuses a
+  (run_id, step_id) pair, the ledger's idempotency key. ``LLMVISOR_UNIQUE_RUN_ID=0`` records the label
+  itself as the run id (for tools that make their own run ids unique, e.g. ``llmvisor profile``).
+- ``LLMVISOR_TENANT_KEY``: the ``vllm_xargs`` key naming a request's tenant (default ``tenant``);
+  `FairScheduler` uses its own ``tenant_key`` setting instead, so recording and charging agree.
 - ``LLMVISOR_WARMUP_STEPS``: how many steps after engine start are marked ``is_warmup`` (default 3).
 - ``LLMVISOR_FLUSH_EVERY_STEPS``: write the file every this many steps (default 16), and
   ``LLMVISOR_FLUSH_INTERVAL_S``: at least this often while steps run (default 1.0 s). A crash loses at most
-  the steps not yet written. Rows are encoded at flush time, many steps at once: right after a step's kernels
-  Python runs with cold caches, and encoding one step's rows there cost about ten times more (measured).
+  the steps not yet written; an idle engine's last steps are written within the interval (a timer).
+  With a service URL (``LLMVISOR_SERVICE_URL``) every step leaves the engine process as it ends, to a
+  delivery process that writes the trace and pushes to the service (`llmvisor.client.StepRelay`).
+  Otherwise rows are encoded at flush time, many steps at once: right after a step's kernels Python runs with cold caches, and encoding one step's rows there cost about ten times more (measured).
 - ``LLMVISOR_MODEL_NAME``, ``LLMVISOR_HARDWARE``: override the ``model`` and ``hardware`` columns.
 - ``LLMVISOR_RECORDER_CONFIG``: a JSON file with any of the keys ``trace_path``, ``run_id``,
-  ``warmup_steps``, ``flush_every_steps``, ``flush_interval_s``, ``model_name``, ``hardware``; environment variables win over it.
+  ``warmup_steps``, ``flush_every_steps``, ``flush_interval_s``, ``model_name``, ``hardware``, ``unique_run_id``,
+  ``tenant_key``; environment variables win over it.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from dataclasses import dataclass, fields
 
 from llmvisor.errors import LlmvisorError
@@ -34,6 +43,11 @@ ENV_FLUSH_INTERVAL_S = "LLMVISOR_FLUSH_INTERVAL_S"
 ENV_MODEL_NAME = "LLMVISOR_MODEL_NAME"
 ENV_HARDWARE = "LLMVISOR_HARDWARE"
 ENV_CONFIG = "LLMVISOR_RECORDER_CONFIG"
+ENV_UNIQUE_RUN_ID = "LLMVISOR_UNIQUE_RUN_ID"
+ENV_TENANT_KEY = "LLMVISOR_TENANT_KEY"
+
+DEFAULT_RUN_LABEL = "vllm"
+DEFAULT_TENANT_KEY = "tenant"
 
 DEFAULT_WARMUP_STEPS = 3
 DEFAULT_FLUSH_EVERY_STEPS = 16
@@ -49,6 +63,8 @@ class RecorderSettings:
     flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S
     model_name: str | None = None
     hardware: str | None = None
+    unique_run_id: bool = True
+    tenant_key: str = DEFAULT_TENANT_KEY
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> RecorderSettings:
@@ -65,6 +81,8 @@ class RecorderSettings:
             ("flush_interval_s", ENV_FLUSH_INTERVAL_S),
             ("model_name", ENV_MODEL_NAME),
             ("hardware", ENV_HARDWARE),
+            ("unique_run_id", ENV_UNIQUE_RUN_ID),
+            ("tenant_key", ENV_TENANT_KEY),
         ):
             if environ.get(name):
                 values[key] = environ[name]
@@ -75,10 +93,29 @@ class RecorderSettings:
             values["flush_interval_s"] = _non_negative_float("flush_interval_s", values["flush_interval_s"], config_path)
         if values.get("flush_every_steps") == 0:
             values["flush_every_steps"] = 1
+        if "unique_run_id" in values:
+            values["unique_run_id"] = _boolean("unique_run_id", values["unique_run_id"], config_path)
         settings = cls(**values)
-        if settings.run_id is None:
-            settings.run_id = f"vllm-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
+        if settings.unique_run_id or settings.run_id is None:
+            settings.run_id = run_instance_id(settings.run_id or DEFAULT_RUN_LABEL)
         return settings
+
+
+def run_instance_id(label: str, now_s: float | None = None) -> str:
+    """The run id of one engine start: the configured label, the start time (UTC) and 8 random hex digits."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now_s is None else now_s))
+    return f"{label}-{stamp}-{uuid.uuid4().hex[:8]}"
+
+
+def _boolean(key: str, value, source: str | None) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise LlmvisorError(f"{source or 'environment'}: {key} must be true or false (got {value})")
 
 
 def _read_config_file(path: str) -> dict:

@@ -1,0 +1,283 @@
+"""The operator's journey on the real OpenAI server (vLLM CPU build, default shutdown settings), recording into a
+real accounting service: every completed request is billed exactly once, whether the server is stopped with
+SIGINT mid-traffic, its engine process is SIGKILLed, it sits idle, or it restarts with the same run label.
+
+A request is recognised in the ledger by its tenant (one tenant per request); a completed request with a prompt
+of P tokens and O completion tokens ran P + O - 1 tokens through the engine (the last sampled token is never
+an input), so the ledger must hold exactly that many new tokens for it, in one request row.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+
+try:
+    import vllm  # noqa: F401
+except Exception as error:  # noqa: BLE001 - a broken install raises more than ImportError
+    pytest.skip(f"vLLM is not importable ({type(error).__name__}: {error})", allow_module_level=True)
+
+from _tiny_llama import tiny_engine_args, write_tiny_llama
+from llmvisor.client import wait_for_delivery
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.synthetic import synthetic_trace
+from llmvisor.core.trace import read_trace
+from llmvisor.ledger import Ledger
+from llmvisor.service.process import ServerProcess, free_loopback_port
+from test_vllm_recorder import ENGINE_ENV, TINY_FIELDS
+
+pytestmark = pytest.mark.vllm
+
+LABEL = "ops"
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    """A real `llmvisor serve` with its ledger, shared by the tests of this module."""
+    folder = tmp_path_factory.mktemp("service")
+    model_path = folder / "model.json"
+    StepLatencyModel().fit(synthetic_trace(1000)).to_json(model_path)
+    db_url = f"sqlite:///{folder}/ledger.db"
+    ledger = Ledger(db_url)
+    admin_key = ledger.create_key(is_admin=True)
+    ledger.close()
+    server = ServerProcess(model_path, db_url, log_path=folder / "service.log").start()
+    yield {"url": server.url, "key": admin_key, "db_url": db_url, "model_dir": write_tiny_llama(folder / "tiny", **TINY_FIELDS)}
+    server.stop()
+
+
+class ApiServer:
+    """vLLM's OpenAI server with the recorder, default shutdown settings, pushing to the service."""
+
+    def __init__(self, service: dict, folder, name: str):
+        self.folder = folder
+        self.model = str(service["model_dir"])
+        self.port = free_loopback_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = folder / f"{name}.log"
+        env = {
+            **os.environ,
+            **ENGINE_ENV,
+            "PYTHONPATH": os.pathsep.join([os.path.abspath("src"), os.environ.get("PYTHONPATH", "")]),
+            "LLMVISOR_TRACE_PATH": str(folder / "trace.jsonl"),
+            "LLMVISOR_RUN_ID": LABEL,
+            "LLMVISOR_SERVICE_URL": service["url"],
+            "LLMVISOR_SERVICE_KEY": service["key"],
+            "LLMVISOR_SPOOL": str(folder / "spool.jsonl"),
+        }
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model, "--load-format", "dummy", "--skip-tokenizer-init",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "128",
+            "--enforce-eager", "--no-async-scheduling", "--no-enable-prefix-caching",
+            "--scheduler-cls", "llmvisor.engines.vllm.recorder.RecordingScheduler",
+        ]  # fmt: skip
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 240
+        while True:
+            assert self.process.poll() is None, f"server exited early:\n{self.log()[-3000:]}"
+            try:
+                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"server not healthy in time:\n{self.log()[-3000:]}"
+            time.sleep(0.5)
+        found = re.findall(r"steps of run (\S+) go to the accounting service at \S+ through delivery process (\d+)", self.log())
+        assert found, f"no delivery process in the log:\n{self.log()[-3000:]}"
+        self.run_id, self.delivery_pid = found[-1][0], int(found[-1][1])
+        self.completed: dict[str, tuple[int, int]] = {}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._counter = 0
+        self._lock = threading.Lock()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def complete(self, tenant: str, prompt_len: int, max_tokens: int, rng) -> None:
+        body = {
+            "model": self.model,
+            "prompt": rng.integers(10, 1000, prompt_len).tolist(),
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "vllm_xargs": {"tenant": tenant},
+        }
+        try:
+            response = httpx.post(f"{self.base}/v1/completions", json=body, timeout=60)
+        except httpx.HTTPError:
+            return  # the server went away mid-request: not completed, so not checked
+        if response.status_code == 200:
+            with self._lock:
+                self.completed[tenant] = (prompt_len, response.json()["usage"]["completion_tokens"])
+
+    def start_traffic(self, n_clients: int = 3) -> None:
+        """Clients sending requests back to back until `stop_traffic` (or the server goes away)."""
+
+        def client(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            while not self._stop.is_set() and self.process.poll() is None:
+                with self._lock:
+                    self._counter += 1
+                    tenant = f"{self.run_id}-r{self._counter}"
+                self.complete(tenant, int(rng.integers(1, 150)), int(rng.integers(1, 24)), rng)
+
+        self._stop.clear()
+        self._threads = [threading.Thread(target=client, args=(seed,), daemon=True) for seed in range(n_clients)]
+        for thread in self._threads:
+            thread.start()
+
+    def stop_traffic(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(60)
+
+    def engine_pid(self) -> int:
+        children = psutil.Process(self.process.pid).children(recursive=True)
+        engines = [c for c in children if "EngineCore" in " ".join([c.name(), *c.cmdline()])]
+        assert engines, [(c.pid, c.name()) for c in children]
+        return engines[0].pid
+
+    def interrupt(self) -> float:
+        """SIGINT to the API server only (as `kill -INT`); returns how long it took to exit."""
+        started = time.monotonic()
+        self.process.send_signal(signal.SIGINT)
+        self.wait()
+        return time.monotonic() - started
+
+    def wait(self) -> None:
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self.stop_traffic()
+        assert wait_for_delivery(self.delivery_pid, 60), "the delivery process did not finish"
+
+
+def request_rows(db_url: str, run_id: str) -> dict[str, list]:
+    ledger = Ledger(db_url)
+    try:
+        rows = ledger.request_usage(run_id=run_id, limit=100_000)
+    finally:
+        ledger.close()
+    by_tenant: dict[str, list] = {}
+    for row in rows:
+        by_tenant.setdefault(row.tenant, []).append(row)
+    return by_tenant
+
+
+def assert_completed_requests_billed_once(db_url: str, server: ApiServer) -> None:
+    by_tenant = request_rows(db_url, server.run_id)
+    assert server.completed, "no request completed"
+    for tenant, (prompt_len, completion_tokens) in server.completed.items():
+        rows = by_tenant.get(tenant, [])
+        assert len(rows) == 1, (tenant, rows)
+        assert rows[0].num_new_tokens == prompt_len + completion_tokens - 1, (tenant, rows[0], prompt_len, completion_tokens)
+
+
+def assert_ledger_matches_trace(db_url: str, trace_path, run_id: str) -> int:
+    trace = read_trace(trace_path)
+    mine = trace.run_id == run_id
+    step_ids = np.unique(trace.step_id[mine])
+    assert step_ids.tolist() == list(range(len(step_ids))), "step ids of a run are 0, 1, 2, ... without holes"
+    by_tenant = request_rows(db_url, run_id)
+    ledger_tokens = sum(r.num_new_tokens for rows in by_tenant.values() for r in rows)
+    assert ledger_tokens == int(trace.num_new_tokens[mine].sum())
+    return len(step_ids)
+
+
+def test_idle_engine_is_billed_within_a_second_and_sigint_mid_traffic_loses_nothing(service, tmp_path):
+    server = ApiServer(service, tmp_path, "api")
+    try:
+        rng = np.random.default_rng(0)
+        threads = [threading.Thread(target=server.complete, args=(f"idle-{i}", 20 + 30 * i, 5 + i, rng)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        answered = time.monotonic()
+        expected = {t: p + o - 1 for t, (p, o) in server.completed.items()}
+        assert len(expected) == 4
+        while True:
+            billed = {t: rows[0].num_new_tokens for t, rows in request_rows(service["db_url"], server.run_id).items()}
+            if billed == expected:
+                break
+            assert time.monotonic() - answered < 1.5, f"idle engine: ledger {billed} after 1.5 s, expected {expected}"
+            time.sleep(0.02)
+        print(f"idle: every step billed {time.monotonic() - answered:.3f} s after the last answer")
+
+        server.start_traffic()
+        time.sleep(4)
+        print(f"SIGINT to exit: {server.interrupt():.2f} s")
+    finally:
+        if server.process.poll() is None:
+            os.killpg(server.process.pid, signal.SIGKILL)
+    assert "stopping engine client mode=abort timeout=0s" in server.log()  # vLLM's default shutdown
+    assert_completed_requests_billed_once(service["db_url"], server)
+    n_steps = assert_ledger_matches_trace(service["db_url"], tmp_path / "trace.jsonl", server.run_id)
+    assert n_steps > 20
+    assert not (tmp_path / "spool.jsonl").exists() and not (tmp_path / "spool.jsonl.rejected.jsonl").exists()
+
+
+def test_restart_with_the_same_label_is_a_new_run_and_an_engine_sigkill_loses_only_the_step_in_flight(service, tmp_path):
+    first = ApiServer(service, tmp_path, "first")
+    try:
+        first.start_traffic()
+        time.sleep(2)
+        first.interrupt()
+    finally:
+        if first.process.poll() is None:
+            os.killpg(first.process.pid, signal.SIGKILL)
+    second = ApiServer(service, tmp_path, "second")
+    try:
+        assert second.run_id != first.run_id and second.run_id.startswith(f"{LABEL}-") and first.run_id.startswith(f"{LABEL}-")
+        second.start_traffic()
+        time.sleep(3)
+        os.kill(second.engine_pid(), signal.SIGKILL)
+        second.wait()
+    finally:
+        if second.process.poll() is None:
+            os.killpg(second.process.pid, signal.SIGKILL)
+    for server in (first, second):
+        assert_completed_requests_billed_once(service["db_url"], server)
+        assert assert_ledger_matches_trace(service["db_url"], tmp_path / "trace.jsonl", server.run_id) > 5
+    assert not (tmp_path / "spool.jsonl.rejected.jsonl").exists()
+
+
+def test_recorder_and_fair_scheduler_agree_on_the_tenant_with_a_configured_key(tmp_path, monkeypatch):
+    from vllm import LLM, SamplingParams
+
+    from llmvisor.engines.vllm.fair import FairScheduler
+
+    for name, value in ENGINE_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("LLMVISOR_TRACE_PATH", str(tmp_path / "trace.jsonl"))
+    monkeypatch.setenv("LLMVISOR_FAIR_CONFIG", '{"tenant_key": "team"}')
+    llm = LLM(**tiny_engine_args(write_tiny_llama(tmp_path / "tiny", **TINY_FIELDS), FairScheduler))
+    requests = [(40, 4, {"team": "red"}), (30, 6, {"team": "blue", "tenant": "not-this"}), (20, 3, None)]
+    llm.generate(
+        [{"prompt_token_ids": list(range(10, 10 + n))} for n, _, _ in requests],
+        [SamplingParams(max_tokens=out, ignore_eos=True, detokenize=False, extra_args=extra) for _, out, extra in requests],
+        use_tqdm=False,
+    )
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    charged = set(scheduler.fair_state()["served"])
+    llm.llm_engine.engine_core.shutdown()
+    trace = read_trace(tmp_path / "trace.jsonl")
+    tokens = {t: int(trace.num_new_tokens[trace.tenant == t].sum()) for t in set(trace.tenant.tolist())}
+    assert tokens == {"red": 40 + 4 - 1, "blue": 30 + 6 - 1, "default": 20 + 3 - 1}
+    assert charged == set(tokens)
