@@ -96,3 +96,46 @@ def test_orders_are_checked():
     with pytest.raises(ValueError, match="pairs"):
         sample_orders(5, 3, rng)
     assert sorted(sample_orders(5, 3, rng, antithetic=False)[0]) == list(range(5))
+
+
+def test_serving_size_batches_are_measured_prefix_by_prefix_each_subset_once(tmp_path):
+    """An additive engine with a known answer per order; the journal holds each distinct prefix once."""
+    from llmvisor.errors import LlmvisorError
+    from llmvisor.validation.analysis import analyse_sampled_batch
+    from llmvisor.validation.measurement import Journal, measure_sampled
+    from llmvisor.validation.plans import SampledKind, draw_sampled_batches
+    from test_validation import ENVELOPE, B, GameEngine, additive_cost, known_model, mixes
+
+    def cost(slices):  # decode cost free of context, since contexts grow while a batch is measured
+        return additive_cost(slices) if slices[0].is_prefill else B + 5e-4 * len(slices)
+
+    batches = draw_sampled_batches(mixes(), ENVELOPE, n_batches=2, n_orders=4, sizes=(16,),
+                                   kinds=(SampledKind.DECODE, SampledKind.PREFILL))
+    engine = GameEngine(cost)
+    journal = Journal(tmp_path / "j.jsonl")
+    counts = measure_sampled(engine, batches, journal, repeat=2, warm_up_steps=0)
+    distinct = sum(len(b.subsets()) for b in batches)
+    assert counts["measured_now"] == engine.n_steps == 2 * distinct  # the full batch, shared by every order, once
+    again = measure_sampled(engine, batches, Journal(tmp_path / "j.jsonl"), repeat=2, warm_up_steps=0)
+    assert again["measured_now"] == 0 and engine.n_steps == 2 * distinct
+    for b in batches:
+        record = analyse_sampled_batch(b, Journal(tmp_path / "j.jsonl"), known_model(d6=0.0), repeat=2)
+        # in an additive game a request's marginal cost is its own term, plus the intercept when it comes first
+        first = np.bincount([order[0] for order in b.orders], minlength=b.size) / len(b.orders)
+        expected = np.array([cost([s]) - B for s in _slices(b)]) + B * first
+        np.testing.assert_allclose(record["shapley_s"], expected, rtol=1e-9)
+        low, high = np.array(record["shapley_ci95_s"]) + np.array([[-1e-12], [1e-12]])
+        assert np.all(low <= expected) and np.all(expected <= high)
+        assert sum(record["shares_s"]["token_count"]) == pytest.approx(record["measured_step_s"])
+    with pytest.raises(LlmvisorError, match="mixed steps need a measurer"):
+        measure_sampled(engine, draw_sampled_batches(mixes(), ENVELOPE, n_batches=1, n_orders=2, sizes=(16,), kinds=(SampledKind.MIXED,)),
+                        journal, repeat=1)
+    with pytest.raises(LlmvisorError, match="prefix caching"):
+        measure_sampled(engine, draw_sampled_batches(mixes(), ENVELOPE, n_batches=1, n_orders=2, sizes=(16,),
+                                                     kinds=(SampledKind.SHARED_PREFIX_DECODE,)), journal, repeat=1)
+
+
+def _slices(batch):
+    from llmvisor.engines.vllm.controlled import Slice
+
+    return [Slice(n, c, p) for n, c, p in zip(batch.num_new_tokens, batch.num_context_tokens, batch.is_prefill)]

@@ -27,10 +27,11 @@ from llmvisor.validation.game import (
     exact_shapley,
     leave_one_out,
     members,
+    sampled_shapley,
     subset_masks,
 )
 from llmvisor.validation.measurement import Journal, guard_rule
-from llmvisor.validation.plans import PHASES, BatchSpec, Phase
+from llmvisor.validation.plans import PHASES, BatchSpec, Phase, SampledBatchSpec
 
 RESULT_FORMAT = "llmvisor.validation"
 RESULT_FORMAT_VERSION = 2
@@ -522,4 +523,51 @@ def build_result(batches: list[BatchSpec], journal: Journal, model, *, repeat: i
         },
         "summary": summarize(records, n_bootstrap=n_bootstrap, seed=seed),
         "batches": records,
+    }
+
+
+def analyse_sampled_batch(batch: SampledBatchSpec, journal: Journal, model, repeat: int) -> dict | None:
+    """A serving-size batch's Shapley values estimated from its measured order prefixes, with 95% intervals,
+    and every method's shares (those computable without all 2**n subsets); None until every prefix is measured."""
+    n = batch.size
+    cost: dict[int, float] = {}
+    contexts: list[list[int]] = [[] for _ in range(n)]
+    for subset in batch.subsets():
+        taken = journal.get(batch, 0, subset)[:repeat]
+        if len(taken) < repeat:
+            return None
+        cost[subset] = float(np.median([m.step_latency_s for m in taken]))
+        for m in taken:
+            for i, c in zip(members(subset, n), m.num_context_tokens):
+                contexts[i].append(c)
+    estimate = sampled_shapley(np.array(batch.orders, dtype=np.int64), cost, antithetic=batch.antithetic)
+    measured_s = cost[(1 << n) - 1]
+    new = np.array(batch.num_new_tokens, dtype=np.float64)
+    is_prefill = np.array(batch.is_prefill, dtype=bool)
+    context = np.array([np.mean(c) if c else nominal for c, nominal in zip(contexts, batch.num_context_tokens)])
+    shares = model_shares(model, new, np.rint(context), is_prefill, measured_s)
+    shares[Method.TOKEN_COUNT] = measured_s * token_count_split(new, is_prefill)
+    shares[Method.EQUAL_SPLIT] = np.full(n, measured_s / n)
+    kv = new + context
+    shares[Method.KV_TOKENS_PROPORTIONAL] = measured_s * kv / kv.sum()
+    return {
+        "index": batch.index,
+        "phase": batch.kind,
+        "kind": batch.kind,
+        "source": batch.source,
+        "size": n,
+        "sampled": True,
+        "n_orders": estimate["n_orders"],
+        "antithetic": batch.antithetic,
+        "n_subsets_measured": len(cost),
+        "num_new_tokens": list(batch.num_new_tokens),
+        "nominal_context_tokens": list(batch.num_context_tokens),
+        "num_context_tokens": context.tolist(),
+        "is_prefill": [bool(v) for v in is_prefill],
+        "shared_prefix_tokens": list(batch.shared_prefix_tokens),
+        "measured_step_s": measured_s,
+        "shapley_s": estimate["shapley_s"].tolist(),
+        "shapley_std_err_s": estimate["std_err_s"].tolist(),
+        "shapley_ci95_s": [estimate["ci_low_s"].tolist(), estimate["ci_high_s"].tolist()],
+        "shares_s": {k: np.asarray(v, dtype=np.float64).tolist() for k, v in shares.items()},
     }
