@@ -21,6 +21,7 @@ from enum import StrEnum
 import numpy as np
 
 from llmvisor.core.attribution import RULES, attribute_arrays, subset_costs_s
+from llmvisor.core.features import Coef, own_terms_s
 from llmvisor.validation.game import (
     additive_design,
     additive_fit,
@@ -526,9 +527,26 @@ def build_result(batches: list[BatchSpec], journal: Journal, model, *, repeat: i
     }
 
 
+class ModelGame:
+    """The latency model's cost game of one batch, read by bit mask (a subset priced alone, in its own segment):
+    the control variate of a sampled batch, whose exact Shapley value is the ``shapley`` rule's predicted share."""
+
+    def __init__(self, model, new: np.ndarray, context: np.ndarray, is_prefill: np.ndarray):
+        self.model, self.new = model, np.asarray(new, dtype=np.float64)
+        self.own = np.stack([own_terms_s(row, self.new, context, is_prefill) for row in model.coef_])
+
+    def __getitem__(self, mask: int) -> float:
+        chosen = np.array(members(int(mask), self.new.size), dtype=np.int64)
+        if chosen.size == 0:
+            return 0.0
+        segment = int(self.model.segment_of_steps(np.array([self.new[chosen].sum()]))[0])
+        return float(self.model.coef_[segment, Coef.B] + self.own[segment, chosen].sum())
+
+
 def analyse_sampled_batch(batch: SampledBatchSpec, journal: Journal, model, repeat: int) -> dict | None:
-    """A serving-size batch's Shapley values estimated from its measured order prefixes, with 95% intervals,
-    and every method's shares (those computable without all 2**n subsets); None until every prefix is measured."""
+    """A serving-size batch's Shapley values estimated from its measured order prefixes (the model's game as
+    control variate), with 95% intervals, and every method's shares (those computable without all 2**n
+    subsets); None until every prefix is measured."""
     n = batch.size
     cost: dict[int, float] = {}
     contexts: list[list[int]] = [[] for _ in range(n)]
@@ -540,12 +558,14 @@ def analyse_sampled_batch(batch: SampledBatchSpec, journal: Journal, model, repe
         for m in taken:
             for i, c in zip(members(subset, n), m.num_context_tokens):
                 contexts[i].append(c)
-    estimate = sampled_shapley(np.array(batch.orders, dtype=np.int64), cost, antithetic=batch.antithetic)
     measured_s = cost[(1 << n) - 1]
     new = np.array(batch.num_new_tokens, dtype=np.float64)
     is_prefill = np.array(batch.is_prefill, dtype=bool)
     context = np.array([np.mean(c) if c else nominal for c, nominal in zip(contexts, batch.num_context_tokens)])
     shares = model_shares(model, new, np.rint(context), is_prefill, measured_s)
+    control = ModelGame(model, new, np.rint(context), is_prefill)
+    estimate = sampled_shapley(np.array(batch.orders, dtype=np.int64), cost, antithetic=batch.antithetic,
+                               control=control, control_shapley=shares[Method.SHAPLEY_PREDICTED])
     shares[Method.TOKEN_COUNT] = measured_s * token_count_split(new, is_prefill)
     shares[Method.EQUAL_SPLIT] = np.full(n, measured_s / n)
     kv = new + context
