@@ -79,8 +79,8 @@ def validation_figures(validation: dict) -> list[str]:
     summary = validation["summary"]
     errors = summary["errors"]
     ours = {phase: errors[phase]["shapley"]["shapley"] for phase in ("prefill", "decode")}
-    tokens = {phase: errors[phase]["shapley"]["token_proportional"] for phase in ("prefill", "decode")}
-    gain = summary["improvement_vs_token_proportional"]["decode"]["shapley"]
+    tokens = {phase: errors[phase]["shapley"]["token_count"] for phase in ("prefill", "decode")}
+    gain = summary["improvement_vs_token_count"]["decode"]["shapley"]
     return [
         f"{summary['n_batches']['prefill'] + summary['n_batches']['decode']} batches of 2–5 requests",
         f"{thousands(sum(run['measured_steps'] for run in validation['settings']['measurement_runs']))}\ncontrolled steps",

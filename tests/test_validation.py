@@ -347,8 +347,23 @@ def test_a_correct_additive_model_matches_measured_shapley_exactly(tmp_path):
         assert shapley["model_exact_shapley"]["p99"] < 1e-9
         assert summary["noise_floor"]["shapley"][phase]["p99"] < 1e-12
         assert summary["loo_sum_gap_fraction"][phase]["p90"] < 0  # LOO misses the shared intercept
-    # Token-proportional shares ignore the intercept's equal split; they must be measurably worse for prefill.
-    assert summary["errors"]["prefill"]["shapley"]["token_proportional"]["p90"] > 0.01
+    # Token-count shares ignore the intercept's equal split; they must be measurably worse for prefill.
+    assert summary["errors"]["prefill"]["shapley"]["token_count"]["p90"] > 0.01
+    # The same, per request and per class: exact rules have no relative error and no bias in any class; token
+    # counts over-bill long prompts and under-bill short ones (the intercept is split equally, not by tokens).
+    for phase in PHASES:
+        per_request = summary["per_request_error"][phase]["shapley"]
+        assert per_request["p99"] < 1e-9 and per_request["n"] + per_request["n_below_floor"] == summary["n_requests"][phase]
+        for name, by_method in summary["class_bias"].items():
+            assert abs(by_method["shapley"]["bias"]) < 1e-9, name
+    bias = summary["class_bias"]
+    assert bias["prefill/large_in_batch"]["token_count"]["bias"] > 0.01
+    assert bias["prefill/small_in_batch"]["token_count"]["bias"] < -0.01
+    low, high = bias["prefill/large_in_batch"]["token_count"]["ci95"]
+    assert low <= bias["prefill/large_in_batch"]["token_count"]["bias"] <= high
+    assert "prefill/shared_context" not in bias and bias["prefill/unique_context"]["shapley"]["n"] == summary["n_requests"]["prefill"]
+    assert summary["batch_sizes"]["min"] == min(b.size for b in batches)
+    assert summary["batch_sizes"]["max"] == max(b.size for b in batches)
     record = next(r for r in result["batches"] if r["phase"] == "prefill")
     assert record["loo_sum_gap_fraction"] == pytest.approx(-B / record["measured_step_s"])
     assert summary["loo_sum_gap_fraction"]["prefill"]["n"] == summary["n_batches"]["prefill"] == 6
@@ -561,3 +576,26 @@ def test_interaction_diagnostics_find_a_padding_cost(tmp_path):
     assert found["size_x_max_tokens"]["explained_fraction_of_additive_residual"] > 0.95
     assert found["size_x_max_tokens"]["coef"] == pytest.approx(2e-6, rel=0.05)
     assert found["pairs"]["explained_fraction_of_additive_residual"] < 0.5
+
+
+def test_token_count_prices_prompt_tokens_once_and_output_tokens_twice():
+    from llmvisor.validation.analysis import token_count_split
+
+    # a mixed step: a 6-token prefill chunk with two decodes (one output token each, priced 2)
+    np.testing.assert_allclose(token_count_split(np.array([6, 1, 1]), np.array([True, False, False])), [0.6, 0.2, 0.2])
+    np.testing.assert_allclose(token_count_split(np.array([1, 1, 1, 1]), np.zeros(4, dtype=bool)), np.full(4, 0.25))
+    np.testing.assert_allclose(token_count_split(np.array([30, 10]), np.ones(2, dtype=bool)), [0.75, 0.25])
+
+
+def test_a_version_1_result_reads_under_todays_names():
+    from llmvisor.validation.analysis import upgrade_result
+    from llmvisor.validation.report import markdown_summary
+
+    shipped_result = json.loads(shipped.result_path(shipped.VALIDATION_RESULT).read_text(encoding="utf-8"))
+    old = json.loads(json.dumps(shipped_result).replace('"token_count"', '"token_proportional"').replace("_token_count", "_token_proportional"))
+    old["format_version"] = 1
+    assert "token_proportional" in old["batches"][0]["shares_s"]
+    upgraded = upgrade_result(old)
+    assert upgraded["batches"][0]["shares_s"]["token_count"] == shipped_result["batches"][0]["shares_s"]["token_count"]
+    assert upgraded["summary"]["improvement_vs_token_count"] == shipped_result["summary"]["improvement_vs_token_count"]
+    assert markdown_summary(old) == markdown_summary(shipped_result)

@@ -240,7 +240,7 @@ SUMMARY_METHODS = (
     Method.PROPORTIONAL,
     Method.PAPER,
     Method.MODEL_EXACT_SHAPLEY,
-    Method.TOKEN_PROPORTIONAL,
+    Method.TOKEN_COUNT,
     Method.EQUAL_SPLIT,
     Method.MEASURED_ADDITIVE_FIT,
 )
@@ -266,7 +266,7 @@ def print_summary(console, result: dict) -> None:
             m = tables["shapley"].get(method)
             if not m:
                 continue
-            gain = summary["improvement_vs_token_proportional"][phase].get(method)
+            gain = summary["improvement_vs_token_count"][phase].get(method)
             table.add_row(
                 phase,
                 method,

@@ -21,19 +21,23 @@ from enum import StrEnum
 import numpy as np
 
 from llmvisor.core.attribution import RULES, attribute_arrays, subset_costs_s
+from llmvisor.core.features import Coef, own_terms_s
 from llmvisor.validation.game import (
     additive_design,
     additive_fit,
     exact_shapley,
     leave_one_out,
     members,
+    sampled_shapley,
     subset_masks,
 )
 from llmvisor.validation.measurement import Journal, guard_rule
-from llmvisor.validation.plans import PHASES, BatchSpec, Phase
+from llmvisor.validation.plans import PHASES, BatchSpec, Phase, SampledBatchSpec
 
 RESULT_FORMAT = "llmvisor.validation"
-RESULT_FORMAT_VERSION = 1
+RESULT_FORMAT_VERSION = 2
+"""2: ``token_proportional`` renamed ``token_count`` (VTC's prices); per-request relative errors, class biases and
+batch sizes in the summary. Version-1 files are read through `upgrade_result`."""
 
 
 class Method(StrEnum):
@@ -45,14 +49,22 @@ class Method(StrEnum):
     PROPORTIONAL_PREDICTED = "proportional_predicted"
     PAPER = "paper"
     MODEL_EXACT_SHAPLEY = "model_exact_shapley"
-    TOKEN_PROPORTIONAL = "token_proportional"
+    TOKEN_COUNT = "token_count"
     EQUAL_SPLIT = "equal_split"
     KV_TOKENS_PROPORTIONAL = "kv_tokens_proportional"
     MEASURED_ADDITIVE_FIT = "measured_additive_fit"
 
 
 HEADLINE_METHOD = Method.SHAPLEY
-GOAL = {"median_max": 0.05, "p90_max": 0.10, "p90_improvement_vs_token_proportional_min": 2.0}
+BASELINE_METHOD = Method.TOKEN_COUNT
+GOAL = {"median_max": 0.05, "p90_max": 0.10, "p90_improvement_vs_token_count_min": 2.0}
+LEGACY_NAMES = {"token_proportional": Method.TOKEN_COUNT.value}
+"""Names of version-1 results and what they are called now."""
+RELATIVE_ERROR_FLOOR = 0.02
+"""Per-request relative errors are taken over requests whose measured Shapley value is at least this fraction of
+the step: below it the denominator is within the noise floor of re-measuring (p90 ~2–3% of the step)."""
+TOKEN_COUNT_PRICES = {"prompt": 1.0, "output": 2.0}
+"""VTC's token prices (Sheng et al., "Fairness in Serving Large Language Models", 2024): prompt ×1, output ×2."""
 
 
 def _weighted_quantiles(values: np.ndarray, counts: np.ndarray, qs: np.ndarray) -> np.ndarray:
@@ -98,6 +110,17 @@ def model_shares(model, new: np.ndarray, context: np.ndarray, is_prefill: np.nda
     return shares
 
 
+def token_count_split(new: np.ndarray, is_prefill: np.ndarray) -> np.ndarray:
+    """Fractions of a step by VTC's token prices: prefill tokens as prompt (×1), a decode's token as output (×2).
+
+    Within a pure decode step every request runs one token, so this is an equal split; within a pure prefill
+    step it is a split by new tokens. It differs from both only in a mixed step.
+    """
+    new = np.asarray(new, dtype=np.float64)
+    weights = np.where(is_prefill, TOKEN_COUNT_PRICES["prompt"], TOKEN_COUNT_PRICES["output"]) * new
+    return weights / weights.sum() if weights.sum() > 0 else np.full(new.size, 1.0 / new.size)
+
+
 def model_subset_costs(model, new: np.ndarray, context: np.ndarray, is_prefill: np.ndarray) -> np.ndarray:
     """The model's predicted time of every subset of a batch (index = bit mask; 0 for the empty set): the
     cost game whose Shapley value the attribution rule is (``llmvisor.core.attribution.subset_costs_s``)."""
@@ -139,8 +162,7 @@ def analyse_batch(batch: BatchSpec, journal: Journal, model, repeat: int) -> dic
     model_cost = model_subset_costs(model, new, np.rint(context), is_prefill)
     model_phi = exact_shapley(model_cost)
     shares[Method.MODEL_EXACT_SHAPLEY] = model_phi * (measured_s / model_phi.sum()) if model_phi.sum() > 0 else np.full(n, measured_s / n)
-    weights = new if batch.phase == Phase.PREFILL else np.ones(n)
-    shares[Method.TOKEN_PROPORTIONAL] = measured_s * weights / weights.sum()
+    shares[Method.TOKEN_COUNT] = measured_s * token_count_split(new, is_prefill)
     shares[Method.EQUAL_SPLIT] = np.full(n, measured_s / n)
     kv = new + context
     shares[Method.KV_TOKENS_PROPORTIONAL] = measured_s * kv / kv.sum()
@@ -273,7 +295,7 @@ def summarize(records: list[dict], *, n_bootstrap: int = 1000, seed: int = 0) ->
     if not records:
         return {}
     methods = list(records[0]["shares_s"])
-    summary: dict = {"errors": {}, "errors_by_kind": {}, "improvement_vs_token_proportional": {}, "loo_sum_gap_fraction": {},
+    summary: dict = {"errors": {}, "errors_by_kind": {}, "improvement_vs_token_count": {}, "loo_sum_gap_fraction": {},
                      "noise_floor": {"step": {}, "shapley": {}}, "additivity": {}, "goal": dict(GOAL), "goal_met": {}}
     for phase in PHASES:
         phase_records = [r for r in records if r["phase"] == phase]
@@ -285,8 +307,8 @@ def summarize(records: list[dict], *, n_bootstrap: int = 1000, seed: int = 0) ->
             kind: _error_table([r for r in phase_records if r["kind"] == kind], "shapley", methods, 0, seed)
             for kind in sorted({r["kind"] for r in phase_records})
         }
-        token_p90 = errors["shapley"][Method.TOKEN_PROPORTIONAL]["p90"]
-        summary["improvement_vs_token_proportional"][phase] = {
+        token_p90 = errors["shapley"][BASELINE_METHOD]["p90"]
+        summary["improvement_vs_token_count"][phase] = {
             m: (token_p90 / v["p90"] if v["p90"] else None) for m, v in errors["shapley"].items()
         }
         summary["loo_sum_gap_fraction"][phase] = plain_quantiles(r["loo_sum_gap_fraction"] for r in phase_records)
@@ -313,17 +335,138 @@ def summarize(records: list[dict], *, n_bootstrap: int = 1000, seed: int = 0) ->
             ),
         }
         head = errors["shapley"][HEADLINE_METHOD]
-        improvement = summary["improvement_vs_token_proportional"][phase][HEADLINE_METHOD]
+        improvement = summary["improvement_vs_token_count"][phase][HEADLINE_METHOD]
         summary["goal_met"][phase] = {
             "median": head["p50"] <= GOAL["median_max"],
             "p90": head["p90"] <= GOAL["p90_max"],
-            "vs_token_proportional": improvement is not None and improvement >= GOAL["p90_improvement_vs_token_proportional_min"],
+            "vs_token_count": improvement is not None and improvement >= GOAL["p90_improvement_vs_token_count_min"],
         }
+    summary["per_request_error"] = per_request_error(records, methods, n_bootstrap=n_bootstrap, seed=seed)
+    summary["class_bias"], summary["class_definitions"] = class_bias(records, methods, n_bootstrap=n_bootstrap, seed=seed)
+    summary["batch_sizes"] = batch_sizes(records)
     summary["interactions"] = interaction_diagnostics(records)
     summary["n_batches"] = {p: sum(r["phase"] == p for r in records) for p in PHASES}
     summary["n_requests"] = {p: sum(r["size"] for r in records if r["phase"] == p) for p in PHASES}
     summary["methods"] = methods
     return summary
+
+
+def per_request_error(records: list[dict], methods: list[str], *, floor: float = RELATIVE_ERROR_FLOOR,
+                      n_bootstrap: int = 1000, seed: int = 0) -> dict:
+    """|share − φ_i| / φ_i per request (the error on a request's own bill), per phase and method.
+
+    Over requests with φ_i ≥ ``floor`` · T(B) (a smaller measured value is within the re-measuring noise, and a
+    relative error on it says nothing); ``n_below_floor`` counts the rest.
+    """
+    out: dict = {}
+    for phase in PHASES:
+        phase_records = [r for r in records if r["phase"] == phase]
+        if not phase_records:
+            continue
+        out[phase] = {}
+        for method in methods:
+            errors, groups, below = [], [], 0
+            for r in phase_records:
+                truth = np.asarray(r["shapley_s"])
+                share = np.asarray(r["shares_s"][method])
+                kept = truth >= floor * r["measured_step_s"]
+                below += int((~kept).sum())
+                errors.extend(np.abs(share[kept] - truth[kept]) / truth[kept])
+                groups.extend([r["index"]] * int(kept.sum()))
+            table = quantiles_with_ci(np.array(errors), np.array(groups), n_bootstrap=n_bootstrap, seed=seed)
+            out[phase][method] = {**table, "n_below_floor": below, "floor_fraction_of_step": floor}
+    return out
+
+
+def request_lengths(record: dict) -> np.ndarray:
+    """Each request's length for the classes: new + context tokens (decode: the context read; prefill: the prompt)."""
+    return np.asarray(record["num_new_tokens"], dtype=np.float64) + np.asarray(record["num_context_tokens"], dtype=np.float64)
+
+
+def request_classes(records: list[dict]) -> tuple[list[dict[str, np.ndarray]], dict]:
+    """Per record, class name → mask over its requests; and what each class means (quartile edges included)."""
+    masks: list[dict[str, np.ndarray]] = [{} for _ in records]
+    definitions: dict = {
+        "{phase}": "every request of that phase",
+        "{phase}/length_qK": "length (new + context tokens) in the K-th quartile of that phase's requests",
+        "{phase}/unique_context": "requests whose context is their own (no prefix shared with another request of the batch)",
+        "{phase}/shared_context": "requests sharing a cached prefix with another request of the batch "
+        "(absent when no measured batch has one: the shipped journal's contexts are all unique)",
+        "{phase}/small_in_batch": "length below its batch's median length",
+        "{phase}/large_in_batch": "length above its batch's median length (a request at the median is in neither)",
+        "quartile_edges": {},
+    }
+    for phase in PHASES:
+        chosen = [k for k, r in enumerate(records) if r["phase"] == phase]
+        if not chosen:
+            continue
+        edges = np.percentile(np.concatenate([request_lengths(records[k]) for k in chosen]), [25, 50, 75])
+        definitions["quartile_edges"][phase] = edges.tolist()
+        for k in chosen:
+            r, lengths = records[k], request_lengths(records[k])
+            shared = np.asarray(r.get("shared_prefix_tokens", np.zeros(r["size"])), dtype=np.float64) > 0
+            quartile = np.searchsorted(edges, lengths, side="right")
+            median = float(np.median(lengths))
+            masks[k][phase] = np.ones(r["size"], dtype=bool)
+            for q in range(4):
+                masks[k][f"{phase}/length_q{q + 1}"] = quartile == q
+            masks[k][f"{phase}/unique_context"] = ~shared
+            masks[k][f"{phase}/shared_context"] = shared
+            masks[k][f"{phase}/small_in_batch"] = lengths < median
+            masks[k][f"{phase}/large_in_batch"] = lengths > median
+    return masks, definitions
+
+
+def class_bias(records: list[dict], methods: list[str], *, n_bootstrap: int = 1000, seed: int = 0) -> tuple[dict, dict]:
+    """Σ shares / Σ measured Shapley − 1 over each class of requests: the bias a tenant's bill inherits.
+
+    A per-request error averages out over a month of requests only if it is unbiased; this is what does not.
+    The 95% interval resamples whole batches (their requests share measurements). Classes: `request_classes`.
+    """
+    masks, definitions = request_classes(records)
+    present = {name for m in masks for name, mask in m.items() if mask.any()}
+    order = ["", *(f"/length_q{q}" for q in range(1, 5)), "/small_in_batch", "/large_in_batch", "/unique_context", "/shared_context"]
+    names = [f"{phase}{suffix}" for phase in PHASES for suffix in order if f"{phase}{suffix}" in present]
+    rng = np.random.default_rng(seed)
+    draws = rng.multinomial(len(records), np.full(len(records), 1 / len(records)), size=n_bootstrap) if records and n_bootstrap else None
+    out: dict = {}
+    for name in names:
+        out[name] = {}
+        members_of = [(k, m[name]) for k, m in enumerate(masks) if name in m and m[name].any()]
+        truth = np.zeros(len(records))
+        for k, mask in members_of:
+            truth[k] = np.asarray(records[k]["shapley_s"])[mask].sum()
+        n = int(sum(mask.sum() for _, mask in members_of))
+        for method in methods:
+            billed = np.zeros(len(records))
+            for k, mask in members_of:
+                billed[k] = np.asarray(records[k]["shares_s"][method])[mask].sum()
+            bias = float(billed.sum() / truth.sum() - 1)
+            entry = {"bias": bias, "ci95": None, "n": n, "n_batches": len(members_of)}
+            if draws is not None:
+                boot = (draws @ billed) / np.maximum(draws @ truth, 1e-300) - 1
+                entry["ci95"] = np.percentile(boot[(draws @ truth) > 0], [2.5, 97.5]).tolist()
+            out[name][method] = entry
+    return out, definitions
+
+
+def batch_sizes(records: list[dict]) -> dict:
+    """Smallest and largest batch measured, overall and per phase/kind."""
+    out: dict = {"min": min(r["size"] for r in records), "max": max(r["size"] for r in records), "by_kind": {}}
+    for key in sorted({f"{r['phase']}/{r['kind']}" for r in records}):
+        sizes = [r["size"] for r in records if f"{r['phase']}/{r['kind']}" == key]
+        out["by_kind"][key] = {"min": min(sizes), "max": max(sizes), "n_batches": len(sizes)}
+    return out
+
+
+def upgrade_result(result: dict) -> dict:
+    """A result of any format version in today's names (a version-1 file's ``token_proportional`` is ``token_count``)."""
+    if result.get("format_version", RESULT_FORMAT_VERSION) >= RESULT_FORMAT_VERSION:
+        return result
+    text = json.dumps(result)
+    for old, new in LEGACY_NAMES.items():
+        text = text.replace(f'"{old}"', f'"{new}"').replace(f"_{old}", f"_{new}")
+    return json.loads(text)
 
 
 METHOD_NOTES = {
@@ -333,7 +476,8 @@ METHOD_NOTES = {
     Method.PROPORTIONAL_PREDICTED: "the same, scaled to the predicted step time",
     Method.PAPER: "llmvisor paper reading: own terms only, intercept and residual unattributed",
     Method.MODEL_EXACT_SHAPLEY: "exact Shapley value of the model's own game (every subset priced, in its own segment), scaled",
-    Method.TOKEN_PROPORTIONAL: "the measured step split by tokens (VTC-style; equals equal_split for decode steps)",
+    Method.TOKEN_COUNT: "the measured step split by VTC's token prices, prompt ×1, output ×2 (a split by new tokens on prefill steps; "
+    "an equal split on decode steps, where every request runs one output token)",
     Method.EQUAL_SPLIT: "the measured step split equally",
     Method.KV_TOKENS_PROPORTIONAL: "the measured step split by new + context tokens",
     Method.MEASURED_ADDITIVE_FIT: "not a method: Shapley of the best additive game fitted to the measured subsets (the limit of any own-terms + shared-intercept rule)",
@@ -380,4 +524,70 @@ def build_result(batches: list[BatchSpec], journal: Journal, model, *, repeat: i
         },
         "summary": summarize(records, n_bootstrap=n_bootstrap, seed=seed),
         "batches": records,
+    }
+
+
+class ModelGame:
+    """The latency model's cost game of one batch, read by bit mask (a subset priced alone, in its own segment):
+    the control variate of a sampled batch, whose exact Shapley value is the ``shapley`` rule's predicted share."""
+
+    def __init__(self, model, new: np.ndarray, context: np.ndarray, is_prefill: np.ndarray):
+        self.model, self.new = model, np.asarray(new, dtype=np.float64)
+        self.own = np.stack([own_terms_s(row, self.new, context, is_prefill) for row in model.coef_])
+
+    def __getitem__(self, mask: int) -> float:
+        chosen = np.array(members(int(mask), self.new.size), dtype=np.int64)
+        if chosen.size == 0:
+            return 0.0
+        segment = int(self.model.segment_of_steps(np.array([self.new[chosen].sum()]))[0])
+        return float(self.model.coef_[segment, Coef.B] + self.own[segment, chosen].sum())
+
+
+def analyse_sampled_batch(batch: SampledBatchSpec, journal: Journal, model, repeat: int) -> dict | None:
+    """A serving-size batch's Shapley values estimated from its measured order prefixes (the model's game as
+    control variate), with 95% intervals, and every method's shares (those computable without all 2**n
+    subsets); None until every prefix is measured."""
+    n = batch.size
+    cost: dict[int, float] = {}
+    contexts: list[list[int]] = [[] for _ in range(n)]
+    for subset in batch.subsets():
+        taken = journal.get(batch, 0, subset)[:repeat]
+        if len(taken) < repeat:
+            return None
+        cost[subset] = float(np.median([m.step_latency_s for m in taken]))
+        for m in taken:
+            for i, c in zip(members(subset, n), m.num_context_tokens):
+                contexts[i].append(c)
+    measured_s = cost[(1 << n) - 1]
+    new = np.array(batch.num_new_tokens, dtype=np.float64)
+    is_prefill = np.array(batch.is_prefill, dtype=bool)
+    context = np.array([np.mean(c) if c else nominal for c, nominal in zip(contexts, batch.num_context_tokens)])
+    shares = model_shares(model, new, np.rint(context), is_prefill, measured_s)
+    control = ModelGame(model, new, np.rint(context), is_prefill)
+    estimate = sampled_shapley(np.array(batch.orders, dtype=np.int64), cost, antithetic=batch.antithetic,
+                               control=control, control_shapley=shares[Method.SHAPLEY_PREDICTED])
+    shares[Method.TOKEN_COUNT] = measured_s * token_count_split(new, is_prefill)
+    shares[Method.EQUAL_SPLIT] = np.full(n, measured_s / n)
+    kv = new + context
+    shares[Method.KV_TOKENS_PROPORTIONAL] = measured_s * kv / kv.sum()
+    return {
+        "index": batch.index,
+        "phase": batch.kind,
+        "kind": batch.kind,
+        "source": batch.source,
+        "size": n,
+        "sampled": True,
+        "n_orders": estimate["n_orders"],
+        "antithetic": batch.antithetic,
+        "n_subsets_measured": len(cost),
+        "num_new_tokens": list(batch.num_new_tokens),
+        "nominal_context_tokens": list(batch.num_context_tokens),
+        "num_context_tokens": context.tolist(),
+        "is_prefill": [bool(v) for v in is_prefill],
+        "shared_prefix_tokens": list(batch.shared_prefix_tokens),
+        "measured_step_s": measured_s,
+        "shapley_s": estimate["shapley_s"].tolist(),
+        "shapley_std_err_s": estimate["std_err_s"].tolist(),
+        "shapley_ci95_s": [estimate["ci_low_s"].tolist(), estimate["ci_high_s"].tolist()],
+        "shares_s": {k: np.asarray(v, dtype=np.float64).tolist() for k, v in shares.items()},
     }

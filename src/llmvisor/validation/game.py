@@ -88,3 +88,79 @@ def additive_fit(cost: np.ndarray) -> dict:
         "rms_residual_fraction": float(np.sqrt(np.mean(residual**2)) / full) if full > 0 else float("nan"),
         "max_residual_fraction": float(np.max(np.abs(residual)) / full) if full > 0 else float("nan"),
     }
+
+
+EXACT_MAX_PLAYERS = 6
+"""Exact enumeration (2**n − 1 measured subsets) up to this batch size; larger batches are sampled by orders."""
+
+
+def sample_orders(n: int, n_orders: int, rng: np.random.Generator, *, antithetic: bool = True) -> np.ndarray:
+    """Random orders of n players, one per row; antithetic: rows come in pairs, an order then its reverse.
+
+    A player late in one order is early in its reverse, so a marginal cost that grows or falls with how many
+    players came before (a shared intercept, a cost in the batch size) largely cancels within a pair.
+    """
+    if n < 1 or n_orders < 1:
+        raise ValueError(f"need at least one player and one order (got {n} players, {n_orders} orders)")
+    if antithetic and n_orders % 2:
+        raise ValueError(f"antithetic orders come in pairs (got {n_orders} orders)")
+    if not antithetic:
+        return np.array([rng.permutation(n) for _ in range(n_orders)], dtype=np.int64).reshape(n_orders, n)
+    first = np.array([rng.permutation(n) for _ in range(n_orders // 2)], dtype=np.int64).reshape(n_orders // 2, n)
+    return np.stack([first, first[:, ::-1]], axis=1).reshape(n_orders, n)
+
+
+def prefix_masks(orders: np.ndarray) -> np.ndarray:
+    """Bit mask of each prefix of each order: ``[k, j]`` = the first j + 1 players of order k."""
+    orders = np.asarray(orders, dtype=np.int64)
+    return np.cumsum(np.left_shift(1, orders), axis=1)
+
+
+def subsets_to_measure(orders: np.ndarray) -> list[int]:
+    """The distinct non-empty subsets the orders' prefixes visit (each measured once, however many orders share it)."""
+    return sorted({int(m) for m in prefix_masks(orders).ravel()})
+
+
+def order_marginals(orders: np.ndarray, cost) -> np.ndarray:
+    """``[k, i]``: player i's marginal cost in order k, v(prefix ∪ i) − v(prefix); ``cost[mask]`` gives v (v(∅) = 0)."""
+    orders = np.asarray(orders, dtype=np.int64)
+    masks = prefix_masks(orders)
+    values = np.array([[float(cost[int(m)]) for m in row] for row in masks]).reshape(masks.shape)
+    steps = np.diff(values, axis=1, prepend=0.0)
+    out = np.empty(orders.shape)
+    np.put_along_axis(out, orders, steps, axis=1)
+    return out
+
+
+def sampled_shapley(orders: np.ndarray, cost, *, antithetic: bool = True, confidence: float = 0.95,
+                    control=None, control_shapley=None) -> dict:
+    """Shapley values estimated from sampled orders, with a per-player standard error and interval.
+
+    Each order's marginals sum to v(everyone), so the estimate does too. The independent units are the orders
+    (or, antithetic, the pairs of an order and its reverse); the interval is Student-t over those units.
+
+    ``control`` (a game of the same players, ``control[mask]``) with its exact Shapley values ``control_shapley``
+    is a control variate: the orders then estimate only φ(cost) − φ(control), whose marginals vary far less when
+    the control is close (the latency model's own game: a shared intercept paid by whoever comes first is the
+    largest spread of the plain estimate, and the control takes it out).
+    """
+    from scipy import stats
+
+    marginals = order_marginals(orders, cost)
+    if control is not None:
+        marginals = marginals - order_marginals(orders, control) + np.asarray(control_shapley, dtype=np.float64)
+    units = marginals.reshape(-1, 2, marginals.shape[1]).mean(axis=1) if antithetic else marginals
+    n_units = units.shape[0]
+    estimate = units.mean(axis=0)
+    std_err = units.std(axis=0, ddof=1) / math.sqrt(n_units) if n_units > 1 else np.full(estimate.size, np.inf)
+    half = float(stats.t.ppf(0.5 + confidence / 2, n_units - 1)) * std_err if n_units > 1 else std_err
+    return {
+        "shapley_s": estimate,
+        "std_err_s": std_err,
+        "ci_low_s": estimate - half,
+        "ci_high_s": estimate + half,
+        "confidence": confidence,
+        "n_orders": int(marginals.shape[0]),
+        "n_units": int(n_units),
+        "antithetic": antithetic,
+    }

@@ -21,8 +21,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from llmvisor.errors import LlmvisorError
-from llmvisor.validation.game import members
-from llmvisor.validation.plans import BatchSpec, Phase
+from llmvisor.validation.game import members, prefix_masks
+from llmvisor.validation.plans import BatchSpec, Phase, SampledBatchSpec, SampledKind
 
 JOURNAL_FORMAT = "llmvisor.validation.journal"
 
@@ -72,6 +72,16 @@ class Measurer(Protocol):
     def decode_step(self, batch: Any, members: list[int]) -> StepResult: ...
 
     def release(self, batch: Any) -> None: ...
+
+
+class MixedMeasurer(Measurer, Protocol):
+    """A measurer that also runs mixed steps: a prefill chunk (member 0: ``chunk_tokens`` new over ``cached_tokens``
+    of cached context) co-batched with held decodes. Every run of member 0 must run the same chunk over the same
+    cached context (the measurer re-presents it); decodes grow by one token per run, as in ``decode_step``."""
+
+    def prepare_mixed(self, chunk_tokens: int, cached_tokens: int, decode_contexts: list[int], *, max_decode_steps: int) -> Any: ...
+
+    def mixed_step(self, batch: Any, members: list[int]) -> StepResult: ...
 
 
 @dataclass
@@ -273,24 +283,83 @@ def measure(
         batch = by_index[index]
         rng = np.random.default_rng([seed, index, round_, len(masks)])
         order = [masks[i] for i in rng.permutation(len(masks))]
-        for redo in range(guard.max_redos + 1 if guard else 1):
-            taken, canaries, clean = _measure_batch_round(measurer, batch, round_, order, journal, max_attempts, warm_up_steps, guard, progress, counts)
-            if clean or redo == (guard.max_redos if guard else 0):
-                break
-            counts["discarded_batch_rounds"] += 1
-            journal.log({"type": "interference", "batch_key": batch.key, "round": round_, "canary_s": canaries,
-                         "baseline_s": guard.baseline_s, "tolerance": guard.tolerance, "discarded_steps": len(taken)})
-            progress(-len(taken))
-            guard.wait_quiet(measurer, sleep)
-        if not clean:
-            counts["flagged_batch_rounds"] += 1
-        if guard is not None:
-            journal.log({"type": "canaries", "batch_key": batch.key, "round": round_, "canary_s": canaries, "baseline_s": guard.baseline_s})
-        for m in taken:
-            m.repeat = len(journal.get(batch, m.round, m.subset))
-            m.interference = not clean
-            journal.add(m)
-        counts["measured_now"] += len(taken)
+        _measure_guarded(measurer, batch, round_, order, journal, max_attempts, warm_up_steps, guard, progress, counts, sleep)
+    return counts
+
+
+def _measure_guarded(measurer, batch, round_: int, order: list[int], journal: Journal, max_attempts: int, warm_up_steps: int,
+                     guard: InterferenceGuard | None, progress, counts: dict, sleep) -> None:
+    """One batch-round's steps (``order``: subset masks), redone while the guard sees interference; then journaled."""
+    for redo in range(guard.max_redos + 1 if guard else 1):
+        taken, canaries, clean = _measure_batch_round(measurer, batch, round_, order, journal, max_attempts, warm_up_steps, guard, progress, counts)
+        if clean or redo == (guard.max_redos if guard else 0):
+            break
+        counts["discarded_batch_rounds"] += 1
+        journal.log({"type": "interference", "batch_key": batch.key, "round": round_, "canary_s": canaries,
+                     "baseline_s": guard.baseline_s, "tolerance": guard.tolerance, "discarded_steps": len(taken)})
+        progress(-len(taken))
+        guard.wait_quiet(measurer, sleep)
+    if not clean:
+        counts["flagged_batch_rounds"] += 1
+    if guard is not None:
+        journal.log({"type": "canaries", "batch_key": batch.key, "round": round_, "canary_s": canaries, "baseline_s": guard.baseline_s})
+    for m in taken:
+        m.repeat = len(journal.get(batch, m.round, m.subset))
+        m.interference = not clean
+        journal.add(m)
+    counts["measured_now"] += len(taken)
+
+
+def measure_sampled(
+    measurer: Measurer,
+    batches: list[SampledBatchSpec],
+    journal: Journal,
+    *,
+    repeat: int,
+    max_attempts: int = 3,
+    warm_up_steps: int = 1,
+    seed: int = 0,
+    guard: InterferenceGuard | None = None,
+    on_step: Callable[[int], None] | None = None,
+    sleep: Callable[[float], None] | None = None,
+) -> dict:
+    """Measure serving-size batches order by order: each prefix of each sampled order is a controlled step.
+
+    Prefixes are subsets, so the journal (keyed by subset) measures a subset shared by several orders (the full
+    batch, at least) once. One order at a time is one guarded batch-round (a decode batch is prepared afresh
+    per order, so a context grows by at most ``size × repeat`` tokens while it is measured). Mixed batches need
+    a measurer with ``prepare_mixed`` / ``mixed_step``; shared-prefix batches need prefix caching and the trace's
+    shared-KV columns: neither is measurable yet, and asking says so.
+    """
+    if repeat < 1:
+        raise LlmvisorError(f"--repeat: must be at least 1 (got {repeat})")
+    for batch in batches:
+        if batch.kind == SampledKind.SHARED_PREFIX_DECODE:
+            raise LlmvisorError(f"batch {batch.index}: shared-prefix decode batches need prefix caching and the trace's shared-KV "
+                                "columns; the measurer cannot run them yet")
+        if batch.kind == SampledKind.MIXED and not hasattr(measurer, "mixed_step"):
+            raise LlmvisorError(f"batch {batch.index}: mixed steps need a measurer with prepare_mixed/mixed_step "
+                                f"({type(measurer).__name__} has none)")
+    sleep = sleep or time.sleep
+    progress = on_step or (lambda n: None)
+    counts = {"measured_now": 0, "rejected_now": 0, "discarded_batch_rounds": 0, "flagged_batch_rounds": 0, "reused": 0}
+    if guard is not None and not guard.accepted_s:
+        guard.calibrate(measurer)
+        journal.log({"type": "canaries", "calibration": True, "canary_s": guard.all_s[:], "baseline_s": guard.baseline_s})
+    for batch in batches:
+        masks = prefix_masks(np.array(batch.orders, dtype=np.int64))
+        for round_ in range(batch.rounds):
+            for k, prefixes in enumerate(masks):
+                todo = []
+                for subset in dict.fromkeys(int(m) for m in prefixes):
+                    have = len(journal.get(batch, round_, subset))
+                    counts["reused"] += min(have, repeat)
+                    todo += [subset] * max(0, repeat - have)
+                if not todo:
+                    continue
+                rng = np.random.default_rng([seed, batch.index, round_, k])
+                order = [todo[i] for i in rng.permutation(len(todo))]
+                _measure_guarded(measurer, batch, round_, order, journal, max_attempts, warm_up_steps, guard, progress, counts, sleep)
     return counts
 
 
@@ -327,6 +396,14 @@ def _measure_batch_round(
         )
         def run(subset):
             return measurer.decode_step(handle, members(subset, batch.size))
+    elif batch.phase == SampledKind.MIXED:
+        runs_per_request = max(sum(1 for m in order if m >> i & 1) for i in range(batch.size))
+        handle = measurer.prepare_mixed(
+            batch.num_new_tokens[0], batch.num_context_tokens[0], list(batch.num_context_tokens[1:]),
+            max_decode_steps=runs_per_request + warm_up_steps + 4 * max_attempts,
+        )
+        def run(subset):
+            return measurer.mixed_step(handle, members(subset, batch.size))
     else:
         handle = None
         def run(subset):

@@ -1,4 +1,5 @@
-"""What the validation measures: batches of 2 to 8 requests, their lengths drawn from real request mixes.
+"""What the validation measures: batches of 2 to 8 requests (every subset measured) and serving-size batches of
+16–64 (`SampledBatchSpec`: the prefixes of sampled orders measured), their lengths drawn from real request mixes.
 
 Each batch is one phase (all prefill or all decode) and fits the engine's limits (`Envelope`); its
 ``key`` names it in the measurement journal, so a resumed run recognises what it already measured.
@@ -16,6 +17,7 @@ import numpy as np
 from llmvisor import shipped
 from llmvisor.core.workloads import read_workload_csv
 from llmvisor.errors import LlmvisorError
+from llmvisor.validation.game import sample_orders, subsets_to_measure
 
 
 class Phase(StrEnum):
@@ -191,3 +193,129 @@ def draw_batches(
         "seed": seed,
     }
     return batches, rules
+
+
+class SampledKind(StrEnum):
+    """Serving-size batches (16–64 requests), whose Shapley values are estimated from sampled orders."""
+
+    DECODE = "decode"
+    """Pure decode: every request runs one token over its own context."""
+    PREFILL = "prefill"
+    """Pure prefill: whole prompts, context 0."""
+    MIXED = "mixed"
+    """One prefill chunk over cached context (request 0) co-batched with decodes: the steps chunked prefill makes."""
+    SHARED_PREFIX_DECODE = "shared_prefix_decode"
+    """Decodes whose contexts share a cached prefix. Measuring it needs prefix caching on and the trace's shared-KV
+    columns (being added to the trace format); until then the plan exists but no measurer can run it."""
+
+
+SAMPLED_KINDS = tuple(SampledKind)
+SAMPLED_SIZES = (16, 32, 64)
+
+
+@dataclass(frozen=True)
+class SampledBatchSpec:
+    """A serving-size batch and the orders whose prefixes are measured (each prefix a subset, each subset once)."""
+
+    index: int
+    kind: str
+    """A `SampledKind`."""
+    source: str
+    num_new_tokens: tuple[int, ...]
+    num_context_tokens: tuple[int, ...]
+    is_prefill: tuple[bool, ...]
+    shared_prefix_tokens: tuple[int, ...]
+    """Leading context tokens shared with the other requests of the batch (0: the context is the request's own)."""
+    orders: tuple[tuple[int, ...], ...]
+    antithetic: bool = True
+    rounds: int = 1
+
+    @property
+    def size(self) -> int:
+        return len(self.num_new_tokens)
+
+    @property
+    def phase(self) -> str:
+        return self.kind
+
+    @property
+    def key(self) -> str:
+        lengths = ",".join(map(str, self.num_new_tokens)) + "|" + ",".join(map(str, self.num_context_tokens))
+        shared = ",".join(map(str, self.shared_prefix_tokens)) if any(self.shared_prefix_tokens) else ""
+        return f"sampled{self.index}:{self.kind}:{lengths}" + (f"|{shared}" if shared else "")
+
+    def subsets(self) -> list[int]:
+        """Every distinct non-empty subset the orders' prefixes visit, the full batch included."""
+        return subsets_to_measure(np.array(self.orders, dtype=np.int64))
+
+
+def draw_sampled_batches(
+    mixes: list[LengthMix],
+    envelope: Envelope,
+    *,
+    n_batches: int,
+    n_orders: int,
+    sizes: tuple[int, ...] = SAMPLED_SIZES,
+    kinds: tuple[str, ...] = (SampledKind.DECODE, SampledKind.PREFILL, SampledKind.MIXED),
+    decode_headroom: int = 256,
+    antithetic: bool = True,
+    seed: int = 0,
+) -> list[SampledBatchSpec]:
+    """Serving-size batches from real length mixes; kinds and sizes cycle, lengths scaled as in `draw_batches`.
+
+    - decode: contexts P + U·O scaled to the model's length, one new token each;
+    - prefill: whole prompts sharing the step's token budget (scaled down as a whole to fit);
+    - mixed: request 0 is a prefill chunk over cached context (a prompt caught mid-prefill: its cached part is
+      context, the next chunk fills the step budget left by the decodes), the others decode as above;
+    - shared_prefix_decode: decode contexts whose first ``p`` tokens (the shortest context's half) are shared.
+    """
+    if n_batches < 1:
+        raise LlmvisorError(f"--batches: must be at least 1 (got {n_batches})")
+    if n_orders < 2 or (antithetic and n_orders % 2):
+        raise LlmvisorError(f"--orders: at least 2{', and even (orders come with their reverses)' if antithetic else ''} (got {n_orders})")
+    too_big = [s for s in sizes if s > envelope.max_num_seqs]
+    if too_big or min(sizes, default=0) < 2:
+        raise LlmvisorError(f"sampled batch sizes must be 2 to max_num_seqs {envelope.max_num_seqs} (got {list(sizes)})")
+    rng = np.random.default_rng(seed)
+    max_context = envelope.max_model_len - decode_headroom
+    budget = min(envelope.max_num_batched_tokens, envelope.max_model_len - 1)
+    batches = []
+    for index in range(n_batches):
+        kind = SampledKind(kinds[index % len(kinds)])
+        size = sizes[(index // len(kinds)) % len(sizes)]
+        mix = mixes[index % len(mixes)]
+        scale = min(1.0, max_context / float(np.percentile(mix.prompt_tokens + mix.output_tokens, 99)))
+        rows = rng.integers(0, mix.prompt_tokens.size, size)
+        contexts = mix.prompt_tokens[rows] + np.floor(rng.random(size) * (mix.output_tokens[rows] + 1))
+        context = np.clip(np.rint(contexts * scale), 1, max_context).astype(int)
+        new = np.ones(size, dtype=int)
+        prefill = np.zeros(size, dtype=bool)
+        shared = np.zeros(size, dtype=int)
+        if kind == SampledKind.PREFILL:
+            prompt = np.clip(mix.prompt_tokens[rows], 1, budget).astype(int)
+            if prompt.sum() > budget:
+                prompt = np.maximum(1, np.floor(prompt * budget / prompt.sum())).astype(int)
+            new, context, prefill = prompt, np.zeros(size, dtype=int), np.ones(size, dtype=bool)
+        elif kind == SampledKind.MIXED:
+            cached = int(min(max_context // 2, np.rint(mix.prompt_tokens[rows[0]] * scale * rng.uniform(0.2, 0.8))))
+            chunk = int(max(1, min(budget - (size - 1), max_context - cached)))
+            new[0], context[0], prefill[0] = chunk, cached, True
+        elif kind == SampledKind.SHARED_PREFIX_DECODE:
+            shared[:] = int(context.min() // 2)
+        batches.append(SampledBatchSpec(
+            index=index, kind=kind.value, source=mix.name,
+            num_new_tokens=tuple(int(v) for v in new), num_context_tokens=tuple(int(v) for v in context),
+            is_prefill=tuple(bool(v) for v in prefill), shared_prefix_tokens=tuple(int(v) for v in shared),
+            orders=tuple(tuple(int(i) for i in row) for row in sample_orders(size, n_orders, rng, antithetic=antithetic)),
+            antithetic=antithetic,
+        ))
+    return batches
+
+
+def sampled_run_budget_s(batches: list[SampledBatchSpec], step_s, *, repeat: int) -> float:
+    """Seconds of controlled steps a sampled plan needs: Σ over its distinct subsets of ``step_s(batch, subset)`` × repeat.
+
+    Warm-up, canaries and re-preparing decode contexts come on top; ``step_s`` is a step-time estimate (a fitted
+    latency model, or the journal's measured times).
+    """
+    return repeat * sum(step_s(b, s) for b in batches for s in b.subsets())

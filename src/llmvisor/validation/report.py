@@ -7,7 +7,7 @@ import html
 import numpy as np
 
 from llmvisor.report.html import figure_png_base64, img_tag
-from llmvisor.validation.analysis import GOAL, HEADLINE_METHOD, METHOD_NOTES, Method
+from llmvisor.validation.analysis import GOAL, HEADLINE_METHOD, METHOD_NOTES, Method, upgrade_result
 from llmvisor.validation.plans import PHASES, BatchKind
 
 REPORT_METHODS = (
@@ -15,7 +15,7 @@ REPORT_METHODS = (
     Method.SHAPLEY_PREDICTED,
     Method.PROPORTIONAL,
     Method.PAPER,
-    Method.TOKEN_PROPORTIONAL,
+    Method.TOKEN_COUNT,
     Method.EQUAL_SPLIT,
 )
 """One scatter panel and one CDF curve each (plus `Method.MODEL_EXACT_SHAPLEY` on the CDF)."""
@@ -25,7 +25,7 @@ MARKDOWN_METHODS = (
     Method.PROPORTIONAL,
     Method.PROPORTIONAL_PREDICTED,
     Method.PAPER,
-    Method.TOKEN_PROPORTIONAL,
+    Method.TOKEN_COUNT,
     Method.EQUAL_SPLIT,
     Method.KV_TOKENS_PROPORTIONAL,
     Method.MEASURED_ADDITIVE_FIT,
@@ -35,7 +35,7 @@ METHOD_COLORS = {
     Method.SHAPLEY_PREDICTED: "#17becf",
     Method.PROPORTIONAL: "#9467bd",
     Method.PAPER: "#ff7f0e",
-    Method.TOKEN_PROPORTIONAL: "#d62728",
+    Method.TOKEN_COUNT: "#d62728",
     Method.EQUAL_SPLIT: "#7f7f7f",
     Method.MODEL_EXACT_SHAPLEY: "#2ca02c",
     Method.KV_TOKENS_PROPORTIONAL: "#8c564b",
@@ -73,6 +73,7 @@ def _summary_table(summary: dict, target: str = "shapley") -> str:
 
 def report_sections(validation: dict) -> list[tuple[str, str]]:
     """HTML sections for the report: summary tables, share-vs-Shapley scatter, error CDFs per rule."""
+    validation = upgrade_result(validation)
     records = validation.get("batches", [])
     summary = validation.get("summary") or {}
     if not records or not summary:
@@ -167,7 +168,7 @@ def error_cdf_figure(records: list[dict], floor: dict, phases: list[str], method
             truth, share = _fractions(phase_records, method)
             errors = np.sort(np.abs(share - truth))
             same = next((name for name, e in drawn.items() if e.shape == errors.shape and np.allclose(e, errors, rtol=0, atol=1e-9)), None)
-            if same is not None:  # identical curve (e.g. token_proportional = equal_split for decode): say so, draw once
+            if same is not None:  # identical curve (e.g. token_count = equal_split for decode): say so, draw once
                 axis.plot([], [], color=METHOD_COLORS.get(method), label=f"{method} (= {same})")
                 continue
             drawn[method] = errors
@@ -189,9 +190,61 @@ def error_cdf_figure(records: list[dict], floor: dict, phases: list[str], method
     return figure
 
 
+BILLING_METHODS = (
+    Method.SHAPLEY,
+    Method.SHAPLEY_PREDICTED,
+    Method.PROPORTIONAL,
+    Method.PAPER,
+    Method.TOKEN_COUNT,
+    Method.EQUAL_SPLIT,
+    Method.KV_TOKENS_PROPORTIONAL,
+    Method.MEASURED_ADDITIVE_FIT,
+)
+"""Columns of the class-bias table (every method has a row of the per-request table)."""
+
+
+def billing_tables(summary: dict) -> list[str]:
+    """Markdown: per-request relative error (a request's own bill) and per-class bias (a tenant's monthly bill)."""
+    def pct(x):
+        return "–" if x is None else f"{100 * x:.1f}%"
+
+    def signed(x):
+        return f"{100 * x:+.1f}%" if round(100 * x, 1) != 0 else "0.0%"
+
+    per_request = summary.get("per_request_error")
+    if not per_request:
+        return []
+    floor = next(iter(next(iter(per_request.values())).values()))["floor_fraction_of_step"]
+    lines = [f"|share − measured Shapley value| / measured Shapley value, per request (requests with a measured value of at "
+             f"least {pct(floor)} of the step):", "",
+             "| phase | method | requests | below the floor | p50 [95% CI] | p90 [95% CI] | p99 |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for phase, tables in per_request.items():
+        for method in MARKDOWN_METHODS:
+            m = tables.get(method)
+            if not m:
+                continue
+            cells = [pct(m[f"p{q}"]) + (f" [{pct(m[f'p{q}_ci95'][0])}, {pct(m[f'p{q}_ci95'][1])}]" if m.get(f"p{q}_ci95") else "")
+                     for q in (50, 90)]
+            lines.append(f"| {phase} | {method} | {m['n']} | {m['n_below_floor']} | {cells[0]} | {cells[1]} | {pct(m['p99'])} |")
+    lines += ["", "Bias of a class's bill, Σ shares / Σ measured Shapley − 1 [95% CI, batches resampled]:", "",
+              "| class | requests | " + " | ".join(BILLING_METHODS) + " |", "| --- | ---: |" + " ---: |" * len(BILLING_METHODS)]
+    for name, by_method in summary.get("class_bias", {}).items():
+        first = next(iter(by_method.values()))
+        cells = []
+        for method in BILLING_METHODS:
+            b = by_method.get(method)
+            cells.append("–" if b is None else signed(b["bias"]) + (f" [{signed(b['ci95'][0])}, {signed(b['ci95'][1])}]" if b.get("ci95") else ""))
+        lines.append(f"| {name} | {first['n']} | " + " | ".join(cells) + " |")
+    sizes = summary.get("batch_sizes")
+    if sizes:
+        lines += ["", f"Batch sizes: {sizes['min']}–{sizes['max']} requests ("
+                  + "; ".join(f"{k}: {v['min']}–{v['max']}, {v['n_batches']} batches" for k, v in sizes["by_kind"].items()) + ")."]
+    return lines + [""]
+
+
 def markdown_summary(validation: dict) -> str:
     """The result's headline tables in Markdown (what docs/validation.md quotes), so the figures are regenerable."""
-    summary = validation["summary"]
+    summary = upgrade_result(validation)["summary"]
     def pct(x):
         return "–" if x is None else f"{100 * x:.1f}%"
 
@@ -202,10 +255,10 @@ def markdown_summary(validation: dict) -> str:
     lines = []
     for target, title in (("shapley", "measured Shapley value"), ("loo", "leave-one-out marginal cost")):
         lines += [f"|share − {title}| / measured step time:", "",
-                  "| phase | method | requests | p50 [95% CI] | p90 [95% CI] | p99 [95% CI] | p90 gain vs token_proportional |",
+                  "| phase | method | requests | p50 [95% CI] | p90 [95% CI] | p99 [95% CI] | p90 gain vs token_count |",
                   "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
         for phase, tables in summary["errors"].items():
-            token_p90 = tables[target][Method.TOKEN_PROPORTIONAL]["p90"]
+            token_p90 = tables[target][Method.TOKEN_COUNT]["p90"]
             for method in MARKDOWN_METHODS:
                 m = tables[target].get(method)
                 if not m:
@@ -214,11 +267,12 @@ def markdown_summary(validation: dict) -> str:
                 lines.append(f"| {phase} | {method} | {m['n']} | {cell(m, 50)} | {cell(m, 90)} | {cell(m, 99)} | "
                              f"{'–' if gain is None else f'{gain:.2f}×'} |")
         lines.append("")
-    lines += ["| phase | kind | requests | shapley p90 | token_proportional p90 | equal_split p90 | measured_additive_fit p90 |",
+    lines += billing_tables(summary)
+    lines += ["| phase | kind | requests | shapley p90 | token_count p90 | equal_split p90 | measured_additive_fit p90 |",
               "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for phase, kinds in summary["errors_by_kind"].items():
         for kind, t in kinds.items():
-            lines.append(f"| {phase} | {kind} | {t['shapley']['n']} | {pct(t['shapley']['p90'])} | {pct(t['token_proportional']['p90'])} | "
+            lines.append(f"| {phase} | {kind} | {t['shapley']['n']} | {pct(t['shapley']['p90'])} | {pct(t['token_count']['p90'])} | "
                          f"{pct(t['equal_split']['p90'])} | {pct(t['measured_additive_fit']['p90'])} |")
     lines += ["", "| phase | noise floor of a measured Shapley value p50 / p90 / p99 | step repeat spread p50 / p90 / p99 | (Σ LOO − T) / T p10 / p50 / p90 |",
               "| --- | ---: | ---: | ---: |"]
