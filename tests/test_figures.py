@@ -81,14 +81,21 @@ def validation_figures(validation: dict) -> list[str]:
     ours = {phase: errors[phase]["shapley"]["shapley"] for phase in ("prefill", "decode")}
     tokens = {phase: errors[phase]["shapley"]["token_count"] for phase in ("prefill", "decode")}
     gain = summary["improvement_vs_token_count"]["decode"]["shapley"]
+    per_request, bias = summary["per_request_error"], summary["class_bias"]
     return [
         f"{summary['n_batches']['prefill'] + summary['n_batches']['decode']} batches of 2–5 requests",
         f"{thousands(sum(run['measured_steps'] for run in validation['settings']['measurement_runs']))}\ncontrolled steps",
         f"within {pct(ours['prefill']['p50'])} / {pct(ours['prefill']['p90'])} (prefill) and "
         f"{pct(ours['decode']['p50'])} / {pct(ours['decode']['p90'])} (decode)",
-        f"{pct(tokens['decode']['p90'])} off at p90 ({gain:.1f}× worse)",
+        f"{pct(tokens['decode']['p90'])} off at p90\nas a fraction of the step ({gain:.1f}× worse)",
         f"as good ({pct(tokens['prefill']['p90'])} at p90)",
         f"miss {100 * -summary['loo_sum_gap_fraction']['decode']['p50']:.0f}% of a decode step at the median",
+        f"{pct(per_request['prefill']['shapley']['p50'])} / {pct(per_request['prefill']['shapley']['p90'])} (prefill) and "
+        f"{pct(per_request['decode']['shapley']['p50'])} / {pct(per_request['decode']['shapley']['p90'])} (decode) at p50 / p90. On decode",
+        f"{pct(per_request['decode']['token_count']['p90'])} off a request's own Shapley value at p90",
+        f"quarter of decodes {signed_pct(bias['decode/length_q1']['token_count']['bias'])} and the longest "
+        f"{signed_pct(bias['decode/length_q4']['token_count']['bias'])} in aggregate (`shapley`: "
+        f"{signed_pct(bias['decode/length_q1']['shapley']['bias'])} and {signed_pct(bias['decode/length_q4']['shapley']['bias'])})",
     ]
 
 

@@ -469,11 +469,11 @@ def demo(
     validation = outcome["summary"].get("validation")
     if validation:
         for phase, errors in validation["errors"].items():
-            ours, tokens = errors["shapley"]["shapley"], errors["shapley"].get("token_proportional")
+            ours, tokens = errors["shapley"]["shapley"], errors["shapley"].get("token_count")
             stdout.print(
                 f"validation vs measured Shapley values ({phase}): shapley share error p50 {ours['p50']:.1%}, "
                 f"p90 {ours['p90']:.1%} of step time"
-                + (f"; token-proportional p90 {tokens['p90']:.1%}" if tokens else ""),
+                + (f"; token_count p90 {tokens['p90']:.1%}" if tokens else ""),
                 highlight=False,
             )
     stdout.print(f"report: {outcome['report']}", highlight=False)
