@@ -434,7 +434,7 @@ def test_async_scheduling_on_the_cpu_engine_records_the_same_rows(tiny_model, tm
         cached = 96 if name in "BC" else 0  # prefix-cache hits: A's three prefix blocks
         assert rows[0][2] == cached, (name, rows)
         assert sum(r[1] for r in rows) == len(prompts[name]) + output_lens[name] - 1 - cached
-        for (_, p_prev, c_prev, _, _), (_, p, c, is_prefill, _) in zip(rows, rows[1:]):
+        for (_, p_prev, c_prev, _, _), (_, _, c, is_prefill, _) in zip(rows, rows[1:]):
             assert c == c_prev + p_prev and is_prefill == (c < len(prompts[name]))
     # serial steps: each one starts after the previous one ended
     starts = trace.extra["timestamp_s"].astype(float)
