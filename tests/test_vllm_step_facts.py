@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from operator import attrgetter
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -64,12 +66,12 @@ def brute_force(blocks: list[list[int]], contexts: list[int], block_size: int):
 def run(blocks, contexts, block_size):
     asked = []
 
-    def context_block_ids(i):
+    def context_blocks(i):
         asked.append(i)
-        return blocks[i][: math.ceil(contexts[i] / block_size)]
+        return [SimpleNamespace(block_id=b) for b in blocks[i]]
 
     first = [b[0] if c > 0 else None for b, c in zip(blocks, contexts)]
-    return shared_context_tokens(first, context_block_ids, contexts, block_size), asked
+    return shared_context_tokens(first, context_blocks, contexts, block_size, attrgetter("block_id")), asked
 
 
 def test_shared_prefix_of_three_and_of_two_and_a_loner():

@@ -21,15 +21,17 @@ from collections.abc import Callable, Hashable, Sequence
 
 def shared_context_tokens(
     first_block_ids: Sequence[Hashable | None],
-    context_block_ids: Callable[[int], Sequence[Hashable]],
+    context_blocks: Callable[[int], Sequence],
     num_context_tokens: Sequence[int],
     block_size: int,
+    block_id: Callable[[object], Hashable] | None = None,
 ) -> tuple[list[int], list[float]]:
     """(num_shared_context_tokens, effective_context_tokens) per slice.
 
     ``first_block_ids[i]``: id of slice i's first context block, None when it has no context;
-    ``context_block_ids(i)``: slice i's context block ids in order, asked only for slices whose first
-    block another slice holds too.
+    ``context_blocks(i)``: slice i's blocks in order (at least its context blocks), asked only for slices
+    whose first block another slice holds too; ``block_id`` maps a block to its id (default: the block is
+    its id), applied only to the blocks walked.
     """
     shared = [0] * len(num_context_tokens)
     effective = [float(c) for c in num_context_tokens]
@@ -48,21 +50,22 @@ def shared_context_tokens(
         return shared, effective
     for members in groups.values():
         if len(members) > 1:
-            _walk_group(members, context_block_ids, num_context_tokens, block_size, shared, effective)
+            _walk_group(members, context_blocks, block_id, num_context_tokens, block_size, shared, effective)
     return shared, effective
 
 
-def _walk_group(members, context_block_ids, num_context_tokens, block_size, shared, effective) -> None:
-    block_ids = {i: context_block_ids(i) for i in members}
+def _walk_group(members, context_blocks, block_id, num_context_tokens, block_size, shared, effective) -> None:
+    blocks = {i: context_blocks(i) for i in members}
+    num_blocks = {i: min(len(blocks[i]), -(-num_context_tokens[i] // block_size)) for i in members}
     shared_share = dict.fromkeys(members, 0.0)
     active = members
     position = 0
     while len(active) > 1:
         buckets: dict[Hashable, list[int]] = {}
         for i in active:
-            ids = block_ids[i]
-            if position < len(ids):
-                buckets.setdefault(ids[position], []).append(i)
+            if position < num_blocks[i]:
+                block = blocks[i][position]
+                buckets.setdefault(block if block_id is None else block_id(block), []).append(i)
         active = []
         for holders in buckets.values():
             if len(holders) < 2:

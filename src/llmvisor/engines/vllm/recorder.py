@@ -28,6 +28,7 @@ blocks that other slices of the step read too (``num_shared_context_tokens``, ``
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 from array import array
@@ -49,6 +50,7 @@ logger = init_logger(__name__)
 ENGINE = "vllm"
 DEFAULT_TENANT = "default"
 MAX_KEPT_STEPS = 1 << 20
+BLOCK_ID = operator.attrgetter("block_id")
 
 
 @dataclass
@@ -167,6 +169,7 @@ class RecordingScheduler(Scheduler):
         self._unwritten: list[tuple[float, float, list[tuple]]] = []
         self._last_flush_s = time.perf_counter()
         self.step_clock = StepClock(overlapped=steps_overlap(self.vllm_config))
+        self._step_timing_cache: tuple[int, tuple[float, float] | None] | None = None
         self._setup_kv_sharing()
         self.num_recorded_steps = 0
         self._recorder_time_s = 0.0
@@ -209,8 +212,6 @@ class RecordingScheduler(Scheduler):
         result = self.step_clock.output_arrived(id(scheduler_output), entered_s)
         self._step_timing_cache = (id(scheduler_output), result)
         return result
-
-    _step_timing_cache: tuple[int, tuple[float, float] | None] | None = None
 
     def update_from_output(self, scheduler_output, model_runner_output):
         entered = time.perf_counter()
@@ -286,12 +287,8 @@ class RecordingScheduler(Scheduler):
             blocks.append(request_blocks)
             first_ids.append(request_blocks[0].block_id if request_blocks else None)
 
-        def context_block_ids(i: int) -> list[int]:
-            num_blocks = -(-contexts[i][1] // block_size)
-            return [block.block_id for block in blocks[i][:num_blocks]]
-
         contexts_tokens = [c for _, c in contexts]
-        return shared_context_tokens(first_ids, context_block_ids, contexts_tokens, block_size)
+        return shared_context_tokens(first_ids, blocks.__getitem__, contexts_tokens, block_size, BLOCK_ID)
 
     def flush_trace(self) -> None:
         """Encode the steps recorded since the last flush; append them to the trace and hand them to the service."""
