@@ -28,7 +28,6 @@ blocks that other slices of the step read too (``num_shared_context_tokens``, ``
 
 from __future__ import annotations
 
-import operator
 import os
 import time
 from array import array
@@ -50,7 +49,6 @@ logger = init_logger(__name__)
 ENGINE = "vllm"
 DEFAULT_TENANT = "default"
 MAX_KEPT_STEPS = 1 << 20
-BLOCK_ID = operator.attrgetter("block_id")
 
 
 @dataclass
@@ -274,21 +272,24 @@ class RecordingScheduler(Scheduler):
         logger.warning("llmvisor: no full-attention KV cache group; shared-context columns record no sharing")
 
     def _shared_context_columns(self, contexts: list[tuple[str, int]]) -> tuple[list[int], list[float]]:
-        """Per (request_id, num_context_tokens): the step's shared-KV columns (`kv_sharing`)."""
+        """Per (request_id, num_context_tokens): the step's shared-KV columns (`kv_sharing`).
+
+        A block is known by its object's identity: the block pool keeps one `KVCacheBlock` per physical
+        block for the engine's lifetime, and reading ``id()`` touches no block (cheaper than ``block_id``
+        right after a step's kernels, when Python runs with cold caches)."""
         if self._kv_group is None:
             return [0] * len(contexts), [float(c) for _, c in contexts]
-        get_blocks = self.kv_cache_manager.coordinator.get_blocks
-        group = self._kv_group
+        req_to_blocks = self.kv_cache_manager.coordinator.single_type_managers[self._kv_group].req_to_blocks
         block_size = self._kv_block_size
         blocks = []
         first_ids = []
         for request_id, num_context in contexts:
-            request_blocks = get_blocks(request_id)[group] if num_context > 0 else ()
+            request_blocks = req_to_blocks.get(request_id, ()) if num_context > 0 else ()
             blocks.append(request_blocks)
-            first_ids.append(request_blocks[0].block_id if request_blocks else None)
+            first_ids.append(id(request_blocks[0]) if request_blocks else None)
 
         contexts_tokens = [c for _, c in contexts]
-        return shared_context_tokens(first_ids, blocks.__getitem__, contexts_tokens, block_size, BLOCK_ID)
+        return shared_context_tokens(first_ids, blocks.__getitem__, contexts_tokens, block_size, id)
 
     def flush_trace(self) -> None:
         """Encode the steps recorded since the last flush; append them to the trace and hand them to the service."""
