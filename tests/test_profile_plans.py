@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from llmvisor import shipped
 from llmvisor.core.trace import trace_from_rows
 from llmvisor.core.workloads import read_workload_csv
 from llmvisor.errors import LlmvisorError
@@ -172,3 +173,24 @@ def test_system_prompt_of_a_short_longest_prompt_is_at_most_half_of_it():
         assert all(episode.shared_prefix_len < n < 64 for n in episode.prompt_lens + episode.wave_prompt_lens)
         if episode.sharing == "system":
             assert episode.shared_prefix_len in (0, 32) and episode.shared_prefix_len <= max(episode.prompt_lens) // 2
+
+
+def test_shared_documents_prefix_prompts_round_robin_and_stay_within_the_envelope():
+    envelope = Envelope(max_model_len=2048, max_num_batched_tokens=2048, max_num_seqs=32)
+    conv = str(shipped.workloads_dir() / "azure-2023-conv.csv")
+    plan = build_workload([conv], envelope, num_requests=30, shared_documents=3, document_tokens=1024)
+    assert [r.document for r in plan.requests[:6]] == [0, 1, 2, 0, 1, 2]
+    for request in plan.requests:
+        assert request.prompt_len + request.output_len <= envelope.max_model_len
+        assert 0 < request.document_tokens <= min(1024, request.prompt_len - 1)
+    assert "shared document" in plan.metadata["sharing"]
+    plain = build_workload([conv], envelope, num_requests=30)
+    assert all(r.document is None and r.document_tokens == 0 for r in plain.requests)
+    assert plain.metadata["sharing"].startswith("none")
+
+
+@pytest.mark.parametrize("documents, tokens", [(2, 0), (0, 128), (-1, 5)])
+def test_shared_documents_need_both_settings(documents, tokens):
+    envelope = Envelope(max_model_len=2048, max_num_batched_tokens=2048, max_num_seqs=32)
+    with pytest.raises(LlmvisorError, match="--shared-documents"):
+        build_workload([str(shipped.workloads_dir() / "azure-2023-conv.csv")], envelope, num_requests=5, shared_documents=documents, document_tokens=tokens)

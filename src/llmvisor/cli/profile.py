@@ -39,6 +39,8 @@ def profile(
     concurrency: Annotated[int, typer.Option(help="workload, closed loop: requests in flight.")] = 16,
     time_scale: Annotated[float, typer.Option(help="workload, trace arrivals: multiply arrived_at by this.")] = 1.0,
     max_seconds: Annotated[float | None, typer.Option(help="workload: stop submitting and abort after this many seconds per repeat.")] = None,
+    shared_documents: Annotated[int, typer.Option(help="workload: prompts start with one of this many shared documents (request k: document k mod N); 0: none.")] = 0,
+    document_tokens: Annotated[int, typer.Option(help="workload: tokens of each shared document, prepended to the row's prompt.")] = 0,
     max_model_len: eo.MaxModelLen = eo.MAX_MODEL_LEN,
     max_num_batched_tokens: eo.MaxNumBatchedTokens = eo.MAX_NUM_BATCHED_TOKENS,
     max_num_seqs: eo.MaxNumSeqs = eo.MAX_NUM_SEQS,
@@ -95,6 +97,8 @@ def profile(
             tenants=tenants,
             arrival=arrival,
             time_scale=time_scale,
+            shared_documents=shared_documents,
+            document_tokens=document_tokens,
         )
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     if run_id is None:

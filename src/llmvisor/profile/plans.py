@@ -178,6 +178,10 @@ class WorkloadRequest:
     output_len: int
     arrival_s: float | None
     source: str
+    document: int | None = None
+    """Shared document whose tokens the prompt starts with (None: the prompt shares nothing on purpose)."""
+    document_tokens: int = 0
+    """Tokens of that document at the start of the prompt (part of ``prompt_len``)."""
 
 
 @dataclass
@@ -200,6 +204,8 @@ def build_workload(
     tenants: int = 1,
     arrival: str = "closed",
     time_scale: float = 1.0,
+    shared_documents: int = 0,
+    document_tokens: int = 0,
 ) -> WorkloadPlan:
     """Turn one or more workload CSVs into the requests to replay, with the rules stated in metadata.
 
@@ -207,6 +213,11 @@ def build_workload(
     round-robin (closed loop) or merged by arrival time (trace arrivals), one tenant per file, named after
     the file. A single file gets ``tenants`` tenants, ``<name>-t<k>`` assigned round-robin (or the file's
     name when ``tenants`` is 1).
+
+    With ``shared_documents`` K > 0, request k's prompt starts with document k mod K, ``document_tokens``
+    tokens shared by every request on that document (retrieval over a few documents, a long system prompt),
+    followed by the row's own prompt; the total is clipped like any prompt, the document keeping at most all
+    but one of its tokens. With prefix caching those requests read the same KV blocks.
     """
     if not paths:
         raise LlmvisorError("--workload: give at least one workload CSV")
@@ -220,6 +231,10 @@ def build_workload(
         raise LlmvisorError(f"--tenants: need at least 1 tenant (got {tenants})")
     if not time_scale > 0:
         raise LlmvisorError(f"--time-scale: must be > 0 (got {time_scale})")
+    if shared_documents < 0 or document_tokens < 0:
+        raise LlmvisorError("--shared-documents, --document-tokens: must be >= 0")
+    if (shared_documents > 0) != (document_tokens > 0):
+        raise LlmvisorError("--shared-documents and --document-tokens go together (both > 0, or neither)")
     names = [workload_name(path) for path in paths]
     if len(set(names)) != len(names):
         raise LlmvisorError("--workload: workload files must have distinct names (tenants are named after them)")
@@ -238,8 +253,11 @@ def build_workload(
         first_arrival = rows[0].arrival_s or 0.0
         requests = []
         for k, row in enumerate(rows):
-            prompt, output = fit_lengths(row.prompt_len, row.output_len, envelope.max_model_len, factor)
-            clipped += (prompt, output) != (round_length(row.prompt_len * factor), round_length(row.output_len * factor))
+            prompt, output = fit_lengths(row.prompt_len + document_tokens, row.output_len, envelope.max_model_len, factor)
+            wanted = (round_length((row.prompt_len + document_tokens) * factor), round_length(row.output_len * factor))
+            clipped += (prompt, output) != wanted
+            document = (start_row + k) % shared_documents if shared_documents else None
+            own_document_tokens = min(document_tokens, prompt - 1) if shared_documents else 0
             if len(paths) > 1:
                 tenant = name
             elif tenants == 1:
@@ -249,7 +267,9 @@ def build_workload(
             arrival_s = None
             if arrival == "trace":
                 arrival_s = (row.arrival_s - first_arrival) * time_scale
-            requests.append(WorkloadRequest(f"{name}-{start_row + k:06d}", tenant, prompt, output, arrival_s, name))
+            requests.append(
+                WorkloadRequest(f"{name}-{start_row + k:06d}", tenant, prompt, output, arrival_s, name, document, own_document_tokens)
+            )
         per_file.append(requests)
 
     if arrival == "trace":
@@ -289,6 +309,12 @@ def build_workload(
         "n_requests_clipped": int(clipped),
         "tenant_rule": tenant_text,
         "arrival": arrival_text,
+        "sharing": (
+            f"request k's prompt starts with shared document k mod {shared_documents} ({document_tokens} tokens, the same "
+            "tokens for every request on it), then the row's own prompt"
+            if shared_documents
+            else "none on purpose: every prompt is its own random tokens"
+        ),
     }
     return WorkloadPlan(merged, metadata)
 

@@ -255,7 +255,14 @@ class ProfiledEngine:
 
     def _submit(self, request, repeat_index: int) -> None:
         suffix = f"-r{repeat_index}" if repeat_index else ""
-        self.add(request.request_id + suffix, request.prompt_len, request.output_len, request.tenant)
+        prefix = self._document(request.document, request.document_tokens, repeat_index) if request.document is not None else ()
+        self.add(request.request_id + suffix, request.prompt_len, request.output_len, request.tenant, prefix)
+
+    def _document(self, document: int, num_tokens: int, repeat_index: int) -> list[int]:
+        """A shared document's tokens: the same for every request on it within a repeat, new in each repeat
+        (so a repeat does not start from the previous one's cached blocks)."""
+        tokens = np.random.default_rng([self.settings.seed, 2, repeat_index, document]).integers(100, max(101, self.vocab_size - 1), num_tokens)
+        return tokens.tolist()
 
     # -----------------------------------------------------------------------------------------------------
 
