@@ -54,7 +54,8 @@ def load(
         if url is not None:
             raise LlmvisorError("--engines starts its own service processes; it does not take --url")
         settings = FleetSettings(engines=engines, processes=processes, steps_per_s_per_engine=engine_steps_per_s,
-                                 batch_size=batch_size, flush_interval_s=flush_ms / 1e3, duration_s=max_seconds)
+                                 batch_size=batch_size, flush_interval_s=flush_ms / 1e3, duration_s=max_seconds,
+                                 warmup_s=min(5.0, max_seconds / 4))
         results = [load_fleet(target, settings, model_path=model) for target in (db or ["sqlite"])]
         if json_output:
             typer.echo(json.dumps({"runs": [result.to_json() for result in results]}, indent=2))

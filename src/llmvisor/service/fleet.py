@@ -56,7 +56,8 @@ class FleetSettings:
     flush_interval_s: float = 0.2
     max_batch_steps: int = 500
     duration_s: float = 20.0
-    warmup_s: float = 2.0
+    warmup_s: float = 5.0
+    """Not measured: the first POSTs of a large fleet all arrive at once."""
     n_tenants: int = 16
     probe_interval_s: float = 0.25
 
@@ -71,6 +72,8 @@ class FleetResult:
     steps_unsent_at_end: int
     posts: int
     failed_posts: int
+    failed_posts_by_status: dict
+    """HTTP status of the failed POSTs ("0": no answer: connection error or no answer within a minute)."""
     mean_steps_per_post: float
     ingest_latency_s: dict
     staleness_s: dict
@@ -246,14 +249,14 @@ def postgres_counters(ledger: Ledger) -> dict | None:
             wal = conn.execute(text("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")).scalar()
             sizes = {name: conn.execute(text(f"SELECT pg_total_relation_size('{name}')")).scalar() for name in LEDGER_TABLES}
             backend_pid = conn.execute(text("SELECT pg_backend_pid()")).scalar()
+            try:  # while this backend lives: its parent is the postmaster
+                cpu_s = postgres_cpu_seconds(int(proc_stat(int(backend_pid))[1]))
+            except (OSError, ValueError, IndexError):  # not a server on this machine
+                cpu_s = None
     except DBAPIError:  # a role without the rights to read WAL positions: the figure is left out
         return None
     finally:
         engine.dispose()
-    try:
-        cpu_s = postgres_cpu_seconds(int(proc_stat(int(backend_pid))[1]))
-    except (OSError, ValueError, IndexError):  # not a server on this machine
-        cpu_s = None
     return {"wal_bytes": int(wal), **{f"{name}_bytes": int(size) for name, size in sizes.items()}, "cpu_s": cpu_s}
 
 
@@ -278,6 +281,7 @@ async def run_fleet(urls: list[str], api_key: str, settings: FleetSettings) -> d
     window_start_s = t0 + settings.warmup_s
     end_s = t0 + settings.duration_s
     latencies: list[float] = []
+    failed_by_status: dict[str, int] = {}
     staleness: list[float] = []
     counts = {"acknowledged": 0, "in_window": 0, "posts": 0, "failed": 0, "failed_steps": 0, "probe_timeouts": 0}
 
@@ -299,10 +303,13 @@ async def run_fleet(urls: list[str], api_key: str, settings: FleetSettings) -> d
             content = engine.body(engine.sent, count)
             started = time.perf_counter()
             try:
-                ok = await asyncio.wait_for(connection.post(content), POST_TIMEOUT_S) == 200
+                status = await asyncio.wait_for(connection.post(content), POST_TIMEOUT_S)
             except TimeoutError:
                 await connection.close()
-                ok = False
+                status = 0
+            ok = status == 200
+            if not ok:
+                failed_by_status[str(status)] = failed_by_status.get(str(status), 0) + 1
             done_s = time.time()
             counts["posts"] += 1
             if not ok:
@@ -360,6 +367,7 @@ async def run_fleet(urls: list[str], api_key: str, settings: FleetSettings) -> d
         "posts": counts["posts"],
         "failed": counts["failed"],
         "failed_steps": counts["failed_steps"],
+        "failed_by_status": failed_by_status,
         "unsent": ended_at_end - counts["acknowledged"],
         "latencies": latencies,
         "staleness": staleness,
@@ -374,6 +382,8 @@ def load_fleet(db_target: str, settings: FleetSettings, *, model_path: Path | No
         raise LlmvisorError(f"--engines {settings.engines}: choose 1 to {MAX_ENGINES}")
     if not 1 <= settings.processes <= MAX_PROCESSES:
         raise LlmvisorError(f"--processes {settings.processes}: choose 1 to {MAX_PROCESSES}")
+    if settings.warmup_s >= settings.duration_s:
+        raise LlmvisorError(f"a run of {settings.duration_s:g} s leaves nothing to measure after its {settings.warmup_s:g} s warm-up")
     with tempfile.TemporaryDirectory(prefix="llmvisor-fleet-") as scratch:
         if model_path is None:
             model_path = Path(scratch) / "model.json"
@@ -421,6 +431,7 @@ def load_fleet(db_target: str, settings: FleetSettings, *, model_path: Path | No
         steps_unsent_at_end=raw["unsent"],
         posts=raw["posts"],
         failed_posts=raw["failed"],
+        failed_posts_by_status=raw["failed_by_status"],
         mean_steps_per_post=acknowledged / max(1, raw["posts"] - raw["failed"]),
         ingest_latency_s=quantiles(raw["latencies"]),
         staleness_s=quantiles(raw["staleness"]),
