@@ -10,7 +10,7 @@ PYTHON=${PYTHON:-.venv/bin/python}
 ENGINES=${ENGINES:-"10 100 1000"}
 SECONDS_PER_RUN=${SECONDS_PER_RUN:-40}
 POSTGRES_URL="$(bash scripts/start-postgres.sh)"
-trap 'bash scripts/start-postgres.sh --stop' EXIT
+trap 'bash scripts/start-postgres.sh --stop "$POSTGRES_URL"' EXIT
 OUT=$(mktemp -d)
 for n in $ENGINES; do
     "$PYTHON" -m llmvisor.cli load --engines "$n" --processes 2 --db "$POSTGRES_URL" --max-seconds "$SECONDS_PER_RUN" --json >"$OUT/$n.json"
