@@ -323,7 +323,8 @@ class FairScheduler(RecordingScheduler):
         return scheduler_output
 
     def _step_slices(self, scheduler_output) -> tuple:
-        """(tenants, new tokens, context tokens, is_prefill, samples a token) of the step's slices."""
+        """(tenants, new tokens, context tokens, is_prefill, samples a token, effective context tokens) of the
+        step's slices; the effective context splits KV blocks shared through prefix caching among their readers."""
         slices = self._slices(scheduler_output)
         requests = self.requests
         tenant_of = self.tenant_of
@@ -332,16 +333,19 @@ class FairScheduler(RecordingScheduler):
         num_context = np.fromiter((s[3] for s in slices), dtype=np.float64, count=len(slices))
         is_prefill = np.fromiter((s[4] for s in slices), dtype=bool, count=len(slices))
         samples = np.fromiter((s[3] + s[2] >= requests[s[0]].num_tokens for s in slices), dtype=bool, count=len(slices))
-        return (tenants, num_new, num_context, is_prefill, samples)
+        effective = np.fromiter((s[6] for s in slices), dtype=np.float64, count=len(slices))
+        return (tenants, num_new, num_context, is_prefill, samples, effective)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         entered = time.perf_counter()
         step = self._steps.pop(id(scheduler_output), None)
         timing = self.step_timing(scheduler_output, entered)
         if step is not None and timing is not None:
-            tenants, num_new, num_context, is_prefill, samples, _, schedule_overhead_s = step
+            tenants, num_new, num_context, is_prefill, samples, effective, _, schedule_overhead_s = step
             latency_s = timing[1]
-            self.fair.charge_step(tenants, num_new, num_context, is_prefill, samples, latency_s, time.monotonic())
+            self.fair.charge_step(
+                tenants, num_new, num_context, is_prefill, samples, latency_s, time.monotonic(), effective_context_tokens=effective
+            )
             overhead_s = schedule_overhead_s + time.perf_counter() - entered
             self.num_charged_steps += 1
             self._fair_time_s += overhead_s
