@@ -255,3 +255,17 @@ def demo_now(tmp_path_factory):
     )
     assert completed.returncode == 0, completed.stderr
     return json.loads(completed.stdout)
+
+
+def test_traces_readme_describes_each_shipped_trace_from_its_own_file():
+    from llmvisor.core.trace import read_trace
+
+    readme = (shipped.data_dir() / "traces" / "README.md").read_text(encoding="utf-8")
+    figures = []
+    for path in sorted((shipped.data_dir() / "traces").glob("*.parquet")):
+        trace = read_trace(path)
+        figures.append(f"| `{path.name}` | `{trace.run_ids[0]}` |")
+        figures.append(f"| {trace.n_steps:,} | {trace.n_slices:,} |")
+    floor = read_trace(shipped.trace_path(shipped.TRAIN_TRACE)).metadata["noise_floor"]
+    figures.append(f"p50 {pct(floor['p50'])}, p90 {pct(floor['p90'])}, p99 {pct(floor['p99'])}")
+    assert missing_from(readme, figures) == []
