@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from _redis import REDIS_BINARY, SKIP_REASON, RedisServer
-from llmvisor.errors import LlmvisorError
+from llmvisor import extras
+from llmvisor.errors import LlmvisorError, MissingExtraError
 from llmvisor.extras import is_importable
 from llmvisor.fairness.policy import FairnessConfig, FairShare
 from llmvisor.fairness.shared_counters import NO_FLOOR, SharedCounters, SharedCountersConfig, apply, compose
@@ -88,6 +89,21 @@ def test_config_rejects_bad_shared_counters_in_one_line(value, message):
     with pytest.raises(LlmvisorError) as error:
         FairnessConfig.from_dict({"shared_counters": value}, source="fair.toml")
     assert str(error.value).startswith("fair.toml: ") and message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_without_redis_py_the_error_names_the_extra(monkeypatch):
+    real = extras.is_importable
+    monkeypatch.setattr(extras, "is_importable", lambda module: module != "redis" and real(module))
+    with pytest.raises(MissingExtraError) as error:
+        FairShare(FairnessConfig.from_dict({"cost": "tokens", "shared_counters": {"url": "redis://127.0.0.1:1/0", "pool": "p"}}))
+    assert "[vllm] extra (missing: redis)" in str(error.value)
+
+
+def test_an_unusable_url_is_one_line_naming_the_key():
+    if not is_importable("redis"):
+        pytest.skip("needs redis-py, part of the [vllm] extra (pip install -e '.[vllm]')")
+    with pytest.raises(LlmvisorError, match=r"^fairness config: shared_counters.url 'redis://host:port/0' is not a Redis URL"):
+        SharedCounters(SharedCountersConfig(url="redis://host:port/0", pool="p"))
 
 
 # ------------------------------------------------------------------------------------------------------

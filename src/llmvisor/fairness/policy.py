@@ -34,6 +34,10 @@ deferred. The factor keeps admission from being optimistic where the model predi
 slower than the profiling sweep, see ``AdmissionController``). Admission keeps VTC's order: a deferred head request holds the
 tenants behind it until running work finishes (no starvation of expensive requests), and a request is never
 deferred while nothing runs. Predictions are closed-form (a few float operations).
+
+**Across replicas** (``shared_counters``): the VTC counters are the pool's, kept in Redis by
+`llmvisor.fairness.shared_counters` (bounded staleness, local fallback); queues, lifts' floors and quotas are per
+replica.
 """
 
 from __future__ import annotations

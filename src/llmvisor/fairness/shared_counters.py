@@ -176,13 +176,16 @@ class SharedCounters:
         self.counters_key = f"llmvisor:fair:{{{config.pool}}}:counters"
         self.applied_key = f"llmvisor:fair:{{{config.pool}}}:applied:{self.replica}"
         timeout_s = config.socket_timeout_s
-        self.client = client or redis.Redis.from_url(
-            config.url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(ExponentialWithJitterBackoff(cap=timeout_s, base=0.005), retries=1),
-            client_name=f"llmvisor-fair-{self.replica}",
-        )
+        try:
+            self.client = client or redis.Redis.from_url(
+                config.url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(ExponentialWithJitterBackoff(cap=timeout_s, base=0.005), retries=1),
+                client_name=f"llmvisor-fair-{self.replica}",
+            )
+        except ValueError as error:
+            raise LlmvisorError(f"fairness config: shared_counters.url {config.url!r} is not a Redis URL ({error})") from None
         self.script = self.client.register_script(APPLY_BATCH)
         self.redis_errors = (redis.RedisError, OSError)
         self.backoff = ExponentialWithJitterBackoff(cap=MAX_BACKOFF_S, base=config.flush_interval_s)
