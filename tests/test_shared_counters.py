@@ -316,6 +316,8 @@ def test_the_lift_uses_the_pool_counters_and_does_not_stack_across_replicas(redi
         charge_decodes(b, {"new": 1})
         wait_until_converged([a, b], {"p": 100.0, "q": 120.0, "new": 102.0})
         assert pool_counters(redis_server, pool)["new"] == 102.0
+        b.arrive("q")  # first seen on b: starts from the pool's counter, above the floor (p's 100)
+        assert b.vtc.counter["q"] == 120.0
     finally:
         a.close()
         b.close()

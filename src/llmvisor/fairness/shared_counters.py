@@ -359,6 +359,9 @@ class SharedCounters:
         if self._thread is not None:
             self._stop.set()
             self._thread.join(timeout_s)
+            if self._thread.is_alive():  # stuck in a Redis call: flushing from here too could send a batch twice
+                logger.warning("llmvisor: shared fairness counters: flushing thread did not stop; last changes not flushed")
+                return
             self._thread = None
             self.flush()
         self.client.close()
