@@ -18,7 +18,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "postgres": ("psycopg",),
     "report": ("matplotlib",),
     "eval": ("sklearn",),
-    "vllm": ("vllm", "httpx", "prometheus_client"),
+    "vllm": ("vllm", "httpx", "prometheus_client", "redis"),
 }
 """Import names each extra provides, as pyproject.toml's [project.optional-dependencies] declares them."""
 

@@ -34,6 +34,10 @@ deferred. The factor keeps admission from being optimistic where the model predi
 slower than the profiling sweep, see ``AdmissionController``). Admission keeps VTC's order: a deferred head request holds the
 tenants behind it until running work finishes (no starvation of expensive requests), and a request is never
 deferred while nothing runs. Predictions are closed-form (a few float operations).
+
+**Across replicas** (``shared_counters``): the VTC counters are the pool's, kept in Redis by
+`llmvisor.fairness.shared_counters` (bounded staleness, local fallback); queues, lifts' floors and quotas are per
+replica.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from llmvisor.core.attribution import RULES, StepAttributor
 from llmvisor.core.features import Coef, prefill_own_s
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.errors import LlmvisorError, plain
+from llmvisor.fairness.shared_counters import SharedCounters, SharedCountersConfig
 
 
 class ChargeCost(StrEnum):
@@ -119,6 +124,9 @@ class FairnessConfig:
     default_tenant: str = DEFAULT_TENANT
     log_size: int = 4096
     """Admissions and preemptions kept for inspection (most recent)."""
+    shared_counters: SharedCountersConfig | None = None
+    """Keep the VTC counters in Redis, shared by every replica of a pool (`llmvisor.fairness.shared_counters`);
+    None: counters local to this engine."""
 
     @property
     def needs_model(self) -> bool:
@@ -151,6 +159,7 @@ class FairnessConfig:
             "tenant_key": self.tenant_key,
             "default_tenant": self.default_tenant,
             "log_size": self.log_size,
+            "shared_counters": None if self.shared_counters is None else self.shared_counters.as_dict(),
         }
 
     @classmethod
@@ -202,6 +211,8 @@ class FairnessConfig:
                 setattr(config, key, str(values[key]))
         if "log_size" in values:
             config.log_size = int(_number(values["log_size"], "log_size", source))
+        if values.get("shared_counters") is not None:
+            config.shared_counters = SharedCountersConfig.from_value(values["shared_counters"], source)
         return config
 
     @classmethod
@@ -270,7 +281,8 @@ class VirtualTokenCounter:
 
     Counters are in cost units per unit weight. ``backlog`` counts each tenant's waiting requests; a tenant
     is backlogged while it is above zero. Reservations (`reserve`) are provisional charges within one
-    scheduling pass, cleared by `clear_reservations`.
+    scheduling pass, cleared by `clear_reservations`. With ``shared`` set, every change to a counter (charge,
+    lift) is also handed to it for the pool, and new tenants start from the pool's counter.
     """
 
     def __init__(self, weights: Mapping[str, float] | None = None, default_weight: float = 1.0):
@@ -283,6 +295,7 @@ class VirtualTokenCounter:
         self.order: dict[str, int] = {}
         self.last_departed: float | None = None
         self.num_lifts = 0
+        self.shared: SharedCounters | None = None
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, self.default_weight)
@@ -290,7 +303,7 @@ class VirtualTokenCounter:
     def _register(self, tenant: str) -> None:
         if tenant not in self.order:
             self.order[tenant] = len(self.order)
-            self.counter[tenant] = 0.0
+            self.counter[tenant] = 0.0 if self.shared is None else self.shared.value(tenant)
             self.served[tenant] = 0.0
             self.backlog[tenant] = 0
 
@@ -310,6 +323,8 @@ class VirtualTokenCounter:
             if floor is not None and floor > self.counter[tenant]:
                 self.counter[tenant] = floor
                 self.num_lifts += 1
+                if self.shared is not None:
+                    self.shared.lift(tenant, floor)
         self.backlog[tenant] += 1
 
     def requeue(self, tenant: str, n: int = 1) -> None:
@@ -329,7 +344,10 @@ class VirtualTokenCounter:
     def charge(self, tenant: str, cost: float) -> None:
         self._register(tenant)
         self.served[tenant] += cost
-        self.counter[tenant] += cost / self.weight(tenant)
+        amount = cost / self.weight(tenant)
+        self.counter[tenant] += amount
+        if self.shared is not None:
+            self.shared.charge(tenant, amount)
 
     def reserve(self, tenant: str, cost: float) -> None:
         self.reserved[tenant] = self.reserved.get(tenant, 0.0) + cost / self.weight(tenant)
@@ -517,7 +535,8 @@ class FairShare:
     """VTC, quotas and admission control together: the engine calls it, it holds no engine objects.
 
     The engine reports queue changes (`arrive`, `requeue`, `leave`), asks which tenant to admit from next
-    (`choose`) and charges each step after it ran (`charge_step`).
+    (`choose`) and charges each step after it ran (`charge_step`). With ``config.shared_counters`` the VTC
+    counters are the pool's (`SharedCounters`, started here; `close` stops it); quotas stay per replica.
     """
 
     def __init__(self, config: FairnessConfig, model: StepLatencyModel | None = None, *, max_chunk_tokens: int = 2048):
@@ -526,6 +545,9 @@ class FairShare:
         self.config = config
         self.model = model
         self.vtc = VirtualTokenCounter(config.weights, config.default_weight)
+        self.shared = None
+        if config.shared_counters is not None:
+            self.shared = self.vtc.shared = SharedCounters(config.shared_counters).start()
         self.tokens = TokenCost(config.prompt_token_cost, config.output_token_cost)
         self.attributor = StepAttributor(model, rule=config.rule) if model is not None and (config.cost == "attributed" or self._has_quotas) else None
         self.admission = (
@@ -541,8 +563,16 @@ class FairShare:
     def _has_quotas(self) -> bool:
         return bool(self.config.quotas) or self.config.default_quota is not None
 
+    def close(self) -> None:
+        """Stop sharing counters (a last flush first); local counters stay as they are."""
+        if self.shared is not None:
+            self.shared.close()
+            self.vtc.shared = None
+
     # queue events
     def arrive(self, tenant: str) -> None:
+        if self.shared is not None:
+            self.shared.refresh(self.vtc.counter)
         self.vtc.arrive(tenant)
 
     def requeue(self, tenant: str, n: int = 1) -> None:
@@ -632,6 +662,8 @@ class FairShare:
         for tenant, cost in per_tenant.items():
             self.vtc.charge(tenant, cost)
         self.vtc.clear_reservations()
+        if self.shared is not None:
+            self.shared.refresh(self.vtc.counter)
         return StepCharge(per_tenant, attributed)
 
     def reservation(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float:

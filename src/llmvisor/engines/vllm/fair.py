@@ -16,6 +16,8 @@ What it changes in vLLM (0.32, V1):
   token budget the least-served tenants' running requests get their tokens first.
 - After each step, its measured time (the recorder's step time, `llmvisor.engines.vllm.step_clock`) is
   charged: tokens or attributed seconds per tenant.
+- With ``shared_counters`` in the config, the counters are shared with the pool's other replicas through Redis
+  (`llmvisor.fairness.shared_counters`; a background thread does the I/O, the engine loop never waits on it).
 
 Like the recorder, it runs on vLLM's `AsyncScheduler` when the engine has async scheduling on, else on `Scheduler`.
 
@@ -199,6 +201,9 @@ class FairScheduler(RecordingScheduler):
             raise RuntimeError("FairScheduler.configure needs an idle engine (no waiting or running requests)")
         if self.policy.value != "fcfs":
             logger.warning("llmvisor: FairScheduler replaces vLLM's %r policy with per-tenant VTC order", self.policy.value)
+        previous = getattr(self, "fair", None)
+        if previous is not None:
+            previous.close()
         self.fair_config = config
         self.fair = FairShare(config, model, max_chunk_tokens=int(self.scheduler_config.max_num_batched_tokens))
         self.tenant_key = config.tenant_key
@@ -388,6 +393,7 @@ class FairScheduler(RecordingScheduler):
             "num_deferred": self.fair.num_deferred,
             "num_quota_waits": self.fair.num_quota_waits,
             "num_work_conserving": self.fair.num_work_conserving,
+            "shared_counters": None if self.fair.shared is None else self.fair.shared.status(),
         }
 
     def shutdown(self) -> None:
@@ -402,4 +408,5 @@ class FairScheduler(RecordingScheduler):
                 overhead["added_time_per_step_us"],
                 overhead["added_time_per_step_us_p99"],
             )
+        self.fair.close()
         super().shutdown()
