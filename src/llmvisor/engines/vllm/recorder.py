@@ -32,7 +32,9 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from llmvisor.client import StepPusher, StepRelay, service_url_from_env
+from llmvisor.core.fingerprint import FINGERPRINT_COLUMN, EngineFingerprint
 from llmvisor.core.trace import TraceWriter
+from llmvisor.engines.vllm.fingerprint import engine_fingerprint
 from llmvisor.engines.vllm.settings import RecorderSettings
 
 logger = init_logger(__name__)
@@ -135,6 +137,9 @@ class RecordingScheduler(Scheduler):
             "hardware": self.recorder_settings.hardware or describe_hardware(),
             "tensor_parallel_size": int(self.parallel_config.tensor_parallel_size),
         }
+        self.engine_fingerprint = self._fingerprint()
+        if self.engine_fingerprint is not None:
+            self._constant_columns[FINGERPRINT_COLUMN] = self.engine_fingerprint.id
         self._writer, self._pusher, self._relay = self._start_delivery()
         self._wall_minus_perf_s = time.time() - time.perf_counter()
         self._in_flight: dict[int, tuple[float, list[tuple], float]] = {}
@@ -156,6 +161,16 @@ class RecordingScheduler(Scheduler):
                 "llmvisor: steps overlap (async scheduling or a batch queue); step latencies are approximate. "
                 "Run with --no-async-scheduling for clean step timing."
             )
+
+    def _fingerprint(self) -> EngineFingerprint | None:
+        """The engine's fingerprint (logged once); None, with a warning, if the config cannot be read."""
+        try:
+            fingerprint = engine_fingerprint(self.vllm_config, model_name=self.recorder_settings.model_name)
+        except Exception as error:  # a config this vLLM version lays out differently must not stop the engine
+            logger.warning("llmvisor: cannot read the engine fingerprint (%s: %s); steps carry none", type(error).__name__, error)
+            return None
+        logger.info("llmvisor: engine fingerprint %s: %s", fingerprint.id, fingerprint.to_dict())
+        return fingerprint
 
     def schedule(self, *args, **kwargs):
         scheduler_output = self._schedule_step(*args, **kwargs)
@@ -220,6 +235,7 @@ class RecordingScheduler(Scheduler):
                 "columns": self._constant_columns,
                 "warmup_steps": self.recorder_settings.warmup_steps,
                 "trace_path": os.path.abspath(self.trace_path) if self.trace_path else None,
+                "engine_fingerprint": self.engine_fingerprint.to_dict() if self.engine_fingerprint else None,
             }
             relay = StepRelay(header)
             logger.info(
@@ -227,7 +243,8 @@ class RecordingScheduler(Scheduler):
                 self.run_id, url, relay.pid,
             )
             return None, None, relay
-        writer = TraceWriter(self.trace_path, flush_every_steps=1 << 62) if self.trace_path else None
+        metadata = {"engine_fingerprint": self.engine_fingerprint.to_dict()} if self.engine_fingerprint else None
+        writer = TraceWriter(self.trace_path, flush_every_steps=1 << 62, metadata=metadata) if self.trace_path else None
         return writer, None, None
 
     def _record(self, start_s: float, latency_s: float, slices: list[tuple], now_s: float) -> None:
