@@ -17,6 +17,7 @@ from llmvisor.cli import engine_options as eo
 from llmvisor.cli.console import stdout_to_stderr
 from llmvisor.core.trace import read_trace, write_trace
 from llmvisor.errors import LlmvisorError
+from llmvisor.profile.drift import DEFAULT_DRIFT_THRESHOLD, canary_drift, is_canary_episode, mark_drifted, with_canaries
 from llmvisor.profile.plans import Envelope, build_workload, episode_dict, sweep_episodes, workload_name
 from llmvisor.profile.stats import coverage, mark_warmup_window, noise_floor, print_coverage, print_noise_floor
 
@@ -51,6 +52,10 @@ def profile(
     seed: Annotated[int, typer.Option(help="Seed of the design, the prompts, the decode subsets and the engine's sampling.")] = 0,
     keep_jsonl: Annotated[bool, typer.Option(help="Keep the JSONL the recorder wrote, beside the output.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print a JSON summary (run, steps, coverage, noise floor, overhead) to stdout; progress stays on stderr.")] = False,
+    canary_every: Annotated[int, typer.Option(help="sweep: run the fixed canary episode before the sweep, after every this many episodes and at the end, to measure drift (0: no canaries).")] = 8,
+    drift_threshold: Annotated[float, typer.Option(help="A canary run whose steps are slower or faster than the median run by more than this fraction drifts; the steps around it are flagged is_drifted.")] = DEFAULT_DRIFT_THRESHOLD,
+    prefix_caching: Annotated[bool, typer.Option(help="Run the engine with prefix caching on, as a served engine runs by default (the sweep's random prompts share no prefix, so no step hits the cache); off by default so every context is computed.")] = False,
+    cores: Annotated[str | None, typer.Option(help="Pin the engine to these CPU cores (e.g. '0' or '0-3,6'), as the served engine is pinned; sets the thread count to their number unless --threads is given.")] = None,
 ) -> None:
     """Profile a vLLM engine in this process and write its step trace."""
     from rich.console import Console
@@ -69,6 +74,9 @@ def profile(
         raise LlmvisorError("--workload: only the workload plan replays workload CSVs (use --plan workload)")
     if concurrency < 1:
         raise LlmvisorError(f"--concurrency: must be at least 1 (got {concurrency})")
+    if cores:
+        pinned = pin_to_cores(cores)
+        threads = threads if threads is not None else len(pinned)
     settings = eo.engine_settings(
         engine_model,
         max_model_len=max_model_len,
@@ -122,11 +130,17 @@ def profile(
             arrival=arrival,
             concurrency=concurrency,
             max_seconds=max_seconds,
+            canary_every=canary_every if plan == "sweep" else 0,
+            prefix_caching=prefix_caching,
         )
 
 
     trace = read_trace(jsonl_path)
     n_warmup = mark_warmup_window(trace, warmup_seconds)
+    drift = None
+    if plan == "sweep" and canary_every > 0:
+        drifted, drift = canary_drift(trace, drift_threshold)
+        mark_drifted(trace, drifted)
     engine_info = result["engine"]
     floor = noise_floor(trace) if repeat > 1 else None
     summary = coverage(trace, engine_info)
@@ -157,6 +171,9 @@ def profile(
         "recorder_overhead": result["overhead"],
         "coverage": summary,
         "wall_time_s": result["wall_time_s"],
+        "engine_fingerprint": result["engine_fingerprint"],
+        "drift": drift,
+        "cores": sorted(os.sched_getaffinity(0)),
     }
     write_trace(trace, output)
     if not keep_jsonl:
@@ -192,7 +209,7 @@ def profile_summary(trace, output: Path) -> dict:
         "n_steps": int(trace.n_steps),
         "n_rows": int(trace.n_slices),
         "n_warmup_steps": int(trace.is_warmup_per_step.sum()),
-        **{key: metadata.get(key) for key in ("engine", "coverage", "noise_floor", "recorder_overhead", "wall_time_s", "warmup_rule")},
+        **{key: metadata.get(key) for key in ("engine", "coverage", "noise_floor", "recorder_overhead", "wall_time_s", "warmup_rule", "engine_fingerprint", "drift")},
     }
 
 
@@ -216,14 +233,16 @@ def warmup_rule(warmup_steps: int, warmup_seconds: float, n_warmup: int) -> str:
 
 
 def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat, points, max_decode_steps,
-            workload_plan, arrival, concurrency, max_seconds) -> dict:
+            workload_plan, arrival, concurrency, max_seconds, canary_every=0, prefix_caching=False) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from llmvisor.engines.vllm.driver import ProfiledEngine
 
     started = time.perf_counter()
     with console.status(f"starting vLLM on {settings.model} ..."):
-        engine = ProfiledEngine(settings, trace_path=jsonl_path, run_id=run_id, warmup_steps=warmup_steps)
+        engine = ProfiledEngine(
+            settings, trace_path=jsonl_path, run_id=run_id, warmup_steps=warmup_steps, enable_prefix_caching=prefix_caching
+        )
     console.print(f"vLLM started in {time.perf_counter() - started:.0f} s; KV cache holds {engine.kv_cache_tokens} tokens")
     columns = (
         TextColumn("[progress.description]{task.description}"),
@@ -238,6 +257,8 @@ def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat
             if plan == "sweep":
                 episodes = sweep_episodes(engine.envelope, points, seed=settings.seed, max_decode_steps=max_decode_steps)
                 result["episodes"] = [episode_dict(e) for e in episodes]
+                episodes = with_canaries(episodes, engine.envelope, canary_every)
+                result["canary_episodes"] = sum(map(is_canary_episode, episodes))
                 task = progress.add_task("sweep episodes", total=len(episodes) * repeat)
                 for repeat_index in range(repeat):
                     for episode in episodes:
@@ -258,7 +279,34 @@ def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat
                     result["replay"].append(counts)
         result["overhead"] = engine.finish_recording()
         result["engine"] = engine.describe()
+        fingerprint = getattr(engine.scheduler, "engine_fingerprint", None)
+        result["engine_fingerprint"] = fingerprint.to_dict() if fingerprint is not None else None
     finally:
         engine.close()
     result["wall_time_s"] = time.perf_counter() - started
     return result
+
+
+def parse_cores(text: str) -> list[int]:
+    """'0-3,6' -> [0, 1, 2, 3, 6]."""
+    cores: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            cores.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise LlmvisorError(f"--cores: expected core ids like '0-3,6', got {text!r}") from None
+    if not cores:
+        raise LlmvisorError(f"--cores: no core ids in {text!r}")
+    return sorted(cores)
+
+
+def pin_to_cores(text: str) -> list[int]:
+    """Pin this process (and the engine it starts) to the given cores."""
+    cores = parse_cores(text)
+    available = os.sched_getaffinity(0)
+    missing = sorted(set(cores) - available)
+    if missing:
+        raise LlmvisorError(f"--cores: core(s) {missing} are not available to this process (it may use {sorted(available)})")
+    os.sched_setaffinity(0, cores)
+    return cores

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 from llmvisor.errors import LlmvisorError
 
@@ -29,9 +31,15 @@ FINGERPRINT_COLUMN = "engine_fingerprint"
 METADATA_KEY = "engine_fingerprint"
 """Trace metadata key (and model file key) holding the fingerprint as a dict (`EngineFingerprint.to_dict`)."""
 ID_HEX_DIGITS = 16
+SIDECAR_SUFFIX = ".engine.json"
+"""The recorder writes the engine's fingerprint record beside a trace it records: ``<trace path><suffix>``."""
 INFORMATIONAL_FIELDS = ("model", "max_model_len", "core_ids", "executor_backend")
 OPTIONAL_FIELDS = ("tensor_parallel_size", "pipeline_parallel_size", *INFORMATIONAL_FIELDS)
 IGNORED_CONFIG_KEYS = frozenset({"_name_or_path", "name_or_path", "transformers_version", "_commit_hash", "architectures_path"})
+
+
+def fingerprint_sidecar(trace_path: str | os.PathLike) -> Path:
+    return Path(f"{trace_path}{SIDECAR_SUFFIX}")
 
 
 def canonical_json(value) -> str:

@@ -62,7 +62,7 @@ def freeze_startup_objects() -> None:
 class ProfiledEngine:
     """An in-process vLLM engine with the profiling scheduler, recording to ``trace_path``."""
 
-    def __init__(self, settings: EngineSettings, *, trace_path: str, run_id: str, warmup_steps: int):
+    def __init__(self, settings: EngineSettings, *, trace_path: str, run_id: str, warmup_steps: int, enable_prefix_caching: bool = False):
         has_weights = check_model_dir(settings.model)
         configure_environment(settings)
         os.environ["LLMVISOR_TRACE_PATH"] = trace_path
@@ -81,7 +81,8 @@ class ProfiledEngine:
 
         self.settings = settings
         self.has_weights = has_weights
-        self.llm = LLM(**settings.llm_kwargs(has_weights=has_weights, enable_prefix_caching=False, scheduler_cls=ProfilingScheduler))
+        self.llm = LLM(**settings.llm_kwargs(has_weights=has_weights, enable_prefix_caching=enable_prefix_caching, scheduler_cls=ProfilingScheduler))
+        self.enable_prefix_caching = enable_prefix_caching
         self.engine = self.llm.llm_engine
         self.scheduler = self.engine.engine_core.engine_core.scheduler
         vllm_config = self.engine.vllm_config
@@ -115,7 +116,7 @@ class ProfiledEngine:
             "dtype": self.dtype,
             "kv_cache_tokens": self.kv_cache_tokens,
             "block_size": int(self.engine.vllm_config.cache_config.block_size),
-            "enable_prefix_caching": False,
+            "enable_prefix_caching": self.enable_prefix_caching,
             "async_scheduling": False,
             "distributed_executor_backend": "uni",
             "torch_threads": self.torch_threads,

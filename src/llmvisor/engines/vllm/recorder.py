@@ -20,6 +20,7 @@ speculative tokens, as a preempted request's recomputation does) and the tenant 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -32,7 +33,7 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from llmvisor.client import StepPusher, StepRelay, service_url_from_env
-from llmvisor.core.fingerprint import FINGERPRINT_COLUMN, EngineFingerprint
+from llmvisor.core.fingerprint import FINGERPRINT_COLUMN, EngineFingerprint, fingerprint_sidecar
 from llmvisor.core.trace import TraceWriter
 from llmvisor.engines.vllm.fingerprint import engine_fingerprint
 from llmvisor.engines.vllm.settings import RecorderSettings
@@ -98,6 +99,16 @@ def request_tenant(request, tenant_key: str, default_tenant: str = DEFAULT_TENAN
     extra = params.extra_args if params is not None else None
     tenant = extra.get(tenant_key) if extra else None
     return default_tenant if tenant is None else str(tenant)
+
+
+def write_fingerprint_record(fingerprint: EngineFingerprint, trace_path: str) -> None:
+    """``<trace>.engine.json``: the engine's fingerprint record beside its trace (`llmvisor calibrate --fingerprint`)."""
+    path = fingerprint_sidecar(trace_path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(fingerprint.to_dict(), indent=2) + "\n", encoding="utf-8")
+    except OSError as error:
+        logger.warning("llmvisor: cannot write the engine fingerprint record %s (%s)", path, error.strerror)
 
 
 def route_llmvisor_logs() -> None:
@@ -169,7 +180,9 @@ class RecordingScheduler(Scheduler):
         except Exception as error:  # a config this vLLM version lays out differently must not stop the engine
             logger.warning("llmvisor: cannot read the engine fingerprint (%s: %s); steps carry none", type(error).__name__, error)
             return None
-        logger.info("llmvisor: engine fingerprint %s: %s", fingerprint.id, fingerprint.to_dict())
+        logger.info("llmvisor: engine fingerprint %s: %s", fingerprint.id, json.dumps(fingerprint.to_dict()))
+        if self.trace_path:
+            write_fingerprint_record(fingerprint, self.trace_path)
         return fingerprint
 
     def schedule(self, *args, **kwargs):
