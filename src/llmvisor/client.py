@@ -17,7 +17,7 @@ so not in the process tree vLLM kills) writes the trace, pushes, and finishes wh
 
 Example::
 
-    pusher = StepPusher("http://127.0.0.1:8000", api_key, "llmvisor-spool.jsonl")
+    pusher = StepPusher("http://127.0.0.1:8080", api_key, "llmvisor-spool.jsonl")
     for step in engine_loop():
         pusher.push_step(rows_of(step))      # a list of trace-format row dicts
     pusher.close(timeout_s=30)               # send (or spool) what is left
@@ -103,7 +103,7 @@ class StepPusher:
 
     Parameters
     ----------
-    url : service base URL, e.g. ``http://127.0.0.1:8000``.
+    url : service base URL, e.g. ``http://127.0.0.1:8080``.
     api_key : an admin key (ingest needs one).
     spool_path : JSONL file for steps not yet acknowledged; ``<spool>.replaying`` and
         ``<spool>.rejected.jsonl`` sit beside it.
