@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmvisor.cli.calibrate import profile_command
+from llmvisor.cli.calibrate import profile_command, profile_environment
 from llmvisor.core.fingerprint import fingerprint_sidecar
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import synthetic_trace
@@ -78,14 +78,20 @@ def test_the_served_fingerprint_is_read_from_a_record_a_sidecar_or_parquet_metad
 
 
 def test_the_profile_runs_with_the_served_settings_on_its_cores(tmp_path):
-    command = profile_command(replace(SERVED, core_ids=(2, 3), threads=2), tmp_path / "p.parquet", engine_model=None,
-                              points=8, max_decode_steps=12, canary_every=4, kv_cache_gib=2)
-    options = dict(zip(command[4::1], command[5::1]))
-    assert options["--max-num-seqs"] == "128" and options["--max-num-batched-tokens"] == "2048"
-    assert options["--threads"] == "2" and options["--cores"] == "2,3" and options["--max-model-len"] == "4096"
+    options = {"engine_model": None, "points": 8, "max_decode_steps": 12, "canary_every": 4, "kv_cache_gib": 2}
+    served = replace(SERVED, core_ids=(2, 3), threads=2)
+    command = profile_command(served, tmp_path / "p.parquet", **options)
+    flags = dict(zip(command, command[1:]))
+    assert flags["--max-num-seqs"] == "128" and flags["--max-num-batched-tokens"] == "2048" and flags["--max-model-len"] == "4096"
+    assert flags["--executor"] == "mp" and "--cores" not in flags and "--threads" not in flags
+    assert profile_environment(served, {"A": "1"}) == {"A": "1", "VLLM_CPU_OMP_THREADS_BIND": "2,3"}
     assert "--prefix-caching" in command and "--no-enforce-eager" in command
-    assert "--no-prefix-caching" in profile_command(replace(SERVED, enable_prefix_caching=False), tmp_path / "p.parquet",
-                                                    engine_model=None, points=8, max_decode_steps=12, canary_every=4, kv_cache_gib=2)
+    in_process = replace(served, executor_backend="uni", enable_prefix_caching=False)
+    command = profile_command(in_process, tmp_path / "p.parquet", **options)
+    flags = dict(zip(command, command[1:]))
+    assert flags["--threads"] == "2" and flags["--cores"] == "2,3" and "--executor" not in flags
+    assert "--no-prefix-caching" in command
+    assert profile_environment(in_process, {"A": "1"}) == {"A": "1"}
 
 
 def test_canaries_bracket_the_sweep():

@@ -10,6 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from _service_fixtures import bearer, db_url, keys, ledger, make_steps, model_path  # noqa: F401
@@ -168,3 +169,17 @@ def test_residual_windows_keep_the_latest_runs_and_steps():
     assert windows.quantiles("c")[0.5] == pytest.approx(0.5)
     windows.observe(np.array(["a"] * 5, dtype=object), np.arange(5.0))
     assert windows.quantiles("a")[0.5] == pytest.approx(3.0)
+
+
+@pytest.mark.vllm
+def test_fair_scheduler_warns_on_a_model_of_another_engine(caplog):
+    fair = pytest.importorskip("llmvisor.engines.vllm.fair")
+    model = StepLatencyModel().fit(fingerprinted_trace(SERVED, 600))
+    logging.getLogger("llmvisor").propagate = True
+    with caplog.at_level(logging.WARNING):
+        assert fair.check_model_fingerprint(model, SERVED) is True
+        assert REGISTRY.get_sample_value("llmvisor_fair_model_fingerprint_mismatch") == 0
+        assert fair.check_model_fingerprint(model, replace(SERVED, max_num_seqs=32)) is False
+    assert REGISTRY.get_sample_value("llmvisor_fair_model_fingerprint_mismatch") == 1
+    assert any("max_num_seqs 32 vs 128" in record.getMessage() for record in caplog.records)
+    assert fair.check_model_fingerprint(None, SERVED) is None

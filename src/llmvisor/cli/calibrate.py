@@ -4,8 +4,9 @@ Two ways, one output (a model file whose ``engine_fingerprint`` is the served en
 
 - ``--fingerprint`` (the served engine's record: ``<trace>.engine.json`` the recorder wrote, a trace beside
   it, or a Parquet trace): run ``llmvisor profile --plan sweep`` with the served engine's settings (batch
-  limits, threads, prefix caching, eager mode), pinned to the cores its model worker runs on, with drift
-  canaries; fit on the sweep (drifted steps left out); check the profile's fingerprint id is the served one.
+  limits, prefix caching, eager mode, the executor: a worker process bound to the served worker's cores,
+  or this process pinned to them with its thread count), with drift canaries; fit on the sweep (drifted
+  steps left out); check the profile's fingerprint id is the served one.
 - ``--from-trace``: fit on the live steps the recorder collected, once they meet the coverage rule
   (`llmvisor.profile.calibration`).
 
@@ -16,6 +17,7 @@ one) and of the calibrated model on it.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +41,8 @@ def calibrate(
     engine_model: Annotated[Path | None, typer.Option(help="Profile: the engine model folder the server runs. Default: the shipped engine model.")] = None,
     points: Annotated[int, typer.Option(help="Profile: sweep episodes.")] = 24,
     max_decode_steps: Annotated[int, typer.Option(help="Profile: most decode steps of an episode.")] = 24,
-    canary_every: Annotated[int, typer.Option(help="Profile: a drift canary after every this many episodes.")] = 6,
+    max_episode_tokens: Annotated[int, typer.Option(help="Profile: most prompt tokens of an episode (keeps episodes short; the engine's own limits stay the served ones).")] = 16384,
+    canary_every: Annotated[int, typer.Option(help="Profile: a drift canary after every this many episodes.")] = 2,
     kv_cache_gib: Annotated[int, typer.Option(help="Profile: KV cache GiB (vLLM CPU build).")] = 2,
     trace_output: Annotated[Path | None, typer.Option(help="Profile: where to keep the sweep trace. Default: beside the model, .profile.parquet.")] = None,
     evaluate_on: Annotated[Path | None, typer.Option(help="A served run's trace: report residuals of the baseline and the calibrated model on it.")] = None,
@@ -55,7 +58,8 @@ def calibrate(
         trace_path = trace_output or output.with_suffix(".profile.parquet")
         result["served_fingerprint"] = served.to_dict()
         result["profile"] = run_profile(served, trace_path, engine_model=engine_model, points=points,
-                                        max_decode_steps=max_decode_steps, canary_every=canary_every, kv_cache_gib=kv_cache_gib)
+                                        max_decode_steps=max_decode_steps, max_episode_tokens=max_episode_tokens,
+                                        canary_every=canary_every, kv_cache_gib=kv_cache_gib)
         trace = read_trace(trace_path)
         result["mode"] = "profile"
         result["profile_trace"] = str(trace_path)
@@ -99,29 +103,41 @@ def calibrate(
 
 
 def profile_command(served: EngineFingerprint, trace_path: Path, *, engine_model: Path | None, points: int,
-                    max_decode_steps: int, canary_every: int, kv_cache_gib: int) -> list[str]:
+                    max_decode_steps: int, canary_every: int, kv_cache_gib: int, max_episode_tokens: int = 16384) -> list[str]:
     """``llmvisor profile --plan sweep`` with the served engine's settings, on its model worker's cores."""
     command = [
         sys.executable, "-m", "llmvisor.cli", "profile", "--plan", "sweep", "--output", str(trace_path),
         "--engine-model", str(engine_model or shipped.engine_model_dir()),
         "--max-num-batched-tokens", str(served.max_num_batched_tokens), "--max-num-seqs", str(served.max_num_seqs),
-        "--points", str(points), "--max-decode-steps", str(max_decode_steps), "--canary-every", str(canary_every),
+        "--points", str(points), "--max-decode-steps", str(max_decode_steps), "--max-episode-tokens", str(max_episode_tokens),
+        "--canary-every", str(canary_every),
         "--kv-cache-gib", str(kv_cache_gib), "--enforce-eager" if served.enforce_eager else "--no-enforce-eager",
         "--prefix-caching" if served.enable_prefix_caching else "--no-prefix-caching", "--json",
     ]
     if served.max_model_len:
         command += ["--max-model-len", str(served.max_model_len)]
-    if served.threads:
-        command += ["--threads", str(served.threads)]
-    if served.core_ids:
-        command += ["--cores", ",".join(map(str, served.core_ids))]
+    if served.executor_backend == "mp":
+        command += ["--executor", "mp"]  # the worker process, bound by vLLM to the cores of profile_environment
+    else:
+        if served.threads:
+            command += ["--threads", str(served.threads)]
+        if served.core_ids:
+            command += ["--cores", ",".join(map(str, served.core_ids))]
     return command
+
+
+def profile_environment(served: EngineFingerprint, environ: dict[str, str]) -> dict[str, str]:
+    """The profile's environment: with a worker process, vLLM's CPU build binds it to the served worker's cores."""
+    env = dict(environ)
+    if served.executor_backend == "mp" and served.core_ids:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, served.core_ids))
+    return env
 
 
 def run_profile(served: EngineFingerprint, trace_path: Path, **options) -> dict:
     command = profile_command(served, trace_path, **options)
     stderr.print(f"profiling the served engine's settings: {' '.join(command[1:])}", highlight=False)
-    done = subprocess.run(command, stdout=subprocess.PIPE, check=False)
+    done = subprocess.run(command, stdout=subprocess.PIPE, check=False, env=profile_environment(served, dict(os.environ)))
     if done.returncode != 0:
         raise LlmvisorError(f"calibrate: the profile failed (exit {done.returncode}); its messages are above")
     summary = json.loads(done.stdout)

@@ -32,6 +32,7 @@ def profile(
     points: Annotated[int, typer.Option(help="sweep: number of design points (episodes).")] = 48,
     repeat: Annotated[int, typer.Option(help="Run the whole plan this many times with identical batches; 2 or more measures the noise floor.")] = 1,
     max_decode_steps: Annotated[int, typer.Option(help="sweep: most decode steps of an episode.")] = 24,
+    max_episode_tokens: Annotated[int, typer.Option(help="sweep: most prompt tokens of an episode (pools are shrunk to fit).")] = 65536,
     num_requests: Annotated[int, typer.Option(help="workload: requests taken from each CSV, consecutive from --start-row.")] = 200,
     start_row: Annotated[int, typer.Option(help="workload: first CSV row (0-based) taken.")] = 0,
     lengths: Annotated[str, typer.Option(help="workload: fit lengths to max_model_len by 'clip' or 'scale'.")] = "clip",
@@ -45,6 +46,7 @@ def profile(
     max_num_seqs: eo.MaxNumSeqs = eo.MAX_NUM_SEQS,
     kv_cache_gib: eo.KvCacheGib = eo.KV_CACHE_GIB,
     threads: eo.Threads = eo.THREADS,
+    executor: eo.Executor = eo.EXECUTOR,
     enforce_eager: eo.EnforceEager = eo.ENFORCE_EAGER,
     warmup_steps: Annotated[int, typer.Option(help="Steps after engine start marked is_warmup.")] = 3,
     warmup_seconds: Annotated[float, typer.Option(help="Also mark is_warmup every step starting within this many seconds of the first.")] = 0.0,
@@ -86,6 +88,7 @@ def profile(
         enforce_eager=enforce_eager,
         threads=threads,
         seed=seed,
+        executor=executor,
     )
 
     from llmvisor.engines.vllm.driver import check_model_dir
@@ -126,6 +129,7 @@ def profile(
             repeat=repeat,
             points=points,
             max_decode_steps=max_decode_steps,
+            max_episode_tokens=max_episode_tokens,
             workload_plan=workload_plan,
             arrival=arrival,
             concurrency=concurrency,
@@ -150,6 +154,7 @@ def profile(
             {
                 "points": points,
                 "max_decode_steps": max_decode_steps,
+                "max_episode_tokens": max_episode_tokens,
                 "design": "Latin hypercube (scipy.stats.qmc, random-cd) over pool size, longest prompt, "
                 "step token budget, decode steps, second wave; see llmvisor.profile.plans",
                 "episodes": result["episodes"],
@@ -232,7 +237,7 @@ def warmup_rule(warmup_steps: int, warmup_seconds: float, n_warmup: int) -> str:
     return rule + f" ({n_warmup} steps); kept in the trace, left out of the noise floor and coverage"
 
 
-def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat, points, max_decode_steps,
+def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat, points, max_decode_steps, max_episode_tokens,
             workload_plan, arrival, concurrency, max_seconds, canary_every=0, prefix_caching=False) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -255,7 +260,9 @@ def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat
     try:
         with Progress(*columns, console=console) as progress:
             if plan == "sweep":
-                episodes = sweep_episodes(engine.envelope, points, seed=settings.seed, max_decode_steps=max_decode_steps)
+                episodes = sweep_episodes(
+                    engine.envelope, points, seed=settings.seed, max_decode_steps=max_decode_steps, max_episode_tokens=max_episode_tokens
+                )
                 result["episodes"] = [episode_dict(e) for e in episodes]
                 episodes = with_canaries(episodes, engine.envelope, canary_every)
                 result["canary_episodes"] = sum(map(is_canary_episode, episodes))

@@ -118,7 +118,7 @@ class ProfiledEngine:
             "block_size": int(self.engine.vllm_config.cache_config.block_size),
             "enable_prefix_caching": self.enable_prefix_caching,
             "async_scheduling": False,
-            "distributed_executor_backend": "uni",
+            "distributed_executor_backend": self.settings.executor,
             "torch_threads": self.torch_threads,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "hardware": self.scheduler._constant_columns["hardware"],
