@@ -142,7 +142,7 @@ def calibration_figures(result: dict) -> list[str]:
         f"{drift['n_canary_runs']} canary runs, largest drift {pct(drift['max_abs_drift'])}, "
         f"{drift['n_drifted_canaries']} drifted",
         f"served run of {thousands(evaluation['models']['calibrated']['n_steps'])} steady steps",
-        f"engine fingerprint `{result['served_fingerprint']['id']}`",
+        f"the served engine's fingerprint `{result['served_fingerprint']['id']}`",
     ]
     labels = {"baseline": "shipped model (no fingerprint)", "calibrated": f"calibrated (`{evaluation['calibrated_fingerprint']}`)"}
     for name, label in labels.items():
