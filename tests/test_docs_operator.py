@@ -1,6 +1,7 @@
-"""The documented operator commands run as written: the ```bash operator``` blocks of docs/recorder.md, in
-order, in one shell, in an empty folder (service, keys, vLLM's OpenAI server with the recorder pushing, a
-completion billed to a tenant, its usage, traffic, calibration)."""
+"""The documented operator commands run as written: the ```bash operator``` blocks of a doc, in order, in one
+shell, in an empty folder. docs/recorder.md: service, keys, vLLM's OpenAI server with the recorder pushing, a
+completion billed to a tenant, its usage, traffic, calibration (about 4 minutes). docs/service.md: fit, keys,
+serve, both JSON ingest forms, every usage query."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from llmvisor.core.trace import read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 OPERATOR_DOC = ROOT / "docs" / "recorder.md"
+SERVICE_DOC = ROOT / "docs" / "service.md"
 BLOCK = re.compile(r"^```bash operator\n(.*?)^```", re.S | re.M)
 
 
@@ -42,8 +44,8 @@ def test_the_operator_blocks_are_the_whole_journey():
     assert operator_script("```bash operator\necho a\n```\ntext\n```bash\necho b\n```\n").endswith("echo a\n")
 
 
-@pytest.mark.vllm
-def test_the_documented_operator_commands_run(tmp_path):
+def run_doc(doc: Path, tmp_path: Path, timeout_s: float) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run a doc's operator blocks in an empty folder, with `llmvisor` and this Python on the PATH."""
     shims = tmp_path / "bin"
     shims.mkdir()
     (shims / "llmvisor").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m llmvisor.cli "$@"\n')
@@ -56,10 +58,24 @@ def test_the_documented_operator_commands_run(tmp_path):
         "HOME": str(tmp_path),
         "VLLM_CPU_KVCACHE_SPACE": "2",
     }
-    script = operator_script(OPERATOR_DOC.read_text(encoding="utf-8"))
-    done = subprocess.run(["bash", "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=900)
+    script = operator_script(doc.read_text(encoding="utf-8"))
+    done = subprocess.run(["bash", "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=timeout_s)
     logs = "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in work.glob("*.log"))
     assert done.returncode == 0, done.stderr[-3000:] + logs
+    return done, work
+
+
+def test_the_documented_service_commands_run(tmp_path):
+    done, _ = run_doc(SERVICE_DOC, tmp_path, timeout_s=300)
+    acknowledged = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"steps_received"')]
+    assert [(a["steps_inserted"], a["slices_inserted"]) for a in acknowledged] == [(1, 2), (1, 2)]
+    totals = json.loads(re.search(r'\{"start":null,"end":null,"num_steps".*?\}', done.stdout).group())
+    assert totals["num_steps"] == 2 and totals["attributed_ns"] == totals["measured_ns"] == 31_000_000 + 12_000_000
+
+
+@pytest.mark.vllm
+def test_the_documented_operator_commands_run(tmp_path):
+    done, work = run_doc(OPERATOR_DOC, tmp_path, timeout_s=900)
     usage = json.loads(next(line for line in done.stdout.splitlines() if '"tenants"' in line))
     assert [t["tenant"] for t in usage["tenants"]] == ["team-a"] and usage["tenants"][0]["attributed_ns"] > 0
     assert usage["tenants"][0]["num_new_tokens"] == 6 + 15  # the prompt, then one token per decode step
