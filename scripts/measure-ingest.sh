@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 POSTGRES_URL="$(bash scripts/start-postgres.sh)"
-trap 'bash scripts/start-postgres.sh --stop' EXIT
+trap 'bash scripts/start-postgres.sh --stop "$POSTGRES_URL"' EXIT
 OUT=$(mktemp -d)
 for body in parquet columns; do
     "$PYTHON" -m llmvisor.cli load --db sqlite --db "$POSTGRES_URL" --body "$body" --json >"$OUT/$body.json"

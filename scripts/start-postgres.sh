@@ -3,13 +3,14 @@
 #
 #   export LLMVISOR_TEST_POSTGRES_URL="$(bash scripts/start-postgres.sh)"
 #   ... run the tests ...
-#   bash scripts/start-postgres.sh --stop
+#   bash scripts/start-postgres.sh --stop "$LLMVISOR_TEST_POSTGRES_URL"
 #
 # Installs Debian's `postgresql` package if no server binaries are found (apt-get update first), then runs
 # initdb in a fresh temporary directory as the `postgres` user (as the current user when not root), starts
 # the server on a free loopback port with trust authentication, and creates the database `llmvisor_test`.
-# Loopback only; nothing else can reach it. `--stop` stops the server this script last started (and not
-# yet stopped) and removes its directory, so nested start/stop pairs each stop their own.
+# Loopback only; nothing else can reach it. `--stop URL` stops the server this script started for that URL
+# and removes its directory; plain `--stop` stops the one it last started (and not yet stopped), which on a
+# machine where several sessions start servers may be another session's: give the URL.
 set -euo pipefail
 
 STATE_FILE="${TMPDIR:-/tmp}/llmvisor-test-postgres.dir"
@@ -37,18 +38,32 @@ as_owner() {
 }
 
 if [[ "${1:-}" == "--stop" ]]; then
-    # The state file lists the servers started, one data directory a line; stop the latest.
+    # The state file lists the servers started, one data directory a line; stop the one serving the URL's
+    # port (its postmaster.pid names the port on line 4), else the latest.
+    datadir=""
     if [[ -s "$STATE_FILE" ]]; then
-        datadir="$(tail -n 1 "$STATE_FILE")"
-        bindir="$(find_bindir)"
-        as_owner "$bindir/pg_ctl" -D "$datadir" -m fast -w stop >&2 || true
-        rm -rf "$datadir"
-        sed -i '$d' "$STATE_FILE"
-        [[ -s "$STATE_FILE" ]] || rm -f "$STATE_FILE"
-        log "stopped and removed $datadir"
-    else
-        log "no server started by this script is recorded in $STATE_FILE"
+        if [[ -n "${2:-}" ]]; then
+            port="$(sed -E 's#.*@[^:/]+:([0-9]+)/.*#\1#' <<<"$2")"
+            while read -r candidate; do
+                if [[ "$(sed -n 4p "$candidate/postmaster.pid" 2>/dev/null)" == "$port" ]]; then
+                    datadir="$candidate"
+                fi
+            done <"$STATE_FILE"
+        else
+            datadir="$(tail -n 1 "$STATE_FILE")"
+        fi
     fi
+    if [[ -z "$datadir" ]]; then
+        log "no server started by this script is recorded in $STATE_FILE${2:+ for $2}"
+        exit 0
+    fi
+    bindir="$(find_bindir)"
+    as_owner "$bindir/pg_ctl" -D "$datadir" -m fast -w stop >&2 || true
+    rm -rf "$datadir"
+    grep -vxF "$datadir" "$STATE_FILE" >"$STATE_FILE.tmp" || true
+    mv "$STATE_FILE.tmp" "$STATE_FILE"
+    [[ -s "$STATE_FILE" ]] || rm -f "$STATE_FILE"
+    log "stopped and removed $datadir"
     exit 0
 fi
 

@@ -9,6 +9,6 @@ bash scripts/install-test.sh
 if [[ -z "${LLMVISOR_TEST_POSTGRES_URL:-}" ]]; then
     LLMVISOR_TEST_POSTGRES_URL="$(bash scripts/start-postgres.sh)"
     export LLMVISOR_TEST_POSTGRES_URL
-    trap 'bash scripts/start-postgres.sh --stop' EXIT
+    trap 'bash scripts/start-postgres.sh --stop "$LLMVISOR_TEST_POSTGRES_URL"' EXIT
 fi
 .venv/bin/python -m pytest "$@"

@@ -341,6 +341,28 @@ def test_attributed_charges_are_the_steps_shares_and_sum_to_its_measured_time(ba
     assert share.vtc.reserved == {}  # the step's measured charge replaces this pass's reservations
 
 
+def test_tenants_reading_one_shared_prefix_are_charged_for_it_once_between_them():
+    """Three decodes of tenant "docs" read one 1,536-token prefix (prefix caching); "solo" reads its own 1,536
+    tokens. With a model that prices distinct context per step, the sharers pay the prefix once between them."""
+    coef = dict(zip(FEATURE_NAMES, BASE))
+    coef["decode_context_tokens"] = 0.0
+    coef["effective_context_tokens"] = 2e-6
+    model = StepLatencyModel.from_coefficients([coef])
+    tenants = ["docs", "docs", "docs", "solo"]
+    p = np.ones(4)
+    c = np.full(4, 1600.0)
+    prefill = np.zeros(4, bool)
+    effective = np.array([1536 / 3 + 64] * 3 + [1600.0])
+    measured = StepAttributor(model).predict_step_s(p, c, prefill, effective)
+    shared = FairShare(FairnessConfig(cost="attributed"), model).charge_step(tenants, p, c, prefill, np.ones(4, bool), measured, 0.0, effective_context_tokens=effective)
+    unshared = FairShare(FairnessConfig(cost="attributed"), model).charge_step(tenants, p, c, prefill, np.ones(4, bool), measured, 0.0)
+    assert math.fsum(shared.cost.values()) == pytest.approx(measured, rel=1e-12)
+    per_docs_request = shared.cost["docs"] / 3
+    assert per_docs_request < shared.cost["solo"]
+    assert shared.cost["solo"] - per_docs_request == pytest.approx(2e-6 * (1600 - (1536 / 3 + 64)), rel=1e-9)
+    assert shared.cost["docs"] < unshared.cost["docs"]
+
+
 def test_reservation_is_the_prefill_prediction_in_the_configured_unit(model_path):
     tokens = FairShare(FairnessConfig(cost="tokens"))
     assert tokens.reservation(100, 20) == 80 + 2.0

@@ -154,6 +154,39 @@ def calibration_figures(result: dict) -> list[str]:
     return figures
 
 
+def fleet_figures(fleet: dict) -> list[str]:
+    figures = []
+    for run in fleet["runs"]:
+        latency, staleness = run["ingest_latency_s"], run["staleness_s"]
+        figures.append(
+            f"| {thousands(run['settings']['engines'])} | {thousands(run['offered_steps_per_s'])} | "
+            f"{thousands(run['accepted_steps_per_s'])} | {run['mean_steps_per_post']:.0f} | "
+            f"{1e3 * latency['p50']:.0f} / {1e3 * latency['p99']:.0f} | {staleness['p50']:.1f} / {staleness['p99']:.1f} | "
+            f"{run['staleness_probes_timed_out']} of {run['staleness_probes_timed_out'] + staleness['n']} | "
+            f"{1e6 * run['service_cpu_s_per_step']:.0f} | {1e6 * run['postgres_per_step']['cpu_s']:.0f} | "
+            f"{run['postgres_per_step']['wal_bytes']:,.0f} |"
+        )
+    loads = [value for run in fleet["runs"] for value in run["load_average_1min"]]
+    figures.append(f"between {min(loads):.1f} and {max(loads):.1f} on {fleet['machine']['cpus']} cores")
+    per_step = fleet["per_step"]
+    figures += [
+        f"{1e6 * per_step['service_cpu_s_small_batches']:.0f} µs of service CPU per step at "
+        f"{per_step['steps_per_post_small_batches']:.0f} steps per POST",
+        f"{1e6 * per_step['service_cpu_s_large_batches']:.0f} µs at {per_step['steps_per_post_large_batches']:.0f} steps per POST",
+        f"{1e6 * per_step['postgres_cpu_s']:.0f} µs of PostgreSQL CPU, {per_step['wal_bytes']:,.0f} bytes of WAL and "
+        f"{per_step['table_bytes']:,.0f} bytes of tables per step",
+    ]
+    for replicas, plan in fleet["extrapolation"].items():
+        figures.append(
+            f"| {thousands(int(replicas))} | {thousands(plan['steps_per_s'])} | "
+            f"{plan['service_cores_small_batches']:.0f} ({plan['service_processes_small_batches']}) | "
+            f"{plan['service_cores_large_batches']:.0f} ({plan['service_processes_large_batches']}) | "
+            f"{plan['postgres_cores']:.1f} ({plan['postgres_servers']}) | {plan['wal_mb_per_s']:.0f} | "
+            f"{plan['storage_gb_per_day']:,.0f} |"
+        )
+    return figures
+
+
 def missing_from(text: str, figures: list[str]) -> list[str]:
     flat = " ".join(text.split())
     return [figure for figure in figures if " ".join(figure.split()) not in flat]
@@ -178,6 +211,22 @@ def test_validation_doc_holds_the_summary_generated_from_the_shipped_result():
 
 def test_service_doc_quotes_the_load_result():
     assert missing_from((REPO / "docs" / "service.md").read_text(encoding="utf-8"), load_figures(load(RESULTS / "load.json"))) == []
+
+
+def test_scale_doc_quotes_the_fleet_result():
+    assert missing_from((REPO / "docs" / "scale.md").read_text(encoding="utf-8"), fleet_figures(load(RESULTS / "fleet.json"))) == []
+
+
+def test_fleet_extrapolation_is_the_measured_costs_scaled():
+    fleet = load(RESULTS / "fleet.json")
+    per_step = fleet["per_step"]
+    for replicas, plan in fleet["extrapolation"].items():
+        steps_per_s = int(replicas) * fleet["runs"][0]["settings"]["steps_per_s_per_engine"]
+        assert plan["steps_per_s"] == steps_per_s
+        assert plan["postgres_cores"] == pytest.approx(steps_per_s * per_step["postgres_cpu_s"])
+        assert plan["storage_gb_per_day"] == pytest.approx(steps_per_s * per_step["table_bytes"] * 86400 / 1e9)
+    assert per_step["service_cpu_s_large_batches"] == fleet["runs"][-1]["service_cpu_s_per_step"]
+    assert all(run["reconciled"] and run["failed_posts"] == 0 for run in fleet["runs"])  # the doc says nothing was lost
 
 
 def test_fairness_doc_quotes_the_shipped_experiment():
@@ -233,3 +282,17 @@ def demo_now(tmp_path_factory):
     )
     assert completed.returncode == 0, completed.stderr
     return json.loads(completed.stdout)
+
+
+def test_traces_readme_describes_each_shipped_trace_from_its_own_file():
+    from llmvisor.core.trace import read_trace
+
+    readme = (shipped.data_dir() / "traces" / "README.md").read_text(encoding="utf-8")
+    figures = []
+    for path in sorted((shipped.data_dir() / "traces").glob("*.parquet")):
+        trace = read_trace(path)
+        figures.append(f"| `{path.name}` | `{trace.run_ids[0]}` |")
+        figures.append(f"| {trace.n_steps:,} | {trace.n_slices:,} |")
+    floor = read_trace(shipped.trace_path(shipped.TRAIN_TRACE)).metadata["noise_floor"]
+    figures.append(f"p50 {pct(floor['p50'])}, p90 {pct(floor['p90'])}, p99 {pct(floor['p99'])}")
+    assert missing_from(readme, figures) == []

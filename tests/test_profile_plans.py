@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from llmvisor import shipped
 from llmvisor.core.trace import trace_from_rows
 from llmvisor.core.workloads import read_workload_csv
 from llmvisor.errors import LlmvisorError
@@ -139,3 +140,57 @@ def test_zero_output_rows_are_refused_for_replay_but_kept_in_a_length_mix(tmp_pa
         read_workload_csv(path)
     rows = read_workload_csv(path, min_output_tokens=0)
     assert [(r.prompt_len, r.output_len) for r in rows] == [(10, 0), (20, 3)]
+
+
+def test_sweep_has_document_system_and_unshared_episodes_whose_prompts_fit_their_prefix():
+    envelope = Envelope(max_model_len=4096, max_num_batched_tokens=2048, max_num_seqs=32, kv_cache_tokens=400_000, block_size=128)
+    episodes = sweep_episodes(envelope, 30, seed=5)
+    by_kind = {kind: [e for e in episodes if e.sharing == kind] for kind in ("none", "document", "system")}
+    assert all(len(group) == 10 for group in by_kind.values())
+    for episode in by_kind["none"]:
+        assert episode.shared_prefix_len == 0
+    for episode in episodes:
+        prompts = episode.prompt_lens + episode.wave_prompt_lens
+        assert all(episode.shared_prefix_len < n < envelope.max_model_len for n in prompts)
+    for episode in by_kind["document"]:
+        longest = max(episode.prompt_lens)
+        assert longest >= (envelope.max_model_len - 1) // 4
+        assert 0.5 * longest - 1 <= episode.shared_prefix_len <= 0.95 * longest + 1
+    for episode in by_kind["system"]:
+        assert episode.shared_prefix_len % 128 == 0 and 128 <= episode.shared_prefix_len <= 4 * 128
+        assert episode.shared_prefix_len <= max(episode.prompt_lens) // 2
+        assert len(episode.prompt_lens) >= 8
+    # a sharing term needs sharers and shared fractions that vary
+    sharers = {len(e.prompt_lens) for e in by_kind["document"] + by_kind["system"]}
+    fractions = [e.shared_prefix_len / max(e.prompt_lens) for e in by_kind["document"] + by_kind["system"]]
+    assert len(sharers) >= 5 and min(fractions) < 0.3 and max(fractions) > 0.8
+
+
+def test_system_prompt_of_a_short_longest_prompt_is_at_most_half_of_it():
+    envelope = Envelope(max_model_len=64, max_num_batched_tokens=64, max_num_seqs=4, block_size=32)
+    episodes = sweep_episodes(envelope, 9, seed=1)
+    for episode in episodes:
+        assert all(episode.shared_prefix_len < n < 64 for n in episode.prompt_lens + episode.wave_prompt_lens)
+        if episode.sharing == "system":
+            assert episode.shared_prefix_len in (0, 32) and episode.shared_prefix_len <= max(episode.prompt_lens) // 2
+
+
+def test_shared_documents_prefix_prompts_round_robin_and_stay_within_the_envelope():
+    envelope = Envelope(max_model_len=2048, max_num_batched_tokens=2048, max_num_seqs=32)
+    conv = str(shipped.workloads_dir() / "azure-2023-conv.csv")
+    plan = build_workload([conv], envelope, num_requests=30, shared_documents=3, document_tokens=1024)
+    assert [r.document for r in plan.requests[:6]] == [0, 1, 2, 0, 1, 2]
+    for request in plan.requests:
+        assert request.prompt_len + request.output_len <= envelope.max_model_len
+        assert 0 < request.document_tokens <= min(1024, request.prompt_len - 1)
+    assert "shared document" in plan.metadata["sharing"]
+    plain = build_workload([conv], envelope, num_requests=30)
+    assert all(r.document is None and r.document_tokens == 0 for r in plain.requests)
+    assert plain.metadata["sharing"].startswith("none")
+
+
+@pytest.mark.parametrize("documents, tokens", [(2, 0), (0, 128), (-1, 5)])
+def test_shared_documents_need_both_settings(documents, tokens):
+    envelope = Envelope(max_model_len=2048, max_num_batched_tokens=2048, max_num_seqs=32)
+    with pytest.raises(LlmvisorError, match="--shared-documents"):
+        build_workload([str(shipped.workloads_dir() / "azure-2023-conv.csv")], envelope, num_requests=5, shared_documents=documents, document_tokens=tokens)

@@ -128,6 +128,9 @@ def test_offline_rows_match_what_was_scheduled(tiny_model, tmp_path, monkeypatch
             step_has_decode[step_id] |= not is_prefill
     assert any(step_has_prefill[s] and step_has_decode[s] for s in step_has_prefill)
     assert 0 <= overhead.fraction < 0.5
+    # prefix caching off: no slice shares a KV block
+    assert (trace.extra["num_shared_context_tokens"].astype(int) == 0).all()
+    assert np.allclose(trace.extra["effective_context_tokens"].astype(float), trace.num_context_tokens)
 
 
 def free_port() -> int:
@@ -248,3 +251,198 @@ def test_profile_rejects_bad_input_with_exit_code_2(tmp_path):
     )
     assert result.returncode == 2
     assert str(missing) in result.stderr and "Traceback" not in result.stderr
+
+
+def lift_cpu_async_override(monkeypatch) -> None:
+    """Undo the CPU platform's ``scheduler_config.async_scheduling = False`` (vllm/platforms/cpu.py)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config.__func__
+
+    def keep_async_scheduling(cls, vllm_config):
+        requested = vllm_config.scheduler_config.async_scheduling
+        original(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = requested
+
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async_scheduling))
+
+
+def test_scheduler_classes_take_async_scheduler_as_base_when_the_config_says_so():
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from llmvisor.engines.vllm.controlled import scheduler_class
+    from llmvisor.engines.vllm.fair import FairScheduler
+    from llmvisor.engines.vllm.profiling import ProfilingScheduler
+    from llmvisor.engines.vllm.recorder import RecordingScheduler, scheduler_class_for
+
+    def config(async_scheduling):
+        return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
+
+    for cls in (RecordingScheduler, FairScheduler, ProfilingScheduler, scheduler_class()):
+        assert scheduler_class_for(cls, config(False)) is cls
+        assert scheduler_class_for(cls, config(None)) is cls
+        variant = scheduler_class_for(cls, config(True))
+        assert variant is scheduler_class_for(cls, config(True))
+        mro = variant.__mro__
+        assert mro[1] is cls and issubclass(variant, AsyncScheduler)
+        # the recording logic (and its subclass's) runs on top of AsyncScheduler, which runs on Scheduler
+        assert mro.index(RecordingScheduler) < mro.index(AsyncScheduler) < mro.index(Scheduler)
+        # vLLM instantiates the configured class by name: __new__ hands it the variant, and __init__ still runs
+        instance = cls.__new__(cls, vllm_config=config(True))
+        assert type(instance) is variant and isinstance(instance, cls)
+        assert type(cls.__new__(cls, vllm_config=config(False))) is cls
+
+
+def run_shared_prefix_workload(model: str, trace_path, monkeypatch, *, async_scheduling: bool = False):
+    """A (96-token prefix + own tail) prefilled first; then B and C with the same prefix and D with none.
+
+    Returns (prompts by request id, the scheduler's block ids of A, B, C while all decode, the engine core)."""
+    from vllm import LLM, SamplingParams
+
+    from llmvisor.engines.vllm.recorder import RecordingScheduler
+
+    for name, value in ENGINE_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("LLMVISOR_TRACE_PATH", str(trace_path))
+    monkeypatch.setenv("LLMVISOR_WARMUP_STEPS", "0")
+    args = tiny_engine_args(model, RecordingScheduler)
+    args.update(enable_prefix_caching=True, block_size=32, async_scheduling=async_scheduling)
+    llm = LLM(**args)
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(10, 1000, 96).tolist()
+    prompts = {
+        "A": prefix + rng.integers(10, 1000, 20).tolist(),
+        "B": prefix + rng.integers(10, 1000, 7).tolist(),
+        "C": prefix + rng.integers(10, 1000, 40).tolist(),
+        "D": rng.integers(10, 1000, 50).tolist(),
+    }
+    params = {name: SamplingParams(max_tokens=30 if name == "A" else 12, ignore_eos=True, detokenize=False) for name in prompts}
+    engine.add_request("A", {"prompt_token_ids": prompts["A"]}, params["A"])
+    added = False
+    block_ids = None
+    for _ in range(200):
+        if not added and any(r.num_computed_tokens >= len(prompts["A"]) for r in core.scheduler.requests.values()):
+            for name in "BCD":
+                engine.add_request(name, {"prompt_token_ids": prompts[name]}, params[name])
+            added = True
+        internal = {r.request_id.split("-")[0]: r for r in core.scheduler.requests.values()}
+        if block_ids is None and set(internal) == set("ABCD") and all(not r.is_prefill_chunk and r.num_output_tokens for r in internal.values()):
+            block_ids = {name: core.scheduler.kv_cache_manager.get_block_ids(internal[name].request_id)[0] for name in "ABC"}
+        engine.step()
+        if not engine.has_unfinished_requests():
+            break
+    core.scheduler.flush_trace()
+    return prompts, block_ids, core
+
+
+def expected_sharing(step_rows: list[dict], prompts: dict[str, str], block_size: int) -> dict[str, tuple[int, float]]:
+    """From the prompts alone: two slices share block j when their prompts agree on blocks 0..j and both
+    contexts reach into block j (the later requests were added after the first one's prefix was cached)."""
+
+    def common_blocks(a: list[int], b: list[int]) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n // block_size
+
+    out = {}
+    for row in step_rows:
+        name, c = row["request_id"].split("-")[0], row["num_context_tokens"]
+        shared, effective = 0, 0.0
+        for j in range(-(-c // block_size)):
+            tokens = min(block_size, c - j * block_size)
+            readers = 1 + sum(
+                1
+                for other in step_rows
+                if other is not row
+                and other["num_context_tokens"] > j * block_size
+                and common_blocks(prompts[name], prompts[other["request_id"].split("-")[0]]) > j
+            )
+            shared += tokens if readers > 1 else 0
+            effective += tokens / readers
+        out[name] = (shared, effective)
+    return out
+
+
+def check_shared_prefix_trace(trace_path, prompts) -> int:
+    """Every recorded row's shared-KV columns match the expectation; returns the steps where A, B, C, D all decode."""
+    rows_by_step = defaultdict(list)
+    for line in open(trace_path, encoding="utf-8"):
+        row = json.loads(line)
+        rows_by_step[row["step_id"]].append(row)
+    all_decoding = 0
+    for rows in rows_by_step.values():
+        expected = expected_sharing(rows, prompts, 32)
+        for row in rows:
+            name = row["request_id"].split("-")[0]
+            assert row["num_shared_context_tokens"] == expected[name][0], (row, expected)
+            assert row["effective_context_tokens"] == pytest.approx(expected[name][1]), (row, expected)
+            if name == "D":
+                assert row["num_shared_context_tokens"] == 0
+                assert row["effective_context_tokens"] == row["num_context_tokens"]
+        names = {r["request_id"].split("-")[0] for r in rows if r["phase"] == "decode"}
+        if names == set("ABCD"):
+            all_decoding += 1
+            for row in rows:
+                if row["request_id"].startswith(("A", "B", "C")):
+                    c = row["num_context_tokens"]
+                    assert row["num_shared_context_tokens"] == 96
+                    assert row["effective_context_tokens"] == pytest.approx(96 / 3 + c - 96)
+    return all_decoding
+
+
+def test_shared_prefix_columns_match_the_kv_cache_managers_blocks(tiny_model, tmp_path, monkeypatch):
+    trace_path = tmp_path / "shared.jsonl"
+    prompts, block_ids, core = run_shared_prefix_workload(tiny_model, trace_path, monkeypatch)
+    overhead = core.scheduler.recorder_overhead()
+    core.shutdown()
+    # the premise: vLLM's KV cache manager gave A, B and C the same three prefix blocks, and nothing else
+    assert block_ids is not None
+    assert block_ids["A"][:3] == block_ids["B"][:3] == block_ids["C"][:3]
+    assert len({block_ids[name][3] for name in "ABC"}) == 3
+    assert check_shared_prefix_trace(trace_path, prompts) >= 5
+    assert overhead.n_steps > 0
+
+
+def test_async_scheduling_on_the_cpu_engine_records_the_same_rows(tiny_model, tmp_path, monkeypatch):
+    """vLLM CPU forces async scheduling off; lifted, the engine runs with AsyncScheduler and a batch queue."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from llmvisor.engines.vllm.recorder import RecordingScheduler
+
+    lift_cpu_async_override(monkeypatch)
+    trace_path = tmp_path / "async.jsonl"
+    prompts, block_ids, core = run_shared_prefix_workload(tiny_model, trace_path, monkeypatch, async_scheduling=True)
+    scheduler = core.scheduler
+    mro = type(scheduler).__mro__
+    assert core.vllm_config.scheduler_config.async_scheduling is True and core.batch_queue_size == 2
+    assert mro[1] is RecordingScheduler and mro[2] is AsyncScheduler
+    # the CPU build's uni executor runs the forward pass in the engine thread: steps are serial
+    assert scheduler.step_clock.overlapped is False
+    overhead = scheduler.recorder_overhead()
+    core.shutdown()
+    assert block_ids["A"][:3] == block_ids["B"][:3] == block_ids["C"][:3]
+    assert check_shared_prefix_trace(trace_path, prompts) >= 5
+    trace = read_trace(trace_path)
+    assert trace.n_steps == overhead.n_steps and (trace.step_latency_s > 0).all()
+    output_lens = {"A": 30, "B": 12, "C": 12, "D": 12}
+    for request_id, rows in slices_by_request(trace).items():
+        name = request_id.split("-")[0]
+        cached = 96 if name in "BC" else 0  # prefix-cache hits: A's three prefix blocks
+        assert rows[0][2] == cached, (name, rows)
+        assert sum(r[1] for r in rows) == len(prompts[name]) + output_lens[name] - 1 - cached
+        for (_, p_prev, c_prev, _, _), (_, _, c, is_prefill, _) in zip(rows, rows[1:]):
+            assert c == c_prev + p_prev and is_prefill == (c < len(prompts[name]))
+    # serial steps: each one starts after the previous one ended
+    starts = trace.extra["timestamp_s"].astype(float)
+    by_step = {}
+    for step_id, start, latency in zip(trace.step_id.tolist(), starts.tolist(), trace.step_latency_s.tolist()):
+        by_step[step_id] = (start, latency)
+    ordered = [by_step[k] for k in sorted(by_step)]
+    assert all(b[0] >= a[0] + a[1] - 1e-6 for a, b in zip(ordered, ordered[1:]))

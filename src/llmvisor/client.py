@@ -446,7 +446,8 @@ DELIVERY_CLOSE_TIMEOUT_S = 30.0
 
 def step_rows(header: dict, step: list) -> list[dict]:
     """Trace rows of one relayed step ``[step_id, timestamp_s, step_latency_s, slices]``; each slice is
-    ``[request_id, tenant, num_new_tokens, num_context_tokens, is_prefill]``, the header holds the rest."""
+    ``[request_id, tenant, num_new_tokens, num_context_tokens, is_prefill, num_shared_context_tokens,
+    effective_context_tokens]``, the header holds the rest."""
     step_id, timestamp_s, latency_s, slices = step
     constant = header["columns"]
     is_warmup = step_id < header["warmup_steps"]
@@ -458,12 +459,14 @@ def step_rows(header: dict, step: list) -> list[dict]:
             "tenant": str(tenant),
             "num_new_tokens": num_new,
             "num_context_tokens": num_context,
+            "num_shared_context_tokens": num_shared,
+            "effective_context_tokens": num_effective,
             "phase": "prefill" if is_prefill else "decode",
             "timestamp_s": timestamp_s,
             **constant,
             "is_warmup": is_warmup,
         }
-        for request_id, tenant, num_new, num_context, is_prefill in slices
+        for request_id, tenant, num_new, num_context, is_prefill, num_shared, num_effective in slices
     ]
 
 

@@ -1,4 +1,5 @@
-"""``llmvisor load``: the command over `llmvisor.service.load`, printing a line or JSON per target."""
+"""``llmvisor load``: the command over `llmvisor.service.load` (throughput) and `llmvisor.service.fleet`
+(``--engines N``: a fleet of engines at a fixed step rate), printing a line or JSON per target."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from llmvisor.errors import LlmvisorError
+from llmvisor.service.fleet import FleetSettings, load_fleet
 from llmvisor.service.load import load_targets
 
 
@@ -30,13 +33,36 @@ def load(
     step_interval_ms: Annotated[
         float, typer.Option(help="Time between the steps' timestamps; the ledger stores a row per request per second.", min=0, max=3_600_000)
     ] = 20.0,
-    max_seconds: Annotated[float, typer.Option(help="Stop sending after this long, per target.", min=1, max=600)] = 120.0,
+    max_seconds: Annotated[float, typer.Option(help="Stop sending after this long, per target (with --engines: the run's length).", min=1, max=600)] = 120.0,
     body: Annotated[
         str, typer.Option(help="Body form: 'parquet' (a trace file), 'columns' (JSON, one list per column) or 'rows' (JSON, one object per row).")
     ] = "parquet",
+    engines: Annotated[
+        int | None,
+        typer.Option(help="Simulate this many engines, each stepping at --engine-steps-per-s and POSTing what ended every --flush-ms "
+                     "(JSON columns, as the engine pusher sends), into --processes service processes; reports accepted steps/s, "
+                     "ingest latency and staleness.", min=1, max=5000),
+    ] = None,
+    processes: Annotated[int, typer.Option(help="With --engines: service processes on the one database.", min=1, max=16)] = 2,
+    engine_steps_per_s: Annotated[float, typer.Option(help="With --engines: steps per second of each engine.", min=0.1, max=1000)] = 50.0,
+    flush_ms: Annotated[float, typer.Option(help="With --engines: how often each engine POSTs the steps that ended.", min=1, max=60_000)] = 200.0,
     json_output: Annotated[bool, typer.Option("--json", help="Print only JSON to stdout: the settings and each target's figures.")] = False,
 ) -> None:
-    """Measure sustained ingest throughput (steps/s) on loopback; bounded by --steps and --max-seconds."""
+    """Measure sustained ingest throughput (steps/s) on loopback, or with --engines a fleet's accepted rate,
+    latency and staleness; bounded by --steps and --max-seconds."""
+    if engines is not None:
+        if url is not None:
+            raise LlmvisorError("--engines starts its own service processes; it does not take --url")
+        settings = FleetSettings(engines=engines, processes=processes, steps_per_s_per_engine=engine_steps_per_s,
+                                 batch_size=batch_size, flush_interval_s=flush_ms / 1e3, duration_s=max_seconds,
+                                 warmup_s=min(5.0, max_seconds / 4))
+        results = [load_fleet(target, settings, model_path=model) for target in (db or ["sqlite"])]
+        if json_output:
+            typer.echo(json.dumps({"runs": [result.to_json() for result in results]}, indent=2))
+            return
+        for result in results:
+            typer.echo(result.line())
+        return
     results = load_targets(
         db or [],
         url=url,

@@ -41,6 +41,8 @@ def profile(
     concurrency: Annotated[int, typer.Option(help="workload, closed loop: requests in flight.")] = 16,
     time_scale: Annotated[float, typer.Option(help="workload, trace arrivals: multiply arrived_at by this.")] = 1.0,
     max_seconds: Annotated[float | None, typer.Option(help="workload: stop submitting and abort after this many seconds per repeat.")] = None,
+    shared_documents: Annotated[int, typer.Option(help="workload: prompts start with one of this many shared documents (request k: document k mod N); 0: none.")] = 0,
+    document_tokens: Annotated[int, typer.Option(help="workload: tokens of each shared document, prepended to the row's prompt.")] = 0,
     max_model_len: eo.MaxModelLen = eo.MAX_MODEL_LEN,
     max_num_batched_tokens: eo.MaxNumBatchedTokens = eo.MAX_NUM_BATCHED_TOKENS,
     max_num_seqs: eo.MaxNumSeqs = eo.MAX_NUM_SEQS,
@@ -56,7 +58,7 @@ def profile(
     json_output: Annotated[bool, typer.Option("--json", help="Print a JSON summary (run, steps, coverage, noise floor, overhead) to stdout; progress stays on stderr.")] = False,
     canary_every: Annotated[int, typer.Option(help="sweep: run the fixed canary episode before the sweep, after every this many episodes and at the end, to measure drift (0: no canaries).")] = 8,
     drift_threshold: Annotated[float, typer.Option(help="A canary run whose steps are slower or faster than the median run by more than this fraction drifts; the steps around it are flagged is_drifted.")] = DEFAULT_DRIFT_THRESHOLD,
-    prefix_caching: Annotated[bool, typer.Option(help="Run the engine with prefix caching on, as a served engine runs by default (the sweep's random prompts share no prefix, so no step hits the cache); off by default so every context is computed.")] = False,
+    prefix_caching: Annotated[bool, typer.Option(help="Prefix caching, on by default as in vLLM (the sweep's shared-prefix episodes and --shared-documents need it); --no-prefix-caching computes every context.")] = True,
     cores: Annotated[str | None, typer.Option(help="Pin the engine to these CPU cores (e.g. '0' or '0-3,6'), as the served engine is pinned; sets the thread count to their number unless --threads is given.")] = None,
 ) -> None:
     """Profile a vLLM engine in this process and write its step trace."""
@@ -106,6 +108,8 @@ def profile(
             tenants=tenants,
             arrival=arrival,
             time_scale=time_scale,
+            shared_documents=shared_documents,
+            document_tokens=document_tokens,
         )
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     if run_id is None:
@@ -238,7 +242,7 @@ def warmup_rule(warmup_steps: int, warmup_seconds: float, n_warmup: int) -> str:
 
 
 def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat, points, max_decode_steps, max_episode_tokens,
-            workload_plan, arrival, concurrency, max_seconds, canary_every=0, prefix_caching=False) -> dict:
+            workload_plan, arrival, concurrency, max_seconds, canary_every=0, prefix_caching=True) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from llmvisor.engines.vllm.driver import ProfiledEngine

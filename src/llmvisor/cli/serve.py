@@ -42,6 +42,9 @@ def serve(
     max_body_mb: Annotated[float, typer.Option(help="Largest POST /v1/steps body accepted (MiB); larger is a 413.", min=0.001)] = 64.0,
     max_steps_per_request: Annotated[int, typer.Option(help="Most steps in one POST /v1/steps.", min=1)] = 20_000,
     public_metrics: Annotated[bool, typer.Option(help="Serve /metrics without a key (it names every tenant).")] = False,
+    max_concurrent_ingest: Annotated[
+        int, typer.Option(help="Batches attributed and stored at once; more wait their turn (at most the 16 database connections).", min=1, max=16)
+    ] = 8,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Run the accounting service: ingest steps, attribute them, keep the ledger, answer usage queries."""
@@ -59,6 +62,7 @@ def serve(
         max_body_bytes=int(max_body_mb * 1024 * 1024),
         max_steps_per_request=max_steps_per_request,
         public_metrics=public_metrics,
+        max_concurrent_ingest=max_concurrent_ingest,
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
 

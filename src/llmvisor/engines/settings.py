@@ -36,6 +36,12 @@ class EngineSettings:
     enforce_eager: bool = setting(
         False, option="--enforce-eager/--no-enforce-eager", help="Skip torch.compile: faster start, slower steps."
     )
+    enable_prefix_caching: bool = setting(
+        True,
+        option="--prefix-caching/--no-prefix-caching",
+        help="Share KV blocks of common prompt prefixes (vLLM's default: on). Off only where a run must control "
+        "every request's context exactly.",
+    )
     seed: int = setting(0, option="--seed", help="Seed of the engine's sampling.")
     executor: str = setting(
         "uni",
@@ -55,10 +61,10 @@ class EngineSettings:
     def as_dict(self) -> dict:
         return asdict(self)
 
-    def llm_kwargs(self, *, has_weights: bool, enable_prefix_caching: bool, scheduler_cls: type) -> dict:
+    def llm_kwargs(self, *, has_weights: bool, scheduler_cls: type, enable_prefix_caching: bool | None = None) -> dict:
         """Arguments of `vllm.LLM` for an in-process, synchronous engine (the scheduler and the recorder
         must run in this process, between steps; with the ``mp`` executor only the model runs in a worker
-        process) with these settings."""
+        process) with these settings; ``enable_prefix_caching`` overrides the setting."""
         return {
             "model": self.model,
             "load_format": "auto" if has_weights else "dummy",
@@ -68,7 +74,7 @@ class EngineSettings:
             "max_num_seqs": self.max_num_seqs,
             "distributed_executor_backend": self.executor,
             "async_scheduling": False,
-            "enable_prefix_caching": enable_prefix_caching,
+            "enable_prefix_caching": self.enable_prefix_caching if enable_prefix_caching is None else enable_prefix_caching,
             "enforce_eager": self.enforce_eager,
             "seed": self.seed,
             "scheduler_cls": scheduler_cls,

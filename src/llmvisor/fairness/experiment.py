@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from llmvisor import shipped
-from llmvisor.core.attribution import attribute_arrays
+from llmvisor.core.attribution import attribute
 from llmvisor.core.features import FEATURE_NAMES
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import concat_traces, read_trace
@@ -57,10 +57,23 @@ def _fairness(values: list[float]) -> tuple[float | None, float | None]:
     return max_min_ratio(values), jain_index(values)
 
 
-def workload_tenants(n_tenants: int, *, rate_rps: float, history_tokens: int, n_conversations: int, prompt_tokens: int, output_tokens: int) -> list[dict]:
-    """Alternating long-context and short-context tenants: long, short, long-2, short-2."""
+def workload_tenants(
+    n_tenants: int,
+    *,
+    rate_rps: float,
+    history_tokens: int,
+    n_conversations: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    shared_documents: int = 0,
+) -> list[dict]:
+    """Alternating long-context and short-context tenants: long, short, long-2, short-2; with
+    ``shared_documents`` > 0 also a tenant "shared" whose requests continue one of that many documents, so its
+    running requests read the same cached KV blocks (retrieval over a few documents, one long system prompt)."""
     if not 2 <= n_tenants <= 4:
         raise LlmvisorError(f"--tenants must be 2 to 4 (got {n_tenants})")
+    if shared_documents < 0:
+        raise LlmvisorError(f"--shared-documents must be >= 0 (got {shared_documents})")
     tenants = []
     for k in range(n_tenants):
         long = k % 2 == 0
@@ -71,6 +84,17 @@ def workload_tenants(n_tenants: int, *, rate_rps: float, history_tokens: int, n_
                 "rate_rps": rate_rps,
                 "history_tokens": history_tokens if long else 0,
                 "n_conversations": n_conversations if long else 0,
+                "prompt_tokens": prompt_tokens,
+                "output_tokens": output_tokens,
+            }
+        )
+    if shared_documents:
+        tenants.append(
+            {
+                "name": "shared",
+                "rate_rps": rate_rps,
+                "history_tokens": history_tokens,
+                "n_conversations": shared_documents,
                 "prompt_tokens": prompt_tokens,
                 "output_tokens": output_tokens,
             }
@@ -89,7 +113,7 @@ def analyse_run(result: dict, model, *, window_s: float, warmup_s: float) -> dic
     n_tenants = len(tenants)
     trace = read_trace(result["trace"])
     trace = trace.select_steps(trace.step_id_per_step >= result["first_step"])
-    shares = attribute_arrays(model, trace.num_new_tokens, trace.num_context_tokens, trace.is_prefill, trace.step_offsets, trace.step_latency_s_per_step)
+    shares = attribute(model, trace)
     step_start_s = trace.extra["timestamp_s"][trace.step_starts].astype(np.float64) - result["t0_wall_s"]
     slice_t = np.repeat(step_start_s, trace.batch_size_per_step)
     slice_tenant = np.array([index.get(str(t), -1) for t in trace.tenant.tolist()], dtype=np.int64)
@@ -344,7 +368,13 @@ def report_sections(result: dict) -> list[tuple[str, str]]:
         f"of {setup['workload']['tenants'][0]['prompt_tokens']} new prompt + {setup['workload']['tenants'][0]['output_tokens']} output tokens; "
         f"long-context tenants' prompts continue one of {setup['workload']['tenants'][0]['n_conversations']} conversations with a "
         f"{setup['workload']['tenants'][0]['history_tokens']}-token history in the prefix cache. "
-        f"Figures over {setup['window_s']:.0f} s windows after {setup['warmup_s']:.0f} s; fairness among tenants backlogged throughout.</p>"
+        + "".join(
+            f"Tenant {tenant['name']}'s prompts continue one of only {tenant['n_conversations']} documents, so its running "
+            "requests read the same cached KV blocks. "
+            for tenant in setup["workload"]["tenants"]
+            if tenant["name"] == "shared"
+        )
+        + f"Figures over {setup['window_s']:.0f} s windows after {setup['warmup_s']:.0f} s; fairness among tenants backlogged throughout.</p>"
     )
     table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
     return [

@@ -607,11 +607,13 @@ class FairShare:
         samples_token: np.ndarray,
         measured_s: float,
         now_s: float,
+        effective_context_tokens: np.ndarray | None = None,
     ) -> StepCharge:
-        """Charge one step that ran: each slice's cost to its tenant; quotas get attributed seconds."""
+        """Charge one step that ran: each slice's cost to its tenant; quotas get attributed seconds. With
+        ``effective_context_tokens`` (prefix caching), each KV block shared in the step is split among its readers."""
         shares = None
         if self.attributor is not None:
-            shares = self.attributor.attribute(num_new_tokens, num_context_tokens, is_prefill, measured_s)
+            shares = self.attributor.attribute(num_new_tokens, num_context_tokens, is_prefill, measured_s, effective_context_tokens)
         costs = shares if self.config.cost == "attributed" else self.tokens.slice_costs(num_new_tokens, is_prefill, samples_token)
         per_tenant: dict[str, float] = {}
         for tenant, cost in zip(tenants, costs.tolist()):

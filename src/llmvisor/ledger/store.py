@@ -445,8 +445,10 @@ class Ledger:
                         self._insert(conn, batch)
                 return IngestOutcome(inserted)
             except (IntegrityError, OperationalError):
-                # A concurrent writer stored some of these keys first (PostgreSQL) or the database was busy;
-                # the next attempt sees its commit and treats those steps as duplicates or conflicts.
+                # A concurrent writer (another thread, or another service process on the same PostgreSQL)
+                # stored some of these keys after this transaction looked them up: its insert waits for that
+                # commit and fails on the primary key, or the database was busy. The next attempt sees the
+                # commit and answers those steps as duplicates (200) or conflicts (409), never twice stored.
                 if attempt == _WRITE_ATTEMPTS - 1:
                     raise
                 time.sleep(0.01 * 2**attempt)
@@ -491,7 +493,9 @@ class Ledger:
                     slices_parquet=batch.slices_parquet)
             .returning(slice_batches.c.batch_id)
         ).scalar_one()
-        step_rows = batch.step_rows(slice_batch_id, ingested_at_us)
+        # In key order, like the usage rows: two transactions inserting overlapping steps then wait on each
+        # other in one order (the later one fails on the unique key and retries) instead of deadlocking.
+        step_rows = sorted(batch.step_rows(slice_batch_id, ingested_at_us), key=lambda row: (row[0], row[1]))
         step_columns = ", ".join(column.name for column in steps.columns)
         usage_columns = ", ".join(column.name for column in usage_per_second.columns)
         key = ", ".join(_USAGE_KEY)

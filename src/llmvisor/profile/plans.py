@@ -16,6 +16,16 @@ five dimensions:
 5. second wave (0..min(n/2, max_num_seqs - n) requests, same prompt distribution): added halfway through the decode steps, so
    their prefill chunks share steps with the chosen decodes (mixed steps).
 
+Shared prompt prefixes. With prefix caching (vLLM's default), requests whose prompts start alike hold the
+same KV blocks, and a step's cost may depend on how much of its context is shared. So that a sharing term
+is identifiable, episodes take turns (by index) at three kinds: ``none`` (random prompts, nothing shared);
+``document`` (k requests over one long document: every prompt starts with the same 50-95% of the longest
+prompt, which is at least a quarter of max_model_len, followed by its own question); ``system`` (a short
+system prompt of 1 to 4 whole KV blocks, at most half the longest prompt, none when that is under a block, shared by a pool of at least a quarter
+of max_num_seqs). The wave's prompts start with the episode's prefix too. ``shared_prefix_len`` is the
+prefix's length in tokens; the driver draws its tokens per episode and repeat, so repeats neither hit
+blocks cached by the previous repeat nor differ in composition.
+
 The pool prefills under the budget first (pure prefill steps, then mixed ones as early requests start to
 decode); requests still running when the episode ends are aborted. Episodes are deterministic given their
 seed, so ``--repeat`` re-runs steps of identical composition. Pools are shrunk to fit the KV cache so no
@@ -37,6 +47,9 @@ from llmvisor.core.workloads import WorkloadRow, read_workload_csv
 from llmvisor.errors import LlmvisorError
 
 SWEEP_DIMENSIONS = ("pool_size", "longest_prompt", "token_budget", "decode_steps", "second_wave")
+SHARING_KINDS = ("none", "document", "system")
+DEFAULT_BLOCK_SIZE = 16
+MAX_SYSTEM_PROMPT_BLOCKS = 4
 MIN_TOKEN_BUDGET = 32
 MIN_DECODE_STEPS = 2
 LENGTH_RULES = ("clip", "scale")
@@ -51,6 +64,8 @@ class Envelope:
     max_num_batched_tokens: int
     max_num_seqs: int
     kv_cache_tokens: int | None = None
+    block_size: int | None = None
+    """Tokens per KV cache block (None: `DEFAULT_BLOCK_SIZE`); a shared prefix is shared in whole blocks."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +76,10 @@ class Episode:
     token_budget: int
     num_decode_steps: int
     wave_prompt_lens: tuple[int, ...]
+    sharing: str = "none"
+    """One of `SHARING_KINDS`."""
+    shared_prefix_len: int = 0
+    """Tokens every prompt of the episode starts with (the same tokens)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -87,13 +106,22 @@ def sweep_episodes(
     episodes = []
     for index, point in enumerate(design):
         rng = np.random.default_rng([seed, index])
+        sharing = SHARING_KINDS[index % len(SHARING_KINDS)]
         pool_size = 1 + min(int(point[0] * envelope.max_num_seqs), envelope.max_num_seqs - 1)
         longest = 1 + min(int(point[1] * max_prompt), max_prompt - 1)
+        if sharing == "system":
+            pool_size = max(pool_size, min(envelope.max_num_seqs, max(2, envelope.max_num_seqs // 4)))
+        elif sharing == "document":
+            longest = max(longest, max_prompt // 4)
         budget = int(round(math.exp(math.log(low_budget) + point[2] * math.log(envelope.max_num_batched_tokens / low_budget))))
         decode_steps = MIN_DECODE_STEPS + min(int(point[3] * (max_decode_steps - MIN_DECODE_STEPS + 1)), max_decode_steps - MIN_DECODE_STEPS)
         wave_size = min(int(point[4] * (pool_size // 2 + 1)), pool_size // 2, envelope.max_num_seqs - pool_size)
         pool = [longest] + rng.integers(1, longest + 1, pool_size - 1).tolist()
         wave = rng.integers(1, longest + 1, wave_size).tolist()
+        shared_prefix_len = _shared_prefix_len(sharing, longest, envelope.block_size or DEFAULT_BLOCK_SIZE, rng)
+        if shared_prefix_len:
+            pool = [longest] + [shared_prefix_len + int(n) for n in rng.integers(1, longest - shared_prefix_len + 1, pool_size - 1)]
+            wave = [shared_prefix_len + int(n) for n in rng.integers(1, longest - shared_prefix_len + 1, wave_size)]
         pool, wave = _fit_kv_cache(pool, wave, envelope, decode_steps)
         while len(pool) > 1 and sum(pool) + sum(wave) > max_episode_tokens:
             (wave if wave else pool).pop()
@@ -105,9 +133,21 @@ def sweep_episodes(
                 token_budget=max(1, min(budget, envelope.max_num_batched_tokens)),
                 num_decode_steps=decode_steps,
                 wave_prompt_lens=tuple(int(x) for x in wave),
+                sharing=sharing,
+                shared_prefix_len=shared_prefix_len,
             )
         )
     return episodes
+
+
+def _shared_prefix_len(sharing: str, longest: int, block_size: int, rng: np.random.Generator) -> int:
+    """Tokens of the prefix every prompt starts with; each prompt keeps at least one token of its own."""
+    if sharing == "document":
+        return min(int(round(longest * rng.uniform(0.5, 0.95))), longest - 1)
+    if sharing == "system":
+        blocks = int(rng.integers(1, MAX_SYSTEM_PROMPT_BLOCKS + 1))
+        return min(blocks, longest // 2 // block_size) * block_size
+    return 0
 
 
 def _fit_kv_cache(pool: list[int], wave: list[int], envelope: Envelope, decode_steps: int) -> tuple[list, list]:
@@ -138,6 +178,10 @@ class WorkloadRequest:
     output_len: int
     arrival_s: float | None
     source: str
+    document: int | None = None
+    """Shared document whose tokens the prompt starts with (None: the prompt shares nothing on purpose)."""
+    document_tokens: int = 0
+    """Tokens of that document at the start of the prompt (part of ``prompt_len``)."""
 
 
 @dataclass
@@ -160,6 +204,8 @@ def build_workload(
     tenants: int = 1,
     arrival: str = "closed",
     time_scale: float = 1.0,
+    shared_documents: int = 0,
+    document_tokens: int = 0,
 ) -> WorkloadPlan:
     """Turn one or more workload CSVs into the requests to replay, with the rules stated in metadata.
 
@@ -167,6 +213,11 @@ def build_workload(
     round-robin (closed loop) or merged by arrival time (trace arrivals), one tenant per file, named after
     the file. A single file gets ``tenants`` tenants, ``<name>-t<k>`` assigned round-robin (or the file's
     name when ``tenants`` is 1).
+
+    With ``shared_documents`` K > 0, request k's prompt starts with document k mod K, ``document_tokens``
+    tokens shared by every request on that document (retrieval over a few documents, a long system prompt),
+    followed by the row's own prompt; the total is clipped like any prompt, the document keeping at most all
+    but one of its tokens. With prefix caching those requests read the same KV blocks.
     """
     if not paths:
         raise LlmvisorError("--workload: give at least one workload CSV")
@@ -180,6 +231,10 @@ def build_workload(
         raise LlmvisorError(f"--tenants: need at least 1 tenant (got {tenants})")
     if not time_scale > 0:
         raise LlmvisorError(f"--time-scale: must be > 0 (got {time_scale})")
+    if shared_documents < 0 or document_tokens < 0:
+        raise LlmvisorError("--shared-documents, --document-tokens: must be >= 0")
+    if (shared_documents > 0) != (document_tokens > 0):
+        raise LlmvisorError("--shared-documents and --document-tokens go together (both > 0, or neither)")
     names = [workload_name(path) for path in paths]
     if len(set(names)) != len(names):
         raise LlmvisorError("--workload: workload files must have distinct names (tenants are named after them)")
@@ -198,8 +253,11 @@ def build_workload(
         first_arrival = rows[0].arrival_s or 0.0
         requests = []
         for k, row in enumerate(rows):
-            prompt, output = fit_lengths(row.prompt_len, row.output_len, envelope.max_model_len, factor)
-            clipped += (prompt, output) != (round_length(row.prompt_len * factor), round_length(row.output_len * factor))
+            prompt, output = fit_lengths(row.prompt_len + document_tokens, row.output_len, envelope.max_model_len, factor)
+            wanted = (round_length((row.prompt_len + document_tokens) * factor), round_length(row.output_len * factor))
+            clipped += (prompt, output) != wanted
+            document = (start_row + k) % shared_documents if shared_documents else None
+            own_document_tokens = min(document_tokens, prompt - 1) if shared_documents else 0
             if len(paths) > 1:
                 tenant = name
             elif tenants == 1:
@@ -209,7 +267,9 @@ def build_workload(
             arrival_s = None
             if arrival == "trace":
                 arrival_s = (row.arrival_s - first_arrival) * time_scale
-            requests.append(WorkloadRequest(f"{name}-{start_row + k:06d}", tenant, prompt, output, arrival_s, name))
+            requests.append(
+                WorkloadRequest(f"{name}-{start_row + k:06d}", tenant, prompt, output, arrival_s, name, document, own_document_tokens)
+            )
         per_file.append(requests)
 
     if arrival == "trace":
@@ -249,6 +309,12 @@ def build_workload(
         "n_requests_clipped": int(clipped),
         "tenant_rule": tenant_text,
         "arrival": arrival_text,
+        "sharing": (
+            f"request k's prompt starts with shared document k mod {shared_documents} ({document_tokens} tokens, the same "
+            "tokens for every request on it), then the row's own prompt"
+            if shared_documents
+            else "none on purpose: every prompt is its own random tokens"
+        ),
     }
     return WorkloadPlan(merged, metadata)
 

@@ -8,6 +8,7 @@ and wires the routers (`llmvisor.service.routes`) and the `RequestGuard` middlew
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from llmvisor.core.model import StepLatencyModel
 from llmvisor.ledger import Ledger
 from llmvisor.service.config import (
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENT_INGEST,
     DEFAULT_MAX_ROWS_PER_REQUEST,
     DEFAULT_MAX_SMALL_BODY_BYTES,
     DEFAULT_MAX_STEPS_PER_REQUEST,
@@ -56,6 +58,7 @@ def create_app(
     max_rows_per_request: int = DEFAULT_MAX_ROWS_PER_REQUEST,
     max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS,
     public_metrics: bool = False,
+    max_concurrent_ingest: int = DEFAULT_MAX_CONCURRENT_INGEST,
 ) -> FastAPI:
     """The service for one latency model and one ledger database.
 
@@ -70,6 +73,7 @@ def create_app(
         max_rows_per_request=max_rows_per_request,
         max_tenant_labels=max_tenant_labels,
         public_metrics=public_metrics,
+        max_concurrent_ingest=max_concurrent_ingest,
     )
     model = StepLatencyModel.from_json(model_path)
     ledger = Ledger(db_url)
@@ -90,6 +94,7 @@ def create_app(
     app.state.model = model
     app.state.metrics = metrics
     app.state.settings = settings
+    app.state.ingest_slots = asyncio.Semaphore(max_concurrent_ingest)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(OperationalError, database_error)
     app.add_middleware(RequestGuard, ledger=ledger, metrics=metrics, settings=settings)

@@ -9,12 +9,16 @@ DEFAULT_MAX_SMALL_BODY_BYTES = 64 * 1024
 DEFAULT_MAX_STEPS_PER_REQUEST = 20_000
 DEFAULT_MAX_ROWS_PER_REQUEST = 1_000_000
 DEFAULT_MAX_TENANT_LABELS = 1000
+DEFAULT_MAX_CONCURRENT_INGEST = 8
 
 
 @dataclass(frozen=True)
 class ServiceSettings:
     """``max_body_bytes`` bounds POST /v1/steps (and what a Parquet body may decode to); every other route
-    takes at most ``max_small_body_bytes``. ``public_metrics`` serves /metrics without a key."""
+    takes at most ``max_small_body_bytes``. ``public_metrics`` serves /metrics without a key.
+    ``max_concurrent_ingest`` batches are attributed and stored at once (no more than the ledger's connection
+    pool holds); the others wait their turn in the event loop, so a fleet of engines posting at once queues
+    instead of running out of database connections."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_small_body_bytes: int = DEFAULT_MAX_SMALL_BODY_BYTES
@@ -22,3 +26,4 @@ class ServiceSettings:
     max_rows_per_request: int = DEFAULT_MAX_ROWS_PER_REQUEST
     max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS
     public_metrics: bool = False
+    max_concurrent_ingest: int = DEFAULT_MAX_CONCURRENT_INGEST

@@ -13,6 +13,10 @@ subclasses it and only adds a filter on which running requests may be scheduled.
   still in prefill being allowed to run, so none decodes early. Then any subset runs as a decode step of
   its own by allowing only its requests; each run grows a member's context by one token. A held decode
   batch stays held through prefill steps (e.g. the interference guard's canary, `canary_step`).
+- Prefix caching stays off here, unlike vLLM's default (and `llmvisor profile`'s): the validation needs
+  each step's context exactly as intended, and a prompt that happened to share a block with an earlier one
+  would start from a cache hit instead of context 0. Async scheduling stays off too: each controlled step
+  must be one engine step, scheduled only after the previous one's output was processed.
 - Finished requests are retired by an empty, unrecorded step, so that cleanup is not timed inside the next
   controlled step.
 

@@ -1,7 +1,8 @@
 """Run vLLM in this process and drive it through a profiling plan, recording every step.
 
 The engine core and the worker run in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-``distributed_executor_backend="uni"``), with async scheduling off so steps do not overlap. The driver steps
+``distributed_executor_backend="uni"``), with async scheduling off so steps do not overlap, and prefix caching
+as the settings say (on by default, as in vLLM: sweep episodes with shared prompt prefixes need it). The driver steps
 the engine itself (``LLMEngine.add_request`` / ``step``) and steers the scheduler between steps through
 `ProfilingScheduler`: a per-step token budget and the number of decoding requests that run. Prompts are
 random token ids, so a folder with only a ``config.json`` runs with dummy weights and no tokenizer.
@@ -62,7 +63,7 @@ def freeze_startup_objects() -> None:
 class ProfiledEngine:
     """An in-process vLLM engine with the profiling scheduler, recording to ``trace_path``."""
 
-    def __init__(self, settings: EngineSettings, *, trace_path: str, run_id: str, warmup_steps: int, enable_prefix_caching: bool = False):
+    def __init__(self, settings: EngineSettings, *, trace_path: str, run_id: str, warmup_steps: int, enable_prefix_caching: bool | None = None):
         has_weights = check_model_dir(settings.model)
         configure_environment(settings)
         os.environ["LLMVISOR_TRACE_PATH"] = trace_path
@@ -82,12 +83,12 @@ class ProfiledEngine:
         self.settings = settings
         self.has_weights = has_weights
         self.llm = LLM(**settings.llm_kwargs(has_weights=has_weights, enable_prefix_caching=enable_prefix_caching, scheduler_cls=ProfilingScheduler))
-        self.enable_prefix_caching = enable_prefix_caching
         self.engine = self.llm.llm_engine
         self.scheduler = self.engine.engine_core.engine_core.scheduler
         vllm_config = self.engine.vllm_config
         cache = vllm_config.cache_config
         self.kv_cache_tokens = int(cache.num_gpu_blocks * cache.block_size)
+        self.block_size = int(cache.block_size)
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
         self.dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         self.torch_threads = torch.get_num_threads()
@@ -102,6 +103,7 @@ class ProfiledEngine:
             max_num_batched_tokens=self.settings.max_num_batched_tokens,
             max_num_seqs=self.settings.max_num_seqs,
             kv_cache_tokens=self.kv_cache_tokens,
+            block_size=self.block_size,
         )
 
     def describe(self) -> dict:
@@ -115,9 +117,9 @@ class ProfiledEngine:
             "weights": "from the model folder" if self.has_weights else "dummy (random), load_format='dummy'",
             "dtype": self.dtype,
             "kv_cache_tokens": self.kv_cache_tokens,
-            "block_size": int(self.engine.vllm_config.cache_config.block_size),
-            "enable_prefix_caching": self.enable_prefix_caching,
-            "async_scheduling": False,
+            "block_size": self.block_size,
+            "enable_prefix_caching": bool(self.engine.vllm_config.cache_config.enable_prefix_caching),
+            "async_scheduling": bool(self.engine.vllm_config.scheduler_config.async_scheduling),
             "distributed_executor_backend": self.settings.executor,
             "torch_threads": self.torch_threads,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
@@ -126,10 +128,14 @@ class ProfiledEngine:
 
     # -----------------------------------------------------------------------------------------------------
 
-    def add(self, request_id: str, prompt_len: int, max_tokens: int, tenant: str) -> None:
+    def random_tokens(self, length: int) -> list[int]:
+        return self._rng.integers(100, max(101, self.vocab_size - 1), length).tolist()
+
+    def add(self, request_id: str, prompt_len: int, max_tokens: int, tenant: str, prefix: list[int] = ()) -> None:
+        """Submit a request of ``prompt_len`` tokens: ``prefix``, then random tokens."""
         from vllm import SamplingParams
 
-        prompt = self._rng.integers(100, max(101, self.vocab_size - 1), prompt_len).tolist()
+        prompt = list(prefix[:prompt_len]) + self.random_tokens(prompt_len - min(len(prefix), prompt_len))
         params = SamplingParams(
             max_tokens=max_tokens, ignore_eos=True, detokenize=False, extra_args={"tenant": tenant}
         )
@@ -171,15 +177,16 @@ class ProfiledEngine:
         scheduler.set_controls(token_budget=episode.token_budget, decode_batch_size=None, seed=episode.seed)
         max_len = self.settings.max_model_len
         prefix = f"sweep-e{episode.index:04d}-r{repeat_index}"
+        shared = np.random.default_rng([episode.seed, 1, repeat_index]).integers(100, max(101, self.vocab_size - 1), episode.shared_prefix_len).tolist()
         for k, prompt_len in enumerate(episode.prompt_lens):
-            self.add(f"{prefix}-{k:03d}", prompt_len, max_len - prompt_len, "sweep")
+            self.add(f"{prefix}-{k:03d}", prompt_len, max_len - prompt_len, "sweep", shared)
         max_steps = 4 * (episode.num_prompt_tokens // max(1, episode.token_budget) + len(episode.prompt_lens)) + 64
         self._prefill_phase(rng, episode.token_budget, max_steps)
         wave_at = episode.num_decode_steps // 2
         for step in range(episode.num_decode_steps):
             if step == wave_at:
                 for k, prompt_len in enumerate(episode.wave_prompt_lens):
-                    self.add(f"{prefix}-w{k:03d}", prompt_len, max_len - prompt_len, "sweep")
+                    self.add(f"{prefix}-w{k:03d}", prompt_len, max_len - prompt_len, "sweep", shared)
             self._step_with_decode_subset(rng, episode.token_budget)
             if not self.num_live:
                 break
@@ -248,7 +255,14 @@ class ProfiledEngine:
 
     def _submit(self, request, repeat_index: int) -> None:
         suffix = f"-r{repeat_index}" if repeat_index else ""
-        self.add(request.request_id + suffix, request.prompt_len, request.output_len, request.tenant)
+        prefix = self._document(request.document, request.document_tokens, repeat_index) if request.document is not None else ()
+        self.add(request.request_id + suffix, request.prompt_len, request.output_len, request.tenant, prefix)
+
+    def _document(self, document: int, num_tokens: int, repeat_index: int) -> list[int]:
+        """A shared document's tokens: the same for every request on it within a repeat, new in each repeat
+        (so a repeat does not start from the previous one's cached blocks)."""
+        tokens = np.random.default_rng([self.settings.seed, 2, repeat_index, document]).integers(100, max(101, self.vocab_size - 1), num_tokens)
+        return tokens.tolist()
 
     # -----------------------------------------------------------------------------------------------------
 

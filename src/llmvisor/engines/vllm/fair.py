@@ -14,8 +14,10 @@ What it changes in vLLM (0.32, V1):
 - Before each pass ``self.running`` is stably sorted by tenant counter, most-served tenant last. vLLM's FCFS
   preemption evicts ``running[-1]``, so the most-served tenant's newest request goes first, and under a tight
   token budget the least-served tenants' running requests get their tokens first.
-- After each step, its measured time (``schedule()`` returning to ``update_from_output()`` entered, as the
-  recorder measures it) is charged: tokens or attributed seconds per tenant.
+- After each step, its measured time (the recorder's step time, `llmvisor.engines.vllm.step_clock`) is
+  charged: tokens or attributed seconds per tenant.
+
+Like the recorder, it runs on vLLM's `AsyncScheduler` when the engine has async scheduling on, else on `Scheduler`.
 
 Its own work (queue operations, ordering, predictions, charging) is timed with ``perf_counter`` and reported
 against step time by `fair_overhead` and at shutdown.
@@ -237,7 +239,6 @@ class FairScheduler(RecordingScheduler):
         self._pass_decision: AdmissionDecision | None = None
         self._pass_keys: dict[str, float] = {}
         self._steps: dict[int, tuple] = {}
-        self._fair_last_exit_s = 0.0
         self._fair_time_s = 0.0
         self._fair_step_s = 0.0
         self.num_charged_steps = 0
@@ -346,7 +347,8 @@ class FairScheduler(RecordingScheduler):
         return scheduler_output
 
     def _step_slices(self, scheduler_output) -> tuple:
-        """(tenants, new tokens, context tokens, is_prefill, samples a token) of the step's slices."""
+        """(tenants, new tokens, context tokens, is_prefill, samples a token, effective context tokens) of the
+        step's slices; the effective context splits KV blocks shared through prefix caching among their readers."""
         slices = self._slices(scheduler_output)
         requests = self.requests
         tenant_of = self.tenant_of
@@ -355,15 +357,19 @@ class FairScheduler(RecordingScheduler):
         num_context = np.fromiter((s[3] for s in slices), dtype=np.float64, count=len(slices))
         is_prefill = np.fromiter((s[4] for s in slices), dtype=bool, count=len(slices))
         samples = np.fromiter((s[3] + s[2] >= requests[s[0]].num_tokens for s in slices), dtype=bool, count=len(slices))
-        return (tenants, num_new, num_context, is_prefill, samples)
+        effective = np.fromiter((s[6] for s in slices), dtype=np.float64, count=len(slices))
+        return (tenants, num_new, num_context, is_prefill, samples, effective)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         entered = time.perf_counter()
         step = self._steps.pop(id(scheduler_output), None)
-        if step is not None:
-            tenants, num_new, num_context, is_prefill, samples, scheduled_at, schedule_overhead_s = step
-            latency_s = entered - max(scheduled_at, self._fair_last_exit_s)
-            self.fair.charge_step(tenants, num_new, num_context, is_prefill, samples, latency_s, time.monotonic())
+        timing = self.step_timing(scheduler_output, entered)
+        if step is not None and timing is not None:
+            tenants, num_new, num_context, is_prefill, samples, effective, _, schedule_overhead_s = step
+            latency_s = timing[1]
+            self.fair.charge_step(
+                tenants, num_new, num_context, is_prefill, samples, latency_s, time.monotonic(), effective_context_tokens=effective
+            )
             overhead_s = schedule_overhead_s + time.perf_counter() - entered
             self.num_charged_steps += 1
             self._fair_time_s += overhead_s
@@ -371,9 +377,7 @@ class FairScheduler(RecordingScheduler):
             if len(self.fair_step_latency_s) < MAX_KEPT_STEPS:
                 self.fair_step_overhead_s.append(overhead_s)
                 self.fair_step_latency_s.append(latency_s)
-        result = super().update_from_output(scheduler_output, model_runner_output)
-        self._fair_last_exit_s = time.perf_counter()
-        return result
+        return super().update_from_output(scheduler_output, model_runner_output)
 
     # ---------------------------------------------------------------------------------------------------
     def fair_overhead(self) -> dict:

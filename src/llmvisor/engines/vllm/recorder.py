@@ -4,17 +4,26 @@ Pass it as ``LLM(..., scheduler_cls=RecordingScheduler)`` or to the OpenAI serve
 ``--scheduler-cls llmvisor.engines.vllm.recorder.RecordingScheduler``; settings come from environment
 variables (`llmvisor.engines.vllm.settings`). It changes no scheduling decision.
 
-A step's latency is the time from ``schedule()`` returning to ``update_from_output()`` being entered:
-model execution and sampling, as seen by the engine loop (``EngineCore.step``). The recorder's own work
-happens outside that window, and is timed separately so its overhead on the engine loop can be reported.
-With async scheduling (a batch queue) steps overlap; the recorder then measures each step from the later of
-its ``schedule()`` return and the previous ``update_from_output()`` exit, an approximation, and warns.
+Its base is vLLM's `AsyncScheduler` when the engine runs with async scheduling (vLLM's default wherever the
+platform allows it) and the synchronous `Scheduler` otherwise: ``RecordingScheduler.__new__`` picks the class
+from ``vllm_config.scheduler_config.async_scheduling``, so the same class name works for both (also when
+named by ``--scheduler-cls``), and subclasses (`FairScheduler`, the profiling and controlled schedulers) get
+the same choice. The recording logic is one code path on either base.
+
+A step's latency is its execution and sampling time as seen by the engine loop, from the scheduler's calls
+alone (`llmvisor.engines.vllm.step_clock`): without overlap, from ``schedule()`` returning to the engine's
+next call into the scheduler; with overlapped async scheduling, between consecutive output arrivals while
+the engine stays busy. The recorder's own work happens outside that window, and is timed separately so its
+overhead on the engine loop can be reported.
 
 Per slice it records ``num_new_tokens`` (``SchedulerOutput.num_scheduled_tokens``), ``num_context_tokens``
 (the request's computed tokens before the step as sent to the worker, prefix-cache hits included), the phase
 (prefill while the context is shorter than the prompt, or when a slice runs more than one token without
-speculative tokens, as a preempted request's recomputation does) and the tenant (`request_tenant`:
-``sampling_params.extra_args[tenant_key]``, default ``"default"``; `FairScheduler` decides it the same way). Request ids are vLLM's internal ids,
+speculative tokens, as a preempted request's recomputation does), the tenant (`request_tenant`:
+``sampling_params.extra_args[tenant_key]``, default ``"default"``; `FairScheduler` decides it the same way),
+and how much of its context lies in KV blocks that other slices of the step read too
+(``num_shared_context_tokens``, ``effective_context_tokens``; `llmvisor.engines.vllm.kv_sharing`), from the
+scheduler's KV cache manager. Request ids are vLLM's internal ids,
 ``"<external id>-<8 random characters>"``: unique within a run, which external ids need not be.
 """
 
@@ -30,13 +39,16 @@ from dataclasses import dataclass
 
 import vllm
 from vllm.logger import init_logger
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from llmvisor.client import StepPusher, StepRelay, service_url_from_env
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN, EngineFingerprint, fingerprint_sidecar
 from llmvisor.core.trace import TraceWriter
 from llmvisor.engines.vllm.fingerprint import engine_fingerprint
+from llmvisor.engines.vllm.kv_sharing import shared_context_tokens
 from llmvisor.engines.vllm.settings import RecorderSettings
+from llmvisor.engines.vllm.step_clock import StepClock
 
 logger = init_logger(__name__)
 IDLE_FLUSH_AFTER_S = 0.1
@@ -130,7 +142,47 @@ def route_llmvisor_logs() -> None:
 route_llmvisor_logs()
 
 
+_ASYNC_VARIANTS: dict[type, type] = {}
+
+
+def async_variant(cls: type) -> type:
+    """``cls`` with vLLM's `AsyncScheduler` between its own logic and `Scheduler` in the MRO (made once per class)."""
+    if issubclass(cls, AsyncScheduler):
+        return cls
+    variant = _ASYNC_VARIANTS.get(cls)
+    if variant is None:
+        variant = type(f"Async{cls.__name__}", (cls, AsyncScheduler), {"__module__": cls.__module__, "__doc__": cls.__doc__})
+        _ASYNC_VARIANTS[cls] = variant
+    return variant
+
+
+def scheduler_class_for(cls: type, vllm_config) -> type:
+    """The class vLLM gets for ``cls``: its async variant when the config has async scheduling on."""
+    return async_variant(cls) if vllm_config.scheduler_config.async_scheduling else cls
+
+
+def steps_overlap(vllm_config) -> bool:
+    """Whether a step executes while the engine thread schedules the next one.
+
+    Only with a batch queue (async scheduling, pipeline parallelism), and not when the executor runs the
+    forward pass synchronously in the engine thread: the CPU build's ``uni`` executor does, so its steps
+    run one after another even with a batch queue."""
+    if vllm_config.max_concurrent_batches <= 1:
+        return False
+    from vllm.platforms import current_platform
+
+    return not (current_platform.is_cpu() and vllm_config.parallel_config.distributed_executor_backend == "uni")
+
+
 class RecordingScheduler(Scheduler):
+    """vLLM's scheduler (`Scheduler` or `AsyncScheduler`, as the config says), recording every step."""
+
+    def __new__(cls, *args, **kwargs):
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        if vllm_config is not None:
+            cls = scheduler_class_for(cls, vllm_config)
+        return super().__new__(cls)
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.recorder_settings = RecorderSettings.from_env()
@@ -153,10 +205,13 @@ class RecordingScheduler(Scheduler):
             self._constant_columns[FINGERPRINT_COLUMN] = self.engine_fingerprint.id
         self._writer, self._pusher, self._relay = self._start_delivery()
         self._wall_minus_perf_s = time.time() - time.perf_counter()
-        self._in_flight: dict[int, tuple[float, list[tuple], float]] = {}
+        self._in_flight: dict[int, tuple[list[tuple], float]] = {}
         self._unwritten: list[tuple[float, float, list[tuple]]] = []
         self._last_flush_s = time.perf_counter()
         self._last_update_exit_s = 0.0
+        self.step_clock = StepClock(overlapped=steps_overlap(self.vllm_config))
+        self._step_timing_cache: tuple[int, tuple[float, float] | None] | None = None
+        self._setup_kv_sharing()
         self.num_recorded_steps = 0
         self._recorder_time_s = 0.0
         self._recorded_latency_s = 0.0
@@ -167,11 +222,11 @@ class RecordingScheduler(Scheduler):
         self._flush_stop = threading.Event()
         if self._writer is not None or self._pusher is not None:
             threading.Thread(target=self._flush_when_idle, name="llmvisor-trace-flush", daemon=True).start()
-        if self.scheduler_config.async_scheduling or self.vllm_config.max_concurrent_batches > 1:
-            logger.warning(
-                "llmvisor: steps overlap (async scheduling or a batch queue); step latencies are approximate. "
-                "Run with --no-async-scheduling for clean step timing."
-            )
+        logger.info(
+            "llmvisor: %s base, steps timed as %s",
+            "AsyncScheduler" if isinstance(self, AsyncScheduler) else "Scheduler",
+            "overlapped (between output arrivals)" if self.step_clock.overlapped else "serial",
+        )
 
     def _fingerprint(self) -> EngineFingerprint | None:
         """The engine's fingerprint (logged once); None, with a warning, if the config cannot be read."""
@@ -186,26 +241,43 @@ class RecordingScheduler(Scheduler):
         return fingerprint
 
     def schedule(self, *args, **kwargs):
+        self.step_clock.scheduler_called(time.perf_counter())
         scheduler_output = self._schedule_step(*args, **kwargs)
-        if not self.is_recording or scheduler_output.total_num_scheduled_tokens == 0:
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return scheduler_output
+        if not self.is_recording:
+            self.step_clock.scheduled(id(scheduler_output), time.perf_counter())
             return scheduler_output
         started = time.perf_counter()
         slices = self._slices(scheduler_output)
         finished = time.perf_counter()
-        self._in_flight[id(scheduler_output)] = (finished, slices, finished - started)
+        self._in_flight[id(scheduler_output)] = (slices, finished - started)
+        self.step_clock.scheduled(id(scheduler_output), finished)
         return scheduler_output
 
     def _schedule_step(self, *args, **kwargs):
         """vLLM's scheduling decision; subclasses that steer it override this, so their work is not timed."""
         return super().schedule(*args, **kwargs)
 
+    def step_timing(self, scheduler_output, entered_s: float) -> tuple[float, float] | None:
+        """(start, latency) of the step whose output this is, or None for an empty step; once per step,
+        at the top of ``update_from_output`` (subclasses that need it first call it and pass it on)."""
+        timing = self._step_timing_cache
+        if timing is not None and timing[0] == id(scheduler_output):
+            return timing[1]
+        self.step_clock.scheduler_called(entered_s)
+        result = self.step_clock.output_arrived(id(scheduler_output), entered_s)
+        self._step_timing_cache = (id(scheduler_output), result)
+        return result
+
     def update_from_output(self, scheduler_output, model_runner_output):
         entered = time.perf_counter()
+        timing = self.step_timing(scheduler_output, entered)
+        self._step_timing_cache = None
         in_flight = self._in_flight.pop(id(scheduler_output), None)
-        if in_flight is not None:
-            scheduled, slices, schedule_overhead_s = in_flight
-            start = max(scheduled, self._last_update_exit_s)
-            latency_s = entered - start
+        if in_flight is not None and timing is not None:
+            slices, schedule_overhead_s = in_flight
+            start, latency_s = timing
             self._record(start, latency_s, slices, entered)
             overhead_s = schedule_overhead_s + time.perf_counter() - entered
             self._recorder_time_s += overhead_s
@@ -218,19 +290,21 @@ class RecordingScheduler(Scheduler):
         return result
 
     def _slices(self, scheduler_output) -> list[tuple]:
-        """(request_id, tenant, num_new_tokens, num_context_tokens, is_prefill) for each scheduled request."""
+        """(request_id, tenant, num_new_tokens, num_context_tokens, is_prefill, num_shared_context_tokens,
+        effective_context_tokens) for each scheduled request."""
         num_scheduled = scheduler_output.num_scheduled_tokens
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         cached = scheduler_output.scheduled_cached_reqs
         contexts = [(new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs]
         contexts.extend(zip(cached.req_ids, cached.num_computed_tokens))
+        shared, effective = self._shared_context_columns(contexts)
         slices = []
-        for request_id, num_context in contexts:
+        for (request_id, num_context), num_shared, num_effective in zip(contexts, shared, effective):
             request = self.requests[request_id]
             num_new = num_scheduled[request_id]
             tenant = self.tenant_of(request)
             is_prefill = num_context < request.num_prompt_tokens or (num_new > 1 and request_id not in spec_tokens)
-            slices.append((request_id, tenant, num_new, num_context, is_prefill))
+            slices.append((request_id, tenant, num_new, num_context, is_prefill, num_shared, num_effective))
         return slices
 
     def tenant_of(self, request) -> str:
@@ -286,6 +360,43 @@ class RecordingScheduler(Scheduler):
             if now_s - self._last_update_exit_s >= IDLE_FLUSH_AFTER_S or now_s - self._last_flush_s >= interval_s:
                 self.flush_trace()
 
+    def _setup_kv_sharing(self) -> None:
+        """Find the KV cache group whose blocks hold every token of a request's context (full attention).
+
+        Without prefix caching, or without such a group, no two requests hold the same block."""
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        self._kv_group: int | None = None
+        self._kv_block_size = 0
+        if not getattr(self.kv_cache_manager, "enable_caching", False):
+            return
+        for index, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            if isinstance(group.kv_cache_spec, FullAttentionSpec):
+                self._kv_group = index
+                self._kv_block_size = int(group.kv_cache_spec.block_size)
+                return
+        logger.warning("llmvisor: no full-attention KV cache group; shared-context columns record no sharing")
+
+    def _shared_context_columns(self, contexts: list[tuple[str, int]]) -> tuple[list[int], list[float]]:
+        """Per (request_id, num_context_tokens): the step's shared-KV columns (`kv_sharing`).
+
+        A block is known by its object's identity: the block pool keeps one `KVCacheBlock` per physical
+        block for the engine's lifetime, and reading ``id()`` touches no block (cheaper than ``block_id``
+        right after a step's kernels, when Python runs with cold caches)."""
+        if self._kv_group is None:
+            return [0] * len(contexts), [float(c) for _, c in contexts]
+        req_to_blocks = self.kv_cache_manager.coordinator.single_type_managers[self._kv_group].req_to_blocks
+        block_size = self._kv_block_size
+        blocks = []
+        first_ids = []
+        for request_id, num_context in contexts:
+            request_blocks = req_to_blocks.get(request_id, ()) if num_context > 0 else ()
+            blocks.append(request_blocks)
+            first_ids.append(id(request_blocks[0]) if request_blocks else None)
+
+        contexts_tokens = [c for _, c in contexts]
+        return shared_context_tokens(first_ids, blocks.__getitem__, contexts_tokens, block_size, id)
+
     def flush_trace(self) -> None:
         """Encode the steps recorded since the last flush; append them to the trace and hand them to the service."""
         if self._relay is not None:
@@ -312,12 +423,14 @@ class RecordingScheduler(Scheduler):
                     "tenant": str(tenant),
                     "num_new_tokens": num_new,
                     "num_context_tokens": num_context,
+                    "num_shared_context_tokens": num_shared,
+                    "effective_context_tokens": num_effective,
                     "phase": "prefill" if is_prefill else "decode",
                     "timestamp_s": timestamp_s,
                     **constant,
                     "is_warmup": is_warmup,
                 }
-                for request_id, tenant, num_new, num_context, is_prefill in slices
+                for request_id, tenant, num_new, num_context, is_prefill, num_shared, num_effective in slices
             ]
             if self._writer is not None:
                 self._writer.write_step(rows)

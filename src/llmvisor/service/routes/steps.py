@@ -137,9 +137,10 @@ async def post_steps(
 ):
     try:
         body = await request.body()
-        return await run_in_threadpool(
-            ingest_body, body, request.headers.get("content-type"), model=model, ledger=ledger, metrics=metrics, settings=settings
-        )
+        async with request.app.state.ingest_slots:
+            return await run_in_threadpool(
+                ingest_body, body, request.headers.get("content-type"), model=model, ledger=ledger, metrics=metrics, settings=settings
+            )
     except PayloadError as payload_error:
         metrics.count_ingest_error(payload_error.reason)
         return error(payload_error.status, str(payload_error))
