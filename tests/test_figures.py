@@ -133,6 +133,27 @@ def load_figures(load_result: dict) -> list[str]:
     ]
 
 
+def calibration_figures(result: dict) -> list[str]:
+    fit, drift = result["fit"], result["profile"]["drift"]
+    evaluation = result["evaluation"]
+    figures = [
+        f"fitted on {thousands(fit['n_steps_used'])} of {thousands(fit['n_steps_total'])} profile steps "
+        f"({fit['n_warmup_dropped']} warm-up, {fit['n_drifted_dropped']} drifted, {fit['n_outliers_dropped']} outliers dropped)",
+        f"{drift['n_canary_runs']} canary runs, largest drift {pct(drift['max_abs_drift'])}, "
+        f"{drift['n_drifted_canaries']} drifted",
+        f"served run of {thousands(evaluation['models']['calibrated']['n_steps'])} steady steps",
+        f"the served engine's fingerprint `{result['served_fingerprint']['id']}`",
+    ]
+    labels = {"baseline": "shipped model (no fingerprint)", "calibrated": f"calibrated (`{evaluation['calibrated_fingerprint']}`)"}
+    for name, label in labels.items():
+        m = evaluation["models"][name]
+        figures.append(
+            f"| {label} | {pct(m['abs_relative_residual_p50'])} / {pct(m['abs_relative_residual_p90'])} | "
+            f"{signed_pct(m['relative_residual_p10'])} / {signed_pct(m['relative_residual_p50'])} / {signed_pct(m['relative_residual_p90'])} |"
+        )
+    return figures
+
+
 def fleet_figures(fleet: dict) -> list[str]:
     figures = []
     for run in fleet["runs"]:
@@ -211,6 +232,12 @@ def test_fleet_extrapolation_is_the_measured_costs_scaled():
 def test_fairness_doc_quotes_the_shipped_experiment():
     fairness = load(shipped.result_path(shipped.FAIRNESS_RESULT))
     assert missing_from((REPO / "docs" / "fairness.md").read_text(encoding="utf-8"), fairness_doc_figures(fairness)) == []
+
+
+def test_recorder_doc_quotes_the_calibration_result():
+    result = load(RESULTS / "calibration.json")
+    assert result["fingerprint_matches"] is True
+    assert missing_from((REPO / "docs" / "recorder.md").read_text(encoding="utf-8"), calibration_figures(result)) == []
 
 
 def test_the_quoting_check_catches_a_changed_figure():

@@ -17,7 +17,7 @@ so not in the process tree vLLM kills) writes the trace, pushes, and finishes wh
 
 Example::
 
-    pusher = StepPusher("http://127.0.0.1:8000", api_key, "llmvisor-spool.jsonl")
+    pusher = StepPusher("http://127.0.0.1:8080", api_key, "llmvisor-spool.jsonl")
     for step in engine_loop():
         pusher.push_step(rows_of(step))      # a list of trace-format row dicts
     pusher.close(timeout_s=30)               # send (or spool) what is left
@@ -47,6 +47,7 @@ from pathlib import Path
 import httpx
 import prometheus_client
 
+from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
 from llmvisor.core.trace import REQUIRED_COLUMNS, TraceWriter
 
 log = logging.getLogger("llmvisor.pusher")
@@ -102,7 +103,7 @@ class StepPusher:
 
     Parameters
     ----------
-    url : service base URL, e.g. ``http://127.0.0.1:8000``.
+    url : service base URL, e.g. ``http://127.0.0.1:8080``.
     api_key : an admin key (ingest needs one).
     spool_path : JSONL file for steps not yet acknowledged; ``<spool>.replaying`` and
         ``<spool>.rejected.jsonl`` sit beside it.
@@ -381,10 +382,11 @@ class StepPusher:
 def columns_body(steps: list[list[dict]]) -> bytes:
     """A POST /v1/steps body in the column form (several times cheaper to validate than one object per row).
 
-    Only the columns the service stores are sent; a row missing one is sent as null, which the service
-    reports by row like any other bad value."""
+    Only the columns the service stores are sent, and the engine fingerprint id (checked against the service's
+    model, not stored, not part of a step's idempotency key); a row missing a stored column is sent as null,
+    which the service reports by row like any other bad value."""
     rows = [row for step in steps for row in step]
-    names = [*REQUIRED_COLUMNS, *(["timestamp_s"] if any("timestamp_s" in row for row in rows) else [])]
+    names = [*REQUIRED_COLUMNS, *(name for name in ("timestamp_s", FINGERPRINT_COLUMN) if any(name in row for row in rows))]
     # One json.dumps per column rather than one for the body: each C call holds the GIL, and this runs in a
     # thread of the engine's process, whose step times are being measured.
     parts = [f"{json.dumps(name)}:{json.dumps([row.get(name) for row in rows])}" for name in names]
@@ -474,7 +476,10 @@ class StepDelivery:
 
     def __init__(self, header: dict, pusher: StepPusher | None):
         self.header = header
-        self.writer = TraceWriter(header["trace_path"], flush_every_steps=1 << 62) if header.get("trace_path") else None
+        metadata = {"engine_fingerprint": header["engine_fingerprint"]} if header.get("engine_fingerprint") else None
+        self.writer = (
+            TraceWriter(header["trace_path"], flush_every_steps=1 << 62, metadata=metadata) if header.get("trace_path") else None
+        )
         self.pusher = pusher
         self.num_steps = 0
 

@@ -13,6 +13,7 @@ import typer
 
 from llmvisor import shipped
 from llmvisor.engines.settings import EngineSettings, default, setting_field
+from llmvisor.errors import LlmvisorError
 
 ENGINE_PANEL = "Engine settings"
 
@@ -31,6 +32,7 @@ MaxNumSeqs = Annotated[int, engine_option("max_num_seqs")]
 KvCacheGib = Annotated[int, engine_option("kv_cache_space_gib")]
 EnforceEager = Annotated[bool, engine_option("enforce_eager")]
 Threads = Annotated[int | None, engine_option("threads")]
+Executor = Annotated[str, engine_option("executor")]
 
 MAX_MODEL_LEN = default("max_model_len")
 MAX_NUM_BATCHED_TOKENS = default("max_num_batched_tokens")
@@ -38,6 +40,8 @@ MAX_NUM_SEQS = default("max_num_seqs")
 KV_CACHE_GIB = default("kv_cache_space_gib")
 ENFORCE_EAGER = default("enforce_eager")
 THREADS = default("threads")
+EXECUTOR = default("executor")
+EXECUTORS = ("uni", "mp")
 
 LatencyModel = Annotated[
     Path | None,
@@ -62,8 +66,11 @@ def engine_settings(
     enforce_eager: bool = ENFORCE_EAGER,
     threads: int | None = THREADS,
     seed: int = 0,
+    executor: str = EXECUTOR,
 ) -> EngineSettings:
     """The command's engine options as `EngineSettings`; no engine model means the shipped one."""
+    if executor not in EXECUTORS:
+        raise LlmvisorError(f"--executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
     return EngineSettings(
         model=str(engine_model if engine_model is not None else shipped.engine_model_dir()),
         max_model_len=max_model_len,
@@ -73,4 +80,5 @@ def engine_settings(
         enforce_eager=enforce_eager,
         seed=seed,
         threads=threads,
+        executor=executor,
     )

@@ -24,6 +24,7 @@ from llmvisor.errors import LlmvisorError
 ADAPTERS: dict[str, dict[str, tuple[str, str, tuple[str, ...]]]] = {
     "": {
         "profile": ("llmvisor.cli.profile", "profile", ("vllm",)),
+        "calibrate": ("llmvisor.cli.calibrate", "calibrate", ()),
         "validate": ("llmvisor.cli.validate", "validate", ()),
         "serve": ("llmvisor.cli.serve", "serve", ("service",)),
         "load": ("llmvisor.cli.load", "load", ("service",)),

@@ -17,6 +17,7 @@ from llmvisor.cli import engine_options as eo
 from llmvisor.cli.console import stdout_to_stderr
 from llmvisor.core.trace import read_trace, write_trace
 from llmvisor.errors import LlmvisorError
+from llmvisor.profile.drift import DEFAULT_DRIFT_THRESHOLD, canary_drift, is_canary_episode, mark_drifted, with_canaries
 from llmvisor.profile.plans import Envelope, build_workload, episode_dict, sweep_episodes, workload_name
 from llmvisor.profile.stats import coverage, mark_warmup_window, noise_floor, print_coverage, print_noise_floor
 
@@ -31,6 +32,7 @@ def profile(
     points: Annotated[int, typer.Option(help="sweep: number of design points (episodes).")] = 48,
     repeat: Annotated[int, typer.Option(help="Run the whole plan this many times with identical batches; 2 or more measures the noise floor.")] = 1,
     max_decode_steps: Annotated[int, typer.Option(help="sweep: most decode steps of an episode.")] = 24,
+    max_episode_tokens: Annotated[int, typer.Option(help="sweep: most prompt tokens of an episode (pools are shrunk to fit).")] = 65536,
     num_requests: Annotated[int, typer.Option(help="workload: requests taken from each CSV, consecutive from --start-row.")] = 200,
     start_row: Annotated[int, typer.Option(help="workload: first CSV row (0-based) taken.")] = 0,
     lengths: Annotated[str, typer.Option(help="workload: fit lengths to max_model_len by 'clip' or 'scale'.")] = "clip",
@@ -46,6 +48,7 @@ def profile(
     max_num_seqs: eo.MaxNumSeqs = eo.MAX_NUM_SEQS,
     kv_cache_gib: eo.KvCacheGib = eo.KV_CACHE_GIB,
     threads: eo.Threads = eo.THREADS,
+    executor: eo.Executor = eo.EXECUTOR,
     enforce_eager: eo.EnforceEager = eo.ENFORCE_EAGER,
     warmup_steps: Annotated[int, typer.Option(help="Steps after engine start marked is_warmup.")] = 3,
     warmup_seconds: Annotated[float, typer.Option(help="Also mark is_warmup every step starting within this many seconds of the first.")] = 0.0,
@@ -53,6 +56,10 @@ def profile(
     seed: Annotated[int, typer.Option(help="Seed of the design, the prompts, the decode subsets and the engine's sampling.")] = 0,
     keep_jsonl: Annotated[bool, typer.Option(help="Keep the JSONL the recorder wrote, beside the output.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print a JSON summary (run, steps, coverage, noise floor, overhead) to stdout; progress stays on stderr.")] = False,
+    canary_every: Annotated[int, typer.Option(help="sweep: run the fixed canary episode before the sweep, after every this many episodes and at the end, to measure drift (0: no canaries).")] = 8,
+    drift_threshold: Annotated[float, typer.Option(help="A canary run whose steps are slower or faster than the median run by more than this fraction drifts; the steps around it are flagged is_drifted.")] = DEFAULT_DRIFT_THRESHOLD,
+    prefix_caching: Annotated[bool, typer.Option(help="Prefix caching, on by default as in vLLM (the sweep's shared-prefix episodes and --shared-documents need it); --no-prefix-caching computes every context.")] = True,
+    cores: Annotated[str | None, typer.Option(help="Pin the engine to these CPU cores (e.g. '0' or '0-3,6'), as the served engine is pinned; sets the thread count to their number unless --threads is given.")] = None,
 ) -> None:
     """Profile a vLLM engine in this process and write its step trace."""
     from rich.console import Console
@@ -71,6 +78,9 @@ def profile(
         raise LlmvisorError("--workload: only the workload plan replays workload CSVs (use --plan workload)")
     if concurrency < 1:
         raise LlmvisorError(f"--concurrency: must be at least 1 (got {concurrency})")
+    if cores:
+        pinned = pin_to_cores(cores)
+        threads = threads if threads is not None else len(pinned)
     settings = eo.engine_settings(
         engine_model,
         max_model_len=max_model_len,
@@ -80,6 +90,7 @@ def profile(
         enforce_eager=enforce_eager,
         threads=threads,
         seed=seed,
+        executor=executor,
     )
 
     from llmvisor.engines.vllm.driver import check_model_dir
@@ -122,15 +133,22 @@ def profile(
             repeat=repeat,
             points=points,
             max_decode_steps=max_decode_steps,
+            max_episode_tokens=max_episode_tokens,
             workload_plan=workload_plan,
             arrival=arrival,
             concurrency=concurrency,
             max_seconds=max_seconds,
+            canary_every=canary_every if plan == "sweep" else 0,
+            prefix_caching=prefix_caching,
         )
 
 
     trace = read_trace(jsonl_path)
     n_warmup = mark_warmup_window(trace, warmup_seconds)
+    drift = None
+    if plan == "sweep" and canary_every > 0:
+        drifted, drift = canary_drift(trace, drift_threshold)
+        mark_drifted(trace, drifted)
     engine_info = result["engine"]
     floor = noise_floor(trace) if repeat > 1 else None
     summary = coverage(trace, engine_info)
@@ -140,6 +158,7 @@ def profile(
             {
                 "points": points,
                 "max_decode_steps": max_decode_steps,
+                "max_episode_tokens": max_episode_tokens,
                 "design": "Latin hypercube (scipy.stats.qmc, random-cd) over pool size, longest prompt, "
                 "step token budget, decode steps, second wave; see llmvisor.profile.plans",
                 "episodes": result["episodes"],
@@ -161,6 +180,9 @@ def profile(
         "recorder_overhead": result["overhead"],
         "coverage": summary,
         "wall_time_s": result["wall_time_s"],
+        "engine_fingerprint": result["engine_fingerprint"],
+        "drift": drift,
+        "cores": sorted(os.sched_getaffinity(0)),
     }
     write_trace(trace, output)
     if not keep_jsonl:
@@ -196,7 +218,7 @@ def profile_summary(trace, output: Path) -> dict:
         "n_steps": int(trace.n_steps),
         "n_rows": int(trace.n_slices),
         "n_warmup_steps": int(trace.is_warmup_per_step.sum()),
-        **{key: metadata.get(key) for key in ("engine", "coverage", "noise_floor", "recorder_overhead", "wall_time_s", "warmup_rule")},
+        **{key: metadata.get(key) for key in ("engine", "coverage", "noise_floor", "recorder_overhead", "wall_time_s", "warmup_rule", "engine_fingerprint", "drift")},
     }
 
 
@@ -219,15 +241,17 @@ def warmup_rule(warmup_steps: int, warmup_seconds: float, n_warmup: int) -> str:
     return rule + f" ({n_warmup} steps); kept in the trace, left out of the noise floor and coverage"
 
 
-def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat, points, max_decode_steps,
-            workload_plan, arrival, concurrency, max_seconds) -> dict:
+def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat, points, max_decode_steps, max_episode_tokens,
+            workload_plan, arrival, concurrency, max_seconds, canary_every=0, prefix_caching=True) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from llmvisor.engines.vllm.driver import ProfiledEngine
 
     started = time.perf_counter()
     with console.status(f"starting vLLM on {settings.model} ..."):
-        engine = ProfiledEngine(settings, trace_path=jsonl_path, run_id=run_id, warmup_steps=warmup_steps)
+        engine = ProfiledEngine(
+            settings, trace_path=jsonl_path, run_id=run_id, warmup_steps=warmup_steps, enable_prefix_caching=prefix_caching
+        )
     console.print(f"vLLM started in {time.perf_counter() - started:.0f} s; KV cache holds {engine.kv_cache_tokens} tokens")
     columns = (
         TextColumn("[progress.description]{task.description}"),
@@ -240,8 +264,12 @@ def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat
     try:
         with Progress(*columns, console=console) as progress:
             if plan == "sweep":
-                episodes = sweep_episodes(engine.envelope, points, seed=settings.seed, max_decode_steps=max_decode_steps)
+                episodes = sweep_episodes(
+                    engine.envelope, points, seed=settings.seed, max_decode_steps=max_decode_steps, max_episode_tokens=max_episode_tokens
+                )
                 result["episodes"] = [episode_dict(e) for e in episodes]
+                episodes = with_canaries(episodes, engine.envelope, canary_every)
+                result["canary_episodes"] = sum(map(is_canary_episode, episodes))
                 task = progress.add_task("sweep episodes", total=len(episodes) * repeat)
                 for repeat_index in range(repeat):
                     for episode in episodes:
@@ -262,7 +290,34 @@ def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat
                     result["replay"].append(counts)
         result["overhead"] = engine.finish_recording()
         result["engine"] = engine.describe()
+        fingerprint = getattr(engine.scheduler, "engine_fingerprint", None)
+        result["engine_fingerprint"] = fingerprint.to_dict() if fingerprint is not None else None
     finally:
         engine.close()
     result["wall_time_s"] = time.perf_counter() - started
     return result
+
+
+def parse_cores(text: str) -> list[int]:
+    """'0-3,6' -> [0, 1, 2, 3, 6]."""
+    cores: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            cores.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise LlmvisorError(f"--cores: expected core ids like '0-3,6', got {text!r}") from None
+    if not cores:
+        raise LlmvisorError(f"--cores: no core ids in {text!r}")
+    return sorted(cores)
+
+
+def pin_to_cores(text: str) -> list[int]:
+    """Pin this process (and the engine it starts) to the given cores."""
+    cores = parse_cores(text)
+    available = os.sched_getaffinity(0)
+    missing = sorted(set(cores) - available)
+    if missing:
+        raise LlmvisorError(f"--cores: core(s) {missing} are not available to this process (it may use {sorted(available)})")
+    os.sched_setaffinity(0, cores)
+    return cores

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from llmvisor import shipped
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
 from llmvisor.ledger.keys import split_key
@@ -31,11 +32,13 @@ def echo_json(data) -> None:
 
 def serve(
     model: Annotated[
-        Path, typer.Option("--model", help="Fitted latency model (JSON) used to attribute every ingested step.", dir_okay=False)
-    ],
+        Path | None,
+        typer.Option("--model", help="Fitted latency model (JSON) used to attribute every ingested step (`llmvisor calibrate` "
+                     "fits one to the served engine). Default: the shipped latency model.", dir_okay=False),
+    ] = None,
     db: DbOption = DEFAULT_DB_URL,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8000,
+    port: Annotated[int, typer.Option(help="Port to listen on (not 8000: vLLM's OpenAI server listens there by default).", min=1, max=65535)] = 8080,
     max_body_mb: Annotated[float, typer.Option(help="Largest POST /v1/steps body accepted (MiB); larger is a 413.", min=0.001)] = 64.0,
     max_steps_per_request: Annotated[int, typer.Option(help="Most steps in one POST /v1/steps.", min=1)] = 20_000,
     public_metrics: Annotated[bool, typer.Option(help="Serve /metrics without a key (it names every tenant).")] = False,
@@ -49,6 +52,8 @@ def serve(
 
     from llmvisor.service.app import create_app
 
+    if model is None:
+        model = shipped.latency_model_path()
     if not model.is_file():
         raise LlmvisorError(f"{model}: no such model file (fit one with `llmvisor fit`)")
     app = create_app(

@@ -21,6 +21,7 @@ from llmvisor.core.features import (
     step_feature_matrix,
     step_new_tokens,
 )
+from llmvisor.core.fingerprint import METADATA_KEY as FINGERPRINT_METADATA_KEY
 from llmvisor.core.trace import StepTrace
 from llmvisor.errors import LlmvisorError, ModelError, NotFittedError
 
@@ -131,6 +132,19 @@ def _solve(aw: np.ndarray, bw: np.ndarray, *, positive: bool, identified: np.nda
         solution = np.linalg.lstsq(a / col_scale, bw, rcond=None)[0]
     coef[columns] = solution / col_scale
     return coef
+
+
+def training_fingerprint(trace: StepTrace) -> dict | None:
+    """The engine fingerprint a model fitted on ``trace`` is calibrated to: the metadata's full record when the
+    steps carry its id (or no id at all), ``{"id": ...}`` when they carry one id without the record, None when
+    they come from several engines or carry none."""
+    ids = trace.engine_fingerprint_ids()
+    recorded = trace.metadata.get(FINGERPRINT_METADATA_KEY)
+    if isinstance(recorded, dict) and recorded.get("id") and (ids == [recorded["id"]]):
+        return dict(recorded)
+    if len(ids) == 1:
+        return {"id": ids[0]}
+    return None
 
 
 class StepLatencyModel:
@@ -322,6 +336,9 @@ class StepLatencyModel:
             warm = trace.is_warmup_per_step
             n_warmup = int(warm.sum())
             keep &= ~warm
+        drifted = keep & trace.is_drifted_per_step
+        n_drifted = int(drifted.sum())
+        keep &= ~drifted
         self.identified_ = np.abs(x[keep]).sum(axis=0) > 0
         saving = shared_context_saving_per_step(x[keep])
         self.identified_[Coef.E] &= bool(np.any(saving > 1e-9 * np.maximum(x[keep][:, Coef.E], 1.0)))
@@ -352,15 +369,18 @@ class StepLatencyModel:
         self.rank_ = int(np.linalg.matrix_rank(x_fit[:, self.identified_] / np.maximum(np.abs(x_fit[:, self.identified_]).max(axis=0), 1e-300)))
         self.n_features_in_ = N_FEATURES
         residual = (y_fit - self._predict_rows(self.coef_, self.boundary_, x_fit, load_fit)) / y_fit
+        self.engine_fingerprint_ = training_fingerprint(trace)
         self.fit_info_ = {
             "n_steps_total": int(trace.n_steps),
             "n_steps_used": int(keep.sum()),
             "n_warmup_dropped": n_warmup,
+            "n_drifted_dropped": n_drifted,
             "n_outliers_dropped": n_outliers,
             "outlier_rule": None
             if outlier_cut is None
             else f"relative residual of an initial one-segment fit > median + {self.outlier_threshold}·MAD = {outlier_cut:.4g}",
             "train_runs": list(dict.fromkeys(runs.tolist())),
+            "train_engine_fingerprints": trace.engine_fingerprint_ids(),
             "unidentified_features": [n for n, ok in zip(FEATURE_NAMES, self.identified_) if not ok],
             "train_rel_err_p50": float(np.percentile(np.abs(residual), 50)),
             "train_rel_err_p90": float(np.percentile(np.abs(residual), 90)),
@@ -475,6 +495,7 @@ class StepLatencyModel:
             ],
             "identified_features": [n for n, ok in zip(FEATURE_NAMES, self.identified_) if ok],
             "rank": self.rank_,
+            "engine_fingerprint": getattr(self, "engine_fingerprint_", None),
             "fit_info": self.fit_info_,
         }
 
@@ -508,6 +529,10 @@ class StepLatencyModel:
             model.identified_ = np.array([n in data.get("identified_features", names) and n in names for n in FEATURE_NAMES])
             model.rank_ = int(data.get("rank", 0))
             model.fit_info_ = dict(data.get("fit_info", {}))
+            fingerprint = data.get("engine_fingerprint")
+            if fingerprint is not None and not (isinstance(fingerprint, dict) and isinstance(fingerprint.get("id"), str)):
+                raise ModelError(f"{source}: engine_fingerprint must be null or an object with an id")
+            model.engine_fingerprint_ = fingerprint
             model.feature_names_ = FEATURE_NAMES
             model.n_features_in_ = N_FEATURES
         except (KeyError, TypeError, ValueError) as error:

@@ -55,7 +55,10 @@ REQUIRED_COLUMNS = (
     "num_context_tokens",
     "phase",
 )
-OPTIONAL_COLUMNS = ("timestamp_s", "engine", "engine_version", "model", "hardware", "tensor_parallel_size", *SHARING_COLUMNS)
+OPTIONAL_COLUMNS = (
+    "timestamp_s", "engine", "engine_version", "model", "hardware", "tensor_parallel_size", "engine_fingerprint",
+    "is_drifted", *SHARING_COLUMNS,
+)
 CHECKED_COLUMNS = (*REQUIRED_COLUMNS, *SHARING_COLUMNS)
 """Columns whose values the reader type-checks (the optional ones only when present)."""
 PHASES = ("prefill", "decode")
@@ -265,6 +268,24 @@ class StepTrace:
             return np.zeros(self.n_steps, dtype=bool)
         values = parse_is_warmup(self.extra["is_warmup"], path=", ".join(self.sources) or "<memory>")
         return np.logical_or.reduceat(values, self.step_starts)
+
+    @property
+    def is_drifted_per_step(self) -> np.ndarray:
+        """Steps a profile flagged as run while the machine drifted (optional column ``is_drifted``, read as
+        ``is_warmup`` is)."""
+        if "is_drifted" not in self.extra or self.n_steps == 0:
+            return np.zeros(self.n_steps, dtype=bool)
+        values = parse_is_warmup(self.extra["is_drifted"], path=", ".join(self.sources) or "<memory>")
+        return np.logical_or.reduceat(values, self.step_starts)
+
+    def engine_fingerprint_ids(self) -> list[str]:
+        """The distinct engine fingerprint ids of the trace's steps (column ``engine_fingerprint``), in order of
+        first appearance; the metadata's fingerprint when the column is absent."""
+        if "engine_fingerprint" in self.extra:
+            values = [str(v) for v in np.asarray(self.extra["engine_fingerprint"], dtype=object) if v is not None and str(v)]
+            return list(dict.fromkeys(values))
+        recorded = self.metadata.get("engine_fingerprint")
+        return [str(recorded["id"])] if isinstance(recorded, dict) and recorded.get("id") else []
 
     @property
     def has_sharing_columns(self) -> bool:

@@ -43,6 +43,13 @@ class EngineSettings:
         "every request's context exactly.",
     )
     seed: int = setting(0, option="--seed", help="Seed of the engine's sampling.")
+    executor: str = setting(
+        "uni",
+        option="--executor",
+        help="vLLM's executor: uni (the model runs in this process) or mp (in a worker process, as vLLM's OpenAI "
+        "server runs it; the CPU build binds that worker to cores by VLLM_CPU_OMP_THREADS_BIND, so --threads "
+        "does not reach it).",
+    )
     threads: int | None = setting(
         None,
         option="--threads",
@@ -56,8 +63,8 @@ class EngineSettings:
 
     def llm_kwargs(self, *, has_weights: bool, scheduler_cls: type, enable_prefix_caching: bool | None = None) -> dict:
         """Arguments of `vllm.LLM` for an in-process, synchronous engine (the scheduler and the recorder
-        must run in this process, between steps) with these settings; ``enable_prefix_caching`` overrides
-        the setting."""
+        must run in this process, between steps; with the ``mp`` executor only the model runs in a worker
+        process) with these settings; ``enable_prefix_caching`` overrides the setting."""
         return {
             "model": self.model,
             "load_format": "auto" if has_weights else "dummy",
@@ -65,7 +72,7 @@ class EngineSettings:
             "max_model_len": self.max_model_len,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_num_seqs": self.max_num_seqs,
-            "distributed_executor_backend": "uni",
+            "distributed_executor_backend": self.executor,
             "async_scheduling": False,
             "enable_prefix_caching": self.enable_prefix_caching if enable_prefix_caching is None else enable_prefix_caching,
             "enforce_eager": self.enforce_eager,

@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from llmvisor.core.attribution import attribute
+from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import (
     REQUIRED_COLUMNS,
@@ -112,6 +113,9 @@ def _step_groups(groups, *, max_steps: int, max_rows: int) -> list[list[dict]]:
 
 
 STORED_OPTIONAL_COLUMNS = ("timestamp_s",)
+RUN_COLUMNS = (FINGERPRINT_COLUMN,)
+"""Read, not stored and not in a step's content hash (the idempotency key): the engine fingerprint id the
+service compares with its model's (`step_fingerprint_ids`)."""
 CHECKED_COLUMNS = (*REQUIRED_COLUMNS, *SHARING_COLUMNS)
 """Columns read from every body form and checked by the trace reader; the sharing columns (format v2) are
 not stored but priced: shared KV blocks are split among their readers, whichever form the body takes."""
@@ -122,7 +126,7 @@ def _trace_from_columns(columns, *, max_rows: int) -> StepTrace:
     reader's Arrow validator. Columns that are not stored are not read."""
     if not isinstance(columns, dict):
         raise PayloadError(422, "bad_shape", f'{BODY_PATH}: "columns" must map column names to lists of values')
-    used = [name for name in (*CHECKED_COLUMNS, *STORED_OPTIONAL_COLUMNS) if name in columns]
+    used = [name for name in (*CHECKED_COLUMNS, *STORED_OPTIONAL_COLUMNS, *RUN_COLUMNS) if name in columns]
     for name in used:
         if not isinstance(columns[name], list):
             raise PayloadError(422, "bad_shape", f"{BODY_PATH}: column {name}: expected a list of values")
@@ -232,7 +236,7 @@ def _trace_from_parquet(body: bytes, *, max_rows: int, max_decoded_bytes: int) -
         if n_rows > max_rows:
             raise PayloadError(413, "too_large", f"{BODY_PATH}: {n_rows} rows, at most {max_rows} per request")
         names = parquet.schema_arrow.names
-        columns = [n for n in (*CHECKED_COLUMNS, *STORED_OPTIONAL_COLUMNS) if n in names]
+        columns = [n for n in (*CHECKED_COLUMNS, *STORED_OPTIONAL_COLUMNS, *RUN_COLUMNS) if n in names]
         check_parquet_footer(parquet, columns, body_bytes=len(body), max_decoded_bytes=max_decoded_bytes)
         physical = {parquet.schema.column(i).path: parquet.schema.column(i).physical_type for i in range(len(parquet.schema))}
         byte_columns = [n for n in columns if physical.get(n) == "BYTE_ARRAY"]
@@ -488,3 +492,14 @@ def prepare_batch(model: StepLatencyModel, trace: StepTrace, *, received_at_us: 
         residual_s=measured_s - attribution.predicted_step_s,
         predicted_step_s=attribution.predicted_step_s,
     )
+
+
+def step_fingerprint_ids(trace: StepTrace) -> np.ndarray:
+    """Per step, the engine fingerprint id its first row carries (``""`` where none), as an object array."""
+    ids = np.full(trace.n_steps, "", dtype=object)
+    if FINGERPRINT_COLUMN in trace.extra and trace.n_steps:
+        values = np.asarray(trace.extra[FINGERPRINT_COLUMN], dtype=object)[trace.step_starts]
+        for k, value in enumerate(values):
+            if isinstance(value, str) and len(value) <= MAX_STRING_CHARS:
+                ids[k] = value
+    return ids

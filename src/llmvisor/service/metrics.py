@@ -8,16 +8,24 @@ thousands of steps and `Histogram.observe` costs a Python call per value.
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections import OrderedDict, deque
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import HistogramMetricFamily, SummaryMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
+log = logging.getLogger("llmvisor.service")
+
 OTHER_TENANT_LABEL = "other"
+RUN_RESIDUAL_QUANTILES = (0.1, 0.5, 0.9)
+MAX_RUNS_WITH_RESIDUALS = 20
+RUN_RESIDUAL_WINDOW_STEPS = 2000
+MAX_RUNS_REMEMBERED = 10_000
 INGEST_ERROR_REASONS = ("unauthorized", "forbidden", "too_large", "bad_json", "bad_parquet", "bad_shape", "invalid_trace", "conflict", "database")
 _RESIDUAL_BOUNDS_S = (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0)
 RESIDUAL_BUCKETS_S = tuple(sorted(-b for b in _RESIDUAL_BOUNDS_S)) + (0.0,) + _RESIDUAL_BOUNDS_S
@@ -73,6 +81,57 @@ class BatchSummary(Collector):
     def collect(self):
         with self._lock:
             yield SummaryMetricFamily(self.name, self.documentation, count_value=self._count, sum_value=self._sum)
+
+
+class RunResidualWindows(Collector):
+    """Quantiles of the relative residual (measured − predicted) / measured over each run's latest steps.
+
+    Bounded cardinality: the ``max_runs`` runs that ingested steps most recently are exported, each over its
+    last ``window_steps`` steps; an older run's series disappears when a newer run takes its place."""
+
+    def __init__(self, *, max_runs: int = MAX_RUNS_WITH_RESIDUALS, window_steps: int = RUN_RESIDUAL_WINDOW_STEPS):
+        self.max_runs = max_runs
+        self.window_steps = window_steps
+        self._windows: OrderedDict[str, deque] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def observe(self, run_ids: np.ndarray, relative_residuals: np.ndarray) -> None:
+        runs = np.asarray(run_ids, dtype=object)
+        values = np.asarray(relative_residuals, dtype=np.float64)
+        finite = np.isfinite(values)
+        with self._lock:
+            for run in dict.fromkeys(runs[finite].tolist()):
+                window = self._windows.pop(run, None) or deque(maxlen=self.window_steps)
+                window.extend(values[finite & (runs == run)].tolist())
+                self._windows[run] = window
+            while len(self._windows) > self.max_runs:
+                self._windows.popitem(last=False)
+
+    def quantiles(self, run_id: str) -> dict[float, float]:
+        with self._lock:
+            window = list(self._windows.get(run_id, ()))
+        if not window:
+            return {}
+        return dict(zip(RUN_RESIDUAL_QUANTILES, np.quantile(window, RUN_RESIDUAL_QUANTILES).tolist()))
+
+    def collect(self):
+        with self._lock:
+            windows = {run: np.asarray(window) for run, window in self._windows.items()}
+        residual = GaugeMetricFamily(
+            "llmvisor_run_relative_residual",
+            f"Quantiles of (measured - predicted) / measured step time over each run's last {self.window_steps} steps "
+            f"(the {self.max_runs} runs ingested most recently).",
+            labels=["run_id", "quantile"],
+        )
+        steps = GaugeMetricFamily(
+            "llmvisor_run_relative_residual_window_steps", "Steps in each run's residual window.", labels=["run_id"]
+        )
+        for run, values in windows.items():
+            for q, value in zip(RUN_RESIDUAL_QUANTILES, np.quantile(values, RUN_RESIDUAL_QUANTILES).tolist()):
+                residual.add_metric([run, repr(q)], value)
+            steps.add_metric([run], float(values.size))
+        yield residual
+        yield steps
 
 
 class ServiceMetrics:
@@ -131,8 +190,26 @@ class ServiceMetrics:
             "(measured - predicted) / predicted step time of ingested steps.",
             RELATIVE_RESIDUAL_BUCKETS,
         )
+        self.fingerprint_mismatch_steps = Counter(
+            "llmvisor_fingerprint_mismatch_steps",
+            "Steps attributed with a latency model fitted on an engine of another fingerprint (calibrate: llmvisor calibrate).",
+            registry=self.registry,
+        )
+        self.fingerprint_mismatch_runs = Gauge(
+            "llmvisor_fingerprint_mismatch_runs", "Runs whose steps were attributed with a model of another engine fingerprint.",
+            registry=self.registry,
+        )
+        self.fingerprint_unknown_steps = Counter(
+            "llmvisor_fingerprint_unknown_steps",
+            "Steps attributed without a fingerprint check: the step or the model carries no engine fingerprint.",
+            registry=self.registry,
+        )
+        self.run_residuals = RunResidualWindows()
+        self._mismatched_runs: OrderedDict[str, None] = OrderedDict()
+        self._mismatch_lock = threading.Lock()
+        self._n_mismatched_runs = 0
         for collector in (self.residual_seconds, self.abs_relative_residual, self.residual_distribution,
-                          self.relative_residual_distribution):
+                          self.relative_residual_distribution, self.run_residuals):
             self.registry.register(collector)
 
     def count_ingest_error(self, reason: str) -> None:
@@ -182,3 +259,34 @@ class ServiceMetrics:
         with np.errstate(divide="ignore", invalid="ignore"):
             self.abs_relative_residual.observe_many(np.abs(residual_s) / measured_s)
             self.relative_residual_distribution.observe_many(residual_s / predicted_s)
+
+    def check_fingerprints(self, run_ids: np.ndarray, step_fingerprint_ids: np.ndarray, model_fingerprint: dict | None) -> int:
+        """Count steps whose engine fingerprint differs from the model's; warn once per run. Returns the count."""
+        model_id = model_fingerprint.get("id") if isinstance(model_fingerprint, dict) else None
+        ids = np.asarray(step_fingerprint_ids, dtype=object)
+        known = ids != ""
+        if model_id is None:
+            self.fingerprint_unknown_steps.inc(int(ids.size))
+            return 0
+        self.fingerprint_unknown_steps.inc(int((~known).sum()))
+        mismatched = known & (ids != model_id)
+        n_mismatched = int(mismatched.sum())
+        if not n_mismatched:
+            return 0
+        self.fingerprint_mismatch_steps.inc(n_mismatched)
+        runs = np.asarray(run_ids, dtype=object)
+        for run, fingerprint in dict.fromkeys(zip(runs[mismatched].tolist(), ids[mismatched].tolist())):
+            with self._mismatch_lock:
+                if run in self._mismatched_runs:
+                    continue
+                self._mismatched_runs[run] = None
+                if len(self._mismatched_runs) > MAX_RUNS_REMEMBERED:
+                    self._mismatched_runs.popitem(last=False)
+                self._n_mismatched_runs += 1
+                self.fingerprint_mismatch_runs.set(self._n_mismatched_runs)
+            log.warning(
+                "llmvisor: run %s ran on engine fingerprint %s but is attributed with a model fitted on %s; "
+                "its shares follow a cost model of another engine (fit one with `llmvisor calibrate`)",
+                run, fingerprint, model_id,
+            )
+        return n_mismatched

@@ -63,7 +63,7 @@ def freeze_startup_objects() -> None:
 class ProfiledEngine:
     """An in-process vLLM engine with the profiling scheduler, recording to ``trace_path``."""
 
-    def __init__(self, settings: EngineSettings, *, trace_path: str, run_id: str, warmup_steps: int):
+    def __init__(self, settings: EngineSettings, *, trace_path: str, run_id: str, warmup_steps: int, enable_prefix_caching: bool | None = None):
         has_weights = check_model_dir(settings.model)
         configure_environment(settings)
         os.environ["LLMVISOR_TRACE_PATH"] = trace_path
@@ -82,7 +82,7 @@ class ProfiledEngine:
 
         self.settings = settings
         self.has_weights = has_weights
-        self.llm = LLM(**settings.llm_kwargs(has_weights=has_weights, scheduler_cls=ProfilingScheduler))
+        self.llm = LLM(**settings.llm_kwargs(has_weights=has_weights, enable_prefix_caching=enable_prefix_caching, scheduler_cls=ProfilingScheduler))
         self.engine = self.llm.llm_engine
         self.scheduler = self.engine.engine_core.engine_core.scheduler
         vllm_config = self.engine.vllm_config
@@ -120,7 +120,7 @@ class ProfiledEngine:
             "block_size": self.block_size,
             "enable_prefix_caching": bool(self.engine.vllm_config.cache_config.enable_prefix_caching),
             "async_scheduling": bool(self.engine.vllm_config.scheduler_config.async_scheduling),
-            "distributed_executor_backend": "uni",
+            "distributed_executor_backend": self.settings.executor,
             "torch_threads": self.torch_threads,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "hardware": self.scheduler._constant_columns["hardware"],

@@ -34,13 +34,36 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import prometheus_client
 from vllm.logger import init_logger
 from vllm.v1.core.sched.request_queue import RequestQueue
 
+from llmvisor.core.fingerprint import describe_mismatch, fingerprint_id
 from llmvisor.engines.vllm.recorder import RecordingScheduler
 from llmvisor.fairness.policy import AdmissionDecision, FairnessConfig, FairShare
 
 logger = init_logger(__name__)
+MODEL_FINGERPRINT_MISMATCH = prometheus_client.Gauge(
+    "llmvisor_fair_model_fingerprint_mismatch",
+    "1 when FairScheduler charges with a latency model fitted on an engine of another fingerprint, else 0.",
+)
+
+
+def check_model_fingerprint(model, fingerprint) -> bool | None:
+    """Whether ``model`` was fitted on this engine (None: the model or the engine has no fingerprint); a
+    mismatch is logged as a warning and sets ``llmvisor_fair_model_fingerprint_mismatch``."""
+    model_fingerprint = getattr(model, "engine_fingerprint_", None) if model is not None else None
+    if model_fingerprint is None or fingerprint is None:
+        MODEL_FINGERPRINT_MISMATCH.set(0)
+        return None
+    matches = fingerprint_id(model_fingerprint) == fingerprint.id
+    MODEL_FINGERPRINT_MISMATCH.set(0 if matches else 1)
+    if not matches:
+        logger.warning(
+            "llmvisor: FairScheduler charges with a latency model of another engine: %s; fit one on this engine "
+            "with `llmvisor calibrate`", describe_mismatch(fingerprint, model_fingerprint),
+        )
+    return matches
 
 MAX_KEPT_STEPS = 1 << 20
 
@@ -206,6 +229,7 @@ class FairScheduler(RecordingScheduler):
             previous.close()
         self.fair_config = config
         self.fair = FairShare(config, model, max_chunk_tokens=int(self.scheduler_config.max_num_batched_tokens))
+        self.model_fingerprint_matches = check_model_fingerprint(self.fair.model, self.engine_fingerprint)
         self.tenant_key = config.tenant_key
         self.default_tenant = config.default_tenant
         self.waiting = TenantRequestQueue(self)

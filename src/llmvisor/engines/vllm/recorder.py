@@ -29,6 +29,7 @@ scheduler's KV cache manager. Request ids are vLLM's internal ids,
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -42,7 +43,9 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from llmvisor.client import StepPusher, StepRelay, service_url_from_env
+from llmvisor.core.fingerprint import FINGERPRINT_COLUMN, EngineFingerprint, fingerprint_sidecar
 from llmvisor.core.trace import TraceWriter
+from llmvisor.engines.vllm.fingerprint import engine_fingerprint
 from llmvisor.engines.vllm.kv_sharing import shared_context_tokens
 from llmvisor.engines.vllm.settings import RecorderSettings
 from llmvisor.engines.vllm.step_clock import StepClock
@@ -108,6 +111,16 @@ def request_tenant(request, tenant_key: str, default_tenant: str = DEFAULT_TENAN
     extra = params.extra_args if params is not None else None
     tenant = extra.get(tenant_key) if extra else None
     return default_tenant if tenant is None else str(tenant)
+
+
+def write_fingerprint_record(fingerprint: EngineFingerprint, trace_path: str) -> None:
+    """``<trace>.engine.json``: the engine's fingerprint record beside its trace (`llmvisor calibrate --fingerprint`)."""
+    path = fingerprint_sidecar(trace_path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(fingerprint.to_dict(), indent=2) + "\n", encoding="utf-8")
+    except OSError as error:
+        logger.warning("llmvisor: cannot write the engine fingerprint record %s (%s)", path, error.strerror)
 
 
 def route_llmvisor_logs() -> None:
@@ -187,6 +200,9 @@ class RecordingScheduler(Scheduler):
             "hardware": self.recorder_settings.hardware or describe_hardware(),
             "tensor_parallel_size": int(self.parallel_config.tensor_parallel_size),
         }
+        self.engine_fingerprint = self._fingerprint()
+        if self.engine_fingerprint is not None:
+            self._constant_columns[FINGERPRINT_COLUMN] = self.engine_fingerprint.id
         self._writer, self._pusher, self._relay = self._start_delivery()
         self._wall_minus_perf_s = time.time() - time.perf_counter()
         self._in_flight: dict[int, tuple[list[tuple], float]] = {}
@@ -211,6 +227,18 @@ class RecordingScheduler(Scheduler):
             "AsyncScheduler" if isinstance(self, AsyncScheduler) else "Scheduler",
             "overlapped (between output arrivals)" if self.step_clock.overlapped else "serial",
         )
+
+    def _fingerprint(self) -> EngineFingerprint | None:
+        """The engine's fingerprint (logged once); None, with a warning, if the config cannot be read."""
+        try:
+            fingerprint = engine_fingerprint(self.vllm_config, model_name=self.recorder_settings.model_name)
+        except Exception as error:  # a config this vLLM version lays out differently must not stop the engine
+            logger.warning("llmvisor: cannot read the engine fingerprint (%s: %s); steps carry none", type(error).__name__, error)
+            return None
+        logger.info("llmvisor: engine fingerprint %s: %s", fingerprint.id, json.dumps(fingerprint.to_dict()))
+        if self.trace_path:
+            write_fingerprint_record(fingerprint, self.trace_path)
+        return fingerprint
 
     def schedule(self, *args, **kwargs):
         self.step_clock.scheduler_called(time.perf_counter())
@@ -294,6 +322,7 @@ class RecordingScheduler(Scheduler):
                 "columns": self._constant_columns,
                 "warmup_steps": self.recorder_settings.warmup_steps,
                 "trace_path": os.path.abspath(self.trace_path) if self.trace_path else None,
+                "engine_fingerprint": self.engine_fingerprint.to_dict() if self.engine_fingerprint else None,
             }
             relay = StepRelay(header)
             logger.info(
@@ -301,7 +330,8 @@ class RecordingScheduler(Scheduler):
                 self.run_id, url, relay.pid,
             )
             return None, None, relay
-        writer = TraceWriter(self.trace_path, flush_every_steps=1 << 62) if self.trace_path else None
+        metadata = {"engine_fingerprint": self.engine_fingerprint.to_dict()} if self.engine_fingerprint else None
+        writer = TraceWriter(self.trace_path, flush_every_steps=1 << 62, metadata=metadata) if self.trace_path else None
         return writer, None, None
 
     def _record(self, start_s: float, latency_s: float, slices: list[tuple], now_s: float) -> None:

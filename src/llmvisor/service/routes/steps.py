@@ -31,6 +31,7 @@ from llmvisor.service.ingest import (
     PayloadError,
     prepare_batch,
     read_batch,
+    step_fingerprint_ids,
 )
 from llmvisor.service.metrics import ServiceMetrics
 from llmvisor.service.responses import database_unavailable, error
@@ -82,6 +83,7 @@ def ingest_body(
         outcome.n_inserted,
         outcome.n_duplicate,
     )
+    record_calibration(metrics, model, trace, prepared, inserted_steps)
     metrics.ingest_batch_seconds.observe(time.perf_counter() - started_s)
     return IngestResponse(
         steps_received=records.n_steps,
@@ -90,6 +92,15 @@ def ingest_body(
         slices_inserted=int(inserted_slices.sum()),
         attributed_ns=int(attributed_ns.sum()),
     )
+
+
+def record_calibration(metrics: ServiceMetrics, model: StepLatencyModel, trace, prepared, inserted_steps: np.ndarray) -> None:
+    """The fingerprint check and the per-run residual windows, over the newly stored steps of a batch."""
+    runs = prepared.records.run_id[inserted_steps]
+    metrics.check_fingerprints(runs, step_fingerprint_ids(trace)[inserted_steps], getattr(model, "engine_fingerprint_", None))
+    measured_s = prepared.records.step_latency_s[inserted_steps]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        metrics.run_residuals.observe(runs, prepared.residual_s[inserted_steps] / measured_s)
 
 
 @router.post(

@@ -1,0 +1,185 @@
+"""Engine fingerprints: a stable id, carried by traces, models and pushed steps; the service checks it and
+exports each run's residual quantiles."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from _service_fixtures import bearer, db_url, keys, ledger, make_steps, model_path  # noqa: F401
+from llmvisor.client import columns_body
+from llmvisor.core.fingerprint import EngineFingerprint, describe_mismatch, fingerprint_id, model_config_hash
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.synthetic import synthetic_trace
+from llmvisor.core.trace import read_trace, write_trace
+from llmvisor.errors import LlmvisorError
+from llmvisor.service.app import create_app
+from llmvisor.service.metrics import RunResidualWindows
+
+SERVED = EngineFingerprint(
+    engine="vllm", engine_version="0.32.0", model_config_hash="0123456789abcdef", dtype="bfloat16", device="cpu",
+    hardware="Some CPU", threads=1, max_num_batched_tokens=2048, max_num_seqs=128, block_size=128,
+    async_scheduling=False, enable_prefix_caching=True, enable_chunked_prefill=True, enforce_eager=False,
+    model="engine-model", max_model_len=4096, core_ids=(0,), executor_backend="mp",
+)
+
+
+def test_id_is_stable_and_follows_the_identity_fields_only():
+    assert EngineFingerprint.from_dict(json.loads(json.dumps(SERVED.to_dict()))).id == SERVED.id
+    assert replace(SERVED, core_ids=(3,), executor_backend="uni", model="copy", max_model_len=8192).id == SERVED.id
+    for change in ({"threads": 2}, {"max_num_seqs": 32}, {"block_size": 16}, {"engine_version": "0.33.0"},
+                   {"enable_prefix_caching": False}, {"tensor_parallel_size": 2}, {"dtype": "float32"}):
+        other = replace(SERVED, **change)
+        assert other.id != SERVED.id
+        assert list(other.differences(SERVED)) == list(change)
+    assert "threads 2 vs 1" in describe_mismatch(replace(SERVED, threads=2).to_dict(), SERVED.to_dict())
+
+
+def test_a_fingerprint_record_is_checked():
+    data = SERVED.to_dict()
+    with pytest.raises(LlmvisorError, match="does not match its fields"):
+        EngineFingerprint.from_dict({**data, "threads": 4})
+    with pytest.raises(LlmvisorError, match="lacks block_size"):
+        EngineFingerprint.from_dict({k: v for k, v in data.items() if k not in ("block_size", "id")})
+    assert fingerprint_id(data) == fingerprint_id(SERVED) == fingerprint_id(SERVED.id) == SERVED.id
+    assert fingerprint_id(None) is None
+
+
+def test_model_config_hash_ignores_where_the_config_came_from():
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "num_hidden_layers": 6}
+    assert model_config_hash({**config, "_name_or_path": "/a/b", "transformers_version": "4"}) == model_config_hash(config)
+    assert model_config_hash({**config, "hidden_size": 2048}) != model_config_hash(config)
+
+
+def fingerprinted_trace(fingerprint: EngineFingerprint, n_steps: int = 600, seed: int = 0):
+    trace = synthetic_trace(n_steps, seed=seed)
+    trace.extra["engine_fingerprint"] = np.full(trace.n_slices, fingerprint.id, dtype=object)
+    trace.metadata["engine_fingerprint"] = fingerprint.to_dict()
+    return trace
+
+
+def test_a_fitted_model_keeps_its_training_fingerprint_and_old_files_load(tmp_path):
+    path = tmp_path / "trace.parquet"
+    write_trace(fingerprinted_trace(SERVED), path)
+    model = StepLatencyModel().fit(read_trace(path))
+    assert model.engine_fingerprint_ == SERVED.to_dict()
+    model.to_json(tmp_path / "model.json")
+    loaded = StepLatencyModel.from_json(tmp_path / "model.json")
+    assert loaded.engine_fingerprint_["id"] == SERVED.id
+    old = json.loads((tmp_path / "model.json").read_text())
+    del old["engine_fingerprint"]
+    assert StepLatencyModel.from_dict(old).engine_fingerprint_ is None
+    with pytest.raises(LlmvisorError, match="engine_fingerprint"):
+        StepLatencyModel.from_dict({**old, "engine_fingerprint": "abc"})
+
+
+def test_a_trace_of_two_engines_gives_a_model_no_fingerprint():
+    trace = fingerprinted_trace(SERVED)
+    ids = np.asarray(trace.extra["engine_fingerprint"])
+    ids[: trace.n_slices // 2] = replace(SERVED, threads=2).id
+    model = StepLatencyModel().fit(trace)
+    assert model.engine_fingerprint_ is None
+    assert len(model.fit_info_["train_engine_fingerprints"]) == 2
+
+
+def test_the_fit_drops_drifted_steps_and_counts_them():
+    trace = synthetic_trace(800, seed=1)
+    drifted_steps = np.zeros(trace.n_steps, dtype=bool)
+    drifted_steps[100:180] = True
+    trace.extra["is_drifted"] = np.repeat(drifted_steps, np.diff(trace.step_offsets))
+    model = StepLatencyModel(outlier_threshold=None).fit(trace)
+    assert model.fit_info_["n_drifted_dropped"] == int((drifted_steps & ~trace.is_warmup_per_step).sum()) > 0
+    assert not model.train_step_mask_[drifted_steps].any()
+
+
+def metric_values(client, headers) -> dict:
+    values = {}
+    for family in text_string_to_metric_families(client.get("/metrics", headers=headers).text):
+        for sample in family.samples:
+            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return values
+
+
+def with_fingerprint(groups, fingerprint_id_value: str):
+    return [[{**row, "engine_fingerprint": fingerprint_id_value} for row in group] for group in groups]
+
+
+@pytest.fixture
+def fingerprinted_model_path(tmp_path):
+    path = tmp_path / "model.json"
+    StepLatencyModel().fit(fingerprinted_trace(SERVED, 2000)).to_json(path)
+    return path
+
+
+def test_the_service_warns_on_a_run_of_another_engine(fingerprinted_model_path, db_url, keys, caplog):
+    admin = bearer(keys["admin"])
+    other = replace(SERVED, threads=2)
+    with TestClient(create_app(fingerprinted_model_path, db_url)) as client, caplog.at_level(logging.WARNING, "llmvisor.service"):
+        same = with_fingerprint(make_steps("run-same", 10), SERVED.id)
+        moved = with_fingerprint(make_steps("run-moved", 12), other.id)
+        assert client.post("/v1/steps", content=columns_body(same), headers=admin).status_code == 200
+        assert client.post("/v1/steps", json={"steps": moved[:6]}, headers=admin).status_code == 200
+        assert client.post("/v1/steps", content=columns_body(moved[6:]), headers=admin).status_code == 200
+        plain = make_steps("run-plain", 5)
+        assert client.post("/v1/steps", json={"steps": plain}, headers=admin).status_code == 200
+        values = metric_values(client, admin)
+    assert values[("llmvisor_fingerprint_mismatch_steps_total", ())] == 12
+    assert values[("llmvisor_fingerprint_mismatch_runs", ())] == 1
+    assert values[("llmvisor_fingerprint_unknown_steps_total", ())] == 5
+    warnings = [r.getMessage() for r in caplog.records if "fingerprint" in r.getMessage()]
+    assert len(warnings) == 1 and "run-moved" in warnings[0] and other.id in warnings[0] and SERVED.id in warnings[0]
+
+
+def test_the_fingerprint_is_not_part_of_the_idempotency_key(fingerprinted_model_path, db_url, keys):
+    admin = bearer(keys["admin"])
+    groups = make_steps("run-a", 8)
+    with TestClient(create_app(fingerprinted_model_path, db_url)) as client:
+        first = client.post("/v1/steps", content=columns_body(with_fingerprint(groups, SERVED.id)), headers=admin).json()
+        again = client.post("/v1/steps", json={"steps": groups}, headers=admin).json()
+    assert first["steps_inserted"] == 8 and again["steps_duplicate"] == 8 and again["steps_inserted"] == 0
+
+
+def test_the_service_exports_each_runs_residual_quantiles(fingerprinted_model_path, db_url, keys):
+    admin = bearer(keys["admin"])
+    with TestClient(create_app(fingerprinted_model_path, db_url)) as client:
+        groups = make_steps("run-q", 30)
+        client.post("/v1/steps", json={"steps": groups}, headers=admin)
+        values = metric_values(client, admin)
+        stored = [client.get(f"/v1/steps/run-q/{s}", headers=admin).json() for s in range(30)]
+    relative = [(s["measured_s"] - s["predicted_s"]) / s["measured_s"] for s in stored]
+    for q in (0.1, 0.5, 0.9):
+        exported = values[("llmvisor_run_relative_residual", (("quantile", repr(q)), ("run_id", "run-q")))]
+        assert exported == pytest.approx(float(np.quantile(relative, q)), rel=1e-6)
+    assert values[("llmvisor_run_relative_residual_window_steps", (("run_id", "run-q"),))] == 30
+
+
+def test_residual_windows_keep_the_latest_runs_and_steps():
+    windows = RunResidualWindows(max_runs=2, window_steps=3)
+    windows.observe(np.array(["a", "a", "b"], dtype=object), np.array([0.1, 0.2, 0.3]))
+    windows.observe(np.array(["c", "a", "a"], dtype=object), np.array([0.5, 0.9, np.nan]))
+    assert windows.quantiles("b") == {}
+    assert windows.quantiles("a")[0.5] == pytest.approx(0.2)
+    assert windows.quantiles("c")[0.5] == pytest.approx(0.5)
+    windows.observe(np.array(["a"] * 5, dtype=object), np.arange(5.0))
+    assert windows.quantiles("a")[0.5] == pytest.approx(3.0)
+
+
+@pytest.mark.vllm
+def test_fair_scheduler_warns_on_a_model_of_another_engine(caplog):
+    fair = pytest.importorskip("llmvisor.engines.vllm.fair")
+    model = StepLatencyModel().fit(fingerprinted_trace(SERVED, 600))
+    logging.getLogger("llmvisor").propagate = True
+    with caplog.at_level(logging.WARNING):
+        assert fair.check_model_fingerprint(model, SERVED) is True
+        assert REGISTRY.get_sample_value("llmvisor_fair_model_fingerprint_mismatch") == 0
+        assert fair.check_model_fingerprint(model, replace(SERVED, max_num_seqs=32)) is False
+    assert REGISTRY.get_sample_value("llmvisor_fair_model_fingerprint_mismatch") == 1
+    assert any("max_num_seqs 32 vs 128" in record.getMessage() for record in caplog.records)
+    assert fair.check_model_fingerprint(None, SERVED) is None
