@@ -18,7 +18,7 @@ trap 'grep -qs "^$ME " "$LOCK" && rm -f "$LOCK"' EXIT
 
 if [[ $WHAT == all || $WHAT == sweep ]]; then
 "$PYTHON" -m llmvisor.cli profile --plan sweep -o "$OUT/sweep.parquet" --run-id sweep-v2 \
-  --points 40 --repeat 2 --max-decode-steps 64 --warmup-seconds 240 --seed 0 "${ENGINE[@]}"
+  --points 40 --repeat 2 --max-decode-steps 64 --warmup-seconds 240 --canary-every 4 --seed 0 "${ENGINE[@]}"
 fi
 [[ $WHAT == all || $WHAT == workloads ]] || exit 0
 "$PYTHON" -m llmvisor.cli profile --plan workload -o "$OUT/azure-conv.parquet" --run-id azure-conv-v2 \
