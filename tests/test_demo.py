@@ -82,7 +82,7 @@ def test_demo_report_links_its_json_and_explains_the_step_counts(tmp_path):
     info = model["fit_info"]
     train = read_trace(trace_path(TRAIN_TRACE))
     assert coverage["n_steps"] == train.n_steps - info["n_warmup_dropped"]
-    assert info["n_steps_used"] == coverage["n_steps"] - info["n_outliers_dropped"]
+    assert info["n_steps_used"] == coverage["n_steps"] - info["n_outliers_dropped"] - info.get("n_drifted_dropped", 0)
     for count in (train.n_steps, info["n_warmup_dropped"], coverage["n_steps"], info["n_outliers_dropped"], info["n_steps_used"]):
         assert f"{count:,}" in page
     for name in model["feature_names"]:

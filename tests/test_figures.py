@@ -43,7 +43,8 @@ def demo_figures(demo: dict) -> list[str]:
     evaluation, fit = demo["evaluation"], demo["model"]["fit_info"]
     figures = [
         f"Fitted on the shipped sweep ({thousands(fit['n_steps_total'])} steps",
-        f"{thousands(fit['n_warmup_dropped'])} warm-up and {thousands(fit['n_outliers_dropped'])} outlier steps dropped",
+        f"{thousands(fit['n_warmup_dropped'])} warm-up, {thousands(fit.get('n_drifted_dropped', 0))} drifted and "
+        f"{thousands(fit['n_outliers_dropped'])} outlier steps dropped",
         f"{thousands(fit['n_steps_used'])} used",
         f"{thousands(evaluation['models']['llmvisor']['all']['n_steps'])} steady steps)",
     ]
@@ -61,6 +62,12 @@ def demo_figures(demo: dict) -> list[str]:
     )
     floor = evaluation["noise_floor"]["train"]
     figures.append(f"{pct(floor['p50'])} / {pct(floor['p90'])} / {pct(floor['p99'])} (p50 / p90 / p99)")
+    sharing = evaluation["by_sharing"]
+    figures.append(
+        f"llmvisor's decode p90 is {pct(sharing['shared']['llmvisor']['decode']['rel_err_p90'])} on steps that share context and "
+        f"{pct(sharing['unique']['llmvisor']['decode']['rel_err_p90'])} on the others; token_count's "
+        f"{pct(sharing['shared']['token_count']['decode']['rel_err_p90'])} and {pct(sharing['unique']['token_count']['decode']['rel_err_p90'])}"
+    )
     return figures
 
 

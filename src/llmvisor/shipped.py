@@ -15,7 +15,13 @@ from pathlib import Path
 from llmvisor.errors import LlmvisorError
 
 TRAIN_TRACE = "sweep.parquet"
-HELD_OUT_TRACES = ("azure-conv.parquet", "azure-code.parquet", "arxiv-summarization.parquet", "multi-tenant.parquet")
+HELD_OUT_TRACES = (
+    "azure-conv.parquet",
+    "azure-code.parquet",
+    "arxiv-summarization.parquet",
+    "multi-tenant.parquet",
+    "shared-documents.parquet",
+)
 MULTI_TENANT_TRACE = "multi-tenant.parquet"
 VALIDATION_RESULT = "validation.json"
 VALIDATION_JOURNAL = "validation.journal.jsonl.gz"

@@ -238,6 +238,7 @@ def step_counts_note(trace: StepTrace, fit_info: dict, coverage: dict | None) ->
     total = int(trace.n_steps)
     warmup = int(fit_info.get("n_warmup_dropped", 0))
     outliers = int(fit_info.get("n_outliers_dropped", 0))
+    drifted = int(fit_info.get("n_drifted_dropped", 0))
     used = int(fit_info.get("n_steps_used", 0))
     covered = (coverage or {}).get("n_steps")
     rule = trace.metadata.get("warmup_rule")
@@ -251,7 +252,8 @@ def step_counts_note(trace: StepTrace, fit_info: dict, coverage: dict | None) ->
     if covered is not None:
         items.append(f"Coverage (below) counts the steps that are not warm-up: {covered:,}.")
     items.append(
-        f"The fit leaves out the same warm-up steps, then drops {outliers:,} outlier steps "
+        f"The fit leaves out the same warm-up steps and {drifted:,} steps flagged <code>is_drifted</code> by the sweep's "
+        f"drift canaries, then drops {outliers:,} outlier steps "
         f"({html.escape(str(fit_info.get('outlier_rule', 'outlier rule')))}): it is fitted on {used:,} steps."
     )
     return "<p class='note'>Step counts:</p><ul class='note'>" + "".join(f"<li>{item}</li>" for item in items) + "</ul>"
