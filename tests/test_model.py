@@ -312,10 +312,18 @@ def test_version_1_model_files_load_with_sharing_held_at_zero(tmp_path):
         StepLatencyModel.from_json(tmp_path / "bad.json")
 
 
-def test_the_shipped_model_predicts_v1_traces_by_its_version_1_coefficients():
+def test_a_version_1_model_file_predicts_by_its_version_1_coefficients(tmp_path):
+    """A model file written before the effective-context term (format 1: eight features) loads with that term at
+    0 and predicts exactly what its own coefficients say, on any trace."""
     data = json.loads(latency_model_path().read_text())
-    assert data["format_version"] == 1
-    model = StepLatencyModel.from_json(latency_model_path())
+    data["format_version"] = 1
+    data["feature_names"] = [name for name in data["feature_names"] if name != "effective_context_tokens"]
+    for segment in data["segments"]:
+        segment["coef_s"].pop("effective_context_tokens", None)
+    data.pop("identified_features", None)
+    path = tmp_path / "model-v1.json"
+    path.write_text(json.dumps(data))
+    model = StepLatencyModel.from_json(path)
     trace = read_trace(trace_path(HELD_OUT_TRACES[0]))
     p = trace.num_new_tokens.astype(float)
     c = trace.num_context_tokens.astype(float)
