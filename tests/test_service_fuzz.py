@@ -7,6 +7,8 @@ trace contract reaches far more often than one derived from the OpenAPI schema, 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from urllib.parse import quote
 
 import pyarrow as pa
@@ -199,3 +201,31 @@ def test_parquet_bodies_never_answer_5xx(service, body):
     assert response.status_code < 500, response.text
     if response.status_code == 200:
         assert _reconciles(client, admin)
+
+
+def test_damaged_parquet_footers_never_abort_the_server_process(tmp_path):
+    """pyarrow aborts the whole process (an untranslated C++ exception) when asked for some damaged files'
+    column-chunk metadata; the ingest path must never ask. Byte-flipped files go through it in a child process,
+    which would die instead of printing "ok"."""
+    script = tmp_path / "flip.py"
+    script.write_text(
+        "import io, random\n"
+        "import pyarrow as pa, pyarrow.parquet as pq\n"
+        "from llmvisor.service.ingest import PayloadError, _trace_from_parquet\n"
+        "rows = [{'run_id': 'r', 'step_id': i, 'step_latency_s': 0.01, 'request_id': f'q{i}', 'tenant': 't',\n"
+        "         'num_new_tokens': 1, 'num_context_tokens': 5, 'phase': 'decode'} for i in range(4)]\n"
+        "sink = pa.BufferOutputStream(); pq.write_table(pa.Table.from_pylist(rows), sink)\n"
+        "base = bytearray(sink.getvalue().to_pybytes())\n"
+        "rng = random.Random(7)\n"
+        "for _ in range(3000):\n"
+        "    data = bytearray(base)\n"
+        "    for _ in range(rng.randint(1, 4)):\n"
+        "        data[rng.randrange(len(data) - 8, len(data)) if rng.random() < 0.3 else rng.randrange(len(data))] = rng.randrange(256)\n"
+        "    try:\n"
+        "        _trace_from_parquet(bytes(data), max_rows=100_000, max_decoded_bytes=10**7)\n"
+        "    except Exception:\n"
+        "        pass\n"
+        "print('ok')\n"
+    )
+    completed = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0 and completed.stdout.strip() == "ok", completed.stderr[-2000:]
