@@ -42,7 +42,7 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from llmvisor.client import StepPusher, StepRelay, service_url_from_env
+from llmvisor.client import StepPusher, StepRelay, service_url_from_env, step_rows
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN, EngineFingerprint, fingerprint_sidecar
 from llmvisor.core.trace import TraceWriter
 from llmvisor.engines.vllm.fingerprint import engine_fingerprint
@@ -409,29 +409,9 @@ class RecordingScheduler(Scheduler):
         if not self.is_recording:
             return
         first_step_id = self.num_recorded_steps - len(self._unwritten)
-        warmup_steps = self.recorder_settings.warmup_steps
-        constant = self._constant_columns
+        header = {"columns": self._constant_columns, "warmup_steps": self.recorder_settings.warmup_steps}
         for offset, (start_s, latency_s, slices) in enumerate(self._unwritten):
-            step_id = first_step_id + offset
-            timestamp_s = start_s + self._wall_minus_perf_s
-            is_warmup = step_id < warmup_steps
-            rows = [
-                {
-                    "step_id": step_id,
-                    "step_latency_s": latency_s,
-                    "request_id": request_id,
-                    "tenant": str(tenant),
-                    "num_new_tokens": num_new,
-                    "num_context_tokens": num_context,
-                    "num_shared_context_tokens": num_shared,
-                    "effective_context_tokens": num_effective,
-                    "phase": "prefill" if is_prefill else "decode",
-                    "timestamp_s": timestamp_s,
-                    **constant,
-                    "is_warmup": is_warmup,
-                }
-                for request_id, tenant, num_new, num_context, is_prefill, num_shared, num_effective in slices
-            ]
+            rows = step_rows(header, [first_step_id + offset, start_s + self._wall_minus_perf_s, latency_s, slices])
             if self._writer is not None:
                 self._writer.write_step(rows)
             if self._pusher is not None:
