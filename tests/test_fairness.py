@@ -209,7 +209,10 @@ def test_quotas_are_charged_attributed_seconds_even_with_the_token_cost(model_pa
 # ---------------------------------------------------------------------------------------------- admission
 
 
-@pytest.mark.parametrize("coef_sets,boundary", [([BASE], None), ([BASE, HEAVY], 6)])
+WITH_EFFECTIVE_CONTEXT = [c if name != "effective_context_tokens" else 6e-07 for name, c in zip(FEATURE_NAMES, BASE)]
+
+
+@pytest.mark.parametrize("coef_sets,boundary", [([BASE], None), ([BASE, HEAVY], 6), ([WITH_EFFECTIVE_CONTEXT], None)])
 @settings(max_examples=40, deadline=None)
 @given(contexts=st.lists(st.integers(0, 4000), min_size=1, max_size=12))
 def test_closed_form_decode_step_matches_the_attributors_prediction(coef_sets, boundary, contexts):

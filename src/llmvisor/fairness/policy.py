@@ -463,10 +463,12 @@ class AdmissionController:
         return self._coef[0] if self.boundary is None or load < self.boundary else self._coef[1]
 
     def decode_step_s(self, num_decodes: int, sum_context_tokens: float) -> float:
+        """A decode step's predicted seconds, every context counted as its own (effective context = context):
+        sharing is not known before admission, and assuming none errs on the side of the SLO."""
         if num_decodes <= 0:
             return 0.0
         coef = self._set(num_decodes)
-        return coef[Coef.B] + coef[Coef.D2] * sum_context_tokens + coef[Coef.D4] * num_decodes
+        return coef[Coef.B] + (coef[Coef.D2] + coef[Coef.E]) * sum_context_tokens + coef[Coef.D4] * num_decodes
 
     def prefill_cost_s(self, num_prompt_tokens: int, num_cached_tokens: int = 0, num_decodes: int = 0) -> float:
         """Own prefill terms of the request's chunks: the time its prefill adds to the steps it runs in."""
