@@ -10,7 +10,17 @@ import pytest
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import DEFAULT_COEF_S
 from llmvisor.core.trace import TraceWriter
-from llmvisor.fairness.experiment import analyse_run, goals, report_sections, workload_tenants
+from llmvisor.errors import LlmvisorError
+from llmvisor.fairness.experiment import (
+    admission,
+    alone_workload,
+    analyse_run,
+    goals,
+    model_free,
+    model_free_goals,
+    report_sections,
+    workload_tenants,
+)
 
 
 def fixed_model() -> StepLatencyModel:
@@ -116,3 +126,60 @@ def test_report_sections_render(run):
     sections = report_sections(json.loads(json.dumps(result)))
     assert [heading for heading, _ in sections] == ["Fairness: FCFS vs token VTC vs attributed VTC", "Fairness over time"]
     assert "attributed VTC" in sections[0][1] and "<img" in sections[1][1]
+
+
+def _summary(finished: dict, interval=(10.0, 90.0), backlogged=None) -> dict:
+    return {"interval_s": list(interval), "requests_finished": finished, "backlogged_throughout": list(backlogged if backlogged is not None else finished)}
+
+
+def test_model_free_service_divides_completions_under_the_policy_by_completions_alone():
+    alone = {"a": _summary({"a": 800}), "b": _summary({"b": 400}, interval=(10.0, 50.0))}  # 10/s and 10/s alone
+    fair = model_free(_summary({"a": 400, "b": 400}), alone)  # 5/s each: half the engine each
+    assert fair["alone_completions_per_s"] == {"a": pytest.approx(10.0), "b": pytest.approx(10.0)}
+    assert fair["normalised_service"] == {"a": pytest.approx(0.5), "b": pytest.approx(0.5)}
+    assert fair["max_min"] == pytest.approx(1.0) and fair["jain"] == pytest.approx(1.0)
+    skewed = model_free(_summary({"a": 600, "b": 200}), alone)
+    assert skewed["max_min"] == pytest.approx(3.0) and skewed["jain"] == pytest.approx(0.8)
+    partly = model_free(_summary({"a": 600, "b": 200}, backlogged=["a"]), alone)  # b not backlogged: not compared
+    assert partly["tenants_compared"] == ["a"] and partly["max_min"] is None
+
+
+def test_alone_workload_keeps_the_tenant_and_offers_the_total_rate():
+    workload = {"tenants": workload_tenants(2, rate_rps=4.0, history_tokens=64, n_conversations=2, prompt_tokens=8, output_tokens=8, shared_documents=1), "duration_s": 5.0, "seed": 3}
+    alone = alone_workload(workload, "shared")
+    assert [t["name"] for t in alone["tenants"]] == ["shared"] and alone["tenants"][0]["rate_rps"] == 12.0
+    assert alone["tenants"][0]["n_conversations"] == 1 and alone["seed"] == 3
+    with pytest.raises(LlmvisorError, match="no tenant 'x'"):
+        alone_workload(workload, "x")
+
+
+def _slo_run(tpots: dict, name: str) -> dict:
+    requests = []
+    for tenant, values in tpots.items():
+        for k, tpot in enumerate(values):
+            requests.append({"request_id": f"{tenant}-{k}", "tenant": tenant, "arrival_s": 1.0, "first_token_s": 20.0, "finish_s": 20.0 + 10 * tpot, "output_tokens": 11})
+    requests.append({"request_id": "late", "tenant": "a", "arrival_s": 1.0, "first_token_s": 95.0, "finish_s": 96.0, "output_tokens": 11})  # outside
+    return {"name": name, "tenants": list(tpots), "requests": requests}
+
+
+def test_admission_reports_slo_attainment_goodput_and_deferrals():
+    without = _slo_run({"a": [0.03, 0.07, 0.09], "b": [0.04, 0.06]}, "attributed")
+    with_slo = _slo_run({"a": [0.03, 0.04], "b": [0.045, 0.02, 0.01]}, "attributed-slo")
+    with_slo["scheduler_state"] = {"deferral_waits_s": {"a": [0.5, 1.5]}, "deferred_waiting": {"b": 1}, "num_deferred": 9, "tpot_prediction_factor": 1.2}
+    runs = {"attributed": without, "attributed-slo": with_slo}
+    out = admission({"summary": _summary({})}, {"summary": _summary({})}, runs, 0.05)
+    assert out["without"]["tenants"]["a"]["requests"] == 3 and out["without"]["tenants"]["a"]["met_slo_fraction"] == pytest.approx(1 / 3)
+    assert out["without"]["all"]["met_slo_fraction"] == pytest.approx(2 / 5)
+    assert out["without"]["all"]["goodput_tokens_per_s"] == pytest.approx(2 * 11 / 80)
+    assert out["with"]["all"]["met_slo_fraction"] == 1.0 and out["with"]["all"]["goodput_tokens_per_s"] == pytest.approx(5 * 11 / 80)
+    assert out["deferrals"]["a"] == {"requests_deferred": 2, "still_deferred_at_end": 0, "wait_s": {"n": 2, "p50": 1.0, "p99": pytest.approx(1.49)}}
+    assert out["deferrals"]["b"]["requests_deferred"] == 1 and out["deferrals"]["b"]["still_deferred_at_end"] == 1
+    assert out["goals"] == {"p99_tpot_within_slo": True, "goodput_not_below_without": True}
+    worse = admission({"summary": _summary({})}, {"summary": _summary({})}, {"attributed": with_slo, "attributed-slo": {**without, "scheduler_state": {}}}, 0.05)
+    assert worse["goals"] == {"p99_tpot_within_slo": False, "goodput_not_below_without": False}
+
+
+def test_model_free_goal_judges_attributed_vtc():
+    judged = model_free_goals({"fcfs": {"model_free": {"max_min": 2.5}}, "attributed": {"model_free": {"max_min": 1.1}}})
+    assert judged["attributed_model_free_within_max_min"] and judged["fcfs_model_free_max_min"] == 2.5
+    assert model_free_goals({"attributed": {"model_free": {"max_min": 1.3}}})["attributed_model_free_within_max_min"] is False

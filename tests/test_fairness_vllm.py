@@ -226,6 +226,11 @@ def test_slo_admission_stops_batching_where_predicted_time_per_token_would_excee
     assert len(finished) == 6
     assert small_kv.max_running == 3  # a third request fits the SLO, a fourth would not
     assert small_kv.scheduler.fair.num_deferred > 0
+    state = small_kv.scheduler.fair_state()
+    waits = state["deferral_waits_s"]["t"]
+    # the fourth request, refused at the head of the queue until the first three finished together
+    assert len(waits) >= 1 and all(w > 0 for w in waits)
+    assert state["deferred_waiting"] == {}  # every deferred request was admitted in the end
     for admission in small_kv.scheduler.admissions:
         decision = admission.decision
         assert decision is not None and decision.admit

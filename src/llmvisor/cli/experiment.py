@@ -37,6 +37,8 @@ def fairness(
     threads: eo.Threads = eo.THREADS,
     enforce_eager: eo.EnforceEager = eo.ENFORCE_EAGER,
     seed: Annotated[int, typer.Option(help="Seed of arrivals, prompts and the engine's sampling (the same for every policy).")] = 0,
+    alone: Annotated[bool, typer.Option(help="Also run each tenant alone (at the total offered rate) for the model-free fairness figures.")] = True,
+    tpot_slo_s: Annotated[float, typer.Option(help="Also run attributed VTC with admission control at this TPOT SLO (seconds) for the admission figures; 0: no such run.")] = 0.05,
     analyse_only: Annotated[bool, typer.Option(help="Re-analyse the runs already in --output instead of running the engine.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print only the result JSON to stdout.")] = False,
 ) -> None:
@@ -75,6 +77,8 @@ def fairness(
         workload=workload,
         window_s=window_s,
         warmup_s=warmup_s,
+        alone=alone,
+        tpot_slo_s=tpot_slo_s or None,
         analyse_only=analyse_only,
         progress=lambda message: console.print(f"[bold]fairness[/]: {message}", highlight=False),
     )
@@ -105,4 +109,37 @@ def print_summary(console: Console, result: dict) -> None:
                 f"{summary['output_tokens_per_s']:.1f}" if k == 0 else "",
             )
     print_table(table, console)
+    free = [(policy, data["model_free"]) for policy, data in result["policies"].items() if data.get("model_free")]
+    if free:
+        table = Table(title="model-free: completions/s under the policy ÷ completions/s alone")
+        for column in ("policy", *next(iter(free))[1]["normalised_service"], "max/min", "Jain"):
+            table.add_column(column, justify="right", no_wrap=True)
+        for policy, figures in free:
+            table.add_row(
+                POLICY_LABELS[policy],
+                *(f"{value:.2f}" for value in figures["normalised_service"].values()),
+                "–" if figures["max_min"] is None else f"{figures['max_min']:.2f}",
+                "–" if figures["jain"] is None else f"{figures['jain']:.3f}",
+            )
+        print_table(table, console)
+    if "admission" in result:
+        data = result["admission"]
+        table = Table(title=f"admission control at a TPOT SLO of {1000 * data['tpot_slo_s']:.0f} ms (attributed VTC)")
+        for column in ("tenant", "run", "finished", "met SLO", "TPOT p50/p99 ms", "goodput tok/s", "deferred", "wait p50/p99 s"):
+            table.add_column(column, justify="right", no_wrap=True)
+        for tenant in [*data["with"]["tenants"], "all"]:
+            for key in ("without", "with"):
+                row = data[key]["all"] if tenant == "all" else data[key]["tenants"][tenant]
+                deferral = data["deferrals"].get(tenant) if key == "with" else None
+                table.add_row(
+                    tenant if key == "without" else "",
+                    key,
+                    f"{row['requests']}",
+                    "–" if row["met_slo_fraction"] is None else f"{row['met_slo_fraction']:.0%}",
+                    f"{format_seconds(row['tpot_s']['p50'], 1000)}/{format_seconds(row['tpot_s']['p99'], 1000)}",
+                    f"{row['goodput_tokens_per_s']:.0f}",
+                    "" if deferral is None else f"{deferral['requests_deferred']}",
+                    "" if deferral is None else f"{format_seconds(deferral['wait_s']['p50'])}/{format_seconds(deferral['wait_s']['p99'])}",
+                )
+        print_table(table, console)
     console.print(result["goals"])

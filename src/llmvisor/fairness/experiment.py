@@ -102,6 +102,22 @@ def workload_tenants(
     return tenants
 
 
+ALONE_PREFIX = "alone-"
+SLO_RUN = "attributed-slo"
+"""Attributed VTC with SLO admission control (``tpot_slo_s``), run beside the policies on the same arrivals."""
+
+
+def alone_workload(workload: dict, tenant_name: str) -> dict:
+    """One tenant's requests alone, arriving at the whole experiment's offered rate (every tenant's rate summed):
+    the tenant stays backlogged alone as it was under contention, so its completion rate alone is what the
+    engine gives it when it has the engine to itself."""
+    tenants = workload["tenants"]
+    tenant = next((t for t in tenants if t["name"] == tenant_name), None)
+    if tenant is None:
+        raise LlmvisorError(f"no tenant {tenant_name!r} in the workload")
+    return {**workload, "tenants": [{**tenant, "rate_rps": float(sum(t["rate_rps"] for t in tenants))}]}
+
+
 # ------------------------------------------------------------------------------------------------ analysis
 
 
@@ -267,6 +283,89 @@ def insitu_check(runs: dict, *, window_s: float, warmup_s: float) -> dict | None
     return out
 
 
+def completion_rates(summary: dict) -> dict[str, float]:
+    """Requests finished per second in the analysed interval, per tenant."""
+    lo, hi = summary["interval_s"]
+    return {tenant: n / (hi - lo) for tenant, n in summary["requests_finished"].items()}
+
+
+def model_free(summary: dict, alone: dict[str, dict]) -> dict:
+    """Fairness measured without any latency model: each tenant's completions/s under the policy ÷ its
+    completions/s alone on the engine. Fair time-sharing among n backlogged tenants gives each 1/n of the engine,
+    so these normalised services are equal; their max/min and Jain index are taken over the tenants backlogged
+    throughout the policy's run."""
+    rates = completion_rates(summary)
+    alone_rates = {tenant: completion_rates(s)[tenant] for tenant, s in alone.items()}
+    normalised = {tenant: rates[tenant] / alone_rates[tenant] for tenant in rates if alone_rates.get(tenant)}
+    backlogged = [tenant for tenant in summary["backlogged_throughout"] if tenant in normalised]
+    ratio, jain = _fairness([normalised[tenant] for tenant in backlogged])
+    return {
+        "completions_per_s": rates,
+        "alone_completions_per_s": alone_rates,
+        "normalised_service": normalised,
+        "tenants_compared": backlogged,
+        "max_min": ratio,
+        "jain": jain,
+    }
+
+
+def slo_figures(run: dict, summary: dict, tpot_slo_s: float) -> dict:
+    """Per tenant and overall: requests finished in the analysed interval, the share whose time per output token
+    met the SLO, TPOT p50/p99, and goodput (output tokens/s of the requests that met it)."""
+    lo, hi = summary["interval_s"]
+    seconds = hi - lo
+    by_tenant: dict[str, list[tuple[float, int]]] = {tenant: [] for tenant in run["tenants"]}
+    for r in run["requests"]:
+        if r["finish_s"] is not None and lo <= r["finish_s"] < hi and r["output_tokens"] > 1 and r["tenant"] in by_tenant:
+            by_tenant[r["tenant"]].append(((r["finish_s"] - r["first_token_s"]) / (r["output_tokens"] - 1), r["output_tokens"]))
+
+    def figures(rows: list[tuple[float, int]]) -> dict:
+        tpot = np.array([t for t, _ in rows], dtype=np.float64)
+        met = tpot <= tpot_slo_s
+        tokens = np.array([n for _, n in rows], dtype=np.float64)
+        return {
+            "requests": int(tpot.size),
+            "met_slo_fraction": float(met.mean()) if tpot.size else None,
+            "tpot_s": _percentiles(tpot.tolist()),
+            "goodput_tokens_per_s": float(tokens[met].sum() / seconds),
+            "output_tokens_per_s": float(tokens.sum() / seconds),
+        }
+
+    out = {"tenants": {tenant: figures(rows) for tenant, rows in by_tenant.items()}}
+    out["all"] = figures([row for rows in by_tenant.values() for row in rows])
+    return out
+
+
+def admission(without: dict, with_slo: dict, runs: dict[str, dict], tpot_slo_s: float) -> dict:
+    """Attributed VTC without and with SLO admission control on the same arrivals: what the SLO buys and costs."""
+    state = runs[SLO_RUN].get("scheduler_state") or {}
+    waits = state.get("deferral_waits_s") or {}
+    still_waiting = state.get("deferred_waiting") or {}
+    deferrals = {
+        tenant: {
+            "requests_deferred": len(waits.get(tenant, [])) + int(still_waiting.get(tenant, 0)),
+            "still_deferred_at_end": int(still_waiting.get(tenant, 0)),
+            "wait_s": _percentiles(waits.get(tenant, [])),
+        }
+        for tenant in runs[SLO_RUN]["tenants"]
+    }
+    result = {
+        "tpot_slo_s": tpot_slo_s,
+        "without": slo_figures(runs["attributed"], without["summary"], tpot_slo_s),
+        "with": slo_figures(runs[SLO_RUN], with_slo["summary"], tpot_slo_s),
+        "deferrals": deferrals,
+        "deferral_decisions": int(state.get("num_deferred", 0)),
+        "tpot_prediction_factor": state.get("tpot_prediction_factor"),
+    }
+    with_all, without_all = result["with"]["all"], result["without"]["all"]
+    p99 = with_all["tpot_s"]["p99"]
+    result["goals"] = {
+        "p99_tpot_within_slo": None if p99 is None else p99 <= tpot_slo_s,
+        "goodput_not_below_without": with_all["goodput_tokens_per_s"] >= without_all["goodput_tokens_per_s"],
+    }
+    return result
+
+
 def goals(policies: dict) -> dict:
     """The issue's goals, judged on the figures (None where a policy did not run)."""
     out: dict = {"max_min_goal": GOAL_MAX_MIN, "jain_goal": GOAL_JAIN, "throughput_loss_goal": GOAL_THROUGHPUT_LOSS}
@@ -285,6 +384,18 @@ def goals(policies: dict) -> dict:
             change = attributed["output_tokens_per_s"] / fcfs["output_tokens_per_s"] - 1
             out["throughput_change_vs_fcfs"] = change
             out["throughput_within_goal"] = change >= -GOAL_THROUGHPUT_LOSS
+    return out
+
+
+def model_free_goals(policies: dict) -> dict:
+    """The ground-truth issue's goal on the model-free figures: attributed VTC's max/min of normalised service."""
+    out: dict = {"model_free_max_min_goal": GOAL_MAX_MIN}
+    for name, data in policies.items():
+        figures = data.get("model_free")
+        if figures:
+            out[f"{name}_model_free_max_min"] = figures["max_min"]
+    ratio = out.get("attributed_model_free_max_min")
+    out["attributed_model_free_within_max_min"] = None if ratio is None else ratio <= GOAL_MAX_MIN
     return out
 
 
@@ -326,6 +437,32 @@ def plot(result: dict):
     handles, labels = axes[0, 0].get_legend_handles_labels()
     figure.tight_layout(rect=(0, 0, 1, 0.96))
     figure.legend(handles, labels, loc="upper center", ncol=len(labels) or 1, fontsize=9, frameon=False)
+    return figure
+
+
+def plot_admission(result: dict):
+    """Per tenant, without and with SLO admission: share of requests that met the TPOT SLO, and goodput."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = result["admission"]
+    tenants = [*data["with"]["tenants"], "all"]
+    figure, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    x = np.arange(len(tenants))
+    for offset, key, label, color in ((-0.2, "without", "attributed VTC", "#1f77b4"), (0.2, "with", f"+ SLO admission ({1000 * data['tpot_slo_s']:.0f} ms)", "#2ca02c")):
+        rows = [data[key]["tenants"].get(t) if t != "all" else data[key]["all"] for t in tenants]
+        axes[0].bar(x + offset, [100 * (r["met_slo_fraction"] or 0) for r in rows], 0.4, label=label, color=color)
+        axes[1].bar(x + offset, [r["goodput_tokens_per_s"] for r in rows], 0.4, label=label, color=color)
+    axes[0].set_ylabel("requests meeting the TPOT SLO (%)")
+    axes[1].set_ylabel("goodput (output tokens/s of requests meeting it)")
+    for axis in axes:
+        axis.set_xticks(x, tenants)
+        axis.grid(alpha=0.3, axis="y")
+    handles, labels = axes[0].get_legend_handles_labels()
+    figure.tight_layout(rect=(0, 0, 1, 0.9))
+    figure.legend(handles, labels, loc="upper center", ncol=2, fontsize=9, frameon=False)
     return figure
 
 
@@ -377,10 +514,41 @@ def report_sections(result: dict) -> list[tuple[str, str]]:
         + f"Figures over {setup['window_s']:.0f} s windows after {setup['warmup_s']:.0f} s; fairness among tenants backlogged throughout.</p>"
     )
     table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
-    return [
-        ("Fairness: FCFS vs token VTC vs attributed VTC", note + table),
+    sections = [
+        ("Fairness: FCFS vs token VTC vs attributed VTC", note + table + _model_free_html(result)),
         ("Fairness over time", img_tag(figure_png_base64(plot(result)), "attributed engine time, token service and TTFT per tenant per window")),
     ]
+    if "admission" in result:
+        data = result["admission"]
+        text = (
+            f"<p class='note'>Attributed VTC on the same arrivals, without and with admission control at a TPOT SLO of "
+            f"{1000 * data['tpot_slo_s']:.0f} ms: requests finished {data['without']['all']['requests']} vs {data['with']['all']['requests']}; "
+            f"meeting the SLO {100 * (data['without']['all']['met_slo_fraction'] or 0):.0f}% vs {100 * (data['with']['all']['met_slo_fraction'] or 0):.0f}%; "
+            f"goodput {data['without']['all']['goodput_tokens_per_s']:.0f} vs {data['with']['all']['goodput_tokens_per_s']:.0f} output tokens/s.</p>"
+        )
+        sections.append(("Admission control against a TPOT SLO", text + img_tag(figure_png_base64(plot_admission(result)), "share meeting the SLO and goodput per tenant")))
+    return sections
+
+
+def _model_free_html(result: dict) -> str:
+    import html
+
+    rows = []
+    for policy in POLICIES:
+        figures = result["policies"].get(policy, {}).get("model_free")
+        if not figures:
+            continue
+        services = ", ".join(f"{t} {v:.2f}" for t, v in figures["normalised_service"].items())
+        ratio = "—" if figures["max_min"] is None else f"{figures['max_min']:.2f}"
+        jain = "—" if figures["jain"] is None else f"{figures['jain']:.3f}"
+        rows.append(f"<tr><td>{html.escape(POLICY_LABELS[policy])}</td><td>{html.escape(services)}</td><td>{ratio}</td><td>{jain}</td></tr>")
+    if not rows:
+        return ""
+    return (
+        "<p class='note'>Model-free: each tenant's completions/s under the policy ÷ its completions/s alone on the engine "
+        "(fair time-sharing makes them equal).</p><table><thead><tr><th>policy</th><th>normalised service</th>"
+        f"<th>max/min</th><th>Jain</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+    )
 
 
 def format_seconds(value, scale: float = 1.0) -> str:
@@ -408,6 +576,12 @@ def run_policy(spec: dict, log_path: Path) -> dict:
     return json.loads((Path(spec["out_dir"]) / "result.json").read_text())
 
 
+def _load_run(out_dir: Path, name: str) -> dict:
+    if not (out_dir / "result.json").is_file():
+        raise LlmvisorError(f"--analyse-only: {out_dir / 'result.json'} not found; run {name} first")
+    return json.loads((out_dir / "result.json").read_text())
+
+
 def run_experiment(
     output: Path,
     *,
@@ -418,42 +592,62 @@ def run_experiment(
     workload: dict,
     window_s: float,
     warmup_s: float,
+    alone: bool = True,
+    tpot_slo_s: float | None = None,
     analyse_only: bool = False,
     progress=None,
 ) -> dict:
     """Run each policy in its own engine process (or re-read its run), analyse all alike, write fairness.json/png.
 
     ``engine`` holds the `EngineSettings` fields other than the engine model; ``workload`` is
-    ``{"tenants": workload_tenants(...), "duration_s": ..., "seed": ...}``.
+    ``{"tenants": workload_tenants(...), "duration_s": ..., "seed": ...}``. With ``alone``, each tenant also runs
+    alone (`alone_workload`) for the model-free fairness figures; with ``tpot_slo_s``, attributed VTC runs once
+    more with SLO admission control (`admission`).
     """
 
     say = progress or (lambda message: None)
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise LlmvisorError(f"--policy: unknown {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
+    if tpot_slo_s is not None and not (math.isfinite(tpot_slo_s) and tpot_slo_s > 0):
+        raise LlmvisorError(f"--tpot-slo-s: must be a positive number of seconds (got {tpot_slo_s})")
+    if tpot_slo_s is not None and "attributed" not in policies:
+        raise LlmvisorError("--tpot-slo-s: the admission comparison needs the attributed policy (add --policy attributed)")
     model_path = str(latency_model_path if latency_model_path is not None else shipped.latency_model_path())
     if not os.path.exists(model_path):
         raise LlmvisorError(f"--latency-model: {model_path} not found; fit one with `llmvisor fit TRACE -o model.json`")
     charge_model = StepLatencyModel.from_json(model_path)
     output.mkdir(parents=True, exist_ok=True)
+    plan: list[tuple[str, str, dict, float | None]] = [(name, name, workload, None) for name in policies]
+    if tpot_slo_s is not None:
+        plan.append((SLO_RUN, "attributed", workload, tpot_slo_s))
+    if alone:
+        plan += [(ALONE_PREFIX + t["name"], "fcfs", alone_workload(workload, t["name"]), None) for t in workload["tenants"]]
     runs = {}
-    for name in policies:
+    for name, policy, run_workload, slo in plan:
         out_dir = output / name
         if analyse_only:
-            if not (out_dir / "result.json").is_file():
-                raise LlmvisorError(f"--analyse-only: {out_dir / 'result.json'} not found; run policy {name} first")
-            runs[name] = json.loads((out_dir / "result.json").read_text())
+            runs[name] = _load_run(out_dir, name)
             continue
-        spec = {"policy": name, "out_dir": str(out_dir), "model_dir": str(engine_dir), "model_path": model_path, "engine": engine, "workload": workload}
-        say(f"running {POLICY_LABELS[name]} for {workload['duration_s']:.0f} s (+ engine start) …")
+        spec = {
+            "policy": policy, "name": name, "tpot_slo_s": slo, "out_dir": str(out_dir), "model_dir": str(engine_dir),
+            "model_path": model_path, "engine": engine, "workload": run_workload,
+        }
+        say(f"running {name} for {run_workload['duration_s']:.0f} s (+ engine start) …")
         started = time.perf_counter()
         runs[name] = run_policy(spec, out_dir / "engine.log")
         overhead = runs[name].get("scheduler_overhead")
         extra = f"; scheduler's own work {100 * overhead['fraction_of_step_time']:.3f}% of step time ({overhead['added_time_per_step_us']:.0f} µs/step)" if overhead else ""
         say(f"  done in {time.perf_counter() - started:.0f} s{extra}")
-    analysed = {name: analyse_run(run, charge_model, window_s=window_s, warmup_s=warmup_s) for name, run in runs.items()}
-    first = next(iter(runs.values()))
-    check = insitu_check(runs, window_s=window_s, warmup_s=warmup_s)
+    analysed_all = {name: analyse_run(run, charge_model, window_s=window_s, warmup_s=warmup_s) for name, run in runs.items()}
+    analysed = {name: analysed_all[name] for name in policies}
+    alone_runs = {name.removeprefix(ALONE_PREFIX): analysed_all[name] for name in runs if name.startswith(ALONE_PREFIX)}
+    if alone_runs:
+        alone_summaries = {tenant: data["summary"] for tenant, data in alone_runs.items()}
+        for data in analysed.values():
+            data["model_free"] = model_free(data["summary"], alone_summaries)
+    first = runs[policies[0]]
+    check = insitu_check({name: runs[name] for name in policies}, window_s=window_s, warmup_s=warmup_s)
     result = {
         "experiment": "fairness",
         "setup": {
@@ -467,14 +661,33 @@ def run_experiment(
             "model_boundary_new_tokens": charge_model.boundary_,
             "model_coef_s": [dict(zip(FEATURE_NAMES, map(float, row))) for row in charge_model.coef_],
             "hardware": _hardware(),
+            "alone_rule": "each tenant alone, arriving at the experiment's total offered rate (every tenant's rate summed), vLLM's FCFS scheduler",
         },
         "policies": analysed,
         "goals": goals(analysed),
         "insitu_check": check,
     }
+    if alone_runs:
+        result["alone"] = {
+            tenant: {
+                "workload": runs[ALONE_PREFIX + tenant]["workload"],
+                "completions_per_s": completion_rates(data["summary"])[tenant],
+                "backlogged_throughout": tenant in data["summary"]["backlogged_throughout"],
+                "summary": data["summary"],
+            }
+            for tenant, data in alone_runs.items()
+        }
+        result["goals"].update(model_free_goals(analysed))
+    if SLO_RUN in runs:
+        with_slo = analysed_all[SLO_RUN]
+        result["admission"] = admission(analysed["attributed"], with_slo, runs, tpot_slo_s if tpot_slo_s is not None else runs[SLO_RUN]["tpot_slo_s"])
+        result["admission"]["run_summary"] = with_slo["summary"]
+        result["admission"]["scheduler_overhead"] = with_slo.get("scheduler_overhead")
     (output / "fairness.json").write_text(json.dumps(result, indent=2) + "\n")
     figure = plot(result)
     figure.savefig(output / "fairness.png", dpi=110, bbox_inches="tight")
+    if "admission" in result:
+        plot_admission(result).savefig(output / "admission.png", dpi=110, bbox_inches="tight")
     return result
 
 

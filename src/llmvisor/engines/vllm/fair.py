@@ -49,6 +49,13 @@ MODEL_FINGERPRINT_MISMATCH = prometheus_client.Gauge(
 )
 
 
+def _count_by_tenant(tenants) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for tenant in tenants:
+        counts[tenant] = counts.get(tenant, 0) + 1
+    return counts
+
+
 def check_model_fingerprint(model, fingerprint) -> bool | None:
     """Whether ``model`` was fitted on this engine (None: the model or the engine has no fingerprint); a
     mismatch is logged as a warning and sets ``llmvisor_fair_model_fingerprint_mismatch``."""
@@ -243,6 +250,9 @@ class FairScheduler(RecordingScheduler):
         self._pass_reserved: dict[str, tuple[str, float]] = {}
         self._pass_decision: AdmissionDecision | None = None
         self._pass_keys: dict[str, float] = {}
+        self._deferred_since: dict[str, tuple[str, float]] = {}
+        self._pass_admitted_deferred: dict[str, tuple[str, float]] = {}
+        self.deferral_waits_s: dict[str, list[float]] = {}
         self._steps: dict[int, tuple] = {}
         self._fair_time_s = 0.0
         self._fair_step_s = 0.0
@@ -276,6 +286,8 @@ class FairScheduler(RecordingScheduler):
             max(1, request.max_tokens - request.num_output_tokens),
         )
         self._pass_decision = decision
+        if not decision.admit:
+            self._deferred_since.setdefault(request.request_id, (tenant, self._pass_now_s))
         return decision
 
     def _popped(self, request, tenant: str) -> None:
@@ -288,6 +300,9 @@ class FairScheduler(RecordingScheduler):
         stats[1] += request.num_tokens
         self.admissions.append(Admission(self.current_step, request.request_id, tenant, self._pass_keys, self._pass_decision))
         self.num_admitted += 1
+        deferred = self._deferred_since.pop(request.request_id, None)
+        if deferred is not None:
+            self._pass_admitted_deferred[request.request_id] = deferred
 
     def _returned(self, request, tenant: str) -> None:
         reserved = self._pass_reserved.pop(request.request_id, None)
@@ -297,6 +312,9 @@ class FairScheduler(RecordingScheduler):
             stats[0] -= 1
             stats[1] -= request.num_tokens
             self.num_admitted -= 1
+            deferred = self._pass_admitted_deferred.pop(request.request_id, None)
+            if deferred is not None:
+                self._deferred_since[request.request_id] = deferred
             if self.admissions and self.admissions[-1].request_id == request.request_id:
                 self.admissions.pop()
 
@@ -338,6 +356,9 @@ class FairScheduler(RecordingScheduler):
             scheduler_output = super().schedule(*args, **kwargs)
         finally:
             queue.end_pass()
+        for tenant, since_s in self._pass_admitted_deferred.values():
+            self.deferral_waits_s.setdefault(tenant, []).append(self._pass_now_s - since_s)
+        self._pass_admitted_deferred.clear()
         resumed = time.perf_counter()
         if scheduler_output.total_num_scheduled_tokens:
             self._steps[id(scheduler_output)] = self._step_slices(scheduler_output)
@@ -415,6 +436,9 @@ class FairScheduler(RecordingScheduler):
             "num_preempted": self.num_preempted,
             "num_lifts": vtc.num_lifts,
             "num_deferred": self.fair.num_deferred,
+            "deferral_waits_s": {tenant: list(waits) for tenant, waits in self.deferral_waits_s.items()},
+            "deferred_waiting": _count_by_tenant(tenant for tenant, _ in self._deferred_since.values()),
+            "tpot_prediction_factor": None if self.fair.admission is None else self.fair.admission.prediction_factor,
             "num_quota_waits": self.fair.num_quota_waits,
             "num_work_conserving": self.fair.num_work_conserving,
             "shared_counters": None if self.fair.shared is None else self.fair.shared.status(),

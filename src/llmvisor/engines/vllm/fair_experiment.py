@@ -6,7 +6,8 @@ with the step recorder on: ``fcfs`` is vLLM's own scheduler plus the recorder (`
 and ``attributed`` are `FairScheduler` with that cost. Arrivals follow a schedule fixed by the seed, the same
 for every policy; each step's new output tokens are logged with the time the step returned.
 
-The spec (JSON) holds ``policy``, ``out_dir``, ``model_dir`` (engine config folder), ``model_path`` (llmvisor
+The spec (JSON) holds ``policy``, ``name`` (the run's name: the policy, ``alone-TENANT`` for a tenant run
+alone, ``attributed-slo`` for attributed VTC with admission control), optional ``tpot_slo_s``, ``out_dir``, ``model_dir`` (engine config folder), ``model_path`` (llmvisor
 model), ``engine`` (EngineSettings fields) and ``workload`` (see `llmvisor.fairness.experiment.run_experiment`).
 """
 
@@ -73,10 +74,14 @@ def run(spec: dict) -> dict:
     has_weights = check_model_dir(settings.model)
     configure_environment(settings)
     os.environ["LLMVISOR_TRACE_PATH"] = str(trace_path)
-    os.environ["LLMVISOR_RUN_ID"] = f"fairness-{policy}"
+    name = spec.get("name", policy)
+    os.environ["LLMVISOR_RUN_ID"] = f"fairness-{name}"
     os.environ["LLMVISOR_UNIQUE_RUN_ID"] = "0"
     os.environ["LLMVISOR_WARMUP_STEPS"] = "0"
-    os.environ["LLMVISOR_FAIR_CONFIG"] = json.dumps({"cost": policy if policy != "fcfs" else "tokens", "model": spec["model_path"]})
+    fair_config = {"cost": policy if policy != "fcfs" else "tokens", "model": spec["model_path"]}
+    if spec.get("tpot_slo_s") is not None:
+        fair_config["tpot_slo_s"] = spec["tpot_slo_s"]
+    os.environ["LLMVISOR_FAIR_CONFIG"] = json.dumps(fair_config)
 
     import torch
 
@@ -184,6 +189,8 @@ def run(spec: dict) -> dict:
     scheduler.flush_trace()
     result = {
         "policy": policy,
+        "name": name,
+        "tpot_slo_s": spec.get("tpot_slo_s"),
         "engine_start_s": engine_start_s,
         "t0_wall_s": t0_wall,
         "end_s": end_s,
@@ -215,7 +222,7 @@ def main(argv: list[str]) -> int:
     overhead = result.get("scheduler_overhead")
     if overhead:
         print(
-            f"llmvisor: {result['policy']}: fair scheduler's own work {100 * overhead['fraction_of_step_time']:.3f}% of step time "
+            f"llmvisor: {result['name']}: fair scheduler's own work {100 * overhead['fraction_of_step_time']:.3f}% of step time "
             f"({overhead['added_time_per_step_us']:.1f} us/step over {overhead['n_steps']} steps)",
             file=sys.stderr,
         )
