@@ -126,6 +126,9 @@ class ModelRegistry:
                 if (engine_class, version) not in self._loaded:
                     self._loaded[(engine_class, version)] = load_version(self.ledger, engine_class, version)
                 active[engine_class] = ModelChoice(self._loaded[(engine_class, version)], version)
+                previous = self._active.get(engine_class)
+                if self.metrics is not None and previous is not None and previous.version != version:
+                    self.metrics.class_drift.reset(engine_class)  # residuals of the version replaced
             self._active = active
         for engine_class in self.ledger.pending_classes():
             choice = active.get(engine_class)
