@@ -149,18 +149,18 @@ def keys_revoke(
 
 
 def ledger_migrate(
-    source: Annotated[str, typer.Option("--from", help="URL of the schema-1 ledger to copy (only read).")],
-    target: Annotated[str, typer.Option("--to", help="URL of an empty database to copy it into (schema 2).")],
+    source: Annotated[str, typer.Option("--from", help="URL of the schema-1 or schema-2 ledger to copy (only read).")],
+    target: Annotated[str, typer.Option("--to", help="URL of an empty database to copy it into (the current schema).")],
     json_output: JsonOption = False,
 ) -> None:
-    """Copy a schema-1 ledger into a new schema-2 ledger and check that every total matches."""
+    """Copy a ledger of an older schema into a new ledger and check that every total matches."""
     from rich.progress import Progress
 
-    from llmvisor.ledger.migrate import migrate_schema_1
+    from llmvisor.ledger.migrate import migrate
 
     with Progress(transient=True, disable=json_output) as progress:
         task = progress.add_task("copying steps", total=None)
-        report = migrate_schema_1(source, target, progress=lambda done, total: progress.update(task, completed=done, total=total))
+        report = migrate(source, target, progress=lambda done, total: progress.update(task, completed=done, total=total))
     if json_output:
         echo_json(
             {
