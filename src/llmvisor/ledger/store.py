@@ -884,10 +884,16 @@ class Ledger:
     # Pending steps and stored steps read back (for attributing pending steps and for refits)
 
     def pending_classes(self) -> dict[str, int]:
-        """Classes with pending steps, and how many."""
+        """Classes with pending steps, and how many (reads every step's state: for reports, not per request)."""
         query = select(steps.c.engine_class, func.count()).where(steps.c.pending.is_(True)).group_by(steps.c.engine_class)
         with self._read() as conn:
             return {r[0]: int(r[1]) for r in conn.execute(query)}
+
+    def has_pending(self, engine_class: str) -> bool:
+        """Whether a class has a pending step (one index lookup)."""
+        query = select(steps.c.step_id).where(steps.c.engine_class == engine_class, steps.c.pending.is_(True)).limit(1)
+        with self._read() as conn:
+            return conn.execute(query).first() is not None
 
     def stored_steps(self, engine_class: str, *, pending_only: bool = False, newest: int | None = None) -> StoredSteps:
         """Steps of a class (only the pending ones, or the ``newest`` by start time) with their slices."""

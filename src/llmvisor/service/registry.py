@@ -130,9 +130,10 @@ class ModelRegistry:
                 if self.metrics is not None and previous is not None and previous.version != version:
                     self.metrics.class_drift.reset(engine_class)  # residuals of the version replaced
             self._active = active
-        for engine_class in self.ledger.pending_classes():
-            choice = active.get(engine_class)
-            if choice is not None:
+        if not self.pending_unknown_classes:
+            return
+        for engine_class, choice in active.items():
+            if self.ledger.has_pending(engine_class):
                 attribute_pending(self.ledger, engine_class, choice.model, choice.version, metrics=self.metrics)
 
     def choose(self, engine_class: str) -> ModelChoice:
