@@ -1,4 +1,5 @@
-"""Schema-1 ledgers copied into schema 2: every total, key and step detail carried over, the source untouched."""
+"""Ledgers of older schemas (1, 2) copied into the current one: every total, key and step detail carried over,
+the source untouched."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from sqlalchemy import create_engine, insert, inspect
+from sqlalchemy import create_engine, insert, inspect, text
 
 from _service_fixtures import T0_S, db_url, make_steps, model_path  # noqa: F401
 from llmvisor.cli.serve import ledger_migrate
@@ -15,7 +16,7 @@ from llmvisor.core.model import StepLatencyModel
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger, LedgerError, StepConflictError
 from llmvisor.ledger import keys as keys_module
-from llmvisor.ledger.migrate import SCHEMA_1_TABLES, migrate_schema_1
+from llmvisor.ledger.migrate import SCHEMA_1_TABLES, SCHEMA_3_STEP_COLUMNS, migrate, migrate_schema_1
 from llmvisor.service.ingest import prepare_batch, validate_trace
 
 ledger_info_1, steps_1, slices_1, api_keys_1 = SCHEMA_1_TABLES
@@ -120,7 +121,7 @@ def test_the_migrate_command_reports_what_it_copied(tmp_path, model_path, capsys
     ledger_migrate(source=source_url, target=f"sqlite:///{tmp_path}/schema2.db")
     out = capsys.readouterr().out
     assert f"copied 30 steps, {len(slice_rows)} slices, 1 keys" in out and "The source was not changed." in out
-    with pytest.raises(LlmvisorError, match="only version 1 is migrated"):
+    with pytest.raises(LlmvisorError, match="ledger schema version 3; versions 1 and 2 are migrated"):
         ledger_migrate(source=f"sqlite:///{tmp_path}/schema2.db", target=f"sqlite:///{tmp_path}/third.db")
 
 
@@ -131,3 +132,52 @@ def test_the_migrate_command_json_holds_the_copied_totals(tmp_path, model_path, 
     report = json.loads(capsys.readouterr().out)
     assert report["num_steps"] == 12 and report["num_slices"] == len(slice_rows) and report["num_keys"] == 1
     assert sum(report["attributed_ns_per_tenant"].values()) == report["attributed_ns"]
+
+
+def _schema_2_ledger(path, model, groups) -> str:
+    """A schema-2 ledger holding ``groups``: a current one with what schema 3 added taken away."""
+    url = f"sqlite:///{path}"
+    ledger = Ledger(url)
+    ledger.ingest(prepare_batch(model, validate_trace(groups), received_at_us=0).records)
+    ledger.create_key("tenant-1")
+    ledger.close()
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("DROP INDEX ix_steps_class_pending"))
+        for column in SCHEMA_3_STEP_COLUMNS:
+            conn.execute(text(f"ALTER TABLE steps DROP COLUMN {column}"))
+        conn.execute(text("DROP TABLE engine_models"))
+        conn.execute(text("DROP TABLE active_models"))
+        conn.execute(text("UPDATE ledger_info SET value = '2' WHERE name = 'schema_version'"))
+    engine.dispose()
+    return url
+
+
+def test_a_schema_2_ledger_is_copied_table_by_table(tmp_path, model_path, db_url):
+    model = StepLatencyModel.from_json(model_path)
+    groups = make_steps("run-a", 80, batch_size=9, step_interval_s=0.3, seed=1) + make_steps("run-b", 40, n_tenants=4, seed=2)
+    source_path = tmp_path / "schema2.db"
+    source_url = _schema_2_ledger(source_path, model, groups)
+    with pytest.raises(LedgerError, match="schema version 2, this llmvisor reads 3"):
+        Ledger(source_url)
+    source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
+    reference = Ledger(f"sqlite:///{tmp_path}/reference.db")
+    reference.ingest(prepare_batch(model, validate_trace(groups), received_at_us=0).records)
+
+    report = migrate(source_url, db_url)
+    assert report.num_steps == 120 and report.num_keys == 1
+    assert hashlib.sha256(source_path.read_bytes()).hexdigest() == source_digest
+    ledger = Ledger(db_url)
+    try:
+        assert ledger.totals() == reference.totals()
+        assert ledger.request_usage(limit=10_000) == reference.request_usage(limit=10_000)
+        step = ledger.step_detail("run-b", 9)
+        assert step.slices == reference.step_detail("run-b", 9).slices
+        assert (step.engine_class, step.model_version, step.pending) == ("", None, False)
+        again = ledger.ingest(prepare_batch(model, validate_trace(groups), received_at_us=0).records)
+        assert again.n_duplicate == 120
+    finally:
+        ledger.close()
+        reference.close()
+    with pytest.raises(LedgerError, match="must be an empty ledger"):
+        migrate(source_url, db_url)

@@ -261,6 +261,8 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
         ("POST", "/v1/steps"), ("GET", "/v1/usage/tenants"), ("GET", "/v1/usage/requests"), ("GET", "/v1/usage/top"),
         ("GET", "/v1/usage/totals"), ("GET", "/v1/whoami"), ("POST", "/v1/keys"), ("GET", "/v1/keys"),
         ("DELETE", "/v1/keys/{key_id}"), ("GET", "/metrics"), ("GET", "/healthz"), ("GET", "/v1/steps/{run_id}/{step_id}"),
+        ("GET", "/v1/models"), ("POST", "/v1/models"), ("POST", "/v1/models/{engine_class}/{version}/activate"),
+        ("GET", "/v1/models/drift"),
     }
     forbidden = [
         ("GET", "/v1/usage/tenants?tenant=tenant-0"),
@@ -274,9 +276,15 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
         ("GET", "/metrics"),
         ("POST", "/v1/steps"),
         ("GET", "/v1/steps/run-a/0"),
+        ("GET", "/v1/models"),
+        ("POST", "/v1/models"),
+        ("POST", "/v1/models/abc/1/activate"),
+        ("GET", "/v1/models/drift"),
     ]
     for method, path in forbidden:
         kwargs = {"json": {"tenant": "tenant-0"}} if path == "/v1/keys" and method == "POST" else {}
+        if path == "/v1/models" and method == "POST":
+            kwargs = {"json": {"model": {}, "engine_class": "tenant-0"}}
         if path == "/v1/steps":
             kwargs = {"json": {"steps": make_steps(n_steps=1, first_step=999)}}
         response = client.request(method, path, headers=other, **kwargs)

@@ -28,6 +28,12 @@ ADAPTERS: dict[str, dict[str, tuple[str, str, tuple[str, ...]]]] = {
         "validate": ("llmvisor.cli.validate", "validate", ()),
         "serve": ("llmvisor.cli.serve", "serve", ("service",)),
         "load": ("llmvisor.cli.load", "load", ("service",)),
+        "refit": ("llmvisor.cli.models", "refit", ("service",)),
+    },
+    "models": {
+        "add": ("llmvisor.cli.models", "models_add", ("service",)),
+        "list": ("llmvisor.cli.models", "models_list", ("service",)),
+        "activate": ("llmvisor.cli.models", "models_activate", ("service",)),
     },
     "keys": {
         "create": ("llmvisor.cli.serve", "keys_create", ("service",)),
@@ -100,6 +106,8 @@ keys_app = typer.Typer(cls=adapter_group("keys"), help="API keys of the accounti
 app.add_typer(keys_app, name="keys")
 ledger_app = typer.Typer(cls=adapter_group("ledger"), help="The accounting service's ledger database.", no_args_is_help=True)
 app.add_typer(ledger_app, name="ledger")
+models_app = typer.Typer(cls=adapter_group("models"), help="Fitted models per engine class (the service's registry).", no_args_is_help=True)
+app.add_typer(models_app, name="models")
 experiment_app = typer.Typer(cls=adapter_group("experiment"), help="Experiments on the real engine.", no_args_is_help=True)
 app.add_typer(experiment_app, name="experiment")
 

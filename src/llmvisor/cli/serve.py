@@ -33,8 +33,8 @@ def echo_json(data) -> None:
 def serve(
     model: Annotated[
         Path | None,
-        typer.Option("--model", help="Fitted latency model (JSON) used to attribute every ingested step (`llmvisor calibrate` "
-                     "fits one to the served engine). Default: the shipped latency model.", dir_okay=False),
+        typer.Option("--model", help="Fitted latency model (JSON) attributing steps whose engine class has no active model in the "
+                     "registry (`llmvisor models`; `llmvisor calibrate` fits one to the served engine). Default: the shipped latency model.", dir_okay=False),
     ] = None,
     db: DbOption = DEFAULT_DB_URL,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
@@ -45,12 +45,20 @@ def serve(
     max_concurrent_ingest: Annotated[
         int, typer.Option(help="Batches attributed and stored at once; more wait their turn (at most the 16 database connections).", min=1, max=16)
     ] = 8,
+    pending_unknown_classes: Annotated[
+        bool, typer.Option(help="Store steps of an engine class without an active model pending (attributed when one is "
+                           "activated) instead of attributing them with --model.")
+    ] = False,
+    drift_band: Annotated[float, typer.Option(help="Drift alarm: the band the median signed relative residual of a class must stay in (+-).", min=0.0)] = 0.10,
+    drift_window_steps: Annotated[int, typer.Option(help="Drift: steps per class in the residual window.", min=1)] = 2000,
+    drift_alarm_steps: Annotated[int, typer.Option(help="Drift alarm: steps the median must stay outside the band.", min=1)] = 500,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Run the accounting service: ingest steps, attribute them, keep the ledger, answer usage queries."""
     import uvicorn
 
     from llmvisor.service.app import create_app
+    from llmvisor.service.metrics import DriftSettings
 
     if model is None:
         model = shipped.latency_model_path()
@@ -63,6 +71,9 @@ def serve(
         max_steps_per_request=max_steps_per_request,
         public_metrics=public_metrics,
         max_concurrent_ingest=max_concurrent_ingest,
+        pending_unknown_classes=pending_unknown_classes,
+        drift=DriftSettings(band=drift_band, window_steps=drift_window_steps,
+                            min_window_steps=min(200, drift_window_steps), alarm_after_steps=drift_alarm_steps),
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
 
@@ -138,18 +149,18 @@ def keys_revoke(
 
 
 def ledger_migrate(
-    source: Annotated[str, typer.Option("--from", help="URL of the schema-1 ledger to copy (only read).")],
-    target: Annotated[str, typer.Option("--to", help="URL of an empty database to copy it into (schema 2).")],
+    source: Annotated[str, typer.Option("--from", help="URL of the schema-1 or schema-2 ledger to copy (only read).")],
+    target: Annotated[str, typer.Option("--to", help="URL of an empty database to copy it into (the current schema).")],
     json_output: JsonOption = False,
 ) -> None:
-    """Copy a schema-1 ledger into a new schema-2 ledger and check that every total matches."""
+    """Copy a ledger of an older schema into a new ledger and check that every total matches."""
     from rich.progress import Progress
 
-    from llmvisor.ledger.migrate import migrate_schema_1
+    from llmvisor.ledger.migrate import migrate
 
     with Progress(transient=True, disable=json_output) as progress:
         task = progress.add_task("copying steps", total=None)
-        report = migrate_schema_1(source, target, progress=lambda done, total: progress.update(task, completed=done, total=total))
+        report = migrate(source, target, progress=lambda done, total: progress.update(task, completed=done, total=total))
     if json_output:
         echo_json(
             {

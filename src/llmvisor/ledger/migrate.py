@@ -1,4 +1,7 @@
-"""Copy a schema-1 ledger (a row per slice) into a new, empty schema-2 ledger; the old one is only read.
+"""Copy a ledger of an older schema into a new, empty ledger of the current one; the old one is only read.
+
+Schema 1 (a row per slice) is re-ingested step by step; schema 2 (no engine classes) is copied table by table,
+its steps marked as attributed by the default model of no class.
 
 A copy rather than an upgrade in place: nothing already stored can be damaged by a migration that stops
 half way, the two can be compared afterwards, and the copy may go to another database (SQLite to
@@ -32,7 +35,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DatabaseError
 
-from llmvisor.ledger.schema import api_keys
+from llmvisor.ledger.schema import api_keys, ledger_info, slice_batches, steps, usage_per_second
 from llmvisor.ledger.store import Ledger, LedgerError, StepRecords, normalize_url
 
 _schema_1 = MetaData()
@@ -64,6 +67,8 @@ _slices_1 = Table(
 _ledger_info_1 = Table("ledger_info", _schema_1, Column("name", String(64), primary_key=True), Column("value", Text))
 _api_keys_1 = api_keys.to_metadata(_schema_1)
 SCHEMA_1_TABLES = (_ledger_info_1, _steps_1, _slices_1, _api_keys_1)
+SCHEMA_3_STEP_COLUMNS = ("engine_class", "model_version", "pending")
+"""Columns of ``steps`` that schema 3 added."""
 """Schema 1 as it was stored, for reading it (and for tests that build one)."""
 
 
@@ -208,6 +213,132 @@ def migrate_schema_1(
         f"tenant {tenant!r}: {per_tenant.get(tenant, 0)} ns copied, {ns} in the source"
         for tenant, ns in expected.attributed_ns_per_tenant.items()
         if per_tenant.get(tenant, 0) != ns
+    ]
+    if mismatches:
+        raise LedgerError(f"the copy in {target_name} does not match its source ({'; '.join(mismatches)}); do not use it")
+    return expected
+
+
+_schema_2 = MetaData()
+_steps_2 = Table(
+    "steps",
+    _schema_2,
+    *(Column(c.name, c.type, primary_key=c.primary_key) for c in steps.columns if c.name not in SCHEMA_3_STEP_COLUMNS),
+)
+_slice_batches_2 = slice_batches.to_metadata(_schema_2)
+_usage_2 = usage_per_second.to_metadata(_schema_2)
+_api_keys_2 = api_keys.to_metadata(_schema_2)
+_ledger_info_2 = ledger_info.to_metadata(_schema_2)
+
+
+def _read_version(source_url: str):
+    """An engine on the source ledger, its printable name and its schema version (refusing what is not a ledger)."""
+    parsed = make_url(normalize_url(source_url))
+    source_name = parsed.render_as_string(hide_password=True)
+    if parsed.get_backend_name() == "sqlite" and not Path(parsed.database or "").is_file():
+        raise LedgerError(f"{source_name}: no such SQLite file")
+    source = create_engine(parsed)
+    try:
+        with source.connect() as conn:
+            if not inspect(conn).has_table("ledger_info"):
+                raise LedgerError(f"{source_name}: not an llmvisor ledger (no ledger_info table)")
+            version = conn.execute(select(_ledger_info_1.c.value).where(_ledger_info_1.c.name == "schema_version")).scalar()
+    except DatabaseError as error:
+        source.dispose()
+        raise LedgerError(f"cannot read {source_name}: {' '.join(str(error.orig).split())}") from None
+    except LedgerError:
+        source.dispose()
+        raise
+    return source, source_name, version
+
+
+def migrate(source_url: str, target_url: str, **kwargs) -> MigrationReport:
+    """Copy a ledger of an older schema (1 or 2) into an empty ledger of the current schema."""
+    source, source_name, version = _read_version(source_url)
+    source.dispose()
+    if version == "1":
+        return migrate_schema_1(source_url, target_url, **kwargs)
+    if version == "2":
+        return migrate_schema_2(source_url, target_url, progress=kwargs.get("progress"))
+    raise LedgerError(f"{source_name}: ledger schema version {version}; versions 1 and 2 are migrated")
+
+
+def migrate_schema_2(source_url: str, target_url: str, *, progress: Callable[[int, int], None] | None = None) -> MigrationReport:
+    """Copy a schema-2 ledger into an empty schema-3 one: keys, each slice batch (blob as stored) with its
+    steps (engine class '', the default model, none pending: schema 2 had no classes) and the usage rows as
+    they are; then check steps, slices, measured and attributed ns and every tenant's total."""
+    source, source_name, version = _read_version(source_url)
+    if version != "2":
+        source.dispose()
+        raise LedgerError(f"{source_name}: ledger schema version {version}; expected version 2")
+    target = Ledger(target_url)
+    target_name = target.safe_url
+    try:
+        with source.connect() as conn:
+            n_steps, measured = conn.execute(select(func.count(), func.coalesce(func.sum(_steps_2.c.measured_ns), 0))).one()
+            n_slices, attributed = conn.execute(
+                select(func.coalesce(func.sum(_usage_2.c.num_slices), 0), func.coalesce(func.sum(_usage_2.c.attributed_ns), 0))
+            ).one()
+            per_tenant = {t: int(ns) for t, ns in conn.execute(
+                select(_usage_2.c.tenant, func.sum(_usage_2.c.attributed_ns)).group_by(_usage_2.c.tenant))}
+            keys = [dict(row._mapping) for row in conn.execute(select(_api_keys_2))]
+        expected = MigrationReport(int(n_steps), int(n_slices), int(measured), int(attributed), len(keys), per_tenant)
+        before = target.totals()
+        if before.num_steps or before.pending_steps or target.list_keys():
+            raise LedgerError(f"{target_name}: the target of a migration must be an empty ledger")
+        copied_steps = 0
+        with source.connect() as read, target.write_transaction() as write:
+            if keys:
+                write.execute(insert(api_keys), keys)
+            batches = read.execution_options(stream_results=True, yield_per=100).execute(
+                select(_slice_batches_2).order_by(_slice_batches_2.c.batch_id)
+            )
+            for batch in batches:
+                new_id = write.execute(
+                    insert(slice_batches)
+                    .values(ingested_at_us=batch.ingested_at_us, num_steps=batch.num_steps, num_slices=batch.num_slices,
+                            slices_parquet=batch.slices_parquet)
+                    .returning(slice_batches.c.batch_id)
+                ).scalar_one()
+                rows = [
+                    {**dict(row._mapping), "slice_batch_id": new_id, "engine_class": "", "model_version": None, "pending": False}
+                    for row in read.execute(select(_steps_2).where(_steps_2.c.slice_batch_id == batch.batch_id))
+                ]
+                if rows:
+                    write.execute(insert(steps), rows)
+                copied_steps += len(rows)
+                if progress is not None:
+                    progress(copied_steps, expected.num_steps)
+            usage = read.execution_options(stream_results=True, yield_per=10_000).execute(select(_usage_2))
+            chunk: list[dict] = []
+            for row in usage:
+                chunk.append(dict(row._mapping))
+                if len(chunk) >= 10_000:
+                    write.execute(insert(usage_per_second), chunk)
+                    chunk = []
+            if chunk:
+                write.execute(insert(usage_per_second), chunk)
+        copied = target.totals()
+        copied_tenants = {row.tenant: row.attributed_ns for row in target.tenant_usage()}
+        n_keys = len(target.list_keys())
+    finally:
+        target.close()
+        source.dispose()
+    mismatches = [
+        f"{name}: {have} copied, {want} in the source"
+        for name, have, want in (
+            ("steps", copied.num_steps, expected.num_steps),
+            ("slices", copied.num_slices, expected.num_slices),
+            ("measured ns", copied.measured_ns, expected.measured_ns),
+            ("attributed ns", copied.attributed_ns, expected.attributed_ns),
+            ("keys", n_keys, expected.num_keys),
+        )
+        if have != want
+    ]
+    mismatches += [
+        f"tenant {tenant!r}: {copied_tenants.get(tenant, 0)} ns copied, {ns} in the source"
+        for tenant, ns in expected.attributed_ns_per_tenant.items()
+        if copied_tenants.get(tenant, 0) != ns
     ]
     if mismatches:
         raise LedgerError(f"the copy in {target_name} does not match its source ({'; '.join(mismatches)}); do not use it")

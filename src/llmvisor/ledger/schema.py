@@ -10,6 +10,13 @@ as one compressed Parquet blob (the detail, for audits: a trace-format file with
 column), and usage per request per second of step start, which every usage query reads. A row per slice
 (schema 1) made the database most of the ingest cost; per second, a request has one row instead of one per
 step, and a second is finer than any bill.
+
+Schema 3 adds engine classes: each step records the engine fingerprint id it ran on (``engine_class``),
+the registry version of the model that attributed it (``model_version``, NULL for the service's default
+model) and whether it is still ``pending`` (its class had no active model: its measured time is stored, its
+slices are kept in its batch's blob, and it is attributed, once, when a model of its class is activated).
+Fitted models are kept per class and version in ``engine_models``; ``active_models`` names the version
+attributing each class.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from sqlalchemy import (
     Text,
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 USAGE_RESOLUTION_US = 1_000_000
 """Usage is kept per second of step start, so usage queries take time ranges in whole seconds."""
 
@@ -61,13 +68,17 @@ steps = Table(
     Column("run_id", Text, primary_key=True),
     Column("step_id", BigInteger, primary_key=True, autoincrement=False),
     Column("measured_ns", BigInteger, nullable=False),
-    Column("predicted_s", Float, nullable=False, doc="the model's prediction, for residuals; not billed"),
+    Column("predicted_s", Float, nullable=True, doc="the model's prediction, for residuals; not billed; NULL while pending"),
     Column("batch_size", Integer, nullable=False),
     Column("timestamp_us", BigInteger, nullable=False, doc="step start (trace timestamp_s, else ingest time)"),
     Column("ingested_at_us", BigInteger, nullable=False),
     Column("content_sha256", LargeBinary(32), nullable=False, doc="canonical content, for idempotent re-sends"),
     Column("slice_batch_id", BigInteger, ForeignKey("slice_batches.batch_id"), nullable=False),
+    Column("engine_class", Text, nullable=False, doc="engine fingerprint id of the step ('' where it carried none)"),
+    Column("model_version", Integer, nullable=True, doc="registry version that attributed it; NULL: default model or pending"),
+    Column("pending", Boolean, nullable=False, doc="stored unattributed: its class had no active model"),
     Index("ix_steps_timestamp_us", "timestamp_us"),
+    Index("ix_steps_class_pending", "engine_class", "pending"),
 )
 
 usage_per_second = Table(
@@ -95,4 +106,22 @@ api_keys = Table(
     Column("is_admin", Boolean, nullable=False),
     Column("created_at_us", BigInteger, nullable=False),
     Column("revoked_at_us", BigInteger, nullable=True),
+)
+
+engine_models = Table(
+    "engine_models",
+    metadata,
+    Column("engine_class", Text, primary_key=True),
+    Column("version", Integer, primary_key=True, autoincrement=False),
+    Column("model_json", Text, nullable=False, doc="the fitted model (`StepLatencyModel.to_dict`) as JSON"),
+    Column("source", Text, nullable=False, doc="where it came from: a file name, or a refit's summary"),
+    Column("created_at_us", BigInteger, nullable=False),
+)
+
+active_models = Table(
+    "active_models",
+    metadata,
+    Column("engine_class", Text, primary_key=True),
+    Column("version", Integer, nullable=False),
+    Column("activated_at_us", BigInteger, nullable=False),
 )

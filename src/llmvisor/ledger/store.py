@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from sqlalchemy import Connection, Engine, and_, create_engine, event, func, insert, inspect, select, update
+from sqlalchemy import Connection, Engine, and_, bindparam, create_engine, event, func, insert, inspect, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.pool import StaticPool
@@ -32,7 +32,9 @@ from llmvisor.ledger.keys import Principal
 from llmvisor.ledger.schema import (
     SCHEMA_VERSION,
     USAGE_RESOLUTION_US,
+    active_models,
     api_keys,
+    engine_models,
     ledger_info,
     metadata,
     slice_batches,
@@ -51,7 +53,7 @@ _USAGE_SUMS = ("attributed_ns", "num_slices", "num_new_tokens")
 # `_StoredBatch` builds rows as tuples in these column orders.
 assert [c.name for c in steps.columns] == [
     "run_id", "step_id", "measured_ns", "predicted_s", "batch_size", "timestamp_us", "ingested_at_us", "content_sha256",
-    "slice_batch_id",
+    "slice_batch_id", "engine_class", "model_version", "pending",
 ]
 assert [c.name for c in usage_per_second.columns] == [*_USAGE_KEY, *_USAGE_SUMS, "first_timestamp_us", "last_timestamp_us"]
 
@@ -98,6 +100,20 @@ class StepRecords:
     attributed_ns: np.ndarray
     ingested_at_us: np.ndarray | None = None
     """Per step; None stamps them with the time they are stored (a migration keeps the original times)."""
+    engine_class: np.ndarray | None = None
+    """Per step, the engine fingerprint id ('' where none); None: '' for every step."""
+    model_version: np.ndarray | None = None
+    """Per step, the registry version of the model that attributed it, -1 for none (the default model)."""
+    pending: np.ndarray | None = None
+    """Per step, stored unattributed (``attributed_ns`` 0, ``predicted_s`` NaN) until its class has a model."""
+    num_shared_context_tokens: np.ndarray | None = None
+    effective_context_tokens: np.ndarray | None = None
+    """Per slice, the sharing columns (trace format v2), kept in the blob for pending steps, which are priced later."""
+
+    def per_step(self, name: str, default) -> np.ndarray:
+        """A per-step column, or ``default`` for every step where it is None."""
+        value = getattr(self, name)
+        return np.full(self.n_steps, default, dtype=object if isinstance(default, str) else type(default)) if value is None else value
 
     @property
     def n_steps(self) -> int:
@@ -127,7 +143,11 @@ class StepRecords:
         return StepRecords(**values)
 
 
-_PER_STEP = frozenset(("run_id", "step_id", "step_latency_s", "measured_ns", "predicted_s", "timestamp_us", "ingested_at_us"))
+_PER_STEP = frozenset((
+    "run_id", "step_id", "step_latency_s", "measured_ns", "predicted_s", "timestamp_us", "ingested_at_us", "engine_class",
+    "model_version", "pending",
+))
+SHARING_BLOB_COLUMNS = ("num_shared_context_tokens", "effective_context_tokens")
 
 
 class _StoredBatch:
@@ -158,23 +178,30 @@ class _StoredBatch:
                 "attributed_ns": records.attributed_ns,
             }
         )
+        pending = records.per_step("pending", False).astype(bool)
+        if pending.any() and records.effective_context_tokens is not None:
+            for name in SHARING_BLOB_COLUMNS:
+                table = table.append_column(name, pa.array(getattr(records, name)))
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, compression=_PARQUET_COMPRESSION)
         self.slices_parquet = sink.getvalue().to_pybytes()
 
         second_us = (timestamp_us // USAGE_RESOLUTION_US) * USAGE_RESOLUTION_US
+        billed = pa.table(
+            {
+                "run_id": run_id,
+                "request_id": table["request_id"],
+                "tenant": table["tenant"],
+                "second_us": second_us,
+                "attributed_ns": records.attributed_ns,
+                "num_new_tokens": records.num_new_tokens,
+                "timestamp_us": timestamp_us,
+            }
+        )
+        if pending.any():  # pending slices add to usage only once attributed
+            billed = billed.filter(pa.array(~pending[step_of_slice]))
         usage = (
-            pa.table(
-                {
-                    "run_id": run_id,
-                    "request_id": table["request_id"],
-                    "tenant": table["tenant"],
-                    "second_us": second_us,
-                    "attributed_ns": records.attributed_ns,
-                    "num_new_tokens": records.num_new_tokens,
-                    "timestamp_us": timestamp_us,
-                }
-            )
+            billed
             .group_by(list(_USAGE_KEY), use_threads=False)
             .aggregate(
                 [
@@ -194,17 +221,21 @@ class _StoredBatch:
 
     def step_rows(self, slice_batch_id: int, ingested_at_us: int) -> list[tuple]:
         records = self._records
+        pending_list = records.per_step("pending", False).astype(bool).tolist()
         return list(
             zip(
                 records.run_id.tolist(),
                 records.step_id.tolist(),
                 records.measured_ns.tolist(),
-                records.predicted_s.tolist(),
+                [None if p else x for x, p in zip(records.predicted_s.tolist(), pending_list)],
                 np.diff(records.step_offsets).tolist(),
                 records.timestamp_us.tolist(),
                 [ingested_at_us] * self.n_steps if records.ingested_at_us is None else records.ingested_at_us.tolist(),
                 records.content_sha256,
                 [slice_batch_id] * self.n_steps,
+                records.per_step("engine_class", "").tolist(),
+                [None if p or v < 0 else v for v, p in zip(records.per_step("model_version", -1).tolist(), pending_list)],
+                pending_list,
             )
         )
 
@@ -256,6 +287,9 @@ class Totals:
     measured_ns: int
     num_slices: int
     attributed_ns: int
+    pending_steps: int = 0
+    """Steps stored unattributed (their class had no active model), not counted in ``num_steps``."""
+    pending_measured_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -275,11 +309,35 @@ class StepDetail:
     run_id: str
     step_id: int
     measured_ns: int
-    predicted_s: float
+    predicted_s: float | None
     timestamp_us: int
     ingested_at_us: int
     content_sha256: bytes
     slices: list[SliceShare]
+    engine_class: str = ""
+    model_version: int | None = None
+    pending: bool = False
+
+
+@dataclass(frozen=True)
+class ModelVersion:
+    """A fitted model of an engine class, as the registry keeps it."""
+
+    engine_class: str
+    version: int
+    source: str
+    created_at_us: int
+    active: bool
+
+
+@dataclass(frozen=True)
+class StoredSteps:
+    """Steps read back from the ledger with their slices (``slices``: a trace-format table sorted by
+    ``(run_id, step_id)``, with ``timestamp_s`` and, where stored, the sharing columns)."""
+
+    keys: list[tuple[str, int]]
+    timestamp_us: np.ndarray
+    slices: pa.Table
 
 
 @dataclass(frozen=True)
@@ -483,28 +541,40 @@ class Ledger:
 
         return cursor()
 
-    def _insert(self, conn: Connection, batch: _StoredBatch) -> None:
-        """Rows straight to the driver (COPY and one array-valued upsert on PostgreSQL, executemany on
-        SQLite): SQLAlchemy's per-row parameter processing would cost more than the database's own work."""
-        ingested_at_us = now_us()
-        slice_batch_id = conn.execute(
+    @staticmethod
+    def _insert_blob(conn: Connection, batch: _StoredBatch, ingested_at_us: int) -> int:
+        return conn.execute(
             insert(slice_batches)
             .values(ingested_at_us=ingested_at_us, num_steps=batch.n_steps, num_slices=batch.n_slices,
                     slices_parquet=batch.slices_parquet)
             .returning(slice_batches.c.batch_id)
         ).scalar_one()
+
+    def _insert(self, conn: Connection, batch: _StoredBatch) -> None:
+        """Rows straight to the driver (COPY and one array-valued upsert on PostgreSQL, executemany on
+        SQLite): SQLAlchemy's per-row parameter processing would cost more than the database's own work."""
+        ingested_at_us = now_us()
+        slice_batch_id = self._insert_blob(conn, batch, ingested_at_us)
         # In key order, like the usage rows: two transactions inserting overlapping steps then wait on each
         # other in one order (the later one fails on the unique key and retries) instead of deadlocking.
         step_rows = sorted(batch.step_rows(slice_batch_id, ingested_at_us), key=lambda row: (row[0], row[1]))
         step_columns = ", ".join(column.name for column in steps.columns)
-        usage_columns = ", ".join(column.name for column in usage_per_second.columns)
-        key = ", ".join(_USAGE_KEY)
         if self.backend == "postgresql":
             copy_statement = f"COPY steps ({step_columns}) FROM STDIN"
             with self._raw_cursor(conn, copy_statement) as cursor:
                 with cursor.copy(copy_statement) as copy:
                     for row in step_rows:
                         copy.write_row(row)
+        else:
+            conn.exec_driver_sql(f"INSERT INTO steps ({step_columns}) VALUES ({', '.join(['?'] * len(steps.columns))})", step_rows)
+        self._upsert_usage(conn, batch)
+
+    def _upsert_usage(self, conn: Connection, batch: _StoredBatch) -> None:
+        if not batch.usage_columns[0]:
+            return
+        usage_columns = ", ".join(column.name for column in usage_per_second.columns)
+        key = ", ".join(_USAGE_KEY)
+        if self.backend == "postgresql":
             types = ["text", "text", "text", "bigint", "bigint", "bigint", "bigint", "bigint", "bigint"]
             upsert = (
                 f"INSERT INTO usage_per_second ({usage_columns}) "
@@ -517,7 +587,6 @@ class Ledger:
             with self._raw_cursor(conn, upsert) as cursor:
                 cursor.execute(upsert, batch.usage_columns)
         else:
-            conn.exec_driver_sql(f"INSERT INTO steps ({step_columns}) VALUES ({', '.join(['?'] * len(steps.columns))})", step_rows)
             upsert = (
                 f"INSERT INTO usage_per_second ({usage_columns}) VALUES ({', '.join(['?'] * len(usage_per_second.columns))}) "
                 f"ON CONFLICT ({key}) DO UPDATE SET "
@@ -635,8 +704,10 @@ class Ledger:
 
     def totals(self, start_us: int | None = None, end_us: int | None = None) -> Totals:
         """Steps and measured time, slices and attributed time, read in one snapshot so they reconcile."""
-        step_query = select(func.count(), func.coalesce(func.sum(steps.c.measured_ns), 0)).where(
-            and_(True, *self._range(steps.c.timestamp_us, start_us, end_us))
+        step_query = (
+            select(steps.c.pending, func.count(), func.coalesce(func.sum(steps.c.measured_ns), 0))
+            .where(and_(True, *self._range(steps.c.timestamp_us, start_us, end_us)))
+            .group_by(steps.c.pending)
         )
         usage = usage_per_second
         usage_query = select(
@@ -646,9 +717,10 @@ class Ledger:
         if self.backend == "postgresql":
             engine = engine.execution_options(isolation_level="REPEATABLE READ")
         with engine.begin() as conn:
-            n_steps, measured = conn.execute(step_query).one()
+            by_state = {bool(pending): (int(n), int(ns)) for pending, n, ns in conn.execute(step_query)}
             n_slices, attributed = conn.execute(usage_query).one()
-        return Totals(int(n_steps), int(measured), int(n_slices), int(attributed))
+        (n_steps, measured), (n_pending, pending_ns) = by_state.get(False, (0, 0)), by_state.get(True, (0, 0))
+        return Totals(n_steps, measured, int(n_slices), int(attributed), n_pending, pending_ns)
 
     def step_detail(self, run_id: str, step_id: int) -> StepDetail | None:
         """One stored step with its slices and their shares, read back from its batch's Parquet blob."""
@@ -668,10 +740,13 @@ class Ledger:
             run_id=row.run_id,
             step_id=int(row.step_id),
             measured_ns=int(row.measured_ns),
-            predicted_s=float(row.predicted_s),
+            predicted_s=None if row.predicted_s is None else float(row.predicted_s),
             timestamp_us=int(row.timestamp_us),
             ingested_at_us=int(row.ingested_at_us),
             content_sha256=bytes(row.content_sha256),
+            engine_class=row.engine_class,
+            model_version=row.model_version,
+            pending=bool(row.pending),
             slices=[
                 SliceShare(
                     request_id=r["request_id"], tenant=r["tenant"], num_new_tokens=r["num_new_tokens"],
@@ -735,3 +810,160 @@ class Ledger:
                 .values(revoked_at_us=now_us())
             )
         return result.rowcount > 0
+
+    # -----------------------------------------------------------------------------------------------------
+    # Model registry: fitted models per engine class (fingerprint id), versioned; one active per class.
+
+    def add_model(self, engine_class: str, model_json: str, source: str, *, activate: bool = False) -> int:
+        """Store a model as the next version of its class; returns the version (1, 2, ...)."""
+        for attempt in range(_WRITE_ATTEMPTS):
+            try:
+                with self.write_transaction() as conn:
+                    latest = conn.execute(
+                        select(func.max(engine_models.c.version)).where(engine_models.c.engine_class == engine_class)
+                    ).scalar()
+                    version = int(latest or 0) + 1
+                    conn.execute(
+                        insert(engine_models).values(
+                            engine_class=engine_class, version=version, model_json=model_json, source=source,
+                            created_at_us=now_us(),
+                        )
+                    )
+                    if activate:
+                        self._set_active(conn, engine_class, version)
+                return version
+            except IntegrityError:  # another writer took the same version number
+                if attempt == _WRITE_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def list_models(self, engine_class: str | None = None) -> list[ModelVersion]:
+        query = (
+            select(engine_models.c.engine_class, engine_models.c.version, engine_models.c.source,
+                   engine_models.c.created_at_us, active_models.c.version)
+            .outerjoin(active_models, active_models.c.engine_class == engine_models.c.engine_class)
+            .order_by(engine_models.c.engine_class, engine_models.c.version)
+        )
+        if engine_class is not None:
+            query = query.where(engine_models.c.engine_class == engine_class)
+        with self._read() as conn:
+            return [ModelVersion(r[0], int(r[1]), r[2], int(r[3]), r[4] == r[1]) for r in conn.execute(query)]
+
+    def active_versions(self) -> dict[str, int]:
+        """Each class with an active model, and its version."""
+        with self._read() as conn:
+            return {r[0]: int(r[1]) for r in conn.execute(select(active_models.c.engine_class, active_models.c.version))}
+
+    def model_json(self, engine_class: str, version: int) -> str | None:
+        with self._read() as conn:
+            return conn.execute(
+                select(engine_models.c.model_json).where(
+                    engine_models.c.engine_class == engine_class, engine_models.c.version == version
+                )
+            ).scalar()
+
+    def activate_model(self, engine_class: str, version: int) -> None:
+        """Make a stored version the one attributing its class (its pending steps are attributed separately:
+        `resolve_pending`)."""
+        with self.write_transaction() as conn:
+            self._set_active(conn, engine_class, version)
+
+    def _set_active(self, conn: Connection, engine_class: str, version: int) -> None:
+        exists = conn.execute(
+            select(engine_models.c.version).where(engine_models.c.engine_class == engine_class, engine_models.c.version == version)
+        ).first()
+        if exists is None:
+            raise LedgerError(f"no model version {version} of engine class {engine_class!r} is stored (see `llmvisor models list`)")
+        updated = conn.execute(
+            update(active_models).where(active_models.c.engine_class == engine_class).values(version=version, activated_at_us=now_us())
+        )
+        if updated.rowcount == 0:
+            conn.execute(insert(active_models).values(engine_class=engine_class, version=version, activated_at_us=now_us()))
+
+    # -----------------------------------------------------------------------------------------------------
+    # Pending steps and stored steps read back (for attributing pending steps and for refits)
+
+    def pending_classes(self) -> dict[str, int]:
+        """Classes with pending steps, and how many (reads every step's state: for reports, not per request)."""
+        query = select(steps.c.engine_class, func.count()).where(steps.c.pending.is_(True)).group_by(steps.c.engine_class)
+        with self._read() as conn:
+            return {r[0]: int(r[1]) for r in conn.execute(query)}
+
+    def has_pending(self, engine_class: str) -> bool:
+        """Whether a class has a pending step (one index lookup)."""
+        query = select(steps.c.step_id).where(steps.c.engine_class == engine_class, steps.c.pending.is_(True)).limit(1)
+        with self._read() as conn:
+            return conn.execute(query).first() is not None
+
+    def stored_steps(self, engine_class: str, *, pending_only: bool = False, newest: int | None = None) -> StoredSteps:
+        """Steps of a class (only the pending ones, or the ``newest`` by start time) with their slices."""
+        query = select(steps.c.run_id, steps.c.step_id, steps.c.timestamp_us, steps.c.slice_batch_id).where(
+            steps.c.engine_class == engine_class
+        )
+        if pending_only:
+            query = query.where(steps.c.pending.is_(True))
+        query = query.order_by(steps.c.timestamp_us.desc(), steps.c.run_id, steps.c.step_id)
+        if newest is not None:
+            query = query.limit(newest)
+        with self._read() as conn:
+            rows = conn.execute(query).all()
+            by_batch: dict[int, set[str]] = {}
+            for run_id, step_id, _t, batch_id in rows:
+                by_batch.setdefault(int(batch_id), set()).add(f"{run_id}\x1f{step_id}")
+            tables = []
+            for batch_id, wanted in by_batch.items():
+                blob = conn.execute(select(slice_batches.c.slices_parquet).where(slice_batches.c.batch_id == batch_id)).scalar_one()
+                table = pq.read_table(pa.BufferReader(bytes(blob)))
+                table = table.set_column(0, "run_id", pc.cast(table["run_id"], pa.string()))
+                key = pc.binary_join_element_wise(table["run_id"], pc.cast(table["step_id"], pa.string()), "\x1f")
+                tables.append(table.filter(pc.is_in(key, value_set=pa.array(sorted(wanted)))))
+        rows.sort(key=lambda r: (r[0], r[1]))
+        if tables:
+            slices = pa.concat_tables(tables, promote_options="default").sort_by(
+                [("run_id", "ascending"), ("step_id", "ascending")]
+            )
+        else:
+            slices = pa.table({})
+        return StoredSteps(
+            keys=[(r[0], int(r[1])) for r in rows],
+            timestamp_us=np.asarray([r[2] for r in rows], dtype=np.int64),
+            slices=slices,
+        )
+
+    def resolve_pending(self, engine_class: str, version: int | None, records: StepRecords) -> IngestOutcome:
+        """Store the attribution of pending steps (``records``: the same steps, attributed), in one
+        transaction: their slices' new blob, their usage, and the steps marked attributed with ``version``.
+        Steps no longer pending (another process attributed them first) are left alone (``inserted`` False)."""
+        keys = list(zip(records.run_id.tolist(), records.step_id.tolist()))
+        with self.write_transaction() as conn:
+            still: set[tuple[str, int]] = set()
+            by_run: dict[str, list[int]] = {}
+            for run_id, step_id in keys:
+                by_run.setdefault(run_id, []).append(step_id)
+            for run_id, step_ids in by_run.items():
+                for i in range(0, len(step_ids), _LOOKUP_CHUNK):
+                    query = (
+                        select(steps.c.step_id)
+                        .where(steps.c.run_id == run_id, steps.c.step_id.in_(step_ids[i : i + _LOOKUP_CHUNK]),
+                               steps.c.engine_class == engine_class, steps.c.pending.is_(True))
+                        .with_for_update()
+                    )
+                    still.update((run_id, int(step_id)) for (step_id,) in conn.execute(query))
+            resolved = [k in still for k in keys]
+            if not any(resolved):
+                return IngestOutcome(resolved)
+            chosen = records.select_steps(np.asarray(resolved)) if not all(resolved) else records
+            batch = _StoredBatch(chosen)
+            slice_batch_id = self._insert_blob(conn, batch, now_us())
+            conn.execute(
+                update(steps)
+                .where(steps.c.run_id == bindparam("k_run_id"), steps.c.step_id == bindparam("k_step_id"))
+                .values(pending=False, model_version=version, predicted_s=bindparam("v_predicted_s"),
+                        slice_batch_id=slice_batch_id),
+                [
+                    {"k_run_id": r, "k_step_id": s, "v_predicted_s": p}
+                    for r, s, p in zip(chosen.run_id.tolist(), chosen.step_id.tolist(), chosen.predicted_s.tolist())
+                ],
+            )
+            self._upsert_usage(conn, batch)
+        return IngestOutcome(resolved)

@@ -29,10 +29,11 @@ from llmvisor.service.config import (
     DEFAULT_MAX_TENANT_LABELS,
     ServiceSettings,
 )
-from llmvisor.service.metrics import ServiceMetrics
+from llmvisor.service.metrics import DriftSettings, ServiceMetrics
 from llmvisor.service.middleware import RequestGuard
+from llmvisor.service.registry import DEFAULT_REFRESH_S, ModelRegistry
 from llmvisor.service.responses import database_unavailable
-from llmvisor.service.routes import keys, operations, steps, usage
+from llmvisor.service.routes import keys, models, operations, steps, usage
 
 
 async def validation_error(_request: Request, error: RequestValidationError) -> JSONResponse:
@@ -59,12 +60,17 @@ def create_app(
     max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS,
     public_metrics: bool = False,
     max_concurrent_ingest: int = DEFAULT_MAX_CONCURRENT_INGEST,
+    pending_unknown_classes: bool = False,
+    drift: DriftSettings | None = None,
+    registry_refresh_s: float = DEFAULT_REFRESH_S,
 ) -> FastAPI:
     """The service for one latency model and one ledger database.
 
     ``public_metrics`` serves /metrics without a key (it names every tenant and its usage, so by default
     it needs an admin key, which Prometheus sends with ``authorization: {credentials: ...}``).
     ``max_tenant_labels`` caps the tenants named in /metrics; the rest are counted as ``tenant="other"``.
+    The model at ``model_path`` attributes steps whose engine class has no active registry version, unless
+    ``pending_unknown_classes``: then steps of a (fingerprinted) class without one are stored pending.
     """
     settings = ServiceSettings(
         max_body_bytes=max_body_bytes,
@@ -77,7 +83,10 @@ def create_app(
     )
     model = StepLatencyModel.from_json(model_path)
     ledger = Ledger(db_url)
-    metrics = ServiceMetrics(max_tenant_labels=max_tenant_labels)
+    metrics = ServiceMetrics(max_tenant_labels=max_tenant_labels, drift=drift)
+    registry = ModelRegistry(
+        ledger, model, pending_unknown_classes=pending_unknown_classes, refresh_s=registry_refresh_s, metrics=metrics
+    )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -92,12 +101,13 @@ def create_app(
     )
     app.state.ledger = ledger
     app.state.model = model
+    app.state.registry = registry
     app.state.metrics = metrics
     app.state.settings = settings
     app.state.ingest_slots = asyncio.Semaphore(max_concurrent_ingest)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(OperationalError, database_error)
     app.add_middleware(RequestGuard, ledger=ledger, metrics=metrics, settings=settings)
-    for router in (steps.router, usage.router, keys.router, operations.router):
+    for router in (steps.router, usage.router, keys.router, models.router, operations.router):
         app.include_router(router)
     return app

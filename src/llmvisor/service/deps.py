@@ -1,7 +1,7 @@
 """Dependencies of the routes (`Annotated` types to declare as parameters) and the checks they share.
 
 The service's state lives on ``app.state`` (`create_app` puts it there): the ledger, the latency model, the
-metrics and the settings. Keys are checked by `RequestGuard` before the body is read; the principal it found
+model registry, the metrics and the settings. Keys are checked by `RequestGuard` before the body is read; the principal it found
 is passed on in the ASGI scope, so a route's key dependency costs no second database lookup.
 """
 
@@ -21,6 +21,7 @@ from llmvisor.ledger.schema import USAGE_RESOLUTION_US
 from llmvisor.service.config import ServiceSettings
 from llmvisor.service.ingest import MAX_STRING_CHARS, MAX_TIMESTAMP_S
 from llmvisor.service.metrics import ServiceMetrics
+from llmvisor.service.registry import ModelRegistry
 from llmvisor.service.responses import unauthorized_error
 
 PRINCIPAL_SCOPE_KEY = "llmvisor.principal"
@@ -36,6 +37,10 @@ def get_model(request: Request) -> StepLatencyModel:
     return request.app.state.model
 
 
+def get_registry(request: Request) -> ModelRegistry:
+    return request.app.state.registry
+
+
 def get_metrics(request: Request) -> ServiceMetrics:
     return request.app.state.metrics
 
@@ -46,6 +51,7 @@ def get_settings(request: Request) -> ServiceSettings:
 
 LedgerDep = Annotated[Ledger, Depends(get_ledger)]
 ModelDep = Annotated[StepLatencyModel, Depends(get_model)]
+RegistryDep = Annotated[ModelRegistry, Depends(get_registry)]
 MetricsDep = Annotated[ServiceMetrics, Depends(get_metrics)]
 SettingsDep = Annotated[ServiceSettings, Depends(get_settings)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]

@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +40,7 @@ from llmvisor.core.trace import (
     trace_from_rows,
 )
 from llmvisor.errors import LlmvisorError, TraceError
-from llmvisor.ledger import StepRecords
+from llmvisor.ledger import StepRecords, StoredSteps
 
 BODY_PATH = "request body"
 MAX_STRING_CHARS = 512
@@ -454,21 +455,71 @@ def content_digests(trace: StepTrace, timestamps_s: list[float | None]) -> list[
     return digests
 
 
-def prepare_batch(model: StepLatencyModel, trace: StepTrace, *, received_at_us: int) -> PreparedBatch:
-    """Attribute a validated batch; steps without ``timestamp_s`` are dated ``received_at_us``."""
-    timestamps_s = _step_timestamps(trace)
-    attribution = attribute(model, trace)
+@dataclass(frozen=True)
+class ModelChoice:
+    """How the steps of one engine class are attributed: by ``model`` (registry ``version``, None for the
+    service's default model), or, with no model, stored pending."""
+
+    model: StepLatencyModel | None
+    version: int | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self.model is None
+
+
+def prepare_batch(
+    model: StepLatencyModel | None,
+    trace: StepTrace,
+    *,
+    received_at_us: int,
+    choose: Callable[[str], ModelChoice] | None = None,
+    timestamps_us: np.ndarray | None = None,
+) -> PreparedBatch:
+    """Attribute a validated batch; steps without ``timestamp_s`` are dated ``received_at_us``.
+
+    ``choose`` picks each engine class's model (the step's fingerprint id, `step_fingerprint_ids`); without
+    it ``model`` attributes every step. Pending steps get no shares (``attributed_ns`` 0, ``predicted_s``
+    NaN). ``timestamps_us`` dates the steps instead of their rows (steps read back from the ledger).
+    """
+    timestamps_s = _step_timestamps(trace) if timestamps_us is None else [t / 1e6 for t in timestamps_us.tolist()]
+    classes = step_fingerprint_ids(trace)
+    choices: dict[str, ModelChoice] = {}
+    for engine_class in dict.fromkeys(classes.tolist()):
+        choices[engine_class] = ModelChoice(model) if choose is None else choose(engine_class)
     measured_s = trace.step_latency_s_per_step
+    share_s = np.zeros(trace.n_slices)
+    predicted_s = np.full(trace.n_steps, np.nan)
+    model_version = np.full(trace.n_steps, -1, dtype=np.int64)
+    pending = np.zeros(trace.n_steps, dtype=bool)
+    groups: dict[tuple[int, int | None], list[str]] = {}
+    for engine_class, choice in choices.items():
+        groups.setdefault((id(choice.model), choice.version), []).append(engine_class)
+    for group_classes in groups.values():
+        choice = choices[group_classes[0]]
+        steps = np.isin(classes, group_classes) if len(choices) > 1 else np.ones(trace.n_steps, dtype=bool)
+        if choice.pending:
+            pending |= steps
+            continue
+        part = trace if steps.all() else trace.select_steps(steps)
+        attribution = attribute(choice.model, part)
+        share_s[np.repeat(steps, trace.batch_size_per_step)] = attribution.share_s
+        predicted_s[steps] = attribution.predicted_step_s
+        model_version[steps] = -1 if choice.version is None else choice.version
     measured_ns = np.rint(measured_s * 1e9).astype(np.int64)
-    attributed_ns = apportion_ns(attribution.share_s, trace.step_offsets, measured_ns)
-    timestamp_us = [received_at_us if t is None else int(round(t * 1e6)) for t in timestamps_s]
+    attributed_ns = apportion_ns(share_s, trace.step_offsets, measured_ns)
+    if pending.any():
+        attributed_ns[np.repeat(pending, trace.batch_size_per_step)] = 0
+    if timestamps_us is None:
+        timestamps_us = np.asarray([received_at_us if t is None else int(round(t * 1e6)) for t in timestamps_s], dtype=np.int64)
+    sharing = trace.has_sharing_columns
     records = StepRecords(
         run_id=trace.run_id_per_step,
         step_id=trace.step_id_per_step,
         step_latency_s=measured_s,
         measured_ns=measured_ns,
-        predicted_s=attribution.predicted_step_s,
-        timestamp_us=np.asarray(timestamp_us, dtype=np.int64),
+        predicted_s=predicted_s,
+        timestamp_us=timestamps_us,
         content_sha256=content_digests(trace, timestamps_s),
         step_offsets=trace.step_offsets,
         request_id=trace.request_id,
@@ -477,11 +528,44 @@ def prepare_batch(model: StepLatencyModel, trace: StepTrace, *, received_at_us: 
         num_context_tokens=trace.num_context_tokens,
         is_prefill=trace.is_prefill,
         attributed_ns=attributed_ns,
+        engine_class=classes,
+        model_version=model_version,
+        pending=pending,
+        num_shared_context_tokens=trace.num_shared_context_tokens if sharing else None,
+        effective_context_tokens=trace.effective_context_tokens if sharing else None,
     )
-    return PreparedBatch(
-        records=records,
-        residual_s=measured_s - attribution.predicted_step_s,
-        predicted_step_s=attribution.predicted_step_s,
+    return PreparedBatch(records=records, residual_s=measured_s - predicted_s, predicted_step_s=predicted_s)
+
+
+def trace_from_stored(stored: StoredSteps, engine_class: str) -> StepTrace:
+    """The trace of steps read back from the ledger (`Ledger.stored_steps`), each carrying ``engine_class``.
+
+    Sharing columns are kept where the blob holds them; slices stored without them read as unshared."""
+    table = stored.slices
+    if table.num_rows == 0:
+        return trace_from_rows([], path="ledger")
+    columns = {name: table[name] for name in REQUIRED_COLUMNS}
+    if all(name in table.column_names for name in SHARING_COLUMNS):
+        context = table["num_context_tokens"]
+        columns["num_shared_context_tokens"] = pc.fill_null(table["num_shared_context_tokens"], 0)
+        columns["effective_context_tokens"] = pc.coalesce(table["effective_context_tokens"], pc.cast(context, pa.float64()))
+    phase = table["phase"]
+    if pa.types.is_dictionary(phase.type):
+        columns["phase"] = pc.cast(phase, pa.string())
+    typed, row_numbers = trace_columns_from_arrow("ledger", pa.table(columns))
+    typed[FINGERPRINT_COLUMN] = np.full(table.num_rows, engine_class, dtype=object)
+    return build_trace(typed, path="ledger", row_numbers=row_numbers)
+
+
+def attribute_stored(model: StepLatencyModel, version: int | None, stored: StoredSteps, engine_class: str) -> PreparedBatch:
+    """Attribute steps read back from the ledger with a model (the records `Ledger.resolve_pending` takes)."""
+    trace = trace_from_stored(stored, engine_class)
+    when = dict(zip(stored.keys, stored.timestamp_us.tolist()))
+    timestamps_us = np.asarray(
+        [when[(r, s)] for r, s in zip(trace.run_id_per_step.tolist(), trace.step_id_per_step.tolist())], dtype=np.int64
+    )
+    return prepare_batch(
+        model, trace, received_at_us=0, choose=lambda _c: ModelChoice(model, version), timestamps_us=timestamps_us
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +27,7 @@ RUN_RESIDUAL_QUANTILES = (0.1, 0.5, 0.9)
 MAX_RUNS_WITH_RESIDUALS = 20
 RUN_RESIDUAL_WINDOW_STEPS = 2000
 MAX_RUNS_REMEMBERED = 10_000
+MAX_CLASSES_WITH_RESIDUALS = 100
 INGEST_ERROR_REASONS = ("unauthorized", "forbidden", "too_large", "bad_json", "bad_parquet", "bad_shape", "invalid_trace", "conflict", "database")
 _RESIDUAL_BOUNDS_S = (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0)
 RESIDUAL_BUCKETS_S = tuple(sorted(-b for b in _RESIDUAL_BOUNDS_S)) + (0.0,) + _RESIDUAL_BOUNDS_S
@@ -83,59 +85,184 @@ class BatchSummary(Collector):
             yield SummaryMetricFamily(self.name, self.documentation, count_value=self._count, sum_value=self._sum)
 
 
-class RunResidualWindows(Collector):
-    """Quantiles of the relative residual (measured − predicted) / measured over each run's latest steps.
+class ResidualWindows(Collector):
+    """Quantiles of the relative residual (measured − predicted) / measured over the latest steps of each key
+    (a run, or an engine class).
 
-    Bounded cardinality: the ``max_runs`` runs that ingested steps most recently are exported, each over its
-    last ``window_steps`` steps; an older run's series disappears when a newer run takes its place."""
+    Bounded cardinality: the ``max_keys`` keys that ingested steps most recently are exported, each over its
+    last ``window_steps`` steps; an older key's series disappears when a newer one takes its place."""
 
-    def __init__(self, *, max_runs: int = MAX_RUNS_WITH_RESIDUALS, window_steps: int = RUN_RESIDUAL_WINDOW_STEPS):
-        self.max_runs = max_runs
+    metric = "llmvisor_run_relative_residual"
+    label = "run_id"
+    what = "run"
+
+    def __init__(self, *, max_keys: int = MAX_RUNS_WITH_RESIDUALS, window_steps: int = RUN_RESIDUAL_WINDOW_STEPS):
+        self.max_keys = max_keys
         self.window_steps = window_steps
         self._windows: OrderedDict[str, deque] = OrderedDict()
         self._lock = threading.Lock()
 
-    def observe(self, run_ids: np.ndarray, relative_residuals: np.ndarray) -> None:
-        runs = np.asarray(run_ids, dtype=object)
+    def observe(self, keys: np.ndarray, relative_residuals: np.ndarray) -> dict[str, int]:
+        """Add each key's values to its window; returns the number of values each key received."""
+        keys = np.asarray(keys, dtype=object)
         values = np.asarray(relative_residuals, dtype=np.float64)
         finite = np.isfinite(values)
+        received = {}
         with self._lock:
-            for run in dict.fromkeys(runs[finite].tolist()):
-                window = self._windows.pop(run, None) or deque(maxlen=self.window_steps)
-                window.extend(values[finite & (runs == run)].tolist())
-                self._windows[run] = window
-            while len(self._windows) > self.max_runs:
-                self._windows.popitem(last=False)
+            for key in dict.fromkeys(keys[finite].tolist()):
+                window = self._windows.pop(key, None) or deque(maxlen=self.window_steps)
+                new = values[finite & (keys == key)]
+                window.extend(new.tolist())
+                self._windows[key] = window
+                received[key] = int(new.size)
+                self.observed(key, window, int(new.size))
+            while len(self._windows) > self.max_keys:
+                self.forget(self._windows.popitem(last=False)[0])
+        return received
 
-    def quantiles(self, run_id: str) -> dict[float, float]:
+    def observed(self, key: str, window: deque, n_new: int) -> None:
+        """Called under the lock after ``n_new`` values joined ``key``'s window."""
+
+    def forget(self, key: str) -> None:
+        """Called under the lock when ``key``'s window is dropped."""
+
+    def reset(self, key: str) -> None:
         with self._lock:
-            window = list(self._windows.get(run_id, ()))
-        if not window:
+            if self._windows.pop(key, None) is not None:
+                self.forget(key)
+
+    def values(self, key: str) -> np.ndarray:
+        with self._lock:
+            return np.asarray(list(self._windows.get(key, ())), dtype=np.float64)
+
+    def quantiles(self, key: str) -> dict[float, float]:
+        window = self.values(key)
+        if not window.size:
             return {}
         return dict(zip(RUN_RESIDUAL_QUANTILES, np.quantile(window, RUN_RESIDUAL_QUANTILES).tolist()))
 
     def collect(self):
         with self._lock:
-            windows = {run: np.asarray(window) for run, window in self._windows.items()}
+            windows = {key: np.asarray(window) for key, window in self._windows.items()}
         residual = GaugeMetricFamily(
-            "llmvisor_run_relative_residual",
-            f"Quantiles of (measured - predicted) / measured step time over each run's last {self.window_steps} steps "
-            f"(the {self.max_runs} runs ingested most recently).",
-            labels=["run_id", "quantile"],
+            self.metric,
+            f"Quantiles of (measured - predicted) / measured step time over each {self.what}'s last {self.window_steps} "
+            f"steps (the {self.max_keys} {self.what}s that ingested most recently).",
+            labels=[self.label, "quantile"],
         )
-        steps = GaugeMetricFamily(
-            "llmvisor_run_relative_residual_window_steps", "Steps in each run's residual window.", labels=["run_id"]
-        )
-        for run, values in windows.items():
+        steps = GaugeMetricFamily(f"{self.metric}_window_steps", f"Steps in each {self.what}'s residual window.", labels=[self.label])
+        for key, values in windows.items():
             for q, value in zip(RUN_RESIDUAL_QUANTILES, np.quantile(values, RUN_RESIDUAL_QUANTILES).tolist()):
-                residual.add_metric([run, repr(q)], value)
-            steps.add_metric([run], float(values.size))
+                residual.add_metric([key, repr(q)], value)
+            steps.add_metric([key], float(values.size))
         yield residual
         yield steps
+        yield from self.collect_more(windows)
+
+    def collect_more(self, windows: dict[str, np.ndarray]):
+        return iter(())
+
+
+class RunResidualWindows(ResidualWindows):
+    """Per run (the ``max_runs`` runs that ingested most recently)."""
+
+    def __init__(self, *, max_runs: int = MAX_RUNS_WITH_RESIDUALS, window_steps: int = RUN_RESIDUAL_WINDOW_STEPS):
+        super().__init__(max_keys=max_runs, window_steps=window_steps)
+
+
+@dataclass(frozen=True)
+class DriftSettings:
+    """When a class's model is said to drift: the median signed relative residual of its last
+    ``window_steps`` steps (once at least ``min_window_steps``) lies outside ``±band`` for ``alarm_after_steps``
+    consecutive steps."""
+
+    band: float = 0.10
+    window_steps: int = 2000
+    min_window_steps: int = 200
+    alarm_after_steps: int = 500
+
+
+class ClassDrift(ResidualWindows):
+    """Per engine class: signed and absolute residual quantiles and the drift alarm (`DriftSettings`)."""
+
+    metric = "llmvisor_class_relative_residual"
+    label = "engine_class"
+    what = "engine class"
+
+    def __init__(self, settings: DriftSettings | None = None, *, max_classes: int = MAX_CLASSES_WITH_RESIDUALS):
+        settings = settings or DriftSettings()
+        super().__init__(max_keys=max_classes, window_steps=settings.window_steps)
+        self.settings = settings
+        self._out_of_band: dict[str, int] = {}
+        self._median: dict[str, float] = {}
+
+    def observed(self, key: str, window: deque, n_new: int) -> None:
+        if len(window) < self.settings.min_window_steps:
+            self._out_of_band[key] = 0
+            self._median.pop(key, None)
+            return
+        median = float(np.median(np.fromiter(window, dtype=np.float64, count=len(window))))
+        self._median[key] = median
+        self._out_of_band[key] = self._out_of_band.get(key, 0) + n_new if abs(median) > self.settings.band else 0
+
+    def forget(self, key: str) -> None:
+        self._out_of_band.pop(key, None)
+        self._median.pop(key, None)
+
+    def state(self, key: str) -> dict:
+        """The class's window, quantiles and alarm, as the API reports it."""
+        window = self.values(key)
+        with self._lock:
+            out_of_band = self._out_of_band.get(key, 0)
+            median = self._median.get(key)
+        signed = np.quantile(window, RUN_RESIDUAL_QUANTILES).tolist() if window.size else []
+        absolute = np.quantile(np.abs(window), RUN_RESIDUAL_QUANTILES).tolist() if window.size else []
+        return {
+            "engine_class": key,
+            "window_steps": int(window.size),
+            "relative_residual": dict(zip(map(str, RUN_RESIDUAL_QUANTILES), signed)),
+            "abs_relative_residual": dict(zip(map(str, RUN_RESIDUAL_QUANTILES), absolute)),
+            "median_relative_residual": median,
+            "out_of_band_steps": out_of_band,
+            "alarm": out_of_band >= self.settings.alarm_after_steps,
+        }
+
+    def classes(self) -> list[str]:
+        with self._lock:
+            return list(self._windows)
+
+    def collect_more(self, windows: dict[str, np.ndarray]):
+        absolute = GaugeMetricFamily(
+            "llmvisor_class_abs_relative_residual",
+            f"Quantiles of |measured - predicted| / measured step time over each engine class's last {self.window_steps} steps.",
+            labels=[self.label, "quantile"],
+        )
+        alarm = GaugeMetricFamily(
+            "llmvisor_class_drift_alarm",
+            f"1 while the median signed relative residual of the class has been outside +-{self.settings.band:g} for "
+            f"{self.settings.alarm_after_steps} steps or more (its model drifts: refit it).",
+            labels=[self.label],
+        )
+        out = GaugeMetricFamily(
+            "llmvisor_class_drift_out_of_band_steps",
+            "Steps ingested since the class's median signed relative residual left the band (0 inside it).",
+            labels=[self.label],
+        )
+        with self._lock:
+            out_of_band = dict(self._out_of_band)
+        for key, values in windows.items():
+            for q, value in zip(RUN_RESIDUAL_QUANTILES, np.quantile(np.abs(values), RUN_RESIDUAL_QUANTILES).tolist()):
+                absolute.add_metric([key, repr(q)], value)
+            n = out_of_band.get(key, 0)
+            alarm.add_metric([key], float(n >= self.settings.alarm_after_steps))
+            out.add_metric([key], float(n))
+        yield absolute
+        yield alarm
+        yield out
 
 
 class ServiceMetrics:
-    def __init__(self, *, max_tenant_labels: int = 1000):
+    def __init__(self, *, max_tenant_labels: int = 1000, drift: DriftSettings | None = None):
         self.max_tenant_labels = max_tenant_labels
         self._tenants_labelled: set[str] = set()
         self._tenants_folded: set[str] = set()
@@ -205,11 +332,23 @@ class ServiceMetrics:
             registry=self.registry,
         )
         self.run_residuals = RunResidualWindows()
+        self.class_drift = ClassDrift(drift)
+        self.pending_steps = Counter(
+            "llmvisor_pending_steps", "Steps stored pending: their engine class had no active model.", registry=self.registry
+        )
+        self.pending_measured_seconds = Counter(
+            "llmvisor_pending_measured_seconds", "Measured seconds of the steps stored pending.", registry=self.registry
+        )
+        self.pending_attributed_steps = Counter(
+            "llmvisor_pending_attributed_steps",
+            "Pending steps this process attributed once their class had a model (their seconds then join the tenants').",
+            registry=self.registry,
+        )
         self._mismatched_runs: OrderedDict[str, None] = OrderedDict()
         self._mismatch_lock = threading.Lock()
         self._n_mismatched_runs = 0
         for collector in (self.residual_seconds, self.abs_relative_residual, self.residual_distribution,
-                          self.relative_residual_distribution, self.run_residuals):
+                          self.relative_residual_distribution, self.run_residuals, self.class_drift):
             self.registry.register(collector)
 
     def count_ingest_error(self, reason: str) -> None:
@@ -259,6 +398,20 @@ class ServiceMetrics:
         with np.errstate(divide="ignore", invalid="ignore"):
             self.abs_relative_residual.observe_many(np.abs(residual_s) / measured_s)
             self.relative_residual_distribution.observe_many(residual_s / predicted_s)
+
+    def record_attributed_pending(self, prepared, resolved: np.ndarray, engine_class: str) -> None:
+        """Count pending steps this process attributed: their seconds join the tenants' and the measured total,
+        their residuals the class's window."""
+        records = prepared.records
+        slices = np.repeat(resolved, np.diff(records.step_offsets))
+        self.record_ingest(
+            records.tenant[slices], records.attributed_ns[slices], records.measured_ns[resolved], prepared.residual_s[resolved],
+            prepared.predicted_step_s[resolved], 0, 0,
+        )
+        self.pending_attributed_steps.inc(int(resolved.sum()))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            relative = prepared.residual_s[resolved] / records.step_latency_s[resolved]
+        self.class_drift.observe(np.full(relative.size, engine_class, dtype=object), relative)
 
     def check_fingerprints(self, run_ids: np.ndarray, step_fingerprint_ids: np.ndarray, model_fingerprint: dict | None) -> int:
         """Count steps whose engine fingerprint differs from the model's; warn once per run. Returns the count."""

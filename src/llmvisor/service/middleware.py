@@ -28,10 +28,15 @@ from llmvisor.service.deps import INGEST_FORBIDDEN_DETAIL, PRINCIPAL_SCOPE_KEY
 from llmvisor.service.metrics import ServiceMetrics
 from llmvisor.service.responses import database_unavailable, error, unauthorized
 from llmvisor.service.routes.keys import KEYS_PATH
+from llmvisor.service.routes.models import MODELS_PATH
 from llmvisor.service.routes.steps import INGEST_PATH, is_database_outage
 
 OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
-ADMIN_BODY_ROUTES = {("POST", INGEST_PATH): INGEST_FORBIDDEN_DETAIL, ("POST", KEYS_PATH): "this needs an admin key"}
+ADMIN_BODY_ROUTES = {
+    ("POST", INGEST_PATH): INGEST_FORBIDDEN_DETAIL,
+    ("POST", KEYS_PATH): "this needs an admin key",
+    ("POST", MODELS_PATH): "this needs an admin key",
+}
 
 
 class BodyTooLarge(HTTPException):

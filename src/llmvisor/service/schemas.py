@@ -73,6 +73,7 @@ class IngestResponse(BaseModel):
     steps_duplicate: int = Field(description="already stored with identical content: acknowledged, not counted again")
     slices_inserted: int
     attributed_ns: int = Field(description="seconds newly attributed by this batch, in integer nanoseconds")
+    steps_pending: int = Field(0, description="new steps stored pending: their engine class has no active model yet")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -136,6 +137,8 @@ class TotalsResponse(BaseModel):
     num_slices: int
     attributed_s: float
     attributed_ns: int = Field(description="equals measured_ns: every measured nanosecond is billed once")
+    pending_steps: int = Field(0, description="steps stored pending (not in num_steps): their class has no model yet")
+    pending_measured_ns: int = Field(0, description="their measured time, billed once they are attributed")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -157,7 +160,10 @@ class StepOut(BaseModel):
     step_id: int
     measured_s: float
     measured_ns: int
-    predicted_s: float = Field(description="the model's prediction of the whole step")
+    predicted_s: float | None = Field(description="the model's prediction of the whole step; null while pending")
+    engine_class: str = Field("", description="engine fingerprint id of the step ('' where none)")
+    model_version: int | None = Field(None, description="registry version that attributed it; null: the default model, or pending")
+    pending: bool = Field(False, description="stored unattributed until a model of its class is activated (shares 0)")
     started_at: datetime
     ingested_at: datetime
     content_sha256: str = Field(description="hex digest of the step's canonical content (idempotency key)")
@@ -193,3 +199,47 @@ class WhoAmI(BaseModel):
     key_id: str
     tenant: str | None
     is_admin: bool
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model registry and drift
+
+
+class ModelAdd(BaseModel):
+    model: dict = Field(description="a fitted model file's JSON (`llmvisor fit -o`)")
+    engine_class: str | None = Field(None, max_length=512, description="fingerprint id; default: the one the model was fitted on")
+    activate: bool = False
+
+
+class ModelVersionOut(BaseModel):
+    engine_class: str
+    version: int
+    source: str
+    created_at: datetime
+    active: bool
+
+
+class ActivationOut(BaseModel):
+    engine_class: str
+    version: int
+    pending_steps_attributed: int
+    pending_attributed_ns: int
+
+
+class ClassDriftOut(BaseModel):
+    engine_class: str
+    active_version: int | None
+    window_steps: int
+    relative_residual: dict[str, float] = Field(description="quantiles of (measured - predicted) / measured")
+    abs_relative_residual: dict[str, float] = Field(description="quantiles of |measured - predicted| / measured")
+    median_relative_residual: float | None
+    out_of_band_steps: int
+    alarm: bool
+
+
+class DriftOut(BaseModel):
+    band: float
+    window_steps: int
+    min_window_steps: int
+    alarm_after_steps: int
+    classes: list[ClassDriftOut]

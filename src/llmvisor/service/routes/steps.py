@@ -11,7 +11,6 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from llmvisor.core.model import StepLatencyModel
 from llmvisor.ledger import Ledger, StepConflictError
 from llmvisor.ledger.store import now_us
 from llmvisor.service.config import ServiceSettings
@@ -20,7 +19,7 @@ from llmvisor.service.deps import (
     IngestKey,
     LedgerDep,
     MetricsDep,
-    ModelDep,
+    RegistryDep,
     SettingsDep,
     check_name,
     to_datetime,
@@ -34,6 +33,7 @@ from llmvisor.service.ingest import (
     step_fingerprint_ids,
 )
 from llmvisor.service.metrics import ServiceMetrics
+from llmvisor.service.registry import ModelRegistry
 from llmvisor.service.responses import database_unavailable, error
 from llmvisor.service.schemas import (
     STEP_BATCH_SCHEMA,
@@ -56,7 +56,7 @@ def is_database_outage(error: DBAPIError) -> bool:
 # Batches from several connections run in parallel threads: one can be parsed (pyarrow and numpy release
 # the GIL) while another waits on the database, which serialises only the write itself.
 def ingest_body(
-    body: bytes, content_type: str | None, *, model: StepLatencyModel, ledger: Ledger, metrics: ServiceMetrics, settings: ServiceSettings
+    body: bytes, content_type: str | None, *, registry: ModelRegistry, ledger: Ledger, metrics: ServiceMetrics, settings: ServiceSettings
 ) -> IngestResponse:
     started_s = time.perf_counter()
     trace = read_batch(
@@ -68,22 +68,30 @@ def ingest_body(
     )
     if trace.n_steps == 0:
         return IngestResponse(steps_received=0, steps_inserted=0, steps_duplicate=0, slices_inserted=0, attributed_ns=0)
-    prepared = prepare_batch(model, trace, received_at_us=now_us())
+    registry.refresh()
+    prepared = prepare_batch(None, trace, received_at_us=now_us(), choose=registry.choose)
     records = prepared.records
     outcome = ledger.ingest(records)
     inserted_steps = np.asarray(outcome.inserted, dtype=bool)
+    pending = records.pending & inserted_steps
+    attributed_steps = inserted_steps & ~records.pending
     inserted_slices = np.repeat(inserted_steps, np.diff(records.step_offsets))
+    billed_slices = np.repeat(attributed_steps, np.diff(records.step_offsets))
     attributed_ns = records.attributed_ns[inserted_slices]
     metrics.record_ingest(
-        records.tenant[inserted_slices],
-        attributed_ns,
-        records.measured_ns[inserted_steps],
-        prepared.residual_s[inserted_steps],
-        prepared.predicted_step_s[inserted_steps],
+        records.tenant[billed_slices],
+        records.attributed_ns[billed_slices],
+        records.measured_ns[attributed_steps],
+        prepared.residual_s[attributed_steps],
+        prepared.predicted_step_s[attributed_steps],
         outcome.n_inserted,
         outcome.n_duplicate,
     )
-    record_calibration(metrics, model, trace, prepared, inserted_steps)
+    metrics.slices_ingested.inc(int(inserted_slices.sum() - billed_slices.sum()))
+    if pending.any():
+        metrics.pending_steps.inc(int(pending.sum()))
+        metrics.pending_measured_seconds.inc(float(records.measured_ns[pending].sum()) / 1e9)
+    record_calibration(metrics, registry, trace, prepared, attributed_steps)
     metrics.ingest_batch_seconds.observe(time.perf_counter() - started_s)
     return IngestResponse(
         steps_received=records.n_steps,
@@ -91,16 +99,26 @@ def ingest_body(
         steps_duplicate=outcome.n_duplicate,
         slices_inserted=int(inserted_slices.sum()),
         attributed_ns=int(attributed_ns.sum()),
+        steps_pending=int(pending.sum()),
     )
 
 
-def record_calibration(metrics: ServiceMetrics, model: StepLatencyModel, trace, prepared, inserted_steps: np.ndarray) -> None:
-    """The fingerprint check and the per-run residual windows, over the newly stored steps of a batch."""
-    runs = prepared.records.run_id[inserted_steps]
-    metrics.check_fingerprints(runs, step_fingerprint_ids(trace)[inserted_steps], getattr(model, "engine_fingerprint_", None))
-    measured_s = prepared.records.step_latency_s[inserted_steps]
+def record_calibration(metrics: ServiceMetrics, registry: ModelRegistry, trace, prepared, attributed_steps: np.ndarray) -> None:
+    """The fingerprint check (each step against the model that attributed it), the per-run and per-class
+    residual windows, over the newly stored, attributed steps of a batch."""
+    records = prepared.records
+    runs = records.run_id[attributed_steps]
+    classes = records.engine_class[attributed_steps]
+    ids = step_fingerprint_ids(trace)[attributed_steps]
+    for engine_class in dict.fromkeys(classes.tolist()):
+        mine = classes == engine_class
+        model = registry.model_for(engine_class)
+        metrics.check_fingerprints(runs[mine], ids[mine], getattr(model, "engine_fingerprint_", None))
+    measured_s = records.step_latency_s[attributed_steps]
     with np.errstate(divide="ignore", invalid="ignore"):
-        metrics.run_residuals.observe(runs, prepared.residual_s[inserted_steps] / measured_s)
+        relative = prepared.residual_s[attributed_steps] / measured_s
+    metrics.run_residuals.observe(runs, relative)
+    metrics.class_drift.observe(classes, relative)
 
 
 @router.post(
@@ -133,13 +151,13 @@ def record_calibration(metrics: ServiceMetrics, model: StepLatencyModel, trace, 
     },
 )
 async def post_steps(
-    request: Request, _principal: IngestKey, model: ModelDep, ledger: LedgerDep, metrics: MetricsDep, settings: SettingsDep
+    request: Request, _principal: IngestKey, registry: RegistryDep, ledger: LedgerDep, metrics: MetricsDep, settings: SettingsDep
 ):
     try:
         body = await request.body()
         async with request.app.state.ingest_slots:
             return await run_in_threadpool(
-                ingest_body, body, request.headers.get("content-type"), model=model, ledger=ledger, metrics=metrics, settings=settings
+                ingest_body, body, request.headers.get("content-type"), registry=registry, ledger=ledger, metrics=metrics, settings=settings
             )
     except PayloadError as payload_error:
         metrics.count_ingest_error(payload_error.reason)
@@ -173,6 +191,7 @@ def get_step(
     return StepOut(
         run_id=detail.run_id, step_id=detail.step_id, measured_s=detail.measured_ns / 1e9,
         measured_ns=detail.measured_ns, predicted_s=detail.predicted_s, started_at=to_datetime(detail.timestamp_us),
+        engine_class=detail.engine_class, model_version=detail.model_version, pending=detail.pending,
         ingested_at=to_datetime(detail.ingested_at_us), content_sha256=detail.content_sha256.hex(),
         slices=[
             SliceShareOut(request_id=x.request_id, tenant=x.tenant, num_new_tokens=x.num_new_tokens,

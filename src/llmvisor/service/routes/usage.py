@@ -126,4 +126,6 @@ def usage_totals(_principal: AdminKey, ledger: LedgerDep, span: TimeRangeDep):
         num_slices=totals.num_slices,
         attributed_s=totals.attributed_ns / 1e9,
         attributed_ns=totals.attributed_ns,
+        pending_steps=totals.pending_steps,
+        pending_measured_ns=totals.pending_measured_ns,
     )

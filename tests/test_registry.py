@@ -1,0 +1,219 @@
+"""The model registry per engine class: add/list/activate (CLI and HTTP, admin only), steps of a class without a
+model stored pending and attributed on activation, per-class drift and its alarm, refits held out by time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from _service_fixtures import BACKENDS, POSTGRES_URL, T0_S, bearer, empty_postgres, model_path  # noqa: F401
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.synthetic import DEFAULT_COEF_S, synthetic_trace
+from llmvisor.ledger import Ledger
+from llmvisor.service.app import create_app
+from llmvisor.service.metrics import DriftSettings
+from llmvisor.service.refit import refit_class
+
+CLASS_A = "aaaaaaaaaaaaaaaa"
+CLASS_B = "bbbbbbbbbbbbbbbb"
+
+
+@pytest.fixture(params=BACKENDS)
+def db_url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/ledger.db"
+    return empty_postgres(POSTGRES_URL)
+
+
+@pytest.fixture
+def admin_and_tenant(db_url):
+    ledger = Ledger(db_url)
+    keys = ledger.create_key(is_admin=True), ledger.create_key("tenant-0")
+    ledger.close()
+    return keys
+
+
+def class_model(engine_class: str, *, coef_s: dict | None = None, seed: int = 0) -> StepLatencyModel:
+    model = StepLatencyModel().fit(synthetic_trace(1500, coef_s=coef_s, seed=seed, max_batch_size=16))
+    model.engine_fingerprint_ = {"id": engine_class}
+    return model
+
+
+def columns_body(engine_class: str, n_steps: int, *, run_id: str, seed: int, slowdown: float = 1.0,
+                 first_timestamp_s: float = T0_S, coef_s: dict | None = None) -> dict:
+    """Synthetic steps of a known engine (``coef_s``) as a POST /v1/steps body, times scaled by ``slowdown``."""
+    trace = synthetic_trace(n_steps, coef_s=coef_s, seed=seed, run_id=run_id, max_batch_size=16)
+    columns = trace.to_arrow().to_pydict()
+    kept = {name: columns[name] for name in ("run_id", "step_id", "request_id", "tenant", "num_new_tokens", "num_context_tokens", "phase")}
+    kept["step_latency_s"] = [float(t) * slowdown for t in trace.step_latency_s]
+    kept["engine_fingerprint"] = [engine_class] * trace.n_slices
+    kept["timestamp_s"] = [first_timestamp_s + 0.05 * int(s) for s in trace.step_id]
+    return {"columns": kept}
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "llmvisor.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_models_commands_add_list_activate_and_refuse_clearly(tmp_path, db_url):
+    path = tmp_path / "a.json"
+    class_model(CLASS_A).to_json(path)
+    added = run_cli("models", "add", str(path), "--db", db_url, "--json")
+    assert added.returncode == 0, added.stderr
+    assert json.loads(added.stdout)["version"] == 1 and json.loads(added.stdout)["engine_class"] == CLASS_A
+    again = run_cli("models", "add", str(path), "--db", db_url, "--activate", "--json")
+    assert json.loads(again.stdout)["version"] == 2
+    listed = json.loads(run_cli("models", "list", "--db", db_url, "--json").stdout)["models"]
+    assert [(m["engine_class"], m["version"], m["active"]) for m in listed] == [(CLASS_A, 1, False), (CLASS_A, 2, True)]
+    activated = run_cli("models", "activate", CLASS_A, "1", "--db", db_url)
+    assert activated.returncode == 0, activated.stderr
+    assert Ledger(db_url).active_versions() == {CLASS_A: 1}
+
+    wrong_class = run_cli("models", "add", str(path), "--class", CLASS_B, "--db", db_url)
+    assert wrong_class.returncode == 2 and f"fitted on engine fingerprint {CLASS_A}, not {CLASS_B}" in wrong_class.stderr
+    missing = run_cli("models", "activate", CLASS_A, "7", "--db", db_url)
+    assert missing.returncode == 2 and "no model version 7" in missing.stderr and "Traceback" not in missing.stderr
+    plain = tmp_path / "plain.json"
+    model = class_model(CLASS_A)
+    model.engine_fingerprint_ = None
+    model.to_json(plain)
+    unnamed = run_cli("models", "add", str(plain), "--db", db_url)
+    assert unnamed.returncode == 2 and "--class" in unnamed.stderr
+
+
+def test_models_over_http_need_an_admin_key(model_path, db_url, admin_and_tenant):  # noqa: F811
+    admin, tenant = (bearer(k) for k in admin_and_tenant)
+    body = {"model": class_model(CLASS_A).to_dict(), "activate": True}
+    with TestClient(create_app(model_path, db_url)) as client:
+        assert client.post("/v1/models", json=body).status_code == 401
+        assert client.post("/v1/models", json=body, headers=tenant).status_code == 403
+        assert client.get("/v1/models", headers=tenant).status_code == 403
+        assert client.post(f"/v1/models/{CLASS_A}/1/activate", headers=tenant).status_code == 403
+        assert client.get("/v1/models/drift", headers=tenant).status_code == 403
+        created = client.post("/v1/models", json=body, headers=admin)
+        assert created.status_code == 201, created.text
+        assert created.json() | {"created_at": None} == {"engine_class": CLASS_A, "version": 1, "source": "POST /v1/models",
+                                                         "created_at": None, "active": True}
+        assert client.post("/v1/models", json={"model": body["model"]}, headers=admin).json()["version"] == 2
+        assert [(m["version"], m["active"]) for m in client.get("/v1/models", headers=admin).json()] == [(1, True), (2, False)]
+        assert client.post(f"/v1/models/{CLASS_A}/2/activate", headers=admin).status_code == 200
+        assert [m["active"] for m in client.get("/v1/models", headers=admin).json()] == [False, True]
+        assert client.post(f"/v1/models/{CLASS_A}/9/activate", headers=admin).status_code == 404
+        bad = client.post("/v1/models", json={"model": {"format": "nope"}}, headers=admin)
+        assert bad.status_code == 422 and "Traceback" not in bad.text
+
+
+def test_registry_empty_means_the_default_model_attributes_every_class(model_path, db_url, admin_and_tenant):  # noqa: F811
+    admin = bearer(admin_and_tenant[0])
+    with TestClient(create_app(model_path, db_url)) as client:
+        response = client.post("/v1/steps", json=columns_body(CLASS_A, 30, run_id="r", seed=1), headers=admin)
+        assert response.status_code == 200 and response.json()["steps_pending"] == 0
+        totals = client.get("/v1/usage/totals", headers=admin).json()
+        assert totals["num_steps"] == 30 and totals["attributed_ns"] == totals["measured_ns"] > 0
+        assert client.get("/v1/steps/r/0", headers=admin).json()["model_version"] is None
+
+
+def test_unknown_class_is_pending_then_attributed_on_activation_and_totals_reconcile(model_path, db_url, admin_and_tenant):  # noqa: F811
+    admin = bearer(admin_and_tenant[0])
+    app = create_app(model_path, db_url, pending_unknown_classes=True, registry_refresh_s=0.0)
+    with TestClient(app) as client:
+        known = client.post("/v1/models", json={"model": class_model(CLASS_A).to_dict(), "activate": True}, headers=admin)
+        assert known.status_code == 201
+        client.post("/v1/steps", json=columns_body(CLASS_A, 40, run_id="ra", seed=2), headers=admin)
+        response = client.post("/v1/steps", json=columns_body(CLASS_B, 25, run_id="rb", seed=3), headers=admin)
+        assert response.json()["steps_pending"] == 25 and response.json()["attributed_ns"] == 0
+        before = client.get("/v1/usage/totals", headers=admin).json()
+        billed_a = client.get("/v1/usage/tenants", headers=admin).json()["tenants"]
+        assert before["num_steps"] == 40 and before["pending_steps"] == 25
+        assert before["attributed_ns"] == before["measured_ns"], "pending steps must not count as attributed"
+        assert client.get("/v1/steps/rb/3", headers=admin).json()["pending"] is True
+        step_a = client.get("/v1/steps/ra/5", headers=admin).json()
+        assert step_a["model_version"] == 1 and step_a["engine_class"] == CLASS_A
+
+        added = client.post("/v1/models", json={"model": class_model(CLASS_B, seed=4).to_dict()}, headers=admin)
+        activation = client.post(f"/v1/models/{CLASS_B}/{added.json()['version']}/activate", headers=admin).json()
+        assert activation["pending_steps_attributed"] == 25
+        after = client.get("/v1/usage/totals", headers=admin).json()
+        assert after["pending_steps"] == 0 and after["num_steps"] == 65
+        assert after["attributed_ns"] == after["measured_ns"] == before["measured_ns"] + before["pending_measured_ns"]
+        assert activation["pending_attributed_ns"] == before["pending_measured_ns"]
+        step_b = client.get("/v1/steps/rb/3", headers=admin).json()
+        assert step_b["pending"] is False and step_b["model_version"] == 1 and step_b["predicted_s"] > 0
+        assert sum(s["attributed_ns"] for s in step_b["slices"]) == step_b["measured_ns"]
+        # Bills already written are not rewritten: class A's tenants keep what they had, plus B's shares.
+        again = client.post(f"/v1/models/{CLASS_B}/1/activate", headers=admin).json()
+        assert again["pending_steps_attributed"] == 0
+        run_a = client.get("/v1/usage/requests?run_id=ra&limit=1000", headers=admin).json()["requests"]
+        assert sum(r["attributed_ns"] for r in run_a) == sum(t["attributed_ns"] for t in billed_a)
+        # A re-send of a step attributed after being pending is still a duplicate.
+        resent = client.post("/v1/steps", json=columns_body(CLASS_B, 25, run_id="rb", seed=3), headers=admin).json()
+        assert resent["steps_duplicate"] == 25
+
+
+def test_slowed_class_raises_the_drift_alarm_and_a_refit_activates(model_path, db_url, admin_and_tenant, tmp_path):  # noqa: F811
+    admin = bearer(admin_and_tenant[0])
+    drift = DriftSettings(band=0.10, window_steps=300, min_window_steps=100, alarm_after_steps=200)
+    app = create_app(model_path, db_url, drift=drift, registry_refresh_s=0.0)
+    with TestClient(app) as client:
+        model = class_model(CLASS_A, coef_s=DEFAULT_COEF_S)
+        client.post("/v1/models", json={"model": model.to_dict(), "activate": True}, headers=admin)
+
+        def state():
+            classes = client.get("/v1/models/drift", headers=admin).json()["classes"]
+            return next(c for c in classes if c["engine_class"] == CLASS_A)
+
+        client.post("/v1/steps", json=columns_body(CLASS_A, 300, run_id="calm", seed=5), headers=admin)
+        calm = state()
+        assert calm["window_steps"] == 300 and abs(calm["median_relative_residual"]) < 0.02 and not calm["alarm"]
+        t_slow = T0_S + 1000
+        for k in range(4):  # 20 % slower: (1.2 - 1) / 1.2 = 0.167 of each measured step
+            body = columns_body(CLASS_A, 150, run_id=f"slow{k}", seed=10 + k, slowdown=1.2, first_timestamp_s=t_slow + 100 * k)
+            assert client.post("/v1/steps", json=body, headers=admin).status_code == 200
+        slowed = state()
+        assert slowed["median_relative_residual"] == pytest.approx(0.2 / 1.2, abs=0.02)
+        assert slowed["alarm"] and slowed["out_of_band_steps"] >= 200
+        metrics = client.get("/metrics", headers=admin).text
+        assert f'llmvisor_class_drift_alarm{{engine_class="{CLASS_A}"}} 1.0' in metrics
+        assert "llmvisor_class_abs_relative_residual{" in metrics
+
+        ledger = Ledger(db_url)
+        result = refit_class(ledger, CLASS_A, newest_steps=500, test_fraction=0.2)
+        ledger.close()
+        assert result.version == 2 and result.active_version == 1 and result.test_steps == 100
+        assert result.active_error == pytest.approx(0.2 / 1.2, abs=0.02)
+        assert result.new_error < 0.02 and result.activated
+        # The window restarts with the new version: the next slowed steps sit inside the band.
+        client.post("/v1/steps", json=columns_body(CLASS_A, 200, run_id="after", seed=30, slowdown=1.2,
+                                                    first_timestamp_s=t_slow + 1000), headers=admin)
+        refitted = state()
+        assert refitted["active_version"] == 2 and abs(refitted["median_relative_residual"]) < 0.02 and not refitted["alarm"]
+
+    # A refit that is not better is stored, not activated; the CLI prints both errors.
+    printed = run_cli("refit", "--class", CLASS_A, "--db", db_url, "--newest-steps", "500")
+    assert printed.returncode == 0, printed.stderr
+    assert "new v3" in printed.stdout and "active v2" in printed.stdout
+    activated = "v3 activated" in printed.stdout
+    assert activated or "v3 stored, not activated" in printed.stdout
+    assert Ledger(db_url).active_versions()[CLASS_A] == (3 if activated else 2)
+
+
+def test_refit_from_trace_files_holds_out_the_newest_steps(tmp_path, db_url):
+    from llmvisor.core.trace import write_trace
+
+    trace = synthetic_trace(400, seed=7, max_batch_size=16)
+    path = tmp_path / "t.parquet"
+    write_trace(trace, path)
+    ledger = Ledger(db_url)
+    try:
+        first = refit_class(ledger, CLASS_B, traces=[path], test_fraction=0.25)
+        assert first.activated and first.active_version is None and (first.train_steps, first.test_steps) == (300, 100)
+        with pytest.raises(Exception, match="too few"):
+            refit_class(ledger, "cccccccccccccccc")
+    finally:
+        ledger.close()
+    assert np.isfinite(first.new_error)
