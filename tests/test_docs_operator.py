@@ -66,11 +66,15 @@ def run_doc(doc: Path, tmp_path: Path, timeout_s: float) -> tuple[subprocess.Com
 
 
 def test_the_documented_service_commands_run(tmp_path):
-    done, _ = run_doc(SERVICE_DOC, tmp_path, timeout_s=300)
+    done, work = run_doc(SERVICE_DOC, tmp_path, timeout_s=300)
     acknowledged = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"steps_received"')]
-    assert [(a["steps_inserted"], a["slices_inserted"]) for a in acknowledged] == [(1, 2), (1, 2)]
+    uploaded = read_trace(work / "run.parquet")
+    assert [(a["steps_inserted"], a["slices_inserted"]) for a in acknowledged] == [(1, 2), (1, 2), (uploaded.n_steps, uploaded.n_slices)]
     totals = json.loads(re.search(r'\{"start":null,"end":null,"num_steps".*?\}', done.stdout).group())
-    assert totals["num_steps"] == 2 and totals["attributed_ns"] == totals["measured_ns"] == 31_000_000 + 12_000_000
+    uploaded_ns = int(acknowledged[2]["attributed_ns"])
+    assert abs(uploaded_ns - uploaded.step_latency_s_per_step.sum() * 1e9) <= uploaded.n_steps  # each step rounded to 1 ns
+    assert totals["num_steps"] == 2 + uploaded.n_steps
+    assert totals["attributed_ns"] == totals["measured_ns"] == 31_000_000 + 12_000_000 + uploaded_ns
 
 
 @pytest.mark.vllm

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -181,3 +185,27 @@ def test_a_schema_2_ledger_is_copied_table_by_table(tmp_path, model_path, db_url
         reference.close()
     with pytest.raises(LedgerError, match="must be an empty ledger"):
         migrate(source_url, db_url)
+
+
+def test_the_documented_migrate_command_runs_as_written(tmp_path, model_path):
+    """docs/service.md's `llmvisor ledger migrate` line, run verbatim in a folder holding a schema-2 llmvisor.db."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "service.md").read_text(encoding="utf-8")
+    command = next(line for line in doc.splitlines() if line.startswith("llmvisor ledger migrate"))
+    model = StepLatencyModel.from_json(model_path)
+    groups = make_steps("run-doc", 30, batch_size=5, seed=4)
+    _schema_2_ledger(tmp_path / "llmvisor.db", model, groups)
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "llmvisor").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m llmvisor.cli "$@"\n')
+    (shims / "llmvisor").chmod(0o755)
+    env = {**os.environ, "PATH": f"{shims}:{os.environ.get('PATH', '')}"}
+    done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    reference = Ledger(f"sqlite:///{tmp_path}/reference.db")
+    reference.ingest(prepare_batch(model, validate_trace(groups), received_at_us=0).records)
+    migrated = Ledger(f"sqlite:///{tmp_path}/llmvisor-v3.db")
+    try:
+        assert migrated.totals() == reference.totals() and migrated.totals().num_steps == 30
+    finally:
+        migrated.close()
+        reference.close()
