@@ -700,3 +700,70 @@ def _hardware() -> str:
     except OSError:
         pass
     return "unknown"
+
+
+# ------------------------------------------------------------------------------------------------ docs
+
+
+def _ratio(value, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_summary(result: dict) -> str:
+    """The result's tables as Markdown, for docs/fairness.md (a test keeps the doc's copy equal to this)."""
+    lines = []
+    policies = [p for p in POLICIES if p in result["policies"]]
+    tenants = list(result["policies"][policies[0]]["summary"]["attributed_s"])
+    lines += [
+        f"| policy | engine time {' / '.join(tenants)} (s) | max/min | Jain | per-window max/min (median, worst) | output tok/s | requests/s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for policy in policies:
+        s = result["policies"][policy]["summary"]
+        windows = s["window_engine_time_max_min"]
+        engine_s = " / ".join(f"{s['attributed_s'][t]:.1f}" for t in tenants)
+        lines.append(
+            f"| {POLICY_LABELS[policy]} | {engine_s} | {_ratio(s['engine_time_max_min'])} | "
+            f"{_ratio(s['jain'], 3)} | {_ratio(windows['median'])}, {_ratio(windows['max'])} | {s['output_tokens_per_s']:.0f} | {s['requests_per_s']:.1f} |"
+        )
+    free = [p for p in policies if result["policies"][p].get("model_free")]
+    if free:
+        lines += ["", f"| policy | completions/s {' / '.join(tenants)} | ÷ alone: normalised service {' / '.join(tenants)} | max/min | Jain |",
+                  "| --- | --- | --- | --- | --- |"]
+        for policy in free:
+            m = result["policies"][policy]["model_free"]
+            rates = " / ".join(f"{m['completions_per_s'][t]:.2f}" for t in tenants)
+            lines.append(
+                f"| {POLICY_LABELS[policy]} | {rates} | "
+                f"{' / '.join(_ratio(m['normalised_service'].get(t)) for t in tenants)} | {_ratio(m['max_min'])} | {_ratio(m['jain'], 3)} |"
+            )
+        alone = result.get("alone", {})
+        lines.append(
+            "| alone | " + " / ".join(f"{alone[t]['completions_per_s']:.2f}" if t in alone else "–" for t in tenants) + " | 1 each | | |"
+        )
+    lines += ["", "| policy | tenant | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | token service (VTC tokens) | finished |", "| --- | --- | --- | --- | --- | --- |"]
+    for policy in policies:
+        s = result["policies"][policy]["summary"]
+        for k, t in enumerate(tenants):
+            lines.append(
+                f"| {POLICY_LABELS[policy] if k == 0 else ''} | {t} | {format_seconds(s['ttft_s'][t]['p50'])} / {format_seconds(s['ttft_s'][t]['p99'])} | "
+                f"{format_seconds(s['tpot_s'][t]['p50'], 1000)} / {format_seconds(s['tpot_s'][t]['p99'], 1000)} | {s['token_service'][t]:,.0f} | {s['requests_finished'][t]} |"
+            )
+    if "admission" in result:
+        data = result["admission"]
+        lines += ["", f"| tenant | attributed VTC | finished | met the {1000 * data['tpot_slo_s']:.0f} ms SLO | TPOT p50 / p99 (ms) | goodput (tok/s) | deferred | deferral wait p50 / p99 (s) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for tenant in [*tenants, "all"]:
+            for key in ("without", "with"):
+                row = data[key]["all"] if tenant == "all" else data[key]["tenants"][tenant]
+                deferral = data["deferrals"].get(tenant) if key == "with" else None
+                met = "–" if row["met_slo_fraction"] is None else f"{100 * row['met_slo_fraction']:.0f}%"
+                lines.append(
+                    f"| {tenant if key == 'without' else ''} | {key} SLO admission | {row['requests']} | {met} | "
+                    f"{format_seconds(row['tpot_s']['p50'], 1000)} / {format_seconds(row['tpot_s']['p99'], 1000)} | {row['goodput_tokens_per_s']:.0f} | "
+                    + ("" if deferral is None else f"{deferral['requests_deferred']}")
+                    + " | "
+                    + ("" if deferral is None else f"{format_seconds(deferral['wait_s']['p50'])} / {format_seconds(deferral['wait_s']['p99'])}")
+                    + " |"
+                )
+    return "\n".join(lines)
