@@ -85,7 +85,9 @@ class PrometheusServer:
         """Until every target has been scraped (successfully) after ``moment_s`` (Unix seconds)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            scraped = self.query('timestamp(up{job="llmvisor"} == 1)')
+            # timestamp() of a selector is its sample's (scrape) time; of an expression such as `up == 1` it would
+            # be the evaluation time, hence the `and`.
+            scraped = self.query('timestamp(up{job="llmvisor"}) and up{job="llmvisor"} == 1')
             if len(scraped) == n_targets and min(float(s["value"][1]) for s in scraped) > moment_s:
                 return
             time.sleep(0.2)

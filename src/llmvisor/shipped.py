@@ -59,6 +59,11 @@ def workloads_dir() -> Path:
     return data_dir() / "workloads"
 
 
+def grafana_dashboard_path() -> Path:
+    """The Grafana dashboard of the service's Prometheus metrics (import it: docs/service.md, Dashboard)."""
+    return data_dir() / "grafana" / "llmvisor.json"
+
+
 def portable_path(path: str | os.PathLike) -> str:
     """How to record a path: a file inside the package's data as "llmvisor/data/<relative path>", any other as given."""
     try:

@@ -1,0 +1,210 @@
+"""The shipped Grafana dashboard: a valid dashboard shape, every metric it queries exported by the service, and
+every panel query, run against a real Prometheus scraping a real `llmvisor serve`, answering with data (the
+per-tenant total equal to the ledger's)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+import time
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from _prometheus import PROMETHEUS_BINARY, PrometheusServer
+from _service_fixtures import T0_S, bearer, make_steps, model_path  # noqa: F401
+from llmvisor import shipped
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.synthetic import DEFAULT_COEF_S, synthetic_trace
+from llmvisor.ledger import Ledger
+from llmvisor.service.app import create_app
+from llmvisor.service.process import ServerProcess
+
+CLASS_MODELLED = "aaaaaaaaaaaaaaaa"
+CLASS_PENDING = "bbbbbbbbbbbbbbbb"
+METRIC_NAME = re.compile(r"\bllmvisor_[a-z0-9_]+")
+LABEL_VALUES = re.compile(r"^label_values\((\w+),\s*(\w+)\)$")
+GRID_COLUMNS = 24
+NO_FINGERPRINT = "(no fingerprint)"
+
+
+def dashboard() -> dict:
+    return json.loads(shipped.grafana_dashboard_path().read_text(encoding="utf-8"))
+
+
+def query_panels(board: dict) -> list[dict]:
+    return [panel for panel in board["panels"] if panel["type"] != "row"]
+
+
+def panel_exprs(board: dict) -> list[tuple[str, str]]:
+    """(panel title, expr) of every target."""
+    return [(panel["title"], target["expr"]) for panel in query_panels(board) for target in panel["targets"]]
+
+
+def variable_queries(board: dict) -> dict[str, tuple[str, str]]:
+    """Each query variable's (metric, label) of its label_values()."""
+    found = {}
+    for variable in board["templating"]["list"]:
+        if variable["type"] == "query":
+            match = LABEL_VALUES.match(variable["query"]["query"])
+            assert match, f"variable {variable['name']}: not label_values(metric, label): {variable['query']}"
+            found[variable["name"]] = match.groups()
+    return found
+
+
+def substitute(expr: str, *, tenant: str = ".*", engine_class: str = ".*", rate_interval: str = "1m", range_: str = "10m") -> str:
+    """The expr as Grafana sends it, with the variables' values (".*" is their "All" value)."""
+    text = (expr.replace("$__rate_interval", rate_interval).replace("$__range", range_)
+            .replace("$tenant", tenant).replace("$engine_class", engine_class))
+    assert "$" not in text, f"unknown variable left in {text!r}"
+    return text
+
+
+def class_model(engine_class: str) -> StepLatencyModel:
+    model = StepLatencyModel().fit(synthetic_trace(1500, coef_s=DEFAULT_COEF_S, max_batch_size=16))
+    model.engine_fingerprint_ = {"id": engine_class}
+    return model
+
+
+def class_body(engine_class: str, n_steps: int, *, run_id: str, seed: int, slowdown: float = 1.0) -> dict:
+    """Synthetic steps of an engine class as a POST /v1/steps body (columns), times scaled by ``slowdown``."""
+    trace = synthetic_trace(n_steps, coef_s=DEFAULT_COEF_S, seed=seed, run_id=run_id, max_batch_size=16)
+    columns = trace.to_arrow().to_pydict()
+    kept = {name: columns[name] for name in ("run_id", "step_id", "request_id", "tenant", "num_new_tokens", "num_context_tokens", "phase")}
+    kept["step_latency_s"] = [float(t) * slowdown for t in trace.step_latency_s]
+    kept["engine_fingerprint"] = [engine_class] * trace.n_slices
+    kept["timestamp_s"] = [T0_S + 0.05 * int(s) for s in trace.step_id]
+    return {"columns": kept}
+
+
+def test_the_dashboard_is_a_grafana_dashboard_with_its_variables():
+    board = dashboard()
+    assert board["uid"] and board["title"] and board["schemaVersion"] >= 36
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert set(variable_queries(board)) == {"tenant", "engine_class"}
+    for name in ("tenant", "engine_class"):
+        assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
+        assert variables[name]["datasource"]["uid"] == "${datasource}"
+
+    ids = [panel["id"] for panel in board["panels"]]
+    assert len(ids) == len(set(ids)), f"panel ids repeat: {ids}"
+    cells: dict[tuple[int, int], str] = {}
+    for panel in board["panels"]:
+        grid = panel["gridPos"]
+        assert all(isinstance(grid[k], int) for k in ("h", "w", "x", "y")), panel["title"]
+        assert grid["w"] > 0 and grid["h"] > 0 and grid["x"] + grid["w"] <= GRID_COLUMNS, panel["title"]
+        for x in range(grid["x"], grid["x"] + grid["w"]):
+            for y in range(grid["y"], grid["y"] + grid["h"]):
+                assert (x, y) not in cells, f"{panel['title']!r} overlaps {cells[(x, y)]!r}"
+                cells[(x, y)] = panel["title"]
+    panels = query_panels(board)
+    assert {row["title"].split(":")[0] for row in board["panels"] if row["type"] == "row"} == {
+        "Tenants", "Model drift per engine class", "Ingest health"}
+    for panel in panels:
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        assert panel["targets"], panel["title"]
+        ref_ids = [target["refId"] for target in panel["targets"]]
+        assert len(ref_ids) == len(set(ref_ids)), panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == panel["datasource"] and target["expr"].strip(), panel["title"]
+    for title, expr in panel_exprs(board):
+        if "by (tenant)" in expr:
+            assert '{tenant=~"$tenant"}' in expr, f"{title}: per-tenant query ignores $tenant"
+        if "llmvisor_class_" in expr:  # per-class series only
+            assert '{engine_class=~"$engine_class"}' in expr, f"{title}: per-class query ignores $engine_class"
+
+
+def test_every_metric_the_dashboard_queries_is_exported_by_the_service(model_path, tmp_path):  # noqa: F811
+    """A renamed metric breaks this test: each name in a panel or variable query must be a sample of /metrics."""
+    url = f"sqlite:///{tmp_path}/ledger.db"
+    ledger = Ledger(url)
+    admin = bearer(ledger.create_key(is_admin=True))
+    ledger.close()
+    with TestClient(create_app(model_path, url, pending_unknown_classes=True, registry_refresh_s=0.0)) as client:
+        assert client.post("/v1/models", json={"model": class_model(CLASS_MODELLED).to_dict(), "activate": True},
+                           headers=admin).status_code == 201
+        assert client.post("/v1/steps", json=class_body(CLASS_MODELLED, 60, run_id="a", seed=1), headers=admin).status_code == 200
+        assert client.post("/v1/steps", json=class_body(CLASS_PENDING, 20, run_id="b", seed=2), headers=admin).json()["steps_pending"] == 20
+        assert client.post("/v1/steps", json={"steps": make_steps("plain", 30)}, headers=admin).status_code == 200
+        text = client.get("/metrics", headers=admin).text
+    exported = {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
+    board = dashboard()
+    referenced = {name for _, expr in panel_exprs(board) for name in METRIC_NAME.findall(expr)}
+    referenced |= {metric for metric, _ in variable_queries(board).values()}
+    assert len(referenced) >= 15
+    assert referenced <= exported, f"not exported by the service: {sorted(referenced - exported)}"
+
+
+def finite_values(result: list[dict]) -> list[float]:
+    return [v for v in (float(s["value"][1]) for s in result) if math.isfinite(v)]
+
+
+@pytest.mark.skipif(PROMETHEUS_BINARY is None, reason="no prometheus binary on PATH (scripts/install-test.sh installs Debian's prometheus)")
+def test_every_panel_query_answers_from_a_real_prometheus_and_the_total_equals_the_ledger(model_path, tmp_path):  # noqa: F811
+    url = f"sqlite:///{tmp_path}/ledger.db"
+    ledger = Ledger(url)
+    key = ledger.create_key(is_admin=True)
+    ledger.close()
+    admin = bearer(key)
+    drift_args = ("--pending-unknown-classes", "--drift-window-steps", "300", "--drift-alarm-steps", "100")
+    with ServerProcess(model_path, url, log_path=tmp_path / "server.log", extra_args=drift_args) as server, \
+            PrometheusServer([server.url.removeprefix("http://")], key, tmp_path) as prometheus, \
+            httpx.Client(base_url=server.url, headers=admin, timeout=60.0) as client:
+        prometheus.wait_for_scrapes_after(time.time(), 1)
+        # Two rounds with a scrape between, so rate() has an increase to see.
+        assert client.post("/v1/models", json={"model": class_model(CLASS_MODELLED).to_dict(), "activate": True}).status_code == 201
+        for round_ in range(2):
+            # The modelled class runs 20 % slower than its model: its median residual 0.2 / 1.2 leaves the band.
+            slowed = class_body(CLASS_MODELLED, 150, run_id=f"slow-{round_}", seed=10 + round_, slowdown=1.2)
+            assert client.post("/v1/steps", json=slowed).status_code == 200
+            plain = make_steps(f"plain-{round_}", 100, n_tenants=3, seed=round_)
+            assert client.post("/v1/steps", json={"steps": plain}).json()["steps_inserted"] == 100
+            assert client.post("/v1/steps", json={"steps": plain[:20]}).json()["steps_duplicate"] == 20
+            conflicting = copy.deepcopy(plain[:5])
+            for row in conflicting[0]:
+                row["step_latency_s"] = round(row["step_latency_s"] + 0.001, 6)
+            assert client.post("/v1/steps", json={"steps": conflicting}).status_code == 409
+            pending = client.post("/v1/steps", json=class_body(CLASS_PENDING, 40, run_id=f"pending-{round_}", seed=20 + round_))
+            assert pending.json()["steps_pending"] == 40
+            prometheus.wait_for_scrapes_after(time.time(), 1)
+
+        ledger_seconds = {t["tenant"]: t["attributed_s"] for t in client.get("/v1/usage/tenants").json()["tenants"]}
+        drift = {c["engine_class"]: c for c in client.get("/v1/models/drift").json()["classes"]}
+        board = dashboard()
+
+        for name, (metric, label) in variable_queries(board).items():
+            # As Grafana asks: the label's values on the metric's series over the dashboard's time range.
+            now_s = time.time()
+            response = httpx.get(f"{prometheus.url}/api/v1/label/{label}/values",
+                                 params={"match[]": metric, "start": now_s - 600, "end": now_s}, timeout=10.0)
+            values = set(response.json()["data"])
+            assert values == (set(ledger_seconds) if name == "tenant" else {CLASS_MODELLED}), name
+
+        empty = []
+        for title, expr in panel_exprs(board):
+            for tenant, engine_class in ((".*", ".*"), ("tenant-1", CLASS_MODELLED)):
+                result = prometheus.query(substitute(expr, tenant=tenant, engine_class=engine_class))
+                if not finite_values(result):
+                    empty.append(f"{title}: {expr} (tenant={tenant}, engine_class={engine_class}): {result}")
+                if tenant != ".*":
+                    assert {s["metric"].get("tenant", tenant) for s in result} <= {tenant}, (title, result)
+                    assert {s["metric"].get("engine_class", engine_class) for s in result} <= {engine_class}, (title, result)
+        assert not empty, "\n".join(empty)
+
+        [total_expr] = [expr for title, expr in panel_exprs(board) if title.startswith("Attributed engine seconds since")]
+        panel_seconds = {s["metric"]["tenant"]: float(s["value"][1]) for s in prometheus.query(substitute(total_expr))}
+        assert len(ledger_seconds) == 4
+        assert panel_seconds == pytest.approx(ledger_seconds, rel=1e-9)
+
+        [alarm_expr] = [expr for title, expr in panel_exprs(board) if title.startswith("Drift alarm")]
+        alarms = {s["metric"]["engine_class"]: float(s["value"][1]) for s in prometheus.query(substitute(alarm_expr))}
+        assert drift[CLASS_MODELLED]["alarm"] and alarms[CLASS_MODELLED] == 1.0
+        assert alarms == {(name or NO_FINGERPRINT): float(state["alarm"]) for name, state in drift.items()}
+        [rejected_expr] = [expr for title, expr in panel_exprs(board) if title.startswith("Rejected")]
+        by_reason = {s["metric"]["reason"]: float(s["value"][1]) for s in prometheus.query(substitute(rejected_expr, rate_interval="10m"))}
+        assert by_reason["conflict"] > 0 and by_reason["invalid_trace"] == 0
