@@ -457,6 +457,9 @@ class ControlledEngine:
             raise LlmvisorError(f"decode contexts {too_long} + {max_decode_steps} steps exceed max_model_len {self.limits.max_model_len}")
         if shared_prefix_tokens < 0 or (shared_prefix_tokens and shared_prefix_tokens > min(context_lengths)):
             raise LlmvisorError(f"shared prefix of {shared_prefix_tokens} tokens: must be 0 to the shortest context {min(context_lengths)}")
+        if 0 < shared_prefix_tokens < self.block_size and len(context_lengths) > 1:
+            raise LlmvisorError(f"shared prefix of {shared_prefix_tokens} tokens fills no whole KV block ({self.block_size} tokens): "
+                                "nothing would be shared")
         if self.engine.has_unfinished_requests():
             self._abort_all()
         self._held = set()
