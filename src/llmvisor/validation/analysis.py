@@ -647,6 +647,20 @@ class ModelGame:
         return cost
 
 
+def model_step_s(model):
+    """``step_s(batch, subset)`` for `llmvisor.validation.plans.sampled_run_budget_s`: the model's predicted time of
+    a sampled batch's subset run alone (its nominal contexts, the shared prefix read once)."""
+    games: dict[str, ModelGame] = {}
+
+    def step_s(batch: SampledBatchSpec, subset: int) -> float:
+        if batch.key not in games:
+            games[batch.key] = ModelGame(model, np.array(batch.num_new_tokens), np.array(batch.num_context_tokens, dtype=np.float64),
+                                         np.array(batch.is_prefill, dtype=bool), np.array(batch.shared_prefix_tokens, dtype=np.float64))
+        return games[batch.key][subset]
+
+    return step_s
+
+
 def effective_context_tokens(context: np.ndarray, shared_context: np.ndarray) -> np.ndarray:
     """Each request's effective context in a step of the whole batch: its shared prefix tokens divided among the
     batch's readers of them (every request with a nonzero ``shared_context``), the rest its own."""

@@ -195,6 +195,13 @@ def missing_measurements(batches: Iterable[BatchSpec], journal: Journal, repeat:
     return todo
 
 
+def missing_sampled_steps(batches: Iterable[SampledBatchSpec], journal: Journal, repeat: int) -> int:
+    """Subset steps of sampled batches still to measure (each distinct prefix ``repeat`` times)."""
+    return sum(
+        max(0, repeat - len(journal.get(b, r, s))) for b in batches for r in range(b.rounds) for s in b.subsets()
+    )
+
+
 @dataclass
 class InterferenceGuard:
     """Detects other work on the machine by re-timing a fixed reference step (a *canary*) between steps.
