@@ -110,6 +110,7 @@ def validate(
     orders: Annotated[int, typer.Option(help="Sampled orders per serving-size batch (even: each comes with its reverse); every prefix of each is one measured step.")] = 8,
     sampled_sizes: Annotated[str, typer.Option(help="Sizes of the serving-size batches, comma-separated (each at most --max-num-seqs).")] = ",".join(map(str, SAMPLED_SIZES)),
     sampled_kinds: Annotated[str, typer.Option(help="Kinds of serving-size batches, comma-separated, cycled.")] = ",".join(SAMPLED_KINDS),
+    sampled_repeat: Annotated[int, typer.Option(help="Times each prefix step of a serving-size batch is measured (median kept); more orders usually buy more than repeats.")] = 1,
     seed: Annotated[int, typer.Option(help="Seed of the batches and the measuring order.")] = 0,
     n_bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples for the 95% intervals.")] = 1000,
     keep_steps: Annotated[bool, typer.Option(help="Keep the recorder's trace of every engine step run (RESULT.steps.jsonl).")] = False,
@@ -157,6 +158,8 @@ def validate(
     sampled_specs = []
     if sampled_batches < 0:
         raise LlmvisorError(f"--sampled-batches: must be 0 or more (got {sampled_batches})")
+    if sampled_repeat < 1:
+        raise LlmvisorError(f"--sampled-repeat: must be at least 1 (got {sampled_repeat})")
     if sampled_batches:
         sampled_specs = draw_sampled_batches(
             mixes, envelope, n_batches=sampled_batches, n_orders=orders, sizes=parse_sizes(sampled_sizes),
@@ -183,11 +186,11 @@ def validate(
         journal.write_header({"engine_settings": engine_settings, "seed": seed})
     todo = missing_measurements(specs, journal, repeat)
     n_missing_exact = sum(len(masks) for masks in todo.values())
-    n_missing_sampled = missing_sampled_steps(sampled_specs, journal, repeat)
+    n_missing_sampled = missing_sampled_steps(sampled_specs, journal, sampled_repeat)
     n_missing = n_missing_exact + n_missing_sampled
-    budget_s = sampled_run_budget_s(sampled_specs, model_step_s(latency_model), repeat=repeat) if sampled_specs else 0.0
+    budget_s = sampled_run_budget_s(sampled_specs, model_step_s(latency_model), repeat=sampled_repeat) if sampled_specs else 0.0
     if sampled_specs:
-        n_steps = sum(len(b.subsets()) for b in sampled_specs) * repeat
+        n_steps = sum(len(b.subsets()) for b in sampled_specs) * sampled_repeat
         console.print(
             f"[bold]validate[/]: {len(sampled_specs)} sampled batches × {orders} orders: {n_steps} subset steps, "
             f"{budget_s / 60:.1f} min of controlled steps by the model ({n_missing_sampled} steps still to measure; "
@@ -235,7 +238,7 @@ def validate(
                 counts = measure(engine, specs, journal, repeat=repeat, seed=seed, guard=guard, on_step=lambda n: progress.advance(task, n))
                 if n_missing_sampled:
                     more = measure_sampled(
-                        engine, sampled_specs, journal, repeat=repeat, seed=seed, guard=guard, on_step=lambda n: progress.advance(task, n)
+                        engine, sampled_specs, journal, repeat=sampled_repeat, seed=seed, guard=guard, on_step=lambda n: progress.advance(task, n)
                     )
                     counts = {k: counts.get(k, 0) + more.get(k, 0) for k in {*counts, *more}}
     measure_s = time.perf_counter() - started
@@ -284,6 +287,7 @@ def validate(
         settings["sampled"] = {
             "batches": sampled_batches,
             "orders": orders,
+            "repeat": sampled_repeat,
             "antithetic": True,
             "sizes": list(parse_sizes(sampled_sizes)),
             "kinds": list(parse_kinds(sampled_kinds)),
@@ -292,7 +296,7 @@ def validate(
     if previous_runs and previous_runs[-1].get("engine"):
         settings["engine"] = previous_runs[-1]["engine"]
     result = build_result(specs, journal, latency_model, repeat=repeat, n_bootstrap=n_bootstrap, seed=seed, settings=settings,
-                          sampled_batches=sampled_specs, agreement_orders=max(orders, 4))
+                          sampled_batches=sampled_specs, sampled_repeat=sampled_repeat, agreement_orders=max(orders, 4))
     tmp = output.with_name(output.name + f".tmp-{os.getpid()}")
     tmp.write_text(dumps_result(result), encoding="utf-8")
     tmp.replace(output)

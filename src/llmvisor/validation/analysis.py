@@ -593,11 +593,12 @@ def dumps_result(result: dict) -> str:
 
 
 def build_result(batches: list[BatchSpec], journal: Journal, model, *, repeat: int, n_bootstrap: int = 1000, seed: int = 0,
-                 settings: dict | None = None, sampled_batches: list[SampledBatchSpec] = (), agreement_orders: int = 8) -> dict:
+                 settings: dict | None = None, sampled_batches: list[SampledBatchSpec] = (), sampled_repeat: int | None = None,
+                 agreement_orders: int = 8) -> dict:
     """The full validation result (JSON-ready): settings, per-batch records (``batches``: exact; ``sampled_batches``:
     serving-size, their Shapley values estimated from sampled orders), summary."""
     records = [r for r in (analyse_batch(b, journal, model, repeat) for b in batches) if r is not None]
-    sampled = [r for r in (analyse_sampled_batch(b, journal, model, repeat) for b in sampled_batches) if r is not None]
+    sampled = [r for r in (analyse_sampled_batch(b, journal, model, sampled_repeat or repeat) for b in sampled_batches) if r is not None]
     extra = {}
     if sampled_batches:
         extra = {"n_sampled_batches_planned": len(sampled_batches), "n_sampled_batches_measured": len(sampled), "sampled_batches": sampled}
