@@ -55,10 +55,19 @@ def test_mixed_and_shared_prefix_decode_steps_run_as_intended(tmp_path):
         engine.release(shared)
 
         # Unique prompts never share: a plain decode batch records no shared context.
-        plain = engine.prepare_decode([60, 100], max_decode_steps=4)
+        contexts = [block + 60, 2 * block + 10]
+        plain = engine.prepare_decode(contexts, max_decode_steps=4)
         step = engine.decode_step(plain, [0, 1])
         assert step.matches and all(s.num_shared_context_tokens == 0 for s in step.recorded), step.reason
         engine.release(plain)
+        # Prepared again (the next order of a sampled batch), its prompts' whole blocks come from the prefix cache.
+        before = len(_steps(trace))
+        again = engine.prepare_decode(contexts, max_decode_steps=4)
+        prefilled = sum(r["num_new_tokens"] for s in _steps(trace)[before:] for r in s)
+        assert prefilled == sum(c - c // block * block for c in contexts)
+        step = engine.decode_step(again, [0, 1])
+        assert step.matches and all(s.num_shared_context_tokens == 0 for s in step.recorded), step.reason
+        engine.release(again)
 
     steps = _steps(trace)
     mixed_steps = [s for s in steps if {r["phase"] for r in s} == {"prefill", "decode"}]

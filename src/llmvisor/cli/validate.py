@@ -23,7 +23,7 @@ from llmvisor import extras, shipped
 from llmvisor.cli import engine_options as eo
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.errors import LlmvisorError
-from llmvisor.validation.analysis import Method, build_result, dumps_result, model_step_s
+from llmvisor.validation.analysis import Method, build_result, dumps_result, model_step_s, sampled_preparation_s
 from llmvisor.validation.measurement import (
     InterferenceGuard,
     Journal,
@@ -189,12 +189,13 @@ def validate(
     n_missing_sampled = missing_sampled_steps(sampled_specs, journal, sampled_repeat)
     n_missing = n_missing_exact + n_missing_sampled
     budget_s = sampled_run_budget_s(sampled_specs, model_step_s(latency_model), repeat=sampled_repeat) if sampled_specs else 0.0
+    preparation_s = sampled_preparation_s(sampled_specs, latency_model) if sampled_specs else 0.0
     if sampled_specs:
         n_steps = sum(len(b.subsets()) for b in sampled_specs) * sampled_repeat
         console.print(
             f"[bold]validate[/]: {len(sampled_specs)} sampled batches × {orders} orders: {n_steps} subset steps, "
-            f"{budget_s / 60:.1f} min of controlled steps by the model ({n_missing_sampled} steps still to measure; "
-            "warm-up, canaries and preparing contexts come on top)"
+            f"{budget_s / 60:.1f} min of controlled steps by the model, about {preparation_s / 60:.1f} min more preparing "
+            f"decode contexts ({n_missing_sampled} steps still to measure; warm-up and canaries come on top)"
         )
 
     engine_facts: dict = {}
@@ -292,6 +293,7 @@ def validate(
             "sizes": list(parse_sizes(sampled_sizes)),
             "kinds": list(parse_kinds(sampled_kinds)),
             "model_budget_s": round(budget_s, 1),
+            "model_preparation_s": round(preparation_s, 1),
         }
     if previous_runs and previous_runs[-1].get("engine"):
         settings["engine"] = previous_runs[-1]["engine"]

@@ -662,6 +662,23 @@ def model_step_s(model):
     return step_s
 
 
+def sampled_preparation_s(batches: list[SampledBatchSpec], model) -> float:
+    """Seconds of unmeasured prefill a sampled plan spends preparing its decode contexts, by the model: a batch with
+    decodes has its contexts prefilled once (a shared prefix once), each request's prefill priced as one step of its
+    own (an estimate: the engine packs several into one step). Its later orders find the same prompts' blocks in
+    the prefix cache and are counted as free."""
+    total = 0.0
+    for batch in batches:
+        contexts = [c for c, prefill in zip(batch.num_context_tokens, batch.is_prefill) if not prefill]
+        if not contexts:
+            continue
+        prefix = max(batch.shared_prefix_tokens)
+        lengths = [contexts[0]] + [c - prefix for c in contexts[1:]]
+        game = ModelGame(model, np.array(lengths, dtype=np.float64), np.zeros(len(lengths)), np.ones(len(lengths), dtype=bool))
+        total += batch.rounds * sum(game[1 << i] for i in range(len(lengths)))
+    return total
+
+
 def effective_context_tokens(context: np.ndarray, shared_context: np.ndarray) -> np.ndarray:
     """Each request's effective context in a step of the whole batch: its shared prefix tokens divided among the
     batch's readers of them (every request with a nonzero ``shared_context``), the rest its own."""

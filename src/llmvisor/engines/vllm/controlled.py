@@ -213,6 +213,8 @@ class ControlledEngine:
         self.run_id = run_id
         self._rng = random.Random(seed)
         self._counter = 0
+        self._decode_prompts: tuple[tuple, list[dict]] | None = None
+        """The last decode batch's (contexts, shared prefix) and prompts: preparing it again reuses them."""
         self._held: set[str] = set()
         self._trace_offset = 0
         self.llm = None
@@ -448,6 +450,9 @@ class ControlledEngine:
 
         Only requests still in prefill may run while preparing, so none decodes (and grows) early.
         ``max_decode_steps`` bounds how many decode steps any request will run (its ``max_tokens``).
+        The same contexts prepared again right after (the last batch's) get the same prompts, so the prefill finds their whole blocks in the
+        prefix cache (a batch measured order by order is prepared once per order at little cost); the requests of
+        one batch never share a block unless asked to.
         With ``shared_prefix_tokens`` p > 0 the prompts share their first p tokens: the first request is
         prefilled alone, the others then find its whole blocks of the prefix in the prefix cache.
         """
@@ -463,15 +468,19 @@ class ControlledEngine:
         if self.engine.has_unfinished_requests():
             self._abort_all()
         self._held = set()
-        prefix = self._token_ids(shared_prefix_tokens)
+        key = (tuple(context_lengths), shared_prefix_tokens)
+        if self._decode_prompts is None or self._decode_prompts[0] != key:
+            prefix = self._token_ids(shared_prefix_tokens)
+            self._decode_prompts = (key, [self._prompt(length, prefix) for length in context_lengths])
+        prompts = self._decode_prompts[1]
         params = self._sampling(max_decode_steps + 1)
-        waves = [list(context_lengths)]
+        waves = [list(range(len(context_lengths)))]
         if shared_prefix_tokens and len(context_lengths) > 1:
             waves = [waves[0][:1], waves[0][1:]]
         ids = []
         for wave in waves:
-            added = [self.engine.add_request(self._new_id("d"), self._prompt(length, prefix), params) for length in wave]
-            self._prefill(added, max(wave))
+            added = [self.engine.add_request(self._new_id("d"), prompts[i], params) for i in wave]
+            self._prefill(added, max(context_lengths[i] for i in wave))
             ids += added
         self.scheduler.allowed_request_ids = set()
         self._held = set(ids)
