@@ -239,3 +239,5 @@ def test_validate_sampled_flags_are_checked(tmp_path):
         validate(output=tmp_path / "r.json", model=model_path, sampled_batches=2, sampled_sizes="64", max_num_seqs=32)
     with pytest.raises(LlmvisorError, match="--orders"):
         validate(output=tmp_path / "r.json", model=model_path, sampled_batches=2, orders=3)
+    with pytest.raises(LlmvisorError, match="--sampled-repeat"):
+        validate(output=tmp_path / "r.json", model=model_path, sampled_batches=2, sampled_repeat=0)
