@@ -226,6 +226,25 @@ def test_validate_measures_the_sampled_plan_resumes_and_re_analyses_without_the_
     assert FakeControlledEngine.instances[-1].n_steps == fifth["n_subsets_measured"] + fifth["n_orders"]
 
 
+def test_validate_runs_a_sampled_plan_alone(tmp_path, monkeypatch):
+    """--batches 0 with --sampled-batches: serving-size batches only (e.g. a run at --max-num-seqs 64 of its own)."""
+    from llmvisor.cli.validate import validate
+    from llmvisor.engines.vllm import controlled
+
+    monkeypatch.setattr(controlled, "ControlledEngine", FakeControlledEngine)
+    workloads = tmp_path / "workloads"
+    _write_mix_csvs(workloads)
+    model_path = tmp_path / "model.json"
+    sharing_model().to_json(model_path)
+    validate(output=tmp_path / "r.json", model=model_path, workloads=workloads, batches=0, sampled_batches=2, orders=2,
+             sampled_sizes="64", sampled_kinds="shared_prefix_decode,mixed", max_num_seqs=64, n_bootstrap=10)
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["n_batches_measured"] == 0 and result["n_sampled_batches_measured"] == 2
+    assert set(result["summary"]["sampled"]) == {"sampled_shared_prefix_decode", "sampled_mixed"}
+    assert result["summary"]["batch_sizes"] == {"min": 64, "max": 64, "by_kind": {
+        "decode/sampled_shared_prefix_decode": {"min": 64, "max": 64, "n_batches": 1}, "mixed/sampled_mixed": {"min": 64, "max": 64, "n_batches": 1}}}
+
+
 def test_validate_sampled_flags_are_checked(tmp_path):
     from llmvisor.cli.validate import validate
 

@@ -94,7 +94,7 @@ def validate(
     output: Annotated[Path, typer.Option("--output", "-o", help="Result JSON; measurements go to RESULT.journal.jsonl beside it, and a re-run resumes from it.")],
     model: eo.LatencyModel = None,
     engine_model: eo.EngineModel = None,
-    batches: Annotated[int, typer.Option(help="Batches to validate (alternating prefill and decode).")] = 100,
+    batches: Annotated[int, typer.Option(help="Batches to validate (alternating prefill and decode); 0 with --sampled-batches: only those.")] = 100,
     max_batch: Annotated[int, typer.Option(help="Largest batch (2 to 8); every non-empty subset of a batch is measured.")] = 5,
     repeat: Annotated[int, typer.Option(help="Times each subset step is measured; the median is kept.")] = 3,
     replicate_every: Annotated[int, typer.Option(help="Measure every Nth pair of batches twice, independently, for the noise floor (0: never).")] = 4,
@@ -144,16 +144,18 @@ def validate(
         raise LlmvisorError(f"{engine_dir}: no config.json in the engine model folder")
     mixes = read_length_mixes(workloads if workloads is not None else shipped.workloads_dir())
     envelope = Envelope(max_model_len, max_num_batched_tokens, max_num_seqs)
-    specs, length_rules = draw_batches(
-        mixes,
-        envelope,
-        n_batches=batches,
-        max_batch=max_batch,
-        adversarial_fraction=adversarial_fraction,
-        replicate_every=replicate_every,
-        max_prefill_tokens=max_prefill_tokens,
-        seed=seed,
-    )
+    specs, length_rules = [], {}
+    if batches or not sampled_batches:
+        specs, length_rules = draw_batches(
+            mixes,
+            envelope,
+            n_batches=batches,
+            max_batch=max_batch,
+            adversarial_fraction=adversarial_fraction,
+            replicate_every=replicate_every,
+            max_prefill_tokens=max_prefill_tokens,
+            seed=seed,
+        )
 
     sampled_specs = []
     if sampled_batches < 0:

@@ -512,7 +512,7 @@ def sampled_summary(records: list[dict], *, n_bootstrap: int = 1000, seed: int =
             "errors": errors,
             "improvement_vs_token_count": {m: (token_p90 / v["p90"] if token_p90 is not None and v["p90"] else None) for m, v in errors.items()},
             "estimate_ci95_half_width_fraction_of_step": plain_quantiles(
-                (high - low) / 2 / r["measured_step_s"] for r in chosen for low, high in zip(*r["shapley_ci95_s"])
+                (high - low) / 2 / r["measured_step_s"] for r in chosen for low, high in zip(*r["shapley_ci95_s"]) if low is not None
             ),
         }
     return out
@@ -662,6 +662,11 @@ def model_step_s(model):
     return step_s
 
 
+def finite_or_none(values: np.ndarray) -> list[float | None]:
+    """JSON-ready values, None where not finite (one antithetic pair of orders has no spread to estimate from)."""
+    return [float(v) if math.isfinite(v) else None for v in np.asarray(values, dtype=np.float64)]
+
+
 def sampled_preparation_s(batches: list[SampledBatchSpec], model) -> float:
     """Seconds of unmeasured prefill a sampled plan spends preparing its decode contexts, by the model: a batch with
     decodes has its contexts prefilled once (a shared prefix once), each request's prefill priced as one step of its
@@ -748,7 +753,7 @@ def analyse_sampled_batch(batch: SampledBatchSpec, journal: Journal, model, repe
         "effective_context_tokens": effective.tolist(),
         "measured_step_s": measured_s,
         "shapley_s": estimate["shapley_s"].tolist(),
-        "shapley_std_err_s": estimate["std_err_s"].tolist(),
-        "shapley_ci95_s": [estimate["ci_low_s"].tolist(), estimate["ci_high_s"].tolist()],
+        "shapley_std_err_s": finite_or_none(estimate["std_err_s"]),
+        "shapley_ci95_s": [finite_or_none(estimate["ci_low_s"]), finite_or_none(estimate["ci_high_s"])],
         "shares_s": {k: np.asarray(v, dtype=np.float64).tolist() for k, v in shares.items()},
     }
