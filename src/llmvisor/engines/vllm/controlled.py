@@ -6,7 +6,7 @@ in-process, and times it the way the step recorder does (`RecordingScheduler`: f
 returning to ``update_from_output()`` being entered), because it *is* the recorder: `ControlledScheduler`
 subclasses it and only adds a filter on which running requests may be scheduled.
 
-- Prefill steps: fresh prompts of the chosen lengths (random token ids, prefix caching off, so context 0)
+- Prefill steps: fresh prompts of the chosen lengths (fresh random token ids, so no cache hit: context 0)
   are submitted together with ``max_tokens=1`` and a token budget that fits them all; one engine step runs
   them all and finishes them.
 - Decode steps: the batch's requests are first prefilled (once) to their chosen contexts, only the requests
@@ -14,17 +14,19 @@ subclasses it and only adds a filter on which running requests may be scheduled.
   its own by allowing only its requests; each run grows a member's context by one token. A held decode
   batch stays held through prefill steps (e.g. the interference guard's canary, `canary_step`).
 - Mixed steps (`prepare_mixed`, `mixed_step`): a prefill chunk over cached context co-batched with held
-  decodes, the step chunked prefill makes. Each run of the chunk is a fresh request: its first
-  ``cached_tokens`` are computed in unrecorded-for-the-caller preparation steps (the step's token budget capped
-  so exactly that much is computed, a prefix-cache hit counted), then the controlled step runs its next
+  decodes, the step chunked prefill makes. Each run of the chunk is a fresh request whose prompt starts with
+  the batch's cached part: its first ``cached_tokens`` are computed in preparation steps of its own (the
+  step's token budget capped so that exactly that much is computed, counting what the prefix cache already
+  holds: after the first run, the part's whole blocks), then the controlled step runs its next
   ``chunk_tokens`` together with the chosen decodes.
 - Shared-prefix decode steps (``prepare_decode(..., shared_prefix_tokens=p)``): the batch's prompts share their
   first p tokens; the first request is prefilled alone, so the others' prefills hit its cached blocks and
   the batch holds those blocks once. A step of two or more members reads them as shared KV, and the
   recorder's shared-KV columns (``num_shared_context_tokens``) must show it.
-- Prefix caching is on (vLLM's default). Every other prompt is fresh random token ids, so it never hits the
-  cache by accident, and if it did the recorded context (and shared-KV columns) would differ from the intended
-  ones and the step would not match. Async scheduling stays off: each controlled step must be one engine step,
+- Prefix caching is on (vLLM's default). Prompts are random token ids, reused only where a cache hit is meant
+  (a shared prefix, a mixed chunk's cached part, a decode batch prepared again for its next order), so nothing
+  hits the cache by accident; if it did, the recorded context (and shared-KV columns) would differ from the
+  intended ones and the step would not match. Async scheduling stays off: each controlled step must be one engine step,
   scheduled only after the previous one's output was processed.
 - Finished requests are retired by an empty, unrecorded step, so that cleanup is not timed inside the next
   controlled step.
