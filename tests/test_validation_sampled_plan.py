@@ -260,3 +260,19 @@ def test_validate_sampled_flags_are_checked(tmp_path):
         validate(output=tmp_path / "r.json", model=model_path, sampled_batches=2, orders=3)
     with pytest.raises(LlmvisorError, match="--sampled-repeat"):
         validate(output=tmp_path / "r.json", model=model_path, sampled_batches=2, sampled_repeat=0)
+
+
+def test_class_bias_of_a_class_whose_estimated_values_sum_below_zero_has_no_interval():
+    """A sampled estimate can be negative; a class living in one such batch gets its bias but no interval."""
+    from llmvisor.validation.analysis import class_bias
+
+    records = [
+        {"phase": "decode", "kind": "workload", "index": 0, "size": 2, "num_new_tokens": [1, 1], "num_context_tokens": [10, 20],
+         "shapley_s": [0.01, 0.02], "shares_s": {"shapley": [0.012, 0.018]}},
+        {"phase": "decode", "kind": "sampled_decode", "sampled": True, "index": 0, "size": 2, "num_new_tokens": [1, 1],
+         "num_context_tokens": [10, 20], "shapley_s": [-0.01, 0.005], "shares_s": {"shapley": [0.001, 0.002]}},
+    ]
+    out, _ = class_bias(records, ["shapley"], n_bootstrap=50)
+    assert out["decode"]["shapley"]["ci95"] is not None
+    assert out["sampled_decode"]["shapley"]["ci95"] is None
+    assert out["sampled_decode"]["shapley"]["bias"] == pytest.approx(0.003 / -0.005 - 1)

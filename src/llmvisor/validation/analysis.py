@@ -481,7 +481,9 @@ def class_bias(records: list[dict], methods: list[str], *, n_bootstrap: int = 10
             entry = {"bias": bias, "ci95": None, "n": n, "n_batches": len(members_of)}
             if draws is not None:
                 boot = (draws @ billed) / np.maximum(draws @ truth, 1e-300) - 1
-                entry["ci95"] = np.percentile(boot[(draws @ truth) > 0], [2.5, 97.5]).tolist()
+                valid = boot[(draws @ truth) > 0]
+                # None when no resample holds a positive total (a class in one batch whose estimated values sum below 0)
+                entry["ci95"] = np.percentile(valid, [2.5, 97.5]).tolist() if valid.size else None
             out[name][method] = entry
     return out, definitions
 
