@@ -132,7 +132,7 @@ def test_serving_size_batches_are_measured_prefix_by_prefix_each_subset_once(tmp
     with pytest.raises(LlmvisorError, match="mixed steps need a measurer"):
         measure_sampled(engine, draw_sampled_batches(mixes(), ENVELOPE, n_batches=1, n_orders=2, sizes=(16,), kinds=(SampledKind.MIXED,)),
                         journal, repeat=1)
-    with pytest.raises(LlmvisorError, match="prefix caching"):
+    with pytest.raises(LlmvisorError, match="prepare_shared_decode"):
         measure_sampled(engine, draw_sampled_batches(mixes(), ENVELOPE, n_batches=1, n_orders=2, sizes=(16,),
                                                      kinds=(SampledKind.SHARED_PREFIX_DECODE,)), journal, repeat=1)
 

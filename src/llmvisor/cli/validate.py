@@ -1,7 +1,9 @@
 """`llmvisor validate`: measure exact Shapley values of real vLLM steps and judge every attribution rule by them.
 
-vLLM is imported only when measurements are missing (``llmvisor.engines.vllm.controlled``), so a finished
-journal is re-analysed without it.
+Small batches (2 to 8 requests) have every subset measured (exact Shapley values); with ``--sampled-batches``
+serving-size batches (16–64 requests: decode, prefill, mixed and shared-prefix decode steps) are measured along
+sampled orders and their Shapley values estimated. vLLM is imported only when measurements are missing
+(``llmvisor.engines.vllm.controlled``), so a finished journal is re-analysed without it.
 """
 
 from __future__ import annotations
@@ -21,19 +23,49 @@ from llmvisor import extras, shipped
 from llmvisor.cli import engine_options as eo
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.errors import LlmvisorError
-from llmvisor.validation.analysis import Method, build_result, dumps_result
+from llmvisor.validation.analysis import Method, build_result, dumps_result, model_step_s, sampled_preparation_s
 from llmvisor.validation.measurement import (
     InterferenceGuard,
     Journal,
     measure,
+    measure_sampled,
     missing_measurements,
+    missing_sampled_steps,
 )
-from llmvisor.validation.plans import Envelope, draw_batches, read_length_mixes
+from llmvisor.validation.plans import (
+    SAMPLED_KINDS,
+    SAMPLED_SIZES,
+    Envelope,
+    draw_batches,
+    draw_sampled_batches,
+    read_length_mixes,
+    sampled_run_budget_s,
+)
 
 
 def journal_path_for(output: Path) -> Path:
     """The measurement journal kept next to the result (``RESULT.journal.jsonl``)."""
     return output.with_name(output.name.removesuffix(".json") + ".journal.jsonl")
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``--sampled-sizes``: comma-separated batch sizes."""
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise LlmvisorError(f"--sampled-sizes: comma-separated whole numbers (got {text!r})") from None
+    if not sizes:
+        raise LlmvisorError("--sampled-sizes: at least one size")
+    return sizes
+
+
+def parse_kinds(text: str) -> tuple[str, ...]:
+    """``--sampled-kinds``: comma-separated `SampledKind` names."""
+    kinds = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [k for k in kinds if k not in SAMPLED_KINDS]
+    if unknown or not kinds:
+        raise LlmvisorError(f"--sampled-kinds: unknown kind(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(SAMPLED_KINDS)}")
+    return kinds
 
 
 ENGINE_KEYS = ("engine_model_config", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "threads")
@@ -62,7 +94,7 @@ def validate(
     output: Annotated[Path, typer.Option("--output", "-o", help="Result JSON; measurements go to RESULT.journal.jsonl beside it, and a re-run resumes from it.")],
     model: eo.LatencyModel = None,
     engine_model: eo.EngineModel = None,
-    batches: Annotated[int, typer.Option(help="Batches to validate (alternating prefill and decode).")] = 100,
+    batches: Annotated[int, typer.Option(help="Batches to validate (alternating prefill and decode); 0 with --sampled-batches: only those.")] = 100,
     max_batch: Annotated[int, typer.Option(help="Largest batch (2 to 8); every non-empty subset of a batch is measured.")] = 5,
     repeat: Annotated[int, typer.Option(help="Times each subset step is measured; the median is kept.")] = 3,
     replicate_every: Annotated[int, typer.Option(help="Measure every Nth pair of batches twice, independently, for the noise floor (0: never).")] = 4,
@@ -74,6 +106,11 @@ def validate(
     max_num_seqs: eo.MaxNumSeqs = eo.MAX_NUM_SEQS,
     kv_cache_gib: eo.KvCacheGib = eo.KV_CACHE_GIB,
     threads: eo.Threads = eo.THREADS,
+    sampled_batches: Annotated[int, typer.Option(help="Serving-size batches to validate too, their Shapley values estimated from sampled orders (0: none).")] = 0,
+    orders: Annotated[int, typer.Option(help="Sampled orders per serving-size batch (even: each comes with its reverse); every prefix of each is one measured step.")] = 8,
+    sampled_sizes: Annotated[str, typer.Option(help="Sizes of the serving-size batches, comma-separated (each at most --max-num-seqs).")] = ",".join(map(str, SAMPLED_SIZES)),
+    sampled_kinds: Annotated[str, typer.Option(help="Kinds of serving-size batches, comma-separated, cycled.")] = ",".join(SAMPLED_KINDS),
+    sampled_repeat: Annotated[int, typer.Option(help="Times each prefix step of a serving-size batch is measured (median kept); more orders usually buy more than repeats.")] = 1,
     seed: Annotated[int, typer.Option(help="Seed of the batches and the measuring order.")] = 0,
     n_bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples for the 95% intervals.")] = 1000,
     keep_steps: Annotated[bool, typer.Option(help="Keep the recorder's trace of every engine step run (RESULT.steps.jsonl).")] = False,
@@ -107,16 +144,29 @@ def validate(
         raise LlmvisorError(f"{engine_dir}: no config.json in the engine model folder")
     mixes = read_length_mixes(workloads if workloads is not None else shipped.workloads_dir())
     envelope = Envelope(max_model_len, max_num_batched_tokens, max_num_seqs)
-    specs, length_rules = draw_batches(
-        mixes,
-        envelope,
-        n_batches=batches,
-        max_batch=max_batch,
-        adversarial_fraction=adversarial_fraction,
-        replicate_every=replicate_every,
-        max_prefill_tokens=max_prefill_tokens,
-        seed=seed,
-    )
+    specs, length_rules = [], {}
+    if batches or not sampled_batches:
+        specs, length_rules = draw_batches(
+            mixes,
+            envelope,
+            n_batches=batches,
+            max_batch=max_batch,
+            adversarial_fraction=adversarial_fraction,
+            replicate_every=replicate_every,
+            max_prefill_tokens=max_prefill_tokens,
+            seed=seed,
+        )
+
+    sampled_specs = []
+    if sampled_batches < 0:
+        raise LlmvisorError(f"--sampled-batches: must be 0 or more (got {sampled_batches})")
+    if sampled_repeat < 1:
+        raise LlmvisorError(f"--sampled-repeat: must be at least 1 (got {sampled_repeat})")
+    if sampled_batches:
+        sampled_specs = draw_sampled_batches(
+            mixes, envelope, n_batches=sampled_batches, n_orders=orders, sizes=parse_sizes(sampled_sizes),
+            kinds=parse_kinds(sampled_kinds), seed=seed,
+        )
 
     engine_settings = {
         "engine_model_config": json.loads(config_path.read_text(encoding="utf-8")),
@@ -137,7 +187,18 @@ def validate(
     if not journal_path.exists():
         journal.write_header({"engine_settings": engine_settings, "seed": seed})
     todo = missing_measurements(specs, journal, repeat)
-    n_missing = sum(len(masks) for masks in todo.values())
+    n_missing_exact = sum(len(masks) for masks in todo.values())
+    n_missing_sampled = missing_sampled_steps(sampled_specs, journal, sampled_repeat)
+    n_missing = n_missing_exact + n_missing_sampled
+    budget_s = sampled_run_budget_s(sampled_specs, model_step_s(latency_model), repeat=sampled_repeat) if sampled_specs else 0.0
+    preparation_s = sampled_preparation_s(sampled_specs, latency_model) if sampled_specs else 0.0
+    if sampled_specs:
+        n_steps = sum(len(b.subsets()) for b in sampled_specs) * sampled_repeat
+        console.print(
+            f"[bold]validate[/]: {len(sampled_specs)} sampled batches × {orders} orders: {n_steps} subset steps, "
+            f"{budget_s / 60:.1f} min of controlled steps by the model, about {preparation_s / 60:.1f} min more preparing "
+            f"decode contexts ({n_missing_sampled} steps still to measure; warm-up and canaries come on top)"
+        )
 
     engine_facts: dict = {}
     counts = {"measured_now": 0, "rejected_now": 0}
@@ -159,8 +220,8 @@ def validate(
             run_id=f"validate-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}",
         ) as engine:
             engine_facts = engine.describe()
-            prefill = next((b for b in specs if b.phase == "prefill"), None)
-            decode = next((b for b in specs if b.phase == "decode"), None)
+            prefill = next((b for b in [*specs, *sampled_specs] if b.phase == "prefill"), None)
+            decode = next((b for b in [*specs, *sampled_specs] if b.phase == "decode"), None)
             engine.warm_up(
                 prefill_lengths=list(prefill.num_new_tokens) if prefill else [16, 32],
                 decode_contexts=list(decode.num_context_tokens) if decode else [16, 32],
@@ -176,9 +237,13 @@ def validate(
                 disable=json_output and not console.is_terminal,
             ) as progress:
                 task = progress.add_task("subset steps", total=n_missing)
-                counts = measure(
-                    engine, specs, journal, repeat=repeat, seed=seed, guard=InterferenceGuard(), on_step=lambda n: progress.advance(task, n)
-                )
+                guard = InterferenceGuard()
+                counts = measure(engine, specs, journal, repeat=repeat, seed=seed, guard=guard, on_step=lambda n: progress.advance(task, n))
+                if n_missing_sampled:
+                    more = measure_sampled(
+                        engine, sampled_specs, journal, repeat=sampled_repeat, seed=seed, guard=guard, on_step=lambda n: progress.advance(task, n)
+                    )
+                    counts = {k: counts.get(k, 0) + more.get(k, 0) for k in {*counts, *more}}
     measure_s = time.perf_counter() - started
 
     previous_runs: list[dict] = []
@@ -221,9 +286,21 @@ def validate(
         "journal": journal_path.name,
         "measurement_runs": previous_runs,
     }
+    if sampled_specs:
+        settings["sampled"] = {
+            "batches": sampled_batches,
+            "orders": orders,
+            "repeat": sampled_repeat,
+            "antithetic": True,
+            "sizes": list(parse_sizes(sampled_sizes)),
+            "kinds": list(parse_kinds(sampled_kinds)),
+            "model_budget_s": round(budget_s, 1),
+            "model_preparation_s": round(preparation_s, 1),
+        }
     if previous_runs and previous_runs[-1].get("engine"):
         settings["engine"] = previous_runs[-1]["engine"]
-    result = build_result(specs, journal, latency_model, repeat=repeat, n_bootstrap=n_bootstrap, seed=seed, settings=settings)
+    result = build_result(specs, journal, latency_model, repeat=repeat, n_bootstrap=n_bootstrap, seed=seed, settings=settings,
+                          sampled_batches=sampled_specs, sampled_repeat=sampled_repeat, agreement_orders=max(orders, 4))
     tmp = output.with_name(output.name + f".tmp-{os.getpid()}")
     tmp.write_text(dumps_result(result), encoding="utf-8")
     tmp.replace(output)
@@ -231,7 +308,8 @@ def validate(
         typer.echo(json.dumps(result["summary"], indent=2))
     else:
         print_summary(console, result)
-        console.print(f"wrote {output} ({result['n_batches_measured']} batches; journal {journal_path.name})")
+        sampled_note = f", {result['n_sampled_batches_measured']} sampled" if sampled_specs else ""
+        console.print(f"wrote {output} ({result['n_batches_measured']} batches{sampled_note}; journal {journal_path.name})")
 
 
 SUMMARY_METHODS = (
@@ -285,3 +363,16 @@ def print_summary(console, result: dict) -> None:
             f"step repeat spread p50 {pct(step.get('p50'))} p90 {pct(step.get('p90'))}; "
             f"(Σ LOO − T)/T median {pct(gap.get('p50'))}; goal met: {summary['goal_met'].get(phase)}"
         )
+    for kind, entry in summary.get("sampled", {}).items():
+        errors = entry["errors"]
+        cells = "; ".join(
+            f"{m} p50 {pct(errors[m]['p50'])} p90 {pct(errors[m]['p90'])}" for m in (Method.SHAPLEY, Method.TOKEN_COUNT) if m in errors
+        )
+        width = entry["estimate_ci95_half_width_fraction_of_step"]
+        console.print(f"{kind} ({entry['n_batches']} batches, sizes {entry['sizes']}): |share − estimated Shapley| / T: {cells}; "
+                      f"estimate's 95% half-width p50 {pct(width.get('p50'))} p90 {pct(width.get('p90'))}")
+    agreement = summary.get("sampler_agreement")
+    if agreement and agreement["n_batches"]:
+        err = agreement["abs_error_fraction_of_step"]
+        console.print(f"sampler vs exact ({agreement['n_batches']} exact batches, {agreement['n_orders']} orders): |φ̂ − φ| / T "
+                      f"p50 {pct(err['p50'])} p90 {pct(err['p90'])}; 95% intervals hold the exact value for {pct(agreement['ci95_coverage'])}")

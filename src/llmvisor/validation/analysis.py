@@ -28,11 +28,12 @@ from llmvisor.validation.game import (
     exact_shapley,
     leave_one_out,
     members,
+    sample_orders,
     sampled_shapley,
     subset_masks,
 )
 from llmvisor.validation.measurement import Journal, guard_rule
-from llmvisor.validation.plans import PHASES, BatchSpec, Phase, SampledBatchSpec
+from llmvisor.validation.plans import PHASES, SAMPLED_KINDS, BatchSpec, Phase, SampledBatchSpec
 
 RESULT_FORMAT = "llmvisor.validation"
 RESULT_FORMAT_VERSION = 2
@@ -99,14 +100,16 @@ def quantiles_with_ci(
     return out
 
 
-def model_shares(model, new: np.ndarray, context: np.ndarray, is_prefill: np.ndarray, measured_s: float) -> dict[str, np.ndarray]:
+def model_shares(model, new: np.ndarray, context: np.ndarray, is_prefill: np.ndarray, measured_s: float,
+                 effective_context: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Every rule's shares of one step; ``effective_context`` (shared KV, trace format v2) defaults to the context."""
     offsets = np.array([0, new.size])
     shares = {}
     for rule in RULES:
-        scaled = attribute_arrays(model, new, context, is_prefill, offsets, np.array([measured_s]), rule)
+        scaled = attribute_arrays(model, new, context, is_prefill, offsets, np.array([measured_s]), rule, effective_context)
         shares[rule] = scaled.share_s
         if rule != Method.PAPER:
-            shares[f"{rule}_predicted"] = attribute_arrays(model, new, context, is_prefill, offsets, None, rule).share_s
+            shares[f"{rule}_predicted"] = attribute_arrays(model, new, context, is_prefill, offsets, None, rule, effective_context).share_s
     return shares
 
 
@@ -290,10 +293,27 @@ def plain_quantiles(values: Iterable[float], qs=(10, 50, 90, 99)) -> dict:
     return out
 
 
-def summarize(records: list[dict], *, n_bootstrap: int = 1000, seed: int = 0) -> dict:
-    """Error quantiles per phase (and per kind) for every method against measured Shapley and LOO values."""
+def summarize(records: list[dict], *, n_bootstrap: int = 1000, seed: int = 0, agreement_orders: int = 8) -> dict:
+    """Error quantiles per phase (and per kind) for every method against measured Shapley and LOO values.
+
+    The per-phase tables (errors, noise floor, additivity, goal) are over the exactly measured batches; sampled
+    (serving-size) batches get their own tables (``sampled``) and join the billing views (per-request error,
+    class bias, batch sizes) as their own groups (`record_group`). ``sampler_agreement`` re-estimates the exact
+    batches' Shapley values by the sampler from their own measured subsets."""
     if not records:
         return {}
+    all_records, records = records, [r for r in records if not r.get("sampled")]
+    sampled = [r for r in all_records if r.get("sampled")]
+    all_methods = list(dict.fromkeys(m for r in all_records for m in r["shares_s"]))
+    if not records:
+        return {
+            "sampled": sampled_summary(sampled, n_bootstrap=n_bootstrap, seed=seed),
+            "per_request_error": per_request_error(all_records, all_methods, n_bootstrap=n_bootstrap, seed=seed),
+            **dict(zip(("class_bias", "class_definitions"), class_bias(all_records, all_methods, n_bootstrap=n_bootstrap, seed=seed))),
+            "batch_sizes": batch_sizes(all_records),
+            "errors": {},
+            "methods": all_methods,
+        }
     methods = list(records[0]["shares_s"])
     summary: dict = {"errors": {}, "errors_by_kind": {}, "improvement_vs_token_count": {}, "loo_sum_gap_fraction": {},
                      "noise_floor": {"step": {}, "shapley": {}}, "additivity": {}, "goal": dict(GOAL), "goal_met": {}}
@@ -341,9 +361,12 @@ def summarize(records: list[dict], *, n_bootstrap: int = 1000, seed: int = 0) ->
             "p90": head["p90"] <= GOAL["p90_max"],
             "vs_token_count": improvement is not None and improvement >= GOAL["p90_improvement_vs_token_count_min"],
         }
-    summary["per_request_error"] = per_request_error(records, methods, n_bootstrap=n_bootstrap, seed=seed)
-    summary["class_bias"], summary["class_definitions"] = class_bias(records, methods, n_bootstrap=n_bootstrap, seed=seed)
-    summary["batch_sizes"] = batch_sizes(records)
+    summary["per_request_error"] = per_request_error(all_records, all_methods, n_bootstrap=n_bootstrap, seed=seed)
+    summary["class_bias"], summary["class_definitions"] = class_bias(all_records, all_methods, n_bootstrap=n_bootstrap, seed=seed)
+    summary["batch_sizes"] = batch_sizes(all_records)
+    if sampled:
+        summary["sampled"] = sampled_summary(sampled, n_bootstrap=n_bootstrap, seed=seed)
+        summary["sampler_agreement"] = sampler_agreement(records, n_orders=agreement_orders, n_bootstrap=n_bootstrap, seed=seed)
     summary["interactions"] = interaction_diagnostics(records)
     summary["n_batches"] = {p: sum(r["phase"] == p for r in records) for p in PHASES}
     summary["n_requests"] = {p: sum(r["size"] for r in records if r["phase"] == p) for p in PHASES}
@@ -353,18 +376,18 @@ def summarize(records: list[dict], *, n_bootstrap: int = 1000, seed: int = 0) ->
 
 def per_request_error(records: list[dict], methods: list[str], *, floor: float = RELATIVE_ERROR_FLOOR,
                       n_bootstrap: int = 1000, seed: int = 0) -> dict:
-    """|share − φ_i| / φ_i per request (the error on a request's own bill), per phase and method.
+    """|share − φ_i| / φ_i per request (the error on a request's own bill), per group (`record_group`) and method.
 
     Over requests with φ_i ≥ ``floor`` · T(B) (a smaller measured value is within the re-measuring noise, and a
     relative error on it says nothing); ``n_below_floor`` counts the rest.
     """
     out: dict = {}
-    for phase in PHASES:
-        phase_records = [r for r in records if r["phase"] == phase]
-        if not phase_records:
-            continue
-        out[phase] = {}
+    for group in record_groups(records):
+        phase_records = [r for r in records if record_group(r) == group]
+        out[group] = {}
         for method in methods:
+            if not all(method in r["shares_s"] for r in phase_records):
+                continue
             errors, groups, below = [], [], 0
             for r in phase_records:
                 truth = np.asarray(r["shapley_s"])
@@ -374,8 +397,19 @@ def per_request_error(records: list[dict], methods: list[str], *, floor: float =
                 errors.extend(np.abs(share[kept] - truth[kept]) / truth[kept])
                 groups.extend([r["index"]] * int(kept.sum()))
             table = quantiles_with_ci(np.array(errors), np.array(groups), n_bootstrap=n_bootstrap, seed=seed)
-            out[phase][method] = {**table, "n_below_floor": below, "floor_fraction_of_step": floor}
+            out[group][method] = {**table, "n_below_floor": below, "floor_fraction_of_step": floor}
     return out
+
+
+def record_group(record: dict) -> str:
+    """The group a batch record is summarised in: its phase for an exactly measured batch, its kind
+    (``sampled_decode``, ``sampled_mixed``, ...) for a sampled one."""
+    return record["kind"] if record.get("sampled") else record["phase"]
+
+
+def record_groups(records: list[dict]) -> list[str]:
+    present = {record_group(r) for r in records}
+    return [g for g in (*PHASES, *(f"sampled_{k}" for k in SAMPLED_KINDS)) if g in present]
 
 
 def request_lengths(record: dict) -> np.ndarray:
@@ -392,19 +426,19 @@ def request_classes(records: list[dict]) -> tuple[list[dict[str, np.ndarray]], d
         "{phase}/unique_context": "requests whose context is their own (no prefix shared with another request of the batch)",
         "{phase}/shared_context": "requests sharing a cached prefix with another request of the batch "
         "(absent when no measured batch has one: the shipped journal's contexts are all unique)",
+        "{group}": "{phase} is the phase of exactly measured batches; sampled batches are classed the same way within "
+        "their kind (sampled_decode, sampled_prefill, sampled_mixed, sampled_shared_prefix_decode)",
         "{phase}/small_in_batch": "length below its batch's median length",
         "{phase}/large_in_batch": "length above its batch's median length (a request at the median is in neither)",
         "quartile_edges": {},
     }
-    for phase in PHASES:
-        chosen = [k for k, r in enumerate(records) if r["phase"] == phase]
-        if not chosen:
-            continue
+    for phase in record_groups(records):
+        chosen = [k for k, r in enumerate(records) if record_group(r) == phase]
         edges = np.percentile(np.concatenate([request_lengths(records[k]) for k in chosen]), [25, 50, 75])
         definitions["quartile_edges"][phase] = edges.tolist()
         for k in chosen:
             r, lengths = records[k], request_lengths(records[k])
-            shared = np.asarray(r.get("shared_prefix_tokens", np.zeros(r["size"])), dtype=np.float64) > 0
+            shared = np.asarray(r.get("num_shared_context_tokens", np.zeros(r["size"])), dtype=np.float64) > 0
             quartile = np.searchsorted(edges, lengths, side="right")
             median = float(np.median(lengths))
             masks[k][phase] = np.ones(r["size"], dtype=bool)
@@ -426,7 +460,7 @@ def class_bias(records: list[dict], methods: list[str], *, n_bootstrap: int = 10
     masks, definitions = request_classes(records)
     present = {name for m in masks for name, mask in m.items() if mask.any()}
     order = ["", *(f"/length_q{q}" for q in range(1, 5)), "/small_in_batch", "/large_in_batch", "/unique_context", "/shared_context"]
-    names = [f"{phase}{suffix}" for phase in PHASES for suffix in order if f"{phase}{suffix}" in present]
+    names = [f"{group}{suffix}" for group in record_groups(records) for suffix in order if f"{group}{suffix}" in present]
     rng = np.random.default_rng(seed)
     draws = rng.multinomial(len(records), np.full(len(records), 1 / len(records)), size=n_bootstrap) if records and n_bootstrap else None
     out: dict = {}
@@ -438,6 +472,8 @@ def class_bias(records: list[dict], methods: list[str], *, n_bootstrap: int = 10
             truth[k] = np.asarray(records[k]["shapley_s"])[mask].sum()
         n = int(sum(mask.sum() for _, mask in members_of))
         for method in methods:
+            if not all(method in records[k]["shares_s"] for k, _ in members_of):
+                continue
             billed = np.zeros(len(records))
             for k, mask in members_of:
                 billed[k] = np.asarray(records[k]["shares_s"][method])[mask].sum()
@@ -445,7 +481,9 @@ def class_bias(records: list[dict], methods: list[str], *, n_bootstrap: int = 10
             entry = {"bias": bias, "ci95": None, "n": n, "n_batches": len(members_of)}
             if draws is not None:
                 boot = (draws @ billed) / np.maximum(draws @ truth, 1e-300) - 1
-                entry["ci95"] = np.percentile(boot[(draws @ truth) > 0], [2.5, 97.5]).tolist()
+                valid = boot[(draws @ truth) > 0]
+                # None when no resample holds a positive total (a class in one batch whose estimated values sum below 0)
+                entry["ci95"] = np.percentile(valid, [2.5, 97.5]).tolist() if valid.size else None
             out[name][method] = entry
     return out, definitions
 
@@ -457,6 +495,55 @@ def batch_sizes(records: list[dict]) -> dict:
         sizes = [r["size"] for r in records if f"{r['phase']}/{r['kind']}" == key]
         out["by_kind"][key] = {"min": min(sizes), "max": max(sizes), "n_batches": len(sizes)}
     return out
+
+
+def sampled_summary(records: list[dict], *, n_bootstrap: int = 1000, seed: int = 0) -> dict:
+    """Per kind of sampled batch: every method's |share − estimated Shapley| / T with batch-clustered intervals,
+    and how wide the estimates' own 95% intervals are (part of that error is the estimator's, not the method's)."""
+    out: dict = {}
+    for group in record_groups(records):
+        chosen = [r for r in records if record_group(r) == group]
+        methods = [m for m in chosen[0]["shares_s"] if all(m in r["shares_s"] for r in chosen)]
+        errors = _error_table(chosen, "shapley", methods, n_bootstrap, seed)
+        token_p90 = errors[BASELINE_METHOD]["p90"] if BASELINE_METHOD in errors else None
+        out[group] = {
+            "n_batches": len(chosen),
+            "n_requests": sum(r["size"] for r in chosen),
+            "sizes": sorted({r["size"] for r in chosen}),
+            "n_orders": sorted({r["n_orders"] for r in chosen}),
+            "errors": errors,
+            "improvement_vs_token_count": {m: (token_p90 / v["p90"] if token_p90 is not None and v["p90"] else None) for m, v in errors.items()},
+            "estimate_ci95_half_width_fraction_of_step": plain_quantiles(
+                (high - low) / 2 / r["measured_step_s"] for r in chosen for low, high in zip(*r["shapley_ci95_s"]) if low is not None
+            ),
+        }
+    return out
+
+
+def sampler_agreement(records: list[dict], *, n_orders: int, n_bootstrap: int = 1000, seed: int = 0) -> dict:
+    """The sampler checked where the truth is known: each exactly measured batch of 3 or more requests re-estimated
+    from ``n_orders`` sampled orders of its own measured subsets (the model's game as control variate, as for
+    serving-size batches); |estimate − exact| / T and how often the 95% interval holds the exact value."""
+    chosen = [r for r in records if not r.get("sampled") and r["size"] >= 3]
+    rng = np.random.default_rng([seed, 1])
+    errors, groups, covered, half = [], [], [], []
+    for r in chosen:
+        n = r["size"]
+        cost = np.concatenate([[0.0], r["subset_step_s"][0]])
+        model_cost = np.concatenate([[0.0], r["model_subset_step_s"]])
+        estimate = sampled_shapley(sample_orders(n, n_orders, rng), cost, control=model_cost, control_shapley=exact_shapley(model_cost))
+        truth = np.asarray(r["shapley_s"])
+        errors.extend(np.abs(estimate["shapley_s"] - truth) / r["measured_step_s"])
+        groups.extend([f"{r['phase']}{r['index']}"] * n)
+        covered.extend((estimate["ci_low_s"] <= truth + 1e-12) & (truth <= estimate["ci_high_s"] + 1e-12))
+        half.extend((estimate["ci_high_s"] - estimate["ci_low_s"]) / 2 / r["measured_step_s"])
+    return {
+        "n_batches": len(chosen),
+        "n_orders": n_orders,
+        "abs_error_fraction_of_step": quantiles_with_ci(np.array(errors), np.array(groups), n_bootstrap=n_bootstrap, seed=seed),
+        "ci95_coverage": float(np.mean(covered)) if covered else None,
+        "ci95_half_width_fraction_of_step": plain_quantiles(half),
+    }
 
 
 def upgrade_result(result: dict) -> dict:
@@ -498,16 +585,25 @@ def rounded(value, digits: int = 6):
 def dumps_result(result: dict) -> str:
     """The result as JSON text: indented, except one compact line per batch record (keeps the file small)."""
     result = rounded(result)
-    head = {k: val for k, val in result.items() if k != "batches"}
-    batches = result.get("batches", [])
-    text = json.dumps(head, indent=1, allow_nan=False)
-    lines = ",\n".join("  " + json.dumps(b, separators=(",", ":"), allow_nan=False) for b in batches)
-    return text[:-2] + ',\n "batches": [\n' + lines + "\n ]\n}\n"
+    listed = [k for k in ("batches", "sampled_batches") if k in result]
+    head = {k: val for k, val in result.items() if k not in listed}
+    text = json.dumps(head, indent=1, allow_nan=False)[:-2]
+    for key in listed:
+        lines = ",\n".join("  " + json.dumps(b, separators=(",", ":"), allow_nan=False) for b in result[key])
+        text += f',\n "{key}": [\n' + lines + "\n ]"
+    return text + "\n}\n"
 
 
-def build_result(batches: list[BatchSpec], journal: Journal, model, *, repeat: int, n_bootstrap: int = 1000, seed: int = 0, settings: dict | None = None) -> dict:
-    """The full validation result (JSON-ready): settings, per-batch records, summary."""
+def build_result(batches: list[BatchSpec], journal: Journal, model, *, repeat: int, n_bootstrap: int = 1000, seed: int = 0,
+                 settings: dict | None = None, sampled_batches: list[SampledBatchSpec] = (), sampled_repeat: int | None = None,
+                 agreement_orders: int = 8) -> dict:
+    """The full validation result (JSON-ready): settings, per-batch records (``batches``: exact; ``sampled_batches``:
+    serving-size, their Shapley values estimated from sampled orders), summary."""
     records = [r for r in (analyse_batch(b, journal, model, repeat) for b in batches) if r is not None]
+    sampled = [r for r in (analyse_sampled_batch(b, journal, model, sampled_repeat or repeat) for b in sampled_batches) if r is not None]
+    extra = {}
+    if sampled_batches:
+        extra = {"n_sampled_batches_planned": len(sampled_batches), "n_sampled_batches_measured": len(sampled), "sampled_batches": sampled}
     return {
         "format": RESULT_FORMAT,
         "format_version": RESULT_FORMAT_VERSION,
@@ -522,34 +618,99 @@ def build_result(batches: list[BatchSpec], journal: Journal, model, *, repeat: i
             "n_batches_flagged": sum(1 for r in records if r.get("interference_flagged")),
             "canary_s": plain_quantiles(journal.canary_s),
         },
-        "summary": summarize(records, n_bootstrap=n_bootstrap, seed=seed),
+        "summary": summarize(records + sampled, n_bootstrap=n_bootstrap, seed=seed, agreement_orders=agreement_orders),
         "batches": records,
+        **extra,
     }
 
 
 class ModelGame:
     """The latency model's cost game of one batch, read by bit mask (a subset priced alone, in its own segment):
-    the control variate of a sampled batch, whose exact Shapley value is the ``shapley`` rule's predicted share."""
+    the control variate of a sampled batch, whose exact Shapley value is the ``shapley`` rule's predicted share.
 
-    def __init__(self, model, new: np.ndarray, context: np.ndarray, is_prefill: np.ndarray):
+    ``shared_context`` (tokens of each request's context in the blocks of one prefix that every request with a
+    nonzero entry holds): a subset with k of those readers reads the prefix once, each reader's effective context
+    being c − s + s/k (``llmvisor.core.attribution``: the game on the block structure)."""
+
+    def __init__(self, model, new: np.ndarray, context: np.ndarray, is_prefill: np.ndarray, shared_context: np.ndarray | None = None):
         self.model, self.new = model, np.asarray(new, dtype=np.float64)
         self.own = np.stack([own_terms_s(row, self.new, context, is_prefill) for row in model.coef_])
+        self.shared = np.zeros(self.new.size) if shared_context is None else np.asarray(shared_context, dtype=np.float64)
 
     def __getitem__(self, mask: int) -> float:
         chosen = np.array(members(int(mask), self.new.size), dtype=np.int64)
         if chosen.size == 0:
             return 0.0
         segment = int(self.model.segment_of_steps(np.array([self.new[chosen].sum()]))[0])
-        return float(self.model.coef_[segment, Coef.B] + self.own[segment, chosen].sum())
+        cost = float(self.model.coef_[segment, Coef.B] + self.own[segment, chosen].sum())
+        shared = self.shared[chosen]
+        readers = int((shared > 0).sum())
+        if readers > 1:
+            cost += float(self.model.coef_[segment, Coef.E] * (shared / readers - shared).sum())
+        return cost
+
+
+def model_step_s(model):
+    """``step_s(batch, subset)`` for `llmvisor.validation.plans.sampled_run_budget_s`: the model's predicted time of
+    a sampled batch's subset run alone (its nominal contexts, the shared prefix read once)."""
+    games: dict[str, ModelGame] = {}
+
+    def step_s(batch: SampledBatchSpec, subset: int) -> float:
+        if batch.key not in games:
+            games[batch.key] = ModelGame(model, np.array(batch.num_new_tokens), np.array(batch.num_context_tokens, dtype=np.float64),
+                                         np.array(batch.is_prefill, dtype=bool), np.array(batch.shared_prefix_tokens, dtype=np.float64))
+        return games[batch.key][subset]
+
+    return step_s
+
+
+def finite_or_none(values: np.ndarray) -> list[float | None]:
+    """JSON-ready values, None where not finite (one antithetic pair of orders has no spread to estimate from)."""
+    return [float(v) if math.isfinite(v) else None for v in np.asarray(values, dtype=np.float64)]
+
+
+def sampled_preparation_s(batches: list[SampledBatchSpec], model) -> float:
+    """Seconds of unmeasured prefill a sampled plan spends preparing its decode contexts, by the model: a batch with
+    decodes has its contexts prefilled once (a shared prefix once), each request's prefill priced as one step of its
+    own (an estimate: the engine packs several into one step). Its later orders find the same prompts' blocks in
+    the prefix cache and are counted as free."""
+    total = 0.0
+    for batch in batches:
+        contexts = [c for c, prefill in zip(batch.num_context_tokens, batch.is_prefill) if not prefill]
+        if not contexts:
+            continue
+        prefix = max(batch.shared_prefix_tokens)
+        lengths = [contexts[0]] + [c - prefix for c in contexts[1:]]
+        game = ModelGame(model, np.array(lengths, dtype=np.float64), np.zeros(len(lengths)), np.ones(len(lengths), dtype=bool))
+        total += batch.rounds * sum(game[1 << i] for i in range(len(lengths)))
+    return total
+
+
+def effective_context_tokens(context: np.ndarray, shared_context: np.ndarray) -> np.ndarray:
+    """Each request's effective context in a step of the whole batch: its shared prefix tokens divided among the
+    batch's readers of them (every request with a nonzero ``shared_context``), the rest its own."""
+    shared = np.asarray(shared_context, dtype=np.float64)
+    readers = int((shared > 0).sum())
+    return np.asarray(context, dtype=np.float64) - (shared - shared / readers if readers > 1 else 0.0)
+
+
+SAMPLED_KIND_PHASE = {"decode": Phase.DECODE.value, "prefill": Phase.PREFILL.value, "shared_prefix_decode": Phase.DECODE.value, "mixed": "mixed"}
+"""The phase a sampled batch's record is filed under; its kind is ``sampled_<kind>``."""
 
 
 def analyse_sampled_batch(batch: SampledBatchSpec, journal: Journal, model, repeat: int) -> dict | None:
     """A serving-size batch's Shapley values estimated from its measured order prefixes (the model's game as
     control variate), with 95% intervals, and every method's shares (those computable without all 2**n
-    subsets); None until every prefix is measured."""
+    subsets); None until every prefix is measured.
+
+    Shared KV (a shared-prefix decode batch): each request's shared context is what the engine recorded in the
+    full batch's step (the prefix's whole KV blocks), and the model prices the batch and its subsets with the
+    prefix read once (``effective_context_tokens``, `ModelGame`)."""
     n = batch.size
+    full = (1 << n) - 1
     cost: dict[int, float] = {}
     contexts: list[list[int]] = [[] for _ in range(n)]
+    shared = np.zeros(n)
     for subset in batch.subsets():
         taken = journal.get(batch, 0, subset)[:repeat]
         if len(taken) < repeat:
@@ -558,12 +719,17 @@ def analyse_sampled_batch(batch: SampledBatchSpec, journal: Journal, model, repe
         for m in taken:
             for i, c in zip(members(subset, n), m.num_context_tokens):
                 contexts[i].append(c)
-    measured_s = cost[(1 << n) - 1]
+        if subset == full:
+            recorded = [m.num_shared_context_tokens for m in taken if m.num_shared_context_tokens is not None]
+            if recorded:
+                shared = np.median(np.array(recorded, dtype=np.float64), axis=0)
+    measured_s = cost[full]
     new = np.array(batch.num_new_tokens, dtype=np.float64)
     is_prefill = np.array(batch.is_prefill, dtype=bool)
-    context = np.array([np.mean(c) if c else nominal for c, nominal in zip(contexts, batch.num_context_tokens)])
-    shares = model_shares(model, new, np.rint(context), is_prefill, measured_s)
-    control = ModelGame(model, new, np.rint(context), is_prefill)
+    context = np.rint(np.array([np.mean(c) if c else nominal for c, nominal in zip(contexts, batch.num_context_tokens)]))
+    effective = effective_context_tokens(context, shared)
+    shares = model_shares(model, new, context, is_prefill, measured_s, effective if shared.any() else None)
+    control = ModelGame(model, new, context, is_prefill, shared)
     estimate = sampled_shapley(np.array(batch.orders, dtype=np.int64), cost, antithetic=batch.antithetic,
                                control=control, control_shapley=shares[Method.SHAPLEY_PREDICTED])
     shares[Method.TOKEN_COUNT] = measured_s * token_count_split(new, is_prefill)
@@ -572,8 +738,8 @@ def analyse_sampled_batch(batch: SampledBatchSpec, journal: Journal, model, repe
     shares[Method.KV_TOKENS_PROPORTIONAL] = measured_s * kv / kv.sum()
     return {
         "index": batch.index,
-        "phase": batch.kind,
-        "kind": batch.kind,
+        "phase": SAMPLED_KIND_PHASE[batch.kind],
+        "kind": f"sampled_{batch.kind}",
         "source": batch.source,
         "size": n,
         "sampled": True,
@@ -585,9 +751,11 @@ def analyse_sampled_batch(batch: SampledBatchSpec, journal: Journal, model, repe
         "num_context_tokens": context.tolist(),
         "is_prefill": [bool(v) for v in is_prefill],
         "shared_prefix_tokens": list(batch.shared_prefix_tokens),
+        "num_shared_context_tokens": shared.tolist(),
+        "effective_context_tokens": effective.tolist(),
         "measured_step_s": measured_s,
         "shapley_s": estimate["shapley_s"].tolist(),
-        "shapley_std_err_s": estimate["std_err_s"].tolist(),
-        "shapley_ci95_s": [estimate["ci_low_s"].tolist(), estimate["ci_high_s"].tolist()],
+        "shapley_std_err_s": finite_or_none(estimate["std_err_s"]),
+        "shapley_ci95_s": [finite_or_none(estimate["ci_low_s"]), finite_or_none(estimate["ci_high_s"])],
         "shares_s": {k: np.asarray(v, dtype=np.float64).tolist() for k, v in shares.items()},
     }

@@ -111,9 +111,12 @@ def sample_orders(n: int, n_orders: int, rng: np.random.Generator, *, antithetic
 
 
 def prefix_masks(orders: np.ndarray) -> np.ndarray:
-    """Bit mask of each prefix of each order: ``[k, j]`` = the first j + 1 players of order k."""
-    orders = np.asarray(orders, dtype=np.int64)
-    return np.cumsum(np.left_shift(1, orders), axis=1)
+    """Bit mask of each prefix of each order: ``[k, j]`` = the first j + 1 players of order k (unsigned: a batch
+    of 64 players fills all 64 bits)."""
+    orders = np.asarray(orders, dtype=np.uint64)
+    if orders.size and int(orders.max()) >= 64:
+        raise ValueError(f"bit masks hold at most 64 players (got a player {int(orders.max())})")
+    return np.cumsum(np.left_shift(np.uint64(1), orders), axis=1, dtype=np.uint64)
 
 
 def subsets_to_measure(orders: np.ndarray) -> list[int]:

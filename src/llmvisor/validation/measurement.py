@@ -28,7 +28,8 @@ JOURNAL_FORMAT = "llmvisor.validation.journal"
 
 
 class RecordedSlice(Protocol):
-    """One request's part of a step as the engine recorded it."""
+    """One request's part of a step as the engine recorded it (a ``num_shared_context_tokens``, the trace's
+    shared-KV column, is read too where the slice has one)."""
 
     @property
     def num_context_tokens(self) -> int: ...
@@ -84,6 +85,14 @@ class MixedMeasurer(Measurer, Protocol):
     def mixed_step(self, batch: Any, members: list[int]) -> StepResult: ...
 
 
+class SharedPrefixMeasurer(Measurer, Protocol):
+    """A measurer that also holds decode batches whose contexts share a cached prefix: the prompts share their first
+    ``shared_prefix_tokens`` tokens and the engine holds those KV blocks once. ``decode_step`` on such a batch must
+    run a step in which the blocks are really shared among the step's members (two or more of them), else not match."""
+
+    def prepare_shared_decode(self, context_lengths: list[int], shared_prefix_tokens: int, *, max_decode_steps: int) -> Any: ...
+
+
 @dataclass
 class Measurement:
     batch_key: str
@@ -96,6 +105,8 @@ class Measurement:
     """Recorded context of each member (in batch order), as the step ran."""
     interference: bool = False
     """Kept although the interference guard flagged its batch-round (after every redo was flagged too)."""
+    num_shared_context_tokens: list[int] | None = None
+    """Recorded context tokens of each member in KV blocks another member of the step read too (None: none shared)."""
 
 
 class Journal:
@@ -142,6 +153,7 @@ class Journal:
             m = Measurement(
                 str(row["batch_key"]), int(row["round"]), int(row["subset"]), int(row["repeat"]),
                 float(row["step_latency_s"]), [int(c) for c in row["num_context_tokens"]], bool(row.get("interference", False)),
+                [int(c) for c in row["num_shared_context_tokens"]] if row.get("num_shared_context_tokens") is not None else None,
             )
             self.measurements.setdefault((m.batch_key, m.round, m.subset), []).append(m)
 
@@ -164,7 +176,7 @@ class Journal:
         self._append({"type": "header", "format": JOURNAL_FORMAT, **header})
 
     def add(self, m: Measurement) -> None:
-        self.log({"type": "measurement", **asdict(m)})
+        self.log({"type": "measurement", **{k: v for k, v in asdict(m).items() if v is not None}})
 
     def reject(self, batch: BatchSpec, subset: int, reason: str) -> None:
         self.log({"type": "rejected", "batch_key": batch.key, "subset": subset, "reason": reason})
@@ -181,6 +193,13 @@ def missing_measurements(batches: Iterable[BatchSpec], journal: Journal, repeat:
             if masks:
                 todo[(batch.index, round_)] = masks
     return todo
+
+
+def missing_sampled_steps(batches: Iterable[SampledBatchSpec], journal: Journal, repeat: int) -> int:
+    """Subset steps of sampled batches still to measure (each distinct prefix ``repeat`` times)."""
+    return sum(
+        max(0, repeat - len(journal.get(b, r, s))) for b in batches for r in range(b.rounds) for s in b.subsets()
+    )
 
 
 @dataclass
@@ -328,15 +347,16 @@ def measure_sampled(
     Prefixes are subsets, so the journal (keyed by subset) measures a subset shared by several orders (the full
     batch, at least) once. One order at a time is one guarded batch-round (a decode batch is prepared afresh
     per order, so a context grows by at most ``size × repeat`` tokens while it is measured). Mixed batches need
-    a measurer with ``prepare_mixed`` / ``mixed_step``; shared-prefix batches need prefix caching and the trace's
-    shared-KV columns: neither is measurable yet, and asking says so.
+    a measurer with ``prepare_mixed`` / ``mixed_step``, shared-prefix decode batches one with ``prepare_shared_decode``.
     """
     if repeat < 1:
         raise LlmvisorError(f"--repeat: must be at least 1 (got {repeat})")
     for batch in batches:
         if batch.kind == SampledKind.SHARED_PREFIX_DECODE:
-            raise LlmvisorError(f"batch {batch.index}: shared-prefix decode batches need prefix caching and the trace's shared-KV "
-                                "columns; the measurer cannot run them yet")
+            common_prefix_tokens(batch)
+            if not hasattr(measurer, "prepare_shared_decode"):
+                raise LlmvisorError(f"batch {batch.index}: shared-prefix decode batches need a measurer with prepare_shared_decode "
+                                    f"({type(measurer).__name__} has none)")
         if batch.kind == SampledKind.MIXED and not hasattr(measurer, "mixed_step"):
             raise LlmvisorError(f"batch {batch.index}: mixed steps need a measurer with prepare_mixed/mixed_step "
                                 f"({type(measurer).__name__} has none)")
@@ -361,6 +381,15 @@ def measure_sampled(
                 order = [todo[i] for i in rng.permutation(len(todo))]
                 _measure_guarded(measurer, batch, round_, order, journal, max_attempts, warm_up_steps, guard, progress, counts, sleep)
     return counts
+
+
+def common_prefix_tokens(batch: SampledBatchSpec) -> int:
+    """The one prefix length a shared-prefix decode batch's requests share (every request shares it)."""
+    lengths = set(batch.shared_prefix_tokens)
+    if len(lengths) != 1 or 0 in lengths:
+        raise LlmvisorError(f"batch {batch.index}: a shared-prefix decode batch needs one prefix shared by every request "
+                            f"(got prefix lengths {sorted(lengths)})")
+    return lengths.pop()
 
 
 def _measure_batch_round(
@@ -389,7 +418,14 @@ def _measure_batch_round(
             clean &= ok
 
     canary()
-    if batch.phase == Phase.DECODE:
+    if batch.phase == SampledKind.SHARED_PREFIX_DECODE:
+        runs_per_request = max(sum(1 for m in order if m >> i & 1) for i in range(batch.size))
+        handle = measurer.prepare_shared_decode(
+            list(batch.num_context_tokens), common_prefix_tokens(batch), max_decode_steps=runs_per_request + warm_up_steps + 4 * max_attempts
+        )
+        def run(subset):
+            return measurer.decode_step(handle, members(subset, batch.size))
+    elif batch.phase == Phase.DECODE:
         runs_per_request = max(sum(1 for m in order if m >> i & 1) for i in range(batch.size))
         handle = measurer.prepare_decode(
             list(batch.num_context_tokens), max_decode_steps=runs_per_request + warm_up_steps + 4 * max_attempts
@@ -415,8 +451,10 @@ def _measure_batch_round(
             for _attempt in range(max_attempts):
                 step = run(subset)
                 if step.matches:
+                    shared = [int(getattr(s, "num_shared_context_tokens", 0)) for s in step.recorded]
                     taken.append(
-                        Measurement(batch.key, round_, subset, 0, float(step.step_latency_s), [int(s.num_context_tokens) for s in step.recorded])
+                        Measurement(batch.key, round_, subset, 0, float(step.step_latency_s), [int(s.num_context_tokens) for s in step.recorded],
+                                    num_shared_context_tokens=shared if any(shared) else None)
                     )
                     break
                 journal.reject(batch, subset, step.reason)

@@ -205,8 +205,8 @@ class SampledKind(StrEnum):
     MIXED = "mixed"
     """One prefill chunk over cached context (request 0) co-batched with decodes: the steps chunked prefill makes."""
     SHARED_PREFIX_DECODE = "shared_prefix_decode"
-    """Decodes whose contexts share a cached prefix. Measuring it needs prefix caching on and the trace's shared-KV
-    columns (being added to the trace format); until then the plan exists but no measurer can run it."""
+    """Decodes whose contexts share a cached prefix (a common system prompt or document): the engine holds the
+    prefix's KV blocks once, and a step of two or more of them reads those blocks as shared KV."""
 
 
 SAMPLED_KINDS = tuple(SampledKind)
@@ -267,7 +267,9 @@ def draw_sampled_batches(
     - prefill: whole prompts sharing the step's token budget (scaled down as a whole to fit);
     - mixed: request 0 is a prefill chunk over cached context (a prompt caught mid-prefill: its cached part is
       context, the next chunk fills the step budget left by the decodes), the others decode as above;
-    - shared_prefix_decode: decode contexts whose first ``p`` tokens (the shortest context's half) are shared.
+    - shared_prefix_decode: decode contexts p + (own part), the first p tokens (0.25–0.5 of the longest context:
+      a shared document or system prompt many KV blocks long) shared by every request, the own parts drawn as
+      decode contexts scaled into what is left.
     """
     if n_batches < 1:
         raise LlmvisorError(f"--batches: must be at least 1 (got {n_batches})")
@@ -301,7 +303,9 @@ def draw_sampled_batches(
             chunk = int(max(1, min(budget - (size - 1), max_context - cached)))
             new[0], context[0], prefill[0] = chunk, cached, True
         elif kind == SampledKind.SHARED_PREFIX_DECODE:
-            shared[:] = int(context.min() // 2)
+            prefix = int(max_context * rng.uniform(0.25, 0.5))
+            own = np.clip(np.rint(contexts * scale * (max_context - prefix) / max_context), 1, max_context - prefix).astype(int)
+            context, shared[:] = prefix + own, prefix
         batches.append(SampledBatchSpec(
             index=index, kind=kind.value, source=mix.name,
             num_new_tokens=tuple(int(v) for v in new), num_context_tokens=tuple(int(v) for v in context),

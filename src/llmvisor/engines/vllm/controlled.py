@@ -6,23 +6,34 @@ in-process, and times it the way the step recorder does (`RecordingScheduler`: f
 returning to ``update_from_output()`` being entered), because it *is* the recorder: `ControlledScheduler`
 subclasses it and only adds a filter on which running requests may be scheduled.
 
-- Prefill steps: fresh prompts of the chosen lengths (random token ids, prefix caching off, so context 0)
+- Prefill steps: fresh prompts of the chosen lengths (fresh random token ids, so no cache hit: context 0)
   are submitted together with ``max_tokens=1`` and a token budget that fits them all; one engine step runs
   them all and finishes them.
 - Decode steps: the batch's requests are first prefilled (once) to their chosen contexts, only the requests
   still in prefill being allowed to run, so none decodes early. Then any subset runs as a decode step of
   its own by allowing only its requests; each run grows a member's context by one token. A held decode
   batch stays held through prefill steps (e.g. the interference guard's canary, `canary_step`).
-- Prefix caching stays off here, unlike vLLM's default (and `llmvisor profile`'s): the validation needs
-  each step's context exactly as intended, and a prompt that happened to share a block with an earlier one
-  would start from a cache hit instead of context 0. Async scheduling stays off too: each controlled step
-  must be one engine step, scheduled only after the previous one's output was processed.
+- Mixed steps (`prepare_mixed`, `mixed_step`): a prefill chunk over cached context co-batched with held
+  decodes, the step chunked prefill makes. Each run of the chunk is a fresh request whose prompt starts with
+  the batch's cached part: its first ``cached_tokens`` are computed in preparation steps of its own (the
+  step's token budget capped so that exactly that much is computed, counting what the prefix cache already
+  holds: after the first run, the part's whole blocks), then the controlled step runs its next
+  ``chunk_tokens`` together with the chosen decodes.
+- Shared-prefix decode steps (``prepare_decode(..., shared_prefix_tokens=p)``): the batch's prompts share their
+  first p tokens; the first request is prefilled alone, so the others' prefills hit its cached blocks and
+  the batch holds those blocks once. A step of two or more members reads them as shared KV, and the
+  recorder's shared-KV columns (``num_shared_context_tokens``) must show it.
+- Prefix caching is on (vLLM's default). Prompts are random token ids, reused only where a cache hit is meant
+  (a shared prefix, a mixed chunk's cached part, a decode batch prepared again for its next order), so nothing
+  hits the cache by accident; if it did, the recorded context (and shared-KV columns) would differ from the
+  intended ones and the step would not match. Async scheduling stays off: each controlled step must be one engine step,
+  scheduled only after the previous one's output was processed.
 - Finished requests are retired by an empty, unrecorded step, so that cleanup is not timed inside the next
   controlled step.
 
 Every step's rows are read back from the trace file the recorder writes (flushed every step) and compared
-with the intended composition: the same requests, each with the intended new and context tokens and
-phase, and nothing else. A step that does not match is reported as such (``MeasuredStep.matches``); the
+with the intended composition: the same requests, each with the intended new, context and shared context
+tokens and phase, and nothing else. A step that does not match is reported as such (``MeasuredStep.matches``); the
 caller redoes it. This module is the only part of the validation that imports vLLM.
 """
 
@@ -50,9 +61,12 @@ class Slice:
     num_new_tokens: int
     num_context_tokens: int
     is_prefill: bool
+    num_shared_context_tokens: int = 0
+    """Context tokens in KV blocks another slice of the step reads too (the trace's shared-KV column)."""
 
     def as_dict(self) -> dict:
-        return {"num_new_tokens": self.num_new_tokens, "num_context_tokens": self.num_context_tokens, "is_prefill": self.is_prefill}
+        return {"num_new_tokens": self.num_new_tokens, "num_context_tokens": self.num_context_tokens, "is_prefill": self.is_prefill,
+                "num_shared_context_tokens": self.num_shared_context_tokens}
 
 
 @dataclass
@@ -135,6 +149,27 @@ class DecodeBatch:
     context_tokens: list[int]
     """Current context of each request (grows by one each time it runs a decode)."""
     nominal_context_tokens: list[int] = field(default_factory=list)
+    shared_context_tokens: list[int] = field(default_factory=list)
+    """Per request, the context tokens in blocks shared with the batch's other shared-prefix requests (whole
+    blocks of the common prefix; 0 for a request of its own): what a step of two or more of them records."""
+
+    def intended(self, members: list[int]) -> dict[str, Slice]:
+        """Each member's decode slice in a step of ``members``: its shared blocks count only when another
+        member of the step reads them too."""
+        shared = self.shared_context_tokens or [0] * len(self.request_ids)
+        sharing = sum(1 for i in members if shared[i] > 0) >= 2
+        return {self.request_ids[i]: Slice(1, self.context_tokens[i], False, shared[i] if sharing else 0) for i in members}
+
+
+@dataclass
+class MixedBatch:
+    """Held decodes plus the prefill chunk (member 0) re-presented on every run: ``chunk_tokens`` new over
+    ``cached_tokens`` of context, the context computed afresh (or found in the prefix cache) before each run."""
+
+    decodes: DecodeBatch
+    chunk_tokens: int
+    cached_tokens: int
+    cached_prompt: list[int]
 
 
 @dataclass
@@ -180,6 +215,8 @@ class ControlledEngine:
         self.run_id = run_id
         self._rng = random.Random(seed)
         self._counter = 0
+        self._decode_prompts: tuple[tuple, list[dict]] | None = None
+        """The last decode batch's (contexts, shared prefix) and prompts: preparing it again reuses them."""
         self._held: set[str] = set()
         self._trace_offset = 0
         self.llm = None
@@ -218,7 +255,7 @@ class ControlledEngine:
             model=self.model_dir,
             load_format="dummy",
             skip_tokenizer_init=True,
-            enable_prefix_caching=False,
+            enable_prefix_caching=True,
             distributed_executor_backend="uni",
             async_scheduling=False,
             scheduler_cls=scheduler_class(),
@@ -231,6 +268,7 @@ class ControlledEngine:
             raise LlmvisorError("vLLM did not use the controlled scheduler (is the engine running out of process?)")
         config = self.scheduler.scheduler_config
         self.vocab_size = int(self.engine.model_config.get_vocab_size())
+        self.block_size = int(self.engine.vllm_config.cache_config.block_size)
         self.limits = EngineLimits(
             max_model_len=int(self.scheduler.max_model_len),
             max_num_batched_tokens=int(config.max_num_batched_tokens),
@@ -252,7 +290,7 @@ class ControlledEngine:
             "max_num_batched_tokens": self.limits.max_num_batched_tokens,
             "max_num_seqs": self.limits.max_num_seqs,
             "kv_cache_gib": self.kv_cache_gib,
-            "enable_prefix_caching": False,
+            "enable_prefix_caching": True,
             "async_scheduling": False,
             "torch_threads": self.threads,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
@@ -281,9 +319,14 @@ class ControlledEngine:
         self._counter += 1
         return f"{tag}{self._counter}"
 
-    def _prompt(self, length: int) -> dict:
+    def _token_ids(self, length: int) -> list[int]:
         high = max(self.vocab_size, 4)
-        return {"prompt_token_ids": [self._rng.randrange(3, high) for _ in range(length)]}
+        return [self._rng.randrange(3, high) for _ in range(length)]
+
+    def _prompt(self, length: int, prefix: list[int] | None = None) -> dict:
+        """Random token ids (so no two prompts share a cached block by chance), after ``prefix`` if given."""
+        prefix = prefix or []
+        return {"prompt_token_ids": list(prefix[:length]) + self._token_ids(length - min(length, len(prefix)))}
 
     def _sampling(self, max_tokens: int):
         from vllm import SamplingParams
@@ -313,7 +356,9 @@ class ControlledEngine:
                 continue
             row = json.loads(line)
             latency, slices = steps.setdefault(int(row["step_id"]), (float(row["step_latency_s"]), {}))
-            slices[row["request_id"]] = Slice(int(row["num_new_tokens"]), int(row["num_context_tokens"]), row["phase"] == "prefill")
+            slices[row["request_id"]] = Slice(
+                int(row["num_new_tokens"]), int(row["num_context_tokens"]), row["phase"] == "prefill", int(row.get("num_shared_context_tokens") or 0)
+            )
         return [steps[k] for k in sorted(steps)]
 
     def _step(self) -> None:
@@ -402,63 +447,153 @@ class ControlledEngine:
         """A fixed reference step (a 128-token prefill), repeated between controlled steps to detect interference."""
         return self.prefill_step([min(128, self.limits.max_num_batched_tokens, self.limits.max_model_len - 1)])
 
-    def prepare_decode(self, context_lengths: list[int], *, max_decode_steps: int) -> DecodeBatch:
+    def prepare_decode(self, context_lengths: list[int], *, max_decode_steps: int, shared_prefix_tokens: int = 0) -> DecodeBatch:
         """Prefill one request per context length, each to exactly that context, for decode steps.
 
         Only requests still in prefill may run while preparing, so none decodes (and grows) early.
         ``max_decode_steps`` bounds how many decode steps any request will run (its ``max_tokens``).
+        The same contexts prepared again right after (the last batch's) get the same prompts, so the prefill finds their whole blocks in the
+        prefix cache (a batch measured order by order is prepared once per order at little cost); the requests of
+        one batch never share a block unless asked to.
+        With ``shared_prefix_tokens`` p > 0 the prompts share their first p tokens: the first request is
+        prefilled alone, the others then find its whole blocks of the prefix in the prefix cache.
         """
         self._check_lengths(context_lengths, what="decode batch")
         too_long = [c for c in context_lengths if c + max_decode_steps + 1 > self.limits.max_model_len]
         if too_long:
             raise LlmvisorError(f"decode contexts {too_long} + {max_decode_steps} steps exceed max_model_len {self.limits.max_model_len}")
+        if shared_prefix_tokens < 0 or (shared_prefix_tokens and shared_prefix_tokens > min(context_lengths)):
+            raise LlmvisorError(f"shared prefix of {shared_prefix_tokens} tokens: must be 0 to the shortest context {min(context_lengths)}")
+        if 0 < shared_prefix_tokens < self.block_size and len(context_lengths) > 1:
+            raise LlmvisorError(f"shared prefix of {shared_prefix_tokens} tokens fills no whole KV block ({self.block_size} tokens): "
+                                "nothing would be shared")
         if self.engine.has_unfinished_requests():
             self._abort_all()
-        ids = []
         self._held = set()
-        for length in context_lengths:
-            ids.append(self.engine.add_request(self._new_id("d"), self._prompt(length), self._sampling(max_decode_steps + 1)))
+        key = (tuple(context_lengths), shared_prefix_tokens)
+        if self._decode_prompts is None or self._decode_prompts[0] != key:
+            prefix = self._token_ids(shared_prefix_tokens)
+            self._decode_prompts = (key, [self._prompt(length, prefix) for length in context_lengths])
+        prompts = self._decode_prompts[1]
+        params = self._sampling(max_decode_steps + 1)
+        waves = [list(range(len(context_lengths)))]
+        if shared_prefix_tokens and len(context_lengths) > 1:
+            waves = [waves[0][:1], waves[0][1:]]
+        ids = []
+        for wave in waves:
+            added = [self.engine.add_request(self._new_id("d"), prompts[i], params) for i in wave]
+            self._prefill(added, max(context_lengths[i] for i in wave))
+            ids += added
+        self.scheduler.allowed_request_ids = set()
+        self._held = set(ids)
+        self._read_new_steps()
         requests = self.scheduler.requests
-        for _ in range(len(ids) * (max(context_lengths) // 16 + 4)):
+        actual = [requests[rid].num_computed_tokens for rid in ids]
+        if actual != list(context_lengths):
+            raise LlmvisorError(f"decode batch prefilled to contexts {actual} instead of {list(context_lengths)}")
+        whole_blocks = shared_prefix_tokens // self.block_size * self.block_size if len(ids) > 1 else 0
+        return DecodeBatch(ids, list(actual), list(context_lengths), [whole_blocks if shared_prefix_tokens else 0] * len(ids))
+
+    def _prefill(self, ids: list[str], longest: int) -> None:
+        """Run steps of only the still-prefilling ``ids`` until every one has computed its whole prompt."""
+        requests = self.scheduler.requests
+        for _ in range(len(ids) * (longest // 16 + 4)):
             pending = {
                 rid
                 for rid in ids
                 if rid not in requests or requests[rid].num_computed_tokens < requests[rid].num_prompt_tokens
             }
             if not pending:
-                break
+                return
             self.scheduler.allowed_request_ids = pending
             self._step()
-        else:
-            raise LlmvisorError("decode batch did not finish its prefill")
-        self.scheduler.allowed_request_ids = set()
-        self._held = set(ids)
-        self._read_new_steps()
-        actual = [requests[rid].num_computed_tokens for rid in ids]
-        if actual != list(context_lengths):
-            raise LlmvisorError(f"decode batch prefilled to contexts {actual} instead of {list(context_lengths)}")
-        return DecodeBatch(ids, list(actual), list(context_lengths))
+        raise LlmvisorError("decode batch did not finish its prefill")
 
     def decode_step(self, batch: DecodeBatch, members: list[int]) -> MeasuredStep:
         """Run the requests ``members`` (indices into the batch) as one decode step and time it."""
         if not members:
             raise LlmvisorError("a decode step needs at least one request")
         self._read_new_steps()
-        intended = {batch.request_ids[i]: Slice(1, batch.context_tokens[i], False) for i in members}
+        intended = batch.intended(members)
         self.scheduler.allowed_request_ids = set(intended)
         try:
             self._step()
         finally:
             self.scheduler.allowed_request_ids = set()
         steps = self._read_new_steps()
+        self._update_contexts(batch)
+        return self._compare(intended, steps)
+
+    def _update_contexts(self, batch: DecodeBatch) -> None:
         requests = self.scheduler.requests
         for i, rid in enumerate(batch.request_ids):
             if rid in requests:
                 batch.context_tokens[i] = requests[rid].num_computed_tokens
+
+    def prepare_shared_decode(self, context_lengths: list[int], shared_prefix_tokens: int, *, max_decode_steps: int) -> DecodeBatch:
+        """A decode batch whose prompts share their first ``shared_prefix_tokens`` tokens (`prepare_decode`)."""
+        return self.prepare_decode(context_lengths, max_decode_steps=max_decode_steps, shared_prefix_tokens=shared_prefix_tokens)
+
+    def prepare_mixed(self, chunk_tokens: int, cached_tokens: int, decode_contexts: list[int], *, max_decode_steps: int) -> MixedBatch:
+        """Hold decodes at ``decode_contexts`` for mixed steps whose member 0 is a prefill chunk of ``chunk_tokens``
+        new tokens over ``cached_tokens`` of context (members 1.. are the decodes)."""
+        limits = self.limits
+        if chunk_tokens < 1 or cached_tokens < 0 or cached_tokens + chunk_tokens + 1 > limits.max_model_len:
+            raise LlmvisorError(f"mixed step: chunk of {chunk_tokens} over {cached_tokens} cached tokens does not fit max_model_len {limits.max_model_len}")
+        if chunk_tokens + len(decode_contexts) > limits.max_num_batched_tokens:
+            raise LlmvisorError(f"mixed step of {chunk_tokens} + {len(decode_contexts)} tokens exceeds max_num_batched_tokens {limits.max_num_batched_tokens}")
+        if len(decode_contexts) + 1 > limits.max_num_seqs:
+            raise LlmvisorError(f"mixed step: {len(decode_contexts) + 1} requests; the engine runs 1 to {limits.max_num_seqs}")
+        decodes = self.prepare_decode(decode_contexts, max_decode_steps=max_decode_steps) if decode_contexts else DecodeBatch([], [], [])
+        return MixedBatch(decodes, chunk_tokens, cached_tokens, self._token_ids(cached_tokens))
+
+    def _prefill_context(self, rid: str, cached_tokens: int) -> None:
+        """Compute exactly the first ``cached_tokens`` of a waiting request's prompt (a prefix-cache hit counted),
+        running it alone with the step's token budget capped at what is left."""
+        request = self.scheduler.requests[rid]
+        computed = int(self.scheduler.kv_cache_manager.get_computed_blocks(request)[1])
+        original = self.scheduler.max_num_scheduled_tokens
+        try:
+            for _ in range(cached_tokens // 16 + 4):
+                if computed >= cached_tokens:
+                    return
+                self.scheduler.max_num_scheduled_tokens = min(original, cached_tokens - computed)
+                self.scheduler.allowed_request_ids = {rid}
+                self._step()
+                computed = self.scheduler.requests[rid].num_computed_tokens
+        finally:
+            self.scheduler.max_num_scheduled_tokens = original
+            self.scheduler.allowed_request_ids = set()
+
+    def mixed_step(self, batch: MixedBatch, members: list[int]) -> MeasuredStep:
+        """Run ``members`` of a mixed batch as one step (0: the prefill chunk, i ≥ 1: decode i − 1) and time it."""
+        if not members:
+            raise LlmvisorError("a mixed step needs at least one request")
+        decodes = [i - 1 for i in members if i > 0]
+        intended = batch.decodes.intended(decodes)
+        chunk_id = None
+        self._read_new_steps()
+        if 0 in members:
+            chunk_id = self.engine.add_request(
+                self._new_id("m"), self._prompt(batch.cached_tokens + batch.chunk_tokens, batch.cached_prompt), self._sampling(1)
+            )
+            self._prefill_context(chunk_id, batch.cached_tokens)
+            intended = {chunk_id: Slice(batch.chunk_tokens, batch.cached_tokens, True), **intended}
+        self._read_new_steps()
+        self.scheduler.allowed_request_ids = set(intended)
+        try:
+            self._step()
+        finally:
+            self.scheduler.allowed_request_ids = set()
+        steps = self._read_new_steps()
+        self._update_contexts(batch.decodes)
+        self._abort_unheld()
+        self._flush_finished()
+        self._read_new_steps()
         return self._compare(intended, steps)
 
-    def release(self, batch: DecodeBatch) -> None:
-        """Abort a decode batch's requests, freeing their KV cache."""
+    def release(self, batch: DecodeBatch | MixedBatch) -> None:
+        """Abort a decode (or mixed) batch's requests, freeing their KV cache."""
         self._held = set()
         self._abort_all()
 
