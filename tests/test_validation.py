@@ -5,6 +5,10 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
+import shutil
+import subprocess
+import sys
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -599,3 +603,21 @@ def test_a_version_1_result_reads_under_todays_names():
     assert upgraded["batches"][0]["shares_s"]["token_count"] == shipped_result["batches"][0]["shares_s"]["token_count"]
     assert upgraded["summary"]["improvement_vs_token_count"] == shipped_result["summary"]["improvement_vs_token_count"]
     assert markdown_summary(old) == markdown_summary(shipped_result)
+
+
+def test_validate_with_only_the_output_reanalyses_the_shipped_result_as_it_was_measured(tmp_path):
+    """The shipped result was measured with non-default options (--max-prefill-tokens 1024, --threads 2); a re-run
+    naming only -o takes them from the result instead of drawing a new plan that would need the engine."""
+    result = tmp_path / "validation.json"
+    shutil.copy(shipped.result_path(shipped.VALIDATION_RESULT), result)
+    shutil.copy(shipped.result_path(shipped.VALIDATION_RESULT).with_name("validation.journal.jsonl.gz"), tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-m", "llmvisor.cli", "validate", "-o", str(result), "--json", "--n-bootstrap", "200"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "subset steps to measure" not in done.stderr
+    shipped_result = json.loads(shipped.result_path(shipped.VALIDATION_RESULT).read_text(encoding="utf-8"))
+    again = json.loads(result.read_text(encoding="utf-8"))
+    assert again["settings"]["max_prefill_tokens"] == shipped_result["settings"]["max_prefill_tokens"] == 1024
+    assert again["n_batches_measured"] == shipped_result["n_batches_measured"]
+    assert again["summary"]["errors"]["decode"]["shapley"]["shapley"]["p50"] == shipped_result["summary"]["errors"]["decode"]["shapley"]["shapley"]["p50"]

@@ -90,8 +90,58 @@ def _check_journal_settings(journal_path: Path, engine_settings: dict) -> None:
         raise LlmvisorError(f"{journal_path}: measured under other engine settings ({details}); use the same settings or another --output")
 
 
+RESUMED_OPTIONS = {
+    "batches": ("batches",),
+    "max_batch": ("max_batch",),
+    "repeat": ("repeat",),
+    "replicate_every": ("replicate_every",),
+    "adversarial_fraction": ("adversarial_fraction",),
+    "max_prefill_tokens": ("max_prefill_tokens",),
+    "max_model_len": ("max_model_len",),
+    "max_num_batched_tokens": ("max_num_batched_tokens",),
+    "max_num_seqs": ("max_num_seqs",),
+    "kv_cache_gib": ("kv_cache_gib",),
+    "threads": ("threads",),
+    "seed": ("seed",),
+    "sampled_batches": ("sampled", "batches"),
+    "orders": ("sampled", "orders"),
+    "sampled_repeat": ("sampled", "repeat"),
+    "sampled_sizes": ("sampled", "sizes"),
+    "sampled_kinds": ("sampled", "kinds"),
+}
+"""Options a re-run takes from the existing result's settings when not given: `validate -o RESULT` re-analyses (or
+resumes) the plan RESULT was measured with, instead of drawing another plan from the defaults."""
+
+
+def settings_of_existing_result(ctx: typer.Context, output: Path, given: dict) -> dict:
+    """``given`` with every option left at its default replaced by the value the existing result recorded."""
+    if not output.is_file():
+        return given
+    try:
+        settings = json.loads(output.read_text(encoding="utf-8")).get("settings", {})
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return given
+    resumed = dict(given)
+    for option, path in RESUMED_OPTIONS.items():
+        source = ctx.get_parameter_source(option)
+        if source is not None and source.name != "DEFAULT":
+            continue
+        value = settings
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is None and path != ("max_prefill_tokens",) and path != ("threads",):
+            continue
+        if path[0] == "sampled" and not isinstance(settings.get("sampled"), dict):
+            continue
+        if option in ("sampled_sizes", "sampled_kinds") and isinstance(value, list):
+            value = ",".join(map(str, value))
+        resumed[option] = value
+    return resumed
+
+
 def validate(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Result JSON; measurements go to RESULT.journal.jsonl beside it, and a re-run resumes from it.")],
+    ctx: typer.Context,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Result JSON; measurements go to RESULT.journal.jsonl beside it, and a re-run resumes from it: options not given are those RESULT was measured with.")],
     model: eo.LatencyModel = None,
     engine_model: eo.EngineModel = None,
     batches: Annotated[int, typer.Option(help="Batches to validate (alternating prefill and decode); 0 with --sampled-batches: only those.")] = 100,
@@ -128,6 +178,19 @@ def validate(
     )
 
     console = Console(stderr=True)
+    options = settings_of_existing_result(ctx, output, {
+        "batches": batches, "max_batch": max_batch, "repeat": repeat, "replicate_every": replicate_every,
+        "adversarial_fraction": adversarial_fraction, "max_prefill_tokens": max_prefill_tokens,
+        "max_model_len": max_model_len, "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
+        "kv_cache_gib": kv_cache_gib, "threads": threads, "seed": seed, "sampled_batches": sampled_batches,
+        "orders": orders, "sampled_repeat": sampled_repeat, "sampled_sizes": sampled_sizes, "sampled_kinds": sampled_kinds,
+    })
+    batches, max_batch, repeat, replicate_every = options["batches"], options["max_batch"], options["repeat"], options["replicate_every"]
+    adversarial_fraction, max_prefill_tokens = options["adversarial_fraction"], options["max_prefill_tokens"]
+    max_model_len, max_num_batched_tokens, max_num_seqs = options["max_model_len"], options["max_num_batched_tokens"], options["max_num_seqs"]
+    kv_cache_gib, threads, seed = options["kv_cache_gib"], options["threads"], options["seed"]
+    sampled_batches, orders, sampled_repeat = options["sampled_batches"], options["orders"], options["sampled_repeat"]
+    sampled_sizes, sampled_kinds = options["sampled_sizes"], options["sampled_kinds"]
     model = model if model is not None else shipped.latency_model_path()
     latency_model = StepLatencyModel.from_json(model)
     if repeat < 1:
