@@ -110,9 +110,15 @@ def validation_figures(validation: dict) -> list[str]:
 def fairness_figures(fairness: dict) -> list[str]:
     summaries = {policy: run["summary"] for policy, run in fairness["policies"].items()}
     attributed = summaries["attributed"]
+    free = {policy: run["model_free"] for policy, run in fairness["policies"].items()}
+    admission = fairness["admission"]
     return [
         f"max/min {attributed['engine_time_max_min']:.2f}, Jain {attributed['jain']:.3f}",
         f"FCFS gave {summaries['fcfs']['engine_time_max_min']:.2f}× and token VTC\n{summaries['tokens']['engine_time_max_min']:.2f}×",
+        f"max/min {free['attributed']['max_min']:.2f} (Jain {free['attributed']['jain']:.3f}) under attributed VTC, "
+        f"{free['fcfs']['max_min']:.2f} under FCFS and {free['tokens']['max_min']:.2f} under token VTC",
+        f"control (TPOT ≤ {1000 * admission['tpot_slo_s']:.0f} ms) p99 TPOT was {1000 * admission['with']['all']['tpot_s']['p99']:.1f} ms and goodput rose from "
+        f"{admission['without']['all']['goodput_tokens_per_s']:.0f} to {admission['with']['all']['goodput_tokens_per_s']:.0f} tokens/s",
     ]
 
 
