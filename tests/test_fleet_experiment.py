@@ -142,3 +142,10 @@ def test_run_ending_before_the_warmup_and_bad_tenants_are_one_line_errors(tmp_pa
         fleet_tenants(2, heavy_rate_rps=0, light_rate_rps=1, prompt_tokens=8, output_tokens=8)
     tenants = fleet_tenants(2, heavy_rate_rps=3, light_rate_rps=1, prompt_tokens=8, output_tokens=4)
     assert [(t["name"], t["routing"], t["rate_rps"]) for t in tenants] == [("heavy", "sticky", 3), ("light-1", "spread", 1), ("light-2", "spread", 1)]
+
+
+def test_pool_check_counts_only_steps_whose_charges_had_reached_redis_when_it_was_read(tmp_path, model):
+    shared = {"counters": {"heavy": 100.0}, "replicas_applied": 2, "read_s": 5.0, "flush_interval_s": 0.1}
+    check = analyse_fleet_run(fleet_result(tmp_path, shared=shared), model, warmup_s=2.0)["pool_counters"]
+    ended_by_4_8_s = 48  # steps k with k * 0.1 + 0.05 <= 5.0 - 2 * 0.1
+    assert check["tenants"]["heavy"]["charged_s"] == pytest.approx(ended_by_4_8_s * LATENCY_S * (1 + 1 / 3))

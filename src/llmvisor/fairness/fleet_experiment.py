@@ -84,6 +84,9 @@ def analyse_fleet_run(result: dict, model: StepLatencyModel, *, warmup_s: float)
         raise LlmvisorError(f"run {result['name']}: arrivals ended at {hi:.1f} s, before the warm-up of {lo:.1f} s")
     attributed = np.zeros((len(result["traces"]), n))
     charged_all = np.zeros(n)
+    shared = result.get("shared_counters")
+    # a charge reaches Redis within one flush interval (plus a round trip) of its step's end
+    charged_by_s = math.inf if shared is None else shared.get("read_s", math.inf) - 2 * shared.get("flush_interval_s", 0.0)
     requests_seen = [[set() for _ in tenants] for _ in result["traces"]]
     busy_s = []
     timelines = []  # per replica: step starts, step ends, per-step slices per tenant
@@ -100,7 +103,8 @@ def analyse_fleet_run(result: dict, model: StepLatencyModel, *, warmup_s: float)
         slice_tenant = np.array([index.get(str(t), -1) for t in after_t0.tenant.tolist()], dtype=np.int64)
         slice_step = np.repeat(np.arange(after_t0.n_steps), after_t0.batch_size_per_step)
         known = slice_tenant >= 0
-        charged_all += np.bincount(slice_tenant[known], weights=shares.share_s[known], minlength=n)
+        flushed = (start_after + after_t0.step_latency_s_per_step <= charged_by_s)[slice_step]
+        charged_all += np.bincount(slice_tenant[known & flushed], weights=shares.share_s[known & flushed], minlength=n)
         in_interval = (start_after >= lo) & (start_after < hi)
         take = known & in_interval[slice_step]
         attributed[r] = np.bincount(slice_tenant[take], weights=shares.share_s[take], minlength=n)
@@ -160,7 +164,6 @@ def analyse_fleet_run(result: dict, model: StepLatencyModel, *, warmup_s: float)
         "requests_failed": errors,
     }
     out = {"summary": summary, "run": {"start_s": result.get("start_s"), "replicas": len(result["traces"])}}
-    shared = result.get("shared_counters")
     if shared is not None:
         out["pool_counters"] = pool_check(shared, dict(zip(tenants, charged_all.tolist())))
     return out
@@ -168,7 +171,8 @@ def analyse_fleet_run(result: dict, model: StepLatencyModel, *, warmup_s: float)
 
 def pool_check(shared: dict, charged_s: dict[str, float]) -> dict:
     """The pool's Redis counters against the replicas' charges recomputed from their traces (every step since
-    t0): a counter is the tenant's charges plus VTC's lifts, so it is never below its charges."""
+    t0 that ended two flush intervals before the counters were read): a counter is the tenant's charges plus
+    VTC's lifts, so it is never below them."""
     counters = shared["counters"]
     return {
         "replicas_applied": shared["replicas_applied"],

@@ -282,6 +282,9 @@ def run(spec: dict) -> dict:
         end_s = time.time() - t0_wall
         time.sleep(float(spec.get("drain_s", 0.0)))
         shared = redis_counters(redis_url, pool) if redis_url else None
+        if shared is not None:
+            shared["read_s"] = time.time() - t0_wall
+            shared["flush_interval_s"] = fair_config["shared_counters"]["flush_interval_s"]
         for replica in replicas:
             replica.stop(signal.SIGINT)
         time.sleep(0.5)
