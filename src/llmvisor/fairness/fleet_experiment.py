@@ -302,6 +302,7 @@ def run_fleet_experiment(
             "model": os.path.basename(model_path),
             "engine_model": os.path.basename(os.path.normpath(str(engine_dir))),
             "replicas": replicas,
+            "worker_cores": first.get("worker_cores"),
             "engine": first["engine"],
             "router": {"package": "vllm-router", **first["router"]},
             "workload": first["workload"],

@@ -122,9 +122,14 @@ def replica_argv(spec: dict, port: int) -> list[str]:
     ]  # fmt: skip
 
 
-def replica_env(spec: dict, index: int, trace_path: Path, fair_config: dict) -> dict:
+def worker_core(index: int) -> int:
+    """Replica ``index``'s model worker runs on this core (round robin over the cores this process may use)."""
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    core = sorted(cores)[index % len(cores)]
+    return sorted(cores)[index % len(cores)]
+
+
+def replica_env(spec: dict, index: int, trace_path: Path, fair_config: dict) -> dict:
+    core = worker_core(index)
     return {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -301,6 +306,7 @@ def run(spec: dict) -> dict:
             "workload": spec["workload"],
             "engine": spec["engine"],
             "router": {"policy": "consistent_hash", "session_header": SESSION_HEADER},
+            "worker_cores": [worker_core(k) for k in range(n)],
             "fair_config": {k: v for k, v in fair_config.items() if k != "model"} if policy != "fcfs" else None,
             "shared_counters": shared,
         }
