@@ -260,6 +260,7 @@ def run_fleet_experiment(
     warmup_s: float,
     policies: list[str] | None = None,
     drain_s: float = 0.0,
+    base_port: int = 0,
     analyse_only: bool = False,
     progress=None,
 ) -> dict:
@@ -288,7 +289,7 @@ def run_fleet_experiment(
             continue
         spec = {
             "name": name, "policy": name, "out_dir": str(out_dir), "model_dir": str(engine_dir), "model_path": model_path,
-            "replicas": replicas, "engine": engine, "workload": workload, "drain_s": drain_s,
+            "replicas": replicas, "engine": engine, "workload": workload, "drain_s": drain_s, "base_port": base_port,
         }  # fmt: skip
         say(f"running {name} on {replicas} replicas for {workload['duration_s']:.0f} s (+ starts) …")
         started = time.perf_counter()
@@ -302,7 +303,7 @@ def run_fleet_experiment(
             "model": os.path.basename(model_path),
             "engine_model": os.path.basename(os.path.normpath(str(engine_dir))),
             "replicas": replicas,
-            "worker_cores": first.get("worker_cores"),
+            "worker_threads": first.get("worker_threads"),
             "engine": first["engine"],
             "router": {"package": "vllm-router", **first["router"]},
             "workload": first["workload"],

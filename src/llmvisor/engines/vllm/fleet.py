@@ -12,7 +12,8 @@ tenant whose requests carry fresh keys spreads over all of them. Servers are sta
 The spec (JSON): ``name``, ``policy`` (fcfs | local | shared), ``out_dir``, ``model_dir``, ``model_path``
 (latency model), ``replicas``, ``engine`` (max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_gib,
 seed), ``workload`` (``tenants``: name, rate_rps, prompt_tokens, output_tokens, routing sticky | spread;
-``duration_s``, ``seed``), optional ``drain_s`` (let queued requests finish after the last arrival before stopping).
+``duration_s``, ``seed``), optional ``base_port`` (replicas on consecutive ports from it, then the
+router; 0: any free ports), ``drain_s`` (let queued requests finish after the last arrival before stopping).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -122,25 +124,34 @@ def replica_argv(spec: dict, port: int) -> list[str]:
     ]  # fmt: skip
 
 
-def worker_core(index: int) -> int:
-    """Replica ``index``'s model worker runs on this core (round robin over the cores this process may use)."""
-    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    return sorted(cores)[index % len(cores)]
-
-
 def replica_env(spec: dict, index: int, trace_path: Path, fair_config: dict) -> dict:
-    core = worker_core(index)
+    """Each replica's model worker runs one thread, unbound: with more replicas than cores, the OS shares the
+    cores among them (workers bound two to a core stalled one of them for seconds at a time)."""
     return {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "VLLM_CPU_KVCACHE_SPACE": str(spec["engine"]["kv_cache_gib"]),
-        "VLLM_CPU_OMP_THREADS_BIND": str(core),
         "LLMVISOR_TRACE_PATH": str(trace_path),
         "LLMVISOR_RUN_ID": f"fleet-{spec['name']}-r{index}",
         "LLMVISOR_UNIQUE_RUN_ID": "0",
         "LLMVISOR_WARMUP_STEPS": "0",
         "LLMVISOR_FAIR_CONFIG": json.dumps(fair_config),
     }
+
+
+def fixed_ports(base_port: int, count: int) -> list[int]:
+    """``count`` consecutive loopback ports from ``base_port``, each checked free. The router's hash ring is
+    built from the worker URLs, so the same ports in every run put a sticky tenant on the same replica."""
+    ports = list(range(base_port, base_port + count))
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                raise LlmvisorError(f"--base-port: port {port} on 127.0.0.1 is in use; choose another --base-port") from None
+    return ports
 
 
 def router_argv(worker_urls: list[str], port: int) -> list[str]:
@@ -264,7 +275,9 @@ def run(spec: dict) -> dict:
             pool = f"fleet-{uuid.uuid4().hex[:8]}"
             fair_config["shared_counters"] = {"url": redis_url, "pool": pool, "flush_interval_s": 0.1}
         started = time.perf_counter()
-        ports = [free_loopback_port() for _ in range(n)]
+        base_port = int(spec.get("base_port", 0))
+        ports = fixed_ports(base_port, n + 1) if base_port else [free_loopback_port() for _ in range(n + 1)]
+        router_port = ports.pop()
         traces = [out_dir / f"replica-{k}.jsonl" for k in range(n)]
         replicas = []
         for k, (port, trace) in enumerate(zip(ports, traces)):
@@ -273,7 +286,6 @@ def run(spec: dict) -> dict:
         processes.extend(replicas)
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         wait_healthy(replicas, [f"{url}/health" for url in urls], timeout_s=float(spec.get("start_timeout_s", 600)))
-        router_port = free_loopback_port()
         router = ManagedProcess("vllm-router", router_argv(urls, router_port), out_dir / "router.log")
         processes.append(router)
         router_url = f"http://127.0.0.1:{router_port}"
@@ -306,7 +318,8 @@ def run(spec: dict) -> dict:
             "workload": spec["workload"],
             "engine": spec["engine"],
             "router": {"policy": "consistent_hash", "session_header": SESSION_HEADER},
-            "worker_cores": [worker_core(k) for k in range(n)],
+            "worker_threads": "one per replica, unbound (OMP_NUM_THREADS=1, VLLM_CPU_OMP_THREADS_BIND=nobind)",
+            "ports": {"replicas": ports, "router": router_port},
             "fair_config": {k: v for k, v in fair_config.items() if k != "model"} if policy != "fcfs" else None,
             "shared_counters": shared,
         }
