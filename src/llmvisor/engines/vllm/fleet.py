@@ -126,7 +126,7 @@ def replica_argv(spec: dict, port: int) -> list[str]:
 
 def replica_env(spec: dict, index: int, trace_path: Path, fair_config: dict) -> dict:
     """Each replica's model worker runs one thread, unbound: with more replicas than cores, the OS shares the
-    cores among them (workers bound two to a core stalled one of them for seconds at a time)."""
+    cores among them (in a trial with workers bound two to a core, one of them went seconds without a step)."""
     return {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
