@@ -24,14 +24,14 @@ def model():
     return StepLatencyModel.from_json(shipped.latency_model_path())
 
 
-def write_trace(path, steps: list[list[tuple[str, str]]], *, run_id: str) -> None:
+def write_trace(path, steps: list[list[tuple[str, str]]], *, run_id: str, t0: float = T0) -> None:
     """One decode step every STEP_S from t0, each with the given (request_id, tenant) slices, context 100."""
     with open(path, "w", encoding="utf-8") as handle:
         for k, slices in enumerate(steps):
             for request_id, tenant in slices:
                 row = {
                     "run_id": run_id, "step_id": k, "step_latency_s": LATENCY_S, "request_id": request_id, "tenant": tenant,
-                    "num_new_tokens": 1, "num_context_tokens": 100, "phase": "decode", "timestamp_s": T0 + k * STEP_S,
+                    "num_new_tokens": 1, "num_context_tokens": 100, "phase": "decode", "timestamp_s": t0 + k * STEP_S,
                 }  # fmt: skip
                 handle.write(json.dumps(row) + "\n")
 
@@ -60,6 +60,7 @@ def fleet_result(tmp_path, *, shared=None) -> dict:
         [[("a-0", "light-1"), ("b-0", "light-2")] + ([("h-1", "heavy")] if k < n_steps // 2 else []) for k in range(n_steps)],
         run_id="r1",
     )
+    write_trace(tmp_path / "before.jsonl", [[("w-0", "warmup")]], run_id="r2", t0=T0 - 5.0)
     requests = (
         client_requests("heavy", 5)
         + client_requests("light-1", 5)
@@ -72,7 +73,7 @@ def fleet_result(tmp_path, *, shared=None) -> dict:
     return {
         "name": "test",
         "tenants": ["heavy", "light-1", "light-2"],
-        "traces": [str(tmp_path / "r0.jsonl"), str(tmp_path / "r1.jsonl"), str(tmp_path / "absent.jsonl")],
+        "traces": [str(tmp_path / "r0.jsonl"), str(tmp_path / "r1.jsonl"), str(tmp_path / "before.jsonl"), str(tmp_path / "absent.jsonl")],
         "t0_wall_s": T0,
         "end_s": END_S,
         "requests": requests,
@@ -84,14 +85,14 @@ def test_attributed_time_is_summed_over_replicas_within_the_interval(tmp_path, m
     result = analyse_fleet_run(fleet_result(tmp_path), model, warmup_s=2.0)
     summary = result["summary"]
     steps_after_warmup = round((END_S - 2.0) / STEP_S)
-    r0, r1, r2 = summary["attributed_s_per_replica"]
+    r0, r1, r2, r3 = summary["attributed_s_per_replica"]
     assert r0["heavy"] == pytest.approx(steps_after_warmup * LATENCY_S)
     assert r0["light-1"] == r0["light-2"] == 0.0
     # replica 1: three equal decodes share a step's time equally, two equal decodes half each
     heavy_steps_on_r1 = round((END_S / 2 - 2.0) / STEP_S)
     assert r1["heavy"] == pytest.approx(heavy_steps_on_r1 * LATENCY_S / 3)
     assert r1["light-1"] == pytest.approx(heavy_steps_on_r1 * LATENCY_S / 3 + (steps_after_warmup - heavy_steps_on_r1) * LATENCY_S / 2)
-    assert r2 == {"heavy": 0.0, "light-1": 0.0, "light-2": 0.0}
+    assert r2 == r3 == {"heavy": 0.0, "light-1": 0.0, "light-2": 0.0}  # steps only before t0; no trace
     assert summary["attributed_s"]["heavy"] == pytest.approx(r0["heavy"] + r1["heavy"])
     assert sum(summary["attributed_fraction"].values()) == pytest.approx(1.0)
     assert summary["replica_busy_fraction"][0] == pytest.approx(LATENCY_S / STEP_S)

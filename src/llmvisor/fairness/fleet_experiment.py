@@ -64,13 +64,15 @@ def _fairness(values: list[float]) -> tuple[float | None, float | None]:
 
 
 def _replica_steps(path: str, t0_wall_s: float) -> tuple:
-    """A replica's trace with step start times relative to t0 (an absent or empty trace: None)."""
+    """A replica's trace with step start times relative to t0 (None: no trace, or no step since t0)."""
     if not os.path.exists(path) or os.path.getsize(path) == 0:
         return None
     trace = read_trace(path)
     if "timestamp_s" not in trace.extra:
         raise LlmvisorError(f"{path}: no timestamp_s column; the fleet analysis needs the recorder's step start times")
     start_s = trace.extra["timestamp_s"][trace.step_starts].astype(np.float64) - t0_wall_s
+    if not (start_s >= 0).any():
+        return None
     return trace, start_s
 
 
