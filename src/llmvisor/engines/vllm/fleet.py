@@ -147,6 +147,7 @@ def fixed_ports(base_port: int, count: int) -> list[int]:
     ports = list(range(base_port, base_port + count))
     for port in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: a previous run's TIME_WAIT is no conflict
             try:
                 probe.bind(("127.0.0.1", port))
             except OSError:
