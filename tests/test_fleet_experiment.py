@@ -109,6 +109,9 @@ def test_fairness_is_taken_among_tenants_backlogged_throughout(tmp_path, model):
     assert summary["completions_per_s"]["light-1"] == pytest.approx(3 / 8.0)
     assert summary["completions_max_min"] == pytest.approx(3.0)
     assert summary["output_tokens_per_s"] == pytest.approx(4 * 8 / 8.0)
+    steps = round((END_S - 2.0) / STEP_S)  # every slice is a decode: one token each
+    assert summary["decode_tokens"] == {"heavy": steps + round((END_S / 2 - 2.0) / STEP_S), "light-1": steps, "light-2": steps}
+    assert summary["decode_tokens_per_s"] == pytest.approx(sum(summary["decode_tokens"].values()) / 8.0)
 
 
 def test_pool_check_compares_redis_counters_with_charges_from_every_step_since_t0(tmp_path, model):
@@ -128,9 +131,11 @@ def test_comparison_relates_throughput_to_fcfs(tmp_path, model):
     analysed = analyse_fleet_run(fleet_result(tmp_path), model, warmup_s=2.0)
     slower = json.loads(json.dumps(analysed))
     slower["summary"]["output_tokens_per_s"] /= 2
+    slower["summary"]["decode_tokens_per_s"] /= 4
     table = compare({"fcfs": analysed, "shared": slower})
     assert table["fcfs"]["throughput_vs_fcfs"] == pytest.approx(1.0)
     assert table["shared"]["throughput_vs_fcfs"] == pytest.approx(0.5)
+    assert table["shared"]["decode_throughput_vs_fcfs"] == pytest.approx(0.25)
     assert compare({"local": analysed})["local"]["throughput_vs_fcfs"] is None
 
 

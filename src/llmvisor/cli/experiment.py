@@ -195,7 +195,7 @@ def fleet(
         typer.echo(json.dumps(result, indent=2))
         return
     table = Table(title="fleet: attributed engine time per tenant, summed over replicas")
-    for column in ("run", "tenant", "engine s", "share", "per replica s", "done/s", "backlogged", "max/min", "Jain", "done max/min", "out tok/s", "vs FCFS"):
+    for column in ("run", "tenant", "engine s", "share", "per replica s", "done/s", "backlogged", "max/min", "Jain", "done max/min", "out tok/s", "out vs FCFS", "decode tok/s", "decode vs FCFS"):
         table.add_column(column, justify="right", no_wrap=True)
     for name, data in result["runs"].items():
         summary, comparison = data["summary"], result["comparison"][name]
@@ -214,6 +214,8 @@ def fleet(
                 f"{summary['completions_max_min']:.2f}" if first and summary["completions_max_min"] is not None else "",
                 f"{summary['output_tokens_per_s']:.1f}" if first else "",
                 f"{comparison['throughput_vs_fcfs']:.2f}" if first and comparison["throughput_vs_fcfs"] is not None else "",
+                f"{summary['decode_tokens_per_s']:.1f}" if first else "",
+                f"{comparison['decode_throughput_vs_fcfs']:.2f}" if first and comparison["decode_throughput_vs_fcfs"] is not None else "",
             )
     print_table(table, console)
     console.print(f"wrote {output / 'fleet.json'} and {output / 'fleet.png'}", highlight=False)

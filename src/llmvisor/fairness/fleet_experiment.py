@@ -15,7 +15,8 @@ backlogged at a moment when it has more requests outstanding at the client (sent
 in the replicas' current steps; it is backlogged throughout when that holds at every step start of every
 replica in the interval. Model-free: requests are all the same size, so completions/s per tenant is a service
 measure without any latency model; its max/min and Jain are reported over the same tenants. Throughput is
-output tokens/s of requests answered in the interval.
+output tokens/s of requests answered in the interval, and, from the traces, decode tokens/s (every decode
+slice of a step starting in the interval: tokens generated whether or not their request finished in it).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def analyse_fleet_run(result: dict, model: StepLatencyModel, *, warmup_s: float)
     charged_by_s = math.inf if shared is None else shared.get("read_s", math.inf) - 2 * shared.get("flush_interval_s", 0.0)
     requests_seen = [[set() for _ in tenants] for _ in result["traces"]]
     busy_s = []
+    decode_tokens = np.zeros(n)
     timelines = []  # per replica: step starts, step ends, per-step slices per tenant
     for r, path in enumerate(result["traces"]):
         loaded = _replica_steps(path, result["t0_wall_s"])
@@ -110,6 +112,7 @@ def analyse_fleet_run(result: dict, model: StepLatencyModel, *, warmup_s: float)
         in_interval = (start_after >= lo) & (start_after < hi)
         take = known & in_interval[slice_step]
         attributed[r] = np.bincount(slice_tenant[take], weights=shares.share_s[take], minlength=n)
+        decode_tokens += np.bincount(slice_tenant[take & ~after_t0.is_prefill], minlength=n)
         for request_id, k in zip(after_t0.request_id[take].tolist(), slice_tenant[take].tolist()):
             requests_seen[r][k].add(request_id)
         busy_s.append(float(after_t0.step_latency_s_per_step[in_interval].sum()))
@@ -162,6 +165,8 @@ def analyse_fleet_run(result: dict, model: StepLatencyModel, *, warmup_s: float)
         "completions_jain": free_jain,
         "output_tokens": output_tokens,
         "output_tokens_per_s": sum(output_tokens.values()) / (hi - lo),
+        "decode_tokens": dict(zip(tenants, decode_tokens.tolist())),
+        "decode_tokens_per_s": float(decode_tokens.sum() / (hi - lo)),
         "requests_sent": len(result["requests"]),
         "requests_failed": errors,
     }
@@ -188,6 +193,7 @@ def pool_check(shared: dict, charged_s: dict[str, float]) -> dict:
 def compare(analysed: dict[str, dict]) -> dict:
     """Throughput of each run relative to FCFS, and each run's fairness figures side by side."""
     base = analysed.get("fcfs", {}).get("summary", {}).get("output_tokens_per_s")
+    base_decode = analysed.get("fcfs", {}).get("summary", {}).get("decode_tokens_per_s")
     return {
         name: {
             "engine_time_max_min": data["summary"]["engine_time_max_min"],
@@ -196,6 +202,8 @@ def compare(analysed: dict[str, dict]) -> dict:
             "completions_jain": data["summary"]["completions_jain"],
             "output_tokens_per_s": data["summary"]["output_tokens_per_s"],
             "throughput_vs_fcfs": data["summary"]["output_tokens_per_s"] / base if base else None,
+            "decode_tokens_per_s": data["summary"]["decode_tokens_per_s"],
+            "decode_throughput_vs_fcfs": data["summary"]["decode_tokens_per_s"] / base_decode if base_decode else None,
         }
         for name, data in analysed.items()
     }
