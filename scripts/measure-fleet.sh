@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Writes docs/results/fleet.json, the figures docs/scale.md quotes: `llmvisor load --engines N` for N = 10, 100
+# Writes docs/results/scale.json, the figures docs/scale.md quotes: `llmvisor load --engines N` for N = 10, 100
 # and 1,000 simulated engines (50 steps/s each, B=32, a POST of the steps that ended every 200 ms, as the engine
 # pusher sends) into 2 service processes on one PostgreSQL (a throwaway server, as the tests start it), 40 s a
 # run, the first 5 s not counted; then the per-step costs measured scaled to fleets of 1,000 and 10,000 replicas. Run it on a quiet machine:
@@ -17,5 +17,5 @@ for n in $ENGINES; do
 done
 runs=()
 for n in $ENGINES; do runs+=("$OUT/$n.json"); done
-"$PYTHON" scripts/summarise-fleet.py docs/results/fleet.json "${runs[@]}"
-cat docs/results/fleet.json
+"$PYTHON" scripts/summarise-fleet.py docs/results/scale.json "${runs[@]}"
+cat docs/results/scale.json

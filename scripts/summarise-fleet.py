@@ -1,4 +1,4 @@
-"""Write docs/results/fleet.json from the `llmvisor load --engines N --json` outputs of scripts/measure-fleet.sh:
+"""Write docs/results/scale.json from the `llmvisor load --engines N --json` outputs of scripts/measure-fleet.sh:
 the runs, the per-step costs they measured, and those costs scaled to fleets of 1,000 and 10,000 replicas.
 
     python scripts/summarise-fleet.py OUTPUT RUN.json [RUN.json ...]   (runs in order of fleet size)

@@ -35,7 +35,7 @@ def leaf_commands(command, path: tuple[str, ...] = ()):
 
 def test_every_command_but_serve_has_a_json_option():
     commands = dict(leaf_commands(typer.main.get_command(app)))
-    assert {"fit", "eval", "profile", "validate", "experiment fairness", "keys create", "ledger migrate"} <= set(commands)
+    assert {"fit", "eval", "profile", "validate", "experiment fairness", "experiment fleet", "keys create", "ledger migrate"} <= set(commands)
     lacking = [name for name, command in commands.items() if name not in WITHOUT_JSON and not any("--json" in p.opts for p in command.params)]
     assert lacking == []
 

@@ -151,9 +151,9 @@ def calibration_figures(result: dict) -> list[str]:
     return figures
 
 
-def fleet_figures(fleet: dict) -> list[str]:
+def scale_figures(scale: dict) -> list[str]:
     figures = []
-    for run in fleet["runs"]:
+    for run in scale["runs"]:
         latency, staleness = run["ingest_latency_s"], run["staleness_s"]
         figures.append(
             f"| {thousands(run['settings']['engines'])} | {thousands(run['offered_steps_per_s'])} | "
@@ -163,9 +163,9 @@ def fleet_figures(fleet: dict) -> list[str]:
             f"{1e6 * run['service_cpu_s_per_step']:.0f} | {1e6 * run['postgres_per_step']['cpu_s']:.0f} | "
             f"{run['postgres_per_step']['wal_bytes']:,.0f} |"
         )
-    loads = [value for run in fleet["runs"] for value in run["load_average_1min"]]
-    figures.append(f"between {min(loads):.1f} and {max(loads):.1f} on {fleet['machine']['cpus']} cores")
-    per_step = fleet["per_step"]
+    loads = [value for run in scale["runs"] for value in run["load_average_1min"]]
+    figures.append(f"between {min(loads):.1f} and {max(loads):.1f} on {scale['machine']['cpus']} cores")
+    per_step = scale["per_step"]
     figures += [
         f"{1e6 * per_step['service_cpu_s_small_batches']:.0f} µs of service CPU per step at "
         f"{per_step['steps_per_post_small_batches']:.0f} steps per POST",
@@ -173,7 +173,7 @@ def fleet_figures(fleet: dict) -> list[str]:
         f"{1e6 * per_step['postgres_cpu_s']:.0f} µs of PostgreSQL CPU, {per_step['wal_bytes']:,.0f} bytes of WAL and "
         f"{per_step['table_bytes']:,.0f} bytes of tables per step",
     ]
-    for replicas, plan in fleet["extrapolation"].items():
+    for replicas, plan in scale["extrapolation"].items():
         figures.append(
             f"| {thousands(int(replicas))} | {thousands(plan['steps_per_s'])} | "
             f"{plan['service_cores_small_batches']:.0f} ({plan['service_processes_small_batches']}) | "
@@ -210,20 +210,20 @@ def test_service_doc_quotes_the_load_result():
     assert missing_from((REPO / "docs" / "service.md").read_text(encoding="utf-8"), load_figures(load(RESULTS / "load.json"))) == []
 
 
-def test_scale_doc_quotes_the_fleet_result():
-    assert missing_from((REPO / "docs" / "scale.md").read_text(encoding="utf-8"), fleet_figures(load(RESULTS / "fleet.json"))) == []
+def test_scale_doc_quotes_the_scale_result():
+    assert missing_from((REPO / "docs" / "scale.md").read_text(encoding="utf-8"), scale_figures(load(RESULTS / "scale.json"))) == []
 
 
-def test_fleet_extrapolation_is_the_measured_costs_scaled():
-    fleet = load(RESULTS / "fleet.json")
-    per_step = fleet["per_step"]
-    for replicas, plan in fleet["extrapolation"].items():
-        steps_per_s = int(replicas) * fleet["runs"][0]["settings"]["steps_per_s_per_engine"]
+def test_scale_extrapolation_is_the_measured_costs_scaled():
+    scale = load(RESULTS / "scale.json")
+    per_step = scale["per_step"]
+    for replicas, plan in scale["extrapolation"].items():
+        steps_per_s = int(replicas) * scale["runs"][0]["settings"]["steps_per_s_per_engine"]
         assert plan["steps_per_s"] == steps_per_s
         assert plan["postgres_cores"] == pytest.approx(steps_per_s * per_step["postgres_cpu_s"])
         assert plan["storage_gb_per_day"] == pytest.approx(steps_per_s * per_step["table_bytes"] * 86400 / 1e9)
-    assert per_step["service_cpu_s_large_batches"] == fleet["runs"][-1]["service_cpu_s_per_step"]
-    assert all(run["reconciled"] and run["failed_posts"] == 0 for run in fleet["runs"])  # the doc says nothing was lost
+    assert per_step["service_cpu_s_large_batches"] == scale["runs"][-1]["service_cpu_s_per_step"]
+    assert all(run["reconciled"] and run["failed_posts"] == 0 for run in scale["runs"])  # the doc says nothing was lost
 
 
 def test_fairness_doc_holds_the_tables_generated_from_the_shipped_experiment():

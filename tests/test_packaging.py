@@ -148,6 +148,7 @@ def test_import_service_without_extra_names_it(blocked_env, tmp_path):
         (["bench"], "bench", "eval"),
         (["profile", "-o", "t.jsonl"], "profile", "vllm"),
         (["experiment", "fairness"], "experiment fairness", "vllm,report"),
+        (["experiment", "fleet"], "experiment fleet", "vllm,report"),
     ],
 )
 def test_command_without_its_extra_is_one_line(blocked_env, tmp_path, args, command, needs):

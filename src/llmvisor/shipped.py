@@ -26,6 +26,7 @@ MULTI_TENANT_TRACE = "multi-tenant.parquet"
 VALIDATION_RESULT = "validation.json"
 VALIDATION_JOURNAL = "validation.journal.jsonl.gz"
 FAIRNESS_RESULT = "fairness.json"
+FLEET_RESULT = "fleet.json"
 WORKLOAD_FILES = ("azure-2023-conv.csv", "azure-2023-code.csv", "arxiv-summarization.csv")
 """The real request-length mixes shipped in ``data/workloads`` (provenance in its README.md)."""
 PACKAGE_DATA_PREFIX = "llmvisor/data"
@@ -74,5 +75,5 @@ def portable_path(path: str | os.PathLike) -> str:
 
 
 def result_path(name: str) -> Path:
-    """A shipped result file (validation, fairness) by file name."""
+    """A shipped result file (validation, fairness, fleet) by file name."""
     return data_dir() / name

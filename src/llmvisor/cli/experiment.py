@@ -1,4 +1,5 @@
-"""`llmvisor experiment fairness`: FCFS vs token VTC vs attributed VTC on the real engine, per tenant over time."""
+"""`llmvisor experiment fairness`: FCFS vs token VTC vs attributed VTC on the real engine, per tenant over time;
+`llmvisor experiment fleet`: the same question across replicas behind a router."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from rich.table import Table
 from llmvisor.cli import engine_options as eo
 from llmvisor.cli.console import print_table
 from llmvisor.fairness.experiment import POLICIES, POLICY_LABELS, format_seconds, run_experiment, workload_tenants
+from llmvisor.fairness.fleet_experiment import FLEET_LABELS, fleet_tenants, run_fleet_experiment
 
 
 def fairness(
@@ -143,3 +145,77 @@ def print_summary(console: Console, result: dict) -> None:
                 )
         print_table(table, console)
     console.print(result["goals"])
+
+
+def fleet(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for traces, logs, fleet.json and fleet.png.")] = Path("fleet-experiment"),
+    model: eo.LatencyModel = None,
+    engine_model: eo.EngineModel = None,
+    policy: Annotated[list[str] | None, typer.Option(help="Runs: fcfs, local (per-replica VTC counters), shared (Redis-shared counters) (repeat). Default: all three.")] = None,
+    replicas: Annotated[int, typer.Option(help="vLLM OpenAI API servers behind vllm-router.")] = 3,
+    light_tenants: Annotated[int, typer.Option(help="Tenants light-1.. whose requests spread over every replica (a session key per request).")] = 3,
+    heavy_rate_rps: Annotated[float, typer.Option(help="Requests per second from tenant heavy (one session key: one replica), Poisson.")] = 6.0,
+    light_rate_rps: Annotated[float, typer.Option(help="Requests per second from each light tenant, Poisson.")] = 6.0,
+    prompt_tokens: Annotated[int, typer.Option(help="Prompt tokens per request (every tenant).")] = 64,
+    output_tokens: Annotated[int, typer.Option(help="Output tokens per request (every tenant).")] = 64,
+    duration_s: Annotated[float, typer.Option(help="Seconds of arrivals and measurement per run.")] = 90.0,
+    warmup_s: Annotated[float, typer.Option(help="Seconds at the start left out of the figures (queues build up).")] = 15.0,
+    max_model_len: Annotated[int, typer.Option(help="Each replica's --max-model-len.")] = 512,
+    max_num_seqs: Annotated[int, typer.Option(help="Each replica's --max-num-seqs (requests running at once; the rest queue in its scheduler).")] = 8,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Each replica's --max-num-batched-tokens.")] = 512,
+    kv_cache_gib: Annotated[int, typer.Option(help="Each replica's VLLM_CPU_KVCACHE_SPACE (GiB).")] = 1,
+    seed: Annotated[int, typer.Option(help="Seed of arrivals, prompts and the engines (the same for every run).")] = 0,
+    base_port: Annotated[int, typer.Option(help="Replicas listen on consecutive loopback ports from this one, then the router: the same ports every run put tenant heavy on the same replica. 0: any free ports.")] = 18400,
+    analyse_only: Annotated[bool, typer.Option(help="Re-analyse the runs already in --output instead of starting servers.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print only the result JSON to stdout.")] = False,
+) -> None:
+    """Fair sharing across vLLM replicas behind vllm-router: FCFS vs per-replica vs Redis-shared attributed VTC."""
+    console = Console(stderr=True)
+    settings = eo.engine_settings(engine_model)
+    workload = {
+        "tenants": fleet_tenants(light_tenants, heavy_rate_rps=heavy_rate_rps, light_rate_rps=light_rate_rps, prompt_tokens=prompt_tokens, output_tokens=output_tokens),
+        "duration_s": duration_s,
+        "seed": seed,
+    }
+    engine = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "kv_cache_gib": kv_cache_gib, "seed": seed}
+    result = run_fleet_experiment(
+        output,
+        latency_model_path=model,
+        engine_dir=Path(settings.model),
+        engine=engine,
+        replicas=replicas,
+        workload=workload,
+        warmup_s=warmup_s,
+        policies=policy,
+        base_port=base_port,
+        analyse_only=analyse_only,
+        progress=lambda message: console.print(f"[bold]fleet[/]: {message}", highlight=False),
+    )
+    if json_output:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    table = Table(title="fleet: attributed engine time per tenant, summed over replicas")
+    for column in ("run", "tenant", "engine s", "share", "per replica s", "done/s", "backlogged", "max/min", "Jain", "done max/min", "out tok/s", "out vs FCFS", "decode tok/s", "decode vs FCFS"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for name, data in result["runs"].items():
+        summary, comparison = data["summary"], result["comparison"][name]
+        for k, tenant in enumerate(summary["attributed_s"]):
+            first = k == 0
+            table.add_row(
+                FLEET_LABELS[name] if first else "",
+                tenant,
+                f"{summary['attributed_s'][tenant]:.1f}",
+                f"{summary['attributed_fraction'][tenant]:.1%}",
+                "/".join(f"{row[tenant]:.1f}" for row in summary["attributed_s_per_replica"]),
+                f"{summary['completions_per_s'][tenant]:.2f}",
+                "yes" if tenant in summary["backlogged_throughout"] else "no",
+                f"{summary['engine_time_max_min']:.2f}" if first and summary["engine_time_max_min"] is not None else "",
+                f"{summary['jain']:.3f}" if first and summary["jain"] is not None else "",
+                f"{summary['completions_max_min']:.2f}" if first and summary["completions_max_min"] is not None else "",
+                f"{summary['output_tokens_per_s']:.1f}" if first else "",
+                f"{comparison['throughput_vs_fcfs']:.2f}" if first and comparison["throughput_vs_fcfs"] is not None else "",
+                f"{summary['decode_tokens_per_s']:.1f}" if first else "",
+                f"{comparison['decode_throughput_vs_fcfs']:.2f}" if first and comparison["decode_throughput_vs_fcfs"] is not None else "",
+            )
+    print_table(table, console)
+    console.print(f"wrote {output / 'fleet.json'} and {output / 'fleet.png'}", highlight=False)

@@ -41,7 +41,10 @@ ADAPTERS: dict[str, dict[str, tuple[str, str, tuple[str, ...]]]] = {
         "revoke": ("llmvisor.cli.serve", "keys_revoke", ("service",)),
     },
     "ledger": {"migrate": ("llmvisor.cli.serve", "ledger_migrate", ("service",))},
-    "experiment": {"fairness": ("llmvisor.cli.experiment", "fairness", ("vllm", "report"))},
+    "experiment": {
+        "fairness": ("llmvisor.cli.experiment", "fairness", ("vllm", "report")),
+        "fleet": ("llmvisor.cli.experiment", "fleet", ("vllm", "report")),
+    },
 }
 """Commands whose code lives beside its domain, by group: (module, function, extras it needs). They are
 imported only when run or listed in help, so `llmvisor fit` never imports the service, an engine or a plot."""
