@@ -329,3 +329,39 @@ def run_fleet_experiment(
     (output / "fleet.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result).savefig(output / "fleet.png", dpi=110, bbox_inches="tight")
     return result
+
+
+FLEET_LABELS = {"fcfs": "vLLM FCFS", "local": "attributed VTC, per-replica counters", "shared": "attributed VTC, Redis-shared counters"}
+
+
+def _fmt(value, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_summary(result: dict) -> str:
+    """The result's tables as Markdown, for docs/fleet.md (a test keeps the doc's copy equal to this)."""
+    runs = [name for name in FLEET_POLICIES if name in result["runs"]]
+    tenants = list(result["runs"][runs[0]]["summary"]["attributed_s"])
+    comparison = result["comparison"]
+    lines = [
+        f"| run | engine time {' / '.join(tenants)} (s) | max/min | Jain | completions/s {' / '.join(tenants)} | max/min | Jain | "
+        "output tok/s (vs FCFS) | decode tok/s (vs FCFS) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in runs:
+        s = result["runs"][name]["summary"]
+        c = comparison[name]
+        engine_s = " / ".join(f"{s['attributed_s'][t]:.1f}" for t in tenants)
+        rates = " / ".join(f"{s['completions_per_s'][t]:.2f}" for t in tenants)
+        lines.append(
+            f"| {FLEET_LABELS[name]} | {engine_s} | {_fmt(s['engine_time_max_min'])} | {_fmt(s['jain'], 3)} | {rates} | "
+            f"{_fmt(s['completions_max_min'])} | {_fmt(s['completions_jain'], 3)} | {s['output_tokens_per_s']:.0f} ({_fmt(c['throughput_vs_fcfs'])}) | "
+            f"{s['decode_tokens_per_s']:.0f} ({_fmt(c['decode_throughput_vs_fcfs'])}) |"
+        )
+    lines += ["", f"| run | replica | busy | engine time {' / '.join(tenants)} (s) |", "| --- | --- | --- | --- |"]
+    for name in runs:
+        s = result["runs"][name]["summary"]
+        for r, per_tenant in enumerate(s["attributed_s_per_replica"]):
+            engine_s = " / ".join(f"{per_tenant[t]:.1f}" for t in tenants)
+            lines.append(f"| {FLEET_LABELS[name] if r == 0 else ''} | {r} | {100 * s['replica_busy_fraction'][r]:.0f}% | {engine_s} |")
+    return "\n".join(lines)
