@@ -20,6 +20,7 @@ from llmvisor.core.trace import read_trace
 ROOT = Path(__file__).resolve().parents[1]
 OPERATOR_DOC = ROOT / "docs" / "recorder.md"
 SERVICE_DOC = ROOT / "docs" / "service.md"
+FAIRNESS_DOC = ROOT / "docs" / "fairness.md"
 BLOCK = re.compile(r"^```bash operator\n(.*?)^```", re.S | re.M)
 
 
@@ -93,3 +94,12 @@ def test_the_documented_operator_commands_run(tmp_path):
     assert StepLatencyModel.from_json(work / "calibrated.json").engine_fingerprint_["id"] == served_id
     figures = calibration["evaluation"]["models"]
     assert figures["calibrated"]["n_steps"] == figures["baseline"]["n_steps"] > 100
+
+
+@pytest.mark.vllm
+def test_the_documented_fair_scheduler_commands_run(tmp_path):
+    """docs/fairness.md: the OpenAI server with FairScheduler reading the documented fair.toml, two tenants served."""
+    done, _ = run_doc(FAIRNESS_DOC, tmp_path, timeout_s=600)
+    assert re.search(r"llmvisor: fair scheduler: cost attributed, tenant key 'tenant', weights \{'team-a': 2\.0\}, 0 quotas, tpot_slo_s 0\.2", done.stdout)
+    answers = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"id"')]
+    assert [answer["usage"]["completion_tokens"] for answer in answers] == [8, 8]

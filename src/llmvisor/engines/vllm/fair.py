@@ -239,6 +239,11 @@ class FairScheduler(RecordingScheduler):
         self.model_fingerprint_matches = check_model_fingerprint(self.fair.model, self.engine_fingerprint)
         self.tenant_key = config.tenant_key
         self.default_tenant = config.default_tenant
+        logger.info(
+            "llmvisor: fair scheduler: cost %s, tenant key %r, weights %s, %d quotas, tpot_slo_s %s, shared counters %s",
+            config.cost, config.tenant_key, dict(config.weights) or "none", len(config.quotas) + (config.default_quota is not None),
+            config.tpot_slo_s, "on" if config.shared_counters is not None else "off",
+        )
         self.waiting = TenantRequestQueue(self)
         self._queue_time_counted_s = 0.0
         self.admissions: deque[Admission] = deque(maxlen=max(1, config.log_size))
