@@ -92,7 +92,7 @@ def validation_figures(validation: dict) -> list[str]:
     per_request, bias = summary["per_request_error"], summary["class_bias"]
     return [
         f"{summary['n_batches']['prefill'] + summary['n_batches']['decode']} batches of 2–5 requests",
-        f"{thousands(sum(run['measured_steps'] for run in validation['settings']['measurement_runs']))}\ncontrolled steps",
+        f"{thousands(validation['settings']['measurement_runs'][0]['measured_steps'])}\ncontrolled steps",
         f"within {pct(ours['prefill']['p50'])} / {pct(ours['prefill']['p90'])} (prefill) and "
         f"{pct(ours['decode']['p50'])} / {pct(ours['decode']['p90'])} (decode)",
         f"{pct(tokens['decode']['p90'])} off at p90\nas a fraction of the step ({gain:.1f}× worse)",
@@ -104,6 +104,14 @@ def validation_figures(validation: dict) -> list[str]:
         f"quarter of decodes {signed_pct(bias['decode/length_q1']['token_count']['bias'])} and the longest "
         f"{signed_pct(bias['decode/length_q4']['token_count']['bias'])} in aggregate (`shapley`: "
         f"{signed_pct(bias['decode/length_q1']['shapley']['bias'])} and {signed_pct(bias['decode/length_q4']['shapley']['bias'])})",
+        f"({sum(s['n_batches'] for s in summary['sampled'].values())} batches of "
+        f"{' and '.join(map(str, sorted({size for s in summary['sampled'].values() for size in s['sizes']})))} requests",
+        f"{thousands(validation['settings']['measurement_runs'][-1]['measured_steps'])} controlled steps), their Shapley values estimated from "
+        f"{validation['settings']['sampled']['orders']} sampled",
+        f"token shares bill the shortest-context quarter of decodes {signed_pct(bias['sampled_decode/length_q1']['token_count']['bias'])} and the\n"
+        f"longest {signed_pct(bias['sampled_decode/length_q4']['token_count']['bias'])} (`shapley`: {signed_pct(bias['sampled_decode/length_q1']['shapley']['bias'])} "
+        f"and {signed_pct(bias['sampled_decode/length_q4']['shapley']['bias'])})",
+        f"({pct(summary['sampled']['sampled_decode']['estimate_ci95_half_width_fraction_of_step']['p50'])} of a decode step at the median)",
     ]
 
 
