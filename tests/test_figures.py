@@ -17,6 +17,7 @@ import pytest
 
 from llmvisor import shipped
 from llmvisor.fairness.experiment import markdown_summary as fairness_markdown_summary
+from llmvisor.fairness.fleet_experiment import markdown_summary as fleet_markdown_summary
 from llmvisor.validation.report import markdown_summary
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,6 +131,11 @@ def fairness_figures(fairness: dict) -> list[str]:
     ]
 
 
+def fleet_figures(fleet: dict) -> list[str]:
+    ratio = {name: run["summary"]["engine_time_max_min"] for name, run in fleet["runs"].items()}
+    return [f"fleet-wide max/min of {ratio['shared']:.2f} where per-replica counters gave {ratio['local']:.2f} and FCFS {ratio['fcfs']:.2f}"]
+
+
 def load_figures(load_result: dict) -> list[str]:
     rates = {(t["database"], t["body"]): t["steps_per_s"] for t in load_result["targets"]}
     return [
@@ -205,6 +211,7 @@ def test_readme_quotes_each_result_file():
         *load_figures(load(RESULTS / "load.json")),
         *validation_figures(load(shipped.result_path(shipped.VALIDATION_RESULT))),
         *fairness_figures(load(shipped.result_path(shipped.FAIRNESS_RESULT))),
+        *fleet_figures(load(shipped.result_path(shipped.FLEET_RESULT))),
     ]
     assert missing_from(readme, figures) == []
 
@@ -301,3 +308,8 @@ def test_traces_readme_describes_each_shipped_trace_from_its_own_file():
     floor = read_trace(shipped.trace_path(shipped.TRAIN_TRACE)).metadata["noise_floor"]
     figures.append(f"p50 {pct(floor['p50'])}, p90 {pct(floor['p90'])}, p99 {pct(floor['p99'])}")
     assert missing_from(readme, figures) == []
+
+
+def test_fleet_doc_holds_the_tables_generated_from_the_shipped_experiment():
+    summary = fleet_markdown_summary(load(shipped.result_path(shipped.FLEET_RESULT)))
+    assert missing_from((REPO / "docs" / "fleet.md").read_text(encoding="utf-8"), summary.splitlines()) == []
