@@ -115,7 +115,7 @@ resumes) the plan RESULT was measured with, instead of drawing another plan from
 
 def settings_of_existing_result(ctx: typer.Context, output: Path, given: dict) -> dict:
     """``given`` with every option left at its default replaced by the value the existing result recorded."""
-    if not output.is_file():
+    if ctx is None or not output.is_file():  # called from Python: every argument counts as given
         return given
     try:
         settings = json.loads(output.read_text(encoding="utf-8")).get("settings", {})
@@ -140,7 +140,6 @@ def settings_of_existing_result(ctx: typer.Context, output: Path, given: dict) -
 
 
 def validate(
-    ctx: typer.Context,
     output: Annotated[Path, typer.Option("--output", "-o", help="Result JSON; measurements go to RESULT.journal.jsonl beside it, and a re-run resumes from it: options not given are those RESULT was measured with.")],
     model: eo.LatencyModel = None,
     engine_model: eo.EngineModel = None,
@@ -165,6 +164,7 @@ def validate(
     n_bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples for the 95% intervals.")] = 1000,
     keep_steps: Annotated[bool, typer.Option(help="Keep the recorder's trace of every engine step run (RESULT.steps.jsonl).")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print only the summary JSON to stdout.")] = False,
+    ctx: typer.Context = None,
 ) -> None:
     """Validate per-request shares against exact Shapley values measured on the real engine."""
     from rich.console import Console
