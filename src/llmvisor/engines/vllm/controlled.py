@@ -409,6 +409,16 @@ class ControlledEngine:
             self.scheduler.allowed_request_ids = set()
             self._step()
 
+    def _run_only(self, request_ids) -> list[tuple[float, dict[str, Slice]]]:
+        """One engine step that may schedule only ``request_ids``; the steps recorded while it ran."""
+        self._read_new_steps()
+        self.scheduler.allowed_request_ids = set(request_ids)
+        try:
+            self._step()
+        finally:
+            self.scheduler.allowed_request_ids = set()
+        return self._read_new_steps()
+
     def _abort_unheld(self) -> None:
         stray = [rid for rid in self.scheduler.requests if rid not in self._held]
         if stray:
@@ -513,14 +523,8 @@ class ControlledEngine:
         """Run the requests ``members`` (indices into the batch) as one decode step and time it."""
         if not members:
             raise LlmvisorError("a decode step needs at least one request")
-        self._read_new_steps()
         intended = batch.intended(members)
-        self.scheduler.allowed_request_ids = set(intended)
-        try:
-            self._step()
-        finally:
-            self.scheduler.allowed_request_ids = set()
-        steps = self._read_new_steps()
+        steps = self._run_only(intended)
         self._update_contexts(batch)
         return self._compare(intended, steps)
 
@@ -579,13 +583,7 @@ class ControlledEngine:
             )
             self._prefill_context(chunk_id, batch.cached_tokens)
             intended = {chunk_id: Slice(batch.chunk_tokens, batch.cached_tokens, True), **intended}
-        self._read_new_steps()
-        self.scheduler.allowed_request_ids = set(intended)
-        try:
-            self._step()
-        finally:
-            self.scheduler.allowed_request_ids = set()
-        steps = self._read_new_steps()
+        steps = self._run_only(intended)
         self._update_contexts(batch.decodes)
         self._abort_unheld()
         self._flush_finished()
