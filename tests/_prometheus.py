@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 
+from _processes import stop_process
 from llmvisor.service.process import free_loopback_port
 
 PROMETHEUS_BINARY = shutil.which("prometheus")
@@ -94,13 +95,7 @@ class PrometheusServer:
         raise AssertionError(f"prometheus did not scrape all {n_targets} targets within {timeout_s:g} s: {self.query('up')}")
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
     def __enter__(self) -> PrometheusServer:
         return self.start()

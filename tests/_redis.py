@@ -11,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from _processes import stop_process
 from llmvisor.service.process import free_loopback_port
 
 REDIS_BINARY = shutil.which("redis-server")
@@ -61,13 +62,7 @@ class RedisServer:
 
     def stop(self) -> None:
         """SIGTERM: Redis writes its append-only file and exits; a later `start` serves the same data."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
     def pause(self) -> None:
         """SIGSTOP: the port stays open but nothing answers (clients time out instead of being refused)."""

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from _service_fixtures import BACKENDS, POSTGRES_URL, T0_S, bearer, empty_postgres, model_path  # noqa: F401
+from _service_fixtures import T0_S, bearer, db_url, model_path  # noqa: F401
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import DEFAULT_COEF_S, synthetic_trace
 from llmvisor.ledger import Ledger
@@ -21,13 +21,6 @@ from llmvisor.service.refit import refit_class
 
 CLASS_A = "aaaaaaaaaaaaaaaa"
 CLASS_B = "bbbbbbbbbbbbbbbb"
-
-
-@pytest.fixture(params=BACKENDS)
-def db_url(request, tmp_path):
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path}/ledger.db"
-    return empty_postgres(POSTGRES_URL)
 
 
 @pytest.fixture
