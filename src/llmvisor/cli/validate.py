@@ -113,6 +113,9 @@ RESUMED_OPTIONS = {
 resumes) the plan RESULT was measured with, instead of drawing another plan from the defaults."""
 
 
+_NOT_RECORDED = object()
+
+
 def settings_of_existing_result(ctx: typer.Context, output: Path, given: dict) -> dict:
     """``given`` with every option left at its default replaced by the value the existing result recorded."""
     if ctx is None or not output.is_file():  # called from Python: every argument counts as given
@@ -128,10 +131,8 @@ def settings_of_existing_result(ctx: typer.Context, output: Path, given: dict) -
             continue
         value = settings
         for key in path:
-            value = value.get(key) if isinstance(value, dict) else None
-        if value is None and path != ("max_prefill_tokens",) and path != ("threads",):
-            continue
-        if path[0] == "sampled" and not isinstance(settings.get("sampled"), dict):
+            value = value.get(key, _NOT_RECORDED) if isinstance(value, dict) else _NOT_RECORDED
+        if value is _NOT_RECORDED:
             continue
         if option in ("sampled_sizes", "sampled_kinds") and isinstance(value, list):
             value = ",".join(map(str, value))
