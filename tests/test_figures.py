@@ -17,6 +17,7 @@ import pytest
 
 from llmvisor import shipped
 from llmvisor.fairness.experiment import markdown_summary as fairness_markdown_summary
+from llmvisor.profile.calibration_experiment import markdown_summary as calibration_markdown_summary
 from llmvisor.fairness.fleet_experiment import markdown_summary as fleet_markdown_summary
 from llmvisor.validation.report import markdown_summary
 
@@ -144,25 +145,13 @@ def load_figures(load_result: dict) -> list[str]:
     ]
 
 
-def calibration_figures(result: dict) -> list[str]:
-    fit, drift = result["fit"], result["profile"]["drift"]
-    evaluation = result["evaluation"]
-    figures = [
-        f"fitted on {thousands(fit['n_steps_used'])} of {thousands(fit['n_steps_total'])} profile steps "
-        f"({fit['n_warmup_dropped']} warm-up, {fit['n_drifted_dropped']} drifted, {fit['n_outliers_dropped']} outliers dropped)",
-        f"{drift['n_canary_runs']} canary runs, largest drift {pct(drift['max_abs_drift'])}, "
-        f"{drift['n_drifted_canaries']} drifted",
-        f"served run of {thousands(evaluation['models']['calibrated']['n_steps'])} steady steps",
-        f"the served engine's fingerprint `{result['served_fingerprint']['id']}`",
+def calibration_readme_figures(result: dict) -> list[str]:
+    residual = {name: pct(figures["all"]["abs_relative_residual_p50"]) for name, figures in result["residuals"].items()}
+    return [
+        f"the shipped model is off by {residual['shipped']} at the median; calibrated from live steps, {residual['live']}; "
+        f"from a profile, {residual['profile']}:",
+        f"within 1.5× of the served engine's noise floor ({pct(result['noise_floor']['p50'])}, identical canary steps",
     ]
-    labels = {"baseline": "shipped model (no fingerprint)", "calibrated": f"calibrated (`{evaluation['calibrated_fingerprint']}`)"}
-    for name, label in labels.items():
-        m = evaluation["models"][name]
-        figures.append(
-            f"| {label} | {pct(m['abs_relative_residual_p50'])} / {pct(m['abs_relative_residual_p90'])} | "
-            f"{signed_pct(m['relative_residual_p10'])} / {signed_pct(m['relative_residual_p50'])} / {signed_pct(m['relative_residual_p90'])} |"
-        )
-    return figures
 
 
 def scale_figures(scale: dict) -> list[str]:
@@ -246,10 +235,12 @@ def test_fairness_doc_holds_the_tables_generated_from_the_shipped_experiment():
     assert missing_from((REPO / "docs" / "fairness.md").read_text(encoding="utf-8"), summary.splitlines()) == []
 
 
-def test_recorder_doc_quotes_the_calibration_result():
+def test_recorder_doc_holds_the_summary_generated_from_the_calibration_result():
     result = load(RESULTS / "calibration.json")
-    assert result["fingerprint_matches"] is True
-    assert missing_from((REPO / "docs" / "recorder.md").read_text(encoding="utf-8"), calibration_figures(result)) == []
+    assert result["calibrations"]["profile"]["fingerprint_matches"] is True
+    assert all(result["goal"]["met"][name] for name in ("live", "profile"))  # the README and the doc say both met the goal
+    assert missing_from((REPO / "docs" / "recorder.md").read_text(encoding="utf-8"), calibration_markdown_summary(result).splitlines()) == []
+    assert missing_from((REPO / "README.md").read_text(encoding="utf-8"), calibration_readme_figures(result)) == []
 
 
 def test_the_quoting_check_catches_a_changed_figure():

@@ -1,5 +1,6 @@
 """`llmvisor experiment fairness`: FCFS vs token VTC vs attributed VTC on the real engine, per tenant over time;
-`llmvisor experiment fleet`: the same question across replicas behind a router."""
+`llmvisor experiment fleet`: the same question across replicas behind a router; `llmvisor experiment calibration`:
+`llmvisor calibrate` scored on a held-out served session against the served engine's noise floor."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from llmvisor import shipped
 from llmvisor.cli import engine_options as eo
 from llmvisor.cli.console import print_table
+from llmvisor.errors import LlmvisorError
 from llmvisor.fairness.experiment import POLICIES, POLICY_LABELS, format_seconds, run_experiment, workload_tenants
 from llmvisor.fairness.fleet_experiment import FLEET_LABELS, fleet_tenants, run_fleet_experiment
+from llmvisor.profile.calibration_experiment import run_calibration_experiment
 
 
 def fairness(
@@ -219,3 +223,83 @@ def fleet(
             )
     print_table(table, console)
     console.print(f"wrote {output / 'fleet.json'} and {output / 'fleet.png'}", highlight=False)
+
+
+def calibration(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the sessions' traces, logs, the calibrated models and calibration.json.")] = Path("calibration-experiment"),
+    engine_model: eo.EngineModel = None,
+    workload: Annotated[
+        list[str] | None,
+        typer.Option(help="Two shipped workloads (file stems) or CSV paths: the calibration session's, then the held-out session's. Default: azure-2023-conv, azure-2023-code."),
+    ] = None,
+    phases: Annotated[str, typer.Option(help="Concurrent clients of each traffic phase, comma-separated.")] = "1,2,4,8,12,16,24",
+    phase_s: Annotated[float, typer.Option(help="Seconds of each traffic phase.", min=1)] = 15.0,
+    canary: Annotated[str, typer.Option(help="The canary's requests, sent one at a time before each phase and after the last: PROMPTxOUTPUT tokens, comma-separated.")] = "384x16,1024x16",
+    max_prompt_tokens: Annotated[int, typer.Option(help="Workload prompts longer than this are cut to it.", min=1)] = 1500,
+    max_output_tokens: Annotated[int, typer.Option(help="Workload outputs longer than this are cut to it.", min=2)] = 48,
+    kv_cache_gib: eo.KvCacheGib = eo.KV_CACHE_GIB,
+    seed: Annotated[int, typer.Option(help="Seed of the calibration session's request draws and prompts (the held-out session: seed + 1).")] = 0,
+    profile: Annotated[bool, typer.Option(help="Also calibrate by profiling the served settings (llmvisor calibrate --fingerprint; about 3 minutes).")] = True,
+    profile_points: Annotated[int, typer.Option(help="--points of the profile.")] = 12,
+    profile_max_decode_steps: Annotated[int, typer.Option(help="--max-decode-steps of the profile.")] = 16,
+    analyse_only: Annotated[bool, typer.Option(help="Re-analyse the sessions already in --output (the live fit is redone; a profile already there is kept).")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print only the result JSON to stdout.")] = False,
+) -> None:
+    """Calibration on the served engine: fit on one served session, score on a held-out one, against the canary's noise floor."""
+    console = Console(stderr=True)
+    settings = eo.engine_settings(engine_model)
+    stems = workload or ["azure-2023-conv", "azure-2023-code"]
+    if len(stems) != 2:
+        raise LlmvisorError(f"--workload: give two (the calibration session's, then the held-out one's), got {len(stems)}")
+    paths = tuple(Path(stem) if Path(stem).suffix == ".csv" else shipped.workloads_dir() / f"{stem}.csv" for stem in stems)
+    result = run_calibration_experiment(
+        output,
+        engine_dir=Path(settings.model),
+        workloads=paths,
+        phases=parse_int_list(phases, "--phases"),
+        phase_s=phase_s,
+        canary=parse_canary(canary),
+        max_prompt_tokens=max_prompt_tokens,
+        max_output_tokens=max_output_tokens,
+        seed=seed,
+        kv_cache_gib=kv_cache_gib,
+        profile=profile,
+        profile_points=profile_points,
+        profile_max_decode_steps=profile_max_decode_steps,
+        analyse_only=analyse_only,
+    )
+    if json_output:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    floor = result["noise_floor"]
+    table = Table(title=f"held-out served session: relative residuals (noise floor p50 {floor['p50']:.1%}, p90 {floor['p90']:.1%})")
+    for column in ("model", "|r| p50", "|r| p90", "signed p50", "decode-only p50", "with prefill p50", f"p50 <= {result['goal']['limit']:.1%}"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for name, figures in result["residuals"].items():
+        every = figures["all"]
+        table.add_row(name, f"{every['abs_relative_residual_p50']:.1%}", f"{every['abs_relative_residual_p90']:.1%}",
+                      f"{every['relative_residual_p50']:+.1%}", *(
+                          "–" if figures[kind] is None else f"{figures[kind]['abs_relative_residual_p50']:.1%}" for kind in ("decode_only", "with_prefill")
+                      ), "met" if result["goal"]["met"][name] else "not met")
+    print_table(table, console)
+    console.print(f"wrote {output / 'calibration.json'}", highlight=False)
+
+
+def parse_int_list(text: str, option: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise LlmvisorError(f"{option}: expected whole numbers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise LlmvisorError(f"{option}: expected one or more numbers >= 1, got {text!r}")
+    return values
+
+
+def parse_canary(text: str) -> list[list[int]]:
+    shapes = []
+    for part in text.split(","):
+        prompt, _, output = part.strip().partition("x")
+        if not (prompt.isdigit() and output.isdigit()) or int(prompt) < 1 or int(output) < 2:
+            raise LlmvisorError(f"--canary: {part.strip()!r} is not PROMPTxOUTPUT (prompt >= 1, output >= 2 tokens), e.g. 384x16")
+        shapes.append([int(prompt), int(output)])
+    return shapes

@@ -44,6 +44,7 @@ ADAPTERS: dict[str, dict[str, tuple[str, str, tuple[str, ...]]]] = {
     "experiment": {
         "fairness": ("llmvisor.cli.experiment", "fairness", ("vllm", "report")),
         "fleet": ("llmvisor.cli.experiment", "fleet", ("vllm", "report")),
+        "calibration": ("llmvisor.cli.experiment", "calibration", ("vllm", "service")),
     },
 }
 """Commands whose code lives beside its domain, by group: (module, function, extras it needs). They are
