@@ -237,6 +237,24 @@ def test_slo_admission_stops_batching_where_predicted_time_per_token_would_excee
         assert decision.predicted_tpot_s <= slo or decision.decode_step_before_s == 0.0
 
 
+def test_a_deferred_request_aborted_while_waiting_is_no_longer_counted_as_deferred(small_kv):
+    model = fixed_model()
+    from llmvisor.fairness.policy import AdmissionController
+
+    probe = AdmissionController(model, tpot_slo_s=None)
+    fits = probe.decide(0, 0, 64, 0, 64).predicted_tpot_s
+    too_slow = probe.decide(1, 64, 64, 0, 64).predicted_tpot_s
+    small_kv.configure(cost="tokens", tpot_slo_s=(fits + too_slow) / 2)  # one request at a time
+    for k in range(3):
+        small_kv.add(f"abort{k}", "t", 64, max_tokens=64)
+    small_kv.run(max_steps=4)
+    assert small_kv.scheduler.fair_state()["deferred_waiting"] == {"t": 1}  # the head of the queue was refused
+    small_kv.engine.abort_request([r.request_id for r in small_kv.scheduler.waiting], internal=True)
+    assert len(small_kv.scheduler.waiting) == 0
+    assert small_kv.scheduler.fair_state()["deferred_waiting"] == {}
+    small_kv.run()
+
+
 def test_preemption_evicts_the_most_served_tenant_first(small_kv):
     small_kv.configure(cost="tokens")
     for k in range(4):

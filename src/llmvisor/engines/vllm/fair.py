@@ -195,6 +195,7 @@ class TenantRequestQueue(RequestQueue):
                 fifo.extend(kept)
                 self._len -= removed
                 self._owner.fair.leave(tenant, removed)
+        self._owner._forget_deferred(request.request_id for request in doomed)
         self._version += 1
         self.time_s += time.perf_counter() - started
 
@@ -308,6 +309,11 @@ class FairScheduler(RecordingScheduler):
         deferred = self._deferred_since.pop(request.request_id, None)
         if deferred is not None:
             self._pass_admitted_deferred[request.request_id] = deferred
+
+    def _forget_deferred(self, request_ids: Iterable[str]) -> None:
+        """Requests that left the waiting queue without being admitted (aborted) are no longer deferred."""
+        for request_id in request_ids:
+            self._deferred_since.pop(request_id, None)
 
     def _returned(self, request, tenant: str) -> None:
         reserved = self._pass_reserved.pop(request.request_id, None)
