@@ -17,8 +17,8 @@ import pytest
 
 from llmvisor import shipped
 from llmvisor.fairness.experiment import markdown_summary as fairness_markdown_summary
-from llmvisor.profile.calibration_experiment import markdown_summary as calibration_markdown_summary
 from llmvisor.fairness.fleet_experiment import markdown_summary as fleet_markdown_summary
+from llmvisor.profile.calibration_experiment import markdown_summary as calibration_markdown_summary
 from llmvisor.validation.report import markdown_summary
 
 REPO = Path(__file__).resolve().parents[1]

@@ -285,25 +285,35 @@ def measure(
     free of interference), so a crash loses at most one batch-round. ``on_step(n)`` reports progress (n < 0
     when a discarded batch-round is taken back). Returns counts of what was measured now.
     """
-    if repeat < 1:
-        raise LlmvisorError(f"--repeat: must be at least 1 (got {repeat})")
-    sleep = sleep or time.sleep
-    progress = on_step or (lambda n: None)
+    check_repeat(repeat)
     by_index = {b.index: b for b in batches}
     todo = missing_measurements(batches, journal, repeat)
-    counts = {"measured_now": 0, "rejected_now": 0, "discarded_batch_rounds": 0, "flagged_batch_rounds": 0}
+    sleep, progress, counts = _begin(measurer, journal, guard, bool(todo), on_step, sleep)
     counts["reused"] = sum(
         min(repeat, len(journal.get(b, r, s))) for b in batches for r in range(b.rounds) for s in range(1, 1 << b.size)
     )
-    if guard is not None and todo and not guard.accepted_s:
-        guard.calibrate(measurer)
-        journal.log({"type": "canaries", "calibration": True, "canary_s": guard.all_s[:], "baseline_s": guard.baseline_s})
     for (index, round_), masks in todo.items():
         batch = by_index[index]
         rng = np.random.default_rng([seed, index, round_, len(masks)])
         order = [masks[i] for i in rng.permutation(len(masks))]
         _measure_guarded(measurer, batch, round_, order, journal, max_attempts, warm_up_steps, guard, progress, counts, sleep)
     return counts
+
+
+def check_repeat(repeat: int) -> None:
+    if repeat < 1:
+        raise LlmvisorError(f"--repeat: must be at least 1 (got {repeat})")
+
+
+def _begin(measurer: Measurer, journal: Journal, guard: InterferenceGuard | None, anything_to_measure: bool,
+           on_step: Callable[[int], None] | None, sleep: Callable[[float], None] | None) -> tuple[Callable, Callable, dict]:
+    """What both measuring loops start with: the guard's baseline canaries (journaled, once, if anything is to be
+    measured), the sleep and progress callbacks, and the counts they return."""
+    if guard is not None and anything_to_measure and not guard.accepted_s:
+        guard.calibrate(measurer)
+        journal.log({"type": "canaries", "calibration": True, "canary_s": guard.all_s[:], "baseline_s": guard.baseline_s})
+    counts = {"measured_now": 0, "rejected_now": 0, "discarded_batch_rounds": 0, "flagged_batch_rounds": 0, "reused": 0}
+    return sleep or time.sleep, on_step or (lambda n: None), counts
 
 
 def _measure_guarded(measurer, batch, round_: int, order: list[int], journal: Journal, max_attempts: int, warm_up_steps: int,
@@ -349,8 +359,7 @@ def measure_sampled(
     per order, so a context grows by at most ``size × repeat`` tokens while it is measured). Mixed batches need
     a measurer with ``prepare_mixed`` / ``mixed_step``, shared-prefix decode batches one with ``prepare_shared_decode``.
     """
-    if repeat < 1:
-        raise LlmvisorError(f"--repeat: must be at least 1 (got {repeat})")
+    check_repeat(repeat)
     for batch in batches:
         if batch.kind == SampledKind.SHARED_PREFIX_DECODE:
             common_prefix_tokens(batch)
@@ -360,12 +369,7 @@ def measure_sampled(
         if batch.kind == SampledKind.MIXED and not hasattr(measurer, "mixed_step"):
             raise LlmvisorError(f"batch {batch.index}: mixed steps need a measurer with prepare_mixed/mixed_step "
                                 f"({type(measurer).__name__} has none)")
-    sleep = sleep or time.sleep
-    progress = on_step or (lambda n: None)
-    counts = {"measured_now": 0, "rejected_now": 0, "discarded_batch_rounds": 0, "flagged_batch_rounds": 0, "reused": 0}
-    if guard is not None and not guard.accepted_s:
-        guard.calibrate(measurer)
-        journal.log({"type": "canaries", "calibration": True, "canary_s": guard.all_s[:], "baseline_s": guard.baseline_s})
+    sleep, progress, counts = _begin(measurer, journal, guard, True, on_step, sleep)
     for batch in batches:
         masks = prefix_masks(np.array(batch.orders, dtype=np.int64))
         for round_ in range(batch.rounds):
