@@ -24,8 +24,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from llmvisor import shipped
 from llmvisor.core.attribution import attribute
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import read_trace
+from llmvisor.engine_process import run_engine_module
 from llmvisor.errors import LlmvisorError
 from llmvisor.fairness.policy import jain_index, max_min_ratio
 
@@ -246,17 +245,9 @@ def plot(result: dict):
 
 def run_fleet(spec: dict, log_path: Path) -> dict:
     """One run in a fresh process (`llmvisor.engines.vllm.fleet`); its result dict."""
-    spec_path = Path(spec["out_dir"]) / "spec.json"
-    spec_path.parent.mkdir(parents=True, exist_ok=True)
-    spec_path.write_text(json.dumps(spec, indent=2))
-    with open(log_path, "w", encoding="utf-8") as log:
-        completed = subprocess.run(
-            [sys.executable, "-m", "llmvisor.engines.vllm.fleet", str(spec_path)], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-        )
-    if completed.returncode != 0:
-        tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-15:]
-        raise LlmvisorError(f"fleet run {spec['name']} failed (exit {completed.returncode}); see {log_path}:\n" + "\n".join(tail))
-    return json.loads((Path(spec["out_dir"]) / "result.json").read_text())
+    out_dir = Path(spec["out_dir"])
+    return run_engine_module("llmvisor.engines.vllm.fleet", spec, spec_path=out_dir / "spec.json",
+                             result_path=out_dir / "result.json", log_path=log_path, what=f"fleet run {spec['name']}")
 
 
 def run_fleet_experiment(

@@ -16,7 +16,6 @@ on another must. The goal (issue: served residual p50 within 1.5× of the noise 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ import numpy as np
 from llmvisor import shipped
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import StepTrace, concat_traces, read_trace
+from llmvisor.engine_process import run_engine_module
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
 from llmvisor.profile.calibration import residual_quantiles
@@ -70,15 +70,9 @@ def score(model: StepLatencyModel, held_out: StepTrace) -> dict:
 
 def run_session(spec: dict, log_path: Path) -> dict:
     """One served session in a fresh process (`llmvisor.engines.vllm.served`); its result dict."""
-    spec_path = Path(spec["out_dir"]) / f"{spec['name']}.spec.json"
-    spec_path.write_text(json.dumps(spec, indent=2), encoding="utf-8")
-    with open(log_path, "w", encoding="utf-8") as log:
-        done = subprocess.run([sys.executable, "-m", "llmvisor.engines.vllm.served", str(spec_path)], stdout=log,
-                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if done.returncode != 0:
-        tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-15:]
-        raise LlmvisorError(f"served session {spec['name']} failed (exit {done.returncode}); see {log_path}:\n" + "\n".join(tail))
-    return json.loads((Path(spec["out_dir"]) / f"{spec['name']}.result.json").read_text(encoding="utf-8"))
+    out_dir = Path(spec["out_dir"])
+    return run_engine_module("llmvisor.engines.vllm.served", spec, spec_path=out_dir / f"{spec['name']}.spec.json",
+                             result_path=out_dir / f"{spec['name']}.result.json", log_path=log_path, what=f"served session {spec['name']}")
 
 
 def run_calibrate(arguments: list[str], log_path: Path) -> dict:
