@@ -210,3 +210,36 @@ def test_refit_from_trace_files_holds_out_the_newest_steps(tmp_path, db_url):
     finally:
         ledger.close()
     assert np.isfinite(first.new_error)
+
+
+def test_a_refit_from_the_ledger_fits_the_shared_kv_term_of_attributed_steps(model_path, db_url, admin_and_tenant):  # noqa: F811
+    """Steps sent with the sharing columns (format v2) and attributed at once keep them in the ledger, so a refit
+    from the ledger finds the shared-KV price the engine has (it used to read them back as unshared)."""
+    from llmvisor.core.features import Coef
+    from llmvisor.service.ingest import trace_from_stored
+
+    coef_s = dict(DEFAULT_COEF_S, effective_context_tokens=4e-7)
+    admin = bearer(admin_and_tenant[0])
+    app = create_app(model_path, db_url, registry_refresh_s=0.0)
+    sent = []
+    with TestClient(app) as client:
+        for k in range(3):
+            trace = synthetic_trace(600, coef_s=coef_s, seed=20 + k, run_id=f"shared-{k}", max_batch_size=16, shared_prefix_fraction=0.6)
+            columns = trace.to_arrow().to_pydict()
+            columns["engine_fingerprint"] = [CLASS_A] * trace.n_slices
+            columns["timestamp_s"] = [T0_S + 600 * k + 0.05 * int(s) for s in trace.step_id]
+            response = client.post("/v1/steps", json={"columns": columns}, headers=admin)
+            assert response.status_code == 200 and response.json()["steps_pending"] == 0, response.text
+            sent.append(trace)
+    ledger = Ledger(db_url)
+    try:
+        stored = trace_from_stored(ledger.stored_steps(CLASS_A), CLASS_A)
+        assert stored.has_sharing_columns and stored.n_steps == sum(t.n_steps for t in sent)
+        assert int(stored.num_shared_context_tokens.sum()) == sum(int(t.num_shared_context_tokens.sum()) for t in sent) > 0
+        np.testing.assert_allclose(stored.effective_context_tokens.sum(), sum(t.effective_context_tokens.sum() for t in sent))
+        result = refit_class(ledger, CLASS_A, test_fraction=0.25)
+        model = StepLatencyModel.from_dict(json.loads(ledger.model_json(CLASS_A, result.version)))
+    finally:
+        ledger.close()
+    assert model.identified_[Coef.E]
+    assert model.coef_[:, Coef.E] == pytest.approx(4e-7, rel=0.2)

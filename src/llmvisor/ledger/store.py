@@ -108,7 +108,8 @@ class StepRecords:
     """Per step, stored unattributed (``attributed_ns`` 0, ``predicted_s`` NaN) until its class has a model."""
     num_shared_context_tokens: np.ndarray | None = None
     effective_context_tokens: np.ndarray | None = None
-    """Per slice, the sharing columns (trace format v2), kept in the blob for pending steps, which are priced later."""
+    """Per slice, the sharing columns (trace format v2), kept in the blob: pending steps are priced from them
+    later, and a refit from the ledger (`llmvisor refit`) fits the shared-KV term on them."""
 
     def per_step(self, name: str, default) -> np.ndarray:
         """A per-step column, or ``default`` for every step where it is None."""
@@ -179,7 +180,7 @@ class _StoredBatch:
             }
         )
         pending = records.per_step("pending", False).astype(bool)
-        if pending.any() and records.effective_context_tokens is not None:
+        if records.effective_context_tokens is not None:
             for name in SHARING_BLOB_COLUMNS:
                 table = table.append_column(name, pa.array(getattr(records, name)))
         sink = pa.BufferOutputStream()
