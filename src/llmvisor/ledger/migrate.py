@@ -140,25 +140,16 @@ def migrate_schema_1(
     """Copy every key, step and slice of a schema-1 ledger into an empty ledger at ``target_url``, then
     check that steps, slices, measured time and every tenant's attributed time match exactly.
     ``progress`` is called with the steps copied so far and the steps to copy, after each batch."""
-    parsed = make_url(normalize_url(source_url))
-    source_name = parsed.render_as_string(hide_password=True)
-    if parsed.get_backend_name() == "sqlite" and not Path(parsed.database or "").is_file():
-        raise LedgerError(f"{source_name}: no such SQLite file")
-    source = create_engine(parsed)
+    source, source_name, version = _read_version(source_url)
+    if version != "1":
+        source.dispose()
+        raise LedgerError(f"{source_name}: ledger schema version {version}; only version 1 is migrated")
     try:
         with source.connect() as conn:
-            if not inspect(conn).has_table("ledger_info"):
-                raise LedgerError(f"{source_name}: not an llmvisor ledger (no ledger_info table)")
-            version = conn.execute(select(_ledger_info_1.c.value).where(_ledger_info_1.c.name == "schema_version")).scalar()
-            if version != "1":
-                raise LedgerError(f"{source_name}: ledger schema version {version}; only version 1 is migrated")
             expected = _schema_1_totals(conn)
-    except DatabaseError as error:  # unreachable, or not a database at all
+    except DatabaseError as error:  # a schema-1 ledger missing its tables
         source.dispose()
         raise LedgerError(f"cannot read {source_name}: {' '.join(str(error.orig).split())}") from None
-    except LedgerError:
-        source.dispose()
-        raise
 
     target = Ledger(target_url)
     target_name = target.safe_url
