@@ -1,4 +1,5 @@
-"""Fixtures shared by the ledger and service tests: a fitted model file, real databases, keys, step rows.
+"""Fixtures shared by the ledger and service tests: a fitted model file, real databases, keys, step rows, and
+steps and models of an engine class (the registry and dashboard tests).
 
 PostgreSQL runs where LLMVISOR_TEST_POSTGRES_URL is set (`scripts/start-postgres.sh` prints one);
 each test then starts from empty tables, so the database must be a throwaway one (its name must contain "test").
@@ -117,3 +118,26 @@ def measured_ns(groups: list[list[dict]]) -> int:
 
 def bearer(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
+
+
+def class_model(engine_class: str, *, coef_s: dict | None = None, seed: int = 0) -> StepLatencyModel:
+    """A model fitted on synthetic steps of ``coef_s``, registered as the model of ``engine_class``."""
+    model = StepLatencyModel().fit(synthetic_trace(1500, coef_s=coef_s, seed=seed, max_batch_size=16))
+    model.engine_fingerprint_ = {"id": engine_class}
+    return model
+
+
+def class_body(engine_class: str, n_steps: int, *, run_id: str, seed: int, slowdown: float = 1.0,
+               first_timestamp_s: float = T0_S, coef_s: dict | None = None, shared_prefix_fraction: float = 0.0) -> dict:
+    """Synthetic steps of a known engine (``coef_s``) of ``engine_class`` as a POST /v1/steps body (columns), times
+    scaled by ``slowdown``; with ``shared_prefix_fraction`` > 0 they carry the sharing columns (format v2)."""
+    trace = synthetic_trace(n_steps, coef_s=coef_s, seed=seed, run_id=run_id, max_batch_size=16, shared_prefix_fraction=shared_prefix_fraction)
+    columns = trace.to_arrow().to_pydict()
+    names = ["run_id", "step_id", "request_id", "tenant", "num_new_tokens", "num_context_tokens", "phase"]
+    if trace.has_sharing_columns:
+        names += ["num_shared_context_tokens", "effective_context_tokens"]
+    kept = {name: columns[name] for name in names}
+    kept["step_latency_s"] = [float(t) * slowdown for t in trace.step_latency_s]
+    kept["engine_fingerprint"] = [engine_class] * trace.n_slices
+    kept["timestamp_s"] = [first_timestamp_s + 0.05 * int(s) for s in trace.step_id]
+    return {"columns": kept}

@@ -16,10 +16,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from _prometheus import PROMETHEUS_BINARY, PrometheusServer
-from _service_fixtures import T0_S, bearer, make_steps, model_path  # noqa: F401
+from _service_fixtures import T0_S, bearer, class_body, class_model, make_steps, model_path  # noqa: F401
 from llmvisor import shipped
-from llmvisor.core.model import StepLatencyModel
-from llmvisor.core.synthetic import DEFAULT_COEF_S, synthetic_trace
 from llmvisor.ledger import Ledger
 from llmvisor.service.app import create_app
 from llmvisor.service.process import ServerProcess
@@ -62,23 +60,6 @@ def substitute(expr: str, *, tenant: str = ".*", engine_class: str = ".*", rate_
             .replace("$tenant", tenant).replace("$engine_class", engine_class))
     assert "$" not in text, f"unknown variable left in {text!r}"
     return text
-
-
-def class_model(engine_class: str) -> StepLatencyModel:
-    model = StepLatencyModel().fit(synthetic_trace(1500, coef_s=DEFAULT_COEF_S, max_batch_size=16))
-    model.engine_fingerprint_ = {"id": engine_class}
-    return model
-
-
-def class_body(engine_class: str, n_steps: int, *, run_id: str, seed: int, slowdown: float = 1.0) -> dict:
-    """Synthetic steps of an engine class as a POST /v1/steps body (columns), times scaled by ``slowdown``."""
-    trace = synthetic_trace(n_steps, coef_s=DEFAULT_COEF_S, seed=seed, run_id=run_id, max_batch_size=16)
-    columns = trace.to_arrow().to_pydict()
-    kept = {name: columns[name] for name in ("run_id", "step_id", "request_id", "tenant", "num_new_tokens", "num_context_tokens", "phase")}
-    kept["step_latency_s"] = [float(t) * slowdown for t in trace.step_latency_s]
-    kept["engine_fingerprint"] = [engine_class] * trace.n_slices
-    kept["timestamp_s"] = [T0_S + 0.05 * int(s) for s in trace.step_id]
-    return {"columns": kept}
 
 
 def test_the_dashboard_is_a_grafana_dashboard_with_its_variables():

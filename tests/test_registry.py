@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from _service_fixtures import T0_S, bearer, db_url, model_path  # noqa: F401
+from _service_fixtures import T0_S, bearer, class_body, class_model, db_url, model_path  # noqa: F401
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import DEFAULT_COEF_S, synthetic_trace
 from llmvisor.ledger import Ledger
@@ -29,24 +29,6 @@ def admin_and_tenant(db_url):
     keys = ledger.create_key(is_admin=True), ledger.create_key("tenant-0")
     ledger.close()
     return keys
-
-
-def class_model(engine_class: str, *, coef_s: dict | None = None, seed: int = 0) -> StepLatencyModel:
-    model = StepLatencyModel().fit(synthetic_trace(1500, coef_s=coef_s, seed=seed, max_batch_size=16))
-    model.engine_fingerprint_ = {"id": engine_class}
-    return model
-
-
-def columns_body(engine_class: str, n_steps: int, *, run_id: str, seed: int, slowdown: float = 1.0,
-                 first_timestamp_s: float = T0_S, coef_s: dict | None = None) -> dict:
-    """Synthetic steps of a known engine (``coef_s``) as a POST /v1/steps body, times scaled by ``slowdown``."""
-    trace = synthetic_trace(n_steps, coef_s=coef_s, seed=seed, run_id=run_id, max_batch_size=16)
-    columns = trace.to_arrow().to_pydict()
-    kept = {name: columns[name] for name in ("run_id", "step_id", "request_id", "tenant", "num_new_tokens", "num_context_tokens", "phase")}
-    kept["step_latency_s"] = [float(t) * slowdown for t in trace.step_latency_s]
-    kept["engine_fingerprint"] = [engine_class] * trace.n_slices
-    kept["timestamp_s"] = [first_timestamp_s + 0.05 * int(s) for s in trace.step_id]
-    return {"columns": kept}
 
 
 def run_cli(*args):
@@ -104,7 +86,7 @@ def test_models_over_http_need_an_admin_key(model_path, db_url, admin_and_tenant
 def test_registry_empty_means_the_default_model_attributes_every_class(model_path, db_url, admin_and_tenant):  # noqa: F811
     admin = bearer(admin_and_tenant[0])
     with TestClient(create_app(model_path, db_url)) as client:
-        response = client.post("/v1/steps", json=columns_body(CLASS_A, 30, run_id="r", seed=1), headers=admin)
+        response = client.post("/v1/steps", json=class_body(CLASS_A, 30, run_id="r", seed=1), headers=admin)
         assert response.status_code == 200 and response.json()["steps_pending"] == 0
         totals = client.get("/v1/usage/totals", headers=admin).json()
         assert totals["num_steps"] == 30 and totals["attributed_ns"] == totals["measured_ns"] > 0
@@ -117,8 +99,8 @@ def test_unknown_class_is_pending_then_attributed_on_activation_and_totals_recon
     with TestClient(app) as client:
         known = client.post("/v1/models", json={"model": class_model(CLASS_A).to_dict(), "activate": True}, headers=admin)
         assert known.status_code == 201
-        client.post("/v1/steps", json=columns_body(CLASS_A, 40, run_id="ra", seed=2), headers=admin)
-        response = client.post("/v1/steps", json=columns_body(CLASS_B, 25, run_id="rb", seed=3), headers=admin)
+        client.post("/v1/steps", json=class_body(CLASS_A, 40, run_id="ra", seed=2), headers=admin)
+        response = client.post("/v1/steps", json=class_body(CLASS_B, 25, run_id="rb", seed=3), headers=admin)
         assert response.json()["steps_pending"] == 25 and response.json()["attributed_ns"] == 0
         before = client.get("/v1/usage/totals", headers=admin).json()
         billed_a = client.get("/v1/usage/tenants", headers=admin).json()["tenants"]
@@ -144,7 +126,7 @@ def test_unknown_class_is_pending_then_attributed_on_activation_and_totals_recon
         run_a = client.get("/v1/usage/requests?run_id=ra&limit=1000", headers=admin).json()["requests"]
         assert sum(r["attributed_ns"] for r in run_a) == sum(t["attributed_ns"] for t in billed_a)
         # A re-send of a step attributed after being pending is still a duplicate.
-        resent = client.post("/v1/steps", json=columns_body(CLASS_B, 25, run_id="rb", seed=3), headers=admin).json()
+        resent = client.post("/v1/steps", json=class_body(CLASS_B, 25, run_id="rb", seed=3), headers=admin).json()
         assert resent["steps_duplicate"] == 25
 
 
@@ -160,12 +142,12 @@ def test_slowed_class_raises_the_drift_alarm_and_a_refit_activates(model_path, d
             classes = client.get("/v1/models/drift", headers=admin).json()["classes"]
             return next(c for c in classes if c["engine_class"] == CLASS_A)
 
-        client.post("/v1/steps", json=columns_body(CLASS_A, 300, run_id="calm", seed=5), headers=admin)
+        client.post("/v1/steps", json=class_body(CLASS_A, 300, run_id="calm", seed=5), headers=admin)
         calm = state()
         assert calm["window_steps"] == 300 and abs(calm["median_relative_residual"]) < 0.02 and not calm["alarm"]
         t_slow = T0_S + 1000
         for k in range(4):  # 20 % slower: (1.2 - 1) / 1.2 = 0.167 of each measured step
-            body = columns_body(CLASS_A, 150, run_id=f"slow{k}", seed=10 + k, slowdown=1.2, first_timestamp_s=t_slow + 100 * k)
+            body = class_body(CLASS_A, 150, run_id=f"slow{k}", seed=10 + k, slowdown=1.2, first_timestamp_s=t_slow + 100 * k)
             assert client.post("/v1/steps", json=body, headers=admin).status_code == 200
         slowed = state()
         assert slowed["median_relative_residual"] == pytest.approx(0.2 / 1.2, abs=0.02)
@@ -181,7 +163,7 @@ def test_slowed_class_raises_the_drift_alarm_and_a_refit_activates(model_path, d
         assert result.active_error == pytest.approx(0.2 / 1.2, abs=0.02)
         assert result.new_error < 0.02 and result.activated
         # The window restarts with the new version: the next slowed steps sit inside the band.
-        client.post("/v1/steps", json=columns_body(CLASS_A, 200, run_id="after", seed=30, slowdown=1.2,
+        client.post("/v1/steps", json=class_body(CLASS_A, 200, run_id="after", seed=30, slowdown=1.2,
                                                     first_timestamp_s=t_slow + 1000), headers=admin)
         refitted = state()
         assert refitted["active_version"] == 2 and abs(refitted["median_relative_residual"]) < 0.02 and not refitted["alarm"]
@@ -221,22 +203,19 @@ def test_a_refit_from_the_ledger_fits_the_shared_kv_term_of_attributed_steps(mod
     coef_s = dict(DEFAULT_COEF_S, effective_context_tokens=4e-7)
     admin = bearer(admin_and_tenant[0])
     app = create_app(model_path, db_url, registry_refresh_s=0.0)
-    sent = []
+    bodies = [class_body(CLASS_A, 600, run_id=f"shared-{k}", seed=20 + k, coef_s=coef_s, first_timestamp_s=T0_S + 600 * k,
+                         shared_prefix_fraction=0.6) for k in range(3)]
     with TestClient(app) as client:
-        for k in range(3):
-            trace = synthetic_trace(600, coef_s=coef_s, seed=20 + k, run_id=f"shared-{k}", max_batch_size=16, shared_prefix_fraction=0.6)
-            columns = trace.to_arrow().to_pydict()
-            columns["engine_fingerprint"] = [CLASS_A] * trace.n_slices
-            columns["timestamp_s"] = [T0_S + 600 * k + 0.05 * int(s) for s in trace.step_id]
-            response = client.post("/v1/steps", json={"columns": columns}, headers=admin)
+        for body in bodies:
+            response = client.post("/v1/steps", json=body, headers=admin)
             assert response.status_code == 200 and response.json()["steps_pending"] == 0, response.text
-            sent.append(trace)
+    sent = [body["columns"] for body in bodies]
     ledger = Ledger(db_url)
     try:
         stored = trace_from_stored(ledger.stored_steps(CLASS_A), CLASS_A)
-        assert stored.has_sharing_columns and stored.n_steps == sum(t.n_steps for t in sent)
-        assert int(stored.num_shared_context_tokens.sum()) == sum(int(t.num_shared_context_tokens.sum()) for t in sent) > 0
-        np.testing.assert_allclose(stored.effective_context_tokens.sum(), sum(t.effective_context_tokens.sum() for t in sent))
+        assert stored.has_sharing_columns and stored.n_steps == sum(len(set(c["step_id"])) for c in sent)
+        assert int(stored.num_shared_context_tokens.sum()) == sum(sum(c["num_shared_context_tokens"]) for c in sent) > 0
+        np.testing.assert_allclose(stored.effective_context_tokens.sum(), sum(sum(c["effective_context_tokens"]) for c in sent))
         result = refit_class(ledger, CLASS_A, test_fraction=0.25)
         model = StepLatencyModel.from_dict(json.loads(ledger.model_json(CLASS_A, result.version)))
     finally:
