@@ -93,3 +93,14 @@ def test_option_lists_are_parsed_with_clear_errors():
         parse_canary("384")
     with pytest.raises(LlmvisorError, match="--canary: '64x1' is not PROMPTxOUTPUT"):
         parse_canary("64x1")
+
+
+def test_an_unknown_workload_is_refused_before_any_engine_starts(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "llmvisor.cli", "experiment", "calibration", "-o", str(tmp_path / "out"),
+                           "--workload", "no-such-mix", "--workload", "azure-2023-code"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--workload:" in done.stderr and "no-such-mix.csv: no such workload file (shipped: azure-2023-conv" in " ".join(done.stderr.split())
+    assert not (tmp_path / "out").exists()

@@ -252,6 +252,9 @@ def calibration(
     if len(stems) != 2:
         raise LlmvisorError(f"--workload: give two (the calibration session's, then the held-out one's), got {len(stems)}")
     paths = tuple(Path(stem) if Path(stem).suffix == ".csv" else shipped.workloads_dir() / f"{stem}.csv" for stem in stems)
+    for path in paths:
+        if not path.is_file():
+            raise LlmvisorError(f"--workload: {path}: no such workload file (shipped: {', '.join(Path(f).stem for f in shipped.WORKLOAD_FILES)})")
     result = run_calibration_experiment(
         output,
         engine_dir=Path(settings.model),

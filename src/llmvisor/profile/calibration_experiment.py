@@ -140,16 +140,17 @@ def run_calibration_experiment(
         sessions_path.write_text(json.dumps(sessions), encoding="utf-8")
     calibration_trace, held_out_trace = (read_trace(path) for path in traces)
     calibrations = {"live": run_calibrate(["--from-trace", str(traces[0]), "-o", str(out_dir / "live.json")], out_dir / "calibrate-live.log")}
-    profiled = out_dir / "profile.json"
-    if profile and not (analyse_only and profiled.exists()):
-        calibrations["profile"] = run_calibrate(
-            ["--fingerprint", str(traces[0]), "-o", str(profiled), "--points", str(profile_points),
-             "--max-decode-steps", str(profile_max_decode_steps)],
-            out_dir / "calibrate-profile.log",
-        )  # fmt: skip
-        (out_dir / "profile.calibration.json").write_text(json.dumps(calibrations["profile"]), encoding="utf-8")
-    elif profiled.exists() and (out_dir / "profile.calibration.json").exists():
-        calibrations["profile"] = json.loads((out_dir / "profile.calibration.json").read_text(encoding="utf-8"))
+    profiled, saved_profile = out_dir / "profile.json", out_dir / "profile.calibration.json"
+    if profile:
+        if analyse_only and profiled.exists() and saved_profile.exists():
+            calibrations["profile"] = json.loads(saved_profile.read_text(encoding="utf-8"))
+        else:
+            calibrations["profile"] = run_calibrate(
+                ["--fingerprint", str(traces[0]), "-o", str(profiled), "--points", str(profile_points),
+                 "--max-decode-steps", str(profile_max_decode_steps)],
+                out_dir / "calibrate-profile.log",
+            )  # fmt: skip
+            saved_profile.write_text(json.dumps(calibrations["profile"]), encoding="utf-8")
     models = {"shipped": StepLatencyModel.from_json(shipped.latency_model_path()), "live": StepLatencyModel.from_json(out_dir / "live.json")}
     if "profile" in calibrations:
         models["profile"] = StepLatencyModel.from_json(profiled)
