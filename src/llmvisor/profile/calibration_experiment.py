@@ -120,7 +120,8 @@ def run_calibration_experiment(
         sessions = json.loads(sessions_path.read_text(encoding="utf-8"))
     else:
         db_url = f"sqlite:///{out_dir / 'ledger.db'}"
-        (out_dir / "ledger.db").unlink(missing_ok=True)
+        for stale in ("ledger.db", "ledger.db-wal", "ledger.db-shm"):  # an earlier run's ledger, with its write-ahead log
+            (out_dir / stale).unlink(missing_ok=True)
         ledger = Ledger(db_url)
         try:
             key = ledger.create_key(is_admin=True)
