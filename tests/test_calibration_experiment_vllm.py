@@ -1,6 +1,8 @@
 """`llmvisor experiment calibration` for real, briefly: two served sessions of vLLM's OpenAI server (shipped
 engine model, dummy weights, the recorder pushing to an accounting service), a few seconds of traffic each, the
-canary before each phase and after the last, a live calibration scored on the held-out session."""
+canary before each phase and after the last, a live calibration scored on the held-out session. Four phases, up
+to 6 clients, so the calibration session's decode steps span the 4 batch sizes the live coverage rule asks for
+(with up to 4 clients a short run sometimes showed only 3)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.vllm
 def test_two_served_sessions_calibrate_and_score_on_the_held_out_one(tmp_path):
     out = tmp_path / "experiment"
     done = subprocess.run(
-        [sys.executable, "-m", "llmvisor.cli", "experiment", "calibration", "-o", str(out), "--phases", "1,2,4", "--phase-s", "4",
+        [sys.executable, "-m", "llmvisor.cli", "experiment", "calibration", "-o", str(out), "--phases", "1,2,4,6", "--phase-s", "4",
          "--canary", "64x4", "--max-prompt-tokens", "256", "--max-output-tokens", "8", "--no-profile", "--json"],
         capture_output=True, text=True, timeout=900, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
     )  # fmt: skip
@@ -34,14 +36,14 @@ def test_two_served_sessions_calibrate_and_score_on_the_held_out_one(tmp_path):
         summary = result["sessions"][name]
         assert summary["n_failed_requests"] == 0 and summary["n_requests"] > 3
         assert summary["n_steps"] == trace.n_steps
-        assert summary["n_canary_steps"] == int(canary_mask(trace).sum()) == 4 * 4  # before each of 3 phases and after the last: 4 canary runs of a prefill and 3 decodes
+        assert summary["n_canary_steps"] == int(canary_mask(trace).sum()) == 5 * 4  # before each of 4 phases and after the last: 5 canary runs of a prefill and 3 decodes
         assert len(summary["engine_fingerprints"]) == 1
     assert result["sessions"]["calibration"]["run_id"] != result["sessions"]["held-out"]["run_id"]
     assert result["ledger_steps"] == sum(trace.n_steps for trace in traces.values())  # every step of both sessions billed
     assert result["sessions"]["calibration"]["workload"] == "azure-2023-conv.csv"
     assert result["sessions"]["held-out"]["workload"] == "azure-2023-code.csv"
     floor = result["noise_floor"]
-    assert floor["n_groups"] == 4 and floor["n_canary_steps"] == [16, 16] and 0 <= floor["p50"] < 1
+    assert floor["n_groups"] == 4 and floor["n_canary_steps"] == [20, 20] and 0 <= floor["p50"] < 1
     live = StepLatencyModel.from_json(out / "live.json")
     assert live.engine_fingerprint_["id"] == traces["held-out"].engine_fingerprint_ids()[0]  # same settings, one class
     assert set(result["residuals"]) == {"shipped", "live"} and "profile" not in result["calibrations"]
