@@ -21,10 +21,10 @@ import httpx
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
-
 from _tiny_llama import tiny_engine_args, write_tiny_llama
 from llmvisor.core.trace import read_trace
+
+vllm = pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
 
 pytestmark = pytest.mark.vllm
 
