@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything the test suite needs into .venv: llmvisor (editable) with every extra (all: service,
-# postgres, report, eval, vllm) and the test tools (pytest, hypothesis, ruff), minus the optional torch
-# add-ons that break `import vllm` (see docs/recorder.md). Also two server binaries from Debian, each only when
+# postgres, report, eval, vllm) and the test tools (pytest, hypothesis, ruff), minus the torch add-ons that
+# break vLLM's server, exactly as the README's operator install says. Also two server binaries from Debian, each only when
 # it is missing: `prometheus` for the fleet metrics test and `redis-server` for the shared fairness counters
 # tests. The tests start each binary themselves on a free loopback port, so the packages' own services (if the
 # system starts them) play no part.
@@ -9,8 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip
+# The README's operator install, with every extra and the test tools: the same two pip lines
+# (tests/test_install_doc.py keeps them in step).
 .venv/bin/pip install -q -e ".[all,test]"
-.venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/pip uninstall -y torchvision torchaudio torchcodec
 .venv/bin/python -c "import vllm, llmvisor; print('vllm', vllm.__version__, '| llmvisor', llmvisor.__version__)" 2>/dev/null | tail -1
 
 install_binary() {  # BINARY PACKAGE WHAT-SKIPS-WITHOUT-IT

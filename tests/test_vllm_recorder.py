@@ -21,13 +21,10 @@ import httpx
 import numpy as np
 import pytest
 
-try:
-    import vllm  # noqa: F401
-except Exception as error:  # noqa: BLE001 - a broken install (torchvision mismatch) raises more than ImportError
-    pytest.skip(f"vLLM is not importable ({type(error).__name__}: {error})", allow_module_level=True)
-
 from _tiny_llama import tiny_engine_args, write_tiny_llama
 from llmvisor.core.trace import read_trace
+
+vllm = pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
 
 pytestmark = pytest.mark.vllm
 

@@ -78,8 +78,23 @@ def adapter_command(command_line: str, module: str, function: str, needs: tuple[
     if missing:
         return missing_extra_command(extras.hint(command_line, *needs, missing=missing))
     single = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    single.command()(user_errors(getattr(importlib.import_module(module), function)))
+    command = getattr(importlib.import_module(module), function)
+    if "vllm" in needs:
+        command = checking_torch_addons(command_line, command)
+    single.command()(user_errors(command))
     return typer.main.get_command(single)
+
+
+def checking_torch_addons(command_line: str, command):
+    """``command`` preceded by the check that vLLM can start in this install (``extras.check_torch_addons``);
+    run, not at help time, since it imports torch."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        extras.check_torch_addons(command_line)
+        return command(*args, **kwargs)
+
+    return wrapper
 
 
 def missing_extra_command(message: str):
