@@ -215,7 +215,7 @@ def regression_shapley(masks, cost_s, n: int, *, weights=None, control=None, con
         raise ValueError("weights: one positive weight per measurement")
     x = np.column_stack([np.ones(y.size), coalition_indicators(masks, n)])
     p = n + 1
-    if np.linalg.matrix_rank(x) < p:
+    if np.linalg.matrix_rank(x.T @ x) < p:
         raise ValueError(f"the measured coalitions do not tell the {n} players apart (each must be in some and out of others)")
     u = is_full / is_full.sum()
     kkt = np.zeros((p + 1, p + 1))
@@ -228,7 +228,7 @@ def regression_shapley(masks, cost_s, n: int, *, weights=None, control=None, con
     a = to_shapley @ g
     residual = y - x @ beta
     r_matrix = np.eye(y.size) - x @ g
-    dof = float(np.trace((w[:, None] * r_matrix) @ (r_matrix.T / w[None, :])))
+    dof = float(np.sum(w[:, None] * r_matrix**2 / w[None, :]))
     sigma2 = float(residual @ (w * residual)) / dof if dof > 1e-9 else math.inf
     cov = sigma2 * (a / w) @ a.T if math.isfinite(sigma2) else np.full((n, n), math.inf)
     phi = a @ y
