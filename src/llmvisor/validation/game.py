@@ -227,8 +227,8 @@ def regression_shapley(masks, cost_s, n: int, *, weights=None, control=None, con
     to_shapley = np.column_stack([np.full(n, 1.0 / n), np.eye(n)])
     a = to_shapley @ g
     residual = y - x @ beta
-    r_matrix = np.eye(y.size) - x @ g
-    dof = float(np.sum(w[:, None] * r_matrix**2 / w[None, :]))
+    # E[Σ w·r²] = σ²·tr(W·R·W⁻¹·Rᵀ), R = I − X·G: M − 2·tr(G·X) + tr(XᵀWX · G·W⁻¹·Gᵀ), without the M × M matrix
+    dof = float(y.size - 2 * np.trace(g @ x) + np.sum(kkt[:p, :p] * ((g / w) @ g.T)))
     sigma2 = float(residual @ (w * residual)) / dof if dof > 1e-9 else math.inf
     cov = sigma2 * (a / w) @ a.T if math.isfinite(sigma2) else np.full((n, n), math.inf)
     phi = a @ y
