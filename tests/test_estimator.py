@@ -62,6 +62,30 @@ def test_large_batches_and_the_control_variate_keep_the_exact_value():
     assert np.max(np.abs(plain - (f + b / n + control_phi))) > 1e-4
 
 
+def test_round_offsets_are_kept_out_of_the_values():
+    """Orders measured in batch-rounds that drift: each round's steps shifted by its own offset. With the rounds as
+    blocks the values are exact again; without, the offsets leak into them."""
+    from llmvisor.validation.game import prefix_masks, sample_orders
+
+    n = 12
+    rng = np.random.default_rng(11)
+    b, f = additive_game(n, rng)
+    orders = sample_orders(n, 8, rng)
+    first: dict[int, int] = {}
+    for k, row in enumerate(prefix_masks(orders)):
+        for m in row:
+            first.setdefault(int(m), k)
+    masks = sorted(first)
+    offsets = rng.normal(0, 0.003, 8)
+    offsets[first[(1 << n) - 1]] = 0.0  # the full batch's round is the reference
+    y = [value(m, b, f) + offsets[first[m]] for m in masks]
+    rounds = [first[m] for m in masks]
+    blocked = regression_shapley(masks, y, n, blocks=rounds)
+    np.testing.assert_allclose(blocked["shapley_s"], f + b / n, atol=1e-12)
+    assert blocked["block_offsets_s"].size == len(set(rounds)) - 1
+    assert np.max(np.abs(regression_shapley(masks, y, n)["shapley_s"] - (f + b / n))) > 1e-4
+
+
 def test_the_fit_refuses_coalitions_it_cannot_use():
     with pytest.raises(ValueError, match="full batch"):
         regression_shapley([1, 2], [0.1, 0.2], 2)

@@ -177,7 +177,7 @@ def coalition_indicators(masks, n: int) -> np.ndarray:
     return ((masks[:, None] >> np.arange(n, dtype=np.uint64)) & np.uint64(1)).astype(np.float64)
 
 
-def regression_shapley(masks, cost_s, n: int, *, weights=None, control=None, control_shapley=None,
+def regression_shapley(masks, cost_s, n: int, *, weights=None, control=None, control_shapley=None, blocks=None,
                        confidence: float = 0.95) -> dict:
     """Shapley values by least squares over measured coalitions: v(S) = b + Σ_{i∈S} f_i, φ_i = f_i + b/n.
 
@@ -192,6 +192,9 @@ def regression_shapley(masks, cost_s, n: int, *, weights=None, control=None, con
     the step time; None: equal). ``control`` (``control[mask]``: a cost game of the same players, the latency
     model's) with its Shapley values ``control_shapley``: the fit is then of v − control and the control's values
     are added back; it changes the estimate only where the control game is not itself additive.
+    ``blocks`` (one label per measurement, e.g. the batch-round it was measured in): each block other than the full
+    batch's first gets an offset of its own, a nuisance the values exclude, so that a machine drifting between
+    rounds neither biases the values nor hides as independent noise.
 
     Valid where the measured game is additive within noise (`additivity_test`); elsewhere it estimates the Shapley
     values of the additive game closest to the measurements, and its residual variance grows with the misfit.
@@ -214,17 +217,26 @@ def regression_shapley(masks, cost_s, n: int, *, weights=None, control=None, con
     if w.size != y.size or not np.all(w > 0):
         raise ValueError("weights: one positive weight per measurement")
     x = np.column_stack([np.ones(y.size), coalition_indicators(masks, n)])
-    p = n + 1
-    if np.linalg.matrix_rank(x.T @ x) < p:
+    if np.linalg.matrix_rank(x.T @ x) < n + 1:
         raise ValueError(f"the measured coalitions do not tell the {n} players apart (each must be in some and out of others)")
+    if blocks is not None:
+        labels = list(blocks)
+        if len(labels) != y.size:
+            raise ValueError(f"blocks: one label per measurement (got {len(labels)} for {y.size})")
+        reference = labels[int(np.argmax(is_full))]
+        others = [b for b in dict.fromkeys(labels) if b != reference]
+        x = np.column_stack([x] + [np.array([lab == b for lab in labels], dtype=np.float64) for b in others])
+        if np.linalg.matrix_rank(x.T @ x) < x.shape[1]:
+            raise ValueError("blocks: the coalitions within the blocks do not separate the blocks' offsets from the players")
+    p = x.shape[1]
     u = is_full / is_full.sum()
     kkt = np.zeros((p + 1, p + 1))
     kkt[:p, :p] = x.T @ (w[:, None] * x)
-    kkt[:p, p] = kkt[p, :p] = 1.0
+    kkt[:p, p] = kkt[p, :p] = np.r_[np.ones(n + 1), np.zeros(p - n - 1)]
     rhs = np.vstack([x.T * w, u])
     g = np.linalg.solve(kkt, rhs)[:p]
     beta = g @ y
-    to_shapley = np.column_stack([np.full(n, 1.0 / n), np.eye(n)])
+    to_shapley = np.column_stack([np.full(n, 1.0 / n), np.eye(n), np.zeros((n, p - n - 1))])
     a = to_shapley @ g
     residual = y - x @ beta
     # E[Σ w·r²] = σ²·tr(W·R·W⁻¹·Rᵀ), R = I − X·G: M − 2·tr(G·X) + tr(XᵀWX · G·W⁻¹·Gᵀ), without the M × M matrix
@@ -243,7 +255,8 @@ def regression_shapley(masks, cost_s, n: int, *, weights=None, control=None, con
         "ci_high_s": phi + half,
         "cov_s2": cov,
         "intercept_s": float(beta[0]),
-        "own_s": beta[1:],
+        "own_s": beta[1 : n + 1],
+        "block_offsets_s": beta[n + 1 :],
         "sigma2": sigma2,
         "residual_dof": dof,
         "n_measurements": int(y.size),
