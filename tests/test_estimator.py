@@ -151,3 +151,26 @@ def test_figures_from_the_shipped_journal_match_the_committed_json():
     assert set(summary["estimator"]["halfwidth_ratio_vs_permutation"]) == {"16", "32"}
     assert set(summary["sampled"]["halfwidth_over_share_p50"]) == {"sampled_decode", "sampled_prefill", "sampled_mixed", "sampled_shared_prefix_decode"}
     assert 0 < summary["estimator"]["exact_coverage_95"] <= 1
+
+
+def test_kernel_shap_is_unbiased_on_a_non_additive_game_and_its_intervals_cover():
+    from llmvisor.validation.game import kernel_shap, sample_kernel_pairs
+
+    rng = np.random.default_rng(13)
+    n = 6
+    w = rng.uniform(0.5, 2.0, n)
+    cost = np.array([0.0] + [0.01 + 0.002 * sum(w[i] for i in range(n) if m >> i & 1) ** 1.5 for m in range(1, 1 << n)])
+    exact = exact_shapley(cost)
+    estimates, covered = [], []
+    for _ in range(300):
+        masks = sample_kernel_pairs(n, 40, rng)
+        est = kernel_shap(masks, cost[masks], n, full_cost_s=float(cost[-1]))
+        np.testing.assert_allclose(est["shapley_s"].sum(), cost[-1], rtol=1e-12)
+        estimates.append(est["shapley_s"])
+        covered.extend((est["ci_low_s"] <= exact) & (exact <= est["ci_high_s"]))
+    estimates = np.array(estimates)
+    # unbiased: the mean of 300 estimates within 4 standard errors of the exact value, for every player
+    assert np.all(np.abs(estimates.mean(axis=0) - exact) < 4 * estimates.std(axis=0) / math.sqrt(len(estimates)))
+    assert abs(np.mean(covered) - 0.95) < 0.04
+    with pytest.raises(ValueError, match="complement"):
+        kernel_shap([1, 2, 3, 4], [0.1, 0.1, 0.1, 0.1], 3, full_cost_s=0.2)
