@@ -263,6 +263,19 @@ def relative_noise_floor(games: list[dict]) -> dict:
     return out
 
 
+def canary_floor(journal: Journal, tolerance: float = 0.25) -> dict:
+    """The canaries' relative spread around their median, over those the interference guard would pass (a second
+    view of the per-measurement floor: one fixed 128-token prefill step, re-timed through the whole run, so slow
+    drift between batch-rounds is in it too)."""
+    c = np.asarray(journal.canary_s, dtype=np.float64)
+    if c.size == 0:
+        return {"n": 0}
+    r = c / np.median(c) - 1
+    kept = r[r <= tolerance]
+    return {"n": int(c.size), "n_passing": int(kept.size), "relative_sd": float(np.sqrt(np.mean(kept**2))),
+            "relative_sd_mad": float(1.4826 * np.median(np.abs(kept - np.median(kept))))}
+
+
 def relative_weights(masks: list[int], cost_s: np.ndarray, n: int) -> np.ndarray:
     """1 / T̂(S)², T̂ the ordinary additive fit: weights for noise proportional to the step time (feasible WLS)."""
     x = np.column_stack([np.ones(len(masks)), coalition_indicators(masks, n)])
@@ -498,7 +511,7 @@ def estimator_figures(v: Validation | None = None, *, trials: int = 10, seed: in
             "sampled": {"halfwidth_over_share_p50": halfwidths["halfwidth_over_share_p50"], "estimator_variant": variant,
                         "permutation_halfwidth_over_share_p50": halfwidths["permutation_halfwidth_over_share_p50"]},
             "additivity": additivity,
-            "noise_floor": sampled["noise_floor"],
+            "noise_floor": {**sampled["noise_floor"], "canary": canary_floor(v.journal)},
         },
         "sampled_batches": per_batch,
     }
