@@ -167,3 +167,226 @@ def sampled_shapley(orders: np.ndarray, cost, *, antithetic: bool = True, confid
         "n_units": int(n_units),
         "antithetic": antithetic,
     }
+
+
+def coalition_indicators(masks, n: int) -> np.ndarray:
+    """``[k, i]`` = 1.0 when player i is in coalition k (bit masks over n ≤ 64 players, any subsets, repeats allowed)."""
+    if not 1 <= n <= 64:
+        raise ValueError(f"bit masks hold 1 to 64 players (got {n})")
+    masks = np.array([int(m) for m in masks], dtype=np.uint64)
+    return ((masks[:, None] >> np.arange(n, dtype=np.uint64)) & np.uint64(1)).astype(np.float64)
+
+
+def regression_shapley(masks, cost_s, n: int, *, weights=None, control=None, control_shapley=None, blocks=None,
+                       confidence: float = 0.95) -> dict:
+    """Shapley values by least squares over measured coalitions: v(S) = b + Σ_{i∈S} f_i, φ_i = f_i + b/n.
+
+    Every measured step counts (a permutation estimate spends each step on one marginal). ``masks[k]`` is the
+    coalition of measured time ``cost_s[k]``: any non-empty subsets, repeats allowed; the full batch must be among
+    them, since the fit is held to efficiency, Σφ = b + Σf = the mean of the full batch's measurements (constrained
+    least squares, solved through its KKT system). The estimate is linear in the measurements, φ̂ = A·y, so its
+    covariance is σ²·A·W⁻¹·Aᵀ, σ² the residual variance per step (per unit weight), taken with the residual's
+    effective degrees of freedom; intervals are Student-t on those.
+
+    ``weights``: inverse variance of each measurement up to one common factor (e.g. 1/T̂(S)² for noise relative to
+    the step time; None: equal). ``control`` (``control[mask]``: a cost game of the same players, the latency
+    model's) with its Shapley values ``control_shapley``: the fit is then of v − control and the control's values
+    are added back; it changes the estimate only where the control game is not itself additive.
+    ``blocks`` (one label per measurement, e.g. the batch-round it was measured in): each block other than the full
+    batch's first gets an offset of its own, a nuisance the values exclude, so that a machine drifting between
+    rounds neither biases the values nor hides as independent noise.
+
+    Valid where the measured game is additive within noise (`additivity_test`); elsewhere it estimates the Shapley
+    values of the additive game closest to the measurements, and its residual variance grows with the misfit.
+    """
+    from scipy import stats
+
+    masks = [int(m) for m in masks]
+    y = np.asarray(cost_s, dtype=np.float64).ravel()
+    if len(masks) != y.size or y.size == 0:
+        raise ValueError(f"one measured time per coalition (got {len(masks)} coalitions, {y.size} times)")
+    full = (1 << n) - 1
+    if any(m <= 0 or m > full for m in masks):
+        raise ValueError(f"coalitions must be non-empty subsets of {n} players")
+    is_full = np.array([m == full for m in masks])
+    if not is_full.any():
+        raise ValueError("the full batch must be measured: its time is what the values add up to")
+    if control is not None:
+        y = y - np.array([float(control[m]) for m in masks])
+    w = np.ones(y.size) if weights is None else np.asarray(weights, dtype=np.float64).ravel()
+    if w.size != y.size or not np.all(w > 0):
+        raise ValueError("weights: one positive weight per measurement")
+    x = np.column_stack([np.ones(y.size), coalition_indicators(masks, n)])
+    if np.linalg.matrix_rank(x.T @ x) < n + 1:
+        raise ValueError(f"the measured coalitions do not tell the {n} players apart (each must be in some and out of others)")
+    if blocks is not None:
+        labels = list(blocks)
+        if len(labels) != y.size:
+            raise ValueError(f"blocks: one label per measurement (got {len(labels)} for {y.size})")
+        reference = labels[int(np.argmax(is_full))]
+        others = [b for b in dict.fromkeys(labels) if b != reference]
+        x = np.column_stack([x] + [np.array([lab == b for lab in labels], dtype=np.float64) for b in others])
+        if np.linalg.matrix_rank(x.T @ x) < x.shape[1]:
+            raise ValueError("blocks: the coalitions within the blocks do not separate the blocks' offsets from the players")
+    p = x.shape[1]
+    u = is_full / is_full.sum()
+    kkt = np.zeros((p + 1, p + 1))
+    kkt[:p, :p] = x.T @ (w[:, None] * x)
+    kkt[:p, p] = kkt[p, :p] = np.r_[np.ones(n + 1), np.zeros(p - n - 1)]
+    rhs = np.vstack([x.T * w, u])
+    g = np.linalg.solve(kkt, rhs)[:p]
+    beta = g @ y
+    to_shapley = np.column_stack([np.full(n, 1.0 / n), np.eye(n), np.zeros((n, p - n - 1))])
+    a = to_shapley @ g
+    residual = y - x @ beta
+    # E[Σ w·r²] = σ²·tr(W·R·W⁻¹·Rᵀ), R = I − X·G: M − 2·tr(G·X) + tr(XᵀWX · G·W⁻¹·Gᵀ), without the M × M matrix
+    dof = float(y.size - 2 * np.trace(g @ x) + np.sum(kkt[:p, :p] * ((g / w) @ g.T)))
+    sigma2 = float(residual @ (w * residual)) / dof if dof > 1e-9 else math.inf
+    cov = sigma2 * (a / w) @ a.T if math.isfinite(sigma2) else np.full((n, n), math.inf)
+    phi = a @ y
+    if control is not None:
+        phi = phi + np.asarray(control_shapley, dtype=np.float64)
+    std_err = np.sqrt(np.maximum(np.diag(cov), 0.0))
+    half = float(stats.t.ppf(0.5 + confidence / 2, dof)) * std_err if dof > 1e-9 else std_err
+    return {
+        "shapley_s": phi,
+        "std_err_s": std_err,
+        "ci_low_s": phi - half,
+        "ci_high_s": phi + half,
+        "cov_s2": cov,
+        "intercept_s": float(beta[0]),
+        "own_s": beta[1 : n + 1],
+        "block_offsets_s": beta[n + 1 :],
+        "sigma2": sigma2,
+        "residual_dof": dof,
+        "n_measurements": int(y.size),
+        "n_coalitions": len(set(masks)),
+        "confidence": confidence,
+    }
+
+
+def additivity_test(masks, cost_s, n: int, *, weights=None, noise_var=None, noise_dof=None, alpha: float = 0.05) -> dict:
+    """Lack-of-fit F-test of the additive game b + Σ_{i∈S} f_i against the measurement noise.
+
+    The additive game is fitted by (weighted) least squares to every measurement; what it leaves is compared with
+    the noise. The noise is the pure error of repeated measurements of the same coalitions where the measurements
+    have repeats (``noise_source`` "replicates": F = (SS_lack-of-fit / (D − n − 1)) / (SS_pure / (M − D)), D distinct
+    coalitions, M measurements); otherwise the given ``noise_var`` (per unit weight, estimated on ``noise_dof``
+    degrees of freedom, None: known): F = (SS_residual / (M − n − 1)) / noise_var ("external"). Rejected at
+    ``alpha``: the game is not additive within that noise, and a regression's values are of the nearest additive
+    game only. ``interaction_rms`` is the root mean square, per measurement and unit weight, of what the misfit adds
+    beyond the noise: √(max(0, SS_residual − (M − n − 1)·noise) / M) (0 when the misfit is within the noise).
+    """
+    from scipy import stats
+
+    masks = [int(m) for m in masks]
+    y = np.asarray(cost_s, dtype=np.float64).ravel()
+    w = np.ones(y.size) if weights is None else np.asarray(weights, dtype=np.float64).ravel()
+    x = np.column_stack([np.ones(y.size), coalition_indicators(masks, n)])
+    sw = np.sqrt(w)
+    coef, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
+    rank = int(np.linalg.matrix_rank(x))
+    ss_res = float(np.sum(w * (y - x @ coef) ** 2))
+    groups: dict[int, list[int]] = {}
+    for k, m in enumerate(masks):
+        groups.setdefault(m, []).append(k)
+    distinct = len(groups)
+    ss_pure = 0.0
+    for rows in groups.values():
+        rows = np.array(rows)
+        mean = float(np.sum(w[rows] * y[rows]) / np.sum(w[rows]))
+        ss_pure += float(np.sum(w[rows] * (y[rows] - mean) ** 2))
+    dof_pure = y.size - distinct
+    out = {"n_measurements": int(y.size), "n_coalitions": distinct, "n_parameters": rank}
+    if dof_pure > 0 and noise_var is None:
+        dof_lof = distinct - rank
+        source, noise, noise_dof = "replicates", ss_pure / dof_pure, float(dof_pure)
+        num_dof, num = dof_lof, (ss_res - ss_pure) / dof_lof if dof_lof > 0 else math.nan
+    elif noise_var is not None:
+        source, noise = "external", float(noise_var)
+        num_dof = y.size - rank
+        num = ss_res / num_dof if num_dof > 0 else math.nan
+    else:
+        raise ValueError("no repeated coalitions to take the pure error from, and no noise_var given")
+    if num_dof <= 0 or not noise > 0:
+        f_stat = p_value = math.nan
+    else:
+        f_stat = num / noise
+        denominator_dof = math.inf if noise_dof is None else float(noise_dof)
+        p_value = float(stats.chi2.sf(f_stat * num_dof, num_dof) if math.isinf(denominator_dof)
+                        else stats.f.sf(f_stat, num_dof, denominator_dof))
+    return {
+        **out,
+        "noise_source": source,
+        "noise_var": noise,
+        "noise_dof": noise_dof,
+        "misfit_var": num,
+        "misfit_dof": num_dof,
+        "f": f_stat,
+        "p_value": p_value,
+        "rejected": bool(p_value < alpha) if math.isfinite(p_value) else None,
+        "alpha": alpha,
+        "interaction_rms": math.sqrt(max(0.0, ss_res - (y.size - rank) * noise) / y.size),
+        "coef": coef,
+    }
+
+
+def shapley_kernel_size_weights(n: int) -> np.ndarray:
+    """The Shapley kernel's distribution of coalition sizes 1..n − 1: p(s) ∝ (n − 1) / (s·(n − s)) (Lundberg & Lee 2017)."""
+    if n < 2:
+        raise ValueError(f"the Shapley kernel needs at least 2 players (got {n})")
+    s = np.arange(1, n, dtype=np.float64)
+    p = 1.0 / (s * (n - s))
+    return p / p.sum()
+
+
+def sample_kernel_pairs(n: int, n_pairs: int, rng: np.random.Generator) -> list[int]:
+    """``n_pairs`` coalitions drawn from the Shapley kernel (a size by `shapley_kernel_size_weights`, then a subset of
+    that size uniformly), each followed by its complement: ``[S₁, B∖S₁, S₂, B∖S₂, ...]`` (paired sampling)."""
+    full = (1 << n) - 1
+    sizes = rng.choice(np.arange(1, n), size=n_pairs, p=shapley_kernel_size_weights(n))
+    out = []
+    for s in sizes:
+        mask = sum(1 << int(i) for i in rng.choice(n, size=int(s), replace=False))
+        out += [mask, full ^ mask]
+    return out
+
+
+def kernel_shap(masks, cost_s, n: int, *, full_cost_s: float, confidence: float = 0.95) -> dict:
+    """Unbiased KernelSHAP with paired sampling (Covert & Lee, "Improving KernelSHAP", AISTATS 2021), and its variance.
+
+    ``masks`` as `sample_kernel_pairs` draws them (a coalition, then its complement), ``cost_s`` their measured
+    times, ``full_cost_s`` the full batch's. With A = E[z zᵀ] under the kernel (known in closed form) and b̂ the mean
+    over pairs of ½(z·v(z) + (1 − z)·v(1 − z)), φ̂ = A⁻¹(b̂ − 1·(1ᵀA⁻¹b̂ − v(B)) / 1ᵀA⁻¹1): unbiased for the Shapley
+    value of the measured game whatever its form (no additivity assumed), Σφ̂ = v(B), and Cov(φ̂) = C·Cov(b̂)·Cᵀ with
+    C = A⁻¹ − A⁻¹11ᵀA⁻¹ / 1ᵀA⁻¹1 and Cov(b̂) the pairs' sample covariance over their number. The fallback where
+    `additivity_test` rejects the additive game; far wider than `regression_shapley` where that game holds.
+    """
+    from scipy import stats
+
+    y = np.asarray(cost_s, dtype=np.float64).ravel()
+    masks = [int(m) for m in masks]
+    if len(masks) != y.size or y.size < 4 or y.size % 2:
+        raise ValueError(f"paired coalitions: an even number, at least 2 pairs, one time each (got {len(masks)}, {y.size})")
+    full = (1 << n) - 1
+    if any(a ^ b != full for a, b in zip(masks[::2], masks[1::2])):
+        raise ValueError("each coalition must be followed by its complement (paired sampling)")
+    p = shapley_kernel_size_weights(n)
+    s = np.arange(1, n, dtype=np.float64)
+    off = float(np.sum(p * s * (s - 1))) / (n * (n - 1)) if n > 1 else 0.0
+    a = np.full((n, n), off)
+    np.fill_diagonal(a, 0.5)
+    a_inv = np.linalg.inv(a)
+    ones = np.ones(n)
+    z = coalition_indicators(masks, n)
+    units = 0.5 * (z[::2] * y[::2, None] + z[1::2] * y[1::2, None])
+    n_pairs = units.shape[0]
+    b_hat = units.mean(axis=0)
+    denom = float(ones @ a_inv @ ones)
+    phi = a_inv @ (b_hat - ones * (float(ones @ a_inv @ b_hat) - full_cost_s) / denom)
+    c = a_inv - np.outer(a_inv @ ones, ones @ a_inv) / denom
+    cov = c @ (np.cov(units, rowvar=False) / n_pairs) @ c.T
+    std_err = np.sqrt(np.maximum(np.diag(cov), 0.0))
+    half = float(stats.t.ppf(0.5 + confidence / 2, n_pairs - 1)) * std_err
+    return {"shapley_s": phi, "std_err_s": std_err, "ci_low_s": phi - half, "ci_high_s": phi + half, "cov_s2": cov,
+            "n_pairs": n_pairs, "confidence": confidence}
