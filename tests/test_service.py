@@ -262,9 +262,10 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
         ("GET", "/v1/usage/totals"), ("GET", "/v1/whoami"), ("POST", "/v1/keys"), ("GET", "/v1/keys"),
         ("DELETE", "/v1/keys/{key_id}"), ("GET", "/metrics"), ("GET", "/healthz"), ("GET", "/v1/steps/{run_id}/{step_id}"),
         ("GET", "/v1/models"), ("POST", "/v1/models"), ("POST", "/v1/models/{engine_class}/{version}/activate"),
-        ("GET", "/v1/models/drift"),
+        ("GET", "/v1/models/drift"), ("GET", "/v1/adjustments"),
     }
     forbidden = [
+        ("GET", "/v1/adjustments?tenant=tenant-0"),
         ("GET", "/v1/usage/tenants?tenant=tenant-0"),
         ("GET", "/v1/usage/tenants?tenant=tenant-0&bucket=hour"),
         ("GET", "/v1/usage/requests?tenant=tenant-0"),
@@ -304,8 +305,9 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
     assert client.get("/v1/usage/tenants?tenant=tenant-1", headers=other).status_code == 200
     assert client.get("/v1/whoami", headers=other).json()["tenant"] == "tenant-1"
 
+    assert client.get("/v1/adjustments", headers=other).json() == {"adjustments": []}
     for path in ("/v1/usage/tenants", "/v1/usage/requests", "/v1/usage/top", "/v1/usage/totals", "/v1/keys", "/metrics",
-                 "/v1/whoami", "/v1/steps/run-a/0"):
+                 "/v1/whoami", "/v1/steps/run-a/0", "/v1/adjustments"):
         assert client.get(path).status_code == 401
         assert client.get(path, headers=bearer("lvk_x_y")).status_code == 401
 

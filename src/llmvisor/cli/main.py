@@ -29,6 +29,7 @@ ADAPTERS: dict[str, dict[str, tuple[str, str, tuple[str, ...]]]] = {
         "serve": ("llmvisor.cli.serve", "serve", ("service",)),
         "load": ("llmvisor.cli.load", "load", ("service",)),
         "refit": ("llmvisor.cli.models", "refit", ("service",)),
+        "adjust": ("llmvisor.cli.models", "adjust", ("service",)),
     },
     "models": {
         "add": ("llmvisor.cli.models", "models_add", ("service",)),

@@ -116,3 +116,51 @@ def refit(
     if result.active_version is not None:
         typer.echo(f"  active v{result.active_version}: {result.active_error:.4f}")
     typer.echo(f"v{result.version} {'activated' if result.activated else 'stored, not activated (not better)'}")
+
+
+def _whole_second_us(option: str, value: str) -> int:
+    """An ISO 8601 time (naive means UTC) or Unix seconds, as µs; usage is kept per second, so whole seconds."""
+    from llmvisor.errors import LlmvisorError
+
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            moment = datetime.fromisoformat(value.strip())
+        except ValueError:
+            raise LlmvisorError(f"{option}: expected an ISO 8601 time or Unix seconds, got {value!r}") from None
+        seconds = (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+    if not seconds >= 0 or seconds != int(seconds):
+        raise LlmvisorError(f"{option}: {value!r} is not a whole second at or after 1970 (usage is kept per second)")
+    return int(seconds) * 1_000_000
+
+
+def adjust(
+    engine_class: Annotated[str, typer.Option("--class", help="Engine class (fingerprint id) whose bills to correct.")],
+    start: Annotated[str, typer.Option(help="Period start (steps starting at or after it): ISO 8601 or Unix seconds.", metavar="TIME")],
+    end: Annotated[str, typer.Option(help="Period end (steps starting before it): ISO 8601 or Unix seconds.", metavar="TIME")],
+    to_version: Annotated[int | None, typer.Option(help="Model version to re-attribute with (default: the class's active one).", min=1, metavar="N")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the entries without writing them.")] = False,
+    db: DbOption = DEFAULT_DB_URL,
+    json_output: JsonOption = False,
+) -> None:
+    """Correct a period's bills after a refit: re-attribute the class's billed steps with a newer model version
+    and write one adjustment entry per tenant (re-attributed minus billed, summing to 0). Bills are never rewritten."""
+    from llmvisor.service.adjust import adjust_period
+
+    start_us, end_us = _whole_second_us("--start", start), _whole_second_us("--end", end)
+    ledger = Ledger(db)
+    try:
+        result = adjust_period(ledger, engine_class, start_us, end_us, to_version=to_version, dry_run=dry_run)
+    finally:
+        ledger.close()
+    if json_output:
+        echo_json(result.to_dict())
+        return
+    verb = "would write" if dry_run else "wrote"
+    billed_by = ", ".join("the default model" if v == "default" else f"v{v}" for v in result.from_versions.split(","))
+    typer.echo(f"{engine_class}: {result.num_steps} steps ({result.measured_ns / 1e9:.3f} s measured) billed by {billed_by}, "
+               f"re-attributed with v{result.to_version}; {verb} {len(result.entries)} entries")
+    for entry in result.entries:
+        typer.echo(f"  {entry.tenant}\tbilled {entry.billed_ns / 1e9:.6f} s\tnow {entry.reattributed_ns / 1e9:.6f} s\t"
+                   f"{'debit' if entry.delta_ns > 0 else 'credit' if entry.delta_ns < 0 else 'no change'} {abs(entry.delta_ns) / 1e9:.6f} s")

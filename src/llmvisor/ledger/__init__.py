@@ -7,6 +7,7 @@ extras.require("llmvisor.ledger", "service", modules=["sqlalchemy"])
 from llmvisor.ledger.keys import Principal  # noqa: E402
 from llmvisor.ledger.store import (  # noqa: E402
     BUCKET_US,
+    AdjustmentRow,
     IngestOutcome,
     KeyInfo,
     Ledger,
@@ -24,6 +25,7 @@ from llmvisor.ledger.store import (  # noqa: E402
 )
 
 __all__ = [
+    "AdjustmentRow",
     "BUCKET_US",
     "IngestOutcome",
     "KeyInfo",

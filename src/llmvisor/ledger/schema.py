@@ -17,6 +17,11 @@ model) and whether it is still ``pending`` (its class had no active model: its m
 slices are kept in its batch's blob, and it is attributed, once, when a model of its class is activated).
 Fitted models are kept per class and version in ``engine_models``; ``active_models`` names the version
 attributing each class.
+
+``adjustments`` (added to a schema-3 ledger when it is opened: a new table, nothing existing changes) holds
+corrections of past bills: when a later model version of a class prices a period better, ``llmvisor adjust``
+writes one entry per tenant and period, the re-attributed minus the billed time, naming both model versions. A
+bill already written is never rewritten; usage plus its adjustments is what the tenant owes.
 """
 
 from __future__ import annotations
@@ -124,4 +129,21 @@ active_models = Table(
     Column("engine_class", Text, primary_key=True),
     Column("version", Integer, nullable=False),
     Column("activated_at_us", BigInteger, nullable=False),
+)
+
+adjustments = Table(
+    "adjustments",
+    metadata,
+    Column("engine_class", Text, primary_key=True),
+    Column("period_start_us", BigInteger, primary_key=True, autoincrement=False, doc="steps starting at or after this"),
+    Column("period_end_us", BigInteger, primary_key=True, autoincrement=False, doc="steps starting before this"),
+    Column("to_version", Integer, primary_key=True, autoincrement=False, doc="the registry version that re-attributed"),
+    Column("tenant", Text, primary_key=True),
+    Column("from_versions", Text, nullable=False, doc="the versions that billed the steps ('default' for the service's model), comma-separated"),
+    Column("billed_ns", BigInteger, nullable=False, doc="the tenant's time in the period as billed before this entry, earlier adjustments included"),
+    Column("reattributed_ns", BigInteger, nullable=False),
+    Column("delta_ns", BigInteger, nullable=False, doc="reattributed − billed: negative is a credit"),
+    Column("num_steps", BigInteger, nullable=False, doc="steps of the period the tenant ran in"),
+    Column("created_at_us", BigInteger, nullable=False),
+    Index("ix_adjustments_tenant", "tenant"),
 )

@@ -33,6 +33,7 @@ from llmvisor.ledger.schema import (
     SCHEMA_VERSION,
     USAGE_RESOLUTION_US,
     active_models,
+    adjustments,
     api_keys,
     engine_models,
     ledger_info,
@@ -339,6 +340,26 @@ class StoredSteps:
     keys: list[tuple[str, int]]
     timestamp_us: np.ndarray
     slices: pa.Table
+    model_version: np.ndarray | None = None
+    """Per key, the registry version that billed the step (-1: the service's default model); read by
+    ``billed_steps`` only."""
+
+
+@dataclass(frozen=True)
+class AdjustmentRow:
+    """One tenant's correction of one period's bill (``schema.adjustments``)."""
+
+    engine_class: str
+    period_start_us: int
+    period_end_us: int
+    to_version: int
+    tenant: str
+    from_versions: str
+    billed_ns: int
+    reattributed_ns: int
+    delta_ns: int
+    num_steps: int
+    created_at_us: int
 
 
 @dataclass(frozen=True)
@@ -908,28 +929,76 @@ class Ledger:
             query = query.limit(newest)
         with self._read() as conn:
             rows = conn.execute(query).all()
-            by_batch: dict[int, set[str]] = {}
-            for run_id, step_id, _t, batch_id in rows:
-                by_batch.setdefault(int(batch_id), set()).add(f"{run_id}\x1f{step_id}")
-            tables = []
-            for batch_id, wanted in by_batch.items():
-                blob = conn.execute(select(slice_batches.c.slices_parquet).where(slice_batches.c.batch_id == batch_id)).scalar_one()
-                table = pq.read_table(pa.BufferReader(bytes(blob)))
-                table = table.set_column(0, "run_id", pc.cast(table["run_id"], pa.string()))
-                key = pc.binary_join_element_wise(table["run_id"], pc.cast(table["step_id"], pa.string()), "\x1f")
-                tables.append(table.filter(pc.is_in(key, value_set=pa.array(sorted(wanted)))))
-        rows.sort(key=lambda r: (r[0], r[1]))
+            return self._with_slices(conn, rows)
+
+    def billed_steps(self, engine_class: str, start_us: int, end_us: int) -> StoredSteps:
+        """The attributed (not pending) steps of a class starting in [start_us, end_us), with their slices as
+        billed (the blob's ``attributed_ns``) and the model version that billed each."""
+        query = (
+            select(steps.c.run_id, steps.c.step_id, steps.c.timestamp_us, steps.c.slice_batch_id, steps.c.model_version)
+            .where(steps.c.engine_class == engine_class, steps.c.pending.is_(False), *self._range(steps.c.timestamp_us, start_us, end_us))
+        )
+        with self._read() as conn:
+            rows = conn.execute(query).all()
+            return self._with_slices(conn, rows)
+
+    @staticmethod
+    def _with_slices(conn: Connection, rows: list) -> StoredSteps:
+        """``StoredSteps`` of step rows (run_id, step_id, timestamp_us, slice_batch_id[, model_version]), their
+        slices read from the blobs they were stored in."""
+        by_batch: dict[int, set[str]] = {}
+        for row in rows:
+            by_batch.setdefault(int(row[3]), set()).add(f"{row[0]}\x1f{row[1]}")
+        tables = []
+        for batch_id, wanted in by_batch.items():
+            blob = conn.execute(select(slice_batches.c.slices_parquet).where(slice_batches.c.batch_id == batch_id)).scalar_one()
+            table = pq.read_table(pa.BufferReader(bytes(blob)))
+            table = table.set_column(0, "run_id", pc.cast(table["run_id"], pa.string()))
+            key = pc.binary_join_element_wise(table["run_id"], pc.cast(table["step_id"], pa.string()), "\x1f")
+            tables.append(table.filter(pc.is_in(key, value_set=pa.array(sorted(wanted)))))
+        rows = sorted(rows, key=lambda r: (r[0], r[1]))
         if tables:
             slices = pa.concat_tables(tables, promote_options="default").sort_by(
                 [("run_id", "ascending"), ("step_id", "ascending")]
             )
         else:
             slices = pa.table({})
+        with_versions = bool(rows) and len(rows[0]) > 4
         return StoredSteps(
             keys=[(r[0], int(r[1])) for r in rows],
             timestamp_us=np.asarray([r[2] for r in rows], dtype=np.int64),
             slices=slices,
+            model_version=np.asarray([-1 if r[4] is None else int(r[4]) for r in rows], dtype=np.int64) if with_versions else None,
         )
+
+    # -----------------------------------------------------------------------------------------------------
+    # Adjustments: corrections of past bills, one entry per tenant and period, never a rewrite
+
+    def adjustment_rows(self, engine_class: str | None = None, tenant: str | None = None) -> list[AdjustmentRow]:
+        """Stored adjustments (of one class, one tenant, or all), oldest period first."""
+        query = select(*adjustments.columns)
+        if engine_class is not None:
+            query = query.where(adjustments.c.engine_class == engine_class)
+        if tenant is not None:
+            query = query.where(adjustments.c.tenant == tenant)
+        query = query.order_by(adjustments.c.period_start_us, adjustments.c.engine_class, adjustments.c.to_version, adjustments.c.tenant)
+        with self._read() as conn:
+            return [AdjustmentRow(*row) for row in conn.execute(query)]
+
+    def add_adjustments(self, rows: Sequence[AdjustmentRow]) -> None:
+        """Store one adjustment's entries (one per tenant) in one transaction; an adjustment already stored
+        for the same class, period and version is refused whole (``LedgerError``), so a rerun never counts twice."""
+        if not rows:
+            return
+        try:
+            with self.write_transaction() as conn:
+                conn.execute(insert(adjustments), [{f.name: getattr(row, f.name) for f in fields(row)} for row in rows])
+        except IntegrityError:
+            first = rows[0]
+            raise LedgerError(
+                f"engine class {first.engine_class!r}: the period is already adjusted to model version {first.to_version}; "
+                "nothing was written"
+            ) from None
 
     def resolve_pending(self, engine_class: str, version: int | None, records: StepRecords) -> IngestOutcome:
         """Store the attribution of pending steps (``records``: the same steps, attributed), in one

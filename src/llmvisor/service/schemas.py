@@ -95,6 +95,27 @@ class TenantUsage(BaseModel):
     num_slices: int
     num_new_tokens: int
     buckets: list[BucketUsage] | None = None
+    adjustments_ns: int = Field(0, description="Σ delta_ns of the adjustments whose whole period lies in the range (/v1/adjustments)")
+    adjusted_ns: int = Field(0, description="attributed_ns + adjustments_ns: what the tenant owes after corrections")
+
+
+class AdjustmentOut(BaseModel):
+    engine_class: str
+    period_start: datetime
+    period_end: datetime
+    tenant: str
+    from_versions: str = Field(description="the model versions that billed the period ('default': the service's model)")
+    to_version: int = Field(description="the model version that re-attributed it")
+    billed_ns: int = Field(description="the tenant's time in the period as billed before this entry, earlier adjustments included")
+    reattributed_ns: int
+    delta_ns: int = Field(description="reattributed_ns − billed_ns; negative is a credit")
+    delta_s: float
+    num_steps: int
+    created_at: datetime
+
+
+class AdjustmentsResponse(BaseModel):
+    adjustments: list[AdjustmentOut]
 
 
 class TenantUsageResponse(BaseModel):

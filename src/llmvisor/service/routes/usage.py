@@ -32,7 +32,7 @@ router = APIRouter(prefix="/v1/usage", tags=["usage"])
 def tenant_usage(rows) -> list[TenantUsage]:
     return [
         TenantUsage(tenant=r.tenant, attributed_s=r.attributed_ns / 1e9, attributed_ns=r.attributed_ns,
-                    num_slices=r.num_slices, num_new_tokens=r.num_new_tokens)
+                    num_slices=r.num_slices, num_new_tokens=r.num_new_tokens, adjusted_ns=r.attributed_ns)
         for r in rows
     ]
 
@@ -51,6 +51,7 @@ def tenant_buckets(rows) -> list[TenantUsage]:
                 attributed_ns=total_ns,
                 num_slices=sum(r.num_slices for r in tenant_rows),
                 num_new_tokens=sum(r.num_new_tokens for r in tenant_rows),
+                adjusted_ns=total_ns,
                 buckets=[
                     BucketUsage(start=to_datetime(r.bucket_start_us), attributed_s=r.attributed_ns / 1e9,
                                 attributed_ns=r.attributed_ns, num_slices=r.num_slices, num_new_tokens=r.num_new_tokens)
@@ -72,7 +73,22 @@ def usage_tenants(
     scoped = scoped_tenant(principal, check_name("tenant", tenant))
     rows = ledger.tenant_usage(span.start_us, span.end_us, bucket, scoped)
     tenants = tenant_usage(rows) if bucket is None else tenant_buckets(rows)
+    with_adjustments(tenants, ledger.adjustment_rows(tenant=scoped), span.start_us, span.end_us)
     return TenantUsageResponse(start=span.start, end=span.end, bucket=bucket, tenants=tenants)
+
+
+def with_adjustments(tenants: list[TenantUsage], adjustments, start_us: int | None, end_us: int | None) -> None:
+    """Add each tenant's adjustments whose whole period lies in [start_us, end_us) beside its billed usage."""
+    inside = [a for a in adjustments if (start_us is None or a.period_start_us >= start_us) and (end_us is None or a.period_end_us <= end_us)]
+    by_tenant: dict[str, int] = {}
+    for a in inside:
+        by_tenant[a.tenant] = by_tenant.get(a.tenant, 0) + a.delta_ns
+    for usage in tenants:
+        usage.adjustments_ns = by_tenant.pop(usage.tenant, 0)
+        usage.adjusted_ns = usage.attributed_ns + usage.adjustments_ns
+    for name, delta_ns in sorted(by_tenant.items()):  # a tenant credited or debited with no usage left in the range
+        tenants.append(TenantUsage(tenant=name, attributed_s=0.0, attributed_ns=0, num_slices=0, num_new_tokens=0,
+                                   adjustments_ns=delta_ns, adjusted_ns=delta_ns))
 
 
 @router.get(
