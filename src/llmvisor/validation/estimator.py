@@ -557,3 +557,66 @@ def estimator_figures(v: Validation | None = None, *, trials: int = 10, seed: in
             for g, t in exact_tests
         ],
     }
+
+
+KIND_LABELS = {
+    "sampled_decode": "decode",
+    "sampled_shared_prefix_decode": "shared-prefix decode",
+    "sampled_prefill": "prefill",
+    "sampled_mixed": "mixed",
+}
+
+
+def markdown_summary(figures: dict) -> str:
+    """The docs/validation.md tables of the estimator's figures (`docs/results/estimator.json`), so the doc quotes
+    the file and nothing else (tests/test_estimator_doc.py)."""
+    summary = figures["summary"]
+    estimator, sampled = summary["estimator"], summary["sampled"]
+    exact = estimator["exact"]
+    lines = [
+        f"Exact batches ({exact['n_batches']} batches of {'–'.join(str(s) for s in exact['sizes'])} requests, every subset measured): "
+        f"the regression's 95% intervals cover the exact value of the other repeats for {pct(estimator['exact_coverage_95'])} of "
+        "requests (the exact value's own noise included).",
+        "",
+        "| coalitions measured | coverage | interval alone | half-width ÷ step (p50) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, row in exact["by_coalitions"].items():
+        lines.append(f"| {name} | {pct(row['coverage_95'])} | {pct(row['coverage_95_estimator_interval_only'])} | "
+                     f"{pct(row['half_width_fraction_of_step']['p50'])} |")
+    ratios = estimator["halfwidth_ratio_vs_permutation"]
+    lines += [
+        "",
+        "Serving-size batches, from the same measured prefix steps: permutation half-width ÷ regression half-width "
+        "(median per request) " + ", ".join(f"{ratio:.2f}× at {size} requests" for size, ratio in ratios.items())
+        + "; a request's 95% half-width as a fraction of its `shapley` share (median):",
+        "",
+        "| batch kind | regression | permutation | same steps as complementary pairs (projected) |",
+        "| --- | --- | --- | --- |",
+    ]
+    projected = sampled["projected_complementary_design"]["by_size_and_kind"]
+    for kind, label in KIND_LABELS.items():
+        if kind not in sampled["halfwidth_over_share_p50"]:
+            continue
+        guesses = ", ".join(f"{pct(projected[key]['halfwidth_over_share_p50'])} ({key.split('/')[0]})"
+                            for key in sorted(projected, key=lambda k: int(k.split("/")[0])) if key.endswith("/" + kind))
+        lines.append(f"| {label} | {pct(sampled['halfwidth_over_share_p50'][kind])} | "
+                     f"{pct(sampled['permutation_halfwidth_over_share_p50'][kind])} | {guesses} |")
+    simulation = estimator["simulation"]
+    lines += [
+        "",
+        f"Simulated additive game ({pct(simulation['noise_fraction_of_step'])} per-step noise, the steps of "
+        f"{simulation['n_orders']} orders): precision (RMS error) relative to permutation sampling at equal measured steps.",
+        "",
+        "| requests | prefixes of orders | complementary pairs | √(n/2) | pair coverage |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for size, row in simulation["by_size"].items():
+        ratio = row["precision_ratio_vs_permutation"]
+        lines.append(f"| {size} | {ratio['prefix_regression']:.2f}× | {ratio['pair_regression']:.2f}× | "
+                     f"{row['sqrt_n_over_2']:.2f} | {pct(row['coverage_95']['pair_regression'])} |")
+    return "\n".join(lines)
+
+
+def pct(value: float) -> str:
+    return f"{100 * value:.1f}%"
