@@ -26,3 +26,18 @@ def test_the_doc_says_not_settled_only_while_the_figures_miss_the_goals():
     doc = (REPO / "docs" / "validation.md").read_text(encoding="utf-8")
     assert ("Not settled yet." in doc) == missed
     assert summary["estimator"]["exact_coverage_95"] >= 0.90, "the doc reports coverage of at least 90%"
+
+
+def test_validation_doc_states_the_shipped_models_boundary_and_sharing_as_the_result_has_them():
+    """Words tied to facts: the boundary the analysed model has, and which batches share context."""
+    settings = json.loads((REPO / "src" / "llmvisor" / "data" / "validation.json").read_text(encoding="utf-8"))["settings"]
+    doc = (REPO / "docs" / "validation.md").read_text(encoding="utf-8")
+    boundary = settings["model_boundary_new_tokens"]
+    if boundary is None:
+        assert "no segment boundary" in doc
+    else:
+        assert "no segment boundary" not in doc and f"boundary at {boundary:g} new tokens" in doc
+    classes = json.loads((REPO / "src" / "llmvisor" / "data" / "validation.json").read_text(encoding="utf-8"))["summary"]["class_bias"]
+    shared_exact = [name for name in classes if name.split("/")[0] in ("prefill", "decode") and name.endswith("/shared_context")]
+    assert ("every context of the exact\n  batches is unique" in doc) == (not shared_exact)
+    assert "every context in the\n  shipped journal is unique" not in doc
