@@ -30,6 +30,7 @@ import numpy as np
 from llmvisor import shipped
 from llmvisor.core.attribution import attribute
 from llmvisor.core.features import FEATURE_NAMES
+from llmvisor.core.game import VTC_TOKEN_PRICES
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import concat_traces, read_trace
 from llmvisor.engine_process import run_engine_module
@@ -152,7 +153,7 @@ def analyse_run(result: dict, model, *, window_s: float, warmup_s: float) -> dic
     ok = (step_window >= 0) & (step_window < n_windows)
     output_tokens = np.zeros((n_windows, n_tenants))
     np.add.at(output_tokens, step_window[ok], step_tokens[ok])
-    token_service = prompt_tokens + 2.0 * output_tokens
+    token_service = VTC_TOKEN_PRICES.cost(prompt_tokens, output_tokens)
 
     # backlog: a request waits from its submission until the first step that schedules it
     first_scheduled: dict[str, float] = {}

@@ -20,8 +20,8 @@ from enum import StrEnum
 
 import numpy as np
 
-from llmvisor.core.attribution import RULES, attribute_arrays, subset_costs_s
-from llmvisor.core.features import Coef, own_terms_s
+from llmvisor.core.attribution import RULES, attribute_arrays
+from llmvisor.core.game import VTC_TOKEN_PRICES, SubsetGame, shared_prefix_effective_context, subset_costs_s
 from llmvisor.validation.game import (
     additive_design,
     additive_fit,
@@ -64,8 +64,6 @@ LEGACY_NAMES = {"token_proportional": Method.TOKEN_COUNT.value}
 RELATIVE_ERROR_FLOOR = 0.02
 """Per-request relative errors are taken over requests whose measured Shapley value is at least this fraction of
 the step: below it the denominator is within the noise floor of re-measuring (p90 ~2–3% of the step)."""
-TOKEN_COUNT_PRICES = {"prompt": 1.0, "output": 2.0}
-"""VTC's token prices (Sheng et al., "Fairness in Serving Large Language Models", 2024): prompt ×1, output ×2."""
 
 
 def _weighted_quantiles(values: np.ndarray, counts: np.ndarray, qs: np.ndarray) -> np.ndarray:
@@ -114,19 +112,14 @@ def model_shares(model, new: np.ndarray, context: np.ndarray, is_prefill: np.nda
 
 
 def token_count_split(new: np.ndarray, is_prefill: np.ndarray) -> np.ndarray:
-    """Fractions of a step by VTC's token prices: prefill tokens as prompt (×1), a decode's token as output (×2).
-
-    Within a pure decode step every request runs one token, so this is an equal split; within a pure prefill
-    step it is a split by new tokens. It differs from both only in a mixed step.
-    """
-    new = np.asarray(new, dtype=np.float64)
-    weights = np.where(is_prefill, TOKEN_COUNT_PRICES["prompt"], TOKEN_COUNT_PRICES["output"]) * new
-    return weights / weights.sum() if weights.sum() > 0 else np.full(new.size, 1.0 / new.size)
+    """Fractions of a step by VTC's token prices (`llmvisor.core.game.TokenPrices.step_fractions`): prefill tokens
+    as prompt (×1), a decode's token as output (×2)."""
+    return VTC_TOKEN_PRICES.step_fractions(new, is_prefill)
 
 
 def model_subset_costs(model, new: np.ndarray, context: np.ndarray, is_prefill: np.ndarray) -> np.ndarray:
     """The model's predicted time of every subset of a batch (index = bit mask; 0 for the empty set): the
-    cost game whose Shapley value the attribution rule is (``llmvisor.core.attribution.subset_costs_s``)."""
+    cost game whose Shapley value the attribution rule is (``llmvisor.core.game.subset_costs_s``)."""
     return subset_costs_s(model, new, context, is_prefill)
 
 
@@ -624,40 +617,14 @@ def build_result(batches: list[BatchSpec], journal: Journal, model, *, repeat: i
     }
 
 
-class ModelGame:
-    """The latency model's cost game of one batch, read by bit mask (a subset priced alone, in its own segment):
-    the control variate of a sampled batch, whose exact Shapley value is the ``shapley`` rule's predicted share.
-
-    ``shared_context`` (tokens of each request's context in the blocks of one prefix that every request with a
-    nonzero entry holds): a subset with k of those readers reads the prefix once, each reader's effective context
-    being c − s + s/k (``llmvisor.core.attribution``: the game on the block structure)."""
-
-    def __init__(self, model, new: np.ndarray, context: np.ndarray, is_prefill: np.ndarray, shared_context: np.ndarray | None = None):
-        self.model, self.new = model, np.asarray(new, dtype=np.float64)
-        self.own = np.stack([own_terms_s(row, self.new, context, is_prefill) for row in model.coef_])
-        self.shared = np.zeros(self.new.size) if shared_context is None else np.asarray(shared_context, dtype=np.float64)
-
-    def __getitem__(self, mask: int) -> float:
-        chosen = np.array(members(int(mask), self.new.size), dtype=np.int64)
-        if chosen.size == 0:
-            return 0.0
-        segment = int(self.model.segment_of_steps(np.array([self.new[chosen].sum()]))[0])
-        cost = float(self.model.coef_[segment, Coef.B] + self.own[segment, chosen].sum())
-        shared = self.shared[chosen]
-        readers = int((shared > 0).sum())
-        if readers > 1:
-            cost += float(self.model.coef_[segment, Coef.E] * (shared / readers - shared).sum())
-        return cost
-
-
 def model_step_s(model):
     """``step_s(batch, subset)`` for `llmvisor.validation.plans.sampled_run_budget_s`: the model's predicted time of
     a sampled batch's subset run alone (its nominal contexts, the shared prefix read once)."""
-    games: dict[str, ModelGame] = {}
+    games: dict[str, SubsetGame] = {}
 
     def step_s(batch: SampledBatchSpec, subset: int) -> float:
         if batch.key not in games:
-            games[batch.key] = ModelGame(model, np.array(batch.num_new_tokens), np.array(batch.num_context_tokens, dtype=np.float64),
+            games[batch.key] = SubsetGame(model, np.array(batch.num_new_tokens), np.array(batch.num_context_tokens, dtype=np.float64),
                                          np.array(batch.is_prefill, dtype=bool), np.array(batch.shared_prefix_tokens, dtype=np.float64))
         return games[batch.key][subset]
 
@@ -681,17 +648,9 @@ def sampled_preparation_s(batches: list[SampledBatchSpec], model) -> float:
             continue
         prefix = max(batch.shared_prefix_tokens)
         lengths = [contexts[0]] + [c - prefix for c in contexts[1:]]
-        game = ModelGame(model, np.array(lengths, dtype=np.float64), np.zeros(len(lengths)), np.ones(len(lengths), dtype=bool))
+        game = SubsetGame(model, np.array(lengths, dtype=np.float64), np.zeros(len(lengths)), np.ones(len(lengths), dtype=bool))
         total += batch.rounds * sum(game[1 << i] for i in range(len(lengths)))
     return total
-
-
-def effective_context_tokens(context: np.ndarray, shared_context: np.ndarray) -> np.ndarray:
-    """Each request's effective context in a step of the whole batch: its shared prefix tokens divided among the
-    batch's readers of them (every request with a nonzero ``shared_context``), the rest its own."""
-    shared = np.asarray(shared_context, dtype=np.float64)
-    readers = int((shared > 0).sum())
-    return np.asarray(context, dtype=np.float64) - (shared - shared / readers if readers > 1 else 0.0)
 
 
 SAMPLED_KIND_PHASE = {"decode": Phase.DECODE.value, "prefill": Phase.PREFILL.value, "shared_prefix_decode": Phase.DECODE.value, "mixed": "mixed"}
@@ -705,7 +664,8 @@ def analyse_sampled_batch(batch: SampledBatchSpec, journal: Journal, model, repe
 
     Shared KV (a shared-prefix decode batch): each request's shared context is what the engine recorded in the
     full batch's step (the prefix's whole KV blocks), and the model prices the batch and its subsets with the
-    prefix read once (``effective_context_tokens``, `ModelGame`)."""
+    prefix read once (`llmvisor.core.game.shared_prefix_effective_context`, `llmvisor.core.game.SubsetGame`: the
+    model's game of a batch, whose exact Shapley value is the ``shapley`` rule's predicted share, is the control variate)."""
     n = batch.size
     full = (1 << n) - 1
     cost: dict[int, float] = {}
@@ -727,9 +687,9 @@ def analyse_sampled_batch(batch: SampledBatchSpec, journal: Journal, model, repe
     new = np.array(batch.num_new_tokens, dtype=np.float64)
     is_prefill = np.array(batch.is_prefill, dtype=bool)
     context = np.rint(np.array([np.mean(c) if c else nominal for c, nominal in zip(contexts, batch.num_context_tokens)]))
-    effective = effective_context_tokens(context, shared)
+    effective = shared_prefix_effective_context(context, shared)
     shares = model_shares(model, new, context, is_prefill, measured_s, effective if shared.any() else None)
-    control = ModelGame(model, new, context, is_prefill, shared)
+    control = SubsetGame(model, new, context, is_prefill, shared)
     estimate = sampled_shapley(np.array(batch.orders, dtype=np.int64), cost, antithetic=batch.antithetic,
                                control=control, control_shapley=shares[Method.SHAPLEY_PREDICTED])
     shares[Method.TOKEN_COUNT] = measured_s * token_count_split(new, is_prefill)
