@@ -32,6 +32,7 @@ from llmvisor.core.attribution import attribute
 from llmvisor.core.features import FEATURE_NAMES
 from llmvisor.core.game import VTC_TOKEN_PRICES
 from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.stats import quantile_summary
 from llmvisor.core.trace import concat_traces, read_trace
 from llmvisor.engine_process import run_engine_module
 from llmvisor.errors import LlmvisorError
@@ -44,10 +45,7 @@ GOAL_THROUGHPUT_LOSS = 0.05
 
 
 def _percentiles(values: list[float]) -> dict:
-    if not values:
-        return {"n": 0, "p50": None, "p99": None}
-    array = np.asarray(values, dtype=np.float64)
-    return {"n": int(array.size), "p50": float(np.percentile(array, 50)), "p99": float(np.percentile(array, 99))}
+    return quantile_summary(values, (50, 99))
 
 
 def _fairness(values: list[float]) -> tuple[float | None, float | None]:

@@ -22,6 +22,7 @@ import numpy as np
 
 from llmvisor.core.attribution import RULES, attribute_arrays
 from llmvisor.core.game import VTC_TOKEN_PRICES, SubsetGame, shared_prefix_effective_context, subset_costs_s
+from llmvisor.core.stats import bootstrap_interval, bootstrap_quantile_ci, quantile_summary
 from llmvisor.validation.game import (
     additive_design,
     additive_fit,
@@ -66,14 +67,11 @@ RELATIVE_ERROR_FLOOR = 0.02
 the step: below it the denominator is within the noise floor of re-measuring (p90 ~2–3% of the step)."""
 
 
-def _weighted_quantiles(values: np.ndarray, counts: np.ndarray, qs: np.ndarray) -> np.ndarray:
-    return np.percentile(np.repeat(values, counts), qs)
-
-
 def quantiles_with_ci(
     errors: np.ndarray, groups: np.ndarray, *, qs=(50, 90, 99), n_bootstrap: int = 1000, seed: int = 0
 ) -> dict:
-    """Quantiles of ``errors`` and their bootstrap 95% intervals, resampling whole groups (batches)."""
+    """Quantiles of ``errors`` and their bootstrap 95% intervals, resampling whole groups (batches):
+    `llmvisor.core.stats.bootstrap_quantile_ci` with ``resample="groups"``. No resamples: the point as interval."""
     errors = np.asarray(errors, dtype=np.float64)
     out: dict = {"n": int(errors.size)}
     if errors.size == 0:
@@ -81,19 +79,11 @@ def quantiles_with_ci(
             out[f"p{q}"] = None
             out[f"p{q}_ci95"] = None
         return out
-    qs_arr = np.asarray(qs, dtype=np.float64)
-    point = np.percentile(errors, qs_arr)
-    _, group_index = np.unique(np.asarray(groups), return_inverse=True)
-    n_groups = int(group_index.max()) + 1
-    rng = np.random.default_rng(seed)
-    boot = np.empty((n_bootstrap, qs_arr.size))
-    for b in range(n_bootstrap):
-        draws = np.bincount(rng.integers(0, n_groups, n_groups), minlength=n_groups)
-        boot[b] = _weighted_quantiles(errors, draws[group_index], qs_arr)
-    low, high = np.percentile(boot, [2.5, 97.5], axis=0) if n_bootstrap else (point, point)
-    for k, q in enumerate(qs):
-        out[f"p{q}"] = float(point[k])
-        out[f"p{q}_ci95"] = [float(low[k]), float(high[k])]
+    point = quantile_summary(errors, qs)
+    ci = bootstrap_quantile_ci(errors, tuple(qs), groups=groups, resample="groups", n_resamples=n_bootstrap, seed=seed)["ci"]
+    for q in qs:
+        out[f"p{q}"] = point[f"p{q}"]
+        out[f"p{q}_ci95"] = ci.get(q, [point[f"p{q}"], point[f"p{q}"]])
     out["mean"] = float(errors.mean())
     return out
 
@@ -278,12 +268,8 @@ def _error_table(records: list[dict], target: str, methods: list[str], n_bootstr
 
 
 def plain_quantiles(values: Iterable[float], qs=(10, 50, 90, 99)) -> dict:
-    values = np.asarray(list(values), dtype=np.float64)
-    if values.size == 0:
-        return {"n": 0}
-    out = {"n": int(values.size), "mean": float(values.mean())}
-    out.update({f"p{q}": float(np.percentile(values, q)) for q in qs})
-    return out
+    """n, mean and quantiles (`llmvisor.core.stats.quantile_summary`); only n when there are no values."""
+    return quantile_summary(values, qs, mean=True, empty="omit")
 
 
 def summarize(records: list[dict], *, n_bootstrap: int = 1000, seed: int = 0, agreement_orders: int = 8) -> dict:
@@ -454,8 +440,7 @@ def class_bias(records: list[dict], methods: list[str], *, n_bootstrap: int = 10
     present = {name for m in masks for name, mask in m.items() if mask.any()}
     order = ["", *(f"/length_q{q}" for q in range(1, 5)), "/small_in_batch", "/large_in_batch", "/unique_context", "/shared_context"]
     names = [f"{group}{suffix}" for group in record_groups(records) for suffix in order if f"{group}{suffix}" in present]
-    rng = np.random.default_rng(seed)
-    draws = rng.multinomial(len(records), np.full(len(records), 1 / len(records)), size=n_bootstrap) if records and n_bootstrap else None
+    resampled = bool(records) and n_bootstrap > 0
     out: dict = {}
     for name in names:
         out[name] = {}
@@ -464,19 +449,23 @@ def class_bias(records: list[dict], methods: list[str], *, n_bootstrap: int = 10
         for k, mask in members_of:
             truth[k] = np.asarray(records[k]["shapley_s"])[mask].sum()
         n = int(sum(mask.sum() for _, mask in members_of))
-        for method in methods:
-            if not all(method in records[k]["shares_s"] for k, _ in members_of):
-                continue
-            billed = np.zeros(len(records))
+        chosen = [m for m in methods if all(m in records[k]["shares_s"] for k, _ in members_of)]
+        billed = np.zeros((len(chosen), len(records)))
+        for row, method in enumerate(chosen):
             for k, mask in members_of:
-                billed[k] = np.asarray(records[k]["shares_s"][method])[mask].sum()
-            bias = float(billed.sum() / truth.sum() - 1)
-            entry = {"bias": bias, "ci95": None, "n": n, "n_batches": len(members_of)}
-            if draws is not None:
-                boot = (draws @ billed) / np.maximum(draws @ truth, 1e-300) - 1
-                valid = boot[(draws @ truth) > 0]
-                # None when no resample holds a positive total (a class in one batch whose estimated values sum below 0)
-                entry["ci95"] = np.percentile(valid, [2.5, 97.5]).tolist() if valid.size else None
+                billed[row, k] = np.asarray(records[k]["shares_s"][method])[mask].sum()
+        if resampled and chosen:  # batches resampled (their requests share measurements); a resample without a positive total defines no bias
+            def ratio(counts, billed=billed, truth=truth):
+                total = counts @ truth
+                biases = np.stack([(counts @ row) / np.maximum(total, 1e-300) - 1 for row in billed], axis=1)
+                return np.where(total[:, None] > 0, biases, np.nan)
+
+            low, high = bootstrap_interval(ratio, len(records), n_resamples=n_bootstrap, seed=seed, draw="counts")
+        for row, method in enumerate(chosen):
+            entry = {"bias": float(billed[row].sum() / truth.sum() - 1), "ci95": None, "n": n, "n_batches": len(members_of)}
+            # None when no resample holds a positive total (a class in one batch whose estimated values sum below 0)
+            if resampled and chosen and not math.isnan(low[row]):
+                entry["ci95"] = [float(low[row]), float(high[row])]
             out[name][method] = entry
     return out, definitions
 
