@@ -68,7 +68,7 @@ from typing import NamedTuple
 import numpy as np
 from scipy.special import gammaln
 
-from llmvisor.core.features import Coef, own_terms_s
+from llmvisor.core.features import Coef, own_terms_s, prefill_own_s
 from llmvisor.errors import LlmvisorError
 
 __all__ = [
@@ -84,8 +84,8 @@ __all__ = [
     "segment_of",
     "segments_of",
     "shapley_s",
+    "prefill_chunk_price_s",
     "shared_prefix_effective_context",
-    "slice_price_s",
     "step_price_s",
     "step_prices",
     "step_shapley_s",
@@ -159,11 +159,10 @@ def step_price_s(coef: np.ndarray, boundary: float | None, num_new_tokens, num_c
     return float(row[Coef.B] + own_terms_s(row, p, num_context_tokens, is_prefill, effective_context_tokens).sum())
 
 
-def slice_price_s(coef: np.ndarray, boundary: float | None, step_load: float, num_new_tokens, num_context_tokens, is_prefill,
-                  effective_context_tokens=None):
-    """Own terms of slices running in a step of load ``step_load`` (its segment's coefficients): the time
-    they add to that step (admission's prefill chunks)."""
-    return own_terms_s(coef[segment_of(boundary, step_load)], num_new_tokens, num_context_tokens, is_prefill, effective_context_tokens)
+def prefill_chunk_price_s(coef, boundary: float | None, step_load: float, num_new_tokens: float, num_context_tokens: float) -> float:
+    """Own term of a prefill chunk of p tokens over c cached ones in a step of load ``step_load`` (its
+    segment's coefficients; ``coef`` rows may be tuples of floats): the time it adds to that step (admission)."""
+    return prefill_own_s(coef[segment_of(boundary, step_load)], num_new_tokens, num_context_tokens)
 
 
 class DecodePrices(NamedTuple):

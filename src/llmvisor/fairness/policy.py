@@ -55,7 +55,14 @@ import numpy as np
 
 from llmvisor import shipped
 from llmvisor.core.attribution import RULES, StepAttributor
-from llmvisor.core.game import VTC_TOKEN_PRICES, TokenPrices, decode_prices, decode_step_price_s, segment_of, slice_price_s
+from llmvisor.core.game import (
+    VTC_TOKEN_PRICES,
+    TokenPrices,
+    decode_prices,
+    decode_step_price_s,
+    prefill_chunk_price_s,
+    segment_of,
+)
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.errors import LlmvisorError, plain
 from llmvisor.fairness.shared_counters import SharedCounters, SharedCountersConfig
@@ -451,7 +458,7 @@ class AdmissionController:
         self.prediction_factor, self.prediction_factor_source = self._resolve_factor(model, prediction_factor)
         self.max_chunk_tokens = max(1, int(max_chunk_tokens))
         self.boundary = model.boundary_
-        self._coef = np.array(model.coef_, dtype=np.float64)
+        self._coef = [tuple(float(v) for v in row) for row in model.coef_]
         self._decode = [decode_prices(row) for row in self._coef]
 
     @staticmethod
@@ -480,7 +487,7 @@ class AdmissionController:
         remaining = int(num_prompt_tokens) - context
         while remaining > 0:
             p = min(remaining, self.max_chunk_tokens)
-            total += float(slice_price_s(self._coef, self.boundary, p + num_decodes, p, context, True))
+            total += prefill_chunk_price_s(self._coef, self.boundary, p + num_decodes, p, context)
             context += p
             remaining -= p
         return total
