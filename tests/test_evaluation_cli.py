@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from llmvisor.cli.main import expand_multi_file_flags
+from llmvisor.core.stats import bootstrap_quantile_ci
 from llmvisor.core.synthetic import synthetic_trace
 from llmvisor.core.trace import write_trace
 from llmvisor.errors import LlmvisorError
@@ -23,7 +24,6 @@ from llmvisor.evaluation.baselines import (
 )
 from llmvisor.evaluation.heldout import (
     MODEL_FACTORIES,
-    block_bootstrap_quantile_ci,
     error_summary,
     evaluate,
 )
@@ -162,7 +162,7 @@ def ar1(n: int, phi: float, seed: int) -> np.ndarray:
 
 def test_block_bootstrap_with_single_step_blocks_matches_resampling_steps():
     values = np.random.default_rng(0).lognormal(size=2000)
-    ours = block_bootstrap_quantile_ci(values, (50, 90, 99), n_resamples=2000, block_steps=1)["ci"]
+    ours = bootstrap_quantile_ci(values, (50, 90, 99), n_resamples=2000, block_steps=1)["ci"]
     rng = np.random.default_rng(1)
     resampled = np.percentile(values[rng.integers(0, values.size, size=(2000, values.size))], [50, 90, 99], axis=1)
     exact = np.percentile(resampled, [2.5, 97.5], axis=1).T
@@ -172,8 +172,8 @@ def test_block_bootstrap_with_single_step_blocks_matches_resampling_steps():
 
 def test_block_bootstrap_widens_intervals_where_neighbouring_steps_are_alike():
     values = np.abs(ar1(20_000, 0.95, seed=0))
-    blocks = block_bootstrap_quantile_ci(values, (50, 90), n_resamples=400)
-    steps = block_bootstrap_quantile_ci(values, (50, 90), n_resamples=400, block_steps=1)
+    blocks = bootstrap_quantile_ci(values, (50, 90), n_resamples=400)
+    steps = bootstrap_quantile_ci(values, (50, 90), n_resamples=400, block_steps=1)
     assert blocks["block_steps"] > 1
     for q in (50, 90):
         assert np.diff(blocks["ci"][q])[0] > 2 * np.diff(steps["ci"][q])[0]
@@ -183,9 +183,9 @@ def test_block_bootstrap_widens_intervals_where_neighbouring_steps_are_alike():
 def test_block_bootstrap_is_deterministic_under_a_seed_and_keeps_blocks_within_runs():
     values = np.random.default_rng(3).random(30)
     runs = np.array(["a"] * 10 + ["b"] * 7 + ["c"] * 13)
-    first = block_bootstrap_quantile_ci(values, (50, 90), n_resamples=300, seed=5, groups=runs, block_steps=4)
-    again = block_bootstrap_quantile_ci(values, (50, 90), n_resamples=300, seed=5, groups=runs, block_steps=4)
-    other = block_bootstrap_quantile_ci(values, (50, 90), n_resamples=300, seed=6, groups=runs, block_steps=4)
+    first = bootstrap_quantile_ci(values, (50, 90), n_resamples=300, seed=5, groups=runs, block_steps=4)
+    again = bootstrap_quantile_ci(values, (50, 90), n_resamples=300, seed=5, groups=runs, block_steps=4)
+    other = bootstrap_quantile_ci(values, (50, 90), n_resamples=300, seed=6, groups=runs, block_steps=4)
     assert first == again and first["ci"] != other["ci"]
     assert first["n_blocks"] == 3 + 2 + 4  # ceil(10/4) + ceil(7/4) + ceil(13/4): no block spans two runs
 
@@ -196,7 +196,7 @@ def test_block_bootstrap_memory_does_not_grow_with_the_number_of_steps():
         values = np.abs(np.random.default_rng(n).standard_normal(n))
         runs = np.repeat(np.arange(4), n // 4)
         tracemalloc.start()
-        block_bootstrap_quantile_ci(values, (50, 90, 99), n_resamples=200, groups=runs)
+        bootstrap_quantile_ci(values, (50, 90, 99), n_resamples=200, groups=runs)
         peaks_mib[n] = tracemalloc.get_traced_memory()[1] / 2**20
         tracemalloc.stop()
     assert peaks_mib[2_000_000] < 100  # resampling steps would hold 2e6 · 200 · 8 B = 3 GB

@@ -1,4 +1,4 @@
-"""The engine-free core: step traces, their features, the step-latency model and the attribution rules.
+"""The engine-free core: step traces, their features, the step-latency model, its cost game and the attribution rules.
 
 Nothing here imports an engine, a web framework or a plotting library; everything else in llmvisor builds on it.
 """

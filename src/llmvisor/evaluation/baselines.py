@@ -13,6 +13,7 @@ from sklearn.ensemble import RandomForestRegressor
 from sklearn.linear_model import LinearRegression
 
 from llmvisor.core.features import summary_step_features
+from llmvisor.core.game import VTC_TOKEN_PRICES
 from llmvisor.core.trace import StepTrace
 from llmvisor.errors import NotFittedError
 
@@ -75,13 +76,12 @@ class _PerPhase:
 class TokenCountBaseline(_PerPhase):
     """VTC's cost (prompt tokens ×1, output tokens ×2, counted per step), mapped to seconds by a line per phase.
 
-    A prefill slice's tokens are prompt tokens; a decode slice produces one output token.
+    A prefill slice's tokens are prompt tokens; a decode slice's token is an output token
+    (`llmvisor.core.game.TokenPrices.step_costs`).
     """
 
     def _design(self, trace: StepTrace) -> np.ndarray:
-        weight = np.where(trace.is_prefill, trace.num_new_tokens, 2).astype(np.float64)
-        cost = np.add.reduceat(weight, trace.step_starts) if trace.n_steps else np.zeros(0)
-        return cost[:, None]
+        return VTC_TOKEN_PRICES.step_costs(trace.num_new_tokens, trace.is_prefill, trace.step_starts)[:, None]
 
 
 class PaperOLSBaseline(_PerPhase):

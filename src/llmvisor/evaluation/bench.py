@@ -12,9 +12,10 @@ import scipy.signal
 from llmvisor.core.attribution import StepAttributor, attribute
 from llmvisor.core.features import summary_step_features
 from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.stats import bootstrap_quantile_ci
 from llmvisor.core.synthetic import synthetic_trace
 from llmvisor.evaluation.baselines import RandomForestBaseline
-from llmvisor.evaluation.heldout import QUANTILES, block_bootstrap_quantile_ci
+from llmvisor.evaluation.heldout import QUANTILES
 
 BATCH_SIZES = (1, 8, 64, 256)
 
@@ -116,7 +117,7 @@ def run_bootstrap_benchmark(*, n_steps: int = 10_000_000, n_resamples: int = 100
     tracemalloc.start()
     tracemalloc.reset_peak()
     start = time.perf_counter()
-    result = block_bootstrap_quantile_ci(errors, QUANTILES, n_resamples=n_resamples, seed=seed, groups=runs)
+    result = bootstrap_quantile_ci(errors, QUANTILES, n_resamples=n_resamples, seed=seed, groups=runs)
     seconds = time.perf_counter() - start
     _, peak_bytes = tracemalloc.get_traced_memory()
     tracemalloc.stop()

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np
 from sklearn.metrics import r2_score
 
 from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.stats import bootstrap_quantile_ci
 from llmvisor.core.trace import StepTrace
 from llmvisor.errors import LlmvisorError
 from llmvisor.evaluation.baselines import (
@@ -28,11 +28,6 @@ MODEL_FACTORIES: dict[str, Callable[..., StepLatencyPredictor]] = {
 PHASES = ("prefill", "decode", "all")
 QUANTILES = (50, 90, 99)
 SIGNED_QUANTILES = (10, 50, 90)
-MAX_BOOTSTRAP_BLOCKS = 2048
-BOOTSTRAP_BINS = 2048
-RESAMPLE_CHUNK = 100
-STEP_CHUNK = 1 << 18
-EDGE_SAMPLE = 1 << 20
 
 
 def check_held_out(train: StepTrace, test: StepTrace) -> None:
@@ -59,110 +54,6 @@ def signed_errors(predicted_s: np.ndarray, measured_s: np.ndarray) -> np.ndarray
     return (predicted_s - measured_s) / measured_s
 
 
-def _block_ids(start: int, stop: int, block_steps: int, segment_starts: np.ndarray, segment_first_block: np.ndarray) -> np.ndarray:
-    index = np.arange(start, stop)
-    segment = np.searchsorted(segment_starts, index, side="right") - 1
-    return segment_first_block[segment] + (index - segment_starts[segment]) // block_steps
-
-
-def _segment_starts(groups: np.ndarray | None, n: int) -> np.ndarray:
-    """First index of every stretch of equal ``groups`` labels (a run), found chunk by chunk."""
-    if groups is None:
-        return np.zeros(1, dtype=np.int64)
-    starts = [np.zeros(1, dtype=np.int64)]
-    for start in range(0, n - 1, STEP_CHUNK):
-        stop = min(n, start + STEP_CHUNK + 1)
-        changed = groups[start + 1 : stop] != groups[start : stop - 1]
-        starts.append(start + 1 + np.flatnonzero(changed))
-    return np.concatenate(starts)
-
-
-def block_bootstrap_quantile_ci(
-    values: np.ndarray,
-    percentiles: tuple[float, ...],
-    *,
-    n_resamples: int = 1000,
-    seed: int = 0,
-    groups: np.ndarray | None = None,
-    block_steps: int | None = None,
-    confidence: float = 0.95,
-    max_blocks: int = MAX_BOOTSTRAP_BLOCKS,
-    n_bins: int = BOOTSTRAP_BINS,
-) -> dict:
-    """Percentile-method intervals of ``values``' percentiles by a block bootstrap, in memory that does not grow with n.
-
-    Neighbouring steps are alike (same requests, same machine state), so resampling steps one by one
-    understates the spread. Steps are cut, in their given order, into contiguous blocks that never straddle a
-    change of ``groups`` (the run): ``block_steps`` each, by default ``max(ceil(n^(1/3)), ceil(n / max_blocks))``.
-    A resample draws as many blocks as there are, with replacement (Carlstein's non-overlapping block
-    bootstrap). ``scipy.stats.bootstrap`` resamples single observations only, hence this.
-
-    Each block is summarised by a histogram over ``n_bins`` bins whose edges are quantiles of (a strided sample
-    of at most ``EDGE_SAMPLE`` of) the values, so each bin holds about n / n_bins of them; a resample's
-    histogram is its block counts times those histograms, computed ``RESAMPLE_CHUNK`` resamples at a time,
-    and the steps are read ``STEP_CHUNK`` at a time. Beyond the input, peak memory is about
-    8·(blocks·bins + RESAMPLE_CHUNK·(blocks + 2·bins) + 4·STEP_CHUNK + EDGE_SAMPLE) bytes, blocks ≤
-    max_blocks + number of runs: about 60 MiB at the defaults whatever n is, where resampling steps takes
-    8·n·n_resamples bytes (80 GB at 10 M steps). A resampled percentile is read off its histogram by linear
-    interpolation inside the bin it falls in, so it is exact to within one bin (about 1/n_bins of the
-    probability mass). Deterministic for a given ``seed``.
-
-    Returns ``{"ci": {percentile: [low, high]}, "block_steps": int, "n_blocks": int}``.
-    """
-    values = np.asarray(values, dtype=np.float64)
-    n = values.shape[0]
-    if n == 0 or n_resamples <= 0:
-        return {"ci": {}, "block_steps": 0, "n_blocks": 0}
-    if block_steps is None:
-        block_steps = max(math.ceil(n ** (1 / 3)), math.ceil(n / max_blocks))
-    block_steps = max(1, int(block_steps))
-    segment_starts = _segment_starts(None if groups is None else np.asarray(groups), n)
-    segment_lengths = np.diff(np.append(segment_starts, n))
-    blocks_per_segment = -(-segment_lengths // block_steps)
-    segment_first_block = np.concatenate([[0], np.cumsum(blocks_per_segment)[:-1]])
-    n_blocks = int(blocks_per_segment.sum())
-
-    sample = values[np.linspace(0, n - 1, min(n, EDGE_SAMPLE)).astype(np.int64)]
-    edges = np.unique(np.quantile(sample, np.linspace(0, 1, n_bins + 1)))
-    edges[0], edges[-1] = min(edges[0], values.min()), max(edges[-1], values.max())
-    if edges.size == 1:
-        edges = np.array([edges[0], edges[0]])
-    n_edges_bins = edges.size - 1
-    histograms = np.zeros(n_blocks * n_edges_bins, dtype=np.float64)
-    for start in range(0, n, STEP_CHUNK):
-        stop = min(n, start + STEP_CHUNK)
-        bins = np.clip(np.searchsorted(edges, values[start:stop], side="right") - 1, 0, n_edges_bins - 1)
-        blocks = _block_ids(start, stop, block_steps, segment_starts, segment_first_block)
-        first, last = int(blocks[0]), int(blocks[-1]) + 1
-        span = (last - first) * n_edges_bins
-        histograms[first * n_edges_bins : last * n_edges_bins] += np.bincount((blocks - first) * n_edges_bins + bins, minlength=span)
-    histograms = histograms.reshape(n_blocks, n_edges_bins)
-
-    rng = np.random.default_rng(seed)
-    levels = np.asarray(percentiles, dtype=np.float64) / 100
-    resampled = np.empty((n_resamples, levels.size))
-    uniform = np.full(n_blocks, 1 / n_blocks)
-    for start in range(0, n_resamples, RESAMPLE_CHUNK):
-        stop = min(n_resamples, start + RESAMPLE_CHUNK)
-        counts = rng.multinomial(n_blocks, uniform, size=stop - start).astype(np.float64)
-        hist = counts @ histograms
-        cumulative = np.cumsum(hist, axis=1)
-        for k, level in enumerate(levels):
-            target = level * cumulative[:, -1]
-            b = np.minimum((cumulative < target[:, None]).sum(axis=1), n_edges_bins - 1)
-            rows = np.arange(stop - start)
-            below = cumulative[rows, b] - hist[rows, b]
-            inside = np.divide(target - below, hist[rows, b], out=np.zeros(stop - start), where=hist[rows, b] > 0)
-            resampled[start:stop, k] = edges[b] + np.clip(inside, 0, 1) * (edges[b + 1] - edges[b])
-    tail = (1 - confidence) / 2 * 100
-    low, high = np.percentile(resampled, [tail, 100 - tail], axis=0)
-    return {
-        "ci": {q: [float(lo), float(hi)] for q, lo, hi in zip(percentiles, low, high)},
-        "block_steps": block_steps,
-        "n_blocks": n_blocks,
-    }
-
-
 def error_summary(
     predicted_s: np.ndarray,
     measured_s: np.ndarray,
@@ -176,7 +67,7 @@ def error_summary(
     Signed errors (predicted − measured) / measured show bias that absolute errors hide; the
     ``underprediction_factor_p90`` (90th percentile of measured / predicted) is the factor that covers nine
     in ten steps' measured time, what SLO admission can multiply its predictions by. ``groups`` (the run of
-    each step) keeps bootstrap blocks within runs; see ``block_bootstrap_quantile_ci``.
+    each step) keeps bootstrap blocks within runs; see `llmvisor.core.stats.bootstrap_quantile_ci`.
     """
     n = measured_s.shape[0]
     out: dict = {"n_steps": int(n)}
@@ -185,8 +76,8 @@ def error_summary(
     errors = relative_errors(predicted_s, measured_s)
     signed = signed_errors(predicted_s, measured_s)
     out["r2"] = float(r2_score(measured_s, predicted_s)) if n >= 2 else None
-    absolute_ci = block_bootstrap_quantile_ci(errors, QUANTILES, n_resamples=n_bootstrap, seed=seed, groups=groups)
-    signed_ci = block_bootstrap_quantile_ci(signed, (50,), n_resamples=n_bootstrap, seed=seed, groups=groups)
+    absolute_ci = bootstrap_quantile_ci(errors, QUANTILES, n_resamples=n_bootstrap, seed=seed, groups=groups)
+    signed_ci = bootstrap_quantile_ci(signed, (50,), n_resamples=n_bootstrap, seed=seed, groups=groups)
     point = np.percentile(errors, QUANTILES)
     for q, value in zip(QUANTILES, point):
         out[f"rel_err_p{q}"] = float(value)
@@ -240,7 +131,7 @@ def evaluate(
         "n_test_steps": test.n_steps,
         "n_test_warmup_excluded": int((~steady).sum()),
         "bootstrap": {
-            "method": "non-overlapping block bootstrap within runs, percentile intervals, bounded memory (see block_bootstrap_quantile_ci)",
+            "method": "non-overlapping block bootstrap within runs, percentile intervals, bounded memory (see llmvisor.core.stats.bootstrap_quantile_ci)",
             "n_resamples": n_bootstrap,
             "seed": seed,
         },

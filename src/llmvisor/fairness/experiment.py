@@ -30,7 +30,9 @@ import numpy as np
 from llmvisor import shipped
 from llmvisor.core.attribution import attribute
 from llmvisor.core.features import FEATURE_NAMES
+from llmvisor.core.game import VTC_TOKEN_PRICES
 from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.stats import quantile_summary
 from llmvisor.core.trace import concat_traces, read_trace
 from llmvisor.engine_process import run_engine_module
 from llmvisor.errors import LlmvisorError
@@ -43,10 +45,7 @@ GOAL_THROUGHPUT_LOSS = 0.05
 
 
 def _percentiles(values: list[float]) -> dict:
-    if not values:
-        return {"n": 0, "p50": None, "p99": None}
-    array = np.asarray(values, dtype=np.float64)
-    return {"n": int(array.size), "p50": float(np.percentile(array, 50)), "p99": float(np.percentile(array, 99))}
+    return quantile_summary(values, (50, 99))
 
 
 def _fairness(values: list[float]) -> tuple[float | None, float | None]:
@@ -152,7 +151,7 @@ def analyse_run(result: dict, model, *, window_s: float, warmup_s: float) -> dic
     ok = (step_window >= 0) & (step_window < n_windows)
     output_tokens = np.zeros((n_windows, n_tenants))
     np.add.at(output_tokens, step_window[ok], step_tokens[ok])
-    token_service = prompt_tokens + 2.0 * output_tokens
+    token_service = VTC_TOKEN_PRICES.cost(prompt_tokens, output_tokens)
 
     # backlog: a request waits from its submission until the first step that schedules it
     first_scheduled: dict[str, float] = {}

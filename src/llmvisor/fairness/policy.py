@@ -55,7 +55,14 @@ import numpy as np
 
 from llmvisor import shipped
 from llmvisor.core.attribution import RULES, StepAttributor
-from llmvisor.core.features import Coef, prefill_own_s
+from llmvisor.core.game import (
+    VTC_TOKEN_PRICES,
+    TokenPrices,
+    decode_prices,
+    decode_step_price_s,
+    prefill_chunk_price_s,
+    segment_of,
+)
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.errors import LlmvisorError, plain
 from llmvisor.fairness.shared_counters import SharedCounters, SharedCountersConfig
@@ -109,8 +116,8 @@ class FairnessConfig:
     rule: str = "shapley"
     weights: dict[str, float] = field(default_factory=dict)
     default_weight: float = 1.0
-    prompt_token_cost: float = 1.0
-    output_token_cost: float = 2.0
+    prompt_token_cost: float = VTC_TOKEN_PRICES.prompt
+    output_token_cost: float = VTC_TOKEN_PRICES.output
     quotas: dict[str, Quota] = field(default_factory=dict)
     default_quota: Quota | None = None
     work_conserving: bool = False
@@ -127,6 +134,11 @@ class FairnessConfig:
     shared_counters: SharedCountersConfig | None = None
     """Keep the VTC counters in Redis, shared by every replica of a pool (`llmvisor.fairness.shared_counters`);
     None: counters local to this engine."""
+
+    @property
+    def token_prices(self) -> TokenPrices:
+        """The ``tokens`` cost's prices (`llmvisor.core.game.TokenPrices`)."""
+        return TokenPrices(self.prompt_token_cost, self.output_token_cost)
 
     @property
     def needs_model(self) -> bool:
@@ -421,9 +433,9 @@ class AdmissionDecision:
 class AdmissionController:
     """Predicts what admitting a request does to the running decodes' time per output token.
 
-    Closed-form on the model's coefficients: a decode-only step of n requests with total context C costs
-    ``b + d2·C + d4·n`` (the sum of n decode own terms) (coefficients of the segment its load n falls in); a prefill chunk of p tokens over c
-    cached ones adds its own prefill terms to the step it runs in.
+    Closed-form on the model's coefficients, priced by the cost game (`llmvisor.core.game`): a decode-only step
+    of n requests with total context C costs ``b + d2·C + d4·n + e·C`` (coefficients of the segment its load n
+    falls in); a prefill chunk of p tokens over c cached ones adds its own prefill terms to the step it runs in.
 
     Predictions run low on runs other than the one fitted (on the shipped traces the held-out median signed
     error is -1.2% for decode, -2.4% for prefill steps), so the predicted time per output token is multiplied
@@ -447,6 +459,7 @@ class AdmissionController:
         self.max_chunk_tokens = max(1, int(max_chunk_tokens))
         self.boundary = model.boundary_
         self._coef = [tuple(float(v) for v in row) for row in model.coef_]
+        self._decode = [decode_prices(row) for row in self._coef]
 
     @staticmethod
     def _resolve_factor(model: StepLatencyModel, given: float | None) -> tuple[float, str]:
@@ -459,16 +472,13 @@ class AdmissionController:
             return 1 / (1 - r90), f"fit residuals: 1 / (1 - train p90 |relative error| {r90:.4g})"
         return 1.0, "none: the model has no fit residuals"
 
-    def _set(self, load: float) -> tuple:
-        return self._coef[0] if self.boundary is None or load < self.boundary else self._coef[1]
-
     def decode_step_s(self, num_decodes: int, sum_context_tokens: float) -> float:
         """A decode step's predicted seconds, every context counted as its own (effective context = context):
         sharing is not known before admission, and assuming none errs on the side of the SLO."""
         if num_decodes <= 0:
             return 0.0
-        coef = self._set(num_decodes)
-        return coef[Coef.B] + (coef[Coef.D2] + coef[Coef.E]) * sum_context_tokens + coef[Coef.D4] * num_decodes
+        prices = self._decode[segment_of(self.boundary, num_decodes)]
+        return decode_step_price_s(prices, num_decodes, sum_context_tokens, sum_context_tokens)
 
     def prefill_cost_s(self, num_prompt_tokens: int, num_cached_tokens: int = 0, num_decodes: int = 0) -> float:
         """Own prefill terms of the request's chunks: the time its prefill adds to the steps it runs in."""
@@ -477,7 +487,7 @@ class AdmissionController:
         remaining = int(num_prompt_tokens) - context
         while remaining > 0:
             p = min(remaining, self.max_chunk_tokens)
-            total += prefill_own_s(self._set(p + num_decodes), p, context)
+            total += prefill_chunk_price_s(self._coef, self.boundary, p + num_decodes, p, context)
             context += p
             remaining -= p
         return total
@@ -503,22 +513,10 @@ class AdmissionController:
 # Costs
 
 
-class TokenCost:
-    """VTC's cost: prompt tokens ×1 and output tokens ×2 (configurable), counted as the engine runs them."""
-
-    name = "tokens"
-
-    def __init__(self, prompt_token_cost: float = 1.0, output_token_cost: float = 2.0):
-        self.prompt_token_cost = prompt_token_cost
-        self.output_token_cost = output_token_cost
-
-    def slice_costs(self, num_new_tokens, is_prefill, samples_token) -> np.ndarray:
-        """Prefill chunks pay their tokens as prompt tokens, plus one output token when they sample one;
-        decode slices pay their tokens as output tokens."""
-        p = np.asarray(num_new_tokens, dtype=np.float64)
-        prefill = np.asarray(is_prefill, dtype=bool)
-        sampled = np.asarray(samples_token, dtype=bool)
-        return np.where(prefill, p * self.prompt_token_cost + sampled * self.output_token_cost, p * self.output_token_cost)
+TokenCost = TokenPrices
+"""VTC's cost: prompt tokens ×1 and output tokens ×2 (configurable), counted as the engine runs them
+(`llmvisor.core.game.TokenPrices`: a prefill chunk pays its tokens as prompt, plus an output token when it
+samples one; a decode pays its token as output)."""
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -550,7 +548,7 @@ class FairShare:
         self.shared = None
         if config.shared_counters is not None:
             self.shared = self.vtc.shared = SharedCounters(config.shared_counters).start()
-        self.tokens = TokenCost(config.prompt_token_cost, config.output_token_cost)
+        self.tokens = config.token_prices
         self.attributor = StepAttributor(model, rule=config.rule) if model is not None and (config.cost == "attributed" or self._has_quotas) else None
         self.admission = (
             AdmissionController(model, config.tpot_slo_s, max_chunk_tokens, config.tpot_prediction_factor) if model is not None else None
@@ -672,7 +670,7 @@ class FairShare:
         """Predicted cost of a request's prefill in the configured unit, reserved at admission."""
         tokens = max(0, int(num_prompt_tokens) - int(num_cached_tokens))
         if self.config.cost == "tokens":
-            return tokens * self.config.prompt_token_cost + self.config.output_token_cost
+            return float(self.tokens.cost(tokens, 1))
         if self.admission is None:
             return 0.0
         return self.admission.prefill_cost_s(num_prompt_tokens, num_cached_tokens)

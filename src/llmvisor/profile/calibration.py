@@ -19,6 +19,7 @@ import numpy as np
 
 from llmvisor.core.fingerprint import METADATA_KEY, EngineFingerprint, fingerprint_sidecar
 from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.stats import quantile_summary
 from llmvisor.core.trace import StepTrace, read_trace
 from llmvisor.errors import LlmvisorError
 
@@ -92,13 +93,10 @@ def residual_quantiles(model: StepLatencyModel, trace: StepTrace) -> dict:
     relative = (measured - predicted) / measured
     if relative.size == 0:
         raise LlmvisorError(f"{', '.join(trace.sources)}: no steps after warm-up to evaluate on")
-    signed = np.quantile(relative, (0.1, 0.5, 0.9))
-    absolute = np.quantile(np.abs(relative), (0.5, 0.9))
+    signed = quantile_summary(relative, (10, 50, 90))
+    absolute = quantile_summary(np.abs(relative), (50, 90))
     return {
-        "n_steps": int(relative.size),
-        "relative_residual_p10": float(signed[0]),
-        "relative_residual_p50": float(signed[1]),
-        "relative_residual_p90": float(signed[2]),
-        "abs_relative_residual_p50": float(absolute[0]),
-        "abs_relative_residual_p90": float(absolute[1]),
+        "n_steps": signed["n"],
+        **{f"relative_residual_{key}": signed[key] for key in ("p10", "p50", "p90")},
+        **{f"abs_relative_residual_{key}": absolute[key] for key in ("p50", "p90")},
     }

@@ -6,9 +6,11 @@ from collections import defaultdict
 
 import numpy as np
 
+from llmvisor.core.stats import quantile_summary
 from llmvisor.core.trace import StepTrace
 
-QUANTILES = (0.0, 0.1, 0.5, 0.9, 1.0)
+QUANTILES = (0, 10, 50, 90, 100)
+"""Percentiles of each coverage summary, named ``QUANTILE_NAMES``."""
 QUANTILE_NAMES = ("min", "p10", "p50", "p90", "max")
 
 
@@ -71,22 +73,19 @@ def noise_floor(trace: StepTrace) -> dict | None:
         deviations.extend((np.abs(times - median) / median).tolist())
     if not n_groups:
         return None
-    deviations = np.asarray(deviations)
+    figures = quantile_summary(deviations, (50, 90, 99))
     return {
-        "p50": float(np.percentile(deviations, 50)),
-        "p90": float(np.percentile(deviations, 90)),
-        "p99": float(np.percentile(deviations, 99)),
+        "p50": figures["p50"],
+        "p90": figures["p90"],
+        "p99": figures["p99"],
         "n_groups": n_groups,
-        "n_steps": int(deviations.size),
+        "n_steps": figures["n"],
         "definition": "|t - median| / median over steps of identical composition, warm-up steps excluded",
     }
 
 
 def _quantiles(values: np.ndarray) -> dict:
-    if values.size == 0:
-        return {name: None for name in QUANTILE_NAMES} | {"n": 0}
-    q = np.quantile(values, QUANTILES)
-    return {name: float(v) for name, v in zip(QUANTILE_NAMES, q)} | {"n": int(values.size)}
+    return quantile_summary(values, QUANTILES, names=QUANTILE_NAMES)
 
 
 def coverage(trace: StepTrace, envelope: dict | None = None) -> dict:

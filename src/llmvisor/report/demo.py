@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 from llmvisor.core.attribution import RULES, aggregate, attribute
+from llmvisor.core.game import VTC_TOKEN_PRICES
 from llmvisor.core.trace import StepTrace, read_trace, read_traces
 from llmvisor.evaluation.heldout import evaluate, to_json_ready
 from llmvisor.report.html import (
@@ -36,7 +35,7 @@ from llmvisor.validation.report import report_sections as validation_sections
 
 def token_service(trace: StepTrace) -> dict[str, float]:
     """VTC's token service per tenant (prompt tokens ×1, output tokens ×2), for comparison with engine time."""
-    weight = np.where(trace.is_prefill, trace.num_new_tokens, 2).astype(np.float64)
+    weight = VTC_TOKEN_PRICES.slice_costs(trace.num_new_tokens, trace.is_prefill)
     totals: dict[str, float] = {}
     for tenant, value in zip(trace.tenant.tolist(), weight.tolist()):
         totals[tenant] = totals.get(tenant, 0.0) + value

@@ -31,6 +31,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.exc import DBAPIError
 
 from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.stats import quantile_summary
 from llmvisor.core.synthetic import synthetic_trace
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
@@ -105,11 +106,7 @@ class FleetResult:
 
 
 def quantiles(values: list[float]) -> dict:
-    if not values:
-        return {"n": 0, "p50": float("nan"), "p99": float("nan"), "max": float("nan")}
-    array = np.asarray(values, dtype=np.float64)
-    return {"n": int(array.size), "p50": float(np.quantile(array, 0.5)), "p99": float(np.quantile(array, 0.99)),
-            "max": float(array.max())}
+    return quantile_summary(values, (50, 99), maximum=True, empty=float("nan"))
 
 
 class SimulatedEngine:

@@ -20,8 +20,9 @@ from enum import StrEnum
 
 import numpy as np
 
-from llmvisor.core.attribution import RULES, attribute_arrays, subset_costs_s
-from llmvisor.core.features import Coef, own_terms_s
+from llmvisor.core.attribution import RULES, attribute_arrays
+from llmvisor.core.game import VTC_TOKEN_PRICES, SubsetGame, shared_prefix_effective_context, subset_costs_s
+from llmvisor.core.stats import bootstrap_interval, bootstrap_quantile_ci, quantile_summary
 from llmvisor.validation.game import (
     additive_design,
     additive_fit,
@@ -64,18 +65,13 @@ LEGACY_NAMES = {"token_proportional": Method.TOKEN_COUNT.value}
 RELATIVE_ERROR_FLOOR = 0.02
 """Per-request relative errors are taken over requests whose measured Shapley value is at least this fraction of
 the step: below it the denominator is within the noise floor of re-measuring (p90 ~2–3% of the step)."""
-TOKEN_COUNT_PRICES = {"prompt": 1.0, "output": 2.0}
-"""VTC's token prices (Sheng et al., "Fairness in Serving Large Language Models", 2024): prompt ×1, output ×2."""
-
-
-def _weighted_quantiles(values: np.ndarray, counts: np.ndarray, qs: np.ndarray) -> np.ndarray:
-    return np.percentile(np.repeat(values, counts), qs)
 
 
 def quantiles_with_ci(
     errors: np.ndarray, groups: np.ndarray, *, qs=(50, 90, 99), n_bootstrap: int = 1000, seed: int = 0
 ) -> dict:
-    """Quantiles of ``errors`` and their bootstrap 95% intervals, resampling whole groups (batches)."""
+    """Quantiles of ``errors`` and their bootstrap 95% intervals, resampling whole groups (batches):
+    `llmvisor.core.stats.bootstrap_quantile_ci` with ``resample="groups"``. No resamples: the point as interval."""
     errors = np.asarray(errors, dtype=np.float64)
     out: dict = {"n": int(errors.size)}
     if errors.size == 0:
@@ -83,19 +79,11 @@ def quantiles_with_ci(
             out[f"p{q}"] = None
             out[f"p{q}_ci95"] = None
         return out
-    qs_arr = np.asarray(qs, dtype=np.float64)
-    point = np.percentile(errors, qs_arr)
-    _, group_index = np.unique(np.asarray(groups), return_inverse=True)
-    n_groups = int(group_index.max()) + 1
-    rng = np.random.default_rng(seed)
-    boot = np.empty((n_bootstrap, qs_arr.size))
-    for b in range(n_bootstrap):
-        draws = np.bincount(rng.integers(0, n_groups, n_groups), minlength=n_groups)
-        boot[b] = _weighted_quantiles(errors, draws[group_index], qs_arr)
-    low, high = np.percentile(boot, [2.5, 97.5], axis=0) if n_bootstrap else (point, point)
-    for k, q in enumerate(qs):
-        out[f"p{q}"] = float(point[k])
-        out[f"p{q}_ci95"] = [float(low[k]), float(high[k])]
+    point = quantile_summary(errors, qs)
+    ci = bootstrap_quantile_ci(errors, tuple(qs), groups=groups, resample="groups", n_resamples=n_bootstrap, seed=seed)["ci"]
+    for q in qs:
+        out[f"p{q}"] = point[f"p{q}"]
+        out[f"p{q}_ci95"] = ci.get(q, [point[f"p{q}"], point[f"p{q}"]])
     out["mean"] = float(errors.mean())
     return out
 
@@ -114,19 +102,14 @@ def model_shares(model, new: np.ndarray, context: np.ndarray, is_prefill: np.nda
 
 
 def token_count_split(new: np.ndarray, is_prefill: np.ndarray) -> np.ndarray:
-    """Fractions of a step by VTC's token prices: prefill tokens as prompt (×1), a decode's token as output (×2).
-
-    Within a pure decode step every request runs one token, so this is an equal split; within a pure prefill
-    step it is a split by new tokens. It differs from both only in a mixed step.
-    """
-    new = np.asarray(new, dtype=np.float64)
-    weights = np.where(is_prefill, TOKEN_COUNT_PRICES["prompt"], TOKEN_COUNT_PRICES["output"]) * new
-    return weights / weights.sum() if weights.sum() > 0 else np.full(new.size, 1.0 / new.size)
+    """Fractions of a step by VTC's token prices (`llmvisor.core.game.TokenPrices.step_fractions`): prefill tokens
+    as prompt (×1), a decode's token as output (×2)."""
+    return VTC_TOKEN_PRICES.step_fractions(new, is_prefill)
 
 
 def model_subset_costs(model, new: np.ndarray, context: np.ndarray, is_prefill: np.ndarray) -> np.ndarray:
     """The model's predicted time of every subset of a batch (index = bit mask; 0 for the empty set): the
-    cost game whose Shapley value the attribution rule is (``llmvisor.core.attribution.subset_costs_s``)."""
+    cost game whose Shapley value the attribution rule is (``llmvisor.core.game.subset_costs_s``)."""
     return subset_costs_s(model, new, context, is_prefill)
 
 
@@ -285,12 +268,8 @@ def _error_table(records: list[dict], target: str, methods: list[str], n_bootstr
 
 
 def plain_quantiles(values: Iterable[float], qs=(10, 50, 90, 99)) -> dict:
-    values = np.asarray(list(values), dtype=np.float64)
-    if values.size == 0:
-        return {"n": 0}
-    out = {"n": int(values.size), "mean": float(values.mean())}
-    out.update({f"p{q}": float(np.percentile(values, q)) for q in qs})
-    return out
+    """n, mean and quantiles (`llmvisor.core.stats.quantile_summary`); only n when there are no values."""
+    return quantile_summary(values, qs, mean=True, empty="omit")
 
 
 def summarize(records: list[dict], *, n_bootstrap: int = 1000, seed: int = 0, agreement_orders: int = 8) -> dict:
@@ -461,8 +440,7 @@ def class_bias(records: list[dict], methods: list[str], *, n_bootstrap: int = 10
     present = {name for m in masks for name, mask in m.items() if mask.any()}
     order = ["", *(f"/length_q{q}" for q in range(1, 5)), "/small_in_batch", "/large_in_batch", "/unique_context", "/shared_context"]
     names = [f"{group}{suffix}" for group in record_groups(records) for suffix in order if f"{group}{suffix}" in present]
-    rng = np.random.default_rng(seed)
-    draws = rng.multinomial(len(records), np.full(len(records), 1 / len(records)), size=n_bootstrap) if records and n_bootstrap else None
+    resampled = bool(records) and n_bootstrap > 0
     out: dict = {}
     for name in names:
         out[name] = {}
@@ -471,19 +449,23 @@ def class_bias(records: list[dict], methods: list[str], *, n_bootstrap: int = 10
         for k, mask in members_of:
             truth[k] = np.asarray(records[k]["shapley_s"])[mask].sum()
         n = int(sum(mask.sum() for _, mask in members_of))
-        for method in methods:
-            if not all(method in records[k]["shares_s"] for k, _ in members_of):
-                continue
-            billed = np.zeros(len(records))
+        chosen = [m for m in methods if all(m in records[k]["shares_s"] for k, _ in members_of)]
+        billed = np.zeros((len(chosen), len(records)))
+        for row, method in enumerate(chosen):
             for k, mask in members_of:
-                billed[k] = np.asarray(records[k]["shares_s"][method])[mask].sum()
-            bias = float(billed.sum() / truth.sum() - 1)
-            entry = {"bias": bias, "ci95": None, "n": n, "n_batches": len(members_of)}
-            if draws is not None:
-                boot = (draws @ billed) / np.maximum(draws @ truth, 1e-300) - 1
-                valid = boot[(draws @ truth) > 0]
-                # None when no resample holds a positive total (a class in one batch whose estimated values sum below 0)
-                entry["ci95"] = np.percentile(valid, [2.5, 97.5]).tolist() if valid.size else None
+                billed[row, k] = np.asarray(records[k]["shares_s"][method])[mask].sum()
+        if resampled and chosen:  # batches resampled (their requests share measurements); a resample without a positive total defines no bias
+            def ratio(counts, billed=billed, truth=truth):
+                total = counts @ truth
+                biases = np.stack([(counts @ row) / np.maximum(total, 1e-300) - 1 for row in billed], axis=1)
+                return np.where(total[:, None] > 0, biases, np.nan)
+
+            low, high = bootstrap_interval(ratio, len(records), n_resamples=n_bootstrap, seed=seed, draw="counts")
+        for row, method in enumerate(chosen):
+            entry = {"bias": float(billed[row].sum() / truth.sum() - 1), "ci95": None, "n": n, "n_batches": len(members_of)}
+            # None when no resample holds a positive total (a class in one batch whose estimated values sum below 0)
+            if resampled and chosen and not math.isnan(low[row]):
+                entry["ci95"] = [float(low[row]), float(high[row])]
             out[name][method] = entry
     return out, definitions
 
@@ -624,40 +606,14 @@ def build_result(batches: list[BatchSpec], journal: Journal, model, *, repeat: i
     }
 
 
-class ModelGame:
-    """The latency model's cost game of one batch, read by bit mask (a subset priced alone, in its own segment):
-    the control variate of a sampled batch, whose exact Shapley value is the ``shapley`` rule's predicted share.
-
-    ``shared_context`` (tokens of each request's context in the blocks of one prefix that every request with a
-    nonzero entry holds): a subset with k of those readers reads the prefix once, each reader's effective context
-    being c − s + s/k (``llmvisor.core.attribution``: the game on the block structure)."""
-
-    def __init__(self, model, new: np.ndarray, context: np.ndarray, is_prefill: np.ndarray, shared_context: np.ndarray | None = None):
-        self.model, self.new = model, np.asarray(new, dtype=np.float64)
-        self.own = np.stack([own_terms_s(row, self.new, context, is_prefill) for row in model.coef_])
-        self.shared = np.zeros(self.new.size) if shared_context is None else np.asarray(shared_context, dtype=np.float64)
-
-    def __getitem__(self, mask: int) -> float:
-        chosen = np.array(members(int(mask), self.new.size), dtype=np.int64)
-        if chosen.size == 0:
-            return 0.0
-        segment = int(self.model.segment_of_steps(np.array([self.new[chosen].sum()]))[0])
-        cost = float(self.model.coef_[segment, Coef.B] + self.own[segment, chosen].sum())
-        shared = self.shared[chosen]
-        readers = int((shared > 0).sum())
-        if readers > 1:
-            cost += float(self.model.coef_[segment, Coef.E] * (shared / readers - shared).sum())
-        return cost
-
-
 def model_step_s(model):
     """``step_s(batch, subset)`` for `llmvisor.validation.plans.sampled_run_budget_s`: the model's predicted time of
     a sampled batch's subset run alone (its nominal contexts, the shared prefix read once)."""
-    games: dict[str, ModelGame] = {}
+    games: dict[str, SubsetGame] = {}
 
     def step_s(batch: SampledBatchSpec, subset: int) -> float:
         if batch.key not in games:
-            games[batch.key] = ModelGame(model, np.array(batch.num_new_tokens), np.array(batch.num_context_tokens, dtype=np.float64),
+            games[batch.key] = SubsetGame(model, np.array(batch.num_new_tokens), np.array(batch.num_context_tokens, dtype=np.float64),
                                          np.array(batch.is_prefill, dtype=bool), np.array(batch.shared_prefix_tokens, dtype=np.float64))
         return games[batch.key][subset]
 
@@ -681,17 +637,9 @@ def sampled_preparation_s(batches: list[SampledBatchSpec], model) -> float:
             continue
         prefix = max(batch.shared_prefix_tokens)
         lengths = [contexts[0]] + [c - prefix for c in contexts[1:]]
-        game = ModelGame(model, np.array(lengths, dtype=np.float64), np.zeros(len(lengths)), np.ones(len(lengths), dtype=bool))
+        game = SubsetGame(model, np.array(lengths, dtype=np.float64), np.zeros(len(lengths)), np.ones(len(lengths), dtype=bool))
         total += batch.rounds * sum(game[1 << i] for i in range(len(lengths)))
     return total
-
-
-def effective_context_tokens(context: np.ndarray, shared_context: np.ndarray) -> np.ndarray:
-    """Each request's effective context in a step of the whole batch: its shared prefix tokens divided among the
-    batch's readers of them (every request with a nonzero ``shared_context``), the rest its own."""
-    shared = np.asarray(shared_context, dtype=np.float64)
-    readers = int((shared > 0).sum())
-    return np.asarray(context, dtype=np.float64) - (shared - shared / readers if readers > 1 else 0.0)
 
 
 SAMPLED_KIND_PHASE = {"decode": Phase.DECODE.value, "prefill": Phase.PREFILL.value, "shared_prefix_decode": Phase.DECODE.value, "mixed": "mixed"}
@@ -705,7 +653,8 @@ def analyse_sampled_batch(batch: SampledBatchSpec, journal: Journal, model, repe
 
     Shared KV (a shared-prefix decode batch): each request's shared context is what the engine recorded in the
     full batch's step (the prefix's whole KV blocks), and the model prices the batch and its subsets with the
-    prefix read once (``effective_context_tokens``, `ModelGame`)."""
+    prefix read once (`llmvisor.core.game.shared_prefix_effective_context`, `llmvisor.core.game.SubsetGame`: the
+    model's game of a batch, whose exact Shapley value is the ``shapley`` rule's predicted share, is the control variate)."""
     n = batch.size
     full = (1 << n) - 1
     cost: dict[int, float] = {}
@@ -727,9 +676,9 @@ def analyse_sampled_batch(batch: SampledBatchSpec, journal: Journal, model, repe
     new = np.array(batch.num_new_tokens, dtype=np.float64)
     is_prefill = np.array(batch.is_prefill, dtype=bool)
     context = np.rint(np.array([np.mean(c) if c else nominal for c, nominal in zip(contexts, batch.num_context_tokens)]))
-    effective = effective_context_tokens(context, shared)
+    effective = shared_prefix_effective_context(context, shared)
     shares = model_shares(model, new, context, is_prefill, measured_s, effective if shared.any() else None)
-    control = ModelGame(model, new, context, is_prefill, shared)
+    control = SubsetGame(model, new, context, is_prefill, shared)
     estimate = sampled_shapley(np.array(batch.orders, dtype=np.int64), cost, antithetic=batch.antithetic,
                                control=control, control_shapley=shares[Method.SHAPLEY_PREDICTED])
     shares[Method.TOKEN_COUNT] = measured_s * token_count_split(new, is_prefill)
