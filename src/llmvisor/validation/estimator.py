@@ -36,8 +36,9 @@ import numpy as np
 from scipy import stats
 
 from llmvisor import shipped
+from llmvisor.core.game import SubsetGame
 from llmvisor.core.model import StepLatencyModel
-from llmvisor.validation.analysis import ModelGame, analyse_batch, analyse_sampled_batch, plain_quantiles, record_group
+from llmvisor.validation.analysis import analyse_batch, analyse_sampled_batch, plain_quantiles, record_group
 from llmvisor.validation.game import (
     additivity_test,
     coalition_indicators,
@@ -300,7 +301,7 @@ def sampled_comparison(v: Validation, games: list[dict], *, repeat: int | None =
             continue
         n = batch.size
         masks, cost, rounds = sampled_costs(batch, v.journal, repeat)
-        control = ModelGame(v.model, np.array(record["num_new_tokens"], dtype=np.float64), np.array(record["num_context_tokens"]),
+        control = SubsetGame(v.model, np.array(record["num_new_tokens"], dtype=np.float64), np.array(record["num_context_tokens"]),
                             np.array(record["is_prefill"], dtype=bool), np.array(record["num_shared_context_tokens"]))
         control_phi = np.asarray(record["shares_s"]["shapley_predicted"])
         variants = {k: fit_variant(k, masks, cost, n, control=control, control_shapley=control_phi, blocks=rounds, confidence=confidence)
