@@ -91,7 +91,7 @@ def models_activate(
 
 def refit(
     engine_class: Annotated[str, typer.Option("--class", help="Engine class (fingerprint id) to refit.", metavar="ID")],
-    trace: Annotated[list[Path] | None, typer.Option("--trace", help="Fit from these trace files instead of the ledger (repeatable).", dir_okay=False, metavar="TRACE")] = None,
+    trace: Annotated[list[Path] | None, typer.Option("--from-trace", help="Fit on these trace files instead of the ledger (repeatable), as `llmvisor calibrate --from-trace` does.", dir_okay=False, metavar="TRACE")] = None,
     test_fraction: Annotated[float, typer.Option(help="Newest fraction of the steps held out to compare the models.", min=0.0, max=1.0)] = 0.2,
     newest_steps: Annotated[int, typer.Option(help="Steps of the class read from the ledger (the newest).", min=1)] = 20_000,
     db: DbOption = DEFAULT_DB_URL,

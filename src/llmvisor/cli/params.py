@@ -16,15 +16,17 @@ from typer.core import TyperArgument
 
 from llmvisor.errors import LlmvisorError
 
-RENAMED_OPTIONS: dict[str, str] = {
-    "--model": "--engine-model",
-    "--latency-model": "--model",
-    "--n-bootstrap": "--bootstrap",
-    "--output-dir": "--output",
+RENAMED_OPTIONS: dict[str, dict[str, str]] = {
+    "profile": {"--model": "--engine-model"},
+    "validate": {"--latency-model": "--model", "--n-bootstrap": "--bootstrap"},
+    "fairness": {"--latency-model": "--model"},
+    "fleet": {"--latency-model": "--model"},
+    "demo": {"--output-dir": "--output"},
+    "refit": {"--trace": "--from-trace"},
 }
-"""Old spelling -> new. An old spelling is rewritten only in a command that has no option of that name and has
-the new one: ``--model`` is the latency model wherever a command has one, and the engine model's old name in
-`llmvisor profile`, which has none."""
+"""Per command, old option spelling -> new. ``--model`` is the latency model in every command that has one and
+the engine model's old name in `llmvisor profile` only (which has no latency model); one concept, one name:
+``--bootstrap``, ``--output``, ``--from-trace``."""
 
 
 Bootstrap = typing.Annotated[int, typer.Option("--bootstrap", help="Bootstrap resamples for the 95% intervals (0: none).", min=0)]
@@ -71,15 +73,16 @@ def tidy(command, ctx):
 
 
 def rename_deprecated(command, args: list[str], warn) -> list[str]:
-    """``args`` with old option spellings (`RENAMED_OPTIONS`) replaced by the new ones, calling ``warn`` once per
-    old spelling used."""
+    """``args`` with the command's old option spellings (`RENAMED_OPTIONS`) replaced by the new ones, calling
+    ``warn`` once per old spelling used."""
+    renamed = RENAMED_OPTIONS.get(command.name, {})
     names = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
     out: list[str] = []
     for k, word in enumerate(args):
         if word == "--":
             return out + args[k:]
         name, equals, value = word.partition("=")
-        new = RENAMED_OPTIONS.get(name)
+        new = renamed.get(name)
         if new is not None and name not in names and new in names:
             warn(f"{name} is deprecated; use {new}")
             word = new + equals + value

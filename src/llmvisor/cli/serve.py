@@ -33,7 +33,7 @@ def echo_json(data) -> None:
 def serve(
     model: Annotated[
         Path | None,
-        typer.Option("--model", help="Fitted latency model (JSON) attributing steps whose engine class has no active model in the "
+        typer.Option("--model", "-m", help="Fitted latency model (JSON) attributing steps whose engine class has no active model in the "
                      "registry (`llmvisor models`; `llmvisor calibrate` fits one to the served engine). Default: the shipped latency model.",
                      dir_okay=False, metavar="FILE"),
     ] = None,
