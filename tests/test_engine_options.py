@@ -8,6 +8,7 @@ from dataclasses import fields
 
 import typer
 
+from llmvisor.cli import params
 from llmvisor.cli.main import app
 from llmvisor.engines.settings import EngineSettings
 
@@ -35,12 +36,18 @@ def test_every_engine_command_takes_the_settings_options_with_their_one_help_and
 
 
 def test_engine_model_and_latency_model_are_named_apart_and_old_names_still_work():
-    profile = {opt: param.name for param in command(("profile",)).params for opt in param.opts}
-    assert profile["--engine-model"] == profile["--model"] == "engine_model"
+    profile = command(("profile",))
+    options = {opt: param.name for param in profile.params for opt in param.opts}
+    assert options["--engine-model"] == "engine_model" and "--model" not in options
+    warnings = []
+    assert params.rename_deprecated(profile, ["--model", "weights"], warnings.append) == ["--engine-model", "weights"]
     for path in (("validate",), ("experiment", "fairness")):
-        options = {opt: param.name for param in command(path).params for opt in param.opts}
-        assert options["--latency-model"] == options["--model"] == "model"
+        node = command(path)
+        options = {opt: param.name for param in node.params for opt in param.opts}
+        assert options["--model"] == options["-m"] == "model"
         assert options["--engine-model"] == "engine_model"
+        assert params.rename_deprecated(node, ["--latency-model", "m.json"], warnings.append) == ["--model", "m.json"]
+    assert warnings == ["--model is deprecated; use --engine-model", *["--latency-model is deprecated; use --model"] * 2]
 
 
 def test_the_engine_options_import_no_engine():

@@ -137,12 +137,12 @@ def test_import_service_without_extra_names_it(blocked_env, tmp_path):
 @pytest.mark.parametrize(
     ("args", "command", "needs"),
     [
-        (["serve", "--help"], "serve", "service"),
+        (["serve"], "serve", "service"),
         (["serve", "--model", "m.json", "--port", "9"], "serve", "service"),
         (["load", "--steps", "10"], "load", "service"),
         (["keys", "list"], "keys list", "service"),
         (["keys", "create", "--admin"], "keys create", "service"),
-        (["ledger", "migrate", "--help"], "ledger migrate", "service"),
+        (["ledger", "migrate", "--from", "sqlite:///a.db", "--to", "sqlite:///b.db"], "ledger migrate", "service"),
         (["demo", "-o", "report"], "demo", "eval,report"),
         (["eval", "--train", "a.jsonl", "--test", "b.jsonl"], "eval", "eval"),
         (["bench"], "bench", "eval"),
@@ -160,6 +160,27 @@ def test_command_without_its_extra_is_one_line(blocked_env, tmp_path, args, comm
     assert lines[0].endswith(f"pip install 'llmvisor[{needs}]'")
     assert result.stdout == ""
     assert not any(tmp_path.iterdir()), "a command whose extra is missing must not write anything"
+
+
+@pytest.mark.parametrize(
+    ("command", "needs", "option"),
+    [
+        ("profile", "vllm", "--max-num-batched-tokens"),
+        ("serve", "service", "--pending-unknown-classes"),
+        ("ledger migrate", "service", "--from"),
+        ("experiment fleet", "vllm,report", "--light-rate-rps"),
+        ("experiment calibration", "vllm,service", "--profile-max-decode-steps"),
+        ("models add", "service", "--activate"),
+        ("refit", "service", "--test-fraction"),
+    ],
+)
+def test_help_works_without_the_commands_extra_and_names_it(blocked_env, tmp_path, command, needs, option):
+    result = run(cli(*command.split(), "--help"), blocked_env, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"Usage: python -m llmvisor.cli {command} [OPTIONS]" in result.stdout and option in result.stdout
+    text = " ".join(result.stdout.split())  # the help wraps at 80 columns
+    assert f"(not installed) llmvisor {command} needs the [{needs}] extra" in text and f"pip install 'llmvisor[{needs}]'" in text
+    assert not any(tmp_path.iterdir())
 
 
 def test_help_lists_commands_whose_extra_is_missing(blocked_env, tmp_path):

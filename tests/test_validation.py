@@ -612,7 +612,7 @@ def test_validate_with_only_the_output_reanalyses_the_shipped_result_as_it_was_m
     shutil.copy(shipped.result_path(shipped.VALIDATION_RESULT), result)
     shutil.copy(shipped.result_path(shipped.VALIDATION_RESULT).with_name("validation.journal.jsonl.gz"), tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-m", "llmvisor.cli", "validate", "-o", str(result), "--json", "--n-bootstrap", "200"],
+    done = subprocess.run([sys.executable, "-m", "llmvisor.cli", "validate", "-o", str(result), "--json", "--bootstrap", "200"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     assert "subset steps to measure" not in done.stderr

@@ -210,7 +210,7 @@ def test_profile_sweep_on_tiny_model(tiny_model, tmp_path):
     output = tmp_path / "sweep.parquet"
     command = [
         sys.executable, "-m", "llmvisor.cli", "profile", "--plan", "sweep", "-o", str(output),
-        "--model", tiny_model, "--points", "3", "--repeat", "2", "--max-decode-steps", "6",
+        "--engine-model", tiny_model, "--points", "3", "--repeat", "2", "--max-decode-steps", "6",
         "--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
         "--kv-cache-gib", "1", "--threads", "1", "--enforce-eager", "--run-id", "tiny-sweep", "--json",
     ]  # fmt: skip
@@ -241,7 +241,7 @@ def test_profile_sweep_on_tiny_model(tiny_model, tmp_path):
 def test_profile_rejects_bad_input_with_exit_code_2(tmp_path):
     missing = tmp_path / "no-such-model"
     result = subprocess.run(
-        [sys.executable, "-m", "llmvisor.cli", "profile", "-o", str(tmp_path / "x.parquet"), "--model", str(missing)],
+        [sys.executable, "-m", "llmvisor.cli", "profile", "-o", str(tmp_path / "x.parquet"), "--engine-model", str(missing)],
         capture_output=True,
         text=True,
         timeout=120,

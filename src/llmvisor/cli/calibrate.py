@@ -27,6 +27,7 @@ import typer
 
 from llmvisor import shipped
 from llmvisor.cli.console import stderr
+from llmvisor.cli.params import check_output_file
 from llmvisor.core.fingerprint import EngineFingerprint, describe_mismatch
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import read_trace, read_traces
@@ -35,27 +36,28 @@ from llmvisor.profile.calibration import live_coverage, read_fingerprint, residu
 
 
 def calibrate(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Latency model file to write (JSON).")],
-    fingerprint: Annotated[Path | None, typer.Option(help="The served engine's fingerprint: <trace>.engine.json, the trace beside it, or a Parquet trace. Profiles with its settings.")] = None,
-    from_trace: Annotated[list[Path] | None, typer.Option(help="Fit on these live traces of the served engine instead of profiling (they must meet the coverage rule).")] = None,
-    engine_model: Annotated[Path | None, typer.Option(help="Profile: the engine model folder the server runs. Default: the shipped engine model.")] = None,
-    points: Annotated[int, typer.Option(help="Profile: sweep episodes.")] = 24,
-    max_decode_steps: Annotated[int, typer.Option(help="Profile: most decode steps of an episode.")] = 24,
-    max_episode_tokens: Annotated[int, typer.Option(help="Profile: most prompt tokens of an episode (keeps episodes short; the engine's own limits stay the served ones).")] = 16384,
-    canary_every: Annotated[int, typer.Option(help="Profile: a drift canary after every this many episodes.")] = 2,
-    kv_cache_gib: Annotated[int, typer.Option(help="Profile: KV cache GiB (vLLM CPU build).")] = 2,
-    trace_output: Annotated[Path | None, typer.Option(help="Profile: where to keep the sweep trace. Default: beside the model, .profile.parquet.")] = None,
-    evaluate_on: Annotated[Path | None, typer.Option(help="A served run's trace: report residuals of the baseline and the calibrated model on it.")] = None,
-    baseline_model: Annotated[Path | None, typer.Option(help="The model the served run was attributed with before. Default: the shipped latency model.")] = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Latency model file to write (JSON).", dir_okay=False, metavar="FILE")],
+    fingerprint: Annotated[Path | None, typer.Option(help="The served engine's fingerprint: <trace>.engine.json, the trace beside it, or a Parquet trace. Profiles with its settings.", dir_okay=False, metavar="FILE")] = None,
+    from_trace: Annotated[list[Path] | None, typer.Option(help="Fit on these live traces of the served engine instead of profiling (they must meet the coverage rule).", dir_okay=False, metavar="TRACE")] = None,
+    engine_model: Annotated[Path | None, typer.Option(help="Profile: the engine model folder the server runs. Default: the shipped engine model.", file_okay=False, metavar="DIR")] = None,
+    points: Annotated[int, typer.Option(help="Profile: sweep episodes.", min=1)] = 24,
+    max_decode_steps: Annotated[int, typer.Option(help="Profile: most decode steps of an episode.", min=1)] = 24,
+    max_episode_tokens: Annotated[int, typer.Option(help="Profile: most prompt tokens of an episode (keeps episodes short; the engine's own limits stay the served ones).", min=1)] = 16384,
+    canary_every: Annotated[int, typer.Option(help="Profile: a drift canary after every this many episodes.", min=0)] = 2,
+    kv_cache_gib: Annotated[int, typer.Option(help="Profile: KV cache GiB (vLLM CPU build).", min=1)] = 2,
+    trace_output: Annotated[Path | None, typer.Option(help="Profile: where to keep the sweep trace. Default: beside the model, .profile.parquet.", dir_okay=False, metavar="FILE")] = None,
+    evaluate_on: Annotated[Path | None, typer.Option(help="A served run's trace: report residuals of the baseline and the calibrated model on it.", dir_okay=False, metavar="TRACE")] = None,
+    baseline_model: Annotated[Path | None, typer.Option(help="The model the served run was attributed with before. Default: the shipped latency model.", dir_okay=False, metavar="FILE")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
 ) -> None:
     """Fit a latency model to the engine as it is served (profile it with the served settings, or fit on its live steps)."""
     if (fingerprint is None) == (not from_trace):
         raise LlmvisorError("calibrate: give either --fingerprint (profile the served engine) or --from-trace (fit on its live steps)")
+    check_output_file(output)
     result: dict = {"output": str(output)}
     if fingerprint is not None:
         served = read_fingerprint(fingerprint)
-        trace_path = trace_output or output.with_suffix(".profile.parquet")
+        trace_path = check_output_file(trace_output or output.with_suffix(".profile.parquet"), "--trace-output")
         result["served_fingerprint"] = served.to_dict()
         result["profile"] = run_profile(served, trace_path, engine_model=engine_model, points=points,
                                         max_decode_steps=max_decode_steps, max_episode_tokens=max_episode_tokens,

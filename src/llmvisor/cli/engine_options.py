@@ -18,14 +18,13 @@ from llmvisor.errors import LlmvisorError
 ENGINE_PANEL = "Engine settings"
 
 
-def engine_option(name: str, *aliases: str, help_suffix: str = "") -> typer.models.OptionInfo:
-    """The typer option of one `EngineSettings` field: its option name (plus ``aliases``) and help text."""
+def engine_option(name: str, **more) -> typer.models.OptionInfo:
+    """The typer option of one `EngineSettings` field: its option name, help text and least value."""
     metadata = setting_field(name).metadata
-    return typer.Option(metadata["option"], *aliases, help=metadata["help"] + help_suffix, rich_help_panel=ENGINE_PANEL)
+    return typer.Option(metadata["option"], help=metadata["help"], min=metadata["min"], rich_help_panel=ENGINE_PANEL, **more)
 
 
-EngineModel = Annotated[Path | None, engine_option("model")]
-EngineModelOrOldModel = Annotated[Path | None, engine_option("model", "--model", help_suffix=" (--model: its older name.)")]
+EngineModel = Annotated[Path | None, engine_option("model", file_okay=False, metavar="DIR")]
 MaxModelLen = Annotated[int, engine_option("max_model_len")]
 MaxNumBatchedTokens = Annotated[int, engine_option("max_num_batched_tokens")]
 MaxNumSeqs = Annotated[int, engine_option("max_num_seqs")]
@@ -46,14 +45,16 @@ EXECUTORS = ("uni", "mp")
 LatencyModel = Annotated[
     Path | None,
     typer.Option(
-        "--latency-model",
         "--model",
         "-m",
         help="Latency model: the fitted step-latency model file (JSON from `llmvisor fit`). Default: the shipped "
-        "latency model. (--model is its older name.)",
+        "latency model.",
         dir_okay=False,
+        metavar="FILE",
     ),
 ]
+"""``--model`` is the latency model in every command (the engine model is ``--engine-model``); the older
+``--latency-model`` still works, with a warning (`llmvisor.cli.params.RENAMED_OPTIONS`)."""
 
 
 def engine_settings(

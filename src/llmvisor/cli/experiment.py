@@ -15,41 +15,42 @@ from rich.table import Table
 from llmvisor import shipped
 from llmvisor.cli import engine_options as eo
 from llmvisor.cli.console import print_table
+from llmvisor.cli.params import check_output_folder
 from llmvisor.errors import LlmvisorError
 from llmvisor.fairness.experiment import POLICIES, POLICY_LABELS, format_seconds, run_experiment, workload_tenants
 from llmvisor.fairness.fleet_experiment import FLEET_LABELS, fleet_tenants, run_fleet_experiment
-from llmvisor.profile.calibration_experiment import run_calibration_experiment
 
 
 def fairness(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for traces, logs, fairness.json and fairness.png.")] = Path("fairness-experiment"),
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for traces, logs, fairness.json and fairness.png.", file_okay=False, metavar="DIR")] = Path("fairness-experiment"),
     model: eo.LatencyModel = None,
     engine_model: eo.EngineModel = None,
-    policy: Annotated[list[str] | None, typer.Option(help="Policies to run: fcfs, tokens, attributed (repeat). Default: all three.")] = None,
-    tenants: Annotated[int, typer.Option(help="Tenants, 2 to 4: long-context and short-context alternately.")] = 2,
-    rate_rps: Annotated[float, typer.Option(help="Requests per second from each tenant (Poisson); high enough that all stay backlogged.")] = 16.0,
-    history_tokens: Annotated[int, typer.Option(help="Long-context tenants: tokens of conversation history (prefix-cached) in front of each prompt.")] = 1536,
-    conversations: Annotated[int, typer.Option(help="Long-context tenants: conversations, continued in turn; more than run at once, so running requests do not share a history.")] = 40,
-    shared_documents: Annotated[int, typer.Option(help="Add a tenant 'shared' whose requests continue one of this many documents (history-tokens long), so its running requests share cached KV blocks; 0: no such tenant.")] = 2,
-    prompt_tokens: Annotated[int, typer.Option(help="New prompt tokens per request (every tenant).")] = 64,
-    output_tokens: Annotated[int, typer.Option(help="Output tokens per request (every tenant).")] = 64,
-    duration_s: Annotated[float, typer.Option(help="Seconds of arrivals and measurement per policy.")] = 90.0,
-    warmup_s: Annotated[float, typer.Option(help="Seconds at the start left out of the figures (queues build up).")] = 10.0,
-    window_s: Annotated[float, typer.Option(help="Window of the per-tenant time series, in seconds.")] = 10.0,
+    policy: Annotated[list[str] | None, typer.Option(help="Policies to run: fcfs, tokens, attributed (repeat). Default: all three.", metavar="fcfs|tokens|attributed")] = None,
+    tenants: Annotated[int, typer.Option(help="Tenants, 2 to 4: long-context and short-context alternately.", min=2, max=4)] = 2,
+    rate_rps: Annotated[float, typer.Option(help="Requests per second from each tenant (Poisson); high enough that all stay backlogged.", min=0.01)] = 16.0,
+    history_tokens: Annotated[int, typer.Option(help="Long-context tenants: tokens of conversation history (prefix-cached) in front of each prompt.", min=1)] = 1536,
+    conversations: Annotated[int, typer.Option(help="Long-context tenants: conversations, continued in turn; more than run at once, so running requests do not share a history.", min=1)] = 40,
+    shared_documents: Annotated[int, typer.Option(help="Add a tenant 'shared' whose requests continue one of this many documents (history-tokens long), so its running requests share cached KV blocks; 0: no such tenant.", min=0)] = 2,
+    prompt_tokens: Annotated[int, typer.Option(help="New prompt tokens per request (every tenant).", min=1)] = 64,
+    output_tokens: Annotated[int, typer.Option(help="Output tokens per request (every tenant).", min=1)] = 64,
+    duration_s: Annotated[float, typer.Option(help="Seconds of arrivals and measurement per policy.", min=1)] = 90.0,
+    warmup_s: Annotated[float, typer.Option(help="Seconds at the start left out of the figures (queues build up).", min=0)] = 10.0,
+    window_s: Annotated[float, typer.Option(help="Window of the per-tenant time series, in seconds.", min=0.1)] = 10.0,
     max_model_len: eo.MaxModelLen = eo.MAX_MODEL_LEN,
     max_num_seqs: eo.MaxNumSeqs = eo.MAX_NUM_SEQS,
     max_num_batched_tokens: eo.MaxNumBatchedTokens = eo.MAX_NUM_BATCHED_TOKENS,
     kv_cache_gib: eo.KvCacheGib = eo.KV_CACHE_GIB,
     threads: eo.Threads = eo.THREADS,
     enforce_eager: eo.EnforceEager = eo.ENFORCE_EAGER,
-    seed: Annotated[int, typer.Option(help="Seed of arrivals, prompts and the engine's sampling (the same for every policy).")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of arrivals, prompts and the engine's sampling (the same for every policy).", min=0)] = 0,
     alone: Annotated[bool, typer.Option(help="Also run each tenant alone (at the total offered rate) for the model-free fairness figures.")] = True,
-    tpot_slo_s: Annotated[float, typer.Option(help="Also run attributed VTC with admission control at this TPOT SLO (seconds) for the admission figures; 0: no such run.")] = 0.05,
+    tpot_slo_s: Annotated[float, typer.Option(help="Also run attributed VTC with admission control at this TPOT SLO (seconds) for the admission figures; 0: no such run.", min=0)] = 0.05,
     analyse_only: Annotated[bool, typer.Option(help="Re-analyse the runs already in --output instead of running the engine.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print only the result JSON to stdout.")] = False,
 ) -> None:
     """Fair sharing on the real vLLM engine: FCFS vs token VTC vs attributed VTC, per tenant over time."""
     console = Console(stderr=True)
+    check_output_folder(output)
     settings = eo.engine_settings(
         engine_model,
         max_model_len=max_model_len,
@@ -148,33 +149,45 @@ def print_summary(console: Console, result: dict) -> None:
                     "" if deferral is None else f"{format_seconds(deferral['wait_s']['p50'])}/{format_seconds(deferral['wait_s']['p99'])}",
                 )
         print_table(table, console)
-    console.print(result["goals"])
+    console.print("goals:", highlight=False)
+    for name, value in result["goals"].items():
+        console.print(f"  {name.replace('_', ' ')}: {plain_value(value)}", highlight=False)
+
+
+def plain_value(value) -> str:
+    """A goal's figure or verdict in words: yes / no, a number to 3 significant figures, or – when not judged."""
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 def fleet(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for traces, logs, fleet.json and fleet.png.")] = Path("fleet-experiment"),
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for traces, logs, fleet.json and fleet.png.", file_okay=False, metavar="DIR")] = Path("fleet-experiment"),
     model: eo.LatencyModel = None,
     engine_model: eo.EngineModel = None,
-    policy: Annotated[list[str] | None, typer.Option(help="Runs: fcfs, local (per-replica VTC counters), shared (Redis-shared counters) (repeat). Default: all three.")] = None,
-    replicas: Annotated[int, typer.Option(help="vLLM OpenAI API servers behind vllm-router.")] = 3,
-    light_tenants: Annotated[int, typer.Option(help="Tenants light-1.. whose requests spread over every replica (a session key per request).")] = 3,
-    heavy_rate_rps: Annotated[float, typer.Option(help="Requests per second from tenant heavy (one session key: one replica), Poisson.")] = 6.0,
-    light_rate_rps: Annotated[float, typer.Option(help="Requests per second from each light tenant, Poisson.")] = 6.0,
-    prompt_tokens: Annotated[int, typer.Option(help="Prompt tokens per request (every tenant).")] = 64,
-    output_tokens: Annotated[int, typer.Option(help="Output tokens per request (every tenant).")] = 64,
-    duration_s: Annotated[float, typer.Option(help="Seconds of arrivals and measurement per run.")] = 90.0,
-    warmup_s: Annotated[float, typer.Option(help="Seconds at the start left out of the figures (queues build up).")] = 15.0,
-    max_model_len: Annotated[int, typer.Option(help="Each replica's --max-model-len.")] = 512,
-    max_num_seqs: Annotated[int, typer.Option(help="Each replica's --max-num-seqs (requests running at once; the rest queue in its scheduler).")] = 8,
-    max_num_batched_tokens: Annotated[int, typer.Option(help="Each replica's --max-num-batched-tokens.")] = 512,
-    kv_cache_gib: Annotated[int, typer.Option(help="Each replica's VLLM_CPU_KVCACHE_SPACE (GiB).")] = 1,
-    seed: Annotated[int, typer.Option(help="Seed of arrivals, prompts and the engines (the same for every run).")] = 0,
-    base_port: Annotated[int, typer.Option(help="Replicas listen on consecutive loopback ports from this one, then the router: the same ports every run put tenant heavy on the same replica. 0: any free ports.")] = 18400,
+    policy: Annotated[list[str] | None, typer.Option(help="Runs: fcfs, local (per-replica VTC counters), shared (Redis-shared counters) (repeat). Default: all three.", metavar="fcfs|local|shared")] = None,
+    replicas: Annotated[int, typer.Option(help="vLLM OpenAI API servers behind vllm-router.", min=1)] = 3,
+    light_tenants: Annotated[int, typer.Option(help="Tenants light-1.. whose requests spread over every replica (a session key per request).", min=1)] = 3,
+    heavy_rate_rps: Annotated[float, typer.Option(help="Requests per second from tenant heavy (one session key: one replica), Poisson.", min=0.01)] = 6.0,
+    light_rate_rps: Annotated[float, typer.Option(help="Requests per second from each light tenant, Poisson.", min=0.01)] = 6.0,
+    prompt_tokens: Annotated[int, typer.Option(help="Prompt tokens per request (every tenant).", min=1)] = 64,
+    output_tokens: Annotated[int, typer.Option(help="Output tokens per request (every tenant).", min=1)] = 64,
+    duration_s: Annotated[float, typer.Option(help="Seconds of arrivals and measurement per run.", min=1)] = 90.0,
+    warmup_s: Annotated[float, typer.Option(help="Seconds at the start left out of the figures (queues build up).", min=0)] = 15.0,
+    max_model_len: Annotated[int, typer.Option(help="Each replica's --max-model-len.", min=1)] = 512,
+    max_num_seqs: Annotated[int, typer.Option(help="Each replica's --max-num-seqs (requests running at once; the rest queue in its scheduler).", min=1)] = 8,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Each replica's --max-num-batched-tokens.", min=1)] = 512,
+    kv_cache_gib: Annotated[int, typer.Option(help="Each replica's VLLM_CPU_KVCACHE_SPACE (GiB).", min=1)] = 1,
+    seed: Annotated[int, typer.Option(help="Seed of arrivals, prompts and the engines (the same for every run).", min=0)] = 0,
+    base_port: Annotated[int, typer.Option(help="Replicas listen on consecutive loopback ports from this one, then the router: the same ports every run put tenant heavy on the same replica. 0: any free ports.", min=0, max=65535)] = 18400,
     analyse_only: Annotated[bool, typer.Option(help="Re-analyse the runs already in --output instead of starting servers.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print only the result JSON to stdout.")] = False,
 ) -> None:
     """Fair sharing across vLLM replicas behind vllm-router: FCFS vs per-replica vs Redis-shared attributed VTC."""
     console = Console(stderr=True)
+    check_output_folder(output)
     settings = eo.engine_settings(engine_model)
     workload = {
         "tenants": fleet_tenants(light_tenants, heavy_rate_rps=heavy_rate_rps, light_rate_rps=light_rate_rps, prompt_tokens=prompt_tokens, output_tokens=output_tokens),
@@ -226,27 +239,30 @@ def fleet(
 
 
 def calibration(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the sessions' traces, logs, the calibrated models and calibration.json.")] = Path("calibration-experiment"),
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the sessions' traces, logs, the calibrated models and calibration.json.", file_okay=False, metavar="DIR")] = Path("calibration-experiment"),
     engine_model: eo.EngineModel = None,
     workload: Annotated[
         list[str] | None,
-        typer.Option(help="Two shipped workloads (file stems) or CSV paths: the calibration session's, then the held-out session's. Default: azure-2023-conv, azure-2023-code."),
+        typer.Option(help="Two shipped workloads (file stems) or CSV paths: the calibration session's, then the held-out session's. Default: azure-2023-conv, azure-2023-code.", metavar="NAME|CSV"),
     ] = None,
-    phases: Annotated[str, typer.Option(help="Concurrent clients of each traffic phase, comma-separated.")] = "1,2,4,8,12,16,24",
+    phases: Annotated[str, typer.Option(help="Concurrent clients of each traffic phase, comma-separated.", metavar="N,N,...")] = "1,2,4,8,12,16,24",
     phase_s: Annotated[float, typer.Option(help="Seconds of each traffic phase.", min=1)] = 15.0,
-    canary: Annotated[str, typer.Option(help="The canary's requests, sent one at a time before each phase and after the last: PROMPTxOUTPUT tokens, comma-separated.")] = "384x16,1024x16",
+    canary: Annotated[str, typer.Option(help="The canary's requests, sent one at a time before each phase and after the last: PROMPTxOUTPUT tokens, comma-separated.", metavar="PxO,...")] = "384x16,1024x16",
     max_prompt_tokens: Annotated[int, typer.Option(help="Workload prompts longer than this are cut to it.", min=1)] = 1500,
     max_output_tokens: Annotated[int, typer.Option(help="Workload outputs longer than this are cut to it.", min=2)] = 48,
     kv_cache_gib: eo.KvCacheGib = eo.KV_CACHE_GIB,
-    seed: Annotated[int, typer.Option(help="Seed of the calibration session's request draws and prompts (the held-out session: seed + 1).")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the calibration session's request draws and prompts (the held-out session: seed + 1).", min=0)] = 0,
     profile: Annotated[bool, typer.Option(help="Also calibrate by profiling the served settings (llmvisor calibrate --fingerprint; about 3 minutes).")] = True,
-    profile_points: Annotated[int, typer.Option(help="--points of the profile.")] = 12,
-    profile_max_decode_steps: Annotated[int, typer.Option(help="--max-decode-steps of the profile.")] = 16,
+    profile_points: Annotated[int, typer.Option(help="--points of the profile.", min=1)] = 12,
+    profile_max_decode_steps: Annotated[int, typer.Option(help="--max-decode-steps of the profile.", min=1)] = 16,
     analyse_only: Annotated[bool, typer.Option(help="Re-analyse the sessions already in --output (the live fit is redone; a profile already there is kept).")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print only the result JSON to stdout.")] = False,
 ) -> None:
     """Calibration on the served engine: fit on one served session, score on a held-out one, against the canary's noise floor."""
+    from llmvisor.profile.calibration_experiment import run_calibration_experiment
+
     console = Console(stderr=True)
+    check_output_folder(output)
     settings = eo.engine_settings(engine_model)
     stems = workload or ["azure-2023-conv", "azure-2023-code"]
     if len(stems) != 2:

@@ -10,8 +10,6 @@ from typing import Annotated
 import typer
 
 from llmvisor.errors import LlmvisorError
-from llmvisor.service.fleet import FleetSettings, load_fleet
-from llmvisor.service.load import load_targets
 
 
 def load(
@@ -23,9 +21,9 @@ def load(
             "database (load runs are stored there). A server is started for each.",
         ),
     ] = None,
-    url: Annotated[str | None, typer.Option(help="Load an already running service on loopback instead (needs --api-key).")] = None,
-    api_key: Annotated[str | None, typer.Option(help="Admin key for --url.")] = None,
-    model: Annotated[Path | None, typer.Option(help="Latency model JSON; default: one fitted on synthetic steps.")] = None,
+    url: Annotated[str | None, typer.Option(help="Load an already running service on loopback instead (needs --api-key).", metavar="URL")] = None,
+    api_key: Annotated[str | None, typer.Option(help="Admin key for --url.", metavar="KEY")] = None,
+    model: Annotated[Path | None, typer.Option("--model", "-m", help="Latency model JSON; default: one fitted on synthetic steps.", dir_okay=False, metavar="FILE")] = None,
     steps: Annotated[int, typer.Option(help="Steps to send per target.", min=1, max=2_000_000)] = 60_000,
     batch_size: Annotated[int, typer.Option(help="Requests per step (B).", min=1, max=1024)] = 32,
     steps_per_request: Annotated[int, typer.Option(help="Steps per POST.", min=1, max=20_000)] = 1000,
@@ -50,6 +48,9 @@ def load(
 ) -> None:
     """Measure sustained ingest throughput (steps/s) on loopback, or with --engines a fleet's accepted rate,
     latency and staleness; bounded by --steps and --max-seconds."""
+    from llmvisor.service.fleet import FleetSettings, load_fleet
+    from llmvisor.service.load import load_targets
+
     if engines is not None:
         if url is not None:
             raise LlmvisorError("--engines starts its own service processes; it does not take --url")

@@ -17,9 +17,14 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
-from llmvisor import extras
+from llmvisor import __version__, extras
+from llmvisor.cli import params
 from llmvisor.cli.console import print_table, stderr, stdout
 from llmvisor.errors import LlmvisorError
+
+ClickException = getattr(typer, "TyperException", None)  # typer 0.2x: the base of the click errors it raises
+if ClickException is None:  # older typer raises click's own
+    from click.exceptions import ClickException
 
 ADAPTERS: dict[str, dict[str, tuple[str, str, tuple[str, ...]]]] = {
     "": {
@@ -52,10 +57,17 @@ ADAPTERS: dict[str, dict[str, tuple[str, str, tuple[str, ...]]]] = {
 imported only when run or listed in help, so `llmvisor fit` never imports the service, an engine or a plot."""
 
 
+TYPER_SETTINGS = {"add_completion": False, "pretty_exceptions_enable": False, "rich_markup_mode": None}
+"""Every Typer app of the command line: plain (click) help, which wraps the help text and never cuts an option
+name, where rich's help table cuts long names at 80 columns; tracebacks of real bugs stay plain too."""
+
+
 class AdapterGroup(TyperGroup):
     """A command group that also offers the ADAPTERS of its group, each imported on first use.
 
-    A command whose extra is missing is replaced by one that prints the install hint (exit 2) for any arguments.
+    Every command it hands out gets readable metavars (`params.tidy`) and has old option spellings rewritten
+    with a warning (`params.rename_deprecated`); command-line mistakes click finds (a missing option, a count
+    below its floor) end as one line on stderr and exit 2, as user errors do.
     """
 
     group = ""
@@ -67,7 +79,40 @@ class AdapterGroup(TyperGroup):
         if name in ADAPTERS[self.group] and name not in self.commands:
             self.commands[name] = adapter_command(" ".join(filter(None, ("llmvisor", self.group, name))), *ADAPTERS[self.group][name])
             self.commands[name].name = name
-        return super().get_command(ctx, name)
+        command = super().get_command(ctx, name)
+        return command if command is None else params.tidy(command, ctx)
+
+    def resolve_command(self, ctx, args):
+        name, command, rest = super().resolve_command(ctx, args)
+        if command is not None and not isinstance(command, TyperGroup):
+            rest = params.rename_deprecated(command, rest, warn)
+        return name, command, rest
+
+    def format_help(self, ctx, formatter):
+        params.tidy(self, ctx)
+        return super().format_help(ctx, formatter)
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except ClickException as error:
+            if type(error).__name__ == "NoArgsIsHelpError":  # its message is the help (typer tells it by name too)
+                error.show()
+                sys.exit(error.exit_code)
+            context = getattr(error, "ctx", None)
+            see = f" (see `{context.command_path} --help`)" if context is not None else ""
+            stderr.print(f"[bold red]error:[/] {escape(error.format_message())}{escape(see)}", highlight=False, soft_wrap=True)
+            sys.exit(2 if error.exit_code == 2 else error.exit_code)
+        except typer.Abort:
+            stderr.print("aborted", highlight=False)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def warn(message: str) -> None:
+    stderr.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def adapter_group(group: str) -> type[AdapterGroup]:
@@ -75,15 +120,40 @@ def adapter_group(group: str) -> type[AdapterGroup]:
 
 
 def adapter_command(command_line: str, module: str, function: str, needs: tuple[str, ...]):
+    """The command `function` of `module`; with its extra missing, one whose --help still shows its options (and
+    the extra to install) and which otherwise prints the install hint and exits 2, whatever the arguments."""
     missing = extras.missing_modules(*needs)
-    if missing:
-        return missing_extra_command(extras.hint(command_line, *needs, missing=missing))
-    single = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    command = getattr(importlib.import_module(module), function)
-    if "vllm" in needs:
-        command = checking_torch_addons(command_line, command)
-    single.command()(user_errors(command))
-    return typer.main.get_command(single)
+    hint = extras.hint(command_line, *needs, missing=missing) if missing else None
+    try:
+        callback = getattr(importlib.import_module(module), function)
+    except ImportError:
+        if hint is None:
+            raise
+        return missing_extra_command(hint)
+    single = typer.Typer(**TYPER_SETTINGS)
+    if hint is None:
+        if "vllm" in needs:
+            callback = checking_torch_addons(command_line, callback)
+        single.command()(user_errors(callback))
+        return typer.main.get_command(single)
+    summary = f"(not installed) {hint}"
+    single.command(cls=NeedsExtraCommand, help=f"{summary}\n\n{callback.__doc__ or ''}")(callback)
+    command = typer.main.get_command(single)
+    command.hint = hint
+    return command
+
+
+class NeedsExtraCommand(typer.core.TyperCommand):
+    """A command whose extra is missing: --help shows its options; any other use prints the hint, exit 2."""
+
+    hint = ""
+
+    def parse_args(self, ctx, args):
+        words = args[: args.index("--")] if "--" in args else args
+        if any(word in ctx.help_option_names for word in words):
+            return super().parse_args(ctx, args)
+        stderr.print(f"[bold red]error:[/] {escape(self.hint)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=2)
 
 
 def checking_torch_addons(command_line: str, command):
@@ -99,11 +169,11 @@ def checking_torch_addons(command_line: str, command):
 
 
 def missing_extra_command(message: str):
-    """Stands in for a command whose extra is missing: whatever the arguments (--help too), one line and exit 2."""
-    single = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    """Stands in for a command whose module cannot be imported without its extra: one line and exit 2."""
+    single = typer.Typer(**TYPER_SETTINGS)
 
     @single.command(
-        help=escape(f"(not installed) {message}"),
+        help=f"(not installed) {message}",
         context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
         add_help_option=False,
     )
@@ -118,21 +188,33 @@ app = typer.Typer(
     name="llmvisor",
     help="Measure, model and attribute co-batched LLM engine steps to requests and tenants.",
     no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
     cls=adapter_group(""),
+    **TYPER_SETTINGS,
 )
-keys_app = typer.Typer(cls=adapter_group("keys"), help="API keys of the accounting service.", no_args_is_help=True)
+keys_app = typer.Typer(cls=adapter_group("keys"), help="API keys of the accounting service.", no_args_is_help=True, **TYPER_SETTINGS)
 app.add_typer(keys_app, name="keys")
-ledger_app = typer.Typer(cls=adapter_group("ledger"), help="The accounting service's ledger database.", no_args_is_help=True)
+ledger_app = typer.Typer(cls=adapter_group("ledger"), help="The accounting service's ledger database.", no_args_is_help=True, **TYPER_SETTINGS)
 app.add_typer(ledger_app, name="ledger")
-models_app = typer.Typer(cls=adapter_group("models"), help="Fitted models per engine class (the service's registry).", no_args_is_help=True)
+models_app = typer.Typer(cls=adapter_group("models"), help="Fitted models per engine class (the service's registry).", no_args_is_help=True, **TYPER_SETTINGS)
 app.add_typer(models_app, name="models")
-experiment_app = typer.Typer(cls=adapter_group("experiment"), help="Experiments on the real engine.", no_args_is_help=True)
+experiment_app = typer.Typer(cls=adapter_group("experiment"), help="Experiments on the real engine.", no_args_is_help=True, **TYPER_SETTINGS)
 app.add_typer(experiment_app, name="experiment")
 
 
-TracePaths = Annotated[list[Path], typer.Argument(help="Step-trace files (.jsonl, .csv, .parquet).")]
+def print_version(value: bool) -> None:
+    if value:
+        stdout.print(f"llmvisor {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def llmvisor_options(
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.", callback=print_version, is_eager=True)] = False,
+) -> None:
+    """Measure, model and attribute co-batched LLM engine steps to requests and tenants."""
+
+
+TracePaths = Annotated[list[Path], typer.Argument(help="Step-trace files (.jsonl, .csv, .parquet).", metavar="TRACE", dir_okay=False)]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print only JSON to stdout.")]
 
 
@@ -195,9 +277,9 @@ def model_params(segments: str, ols: bool, outlier_threshold: str, keep_warmup: 
     }
 
 
-SegmentsOption = Annotated[str, typer.Option(help="auto (cross-validated boundary or none), none, or a boundary in new tokens per step.")]
+SegmentsOption = Annotated[str, typer.Option(help="auto (cross-validated boundary or none), none, or a boundary in new tokens per step.", metavar="auto|none|N")]
 OlsOption = Annotated[bool, typer.Option("--ols", help="Plain least squares (the paper's variant) instead of NNLS.")]
-OutlierOption = Annotated[str, typer.Option(help="Drop steps slower than the first fit by median + K·MAD of relative residuals; 'none' keeps all.")]
+OutlierOption = Annotated[str, typer.Option(help="Drop steps slower than the first fit by median + K·MAD of relative residuals; 'none' keeps all.", metavar="K|none")]
 WarmupOption = Annotated[bool, typer.Option("--keep-warmup", help="Fit on steps marked is_warmup too.")]
 
 
@@ -215,7 +297,7 @@ def coefficient_table(model) -> Table:
 @user_errors
 def fit(
     traces: TracePaths,
-    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the model JSON.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the model JSON.", dir_okay=False, metavar="FILE")],
     segments: SegmentsOption = "auto",
     ols: OlsOption = False,
     outlier_threshold: OutlierOption = "5",
@@ -226,6 +308,7 @@ def fit(
     from llmvisor.core.model import StepLatencyModel
     from llmvisor.core.trace import read_traces
 
+    params.check_output_file(output)
     trace = read_traces(traces)
     model = StepLatencyModel(**model_params(segments, ols, outlier_threshold, keep_warmup)).fit(trace)
     model.to_json(output)
@@ -325,10 +408,10 @@ def expand_multi_file_flags(args: list[str], flags: tuple[str, ...]) -> list[str
 @app.command("eval", cls=MultiFileOptionsCommand)
 @user_errors
 def eval_command(
-    train: Annotated[list[Path], typer.Option("--train", help="Traces to fit on (several may follow one --train).")],
-    test: Annotated[list[Path], typer.Option("--test", help="Held-out traces (other runs) to judge on (several may follow one --test).")],
+    train: Annotated[list[Path], typer.Option("--train", help="Traces to fit on (several may follow one --train).", dir_okay=False, metavar="TRACE")],
+    test: Annotated[list[Path], typer.Option("--test", help="Held-out traces (other runs) to judge on (several may follow one --test).", dir_okay=False, metavar="TRACE")],
     json_output: JsonFlag = False,
-    bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples for the 95% intervals.")] = 1000,
+    bootstrap: params.Bootstrap = 1000,
     segments: SegmentsOption = "auto",
     ols: OlsOption = False,
     outlier_threshold: OutlierOption = "5",
@@ -339,9 +422,12 @@ def eval_command(
     from llmvisor.core.trace import read_traces
     from llmvisor.evaluation.heldout import evaluate, to_json_ready
 
+    train_trace, test_trace = read_traces(train), read_traces(test)
+    if test_trace.n_steps == 0:
+        raise LlmvisorError(f"{', '.join(map(str, test))}: no steps to evaluate on (--test)")
     result = evaluate(
-        read_traces(train),
-        read_traces(test),
+        train_trace,
+        test_trace,
         llmvisor_params=model_params(segments, ols, outlier_threshold, keep_warmup),
         n_bootstrap=bootstrap,
     )
@@ -364,16 +450,16 @@ def eval_command(
 @user_errors
 def attribute_command(
     traces: TracePaths,
-    model: Annotated[Path, typer.Option("--model", help="Model JSON from `llmvisor fit`.")],
-    by: Annotated[str, typer.Option(help="tenant or request")] = "tenant",
-    rule: Annotated[str, typer.Option(help="shapley (default), proportional or paper")] = "shapley",
+    model: Annotated[Path, typer.Option("--model", "-m", help="Latency model JSON from `llmvisor fit`.", dir_okay=False, metavar="FILE")],
+    by: Annotated[str, typer.Option(help="Attribute to each tenant or each request.", metavar="tenant|request")] = "tenant",
+    rule: Annotated[str, typer.Option(help="Attribution rule.", metavar="shapley|proportional|paper")] = "shapley",
     json_output: JsonFlag = False,
-    top: Annotated[int, typer.Option(help="Rows to show in the table (JSON holds all).")] = 20,
+    top: Annotated[int, typer.Option(help="Rows to show in the table (JSON holds all).", min=1)] = 20,
 ) -> None:
     """Attribute every step's measured time to requests or tenants (streaming; memory stays bounded)."""
     from llmvisor.core.attribution import RULES, AttributionRule, aggregate, attribute
     from llmvisor.core.model import StepLatencyModel
-    from llmvisor.core.trace import iter_trace
+    from llmvisor.core.trace import iter_traces
 
     if by not in ("tenant", "request"):
         raise LlmvisorError(f"--by: expected tenant or request, got {by!r}")
@@ -385,14 +471,15 @@ def attribute_command(
     measured_s = 0.0
     n_steps = 0
     n_equal_split = 0
-    for path in traces:
-        for piece in iter_trace(path):
-            result = attribute(fitted, piece, rule)
-            measured_s += float(result.total_measured_s)
-            n_steps += piece.n_steps
-            n_equal_split += result.n_equal_split
-            for key, value in aggregate(piece, result, by).items():
-                totals[key] = totals.get(key, 0.0) + value
+    for piece in iter_traces(traces):
+        result = attribute(fitted, piece, rule)
+        measured_s += float(result.total_measured_s)
+        n_steps += piece.n_steps
+        n_equal_split += result.n_equal_split
+        for key, value in aggregate(piece, result, by).items():
+            totals[key] = totals.get(key, 0.0) + value
+    if n_steps == 0:
+        raise LlmvisorError(f"{', '.join(map(str, traces))}: no steps to attribute")
     attributed_s = float(sum(totals.values()))
     output = {
         "rule": rule.value,
@@ -460,13 +547,15 @@ def bench(json_output: JsonFlag = False) -> None:
 @app.command()
 @user_errors
 def demo(
-    output_dir: Annotated[Path, typer.Option("-o", "--output-dir", help="Folder for the HTML report, model and summary.")] = Path("llmvisor-report"),
+    output_dir: Annotated[Path, typer.Option("-o", "--output", help="Folder for the HTML report, model and summary.", file_okay=False, metavar="DIR")] = Path("llmvisor-report"),
     json_output: JsonFlag = False,
-    bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples for the 95% intervals.")] = 1000,
+    bootstrap: params.Bootstrap = 1000,
 ) -> None:
     """Fit on the shipped vLLM sweep, evaluate on held-out workloads, attribute per tenant, write a report."""
     extras.require("llmvisor demo", "eval", "report")
     from llmvisor.report.demo import run_demo
+
+    params.check_output_folder(output_dir)
 
     with stderr.status("demo") as status:
         outcome = run_demo(output_dir, n_bootstrap=bootstrap, progress=lambda message: status.update(message))

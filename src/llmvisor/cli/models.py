@@ -11,19 +11,19 @@ import typer
 
 from llmvisor.cli.serve import DEFAULT_DB_URL, DbOption, JsonOption, echo_json
 from llmvisor.core.model import StepLatencyModel
-from llmvisor.ledger import Ledger
 
-ClassOption = Annotated[str | None, typer.Option("--class", help="Engine class: the engine fingerprint id its steps carry.")]
+ClassOption = Annotated[str | None, typer.Option("--class", help="Engine class: the engine fingerprint id its steps carry.", metavar="ID")]
 
 
 def models_add(
-    model_file: Annotated[Path, typer.Argument(help="A fitted model (JSON, `llmvisor fit -o`).", dir_okay=False)],
+    model_file: Annotated[Path, typer.Argument(help="A fitted model (JSON, `llmvisor fit -o`).", dir_okay=False, metavar="MODEL")],
     engine_class: ClassOption = None,
     activate_it: Annotated[bool, typer.Option("--activate", help="Make it the class's active model (attributes its pending steps).")] = False,
     db: DbOption = DEFAULT_DB_URL,
     json_output: JsonOption = False,
 ) -> None:
     """Store a fitted model as the next version of its engine class (default: the fingerprint it was fitted on)."""
+    from llmvisor.ledger import Ledger
     from llmvisor.service.registry import activate, model_class
 
     model = StepLatencyModel.from_json(model_file)
@@ -43,6 +43,8 @@ def models_add(
 
 def models_list(db: DbOption = DEFAULT_DB_URL, json_output: JsonOption = False) -> None:
     """List the stored model versions per engine class, and which is active."""
+    from llmvisor.ledger import Ledger
+
     ledger = Ledger(db)
     try:
         versions = ledger.list_models()
@@ -71,6 +73,7 @@ def models_activate(
 ) -> None:
     """Make a stored version the one attributing its class, and attribute the class's pending steps with it.
     Steps already attributed keep their shares (bills are never rewritten)."""
+    from llmvisor.ledger import Ledger
     from llmvisor.service.registry import activate
 
     ledger = Ledger(db)
@@ -87,15 +90,16 @@ def models_activate(
 
 
 def refit(
-    engine_class: Annotated[str, typer.Option("--class", help="Engine class (fingerprint id) to refit.")],
-    trace: Annotated[list[Path] | None, typer.Option("--trace", help="Fit from these trace files instead of the ledger (repeatable).")] = None,
-    test_fraction: Annotated[float, typer.Option(help="Newest fraction of the steps held out to compare the models.")] = 0.2,
+    engine_class: Annotated[str, typer.Option("--class", help="Engine class (fingerprint id) to refit.", metavar="ID")],
+    trace: Annotated[list[Path] | None, typer.Option("--from-trace", help="Fit on these trace files instead of the ledger (repeatable), as `llmvisor calibrate --from-trace` does.", dir_okay=False, metavar="TRACE")] = None,
+    test_fraction: Annotated[float, typer.Option(help="Newest fraction of the steps held out to compare the models.", min=0.0, max=1.0)] = 0.2,
     newest_steps: Annotated[int, typer.Option(help="Steps of the class read from the ledger (the newest).", min=1)] = 20_000,
     db: DbOption = DEFAULT_DB_URL,
     json_output: JsonOption = False,
 ) -> None:
     """Fit a new version of a class's model from its recent steps; activate it only if it predicts the newest
     (held-out) steps better than the active version. The new version is stored either way."""
+    from llmvisor.ledger import Ledger
     from llmvisor.service.refit import refit_class
 
     ledger = Ledger(db)
@@ -146,6 +150,7 @@ def adjust(
 ) -> None:
     """Correct a period's bills after a refit: re-attribute the class's billed steps with a newer model version
     and write one adjustment entry per tenant (re-attributed minus billed, summing to 0). Bills are never rewritten."""
+    from llmvisor.ledger import Ledger
     from llmvisor.service.adjust import adjust_period
 
     start_us, end_us = _whole_second_us("--start", start), _whole_second_us("--end", end)

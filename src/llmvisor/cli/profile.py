@@ -14,6 +14,7 @@ import typer
 
 from llmvisor import shipped
 from llmvisor.cli import engine_options as eo
+from llmvisor.cli import params
 from llmvisor.cli.console import stdout_to_stderr
 from llmvisor.core.trace import read_trace, write_trace
 from llmvisor.errors import LlmvisorError
@@ -25,24 +26,24 @@ PLANS = ("sweep", "workload")
 
 
 def profile(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Trace to write (.parquet, with metadata).")],
-    plan: Annotated[str, typer.Option(help="sweep: space-filling episodes over the engine envelope; workload: replay --workload CSVs.")] = "sweep",
-    engine_model: eo.EngineModelOrOldModel = None,
-    workload: Annotated[list[Path] | None, typer.Option(help="Request-length CSV (num_prefill_tokens, num_decode_tokens[, arrived_at]); repeat for a multi-tenant mix, one tenant per file.")] = None,
-    points: Annotated[int, typer.Option(help="sweep: number of design points (episodes).")] = 48,
-    repeat: Annotated[int, typer.Option(help="Run the whole plan this many times with identical batches; 2 or more measures the noise floor.")] = 1,
-    max_decode_steps: Annotated[int, typer.Option(help="sweep: most decode steps of an episode.")] = 24,
-    max_episode_tokens: Annotated[int, typer.Option(help="sweep: most prompt tokens of an episode (pools are shrunk to fit).")] = 65536,
-    num_requests: Annotated[int, typer.Option(help="workload: requests taken from each CSV, consecutive from --start-row.")] = 200,
-    start_row: Annotated[int, typer.Option(help="workload: first CSV row (0-based) taken.")] = 0,
-    lengths: Annotated[str, typer.Option(help="workload: fit lengths to max_model_len by 'clip' or 'scale'.")] = "clip",
-    tenants: Annotated[int, typer.Option(help="workload: tenants assigned round-robin within a single CSV.")] = 1,
-    arrival: Annotated[str, typer.Option(help="workload: 'closed' (fixed --concurrency) or 'trace' (arrived_at times --time-scale).")] = "closed",
-    concurrency: Annotated[int, typer.Option(help="workload, closed loop: requests in flight.")] = 16,
-    time_scale: Annotated[float, typer.Option(help="workload, trace arrivals: multiply arrived_at by this.")] = 1.0,
-    max_seconds: Annotated[float | None, typer.Option(help="workload: stop submitting and abort after this many seconds per repeat.")] = None,
-    shared_documents: Annotated[int, typer.Option(help="workload: prompts start with one of this many shared documents (request k: document k mod N); 0: none.")] = 0,
-    document_tokens: Annotated[int, typer.Option(help="workload: tokens of each shared document, prepended to the row's prompt.")] = 0,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Trace to write (.parquet, with metadata).", dir_okay=False, metavar="FILE")],
+    plan: Annotated[str, typer.Option(help="sweep: space-filling episodes over the engine envelope; workload: replay --workload CSVs.", metavar="sweep|workload")] = "sweep",
+    engine_model: eo.EngineModel = None,
+    workload: Annotated[list[Path] | None, typer.Option(help="Request-length CSV (num_prefill_tokens, num_decode_tokens[, arrived_at]); repeat for a multi-tenant mix, one tenant per file.", dir_okay=False, metavar="CSV")] = None,
+    points: Annotated[int, typer.Option(help="sweep: number of design points (episodes).", min=1)] = 48,
+    repeat: Annotated[int, typer.Option(help="Run the whole plan this many times with identical batches; 2 or more measures the noise floor.", min=1)] = 1,
+    max_decode_steps: Annotated[int, typer.Option(help="sweep: most decode steps of an episode.", min=1)] = 24,
+    max_episode_tokens: Annotated[int, typer.Option(help="sweep: most prompt tokens of an episode (pools are shrunk to fit).", min=1)] = 65536,
+    num_requests: Annotated[int, typer.Option(help="workload: requests taken from each CSV, consecutive from --start-row.", min=1)] = 200,
+    start_row: Annotated[int, typer.Option(help="workload: first CSV row (0-based) taken.", min=0)] = 0,
+    lengths: Annotated[str, typer.Option(help="workload: fit lengths to max_model_len by 'clip' or 'scale'.", metavar="clip|scale")] = "clip",
+    tenants: Annotated[int, typer.Option(help="workload: tenants assigned round-robin within a single CSV.", min=1)] = 1,
+    arrival: Annotated[str, typer.Option(help="workload: 'closed' (fixed --concurrency) or 'trace' (arrived_at times --time-scale).", metavar="closed|trace")] = "closed",
+    concurrency: Annotated[int, typer.Option(help="workload, closed loop: requests in flight.", min=1)] = 16,
+    time_scale: Annotated[float, typer.Option(help="workload, trace arrivals: multiply arrived_at by this.", min=0)] = 1.0,
+    max_seconds: Annotated[float | None, typer.Option(help="workload: stop submitting and abort after this many seconds per repeat.", min=0)] = None,
+    shared_documents: Annotated[int, typer.Option(help="workload: prompts start with one of this many shared documents (request k: document k mod N); 0: none.", min=0)] = 0,
+    document_tokens: Annotated[int, typer.Option(help="workload: tokens of each shared document, prepended to the row's prompt.", min=0)] = 0,
     max_model_len: eo.MaxModelLen = eo.MAX_MODEL_LEN,
     max_num_batched_tokens: eo.MaxNumBatchedTokens = eo.MAX_NUM_BATCHED_TOKENS,
     max_num_seqs: eo.MaxNumSeqs = eo.MAX_NUM_SEQS,
@@ -50,16 +51,16 @@ def profile(
     threads: eo.Threads = eo.THREADS,
     executor: eo.Executor = eo.EXECUTOR,
     enforce_eager: eo.EnforceEager = eo.ENFORCE_EAGER,
-    warmup_steps: Annotated[int, typer.Option(help="Steps after engine start marked is_warmup.")] = 3,
-    warmup_seconds: Annotated[float, typer.Option(help="Also mark is_warmup every step starting within this many seconds of the first.")] = 0.0,
+    warmup_steps: Annotated[int, typer.Option(help="Steps after engine start marked is_warmup.", min=0)] = 3,
+    warmup_seconds: Annotated[float, typer.Option(help="Also mark is_warmup every step starting within this many seconds of the first.", min=0)] = 0.0,
     run_id: Annotated[str | None, typer.Option(help="Run id written on every row. Default: from the plan and the time.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the design, the prompts, the decode subsets and the engine's sampling.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the design, the prompts, the decode subsets and the engine's sampling.", min=0)] = 0,
     keep_jsonl: Annotated[bool, typer.Option(help="Keep the JSONL the recorder wrote, beside the output.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print a JSON summary (run, steps, coverage, noise floor, overhead) to stdout; progress stays on stderr.")] = False,
-    canary_every: Annotated[int, typer.Option(help="sweep: run the fixed canary episode before the sweep, after every this many episodes and at the end, to measure drift (0: no canaries).")] = 8,
-    drift_threshold: Annotated[float, typer.Option(help="A canary run whose steps are slower or faster than the median run by more than this fraction drifts; the steps around it are flagged is_drifted.")] = DEFAULT_DRIFT_THRESHOLD,
+    canary_every: Annotated[int, typer.Option(help="sweep: run the fixed canary episode before the sweep, after every this many episodes and at the end, to measure drift (0: no canaries).", min=0)] = 8,
+    drift_threshold: Annotated[float, typer.Option(help="A canary run whose steps are slower or faster than the median run by more than this fraction drifts; the steps around it are flagged is_drifted.", min=0)] = DEFAULT_DRIFT_THRESHOLD,
     prefix_caching: Annotated[bool, typer.Option(help="Prefix caching, on by default as in vLLM (the sweep's shared-prefix episodes and --shared-documents need it); --no-prefix-caching computes every context.")] = True,
-    cores: Annotated[str | None, typer.Option(help="Pin the engine to these CPU cores (e.g. '0' or '0-3,6'), as the served engine is pinned; sets the thread count to their number unless --threads is given.")] = None,
+    cores: Annotated[str | None, typer.Option(help="Pin the engine to these CPU cores (e.g. '0' or '0-3,6'), as the served engine is pinned; sets the thread count to their number unless --threads is given.", metavar="CORES")] = None,
 ) -> None:
     """Profile a vLLM engine in this process and write its step trace."""
     from rich.console import Console
@@ -70,6 +71,7 @@ def profile(
         raise LlmvisorError(f"--plan: unknown plan {plan!r}; expected one of {', '.join(PLANS)}")
     if Path(output).suffix.lower() != ".parquet":
         raise LlmvisorError(f"{output}: output must be a .parquet file (it carries the trace metadata)")
+    params.check_output_file(Path(output))
     if repeat < 1:
         raise LlmvisorError(f"--repeat: must be at least 1 (got {repeat})")
     if plan == "workload" and not workload:
@@ -117,7 +119,6 @@ def profile(
         run_id = f"{label}-{stamp}"
 
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
     jsonl_path = output.with_suffix(".recording.jsonl")
     if jsonl_path.exists():
         jsonl_path.unlink()

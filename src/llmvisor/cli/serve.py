@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
@@ -12,8 +13,6 @@ import typer
 
 from llmvisor import shipped
 from llmvisor.errors import LlmvisorError
-from llmvisor.ledger import Ledger
-from llmvisor.ledger.keys import split_key
 
 DEFAULT_DB_URL = "sqlite:///llmvisor.db"
 DbOption = Annotated[
@@ -21,6 +20,7 @@ DbOption = Annotated[
     typer.Option(
         "--db",
         help="Ledger database URL: sqlite:///PATH (WAL mode) or postgresql+psycopg://USER:PASSWORD@HOST:PORT/DB.",
+        metavar="URL",
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print only JSON to stdout.")]
@@ -33,11 +33,12 @@ def echo_json(data) -> None:
 def serve(
     model: Annotated[
         Path | None,
-        typer.Option("--model", help="Fitted latency model (JSON) attributing steps whose engine class has no active model in the "
-                     "registry (`llmvisor models`; `llmvisor calibrate` fits one to the served engine). Default: the shipped latency model.", dir_okay=False),
+        typer.Option("--model", "-m", help="Fitted latency model (JSON) attributing steps whose engine class has no active model in the "
+                     "registry (`llmvisor models`; `llmvisor calibrate` fits one to the served engine). Default: the shipped latency model.",
+                     dir_okay=False, metavar="FILE"),
     ] = None,
     db: DbOption = DEFAULT_DB_URL,
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help="Address to listen on.", metavar="ADDRESS")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (not 8000: vLLM's OpenAI server listens there by default).", min=1, max=65535)] = 8080,
     max_body_mb: Annotated[float, typer.Option(help="Largest POST /v1/steps body accepted (MiB); larger is a 413.", min=0.001)] = 64.0,
     max_steps_per_request: Annotated[int, typer.Option(help="Most steps in one POST /v1/steps.", min=1)] = 20_000,
@@ -52,7 +53,7 @@ def serve(
     drift_band: Annotated[float, typer.Option(help="Drift alarm: the band the median signed relative residual of a class must stay in (+-).", min=0.0)] = 0.10,
     drift_window_steps: Annotated[int, typer.Option(help="Drift: steps per class in the residual window.", min=1)] = 2000,
     drift_alarm_steps: Annotated[int, typer.Option(help="Drift alarm: steps the median must stay outside the band.", min=1)] = 500,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.", metavar="critical|error|warning|info|debug|trace")] = "info",
 ) -> None:
     """Run the accounting service: ingest steps, attribute them, keep the ledger, answer usage queries."""
     import uvicorn
@@ -64,7 +65,9 @@ def serve(
         model = shipped.latency_model_path()
     if not model.is_file():
         raise LlmvisorError(f"{model}: no such model file (fit one with `llmvisor fit`)")
-    app = create_app(
+    listening = bind_listening_socket(host, port)  # before the ledger exists: a busy port leaves nothing behind
+    try:
+        app = create_app(
         model,
         db,
         max_body_bytes=int(max_body_mb * 1024 * 1024),
@@ -74,8 +77,31 @@ def serve(
         pending_unknown_classes=pending_unknown_classes,
         drift=DriftSettings(band=drift_band, window_steps=drift_window_steps,
                             min_window_steps=min(200, drift_window_steps), alarm_after_steps=drift_alarm_steps),
-    )
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+        )
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10))
+        server.run(sockets=[listening])
+    finally:
+        listening.close()
+    if not server.started:
+        raise typer.Exit(code=3)  # uvicorn's own exit code when the application fails to start
+
+
+def bind_listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` for the server to listen on, as uvicorn binds it; a port another process
+    holds, or an address this machine does not have, is one line naming it."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as error:
+        raise LlmvisorError(f"--host {host}: not an address to listen on ({error.strerror})") from None
+    listening = socket.socket(family, kind, proto)
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listening.bind(address)
+    except OSError as error:
+        listening.close()
+        raise LlmvisorError(f"--port {port}: cannot listen on {host}:{port} ({error.strerror}); is another server running there?") from None
+    listening.set_inheritable(True)
+    return listening
 
 
 def keys_create(
@@ -85,6 +111,9 @@ def keys_create(
     json_output: JsonOption = False,
 ) -> None:
     """Create an API key and print it once; only its hash is stored."""
+    from llmvisor.ledger import Ledger
+    from llmvisor.ledger.keys import split_key
+
     if admin == (tenant is not None):
         raise LlmvisorError("give --tenant T for a tenant key or --admin for an admin key (not both)")
     ledger = Ledger(db)
@@ -100,6 +129,8 @@ def keys_create(
 
 def keys_list(db: DbOption = DEFAULT_DB_URL, json_output: JsonOption = False) -> None:
     """List API keys (ids, tenants, roles; never the secrets)."""
+    from llmvisor.ledger import Ledger
+
     ledger = Ledger(db)
     try:
         keys = ledger.list_keys()
@@ -135,6 +166,8 @@ def keys_revoke(
     json_output: JsonOption = False,
 ) -> None:
     """Revoke an API key; requests with it are refused from then on."""
+    from llmvisor.ledger import Ledger
+
     ledger = Ledger(db)
     try:
         revoked = ledger.revoke_key(key_id)
@@ -149,8 +182,8 @@ def keys_revoke(
 
 
 def ledger_migrate(
-    source: Annotated[str, typer.Option("--from", help="URL of the schema-1 or schema-2 ledger to copy (only read).")],
-    target: Annotated[str, typer.Option("--to", help="URL of an empty database to copy it into (the current schema).")],
+    source: Annotated[str, typer.Option("--from", help="URL of the schema-1 or schema-2 ledger to copy (only read).", metavar="URL")],
+    target: Annotated[str, typer.Option("--to", help="URL of an empty database to copy it into (the current schema).", metavar="URL")],
     json_output: JsonOption = False,
 ) -> None:
     """Copy a ledger of an older schema into a new ledger and check that every total matches."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -21,9 +20,11 @@ import typer
 
 from llmvisor import extras, shipped
 from llmvisor.cli import engine_options as eo
+from llmvisor.cli import params
+from llmvisor.core.files import replaced_atomically
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.errors import LlmvisorError
-from llmvisor.validation.analysis import Method, build_result, dumps_result, model_step_s, sampled_preparation_s
+from llmvisor.validation.analysis import HEADLINE_METHOD, Method, build_result, dumps_result, model_step_s, sampled_preparation_s
 from llmvisor.validation.measurement import (
     InterferenceGuard,
     Journal,
@@ -141,28 +142,28 @@ def settings_of_existing_result(ctx: typer.Context, output: Path, given: dict) -
 
 
 def validate(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Result JSON; measurements go to RESULT.journal.jsonl beside it, and a re-run resumes from it: options not given are those RESULT was measured with.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Result JSON; measurements go to RESULT.journal.jsonl beside it, and a re-run resumes from it: options not given are those RESULT was measured with.", dir_okay=False, metavar="RESULT")],
     model: eo.LatencyModel = None,
     engine_model: eo.EngineModel = None,
-    batches: Annotated[int, typer.Option(help="Batches to validate (alternating prefill and decode); 0 with --sampled-batches: only those.")] = 100,
-    max_batch: Annotated[int, typer.Option(help="Largest batch (2 to 8); every non-empty subset of a batch is measured.")] = 5,
-    repeat: Annotated[int, typer.Option(help="Times each subset step is measured; the median is kept.")] = 3,
-    replicate_every: Annotated[int, typer.Option(help="Measure every Nth pair of batches twice, independently, for the noise floor (0: never).")] = 4,
-    adversarial_fraction: Annotated[float, typer.Option(help="Share of batches with one long request among short ones.")] = 0.2,
-    workloads: Annotated[Path | None, typer.Option(help="Folder with azure-2023-conv.csv, azure-2023-code.csv, arxiv-summarization.csv. Default: the shipped ones.")] = None,
-    max_prefill_tokens: Annotated[int | None, typer.Option(help="Most tokens in a prefill batch (default: max_num_batched_tokens).")] = None,
+    batches: Annotated[int, typer.Option(help="Batches to validate (alternating prefill and decode); 0 with --sampled-batches: only those.", min=0)] = 100,
+    max_batch: Annotated[int, typer.Option(help="Largest batch (2 to 8); every non-empty subset of a batch is measured.", min=2, max=8)] = 5,
+    repeat: Annotated[int, typer.Option(help="Times each subset step is measured; the median is kept.", min=1)] = 3,
+    replicate_every: Annotated[int, typer.Option(help="Measure every Nth pair of batches twice, independently, for the noise floor (0: never).", min=0)] = 4,
+    adversarial_fraction: Annotated[float, typer.Option(help="Share of batches with one long request among short ones.", min=0, max=1)] = 0.2,
+    workloads: Annotated[Path | None, typer.Option(help="Folder with azure-2023-conv.csv, azure-2023-code.csv, arxiv-summarization.csv. Default: the shipped ones.", file_okay=False, metavar="DIR")] = None,
+    max_prefill_tokens: Annotated[int | None, typer.Option(help="Most tokens in a prefill batch (default: max_num_batched_tokens).", min=1)] = None,
     max_model_len: eo.MaxModelLen = eo.MAX_MODEL_LEN,
     max_num_batched_tokens: eo.MaxNumBatchedTokens = eo.MAX_NUM_BATCHED_TOKENS,
     max_num_seqs: eo.MaxNumSeqs = eo.MAX_NUM_SEQS,
     kv_cache_gib: eo.KvCacheGib = eo.KV_CACHE_GIB,
     threads: eo.Threads = eo.THREADS,
-    sampled_batches: Annotated[int, typer.Option(help="Serving-size batches to validate too, their Shapley values estimated from sampled orders (0: none).")] = 0,
-    orders: Annotated[int, typer.Option(help="Sampled orders per serving-size batch (even: each comes with its reverse); every prefix of each is one measured step.")] = 8,
-    sampled_sizes: Annotated[str, typer.Option(help="Sizes of the serving-size batches, comma-separated (each at most --max-num-seqs).")] = ",".join(map(str, SAMPLED_SIZES)),
-    sampled_kinds: Annotated[str, typer.Option(help="Kinds of serving-size batches, comma-separated, cycled.")] = ",".join(SAMPLED_KINDS),
-    sampled_repeat: Annotated[int, typer.Option(help="Times each prefix step of a serving-size batch is measured (median kept); more orders usually buy more than repeats.")] = 1,
-    seed: Annotated[int, typer.Option(help="Seed of the batches and the measuring order.")] = 0,
-    n_bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples for the 95% intervals.")] = 1000,
+    sampled_batches: Annotated[int, typer.Option(help="Serving-size batches to validate too, their Shapley values estimated from sampled orders (0: none).", min=0)] = 0,
+    orders: Annotated[int, typer.Option(help="Sampled orders per serving-size batch (even: each comes with its reverse); every prefix of each is one measured step.", min=2)] = 8,
+    sampled_sizes: Annotated[str, typer.Option(help="Sizes of the serving-size batches, comma-separated (each at most --max-num-seqs).", metavar="N,N,...")] = ",".join(map(str, SAMPLED_SIZES)),
+    sampled_kinds: Annotated[str, typer.Option(help="Kinds of serving-size batches, comma-separated, cycled.", metavar="KIND,KIND,...")] = ",".join(SAMPLED_KINDS),
+    sampled_repeat: Annotated[int, typer.Option(help="Times each prefix step of a serving-size batch is measured (median kept); more orders usually buy more than repeats.", min=1)] = 1,
+    seed: Annotated[int, typer.Option(help="Seed of the batches and the measuring order.", min=0)] = 0,
+    n_bootstrap: params.Bootstrap = 1000,
     keep_steps: Annotated[bool, typer.Option(help="Keep the recorder's trace of every engine step run (RESULT.steps.jsonl).")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print only the summary JSON to stdout.")] = False,
     ctx: typer.Context = None,
@@ -199,9 +200,10 @@ def validate(
     if replicate_every < 0:
         raise LlmvisorError(f"--replicate-every: must be 0 or more (got {replicate_every})")
     if n_bootstrap < 0:
-        raise LlmvisorError(f"--n-bootstrap: must be 0 or more (got {n_bootstrap})")
+        raise LlmvisorError(f"--bootstrap: must be 0 or more (got {n_bootstrap})")
     if output.suffix.lower() != ".json":
         raise LlmvisorError(f"{output}: the result must be a .json file")
+    params.check_output_file(output)
     engine_dir = engine_model if engine_model is not None else shipped.engine_model_dir()
     config_path = engine_dir / "config.json"
     if not config_path.is_file():
@@ -239,7 +241,6 @@ def validate(
         "max_num_seqs": max_num_seqs,
         "threads": threads,
     }
-    output.parent.mkdir(parents=True, exist_ok=True)
     journal_path = journal_path_for(output)
     packed = journal_path.with_name(journal_path.name + ".gz")
     if not journal_path.exists() and packed.exists():
@@ -365,15 +366,31 @@ def validate(
         settings["engine"] = previous_runs[-1]["engine"]
     result = build_result(specs, journal, latency_model, repeat=repeat, n_bootstrap=n_bootstrap, seed=seed, settings=settings,
                           sampled_batches=sampled_specs, sampled_repeat=sampled_repeat, agreement_orders=max(orders, 4))
-    tmp = output.with_name(output.name + f".tmp-{os.getpid()}")
-    tmp.write_text(dumps_result(result), encoding="utf-8")
-    tmp.replace(output)
+    with replaced_atomically(output) as tmp:
+        Path(tmp).write_text(dumps_result(result), encoding="utf-8")
     if json_output:
         typer.echo(json.dumps(result["summary"], indent=2))
     else:
         print_summary(console, result)
         sampled_note = f", {result['n_sampled_batches_measured']} sampled" if sampled_specs else ""
         console.print(f"wrote {output} ({result['n_batches_measured']} batches{sampled_note}; journal {journal_path.name})")
+
+
+def goal_line(summary: dict, phase: str) -> str:
+    """The phase's goals, each with its threshold and whether it was met, as one line of words."""
+    goal, met = summary.get("goal", {}), summary.get("goal_met", {}).get(phase) or {}
+
+    def verdict(key: str) -> str:
+        return {True: "met", False: "not met"}.get(met.get(key), "not judged")
+
+    parts = []
+    if "median" in met:
+        parts.append(f"p50 ≤ {100 * goal.get('median_max', float('nan')):.0f}% of the step {verdict('median')}")
+    if "p90" in met:
+        parts.append(f"p90 ≤ {100 * goal.get('p90_max', float('nan')):.0f}% {verdict('p90')}")
+    if "vs_token_count" in met:
+        parts.append(f"p90 ≥ {goal.get('p90_improvement_vs_token_count_min', float('nan')):g}× better than token_count {verdict('vs_token_count')}")
+    return f"{phase} goals of {HEADLINE_METHOD}: " + ("; ".join(parts) if parts else "not judged")
 
 
 SUMMARY_METHODS = (
@@ -425,8 +442,9 @@ def print_summary(console, result: dict) -> None:
         console.print(
             f"{phase}: noise floor of measured Shapley p50 {pct(floor.get('p50'))} p90 {pct(floor.get('p90'))}; "
             f"step repeat spread p50 {pct(step.get('p50'))} p90 {pct(step.get('p90'))}; "
-            f"(Σ LOO − T)/T median {pct(gap.get('p50'))}; goal met: {summary['goal_met'].get(phase)}"
+            f"(Σ LOO − T)/T median {pct(gap.get('p50'))}"
         )
+        console.print(goal_line(summary, phase))
     for kind, entry in summary.get("sampled", {}).items():
         errors = entry["errors"]
         cells = "; ".join(

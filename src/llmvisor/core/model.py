@@ -21,6 +21,7 @@ from llmvisor.core.features import (
     step_feature_matrix,
     step_new_tokens,
 )
+from llmvisor.core.files import replaced_atomically
 from llmvisor.core.fingerprint import METADATA_KEY as FINGERPRINT_METADATA_KEY
 from llmvisor.core.trace import StepTrace
 from llmvisor.errors import LlmvisorError, ModelError, NotFittedError
@@ -500,11 +501,9 @@ class StepLatencyModel:
         }
 
     def to_json(self, path: str | os.PathLike) -> None:
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as handle:
+        with replaced_atomically(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
             json.dump(self.to_dict(), handle, indent=2)
             handle.write("\n")
-        os.replace(tmp, path)
 
     @classmethod
     def from_dict(cls, data: dict, *, source: str = "<memory>") -> StepLatencyModel:
@@ -567,6 +566,10 @@ class StepLatencyModel:
                 data = json.load(handle)
         except FileNotFoundError:
             raise ModelError(f"{path}: no such model file") from None
+        except IsADirectoryError:
+            raise ModelError(f"{path}: is a folder, not a model file") from None
+        except OSError as error:
+            raise ModelError(f"{path}: cannot read the model file ({error.strerror})") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise ModelError(f"{path}: not valid JSON ({error})") from None
         return cls.from_dict(data, source=str(path))

@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
+from llmvisor.core.files import replaced_atomically
 from llmvisor.errors import TraceError, plain
 
 FORMAT_VERSION = 2
@@ -760,16 +761,28 @@ def read_traces(paths: Sequence[str | os.PathLike], **kwargs) -> StepTrace:
     return concat_traces(traces)
 
 
+class RunIds:
+    """The run ids of the traces read so far, each owned by the one trace (file) it came from: the check that
+    no run is read twice (the same file given twice, or a renamed copy), shared by `concat_traces` and the
+    streaming `iter_traces`."""
+
+    def __init__(self) -> None:
+        self._owners: dict[str, tuple[int, str]] = {}
+
+    def claim(self, trace: StepTrace, owner: int, source: str) -> None:
+        """Record ``trace``'s runs as ``owner``'s (a trace or file index); refuse one another owner holds."""
+        for run in trace.run_ids:
+            first = self._owners.setdefault(run, (owner, source))
+            if first[0] != owner:
+                raise TraceError(f"{source}: run {run!r}: run id also used in {first[1]}; run ids must be unique")
+
+
 def concat_traces(traces: Sequence[StepTrace]) -> StepTrace:
     if len(traces) == 1:
         return traces[0]
-    seen: dict[str, str] = {}
-    for trace in traces:
-        source = trace.sources[0] if trace.sources else "<memory>"
-        for run in trace.run_ids:
-            if run in seen:
-                raise TraceError(f"{source}: run {run!r}: run id also used in {seen[run]}; run ids must be unique")
-            seen[run] = source
+    runs = RunIds()
+    for k, trace in enumerate(traces):
+        runs.claim(trace, k, trace.sources[0] if trace.sources else "<memory>")
     if any(t.has_sharing_columns for t in traces):
         traces = [t if t.has_sharing_columns else _with_sharing_columns(t) for t in traces]
     names = set.intersection(*(set(t.extra) for t in traces)) if traces else set()
@@ -852,6 +865,15 @@ def iter_trace(path: str | os.PathLike, *, batch_rows: int = 1 << 20) -> Iterato
         yield _build_piece(path, pending, first_row, metadata, finished)
 
 
+def iter_traces(paths: Sequence[str | os.PathLike], *, batch_rows: int = 1 << 20) -> Iterator[StepTrace]:
+    """`iter_trace` over several files, refusing a run id already read from another file as `read_traces` does."""
+    runs = RunIds()
+    for k, path in enumerate(paths):
+        for piece in iter_trace(path, batch_rows=batch_rows):
+            runs.claim(piece, k, str(path))
+            yield piece
+
+
 def _build_piece(path: str, table: pa.Table, first_row: int, metadata: dict, finished: set) -> StepTrace:
     columns, rows = trace_columns_from_arrow(path, table, first_row)
     trace = build_trace(columns, path=path, row_numbers=rows, metadata=metadata)
@@ -871,16 +893,15 @@ def write_trace(trace: StepTrace, path: str | os.PathLike) -> None:
     path = str(path)
     suffix = _suffix(path)
     table = trace.to_arrow()
-    tmp = f"{path}.tmp-{os.getpid()}"
-    if suffix == ".parquet":
-        pq.write_table(table, tmp, row_group_size=1 << 18)
-    elif suffix == ".csv":
-        pa_csv.write_csv(table, tmp)
-    else:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            for row in table.to_pylist():
-                handle.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
+    with replaced_atomically(path) as tmp:
+        if suffix == ".parquet":
+            pq.write_table(table, tmp, row_group_size=1 << 18)
+        elif suffix == ".csv":
+            pa_csv.write_csv(table, tmp)
+        else:
+            with open(tmp, "w", encoding="utf-8") as handle:
+                for row in table.to_pylist():
+                    handle.write(json.dumps(row) + "\n")
 
 
 def trace_from_rows(rows: Sequence[dict], *, path: str = "<memory>", metadata: dict | None = None) -> StepTrace:

@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 
 
-def setting(default, *, option: str, help: str, cpu_only: bool = False):
-    """A field of `EngineSettings` with the option name and help text the commands show."""
+def setting(default, *, option: str, help: str, cpu_only: bool = False, min: int | None = None):
+    """A field of `EngineSettings` with the option name, help text and (for counts) least value the commands show."""
     if cpu_only:
         help = f"vLLM CPU build only: {help}"
-    return field(default=default, metadata={"option": option, "help": help, "cpu_only": cpu_only})
+    return field(default=default, metadata={"option": option, "help": help, "cpu_only": cpu_only, "min": min})
 
 
 @dataclass
@@ -27,11 +27,11 @@ class EngineSettings:
         help="Engine model: the Hugging Face model folder vLLM runs (a folder with only config.json runs with dummy "
         "weights). Default: the shipped engine model.",
     )
-    max_model_len: int = setting(4096, option="--max-model-len", help="Longest prompt + output, in tokens.")
-    max_num_batched_tokens: int = setting(2048, option="--max-num-batched-tokens", help="Most tokens in one engine step.")
-    max_num_seqs: int = setting(32, option="--max-num-seqs", help="Most requests in one engine step.")
+    max_model_len: int = setting(4096, option="--max-model-len", help="Longest prompt + output, in tokens.", min=1)
+    max_num_batched_tokens: int = setting(2048, option="--max-num-batched-tokens", help="Most tokens in one engine step.", min=1)
+    max_num_seqs: int = setting(32, option="--max-num-seqs", help="Most requests in one engine step.", min=1)
     kv_cache_space_gib: int = setting(
-        4, option="--kv-cache-gib", help="KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE).", cpu_only=True
+        4, option="--kv-cache-gib", help="KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE).", cpu_only=True, min=1
     )
     enforce_eager: bool = setting(
         False, option="--enforce-eager/--no-enforce-eager", help="Skip torch.compile: faster start, slower steps."
@@ -42,7 +42,7 @@ class EngineSettings:
         help="Share KV blocks of common prompt prefixes (vLLM's default: on). Off only where a run must control "
         "every request's context exactly.",
     )
-    seed: int = setting(0, option="--seed", help="Seed of the engine's sampling.")
+    seed: int = setting(0, option="--seed", help="Seed of the engine's sampling.", min=0)
     executor: str = setting(
         "uni",
         option="--executor",
@@ -56,6 +56,7 @@ class EngineSettings:
         help="OpenMP/torch threads of the engine (sets OMP_NUM_THREADS and torch.set_num_threads before vLLM "
         "starts); runs that are compared should use the same count. Default: as the environment says.",
         cpu_only=True,
+        min=1,
     )
 
     def as_dict(self) -> dict:

@@ -602,7 +602,7 @@ def run_experiment(
         raise LlmvisorError("--tpot-slo-s: the admission comparison needs the attributed policy (add --policy attributed)")
     model_path = str(latency_model_path if latency_model_path is not None else shipped.latency_model_path())
     if not os.path.exists(model_path):
-        raise LlmvisorError(f"--latency-model: {model_path} not found; fit one with `llmvisor fit TRACE -o model.json`")
+        raise LlmvisorError(f"--model: {model_path} not found; fit one with `llmvisor fit TRACE -o model.json`")
     charge_model = StepLatencyModel.from_json(model_path)
     output.mkdir(parents=True, exist_ok=True)
     plan: list[tuple[str, str, dict, float | None]] = [(name, name, workload, None) for name in policies]

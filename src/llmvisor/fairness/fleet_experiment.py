@@ -277,7 +277,7 @@ def run_fleet_experiment(
         raise LlmvisorError(f"--warmup-s must be >= 0 and below --duration-s (got {warmup_s} and {workload['duration_s']})")
     model_path = str(latency_model_path if latency_model_path is not None else shipped.latency_model_path())
     if not os.path.exists(model_path):
-        raise LlmvisorError(f"--latency-model: {model_path} not found; fit one with `llmvisor fit TRACE -o model.json`")
+        raise LlmvisorError(f"--model: {model_path} not found; fit one with `llmvisor fit TRACE -o model.json`")
     model = StepLatencyModel.from_json(model_path)
     output.mkdir(parents=True, exist_ok=True)
     runs = {}

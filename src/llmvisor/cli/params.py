@@ -1,0 +1,124 @@
+"""Conventions every command shares, applied in one place rather than per option.
+
+- Readable metavars (FILE, DIR, N, NUM, TEXT) instead of Python type names, and none on flags.
+- Renamed options: an old spelling still works, with one warning line on stderr naming the new one.
+- Output paths checked before any work starts, so a run never fails at the end for want of a folder.
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from pathlib import Path
+
+import typer
+from typer.core import TyperArgument
+
+from llmvisor.errors import LlmvisorError
+
+RENAMED_OPTIONS: dict[str, dict[str, str]] = {
+    "profile": {"--model": "--engine-model"},
+    "validate": {"--latency-model": "--model", "--n-bootstrap": "--bootstrap"},
+    "fairness": {"--latency-model": "--model"},
+    "fleet": {"--latency-model": "--model"},
+    "demo": {"--output-dir": "--output"},
+    "refit": {"--trace": "--from-trace"},
+}
+"""Per command, old option spelling -> new. ``--model`` is the latency model in every command that has one and
+the engine model's old name in `llmvisor profile` only (which has no latency model); one concept, one name:
+``--bootstrap``, ``--output``, ``--from-trace``."""
+
+
+Bootstrap = typing.Annotated[int, typer.Option("--bootstrap", help="Bootstrap resamples for the 95% intervals (0: none).", min=0)]
+"""Every command's bootstrap option (``--n-bootstrap`` was `llmvisor validate`'s older name)."""
+
+
+def metavar(param) -> str:
+    """A short, readable placeholder for the value of ``param`` (empty for a flag)."""
+    if getattr(param, "is_flag", False) or getattr(param, "count", False):
+        return ""
+    described = getattr(param, "type_descriptor", None)  # typer >= 0.2x describes the annotation itself
+    if described is not None:
+        annotation = described.annotation
+        while typing.get_origin(annotation) is list:
+            (annotation,) = typing.get_args(annotation)
+        info = described.parameter_info
+        if described.choices is not None:
+            return "|".join(str(getattr(c, "value", c)) for c in described.choices)
+        if isinstance(annotation, type) and issubclass(annotation, os.PathLike):
+            return "FILE" if not info.dir_okay else "DIR" if not info.file_okay else "PATH"
+        kind = {int: "integer", float: "float"}.get(annotation, "text")
+    else:  # older typer: click's parameter types
+        kind = getattr(param.type, "name", "text").removesuffix(" range")
+    if param.param_type_name == "argument":
+        return param.name.upper()
+    return {"integer": "N", "float": "NUM", "path": "PATH"}.get(kind, "TEXT")
+
+
+class ReadableArgument(TyperArgument):
+    """An argument whose help shows its metavar alone, not the Python type (``<list[Path]>``) beside it."""
+
+    def display_type_rich(self, ctx) -> str:
+        return ""
+
+
+def tidy(command, ctx):
+    """Give every parameter of ``command`` (its help option too) a readable metavar unless it has one."""
+    for param in command.get_params(ctx):
+        if param.metavar is None:
+            param.metavar = metavar(param)
+        if type(param) is TyperArgument:
+            param.__class__ = ReadableArgument  # adds no state: only how help shows its type
+    return command
+
+
+def rename_deprecated(command, args: list[str], warn) -> list[str]:
+    """``args`` with the command's old option spellings (`RENAMED_OPTIONS`) replaced by the new ones, calling
+    ``warn`` once per old spelling used."""
+    renamed = RENAMED_OPTIONS.get(command.name, {})
+    names = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
+    out: list[str] = []
+    for k, word in enumerate(args):
+        if word == "--":
+            return out + args[k:]
+        name, equals, value = word.partition("=")
+        new = renamed.get(name)
+        if new is not None and name not in names and new in names:
+            warn(f"{name} is deprecated; use {new}")
+            word = new + equals + value
+        out.append(word)
+    return out
+
+
+def check_output_file(path: Path, option: str = "--output") -> Path:
+    """Refuse, before any work, an output file that could not be written: a folder, a missing or read-only folder."""
+    if path.is_dir():
+        raise LlmvisorError(f"{option} {path}: is a folder; give a file path")
+    folder = path.parent
+    if not folder.is_dir():
+        raise LlmvisorError(f"{option} {path}: no such folder {str(folder)!r}; create it first")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise LlmvisorError(f"{option} {path}: not writable")
+    return path
+
+
+def check_output_folder(path: Path, option: str = "--output") -> Path:
+    """Refuse, before any work, an output folder that is a file or cannot be created; create it otherwise."""
+    if path.exists() and not path.is_dir():
+        raise LlmvisorError(f"{option} {path}: is a file; give a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise LlmvisorError(f"{option} {path}: cannot create the folder ({error.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise LlmvisorError(f"{option} {path}: not writable")
+    return path
+
+
+def check_input_file(path: Path, option: str, what: str = "file") -> Path:
+    """Refuse a path given as an input file that is a folder or does not exist, naming the option."""
+    if path.is_dir():
+        raise LlmvisorError(f"{option} {path}: is a folder, not a {what}")
+    if not path.is_file():
+        raise LlmvisorError(f"{option} {path}: no such {what}")
+    return path
