@@ -186,8 +186,8 @@ def _run_columns(choices: TraceChoices, rng: np.random.Generator, k: int, n_step
         warm[: int(rng.integers(0, max(1, n_steps // 3) + 1))] = True
     elif choices.warmup == "random":
         warm = rng.random(n_steps) < 0.2
-    elif choices.warmup == "all":
-        warm[:] = True
+    elif choices.warmup == "all":  # the first run is warm-up throughout, each other one by a coin toss
+        warm[:] = k == 0 or rng.random() < 0.5
     if choices.warmup != "none":
         columns["is_warmup"] = warm[step_of_slice]
     if choices.drifted:
