@@ -4,7 +4,7 @@
 pure prefill, pure decode or mixed chunked-prefill steps; tiny to very large token counts; step times from a
 linear engine, unrelated to the work, constant, or tiny/huge; trace format 1 or 2 with the sharing columns;
 episode, warm-up and drift columns or none; step ids that do not start at 0 or are not dense; names with
-spaces, commas, quotes and non-ASCII text; JSONL, CSV or Parquet; steps written out of order) and builds the
+spaces, commas, quotes and non-ASCII text; JSONL, CSV or Parquet, one file or one per run; steps written out of order) and builds the
 trace from those choices with a seeded numpy generator, so traces of thousands of steps cost one draw each.
 Every trace is validated by the project's own reader (`build_trace`) and written by its writer
 (`write_trace`), so a generated trace is valid by the contract of docs/trace-format.md by construction.
@@ -12,7 +12,7 @@ Every trace is validated by the project's own reader (`build_trace`) and written
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +50,7 @@ class TraceChoices:
     suffix: str
     shuffled: bool
     seed: int
+    file_per_run: bool = False
 
 
 @dataclass
@@ -76,6 +77,18 @@ class GeneratedTrace:
         path = Path(f"{path_without_suffix}{self.choices.suffix}")
         write_trace(trace, path)
         return path
+
+    def write_files(self, folder: Path, stem: str, run_ids: list[str] | None = None) -> list[Path]:
+        """The runs ``run_ids`` (default all) in one file, or one file per run when the choices say so, the
+        files' formats then taking turns (JSONL, CSV, Parquet), as a stranger's recordings might come."""
+        runs = self.run_ids if run_ids is None else list(run_ids)
+        if not self.choices.file_per_run:
+            return [self.write(folder / stem, runs)]
+        first = SUFFIXES.index(self.choices.suffix)
+        return [
+            GeneratedTrace(replace(self.choices, suffix=SUFFIXES[(first + i) % len(SUFFIXES)]), self.trace).write(folder / f"{stem}-{i}", [run])
+            for i, run in enumerate(runs)
+        ]
 
     def step_rows(self) -> list[list[dict]]:
         """The steps as lists of row dicts (the columns the service ingests), in step order."""
@@ -123,6 +136,7 @@ def trace_choices(draw, max_runs: int = 6, max_long_run: int = 3000) -> TraceCho
         suffix=draw(st.sampled_from(SUFFIXES)),
         shuffled=draw(st.booleans()),
         seed=draw(st.integers(0, 2**32 - 1)),
+        file_per_run=draw(st.booleans()),
     )
 
 

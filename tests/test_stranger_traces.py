@@ -69,22 +69,22 @@ def test_fit_attribute_and_calibrate_take_any_valid_trace_or_refuse_it_in_one_li
     """fit, attribute (with the fitted model, or a given one where fit refused) and calibrate --from-trace."""
     with tempfile.TemporaryDirectory() as name:
         folder = Path(name)
-        trace_file = generated.write(folder / "trace")
+        files = generated.write_files(folder, "trace")
         model = folder / "model.json"
-        code, out, _ = invoke("fit", trace_file, "-o", model, "--json")
+        code, out, _ = invoke("fit", *files, "-o", model, "--json")
         if code == 0:
             fitted = json.loads(out)["model"]
             assert json.loads(model.read_text())["segments"] == fitted["segments"]
             search = fitted["fit_info"]["boundary_search"]
             assert search["chosen"] in search["candidates"] or "reason" in search
             assert fitted["fit_info"]["n_steps_total"] == generated.trace.n_steps
-        code, out, _ = invoke("attribute", trace_file, "--model", model if code == 0 else one_segment_model, "--json")
+        code, out, _ = invoke("attribute", *files, "--model", model if code == 0 else one_segment_model, "--json")
         if code == 0:
             result = json.loads(out)
             assert result["n_steps"] == generated.trace.n_steps
             assert result["total_measured_s"] == pytest.approx(generated.measured_s, rel=1e-9)
             assert result["total_attributed_s"] == pytest.approx(generated.measured_s, rel=1e-9)
-        invoke("calibrate", "--from-trace", trace_file, "-o", folder / "calibrated.json", "--json")
+        invoke("calibrate", *(word for path in files for word in ("--from-trace", path)), "-o", folder / "calibrated.json", "--json")
 
 
 @settings(max_examples=30, **PROPERTY_SETTINGS)
@@ -96,11 +96,11 @@ def test_eval_on_held_out_runs_of_any_valid_trace_succeeds_or_refuses_in_one_lin
         folder = Path(name)
         runs = generated.run_ids
         if len(runs) >= 2:
-            train = generated.write(folder / "train", runs[: len(runs) // 2])
-            test = generated.write(folder / "test", runs[len(runs) // 2 :])
+            train = generated.write_files(folder, "train", runs[: len(runs) // 2])
+            test = generated.write_files(folder, "test", runs[len(runs) // 2 :])
         else:
-            train = test = generated.write(folder / "trace")
-        code, out, _ = invoke("eval", "--train", train, "--test", test, bootstrap_option(), 20, "--json")
+            train = test = generated.write_files(folder, "trace")
+        code, out, _ = invoke("eval", "--train", *train, "--test", *test, bootstrap_option(), 20, "--json")
         if len(runs) < 2:
             assert code == 2
         elif code == 0:
