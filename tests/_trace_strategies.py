@@ -129,7 +129,7 @@ def trace_choices(draw, max_runs: int = 6, max_long_run: int = 3000) -> TraceCho
         warmup=draw(st.sampled_from(["none", "first", "random", "all"])),
         drifted=draw(st.booleans()),
         optional_columns=draw(st.booleans()),
-        first_step_id=draw(st.sampled_from([0, 1, 17, 2**40])),
+        first_step_id=draw(st.sampled_from([0, 1, 17, -1000, 2**40])),
         step_stride=draw(st.integers(1, 3)),
         n_tenants=draw(st.integers(1, 5)),
         names=tuple(names),
