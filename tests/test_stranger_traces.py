@@ -87,7 +87,7 @@ def test_fit_attribute_and_calibrate_take_any_valid_trace_or_refuse_it_in_one_li
         invoke("calibrate", *(word for path in files for word in ("--from-trace", path)), "-o", folder / "calibrated.json", "--json")
 
 
-@settings(max_examples=30, **PROPERTY_SETTINGS)
+@settings(max_examples=40, **PROPERTY_SETTINGS)
 @given(generated=stranger_traces(max_long_run=600))
 def test_eval_on_held_out_runs_of_any_valid_trace_succeeds_or_refuses_in_one_line(generated):
     """eval --train (the first half of the runs) --test (the others); a trace of one run cannot be held out from
