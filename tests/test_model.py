@@ -343,3 +343,79 @@ def test_a_version_1_model_file_predicts_by_its_version_1_coefficients(tmp_path)
         )
         expected[k] = coef["intercept"] + own.sum()
     np.testing.assert_allclose(model.predict(trace), expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_group_k_fold_gives_group_k_folds_fold_sizes(seed):
+    """On random groups (a few to hundreds, sizes from one step to heavy runs), the folds keep each group whole,
+    every step in exactly one fold, no fold empty, and per fold exactly the step counts of scikit-learn's
+    GroupKFold (largest group first into the lightest fold); fewer groups than folds make fewer folds."""
+    from sklearn.model_selection import GroupKFold
+
+    rng = np.random.default_rng(seed)
+    n_groups = int(rng.integers(2, 300)) if seed % 4 else int(rng.integers(2, 6))
+    sizes = rng.integers(1, 1 + int(rng.choice([1, 5, 500])), size=n_groups)
+    labels = rng.permutation(n_groups) * 7 + 3
+    groups = rng.permutation(np.repeat(labels, sizes)) if seed % 2 else np.repeat(labels, sizes)
+    n_folds = int(rng.integers(2, 8))
+    folds = group_k_fold(groups, n_folds)
+    k = min(n_folds, n_groups)
+    assert len(folds) == k
+    assert all(test.any() for test in folds)
+    assert np.array_equal(np.sum(folds, axis=0), np.ones(groups.size))
+    for test in folds:
+        assert not (set(groups[test].tolist()) & set(groups[~test].tolist()))
+    theirs = [test.size for _, test in GroupKFold(n_splits=k).split(groups, groups=groups)]
+    assert [int(test.sum()) for test in folds] == theirs
+
+
+def test_group_k_fold_of_one_group_has_no_fold_to_score_on():
+    assert group_k_fold(np.zeros(50, dtype=int), 5) == []
+    assert group_k_fold(np.zeros(0, dtype=int), 5) == []
+    two = group_k_fold(np.array([0] * 300 + [1] * 472), 5)
+    assert [int(test.sum()) for test in two] == [472, 300]
+
+
+def test_group_k_fold_keeps_neighbouring_groups_of_equal_size_together():
+    folds = group_k_fold(np.arange(100), 5)
+    assert [np.flatnonzero(test).tolist() for test in folds] == [list(range(20 * i, 20 * i + 20)) for i in range(5)]
+
+
+def test_two_runs_of_300_and_472_steps_fit_with_folds_by_run():
+    """The trace a stranger tried: two runs, the first under half the steps. Old folds put both runs in fold 0
+    and the boundary search raised ValueError (min() of no scored candidate)."""
+    trace = concat_traces([synthetic_trace(300, run_id="a", noise=0.02, seed=1), synthetic_trace(472, run_id="b", noise=0.02, seed=2)])
+    search = StepLatencyModel().fit(trace).fit_info_["boundary_search"]
+    assert search["fold_grouping"] == "run" and search["n_folds"] == 2 and "none" in search["candidates"]
+    assert "reason" not in search
+
+
+def test_a_boundary_search_with_nothing_to_score_falls_back_to_none_with_a_reason(tmp_path):
+    """One composition group (every step alike) or one run of one kind of step leaves no fold to train on:
+    the boundary is none, the reason is stated in the model file and survives saving and loading."""
+    trace = synthetic_trace(60, max_batch_size=1, prefill_fraction=0.0, seed=3)
+    trace.num_context_tokens[:] = 7
+    model = StepLatencyModel().fit(trace)
+    search = model.fit_info_["boundary_search"]
+    assert model.boundary_ is None and search["chosen"] == "none" and search["n_folds"] == 0
+    assert "1 composition group" in search["reason"]
+    model.to_json(tmp_path / "m.json")
+    loaded = StepLatencyModel.from_json(tmp_path / "m.json")
+    assert loaded.boundary_ is None and loaded.fit_info_["boundary_search"]["reason"] == search["reason"]
+    np.testing.assert_array_equal(loaded.predict(trace), model.predict(trace))
+    shipped = StepLatencyModel.from_json(latency_model_path())
+    assert "reason" not in shipped.fit_info_["boundary_search"] and shipped.boundary_ == 39.0
+
+
+def test_fold_groups_count_only_the_runs_left_after_warm_up():
+    runs = concat_traces([synthetic_trace(200, run_id="a", noise=0.02, seed=1), synthetic_trace(200, run_id="b", noise=0.02, seed=2)])
+    runs.extra["is_warmup"] = runs.run_id == "a"
+    search = StepLatencyModel().fit(runs).fit_info_["boundary_search"]
+    assert search["fold_grouping"] == "composition" and search["n_folds"] == 5
+
+
+def test_a_trace_of_only_warm_up_steps_is_refused_in_one_line():
+    trace = synthetic_trace(50, seed=1)
+    trace.extra["is_warmup"] = np.ones(trace.n_slices, dtype=bool)
+    with pytest.raises(LlmvisorError, match="too few steps to fit \\(0 of 50 left after dropping 50 warm-up"):
+        StepLatencyModel().fit(trace)

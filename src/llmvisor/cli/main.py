@@ -318,6 +318,8 @@ def fit(
         return
     print_table(coefficient_table(model), stderr)
     boundary = "none" if model.boundary_ is None else f"{model.boundary_:g} new tokens per step"
+    if info["boundary_search"].get("reason"):
+        boundary += f" ({info['boundary_search']['reason']})"
     stderr.print(
         f"steps: {info['n_steps_used']} used of {info['n_steps_total']} "
         f"({info['n_warmup_dropped']} warm-up, {info['n_outliers_dropped']} outliers dropped); "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import inspect
 import json
 import numbers
@@ -82,22 +83,33 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 
 
 def group_k_fold(groups: np.ndarray, n_folds: int) -> list[np.ndarray]:
-    """Test masks of up to ``n_folds`` folds that never split a group (scikit-learn's GroupKFold idea in numpy).
+    """Test masks of ``min(n_folds, number of groups)`` folds that never split a group, with scikit-learn
+    ``GroupKFold``'s fold sizes: groups are taken largest first, each into the currently lightest fold.
 
-    Groups are laid out in order of first appearance and cut into contiguous blocks of about equal step
-    counts, so neighbouring steps (alike in a recorded trace) also stay together.
+    Every fold holds at least one group; with fewer than two groups there is no fold to score on and the list
+    is empty. Among groups of equal size, the folds the greedy rule hands out are given in the groups' order of
+    first appearance (same sizes per fold), so neighbouring steps of a recording mostly share a fold.
     """
-    groups = np.asarray(groups)
+    groups = np.asarray(groups).reshape(-1)
     if groups.size == 0:
         return []
     _, first, inverse, counts = np.unique(groups, return_index=True, return_inverse=True, return_counts=True)
-    by_appearance = np.argsort(first, kind="stable")
-    k = min(n_folds, by_appearance.size)
-    cumulative = np.cumsum(counts[by_appearance]) - counts[by_appearance]
-    fold_of_group = np.empty(by_appearance.size, dtype=np.intp)
-    fold_of_group[by_appearance] = np.minimum((cumulative * k) // groups.size, k - 1)
+    k = min(n_folds, counts.size)
+    if k < 2:
+        return []
+    order = np.lexsort((first, -counts))
+    sizes = counts[order]
+    fold_of_sorted = np.empty(order.size, dtype=np.intp)
+    lightest = [(0, fold) for fold in range(k)]  # (steps, fold): a heap's minimum is np.argmin's first lightest
+    for i, size in enumerate(sizes.tolist()):
+        load, fold = lightest[0]
+        heapq.heapreplace(lightest, (load + size, fold))
+        fold_of_sorted[i] = fold
+    size_class = np.cumsum(np.r_[True, sizes[1:] != sizes[:-1]])
+    fold_of_group = np.empty(order.size, dtype=np.intp)
+    fold_of_group[order] = fold_of_sorted[np.lexsort((fold_of_sorted, size_class))]
     fold = fold_of_group[inverse.reshape(-1)]
-    return [fold == i for i in range(k) if (fold == i).any()]
+    return [fold == i for i in range(k)]
 
 
 @dataclass(frozen=True)
@@ -177,9 +189,10 @@ class StepLatencyModel:
     cv_folds : int
         Folds of the boundary search. A fold never splits a group of steps: the run when the training data
         holds several runs, else the episode (column ``episode``) when the trace has one, else the step's
-        composition, so a repeated sweep's identical steps are never in train and test at once. Groups are
-        cut into contiguous blocks (neighbouring steps are alike; shuffling would leak). The grouping used is
-        ``fit_info_["boundary_search"]["fold_grouping"]``.
+        composition, so a repeated sweep's identical steps are never in train and test at once. Groups go to
+        folds as scikit-learn's ``GroupKFold`` puts them (``group_k_fold``); fewer groups make fewer folds, and
+        with one group the boundary is "none", the reason in ``fit_info_["boundary_search"]["reason"]``. The
+        grouping used is ``fit_info_["boundary_search"]["fold_grouping"]``.
     n_boundary_candidates : int
         Load quantiles (and as many log-spaced values) tried as boundaries by ``segments="auto"``.
     min_steps_per_segment : int
@@ -297,15 +310,18 @@ class StepLatencyModel:
         return np.einsum("ij,ij->i", x, coef[segment])
 
     @staticmethod
-    def fold_groups(trace: StepTrace) -> tuple[np.ndarray, str]:
-        """Per step, the group the boundary search's folds keep whole, and the grouping's name."""
-        runs = trace.run_id_per_step
+    def fold_groups(trace: StepTrace, steps: np.ndarray | None = None) -> tuple[np.ndarray, str]:
+        """Per step (of those ``steps`` selects, default all), the group the boundary search's folds keep whole,
+        and the grouping's name, chosen by what the selected steps hold (a run left with only warm-up steps
+        does not count as a run)."""
+        steps = np.ones(trace.n_steps, dtype=bool) if steps is None else np.asarray(steps, dtype=bool)
+        runs = trace.run_id_per_step[steps]
         if len(set(runs.tolist())) >= 2:
             return np.unique(runs, return_inverse=True)[1], "run"
-        if EPISODE_COLUMN in trace.extra and trace.n_steps:
-            episodes = np.asarray(trace.extra[EPISODE_COLUMN])[trace.step_starts].astype(str)
+        if EPISODE_COLUMN in trace.extra and steps.any():
+            episodes = np.asarray(trace.extra[EPISODE_COLUMN])[trace.step_starts[steps]].astype(str)
             return np.unique(episodes, return_inverse=True)[1], EPISODE_COLUMN
-        return composition_groups(trace), "composition"
+        return composition_groups(trace)[steps], "composition"
 
     def _segment_is_estimable(self, x: np.ndarray, mask: np.ndarray) -> bool:
         if mask.sum() < self.min_steps_per_segment:
@@ -330,7 +346,6 @@ class StepLatencyModel:
         y = trace.step_latency_s_per_step
         load = step_new_tokens(trace)
         runs = trace.run_id_per_step
-        groups, grouping = self.fold_groups(trace)
         keep = np.ones(trace.n_steps, dtype=bool)
         n_warmup = 0
         if self.drop_warmup:
@@ -343,8 +358,11 @@ class StepLatencyModel:
         self.identified_ = np.abs(x[keep]).sum(axis=0) > 0
         saving = shared_context_saving_per_step(x[keep])
         self.identified_[Coef.E] &= bool(np.any(saving > 1e-9 * np.maximum(x[keep][:, Coef.E], 1.0)))
-        if keep.sum() < self.identified_.sum():
-            raise LlmvisorError(f"too few steps to fit ({int(keep.sum())} after dropping warm-up steps)")
+        if not keep.any() or keep.sum() < self.identified_.sum():
+            raise LlmvisorError(
+                f"{', '.join(trace.sources) or '<memory>'}: too few steps to fit ({int(keep.sum())} of {trace.n_steps} left "
+                f"after dropping {n_warmup} warm-up and {n_drifted} drifted steps)"
+            )
 
         n_outliers = 0
         outlier_cut = None
@@ -362,7 +380,8 @@ class StepLatencyModel:
 
         self.train_step_mask_ = keep
         x_fit, y_fit, load_fit = x[keep], y[keep], load[keep]
-        search = self._search_boundary(x_fit, y_fit, load_fit, groups[keep], grouping)
+        groups, grouping = self.fold_groups(trace, keep)
+        search = self._search_boundary(x_fit, y_fit, load_fit, groups, grouping)
         self.boundary_ = search["chosen"]
         w = self._row_weights(y_fit)
         self.coef_ = self._fit_segments(x_fit * w[:, None], y_fit * w, load_fit, self.boundary_)
@@ -403,6 +422,20 @@ class StepLatencyModel:
         )
         candidates: list[float | None] = [None] + sorted({float(np.round(v)) for v in grid if v > load.min()})
         folds = group_k_fold(groups, self.cv_folds)
+        n_groups = int(np.unique(groups).size)
+        report = {
+            "mode": "auto",
+            "rule": "lowest cross-validated mean squared relative error; 'none' kept unless a boundary beats it by more than one standard error",
+            "n_folds": len(folds),
+            "fold_grouping": grouping,
+            "n_groups": n_groups,
+        }
+        if not folds:
+            reason = (
+                f"no boundary could be cross-validated: the {y.size} training step(s) form {n_groups} {grouping} group(s) "
+                "and a fold needs another group to train on"
+            )
+            return {"chosen": None, "report": {**report, "candidates": {}, "chosen": "none", "reason": reason}}
         w = self._row_weights(y)
         aw, bw = x * w[:, None], y * w
         scores: dict[str, dict] = {}
@@ -428,23 +461,15 @@ class StepLatencyModel:
                 "cv_standard_error": float(np.std(fold_scores) / np.sqrt(len(fold_scores))),
             }
         scored = {k: v for k, v in scores.items() if "cv_mean_squared_rel_err" in v}
+        if not scored:
+            reason = "no boundary candidate could be scored on the folds"
+            return {"chosen": None, "report": {**report, "candidates": scores, "chosen": "none", "reason": reason}}
         best_key = min(scored, key=lambda k: scored[k]["cv_mean_squared_rel_err"])
         best = scored[best_key]
         chosen_key = best_key
         if "none" in scored and scored["none"]["cv_mean_squared_rel_err"] <= best["cv_mean_squared_rel_err"] + best["cv_standard_error"]:
             chosen_key = "none"
-        return {
-            "chosen": scored[chosen_key]["boundary_new_tokens"],
-            "report": {
-                "mode": "auto",
-                "rule": "lowest cross-validated mean squared relative error; 'none' kept unless a boundary beats it by more than one standard error",
-                "n_folds": len(folds),
-                "fold_grouping": grouping,
-                "n_groups": int(np.unique(groups).size),
-                "candidates": scores,
-                "chosen": chosen_key,
-            },
-        }
+        return {"chosen": scored[chosen_key]["boundary_new_tokens"], "report": {**report, "candidates": scores, "chosen": chosen_key}}
 
     # ---------------------------------------------------------------------------------------------------
     def check_is_fitted(self) -> None:
