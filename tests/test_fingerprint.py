@@ -177,10 +177,23 @@ def fingerprinted_model_path(tmp_path):
     return path
 
 
-def test_the_service_warns_on_a_run_of_another_engine(fingerprinted_model_path, db_url, keys, caplog):
+def test_the_service_holds_a_run_of_another_engine_pending_by_default(fingerprinted_model_path, db_url, keys):
+    admin = bearer(keys["admin"])
+    moved = with_fingerprint(make_steps("run-moved", 12), replace(SERVED, threads=2).id)
+    with TestClient(create_app(fingerprinted_model_path, db_url)) as client:
+        same = with_fingerprint(make_steps("run-same", 10), SERVED.id)
+        assert client.post("/v1/steps", content=columns_body(same), headers=admin).json()["steps_pending"] == 0
+        assert client.post("/v1/steps", content=columns_body(moved), headers=admin).json()["steps_pending"] == 12
+        values = metric_values(client, admin)
+    assert values[("llmvisor_fingerprint_mismatch_steps_total", ())] == 0
+    assert values[("llmvisor_pending_steps_total", ())] == 12
+
+
+def test_the_service_warns_on_a_run_billed_by_the_fallback_model(fingerprinted_model_path, db_url, keys, caplog):
     admin = bearer(keys["admin"])
     other = replace(SERVED, threads=2)
-    with TestClient(create_app(fingerprinted_model_path, db_url)) as client, caplog.at_level(logging.WARNING, "llmvisor.service"):
+    app = create_app(fingerprinted_model_path, db_url, fallback_model_path=fingerprinted_model_path)
+    with TestClient(app) as client, caplog.at_level(logging.WARNING, "llmvisor.service"):
         same = with_fingerprint(make_steps("run-same", 10), SERVED.id)
         moved = with_fingerprint(make_steps("run-moved", 12), other.id)
         assert client.post("/v1/steps", content=columns_body(same), headers=admin).status_code == 200
@@ -192,8 +205,10 @@ def test_the_service_warns_on_a_run_of_another_engine(fingerprinted_model_path, 
     assert values[("llmvisor_fingerprint_mismatch_steps_total", ())] == 12
     assert values[("llmvisor_fingerprint_mismatch_runs", ())] == 1
     assert values[("llmvisor_fingerprint_unknown_steps_total", ())] == 5
-    warnings = [r.getMessage() for r in caplog.records if "fingerprint" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if "ran on engine fingerprint" in r.getMessage()]
     assert len(warnings) == 1 and "run-moved" in warnings[0] and other.id in warnings[0] and SERVED.id in warnings[0]
+    fallback = [r.getMessage() for r in caplog.records if "fallback model" in r.getMessage()]
+    assert len(fallback) == 1 and other.id in fallback[0]
 
 
 def test_the_fingerprint_is_not_part_of_the_idempotency_key(fingerprinted_model_path, db_url, keys):
