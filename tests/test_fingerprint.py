@@ -273,3 +273,19 @@ def test_the_cpu_facts_are_what_torch_and_vllm_decide_on_this_machine():
         assert gemm_backend(torch.float16) == "torch"
     if "avx512_bf16" in flags or "amx_bf16" in flags:
         assert gemm_backend(torch.bfloat16) == "onednn"
+
+
+@pytest.mark.vllm
+def test_fair_scheduler_warns_that_the_shipped_model_is_of_an_older_fingerprint_format(caplog):
+    """The shipped model (format-1 fingerprint) against an engine fingerprinted today: a mismatch, named as
+    the older format, and the scheduler keeps charging with it (warned), as with any model of another engine."""
+    fair = pytest.importorskip("llmvisor.engines.vllm.fair")
+    shipped_model = StepLatencyModel.from_json(shipped.latency_model_path())
+    old = EngineFingerprint.from_dict(shipped_model.engine_fingerprint_)
+    today = replace(old, fingerprint_format=2, cpu_flags=read_cpuinfo(CPUINFO / "amd-epyc-avx512.txt").flags,
+                    cpu_capability="AVX512", gemm_backend="onednn")
+    logging.getLogger("llmvisor").propagate = True
+    with caplog.at_level(logging.WARNING):
+        assert fair.check_model_fingerprint(shipped_model, today) is False
+    assert REGISTRY.get_sample_value("llmvisor_fair_model_fingerprint_mismatch") == 1
+    assert any("fingerprint_format 2 vs 1" in record.getMessage() for record in caplog.records)

@@ -120,6 +120,10 @@ def test_the_service_model_bills_the_class_it_was_fitted_on(tmp_path, db_url, ad
         assert client.post("/v1/steps", json=class_body(CLASS_A, 12, run_id="a", seed=1), headers=admin).json()["steps_pending"] == 0
         assert client.post("/v1/steps", json=class_body(CLASS_B, 7, run_id="b", seed=2), headers=admin).json()["steps_pending"] == 7
     assert "pending now: bbbbbbbbbbbbbbbb 7 steps" in create_app(own, db_url).state.registry.billing_summary()[-1]
+    from llmvisor import shipped
+
+    old_format = create_app(shipped.latency_model_path(), db_url).state.registry.billing_summary()
+    assert any("is a format-1 fingerprint" in line for line in old_format)
 
 
 def test_serve_logs_what_it_bills_with_and_the_deprecated_flag_does_nothing(tmp_path, model_path):  # noqa: F811

@@ -187,6 +187,9 @@ class ModelRegistry:
         if self.default_class is not None:
             lines.append(f"--model: bills engine class {self.default_class} (the class it was fitted on) while the registry has "
                          "no active version of it, and steps that carry no engine fingerprint")
+            if "fingerprint_format" not in self.default.model.engine_fingerprint_:
+                lines.append(f"  {self.default_class} is a format-1 fingerprint (no CPU ISA flags or GEMM backend recorded): no "
+                             "engine recording today has this class; calibrate a model of yours (llmvisor calibrate)")
         else:
             lines.append("--model: records no engine fingerprint; bills only steps that carry none")
         if self.fallback is not None:
