@@ -3,6 +3,7 @@ command it runs, and the drift canaries' rule."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -18,8 +19,17 @@ from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import synthetic_trace
 from llmvisor.core.trace import trace_from_rows, write_trace
 from llmvisor.errors import LlmvisorError
-from llmvisor.profile.calibration import live_coverage, read_fingerprint, residual_quantiles
+from llmvisor.profile.calibration import (
+    STEP_KINDS,
+    describe_short_fit,
+    fit_usable,
+    live_coverage,
+    read_fingerprint,
+    residual_quantiles,
+    step_kinds,
+)
 from llmvisor.profile.drift import CANARY_INDEX_BASE, canary_drift, canary_episode, is_canary_episode, with_canaries
+from llmvisor.profile.eta import SweepClock, SweepProgress, episode_work
 from llmvisor.profile.plans import Envelope, sweep_episodes
 from test_fingerprint import SERVED, fingerprinted_trace
 
@@ -144,3 +154,94 @@ def test_residual_quantiles_are_of_measured_minus_predicted_over_measured():
     relative = 1 - model.predict(trace)[keep] / trace.step_latency_s_per_step[keep]
     assert figures["relative_residual_p50"] == pytest.approx(float(np.median(relative)))
     assert figures["abs_relative_residual_p90"] == pytest.approx(float(np.quantile(np.abs(relative), 0.9)))
+
+
+def mostly_drifted(n_steps: int, keep_mixed: int, seed: int = 4):
+    """A fingerprinted synthetic trace whose mixed steps, all but ``keep_mixed``, a profile flagged drifted."""
+    trace = synthetic_trace(n_steps, seed=seed, max_batch_size=6)
+    trace.extra["engine_fingerprint"] = np.full(trace.n_slices, SERVED.id, dtype=object)
+    kinds = step_kinds(trace)
+    drifted = kinds == STEP_KINDS.index("mixed")
+    drifted[np.flatnonzero(drifted)[:keep_mixed]] = False
+    trace.extra["is_drifted"] = np.repeat(drifted, trace.batch_size_per_step)
+    return trace, drifted
+
+
+def test_the_fit_rule_counts_what_the_drift_and_outlier_rules_left():
+    """The issue's run: 127 steps, 109 of them drifted, a fit on what is left."""
+    trace = fingerprinted_trace(SERVED, 127, seed=5)
+    drifted = np.zeros(trace.n_steps, dtype=bool)
+    drifted[:109] = True
+    trace.extra["is_drifted"] = np.repeat(drifted, trace.batch_size_per_step)
+    model = StepLatencyModel().fit(trace)
+    usable = fit_usable(model, trace)
+    assert usable["n_drifted_dropped"] == 109 and usable["n_steps_used"] <= 18
+    assert f"{usable['n_steps_used']} steps (need 100)" in usable["short"]
+    assert "decode-only (need 50)" in "; ".join(usable["short"])
+    line = describe_short_fit(usable)
+    assert line.startswith(f"the fit kept {usable['n_steps_used']} of 127 steps (0 warm-up, 109 drifted,") and "\n" not in line
+    assert fit_usable(StepLatencyModel().fit(fingerprinted_trace(SERVED, 600)), fingerprinted_trace(SERVED, 600))["short"] == []
+
+
+def test_calibrate_refuses_a_fit_whose_covered_step_kind_was_dropped_and_allow_few_steps_overrides(tmp_path):
+    trace, drifted = mostly_drifted(600, keep_mixed=4)
+    covered = int(drifted.sum()) + 4
+    assert live_coverage(trace)["missing"] == []  # enough steps before the fit: only the fit rule catches it
+    trace_path = tmp_path / "live.parquet"
+    write_trace(trace, trace_path)
+    done = llmvisor("calibrate", "--from-trace", str(trace_path), "-o", str(tmp_path / "m.json"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().count("\n") == 0 and "Traceback" not in done.stderr
+    assert f"4 of {covered} mixed steps (need 10)" in done.stderr and f"{int(drifted.sum())} drifted" in done.stderr
+    assert "--allow-few-steps" in done.stderr and not (tmp_path / "m.json").exists()
+    allowed = llmvisor("calibrate", "--from-trace", str(trace_path), "-o", str(tmp_path / "m.json"), "--allow-few-steps", "--json")
+    assert allowed.returncode == 0, allowed.stderr
+    assert "warning: fitted on too few steps" in allowed.stderr and f"4 of {covered} mixed steps" in allowed.stderr
+    assert json.loads(allowed.stdout)["usable"]["kinds"]["mixed"] == {"covered": covered, "used": 4}
+    assert (tmp_path / "m.json").exists()
+
+
+def test_the_sweep_estimate_comes_from_the_measured_episodes():
+    """Episodes whose time is a fixed cost plus a cost per prompt token and per step: after three are measured
+    the estimate of the rest is exact; before, it scales the time so far by the work left."""
+    episodes = with_canaries(sweep_episodes(Envelope(4096, 2048, 32), 12, max_decode_steps=16, max_episode_tokens=16384),
+                             Envelope(4096, 2048, 32), 2)
+    true_s = [0.4 + 2e-3 * tokens + 0.05 * steps for tokens, steps in map(episode_work, episodes)]
+    clock = SweepClock.for_episodes(episodes)
+    assert clock.remaining_s() is None and clock.n_total == len(episodes)
+    clock.record(true_s[0])
+    assert clock.remaining_s() > 0 and "scaled from the 1 episode measured" in clock.line()
+    for seconds in true_s[1:4]:
+        clock.record(seconds)
+    assert clock.remaining_s() == pytest.approx(sum(true_s[4:]), rel=1e-6)
+    assert f"episode 4 of {len(episodes)} done" in clock.line() and "fitted on the 4 episodes measured" in clock.line()
+    slower = SweepClock.for_episodes(episodes)  # a machine 70x slower: the estimate follows it, no fixed figure
+    for seconds in true_s[:4]:
+        slower.record(70 * seconds)
+    assert slower.remaining_s() == pytest.approx(70 * sum(true_s[4:]), rel=1e-6)
+
+
+def test_the_sweep_prints_its_progress_and_estimate_as_log_lines():
+    from rich.console import Console
+
+    output = io.StringIO()
+    console = Console(file=output, width=300)
+    assert not console.is_terminal
+    episodes = sweep_episodes(Envelope(4096, 2048, 32), 8, max_decode_steps=16)
+    progress = SweepProgress(SweepClock.for_episodes(episodes), console.print, every_s=30.0)
+    for seconds in (12.0, 10.0, 10.0, 11.0, 20.0, 5.0, 5.0, 5.0):
+        progress.episode_done(seconds)
+    lines = output.getvalue().splitlines()
+    assert lines[0].startswith("sweep: episode 1 of 8 done after 12 s; about ") and "left (about" in lines[0]
+    assert [line.split(" done")[0] for line in lines] == ["sweep: episode 1 of 8", "sweep: episode 4 of 8",
+                                                          "sweep: episode 7 of 8", "sweep: episode 8 of 8"]
+    assert lines[-1] == "sweep: episode 8 of 8 done after 1 min 18 s"
+
+
+def test_the_documented_profile_duration_is_the_measured_one():
+    result = json.loads((ROOT / "docs" / "results" / "calibration.json").read_text(encoding="utf-8"))
+    wall_s = result["calibrations"]["profile"]["profile"]["wall_time_s"]
+    doc = (ROOT / "docs" / "recorder.md").read_text(encoding="utf-8")
+    assert result["settings"]["profile_points"] == 12
+    assert f"The `--points 12` profile of `llmvisor experiment calibration` below ran {wall_s:.0f} s" in " ".join(doc.split())
+    assert "4 minutes" not in doc

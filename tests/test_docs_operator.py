@@ -1,6 +1,7 @@
 """The documented operator commands run as written: the ```bash operator``` blocks of a doc, in order, in one
 shell, in an empty folder. docs/recorder.md: service, keys, vLLM's OpenAI server with the recorder pushing, a
-completion billed to a tenant, its usage, traffic, calibration (about 4 minutes). docs/service.md: fit, keys,
+completion stored pending (no model of the engine yet), traffic, calibration, the calibrated model activated and
+the tenant's usage billed with it. docs/service.md: fit, keys,
 serve, both JSON ingest forms, every usage query."""
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ def test_the_documented_service_commands_run(tmp_path):
 @pytest.mark.vllm
 def test_the_documented_operator_commands_run(tmp_path):
     done, work = run_doc(OPERATOR_DOC, tmp_path, timeout_s=900)
+    held = json.loads(next(line for line in done.stdout.splitlines() if '"pending_steps"' in line))
+    assert held["num_steps"] == 0 and held["attributed_ns"] == 0 and held["pending_steps"] > 0  # no model of this engine yet
+    assert re.search(r"v1 active; \d+ pending steps attributed", done.stdout)
     usage = json.loads(next(line for line in done.stdout.splitlines() if '"tenants"' in line))
     assert [t["tenant"] for t in usage["tenants"]] == ["team-a"] and usage["tenants"][0]["attributed_ns"] > 0
     assert usage["tenants"][0]["num_new_tokens"] == 6 + 15  # the prompt, then one token per decode step

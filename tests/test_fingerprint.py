@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,8 +15,16 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from _service_fixtures import bearer, db_url, keys, ledger, make_steps, model_path  # noqa: F401
+from llmvisor import shipped
 from llmvisor.client import columns_body
-from llmvisor.core.fingerprint import EngineFingerprint, describe_mismatch, fingerprint_id, model_config_hash
+from llmvisor.core.fingerprint import (
+    EngineFingerprint,
+    describe_mismatch,
+    fingerprint_id,
+    model_config_hash,
+    parse_cpuinfo,
+    read_cpuinfo,
+)
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import synthetic_trace
 from llmvisor.core.trace import read_trace, write_trace
@@ -40,6 +49,56 @@ def test_id_is_stable_and_follows_the_identity_fields_only():
         assert other.id != SERVED.id
         assert list(other.differences(SERVED)) == list(change)
     assert "threads 2 vs 1" in describe_mismatch(replace(SERVED, threads=2).to_dict(), SERVED.to_dict())
+
+
+CPUINFO = Path(__file__).parent / "data" / "cpuinfo"
+
+
+def test_two_amd_epyc_cpus_with_other_isa_flags_are_two_engine_classes():
+    """The two samples (an AVX2-only Zen 3 VM and an AVX-512 one) both call themselves "AMD EPYC"; their
+    fingerprints differ by the ISA flags, so a model of one never bills the other's steps."""
+    avx2, avx512 = (read_cpuinfo(CPUINFO / f"amd-epyc-{name}.txt") for name in ("avx2", "avx512"))
+    assert avx2.model_name == avx512.model_name == "AMD EPYC"
+    assert "avx2" in avx2.flags and not any(flag.startswith(("avx512", "amx")) for flag in avx2.flags)
+    assert {"avx2", "avx512f", "avx512_bf16", "avx512_vnni"} <= set(avx512.flags) and "amx_tile" not in avx512.flags
+    on_avx2 = replace(SERVED, hardware=avx2.model_name, cpu_flags=avx2.flags, cpu_capability="AVX2", gemm_backend="torch")
+    on_avx512 = replace(SERVED, hardware=avx512.model_name, cpu_flags=avx512.flags, cpu_capability="AVX512", gemm_backend="onednn")
+    assert on_avx2.id != on_avx512.id
+    assert set(on_avx2.differences(on_avx512)) == {"cpu_flags", "cpu_capability", "gemm_backend"}
+    assert on_avx2.id != replace(on_avx2, cpu_flags=avx512.flags).id  # the flags alone change the class
+    assert EngineFingerprint.from_dict(json.loads(json.dumps(on_avx2.to_dict()))) == on_avx2
+
+
+def test_cpuinfo_parsing_keeps_the_flags_that_matter_in_a_fixed_order():
+    arm = parse_cpuinfo("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd sve2 bf16 i8mm cpuid\nCPU part\t: 0xd4f\n")
+    assert arm.flags == ("asimd", "sve2", "bf16", "i8mm") and arm.model_name == "CPU"
+    shuffled = parse_cpuinfo("model name : X\nflags : amx_tile avx512f sse2 avx2\n\nmodel name : Y\nflags : avx\n")
+    assert shuffled == parse_cpuinfo("model name : X\nflags : avx2 avx512f amx_tile\n")
+    assert shuffled.model_name == "X" and shuffled.flags == ("avx2", "avx512f", "amx_tile")
+    assert read_cpuinfo(CPUINFO / "no-such-file").flags == ()
+
+
+def test_gpu_name_count_and_compute_capability_are_part_of_the_class():
+    gpu = replace(SERVED, device="NVIDIA H200", hardware="NVIDIA H200", threads=0, device_count=1, compute_capability="9.0")
+    for change in ({"device_count": 8}, {"compute_capability": "8.0"}, {"device": "NVIDIA A100", "hardware": "NVIDIA A100"}):
+        assert replace(gpu, **change).id != gpu.id
+
+
+def test_a_format_1_record_keeps_its_id_and_is_another_class_than_any_format_2_one():
+    """The shipped model and sweep carry a fingerprint recorded before the ISA flags: it loads with the id it
+    was written with, is written back unchanged, and no engine fingerprinted today has its class."""
+    shipped_model = StepLatencyModel.from_json(shipped.latency_model_path())
+    old = EngineFingerprint.from_dict(shipped_model.engine_fingerprint_, source="model.json")
+    assert old.fingerprint_format == 1 and old.id == shipped_model.engine_fingerprint_["id"]
+    assert old.to_dict() == shipped_model.engine_fingerprint_
+    sweep = read_trace(shipped.trace_path("sweep.parquet"))
+    assert sweep.engine_fingerprint_ids() == [EngineFingerprint.from_dict(sweep.metadata["engine_fingerprint"]).id] == [old.id]
+    today = replace(old, fingerprint_format=2, cpu_flags=read_cpuinfo(CPUINFO / "amd-epyc-avx512.txt").flags,
+                    cpu_capability="AVX512", gemm_backend="onednn")
+    assert today.id != old.id and replace(today, cpu_flags=(), cpu_capability="", gemm_backend="").id != old.id
+    message = describe_mismatch(today.to_dict(), old.to_dict())
+    assert "fingerprint_format 2 vs 1" in message and "the model's is of format 1" in message and "recalibrate" in message
+    assert "cpu_flags" not in message  # fields format 1 lacks are not listed one by one
 
 
 def test_a_fingerprint_record_is_checked():
@@ -118,10 +177,23 @@ def fingerprinted_model_path(tmp_path):
     return path
 
 
-def test_the_service_warns_on_a_run_of_another_engine(fingerprinted_model_path, db_url, keys, caplog):
+def test_the_service_holds_a_run_of_another_engine_pending_by_default(fingerprinted_model_path, db_url, keys):
+    admin = bearer(keys["admin"])
+    moved = with_fingerprint(make_steps("run-moved", 12), replace(SERVED, threads=2).id)
+    with TestClient(create_app(fingerprinted_model_path, db_url)) as client:
+        same = with_fingerprint(make_steps("run-same", 10), SERVED.id)
+        assert client.post("/v1/steps", content=columns_body(same), headers=admin).json()["steps_pending"] == 0
+        assert client.post("/v1/steps", content=columns_body(moved), headers=admin).json()["steps_pending"] == 12
+        values = metric_values(client, admin)
+    assert values[("llmvisor_fingerprint_mismatch_steps_total", ())] == 0
+    assert values[("llmvisor_pending_steps_total", ())] == 12
+
+
+def test_the_service_warns_on_a_run_billed_by_the_fallback_model(fingerprinted_model_path, db_url, keys, caplog):
     admin = bearer(keys["admin"])
     other = replace(SERVED, threads=2)
-    with TestClient(create_app(fingerprinted_model_path, db_url)) as client, caplog.at_level(logging.WARNING, "llmvisor.service"):
+    app = create_app(fingerprinted_model_path, db_url, fallback_model_path=fingerprinted_model_path)
+    with TestClient(app) as client, caplog.at_level(logging.WARNING, "llmvisor.service"):
         same = with_fingerprint(make_steps("run-same", 10), SERVED.id)
         moved = with_fingerprint(make_steps("run-moved", 12), other.id)
         assert client.post("/v1/steps", content=columns_body(same), headers=admin).status_code == 200
@@ -133,8 +205,10 @@ def test_the_service_warns_on_a_run_of_another_engine(fingerprinted_model_path, 
     assert values[("llmvisor_fingerprint_mismatch_steps_total", ())] == 12
     assert values[("llmvisor_fingerprint_mismatch_runs", ())] == 1
     assert values[("llmvisor_fingerprint_unknown_steps_total", ())] == 5
-    warnings = [r.getMessage() for r in caplog.records if "fingerprint" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if "ran on engine fingerprint" in r.getMessage()]
     assert len(warnings) == 1 and "run-moved" in warnings[0] and other.id in warnings[0] and SERVED.id in warnings[0]
+    fallback = [r.getMessage() for r in caplog.records if "fallback model" in r.getMessage()]
+    assert len(fallback) == 1 and other.id in fallback[0]
 
 
 def test_the_fingerprint_is_not_part_of_the_idempotency_key(fingerprinted_model_path, db_url, keys):
@@ -183,3 +257,35 @@ def test_fair_scheduler_warns_on_a_model_of_another_engine(caplog):
     assert REGISTRY.get_sample_value("llmvisor_fair_model_fingerprint_mismatch") == 1
     assert any("max_num_seqs 32 vs 128" in record.getMessage() for record in caplog.records)
     assert fair.check_model_fingerprint(None, SERVED) is None
+
+
+@pytest.mark.vllm
+def test_the_cpu_facts_are_what_torch_and_vllm_decide_on_this_machine():
+    pytest.importorskip("vllm")
+    import torch
+
+    from llmvisor.engines.vllm.fingerprint import cpu_capability, gemm_backend
+
+    assert cpu_capability() == torch.backends.cpu.get_cpu_capability()
+    assert gemm_backend(torch.float32) in ("onednn", "zentorch")
+    flags = read_cpuinfo().flags
+    if not {"avx512_fp16", "amx_fp16"} & set(flags):  # oneDNN has no float16 matmul here: vLLM falls back to torch
+        assert gemm_backend(torch.float16) == "torch"
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
+        assert gemm_backend(torch.bfloat16) == "onednn"
+
+
+@pytest.mark.vllm
+def test_fair_scheduler_warns_that_the_shipped_model_is_of_an_older_fingerprint_format(caplog):
+    """The shipped model (format-1 fingerprint) against an engine fingerprinted today: a mismatch, named as
+    the older format, and the scheduler keeps charging with it (warned), as with any model of another engine."""
+    fair = pytest.importorskip("llmvisor.engines.vllm.fair")
+    shipped_model = StepLatencyModel.from_json(shipped.latency_model_path())
+    old = EngineFingerprint.from_dict(shipped_model.engine_fingerprint_)
+    today = replace(old, fingerprint_format=2, cpu_flags=read_cpuinfo(CPUINFO / "amd-epyc-avx512.txt").flags,
+                    cpu_capability="AVX512", gemm_backend="onednn")
+    logging.getLogger("llmvisor").propagate = True
+    with caplog.at_level(logging.WARNING):
+        assert fair.check_model_fingerprint(shipped_model, today) is False
+    assert REGISTRY.get_sample_value("llmvisor_fair_model_fingerprint_mismatch") == 1
+    assert any("fingerprint_format 2 vs 1" in record.getMessage() for record in caplog.records)

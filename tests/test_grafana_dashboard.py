@@ -106,7 +106,7 @@ def test_every_metric_the_dashboard_queries_is_exported_by_the_service(model_pat
     ledger = Ledger(url)
     admin = bearer(ledger.create_key(is_admin=True))
     ledger.close()
-    with TestClient(create_app(model_path, url, pending_unknown_classes=True, registry_refresh_s=0.0)) as client:
+    with TestClient(create_app(model_path, url, registry_refresh_s=0.0)) as client:
         assert client.post("/v1/models", json={"model": class_model(CLASS_MODELLED).to_dict(), "activate": True},
                            headers=admin).status_code == 201
         assert client.post("/v1/steps", json=class_body(CLASS_MODELLED, 60, run_id="a", seed=1), headers=admin).status_code == 200
@@ -132,7 +132,7 @@ def test_every_panel_query_answers_from_a_real_prometheus_and_the_total_equals_t
     key = ledger.create_key(is_admin=True)
     ledger.close()
     admin = bearer(key)
-    drift_args = ("--pending-unknown-classes", "--drift-window-steps", "300", "--drift-alarm-steps", "100")
+    drift_args = ("--drift-window-steps", "300", "--drift-alarm-steps", "100")
     with ServerProcess(model_path, url, log_path=tmp_path / "server.log", extra_args=drift_args) as server, \
             PrometheusServer([server.url.removeprefix("http://")], key, tmp_path) as prometheus, \
             httpx.Client(base_url=server.url, headers=admin, timeout=60.0) as client:

@@ -4,6 +4,7 @@ model stored pending and attributed on activation, per-class drift and its alarm
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -83,19 +84,68 @@ def test_models_over_http_need_an_admin_key(model_path, db_url, admin_and_tenant
         assert bad.status_code == 422 and "Traceback" not in bad.text
 
 
-def test_registry_empty_means_the_default_model_attributes_every_class(model_path, db_url, admin_and_tenant):  # noqa: F811
+def test_a_class_without_a_model_is_pending_by_default_and_billed_only_by_a_named_fallback(model_path, db_url, admin_and_tenant, caplog):  # noqa: F811
+    """The service's model (fitted on no recorded engine here) bills steps without a fingerprint only; steps of a
+    class without a model wait, unless a fallback model is named: then it bills them, warning once per class."""
     admin = bearer(admin_and_tenant[0])
+    plain = class_body(CLASS_A, 10, run_id="plain", seed=9)
+    del plain["columns"]["engine_fingerprint"]
     with TestClient(create_app(model_path, db_url)) as client:
         response = client.post("/v1/steps", json=class_body(CLASS_A, 30, run_id="r", seed=1), headers=admin)
-        assert response.status_code == 200 and response.json()["steps_pending"] == 0
+        assert response.status_code == 200 and response.json()["steps_pending"] == 30 and response.json()["attributed_ns"] == 0
+        assert client.post("/v1/steps", json=plain, headers=admin).json()["steps_pending"] == 0
         totals = client.get("/v1/usage/totals", headers=admin).json()
-        assert totals["num_steps"] == 30 and totals["attributed_ns"] == totals["measured_ns"] > 0
-        assert client.get("/v1/steps/r/0", headers=admin).json()["model_version"] is None
+        assert totals["pending_steps"] == 30 and totals["num_steps"] == 10 and totals["attributed_ns"] == totals["measured_ns"] > 0
+        assert client.get("/v1/steps/r/0", headers=admin).json()["pending"] is True
+    with TestClient(create_app(model_path, db_url, fallback_model_path=model_path)) as client, \
+            caplog.at_level(logging.WARNING, "llmvisor.service"):
+        for k in range(2):
+            response = client.post("/v1/steps", json=class_body(CLASS_B, 20, run_id=f"fb{k}", seed=2 + k), headers=admin)
+            assert response.json()["steps_pending"] == 0 and response.json()["attributed_ns"] > 0
+        assert client.get("/v1/steps/fb0/0", headers=admin).json()["model_version"] is None
+        assert client.get("/v1/usage/totals", headers=admin).json()["pending_steps"] == 30  # held steps stay held
+    warned = [r.getMessage() for r in caplog.records if "fallback model" in r.getMessage()]
+    assert len(warned) == 1 and CLASS_B in warned[0]
+
+
+def test_the_service_model_bills_the_class_it_was_fitted_on(tmp_path, db_url, admin_and_tenant):  # noqa: F811
+    admin = bearer(admin_and_tenant[0])
+    own = tmp_path / "a.json"
+    class_model(CLASS_A).to_json(own)
+    app = create_app(own, db_url)
+    summary = app.state.registry.billing_summary()
+    assert any(CLASS_A in line and "--model" in line for line in summary)
+    assert any("stored pending" in line for line in summary)
+    with TestClient(app) as client:
+        assert client.post("/v1/steps", json=class_body(CLASS_A, 12, run_id="a", seed=1), headers=admin).json()["steps_pending"] == 0
+        assert client.post("/v1/steps", json=class_body(CLASS_B, 7, run_id="b", seed=2), headers=admin).json()["steps_pending"] == 7
+    assert "pending now: bbbbbbbbbbbbbbbb 7 steps" in create_app(own, db_url).state.registry.billing_summary()[-1]
+    from llmvisor import shipped
+
+    old_format = create_app(shipped.latency_model_path(), db_url).state.registry.billing_summary()
+    assert any("is a format-1 fingerprint" in line for line in old_format)
+
+
+def test_serve_logs_what_it_bills_with_and_the_deprecated_flag_does_nothing(tmp_path, model_path):  # noqa: F811
+    from llmvisor.service.process import ServerProcess
+
+    log_path = tmp_path / "serve.log"
+    db = f"sqlite:///{tmp_path}/ledger.db"
+    with ServerProcess(model_path, db, log_path=log_path, extra_args=("--pending-unknown-classes",)) as server:
+        key = Ledger(db).create_key(is_admin=True)
+        import httpx
+
+        body = class_body(CLASS_A, 5, run_id="d", seed=1)
+        assert httpx.post(f"{server.url}/v1/steps", json=body, headers=bearer(key)).json()["steps_pending"] == 5
+    text = log_path.read_text()
+    assert "--pending-unknown-classes is deprecated and has no effect" in text
+    assert "records no engine fingerprint; bills only steps that carry none" in text
+    assert "stored pending" in text and "llmvisor models add FILE --activate" in text
 
 
 def test_unknown_class_is_pending_then_attributed_on_activation_and_totals_reconcile(model_path, db_url, admin_and_tenant):  # noqa: F811
     admin = bearer(admin_and_tenant[0])
-    app = create_app(model_path, db_url, pending_unknown_classes=True, registry_refresh_s=0.0)
+    app = create_app(model_path, db_url, registry_refresh_s=0.0)
     with TestClient(app) as client:
         known = client.post("/v1/models", json={"model": class_model(CLASS_A).to_dict(), "activate": True}, headers=admin)
         assert known.status_code == 201
@@ -202,7 +252,7 @@ def test_a_refit_from_the_ledger_fits_the_shared_kv_term_of_attributed_steps(mod
 
     coef_s = dict(DEFAULT_COEF_S, effective_context_tokens=4e-7)
     admin = bearer(admin_and_tenant[0])
-    app = create_app(model_path, db_url, registry_refresh_s=0.0)
+    app = create_app(model_path, db_url, fallback_model_path=model_path, registry_refresh_s=0.0)
     bodies = [class_body(CLASS_A, 600, run_id=f"shared-{k}", seed=20 + k, coef_s=coef_s, first_timestamp_s=T0_S + 600 * k,
                          shared_prefix_fraction=0.6) for k in range(3)]
     with TestClient(app) as client:

@@ -48,7 +48,8 @@ def service(tmp_path_factory):
     ledger = Ledger(db_url)
     admin_key = ledger.create_key(is_admin=True)
     ledger.close()
-    server = ServerProcess(model_path, db_url, log_path=folder / "service.log").start()
+    # The model was fitted on no recorded engine: name it the fallback, so the engine's steps are billed at once.
+    server = ServerProcess(model_path, db_url, log_path=folder / "service.log", extra_args=("--fallback-model", str(model_path))).start()
     yield {"url": server.url, "key": admin_key, "db_url": db_url, "model_dir": write_tiny_llama(folder / "tiny", **TINY_FIELDS)}
     server.stop()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from llmvisor.core.synthetic import synthetic_trace
 from llmvisor.core.trace import read_trace
 from llmvisor.ledger import Ledger
 from llmvisor.service.process import ServerProcess
+from llmvisor.service.registry import activate
 from test_vllm_recorder import ENGINE_ENV, TINY_FIELDS
 
 pytestmark = pytest.mark.vllm
@@ -56,10 +59,17 @@ def test_recorder_pushes_every_step_to_the_service_once(tmp_path, monkeypatch):
         server.stop()
 
     trace = read_trace(tmp_path / "trace.jsonl")
+    engine_class = trace.engine_fingerprint_ids()[0]
     ledger = Ledger(db_url)
+    held = ledger.totals()
+    # The service's model was fitted on no recorded engine: the engine's steps wait, measured, for a model of its class.
+    assert ledger.pending_classes() == {engine_class: trace.n_steps} and held.num_steps == 0 and held.attributed_ns == 0
+    version = ledger.add_model(engine_class, json.dumps(StepLatencyModel.from_json(model_path).to_dict()), "model.json")
+    assert activate(ledger, engine_class, version).steps_attributed == trace.n_steps
     totals = ledger.totals()
     usage = {row.tenant: row.attributed_ns for row in ledger.tenant_usage()}
     ledger.close()
+    assert held.pending_measured_ns == totals.measured_ns
     assert not (tmp_path / "spool.jsonl").exists()
     assert totals.num_steps == trace.n_steps > 0
     assert totals.num_slices == trace.n_slices

@@ -10,6 +10,10 @@ Two ways, one output (a model file whose ``engine_fingerprint`` is the served en
 - ``--from-trace``: fit on the live steps the recorder collected, once they meet the coverage rule
   (`llmvisor.profile.calibration`).
 
+Either way the fit must keep enough steps after its warm-up, drift and outlier rules, per phase and per step
+kind covered (`llmvisor.profile.calibration.fit_usable`); below that it refuses (exit 2, one line naming the
+counts, no model written) unless ``--allow-few-steps``, which writes the model with a loud warning.
+
 ``--evaluate-on`` a served run reports the relative residuals of the baseline model (default: the shipped
 one) and of the calibrated model on it.
 """
@@ -32,7 +36,7 @@ from llmvisor.core.fingerprint import EngineFingerprint, describe_mismatch
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import read_trace, read_traces
 from llmvisor.errors import LlmvisorError
-from llmvisor.profile.calibration import live_coverage, read_fingerprint, residual_quantiles
+from llmvisor.profile.calibration import describe_short_fit, fit_usable, live_coverage, read_fingerprint, residual_quantiles
 
 
 def calibrate(
@@ -48,6 +52,8 @@ def calibrate(
     trace_output: Annotated[Path | None, typer.Option(help="Profile: where to keep the sweep trace. Default: beside the model, .profile.parquet.", dir_okay=False, metavar="FILE")] = None,
     evaluate_on: Annotated[Path | None, typer.Option(help="A served run's trace: report residuals of the baseline and the calibrated model on it.", dir_okay=False, metavar="TRACE")] = None,
     baseline_model: Annotated[Path | None, typer.Option(help="The model the served run was attributed with before. Default: the shipped latency model.", dir_okay=False, metavar="FILE")] = None,
+    allow_few_steps: Annotated[bool, typer.Option(help="Write the model even when the fit keeps fewer steps than the fit rule asks "
+                                                  "(per phase and step kind, after the warm-up, drift and outlier rules), with a warning.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
 ) -> None:
     """Fit a latency model to the engine as it is served (profile it with the served settings, or fit on its live steps)."""
@@ -77,6 +83,14 @@ def calibrate(
             )
         served = None
     model = StepLatencyModel().fit(trace)
+    usable = fit_usable(model, trace)
+    result["usable"] = usable
+    if usable["short"] and not allow_few_steps:
+        raise LlmvisorError(f"calibrate: {describe_short_fit(usable)}; no model written: profile again while nothing else "
+                            "runs (or with more --points), or give --allow-few-steps to write it anyway")
+    if usable["short"]:
+        stderr.print(f"[bold red]warning: fitted on too few steps[/] (--allow-few-steps): {describe_short_fit(usable)}; "
+                     "this model extrapolates, do not bill with it unchecked", highlight=False)
     model.to_json(output)
     info = model.fit_info_
     result["fit"] = {key: info[key] for key in ("n_steps_total", "n_steps_used", "n_warmup_dropped", "n_drifted_dropped",
@@ -139,6 +153,8 @@ def profile_environment(served: EngineFingerprint, environ: dict[str, str]) -> d
 def run_profile(served: EngineFingerprint, trace_path: Path, **options) -> dict:
     command = profile_command(served, trace_path, **options)
     stderr.print(f"profiling the served engine's settings: {' '.join(command[1:])}", highlight=False)
+    stderr.print("the profile prints its progress and an estimate of the time left from its first measured episodes "
+                 "(the duration depends on the machine: a CPU without oneDNN's bfloat16 kernels is many times slower)", highlight=False)
     done = subprocess.run(command, stdout=subprocess.PIPE, check=False, env=profile_environment(served, dict(os.environ)))
     if done.returncode != 0:
         raise LlmvisorError(f"calibrate: the profile failed (exit {done.returncode}); its messages are above")

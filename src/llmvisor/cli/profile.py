@@ -19,6 +19,7 @@ from llmvisor.cli.console import stdout_to_stderr
 from llmvisor.core.trace import read_trace, write_trace
 from llmvisor.errors import LlmvisorError
 from llmvisor.profile.drift import DEFAULT_DRIFT_THRESHOLD, canary_drift, is_canary_episode, mark_drifted, with_canaries
+from llmvisor.profile.eta import SweepClock, SweepProgress
 from llmvisor.profile.plans import Envelope, build_workload, episode_dict, sweep_episodes, workload_name
 from llmvisor.profile.stats import coverage, mark_warmup_window, noise_floor, print_coverage, print_noise_floor
 
@@ -272,9 +273,12 @@ def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat
                 episodes = with_canaries(episodes, engine.envelope, canary_every)
                 result["canary_episodes"] = sum(map(is_canary_episode, episodes))
                 task = progress.add_task("sweep episodes", total=len(episodes) * repeat)
+                sweep = SweepProgress(SweepClock.for_episodes(episodes, repeat), progress.console.print)
                 for repeat_index in range(repeat):
                     for episode in episodes:
+                        episode_started = time.perf_counter()
                         engine.run_episode(episode, repeat_index)
+                        sweep.episode_done(time.perf_counter() - episode_started)
                         progress.advance(task)
             else:
                 task = progress.add_task("workload requests", total=len(workload_plan.requests) * repeat)

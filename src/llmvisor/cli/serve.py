@@ -33,9 +33,16 @@ def echo_json(data) -> None:
 def serve(
     model: Annotated[
         Path | None,
-        typer.Option("--model", "-m", help="Fitted latency model (JSON) attributing steps whose engine class has no active model in the "
-                     "registry (`llmvisor models`; `llmvisor calibrate` fits one to the served engine). Default: the shipped latency model.",
-                     dir_okay=False, metavar="FILE"),
+        typer.Option("--model", "-m", help="Fitted latency model (JSON) billing the engine class it was fitted on (its fingerprint) while "
+                     "the registry has no active version of it, and steps without a fingerprint (`llmvisor calibrate` fits one to "
+                     "the served engine; `llmvisor models add FILE --activate` registers it for every process). Default: the "
+                     "shipped latency model.", dir_okay=False, metavar="FILE"),
+    ] = None,
+    fallback_model: Annotated[
+        Path | None,
+        typer.Option("--fallback-model", help="Bill steps of every other engine class without an active model with this model, "
+                     "a model of another engine (warned once per class in the log). Without it those steps are stored pending "
+                     "until a model of their class is activated.", dir_okay=False, metavar="FILE"),
     ] = None,
     db: DbOption = DEFAULT_DB_URL,
     host: Annotated[str, typer.Option(help="Address to listen on.", metavar="ADDRESS")] = "127.0.0.1",
@@ -47,8 +54,8 @@ def serve(
         int, typer.Option(help="Batches attributed and stored at once; more wait their turn (at most the 16 database connections).", min=1, max=16)
     ] = 8,
     pending_unknown_classes: Annotated[
-        bool, typer.Option(help="Store steps of an engine class without an active model pending (attributed when one is "
-                           "activated) instead of attributing them with --model.")
+        bool, typer.Option(help="Deprecated, no effect: steps of an engine class without a model are stored pending by default "
+                           "(--fallback-model bills them instead).")
     ] = False,
     drift_band: Annotated[float, typer.Option(help="Drift alarm: the band the median signed relative residual of a class must stay in (+-).", min=0.0)] = 0.10,
     drift_window_steps: Annotated[int, typer.Option(help="Drift: steps per class in the residual window.", min=1)] = 2000,
@@ -58,26 +65,35 @@ def serve(
     """Run the accounting service: ingest steps, attribute them, keep the ledger, answer usage queries."""
     import uvicorn
 
+    from llmvisor.cli.console import stderr
     from llmvisor.service.app import create_app
     from llmvisor.service.metrics import DriftSettings
 
+    if pending_unknown_classes:
+        stderr.print("[yellow]warning:[/] --pending-unknown-classes is deprecated and has no effect: steps of an engine class "
+                     "without a model are stored pending by default (--fallback-model FILE bills them instead)", highlight=False)
     if model is None:
         model = shipped.latency_model_path()
-    if not model.is_file():
-        raise LlmvisorError(f"{model}: no such model file (fit one with `llmvisor fit`)")
+    for path in (model, fallback_model):
+        if path is not None and not path.is_file():
+            raise LlmvisorError(f"{path}: no such model file (fit one with `llmvisor fit`)")
     listening = bind_listening_socket(host, port)  # before the ledger exists: a busy port leaves nothing behind
     try:
         app = create_app(
-        model,
-        db,
-        max_body_bytes=int(max_body_mb * 1024 * 1024),
-        max_steps_per_request=max_steps_per_request,
-        public_metrics=public_metrics,
-        max_concurrent_ingest=max_concurrent_ingest,
-        pending_unknown_classes=pending_unknown_classes,
-        drift=DriftSettings(band=drift_band, window_steps=drift_window_steps,
-                            min_window_steps=min(200, drift_window_steps), alarm_after_steps=drift_alarm_steps),
+            model,
+            db,
+            max_body_bytes=int(max_body_mb * 1024 * 1024),
+            max_steps_per_request=max_steps_per_request,
+            public_metrics=public_metrics,
+            max_concurrent_ingest=max_concurrent_ingest,
+            fallback_model_path=fallback_model,
+            drift=DriftSettings(band=drift_band, window_steps=drift_window_steps,
+                                min_window_steps=min(200, drift_window_steps), alarm_after_steps=drift_alarm_steps),
         )
+        stderr.print(f"llmvisor serve: --model {shipped.portable_path(str(model))}"
+                     + (f", --fallback-model {fallback_model}" if fallback_model is not None else ""), highlight=False)
+        for line in app.state.registry.billing_summary():
+            stderr.print(f"  {line}", highlight=False)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10))
         server.run(sockets=[listening])
     finally:

@@ -34,8 +34,51 @@ ID_HEX_DIGITS = 16
 SIDECAR_SUFFIX = ".engine.json"
 """The recorder writes the engine's fingerprint record beside a trace it records: ``<trace path><suffix>``."""
 INFORMATIONAL_FIELDS = ("model", "max_model_len", "core_ids", "executor_backend")
-OPTIONAL_FIELDS = ("tensor_parallel_size", "pipeline_parallel_size", *INFORMATIONAL_FIELDS)
+FINGERPRINT_FORMAT = 2
+"""The format new fingerprints are written in; records without ``fingerprint_format`` are format 1."""
+FORMAT_2_FIELDS = ("fingerprint_format", "cpu_flags", "cpu_capability", "gemm_backend", "device_count", "compute_capability")
+"""Identity fields format 1 did not have: left out of a format-1 record's id, so its stored id still matches."""
+OPTIONAL_FIELDS = ("tensor_parallel_size", "pipeline_parallel_size", *INFORMATIONAL_FIELDS, *FORMAT_2_FIELDS)
+ISA_FLAGS = (
+    "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl", "avx512_bf16",
+    "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16",
+    "asimd", "asimdhp", "asimddp", "sve", "sve2", "bf16", "i8mm", "svebf16",
+)
+"""CPU flags that decide which kernels vLLM's CPU build and torch run (x86 ``flags``, Arm ``Features``)."""
 IGNORED_CONFIG_KEYS = frozenset({"_name_or_path", "name_or_path", "transformers_version", "_commit_hash", "architectures_path"})
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model_name: str
+    """The first ``model name`` (x86), else ``Model``/``cpu model``/``Hardware`` line; "CPU" if none."""
+    flags: tuple[str, ...]
+    """The `ISA_FLAGS` the first processor lists, in `ISA_FLAGS` order."""
+
+
+CPU_NAME_KEYS = ("model name", "Model", "cpu model", "Hardware", "cpu")
+CPU_FLAG_KEYS = ("flags", "Features")
+
+
+def parse_cpuinfo(text: str) -> CpuInfo:
+    """The CPU's name and the ISA flags that matter, from the text of ``/proc/cpuinfo`` (first processor)."""
+    values: dict[str, str] = {}
+    for line in text.splitlines():
+        key, colon, value = line.partition(":")
+        key = key.strip()
+        if colon and key not in values:
+            values[key] = value.strip()
+    name = next((values[key] for key in CPU_NAME_KEYS if values.get(key)), "CPU")
+    listed = set(next((values[key] for key in CPU_FLAG_KEYS if key in values), "").split())
+    return CpuInfo(model_name=name, flags=tuple(flag for flag in ISA_FLAGS if flag in listed))
+
+
+def read_cpuinfo(path: str | os.PathLike = "/proc/cpuinfo") -> CpuInfo:
+    """`parse_cpuinfo` of this machine's ``/proc/cpuinfo`` (no name or flags where it cannot be read)."""
+    try:
+        return parse_cpuinfo(Path(path).read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return CpuInfo(model_name="CPU", flags=())
 
 
 def fingerprint_sidecar(trace_path: str | os.PathLike) -> Path:
@@ -73,13 +116,29 @@ class EngineFingerprint:
     enforce_eager: bool
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    fingerprint_format: int = FINGERPRINT_FORMAT
+    cpu_flags: tuple[str, ...] = ()
+    """The `ISA_FLAGS` of the CPU that runs the model (empty on a GPU engine's record where not read)."""
+    cpu_capability: str = ""
+    """torch's CPU dispatch level (``torch.backends.cpu.get_cpu_capability()``: ``AVX512``, ``AVX2``, ...)."""
+    gemm_backend: str = ""
+    """What vLLM's CPU build runs dense projections with: ``onednn``, ``torch`` (its fallback) or ``zentorch``;
+    empty on a GPU."""
+    device_count: int = 0
+    """GPUs visible to the engine (0 on CPU)."""
+    compute_capability: str = ""
+    """The GPU's compute capability (``9.0``); empty on CPU."""
     model: str = field(default="", compare=False)
     max_model_len: int = field(default=0, compare=False)
     core_ids: tuple[int, ...] = field(default=(), compare=False)
     executor_backend: str = field(default="", compare=False)
 
     def identity(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in INFORMATIONAL_FIELDS}
+        left_out = INFORMATIONAL_FIELDS if self.fingerprint_format >= 2 else (*INFORMATIONAL_FIELDS, *FORMAT_2_FIELDS)
+        identity = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in left_out}
+        if "cpu_flags" in identity:
+            identity["cpu_flags"] = list(self.cpu_flags)
+        return identity
 
     @property
     def id(self) -> str:
@@ -89,6 +148,10 @@ class EngineFingerprint:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["core_ids"] = list(self.core_ids)
+        data["cpu_flags"] = list(self.cpu_flags)
+        if self.fingerprint_format < 2:  # written back as it was read, so it stays a format-1 record
+            for name in FORMAT_2_FIELDS:
+                data.pop(name)
         return {"id": self.id, **data}
 
     @classmethod
@@ -101,15 +164,18 @@ class EngineFingerprint:
             raise LlmvisorError(f"{source}: engine fingerprint lacks {', '.join(missing)}")
         values = {key: value for key, value in data.items() if key in names}
         values["core_ids"] = tuple(int(core) for core in values.get("core_ids", ()))
+        values["cpu_flags"] = tuple(str(flag) for flag in values.get("cpu_flags", ()))
+        values.setdefault("fingerprint_format", 1)
         fingerprint = cls(**values)
         if "id" in data and data["id"] != fingerprint.id:
             raise LlmvisorError(f"{source}: engine fingerprint id {data['id']!r} does not match its fields ({fingerprint.id})")
         return fingerprint
 
     def differences(self, other: EngineFingerprint) -> dict[str, tuple]:
-        """Identity fields that differ: name -> (this value, other value)."""
+        """Identity fields that differ: name -> (this value, other value); a field one format lacks is None."""
         mine, theirs = self.identity(), other.identity()
-        return {name: (mine[name], theirs[name]) for name in mine if mine[name] != theirs[name]}
+        names = [*mine, *(name for name in theirs if name not in mine)]
+        return {name: (mine.get(name), theirs.get(name)) for name in names if mine.get(name) != theirs.get(name)}
 
 
 def fingerprint_id(value) -> str | None:
@@ -132,5 +198,13 @@ def describe_mismatch(run_fingerprint, model_fingerprint) -> str:
         model = model_fingerprint if isinstance(model_fingerprint, EngineFingerprint) else EngineFingerprint.from_dict(model_fingerprint)
     except (LlmvisorError, TypeError, ValueError):
         return text
-    changed = ", ".join(f"{name} {a!r} vs {b!r}" for name, (a, b) in run.differences(model).items())
+    differences = run.differences(model)
+    notes = []
+    if run.fingerprint_format != model.fingerprint_format:
+        differences = {name: pair for name, pair in differences.items() if name not in FORMAT_2_FIELDS}
+        older = "the model's" if model.fingerprint_format < run.fingerprint_format else "the run's"
+        notes.append(f"fingerprint_format {run.fingerprint_format} vs {model.fingerprint_format}: {older} is of format "
+                     f"{min(run.fingerprint_format, model.fingerprint_format)}, which records no CPU ISA flags or GEMM "
+                     "backend, so the two never match; recalibrate")
+    changed = ", ".join([*(f"{name} {a!r} vs {b!r}" for name, (a, b) in differences.items()), *notes])
     return f"{text} ({changed})" if changed else text

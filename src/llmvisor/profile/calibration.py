@@ -7,6 +7,13 @@ decode-only, the decode-only steps spanning ``MIN_DECODE_BATCH_SIZES`` distinct 
 per-request decode term is separable from the step's fixed cost), all from one engine fingerprint. Below
 that, the fit would extrapolate from a corner of the envelope; profile instead (``llmvisor calibrate
 --fingerprint``), which sweeps it.
+
+Fit rule (`fit_usable`, both ways, after the fit's own rules have dropped warm-up, drifted and outlier
+steps): the fit must keep at least ``MIN_FIT_STEPS`` steps, ``MIN_PREFILL_STEPS`` with prefill and
+``MIN_DECODE_STEPS`` decode-only over ``MIN_DECODE_BATCH_SIZES`` batch sizes (per phase), and every step
+kind the trace covers (`STEP_KINDS`: at least ``MIN_KIND_STEPS`` non-warm-up steps of it) must keep
+``MIN_KIND_STEPS`` of them, or half (per covered shape; a few outliers of a rare kind are no reason to refuse). A profile whose canaries flag most of it as drifted (the machine was
+busy) fails it: ``calibrate`` then refuses rather than write a model fitted on a handful of steps.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ MIN_STEPS = 200
 MIN_PREFILL_STEPS = 20
 MIN_DECODE_STEPS = 50
 MIN_DECODE_BATCH_SIZES = 4
+MIN_FIT_STEPS = 100
+MIN_KIND_STEPS = 10
+STEP_KINDS = ("pure prefill", "mixed", "decode-only")
 def read_fingerprint(path: str | os.PathLike) -> EngineFingerprint:
     """The engine fingerprint in a JSON record, in a Parquet trace's metadata, or beside a JSONL/CSV trace."""
     path = Path(path)
@@ -100,3 +110,61 @@ def residual_quantiles(model: StepLatencyModel, trace: StepTrace) -> dict:
         **{f"relative_residual_{key}": signed[key] for key in ("p10", "p50", "p90")},
         **{f"abs_relative_residual_{key}": absolute[key] for key in ("p50", "p90")},
     }
+
+
+def step_kinds(trace: StepTrace) -> np.ndarray:
+    """Per step, its index in `STEP_KINDS`: prefill slices only, prefill and decode slices, decode only."""
+    if trace.n_steps == 0:
+        return np.zeros(0, dtype=np.int64)
+    has_prefill = trace.is_prefill_per_step
+    has_decode = np.logical_or.reduceat(~trace.is_prefill, trace.step_starts)
+    return np.where(has_prefill & ~has_decode, 0, np.where(has_prefill, 1, 2))
+
+
+def fit_usable(model: StepLatencyModel, trace: StepTrace) -> dict:
+    """What the fit of ``model`` on ``trace`` kept after its warm-up, drift and outlier rules, per phase and
+    per covered step kind, and ``short``: the fit rule's unmet conditions (empty: enough to fit on)."""
+    used = np.asarray(model.train_step_mask_, dtype=bool)
+    kinds = step_kinds(trace)
+    steady = ~trace.is_warmup_per_step
+    info = model.fit_info_
+    usable = {
+        "n_steps_total": int(trace.n_steps),
+        "n_steps_used": int(used.sum()),
+        "n_warmup_dropped": int(info["n_warmup_dropped"]),
+        "n_drifted_dropped": int(info["n_drifted_dropped"]),
+        "n_outliers_dropped": int(info["n_outliers_dropped"]),
+        "n_prefill_steps_used": int((used & trace.is_prefill_per_step).sum()),
+        "n_decode_steps_used": int((used & (kinds == 2)).sum()),
+        "decode_batch_sizes_used": len(set(trace.batch_size_per_step[used & (kinds == 2)].tolist())),
+        "kinds": {name: {"covered": int((steady & (kinds == k)).sum()), "used": int((used & (kinds == k)).sum())}
+                  for k, name in enumerate(STEP_KINDS)},
+    }
+    short = []
+    if usable["n_steps_used"] < MIN_FIT_STEPS:
+        short.append(f"{usable['n_steps_used']} steps (need {MIN_FIT_STEPS})")
+    if usable["n_prefill_steps_used"] < MIN_PREFILL_STEPS:
+        short.append(f"{usable['n_prefill_steps_used']} with prefill (need {MIN_PREFILL_STEPS})")
+    if usable["n_decode_steps_used"] < MIN_DECODE_STEPS:
+        short.append(f"{usable['n_decode_steps_used']} decode-only (need {MIN_DECODE_STEPS})")
+    if usable["decode_batch_sizes_used"] < MIN_DECODE_BATCH_SIZES:
+        short.append(f"{usable['decode_batch_sizes_used']} decode batch sizes (need {MIN_DECODE_BATCH_SIZES})")
+    for name, counts in usable["kinds"].items():
+        if counts["covered"] >= MIN_KIND_STEPS and counts["used"] < min(MIN_KIND_STEPS, counts["covered"] / 2):
+            short.append(f"{counts['used']} of {counts['covered']} {name} steps (need {MIN_KIND_STEPS})")
+    usable["short"] = short
+    usable["rule"] = (
+        f"after the warm-up, drift and outlier rules: >= {MIN_FIT_STEPS} steps, >= {MIN_PREFILL_STEPS} with prefill, "
+        f">= {MIN_DECODE_STEPS} decode-only over >= {MIN_DECODE_BATCH_SIZES} batch sizes, and of every step kind "
+        f"({', '.join(STEP_KINDS)}) the trace has >= {MIN_KIND_STEPS} non-warm-up steps of, >= {MIN_KIND_STEPS} or half of them"
+    )
+    return usable
+
+
+def describe_short_fit(usable: dict) -> str:
+    """One line: what the fit kept, what it dropped and why, and the conditions it misses."""
+    return (
+        f"the fit kept {usable['n_steps_used']} of {usable['n_steps_total']} steps ({usable['n_warmup_dropped']} warm-up, "
+        f"{usable['n_drifted_dropped']} drifted, {usable['n_outliers_dropped']} outliers dropped): "
+        f"{'; '.join(usable['short'])}"
+    )

@@ -87,9 +87,11 @@ def run_calibrate(arguments: list[str], log_path: Path) -> dict:
 
 
 def ledger_steps(db_url: str) -> int:
+    """Steps the ledger holds, billed or pending (the served engine's class has no model in this service)."""
     ledger = Ledger(db_url)
     try:
-        return int(ledger.totals().num_steps)
+        totals = ledger.totals()
+        return int(totals.num_steps + totals.pending_steps)
     finally:
         ledger.close()
 

@@ -60,7 +60,7 @@ def create_app(
     max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS,
     public_metrics: bool = False,
     max_concurrent_ingest: int = DEFAULT_MAX_CONCURRENT_INGEST,
-    pending_unknown_classes: bool = False,
+    fallback_model_path: str | Path | None = None,
     drift: DriftSettings | None = None,
     registry_refresh_s: float = DEFAULT_REFRESH_S,
 ) -> FastAPI:
@@ -69,8 +69,10 @@ def create_app(
     ``public_metrics`` serves /metrics without a key (it names every tenant and its usage, so by default
     it needs an admin key, which Prometheus sends with ``authorization: {credentials: ...}``).
     ``max_tenant_labels`` caps the tenants named in /metrics; the rest are counted as ``tenant="other"``.
-    The model at ``model_path`` attributes steps whose engine class has no active registry version, unless
-    ``pending_unknown_classes``: then steps of a (fingerprinted) class without one are stored pending.
+    The model at ``model_path`` attributes the engine class it was fitted on while the registry has no active
+    version of it, and steps without a fingerprint; the one at ``fallback_model_path``, if given, every other
+    class without a model (warned once per class); else their steps are stored pending
+    (`llmvisor.service.registry`).
     """
     settings = ServiceSettings(
         max_body_bytes=max_body_bytes,
@@ -84,9 +86,8 @@ def create_app(
     model = StepLatencyModel.from_json(model_path)
     ledger = Ledger(db_url)
     metrics = ServiceMetrics(max_tenant_labels=max_tenant_labels, drift=drift)
-    registry = ModelRegistry(
-        ledger, model, pending_unknown_classes=pending_unknown_classes, refresh_s=registry_refresh_s, metrics=metrics
-    )
+    fallback = StepLatencyModel.from_json(fallback_model_path) if fallback_model_path is not None else None
+    registry = ModelRegistry(ledger, model, fallback_model=fallback, refresh_s=registry_refresh_s, metrics=metrics)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):

@@ -1,16 +1,25 @@
 """Fitted models per engine class (engine fingerprint id), versioned in the ledger, and the attribution of
 steps stored pending until their class has a model.
 
-Which model attributes a step: the active registry version of its class; else, for a step without a
-fingerprint or when the service is not told to hold unknown classes, the service's default model (``serve
---model``); else the step is stored pending (measured time kept, no shares) and attributed, once, when a
-version of its class is activated. Bills already written are never rewritten: activation attributes only
-pending steps.
+Which model attributes a step (`ModelRegistry.choose`), so that no step is billed by another engine's model
+unless the operator says so:
+
+1. the active registry version of its class;
+2. the service's model (``serve --model``, default the shipped one) for the class it was fitted on (the
+   fingerprint id in its file), and for steps that carry no fingerprint (nothing to compare; counted in
+   ``llmvisor_fingerprint_unknown_steps_total``);
+3. the fallback model (``serve --fallback-model``) for every other class, only if the operator named one,
+   with a warning in the log once per class;
+4. otherwise the step is stored pending (measured time kept, no shares, counted and on the dashboard) and
+   attributed, once, when a version of its class is activated.
+
+Bills already written are never rewritten: activation attributes only pending steps.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +31,8 @@ from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
 from llmvisor.service.ingest import ModelChoice, attribute_stored
 from llmvisor.service.metrics import ServiceMetrics
+
+log = logging.getLogger("llmvisor.service")
 
 DEFAULT_REFRESH_S = 5.0
 """How often a service process re-reads the active versions (another process or the CLI may activate one)."""
@@ -91,28 +102,37 @@ def activate(ledger: Ledger, engine_class: str, version: int, *, metrics: Servic
     return attribute_pending(ledger, engine_class, model, version, metrics=metrics)
 
 
+def fitted_class(model: StepLatencyModel | None) -> str | None:
+    """The engine class (fingerprint id) a model file says it was fitted on; None if it records none."""
+    fingerprint = getattr(model, "engine_fingerprint_", None)
+    return str(fingerprint["id"]) if isinstance(fingerprint, dict) and fingerprint.get("id") else None
+
+
 class ModelRegistry:
     """The models one service process attributes with: the active registry versions (re-read every
-    ``refresh_s``), the default model, and whether steps of classes without a model are held pending."""
+    ``refresh_s``), the service's model for its own class and for steps without a fingerprint, and the
+    fallback model, if one is named, for other classes without a model (else their steps are held pending)."""
 
     def __init__(
         self,
         ledger: Ledger,
         default_model: StepLatencyModel,
         *,
-        pending_unknown_classes: bool = False,
+        fallback_model: StepLatencyModel | None = None,
         refresh_s: float = DEFAULT_REFRESH_S,
         metrics: ServiceMetrics | None = None,
     ):
         self.ledger = ledger
         self.default = ModelChoice(default_model)
-        self.pending_unknown_classes = pending_unknown_classes
+        self.default_class = fitted_class(default_model)
+        self.fallback = ModelChoice(fallback_model) if fallback_model is not None else None
         self.refresh_s = refresh_s
         self.metrics = metrics
         self._active: dict[str, ModelChoice] = {}
         self._loaded: dict[tuple[str, int], StepLatencyModel] = {}
         self._refreshed_at = -float("inf")
         self._lock = threading.Lock()
+        self._fallback_warned: set[str] = set()
 
     def refresh(self, *, force: bool = False) -> None:
         """Re-read the active versions; attribute pending steps of classes that have one (activated elsewhere,
@@ -130,19 +150,27 @@ class ModelRegistry:
                 if self.metrics is not None and previous is not None and previous.version != version:
                     self.metrics.class_drift.reset(engine_class)  # residuals of the version replaced
             self._active = active
-        if not self.pending_unknown_classes:
-            return
         for engine_class, choice in active.items():
             if self.ledger.has_pending(engine_class):
                 attribute_pending(self.ledger, engine_class, choice.model, choice.version, metrics=self.metrics)
 
     def choose(self, engine_class: str) -> ModelChoice:
+        """The model of a class's steps (the module docstring's order); ``ModelChoice(None)``: store pending."""
         choice = self._active.get(engine_class)
         if choice is not None:
             return choice
-        if engine_class and self.pending_unknown_classes:
-            return ModelChoice(None)
-        return self.default
+        if not engine_class or engine_class == self.default_class:
+            return self.default
+        if self.fallback is not None:
+            if engine_class not in self._fallback_warned:
+                self._fallback_warned.add(engine_class)
+                log.warning(
+                    "llmvisor: engine class %s has no model; its steps are billed with the fallback model (fitted on %s), "
+                    "a model of another engine: register one of this engine (llmvisor calibrate; llmvisor models add FILE "
+                    "--activate)", engine_class, fitted_class(self.fallback.model) or "no recorded fingerprint",
+                )
+            return self.fallback
+        return ModelChoice(None)
 
     def model_for(self, engine_class: str) -> StepLatencyModel | None:
         return self.choose(engine_class).model
@@ -151,3 +179,26 @@ class ModelRegistry:
         result = activate(self.ledger, engine_class, version, metrics=self.metrics)
         self.refresh(force=True)
         return result
+
+    def billing_summary(self) -> list[str]:
+        """What this process bills with, one line each (``serve`` prints them at start)."""
+        self.refresh(force=True)
+        lines = [f"registry: engine class {c} bills with its active version v{choice.version}" for c, choice in sorted(self._active.items())]
+        if self.default_class is not None:
+            lines.append(f"--model: bills engine class {self.default_class} (the class it was fitted on) while the registry has "
+                         "no active version of it, and steps that carry no engine fingerprint")
+            if "fingerprint_format" not in self.default.model.engine_fingerprint_:
+                lines.append(f"  {self.default_class} is a format-1 fingerprint (no CPU ISA flags or GEMM backend recorded): no "
+                             "engine recording today has this class; calibrate a model of yours (llmvisor calibrate)")
+        else:
+            lines.append("--model: records no engine fingerprint; bills only steps that carry none")
+        if self.fallback is not None:
+            lines.append(f"--fallback-model (fitted on {fitted_class(self.fallback.model) or 'no recorded fingerprint'}): bills "
+                         "steps of every other engine class without a model, a warning in the log once per class")
+        else:
+            lines.append("steps of any other engine class are stored pending (measured time kept, no bill) until a model "
+                         "of their class is activated: llmvisor models add FILE --activate")
+        pending = self.ledger.pending_classes()
+        if pending:
+            lines.append("pending now: " + ", ".join(f"{c or '(no fingerprint)'} {n} steps" for c, n in sorted(pending.items())))
+        return lines

@@ -1,4 +1,6 @@
-"""The `EngineFingerprint` of a running vLLM engine, read from its ``VllmConfig`` (in the scheduler's process)."""
+"""The `EngineFingerprint` of a running vLLM engine, read from its ``VllmConfig`` (in the scheduler's process),
+with what decides the step cost on this silicon: the CPU's ISA flags (``/proc/cpuinfo``), torch's CPU
+capability and the GEMM backend vLLM's CPU build picks, or the GPUs' name, count and compute capability."""
 
 from __future__ import annotations
 
@@ -6,18 +8,49 @@ import os
 
 import vllm
 
-from llmvisor.core.fingerprint import EngineFingerprint, model_config_hash
+from llmvisor.core.fingerprint import EngineFingerprint, model_config_hash, read_cpuinfo
+
+GEMM_PROBE_SHAPE = (64, 64)
+"""A [K, N] weight small enough to cost nothing: only whether oneDNN can build a matmul for the dtype matters."""
 
 
 def cpu_model_name() -> str:
+    return read_cpuinfo().model_name
+
+
+def cpu_capability() -> str:
+    """torch's CPU dispatch level (``AVX512``, ``AVX2``, ``DEFAULT``, ...); "" where torch cannot say."""
+    import torch
+
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "CPU"
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return ""
+
+
+def gemm_backend(dtype) -> str:
+    """What vLLM's CPU build runs a dense (unquantized) projection with, decided as
+    ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`` decides it: ``zentorch`` on the Zen
+    platform with its op, else ``onednn`` when vLLM's kernels provide it and oneDNN can build a matmul for
+    ``dtype`` on this CPU (it cannot for bfloat16 without AVX-512, and vLLM then falls back), else ``torch``
+    (``torch.nn.functional.linear``). Small weights (MoE routers) take the AMX kernel where ``amx_tile`` is
+    flagged; that is in ``cpu_flags``."""
+    import torch
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if current_platform.is_zen_cpu() and hasattr(getattr(torch.ops, "zentorch", None), "zentorch_linear_unary"):
+        return "zentorch"
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError:
+        return "torch"
+    if not getattr(ops, "_supports_onednn", False) or current_platform.get_cpu_architecture() == CpuArchEnum.POWERPC:
+        return "torch"
+    try:
+        ops.create_onednn_mm(torch.zeros(GEMM_PROBE_SHAPE, dtype=dtype), 1)
+    except RuntimeError:
+        return "torch"
+    return "onednn"
 
 
 def worker_cores(vllm_config) -> tuple[int, ...]:
@@ -55,14 +88,20 @@ def engine_fingerprint(vllm_config, *, model_name: str | None = None, hardware: 
     is_cpu = current_platform.is_cpu()
     cores = worker_cores(vllm_config) if is_cpu else ()
     backend = str(parallel_config.distributed_executor_backend)
+    silicon: dict = {}
     if is_cpu:
         threads = len(cores) if backend == "mp" else torch.get_num_threads()
         device = "cpu"
-        hardware_name = hardware or cpu_model_name()
+        cpu = read_cpuinfo()
+        hardware_name = hardware or cpu.model_name
+        silicon = {"cpu_flags": cpu.flags, "cpu_capability": cpu_capability(), "gemm_backend": gemm_backend(model_config.dtype)}
     else:
         threads = 0
         device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else str(current_platform.device_name)
         hardware_name = hardware or device
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(0)
+            silicon = {"device_count": int(torch.cuda.device_count()), "compute_capability": f"{major}.{minor}"}
     return EngineFingerprint(
         engine="vllm",
         engine_version=vllm.__version__,
@@ -82,6 +121,7 @@ def engine_fingerprint(vllm_config, *, model_name: str | None = None, hardware: 
         enforce_eager=bool(model_config.enforce_eager),
         tensor_parallel_size=int(parallel_config.tensor_parallel_size),
         pipeline_parallel_size=int(parallel_config.pipeline_parallel_size),
+        **silicon,
         core_ids=cores,
         executor_backend=backend,
     )
