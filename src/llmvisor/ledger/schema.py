@@ -17,6 +17,10 @@ model) and whether it is still ``pending`` (its class had no active model: its m
 slices are kept in its batch's blob, and it is attributed, once, when a model of its class is activated).
 Fitted models are kept per class and version in ``engine_models``; ``active_models`` names the version
 attributing each class.
+
+Schema 4 adds ``step_ranges``: the step ids received per run as merged ranges (a run instance numbers its steps
+0, 1, 2, ...), so the steps a run is missing — ids below its highest received id that never arrived — are a
+query over a few rows per run instead of a scan of its steps (`Ledger.run_gaps`).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from sqlalchemy import (
     Text,
 )
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 USAGE_RESOLUTION_US = 1_000_000
 """Usage is kept per second of step start, so usage queries take time ranges in whole seconds."""
 
@@ -125,3 +129,15 @@ active_models = Table(
     Column("version", Integer, nullable=False),
     Column("activated_at_us", BigInteger, nullable=False),
 )
+
+step_ranges = Table(
+    "step_ranges",
+    metadata,
+    Column("run_id", Text, primary_key=True),
+    Column("first_step_id", BigInteger, primary_key=True, autoincrement=False),
+    Column("last_step_id", BigInteger, nullable=False, doc="inclusive: every id first..last of the run is stored"),
+    Column("engine_class", Text, nullable=False, doc="engine class of the run's steps in the range (first seen)"),
+    Column("first_received_us", BigInteger, nullable=False, doc="when the range's first step was stored (earliest)"),
+)
+"""Merged on insert (adjacent ranges join), under a per-run lock on PostgreSQL: concurrent service processes
+storing steps of one run take turns on its ranges."""
