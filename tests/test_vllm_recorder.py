@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 
@@ -97,6 +98,8 @@ def test_offline_rows_match_what_was_scheduled(tiny_model, tmp_path, monkeypatch
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     overhead = scheduler.recorder_overhead()
     llm.llm_engine.engine_core.shutdown()
+    # Shutdown joins the idle-flush thread: none is left to write into a closed trace or be cut off at exit.
+    assert not [t.name for t in threading.enumerate() if t.name == "llmvisor-trace-flush"]
 
     trace = read_trace(trace_path)
     assert trace.n_steps == overhead.n_steps > 0
