@@ -5,7 +5,6 @@ it cannot write to); and the recorder's flush thread at shutdown."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -14,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from _service_fixtures import make_steps, model_path  # noqa: F401
@@ -190,23 +190,53 @@ def test_steps_that_cannot_be_spooled_are_kept_and_delivered_when_the_service_is
     assert not spool.exists()
 
 
-def test_steps_beyond_the_memory_bound_are_dropped_counted_and_logged(down_service, tmp_path, caplog):
+def test_steps_beyond_the_memory_bound_are_dropped_counted_logged_and_shown_as_a_gap(down_service, tmp_path, caplog):
     server, ledger, key, url = down_service
     spool = unwritable_directory(tmp_path) / "spool.jsonl"
-    groups = make_steps("bounded", 300, batch_size=4)
+    groups = make_steps("bounded", 350, batch_size=4)
     pusher = fast_pusher(url, key, spool, max_held_steps=200)
     with caplog.at_level(logging.ERROR, "llmvisor.pusher"):
-        for group in groups:
+        for group in groups[:300]:
             pusher.push_step(group)
         deadline = time.monotonic() + 20
         while pusher.stats.dropped < 100 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert pusher.stats.dropped == 100
-        assert any("dropped 100" in r.getMessage() or "dropping" in r.getMessage() for r in caplog.records)
+        assert pusher.stats.dropped == 100 and pusher.stats.held >= 200
+        assert any("dropped 100 step(s)" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
     server.start()
+    for group in groups[300:]:  # the engine runs on: later steps arrive, so the lost ones are a gap
+        pusher.push_step(group)
     assert pusher.close(timeout_s=30) is True
-    assert stored_steps(ledger) == 200 and pusher.stats.dropped == 100
-    stored = {row.request_id for row in ledger.request_usage(limit=10)}
-    assert stored
-    gaps = json.loads(json.dumps([g[0]["step_id"] for g in groups[200:]]))
-    assert all(ledger.step_detail("bounded", step_id) is None for step_id in gaps)
+    assert stored_steps(ledger) == 250 and pusher.stats.dropped == 100
+    assert all(ledger.step_detail("bounded", step_id) is None for step_id in range(200, 300))
+    headers = {"Authorization": f"Bearer {key}"}
+    gaps = httpx.get(f"{url}/v1/runs/bounded/gaps", headers=headers, timeout=10).json()
+    assert (gaps["num_missing"], gaps["gaps"][0]["first_step_id"], gaps["gaps"][0]["last_step_id"]) == (100, 200, 299)
+    metrics = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
+    assert 'llmvisor_steps_missing_total{engine_class="",run="bounded"} 100.0' in metrics
+
+
+def test_an_outage_is_logged_in_true_counts(down_service, tmp_path, caplog):
+    """Once when the service goes away, then 'service back' with the steps spooled meanwhile and 'replayed N'
+    with the spool's count (not one 'spooling 1 steps' line per failed batch and nothing about the replay)."""
+    server, ledger, key, url = down_service
+    groups = make_steps("outage", 120, batch_size=3)
+    pusher = fast_pusher(url, key, tmp_path / "spool.jsonl")
+    with caplog.at_level(logging.INFO, "llmvisor.pusher"):
+        for group in groups[:100]:
+            pusher.push_step(group)
+            time.sleep(0.005)  # several batches, each failing or spooled while the service is away
+        deadline = time.monotonic() + 10
+        while pusher.stats.spooled < 100 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        server.start()
+        for group in groups[100:]:
+            pusher.push_step(group)
+        assert pusher.close(timeout_s=30)
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("service unavailable" in m for m in messages) == 1, messages
+    [back] = [m for m in messages if "service back after" in m]
+    assert f"spooled {pusher.stats.spooled} steps meanwhile" in back and pusher.stats.spooled >= 100
+    replayed = [m for m in messages if "replayed" in m and "from the spool" in m]
+    assert sum(int(m.split("replayed ")[1].split()[0]) for m in replayed) == pusher.stats.replayed == pusher.stats.spooled
+    assert stored_steps(ledger) == 120
