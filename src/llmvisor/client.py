@@ -713,7 +713,8 @@ RELAY_RETAIN_BYTES = 256 << 20
 """Encoded steps the engine process keeps until the delivery process reports them safe (about 150,000 steps of
 16 slices): what a delivery process that dies takes with it is sent again to the next one."""
 RELAY_WRITE_CHUNK_BYTES = 256 << 10
-RELAY_WATCH_INTERVAL_S = 0.02
+RELAY_WATCH_INTERVAL_S = 0.1
+DELIVERY_REPORT_INTERVAL_S = 0.1
 RELAY_CLOSE_TIMEOUT_S = 60.0
 MAX_DELIVERY_RESTARTS = 5
 DELIVERY_RESTART_WINDOW_S = 60.0
@@ -1057,6 +1058,7 @@ def deliver(read_fd: int = 0, ack_fd: int | None = None) -> int:
     delivery: StepDelivery | None = None
     torn = 0
     reported = None
+    reported_at_s = 0.0
     while True:
         ready, _, _ = select.select([read_fd], [], [], 0.2)
         chunk = os.read(read_fd, 1 << 20) if ready else None
@@ -1078,11 +1080,13 @@ def deliver(read_fd: int = 0, ack_fd: int | None = None) -> int:
                     delivery.add(json.loads(line))
         if delivery is not None:
             delivery.flush()
-            safe = delivery.safe_from() if ack_fd is not None else None
+            # at most every DELIVERY_REPORT_INTERVAL_S: each report wakes a thread of the engine's process
+            due = ack_fd is not None and time.monotonic() - reported_at_s >= DELIVERY_REPORT_INTERVAL_S
+            safe = delivery.safe_from() if due else None
             if safe is not None and safe != reported:
                 try:
                     os.write(ack_fd, f"{safe[0]} {safe[1]}\n".encode())
-                    reported = safe
+                    reported, reported_at_s = safe, time.monotonic()
                 except (BlockingIOError, BrokenPipeError):
                     pass
     if delivery is None:
