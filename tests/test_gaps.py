@@ -7,12 +7,15 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from _service_fixtures import bearer, db_url, make_steps, model_path  # noqa: F401
 from llmvisor.core.model import StepLatencyModel
+from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
 from llmvisor.ledger.schema import step_ranges
 from llmvisor.service.app import create_app
@@ -115,3 +118,26 @@ def test_gaps_api_metric_and_alert_count_the_steps_removed(model_path, tmp_path,
         text = client.get("/metrics", headers=admin).text
         assert _missing_samples(text)[("run-g", "")] == 0.0
         assert "llmvisor_runs_missing_steps 0.0" in text
+
+
+def test_the_periodic_check_alerts_on_a_run_that_stopped_sending(model_path, tmp_path, caplog, monkeypatch):  # noqa: F811
+    """No batch of the run arrives after its gap opened: the service's own periodic check finds it past the
+    window (both set by environment variables, as `llmvisor serve` reads them) and logs it once."""
+    url = f"sqlite:///{tmp_path}/ledger.db"
+    ledger = Ledger(url)
+    admin = bearer(ledger.create_key(is_admin=True))
+    ledger.close()
+    monkeypatch.setenv("LLMVISOR_GAP_ALERT_AFTER_S", "0.3")
+    monkeypatch.setenv("LLMVISOR_GAP_CHECK_INTERVAL_S", "0.1")
+    groups = make_steps("run-stopped", 20)
+    with TestClient(create_app(model_path, url)) as client, caplog.at_level(logging.ERROR, "llmvisor.service"):
+        assert client.post("/v1/steps", json={"steps": groups[:5] + groups[9:]}, headers=admin).status_code == 200
+        deadline = time.monotonic() + 10
+        while not [r for r in caplog.records if "missing steps 5..8 (4 steps)" in r.getMessage()]:
+            assert time.monotonic() < deadline, "the periodic check did not log the gap"
+            time.sleep(0.05)
+        time.sleep(0.3)
+    assert len([r for r in caplog.records if "run-stopped" in r.getMessage()]) == 1
+    monkeypatch.setenv("LLMVISOR_GAP_ALERT_AFTER_S", "soon")
+    with pytest.raises(LlmvisorError, match="LLMVISOR_GAP_ALERT_AFTER_S must be a positive number of seconds"):
+        create_app(model_path, url)
