@@ -112,6 +112,7 @@ def test_every_metric_the_dashboard_queries_is_exported_by_the_service(model_pat
         assert client.post("/v1/steps", json=class_body(CLASS_MODELLED, 60, run_id="a", seed=1), headers=admin).status_code == 200
         assert client.post("/v1/steps", json=class_body(CLASS_PENDING, 20, run_id="b", seed=2), headers=admin).json()["steps_pending"] == 20
         assert client.post("/v1/steps", json={"steps": make_steps("plain", 30)}, headers=admin).status_code == 200
+        assert client.post("/v1/steps", json={"steps": make_steps("gappy", 30)[5:]}, headers=admin).status_code == 200
         text = client.get("/metrics", headers=admin).text
     exported = {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
     board = dashboard()
@@ -150,6 +151,11 @@ def test_every_panel_query_answers_from_a_real_prometheus_and_the_total_equals_t
             for row in conflicting[0]:
                 row["step_latency_s"] = round(row["step_latency_s"] + 0.001, 6)
             assert client.post("/v1/steps", json={"steps": conflicting}).status_code == 409
+            # A run of the modelled class whose steps 10..16 never arrive: 7 missing.
+            gappy = class_body(CLASS_MODELLED, 60, run_id=f"gappy-{round_}", seed=30 + round_)["columns"]
+            keep = [k for k, step in enumerate(gappy["step_id"]) if not 10 <= step <= 16]
+            gappy = {name: [values[k] for k in keep] for name, values in gappy.items()}
+            assert client.post("/v1/steps", json={"columns": gappy}).status_code == 200
             pending = client.post("/v1/steps", json=class_body(CLASS_PENDING, 40, run_id=f"pending-{round_}", seed=20 + round_))
             assert pending.json()["steps_pending"] == 40
             prometheus.wait_for_scrapes_after(time.time(), 1)
@@ -186,6 +192,10 @@ def test_every_panel_query_answers_from_a_real_prometheus_and_the_total_equals_t
         alarms = {s["metric"]["engine_class"]: float(s["value"][1]) for s in prometheus.query(substitute(alarm_expr))}
         assert drift[CLASS_MODELLED]["alarm"] and alarms[CLASS_MODELLED] == 1.0
         assert alarms == {(name or NO_FINGERPRINT): float(state["alarm"]) for name, state in drift.items()}
+        [missing_expr] = [expr for title, expr in panel_exprs(board) if title.startswith("Missing steps")]
+        missing = {s["metric"]["run"]: float(s["value"][1]) for s in prometheus.query(substitute(missing_expr))}
+        assert missing == {"gappy-0": 7.0, "gappy-1": 7.0}
+        assert {run: client.get(f"/v1/runs/{run}/gaps").json()["num_missing"] for run in missing} == {"gappy-0": 7, "gappy-1": 7}
         [rejected_expr] = [expr for title, expr in panel_exprs(board) if title.startswith("Rejected")]
         by_reason = {s["metric"]["reason"]: float(s["value"][1]) for s in prometheus.query(substitute(rejected_expr, rate_interval="10m"))}
         assert by_reason["conflict"] > 0 and by_reason["invalid_trace"] == 0

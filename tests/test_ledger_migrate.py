@@ -125,7 +125,7 @@ def test_the_migrate_command_reports_what_it_copied(tmp_path, model_path, capsys
     ledger_migrate(source=source_url, target=f"sqlite:///{tmp_path}/schema2.db")
     out = capsys.readouterr().out
     assert f"copied 30 steps, {len(slice_rows)} slices, 1 keys" in out and "The source was not changed." in out
-    with pytest.raises(LlmvisorError, match="ledger schema version 3; versions 1 and 2 are migrated"):
+    with pytest.raises(LlmvisorError, match="ledger schema version 4; versions 1, 2 and 3 are migrated"):
         ledger_migrate(source=f"sqlite:///{tmp_path}/schema2.db", target=f"sqlite:///{tmp_path}/third.db")
 
 
@@ -152,6 +152,7 @@ def _schema_2_ledger(path, model, groups) -> str:
             conn.execute(text(f"ALTER TABLE steps DROP COLUMN {column}"))
         conn.execute(text("DROP TABLE engine_models"))
         conn.execute(text("DROP TABLE active_models"))
+        conn.execute(text("DROP TABLE step_ranges"))
         conn.execute(text("UPDATE ledger_info SET value = '2' WHERE name = 'schema_version'"))
     engine.dispose()
     return url
@@ -162,7 +163,7 @@ def test_a_schema_2_ledger_is_copied_table_by_table(tmp_path, model_path, db_url
     groups = make_steps("run-a", 80, batch_size=9, step_interval_s=0.3, seed=1) + make_steps("run-b", 40, n_tenants=4, seed=2)
     source_path = tmp_path / "schema2.db"
     source_url = _schema_2_ledger(source_path, model, groups)
-    with pytest.raises(LedgerError, match="schema version 2, this llmvisor reads 3"):
+    with pytest.raises(LedgerError, match="schema version 2, this llmvisor reads 4"):
         Ledger(source_url)
     source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
     reference = Ledger(f"sqlite:///{tmp_path}/reference.db")
@@ -203,9 +204,56 @@ def test_the_documented_migrate_command_runs_as_written(tmp_path, model_path):
     assert done.returncode == 0, done.stderr
     reference = Ledger(f"sqlite:///{tmp_path}/reference.db")
     reference.ingest(prepare_batch(model, validate_trace(groups), received_at_us=0).records)
-    migrated = Ledger(f"sqlite:///{tmp_path}/llmvisor-v3.db")
+    migrated = Ledger(f"sqlite:///{tmp_path}/llmvisor-v4.db")
     try:
         assert migrated.totals() == reference.totals() and migrated.totals().num_steps == 30
     finally:
         migrated.close()
         reference.close()
+
+
+def _schema_3_ledger(path, model, groups) -> str:
+    """A schema-3 ledger holding ``groups`` (of an engine class, one model version stored and active): a current
+    one without the step ranges of schema 4."""
+    url = f"sqlite:///{path}"
+    ledger = Ledger(url)
+    records = prepare_batch(model, validate_trace(groups), received_at_us=0).records
+    records.engine_class = np.full(records.n_steps, "class-x", dtype=object)
+    ledger.ingest(records)
+    ledger.add_model("class-x", json.dumps(model.to_dict()), "test", activate=True)
+    ledger.create_key("tenant-1")
+    ledger.close()
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("DROP TABLE step_ranges"))
+        conn.execute(text("UPDATE ledger_info SET value = '3' WHERE name = 'schema_version'"))
+    engine.dispose()
+    return url
+
+
+def test_a_schema_3_ledger_is_copied_with_its_models_and_its_gaps_show(tmp_path, model_path, db_url):
+    model = StepLatencyModel.from_json(model_path)
+    run_a = make_steps("run-a", 50, batch_size=5, seed=1)
+    groups = run_a[:10] + run_a[14:40] + run_a[45:] + make_steps("run-b", 20, n_tenants=4, seed=2)
+    source_path = tmp_path / "schema3.db"
+    source_url = _schema_3_ledger(source_path, model, groups)
+    with pytest.raises(LedgerError, match="schema version 3, this llmvisor reads 4"):
+        Ledger(source_url)
+    source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
+    report = migrate(source_url, db_url)
+    assert report.num_steps == len(groups) and report.num_keys == 1
+    assert hashlib.sha256(source_path.read_bytes()).hexdigest() == source_digest
+    ledger = Ledger(db_url)
+    try:
+        assert ledger.totals().num_steps == len(groups)
+        assert ledger.active_versions() == {"class-x": 1}
+        assert ledger.step_detail("run-a", 3).engine_class == "class-x"
+        gaps = ledger.run_gaps("run-a")
+        assert [(g.first_step_id, g.last_step_id) for g in gaps.gaps] == [(10, 13), (40, 44)]
+        assert gaps.num_missing == 9 and gaps.num_received == 41 and gaps.engine_class == "class-x"
+        assert ledger.run_gaps("run-b").num_missing == 0
+        assert [run.run_id for run in ledger.runs_with_gaps()] == ["run-a"]
+        ledger.ingest(prepare_batch(model, validate_trace(run_a[10:14]), received_at_us=0).records)
+        assert [(g.first_step_id, g.last_step_id) for g in ledger.run_gaps("run-a").gaps] == [(40, 44)]
+    finally:
+        ledger.close()

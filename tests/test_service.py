@@ -262,7 +262,7 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
         ("GET", "/v1/usage/totals"), ("GET", "/v1/whoami"), ("POST", "/v1/keys"), ("GET", "/v1/keys"),
         ("DELETE", "/v1/keys/{key_id}"), ("GET", "/metrics"), ("GET", "/healthz"), ("GET", "/v1/steps/{run_id}/{step_id}"),
         ("GET", "/v1/models"), ("POST", "/v1/models"), ("POST", "/v1/models/{engine_class}/{version}/activate"),
-        ("GET", "/v1/models/drift"), ("GET", "/v1/adjustments"),
+        ("GET", "/v1/models/drift"), ("GET", "/v1/adjustments"), ("GET", "/v1/runs/{run_id}/gaps"),
     }
     forbidden = [
         ("GET", "/v1/adjustments?tenant=tenant-0"),
@@ -281,6 +281,7 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
         ("POST", "/v1/models"),
         ("POST", "/v1/models/abc/1/activate"),
         ("GET", "/v1/models/drift"),
+        ("GET", "/v1/runs/run-a/gaps"),
     ]
     for method, path in forbidden:
         kwargs = {"json": {"tenant": "tenant-0"}} if path == "/v1/keys" and method == "POST" else {}

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 
@@ -79,7 +80,27 @@ def test_offline_rows_match_what_was_scheduled(tiny_model, tmp_path, monkeypatch
     monkeypatch.setenv("LLMVISOR_UNIQUE_RUN_ID", "0")
     monkeypatch.setenv("LLMVISOR_WARMUP_STEPS", "2")
 
-    llm = LLM(**tiny_engine_args(tiny_model, RecordingScheduler))
+    # Hold the recorder's idle-flush thread once, up to 2 s, at a line of its loop when asked (a trace hook on
+    # the real thread, no change to its code): shutdown must wait for it rather than return while it runs.
+    armed, held = threading.Event(), threading.Event()
+
+    def hold_flush_thread(frame, event, _arg):
+        if frame.f_code.co_name != "_flush_when_idle":
+            return None
+
+        def on_line(_frame, line_event, _line_arg):
+            if line_event == "line" and armed.is_set() and not held.is_set():
+                held.set()
+                time.sleep(2.0)
+            return on_line
+
+        return on_line
+
+    threading.settrace(hold_flush_thread)
+    try:
+        llm = LLM(**tiny_engine_args(tiny_model, RecordingScheduler))
+    finally:
+        threading.settrace(None)
     requests = [(150, 5, "alice"), (40, 9, "bob"), (97, 3, None), (1, 4, "alice"), (64, 1, "bob")]
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(10, 1000, n).tolist()} for n, _, _ in requests]
@@ -93,7 +114,12 @@ def test_offline_rows_match_what_was_scheduled(tiny_model, tmp_path, monkeypatch
     assert [len(o.outputs[0].token_ids) for o in outputs] == [out for _, out, _ in requests]
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     overhead = scheduler.recorder_overhead()
+    armed.set()
+    assert held.wait(10), "the idle-flush thread did not run"
     llm.llm_engine.engine_core.shutdown()
+    # Shutdown joins the idle-flush thread (here held mid-loop): none is left running after it, to write into a
+    # closed trace or be cut off at exit.
+    assert not [t.name for t in threading.enumerate() if t.name == "llmvisor-trace-flush"]
 
     trace = read_trace(trace_path)
     assert trace.n_steps == overhead.n_steps > 0

@@ -29,6 +29,7 @@ optionally ``LLMVISOR_SPOOL`` set.
 from __future__ import annotations
 
 import fcntl
+import heapq
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,19 +64,37 @@ REJECTED_STEPS = prometheus_client.Counter(
     "llmvisor_pusher_steps_rejected", "Steps the accounting service refused for their content (kept in the rejected file)"
 )
 DELIVERED_STEPS = prometheus_client.Counter("llmvisor_pusher_steps_acknowledged", "Steps the accounting service acknowledged")
+PUSHED_STEPS = prometheus_client.Counter("llmvisor_pusher_steps_pushed", "Steps handed to the pusher")
+SENT_STEPS = prometheus_client.Counter(
+    "llmvisor_pusher_steps_sent", "Steps sent to the service in a POST (once per batch sent: a replayed step counts again)"
+)
+SPOOLED_STEPS = prometheus_client.Counter("llmvisor_pusher_steps_spooled", "Steps written to the spool file (service away or queue full)")
+REPLAYED_STEPS = prometheus_client.Counter("llmvisor_pusher_steps_replayed", "Spooled steps sent again and acknowledged")
+DROPPED_STEPS = prometheus_client.Counter(
+    "llmvisor_pusher_steps_dropped",
+    "Steps lost: the spool could not be written and the steps held in memory reached their bound (they show as gaps)",
+)
+HELD_STEPS = prometheus_client.Gauge(
+    "llmvisor_pusher_steps_held", "Steps kept in memory because the spool file could not be written (bounded)"
+)
+OUTAGE_LOG_INTERVAL_S = 30.0
+DEFAULT_MAX_HELD_STEPS = 50_000
 
 
 @dataclass
 class PusherStats:
-    """What became of the steps pushed so far (a step can be spooled and later acknowledged); ``dropped``
-    counts steps lost because the queue was full and the spool file could not be written."""
+    """What became of the steps pushed so far (a step can be spooled and later acknowledged); ``held`` counts
+    steps kept in memory because the spool file could not be written, ``dropped`` those lost because that
+    memory was full too (or, at close, the spool still refused them)."""
 
     pushed: int = 0
+    sent: int = 0
     acknowledged: int = 0
     duplicate: int = 0
     spooled: int = 0
     replayed: int = 0
     rejected: int = 0
+    held: int = 0
     dropped: int = 0
     failed_posts: int = 0
     last_error: str | None = None
@@ -98,6 +118,12 @@ class _Unavailable(Exception):
     """The service could not take a batch now (down, busy, or refusing the key); keep the steps."""
 
 
+class _Step(list):
+    """One step's rows, numbered in push order (``seq``; None for a step read back from the spool)."""
+
+    __slots__ = ("seq",)
+
+
 class StepPusher:
     """Send step rows to the service in the background; spool to a file when it cannot be reached.
 
@@ -112,6 +138,12 @@ class StepPusher:
     flush_interval_s : longest a step waits in the queue for a batch to fill.
     max_attempts : POSTs of one batch (with backoff between) before it is spooled.
     retry_interval_s : how long to wait, once spooling, before trying the service again.
+    max_held_steps : steps kept in memory while the spool file cannot be written (a full disk, a read-only
+        directory); beyond that, steps are dropped, counted and logged.
+
+    While the service is away the log says so once, then every 30 s with the steps spooled so far, and
+    ``service back`` with the outage's length and count when it answers again, then how many spooled steps
+    were replayed.
     """
 
     def __init__(
@@ -128,6 +160,7 @@ class StepPusher:
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 5.0,
         retry_interval_s: float = 2.0,
+        max_held_steps: int = DEFAULT_MAX_HELD_STEPS,
     ):
         self.url = url.rstrip("/")
         self.spool_path = Path(spool_path)
@@ -139,7 +172,18 @@ class StepPusher:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.retry_interval_s = retry_interval_s
+        self.max_held_steps = max_held_steps
         self.stats = PusherStats()
+        self._held: list[_Step] = []
+        self._held_lock = threading.Lock()
+        self._last_held_log_s = -1e9
+        self._next_respool_s = 0.0
+        self._next_seq = 0
+        self._unsettled: set[int] = set()
+        self._unsettled_heap: list[int] = []
+        self._outage_since_s: float | None = None
+        self._outage_spooled = 0
+        self._last_outage_log_s = 0.0
         self._queue: queue.Queue[list[dict]] = queue.Queue(maxsize=max_queue_steps)
         self._spool_lock = threading.Lock()
         self._stop = threading.Event()
@@ -171,18 +215,39 @@ class StepPusher:
         """Hand over one step's rows; returns at once (at worst after a local file append when the queue is full)."""
         if self._closed:
             raise RuntimeError("push_step after close()")
-        rows = [dict(row) for row in rows]  # the caller may reuse its dicts for the next step
-        if not rows:
+        step = _Step(dict(row) for row in rows)  # the caller may reuse its dicts for the next step
+        if not step:
             raise ValueError("a step has at least one row")
         self.stats.add(pushed=1)
+        PUSHED_STEPS.inc()
         with self._count_lock:
             self._outstanding += 1
+            step.seq = self._next_seq
+            self._next_seq += 1
+            self._unsettled.add(step.seq)
+            heapq.heappush(self._unsettled_heap, step.seq)
         try:
-            self._queue.put_nowait(rows)
+            self._queue.put_nowait(step)
         except queue.Full:
             with self._count_lock:
                 self._outstanding -= 1
-            self._spool([rows])
+            self._spool([step])
+
+    def settled_steps(self) -> int:
+        """How many of the first steps pushed are all settled: acknowledged, rejected, spooled to the file or
+        dropped (not: queued, being sent, or held in memory). A relay may forget a step once it is settled."""
+        with self._count_lock:
+            heap = self._unsettled_heap
+            while heap and heap[0] not in self._unsettled:
+                heapq.heappop(heap)
+            return heap[0] if heap else self._next_seq
+
+    def _settle(self, steps: Sequence[list]) -> None:
+        with self._count_lock:
+            for step in steps:
+                seq = getattr(step, "seq", None)
+                if seq is not None:
+                    self._unsettled.discard(seq)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every step pushed so far is acknowledged or rejected (the spool replayed too);
@@ -190,7 +255,7 @@ class StepPusher:
         deadline = time.monotonic() + timeout_s
         self._next_try_s = 0.0
         while time.monotonic() < deadline:
-            if self._outstanding == 0 and not self.spool_path.exists() and not self.replay_path.exists():
+            if self._outstanding == 0 and not self._held and not self.spool_path.exists() and not self.replay_path.exists():
                 return True
             time.sleep(0.02)
         return False
@@ -208,6 +273,7 @@ class StepPusher:
             self._stop.set()
             self._thread.join(timeout_s + 5.0)
             self._client.close()
+            self._release_held_at_close()
             if self.stats.rejected:
                 log.error(
                     "llmvisor: the service rejected %d of %d step(s) pushed; they are NOT billed and kept in %s",
@@ -217,7 +283,9 @@ class StepPusher:
 
     def pending_steps(self) -> int:
         """Steps not yet acknowledged: queued or being sent, or in the spool files."""
-        return self._outstanding + sum(len(_read_spool(p)[0]) for p in (self.replay_path, self.spool_path) if p.exists())
+        return self._outstanding + len(self._held) + sum(
+            len(_read_spool(p)[0]) for p in (self.replay_path, self.spool_path) if p.exists()
+        )
 
     def __enter__(self) -> StepPusher:
         return self
@@ -262,16 +330,73 @@ class StepPusher:
                     self._outstanding -= len(batch)
             if not self._paused():
                 self._replay()
+            if self._held:
+                self._retry_held()
             if stopping and self._queue.empty():
-                if self._paused() or not (self.spool_path.exists() or self.replay_path.exists()):
+                if self._paused() or not (self._held or self.spool_path.exists() or self.replay_path.exists()):
                     return
+
+    def _retry_held(self) -> None:
+        """Steps held in memory (the spool refused them): to the service when it answers, else to the spool
+        again once per retry interval (the disk may have room again)."""
+        if not self._paused():
+            with self._held_lock:
+                batch, self._held[: self.max_batch_steps] = self._held[: self.max_batch_steps], []
+            HELD_STEPS.set(len(self._held))
+            self._send_or_spool(batch)
+        elif time.monotonic() >= self._next_respool_s:
+            self._next_respool_s = time.monotonic() + self.retry_interval_s
+            with self._held_lock:
+                batch, self._held = self._held, []
+            HELD_STEPS.set(0)
+            self._spool(batch)
+
+    def _release_held_at_close(self) -> None:
+        """At close, steps still held go to the spool if it takes them now; otherwise they are lost: dropped,
+        counted and logged."""
+        with self._held_lock:
+            held, self._held = self._held, []
+        HELD_STEPS.set(0)
+        if not held:
+            return
+        try:
+            self._write_spool(held)
+        except (OSError, TypeError, ValueError) as error:
+            self._drop(held, f"the spool {self.spool_path} still cannot be written at close ({error})")
+            return
+        self._spooled(held)
+
+    def _outage(self, error: Exception) -> None:
+        """Log the service's outage once when it starts, then every `OUTAGE_LOG_INTERVAL_S` with true counts."""
+        now = time.monotonic()
+        if self._outage_since_s is None:
+            self._outage_since_s, self._outage_spooled, self._last_outage_log_s = now, 0, now
+            log.warning(
+                "llmvisor service unavailable (%s); spooling steps to %s and retrying every %g s",
+                error, self.spool_path, self.retry_interval_s,
+            )
+        elif now - self._last_outage_log_s >= OUTAGE_LOG_INTERVAL_S:
+            self._last_outage_log_s = now
+            log.warning(
+                "llmvisor service still unavailable after %.0f s (%s); spooled %d steps so far in this outage "
+                "(%d held in memory, %d dropped in all)",
+                now - self._outage_since_s, error, self._outage_spooled, len(self._held), self.stats.dropped,
+            )
+
+    def _service_back(self) -> None:
+        if self._outage_since_s is not None:
+            log.warning(
+                "llmvisor service back after %.0f s; spooled %d steps meanwhile, replaying them now",
+                time.monotonic() - self._outage_since_s, self._outage_spooled,
+            )
+            self._outage_since_s = None
 
     def _send_or_spool(self, batch: list[list[dict]]) -> None:
         try:
             self._deliver(batch)
         except _Unavailable as error:
             self.stats.last_error = str(error)
-            log.warning("llmvisor service unavailable (%s); spooling %d steps to %s", error, len(batch), self.spool_path)
+            self._outage(error)
             self._next_try_s = time.monotonic() + self.retry_interval_s
             self._spool(batch)
         except Exception as error:  # an answer we do not understand: keep the steps, keep the thread alive
@@ -283,6 +408,8 @@ class StepPusher:
     def _post(self, batch: list[list[dict]]) -> httpx.Response:
         """One POST with retries on transport errors and 5xx/429; raises `_Unavailable` when they run out."""
         body = columns_body(batch)
+        self.stats.add(sent=len(batch))
+        SENT_STEPS.inc(len(batch))
         delay_s = self.backoff_initial_s
         for attempt in range(self.max_attempts):
             try:
@@ -307,6 +434,8 @@ class StepPusher:
             result = response.json()
             self.stats.add(acknowledged=result["steps_received"], duplicate=result["steps_duplicate"])
             DELIVERED_STEPS.inc(result["steps_received"])
+            self._settle(batch)
+            self._service_back()
             return
         if status in (401, 403):
             raise _Unavailable(f"HTTP {status}: {_detail(response)}")
@@ -328,30 +457,77 @@ class StepPusher:
         self._reject(batch, f"HTTP {status}: {_detail(response)}")
 
     def _reject(self, steps: list[list[dict]], reason: str) -> None:
-        log.error("llmvisor service rejected %d step(s): %s; kept in %s", len(steps), reason, self.rejected_path)
         self.stats.last_error = reason
-        with self._spool_lock:
-            writer = TraceWriter(self.rejected_path, flush_every_steps=len(steps))
-            for step in steps:
-                writer.write_step(step)
-            writer.close()
-        self.stats.add(rejected=len(steps))
-        REJECTED_STEPS.inc(len(steps))
-
-    def _spool(self, steps: list[list[dict]]) -> None:
         try:
             with self._spool_lock:
-                writer = TraceWriter(self.spool_path, flush_every_steps=len(steps))
+                writer = TraceWriter(self.rejected_path, flush_every_steps=len(steps))
                 for step in steps:
                     writer.write_step(step)
                 writer.close()
+            log.error("llmvisor service rejected %d step(s): %s; kept in %s", len(steps), reason, self.rejected_path)
         except (OSError, TypeError, ValueError) as error:
-            # Neither the engine loop nor this thread may die because the disk is full or a row cannot be
-            # written as JSON; the loss is counted and logged.
-            log.error("llmvisor pusher: cannot spool %d step(s) to %s (%s); dropped", len(steps), self.spool_path, error)
-            self.stats.add(dropped=len(steps))
-            return
+            log.error("llmvisor service rejected %d step(s): %s; they cannot be kept in %s either (%s)",
+                      len(steps), reason, self.rejected_path, error)
+        self.stats.add(rejected=len(steps))
+        REJECTED_STEPS.inc(len(steps))
+        self._settle(steps)
+
+    def _write_spool(self, steps: list[list[dict]]) -> None:
+        with self._spool_lock:
+            writer = TraceWriter(self.spool_path, flush_every_steps=len(steps))
+            for step in steps:
+                writer.write_step(step)
+            writer.close()
+
+    def _spooled(self, steps: list[list[dict]]) -> None:
         self.stats.add(spooled=len(steps))
+        SPOOLED_STEPS.inc(len(steps))
+        self._outage_spooled += len(steps)
+        self._settle(steps)
+
+    def _spool(self, steps: list[list[dict]]) -> None:
+        if not steps:
+            return
+        try:
+            self._write_spool(steps)
+        except OSError as error:
+            # A full disk or a read-only directory: neither the engine loop nor this thread may die of it, and
+            # the steps are not lost yet: held in memory (bounded) until the service or the spool takes them.
+            self._hold(steps, error)
+            return
+        except (TypeError, ValueError) as error:  # a row that cannot be written as JSON: no retry helps
+            self._drop(steps, f"a row cannot be written as JSON ({error})")
+            return
+        self._spooled(steps)
+
+    def _hold(self, steps: list[list[dict]], error: OSError) -> None:
+        with self._held_lock:
+            room = max(self.max_held_steps - len(self._held), 0)
+            kept, lost = steps[:room], steps[room:]
+            self._held.extend(kept)
+            n_held = len(self._held)
+        HELD_STEPS.set(n_held)
+        self.stats.add(held=len(kept))
+        now = time.monotonic()
+        if kept and now - self._last_held_log_s >= OUTAGE_LOG_INTERVAL_S:
+            self._last_held_log_s = now
+            log.error(
+                "llmvisor pusher: cannot spool %d step(s) to %s (%s); keeping them in memory (%d held, at most %d) "
+                "until the service or the spool takes them",
+                len(kept), self.spool_path, error, n_held, self.max_held_steps,
+            )
+        if lost:
+            self._drop(lost, f"cannot spool to {self.spool_path} ({error}) and {self.max_held_steps} steps are held in memory already")
+
+    def _drop(self, steps: list[list[dict]], reason: str) -> None:
+        self.stats.add(dropped=len(steps))
+        DROPPED_STEPS.inc(len(steps))
+        self._settle(steps)
+        log.error(
+            "llmvisor pusher: dropped %d step(s): %s; %d dropped in all: they are lost, not billed, and show as gaps "
+            "of their runs in the ledger (GET /v1/runs/{run}/gaps)",
+            len(steps), reason, self.stats.dropped,
+        )
 
     def _replay(self) -> None:
         """Send the spooled steps: the file is first renamed, so new spooling goes to a fresh file; it is
@@ -364,6 +540,7 @@ class StepPusher:
         steps, unreadable = _read_spool(self.replay_path)
         if unreadable:
             log.error("llmvisor spool %s: %d unreadable line(s) skipped (a torn write?)", self.replay_path, unreadable)
+        acknowledged, duplicate = self.stats.acknowledged, self.stats.duplicate
         try:
             for i in range(0, len(steps), self.max_batch_steps):
                 if self._out_of_time():
@@ -377,6 +554,11 @@ class StepPusher:
             return
         self.replay_path.unlink()
         self.stats.add(replayed=len(steps))
+        REPLAYED_STEPS.inc(len(steps))
+        log.warning(
+            "llmvisor: replayed %d steps from the spool (%d new to the service, %d it had already)",
+            len(steps), self.stats.acknowledged - acknowledged - (self.stats.duplicate - duplicate), self.stats.duplicate - duplicate,
+        )
 
 
 def columns_body(steps: list[list[dict]]) -> bytes:
@@ -472,34 +654,86 @@ def step_rows(header: dict, step: list) -> list[dict]:
 
 class StepDelivery:
     """Relayed steps to the trace file and the service: the delivery process's work (also the relay's
-    fallback in the engine's own process if the delivery process is gone)."""
+    fallback in the engine's own process if delivery processes keep dying).
 
-    def __init__(self, header: dict, pusher: StepPusher | None):
+    ``trace_from``: steps with a lower id are in the trace already (a delivery process that replaces one that
+    died is sent again what its predecessor had not made safe, some of it written to the trace)."""
+
+    def __init__(self, header: dict, pusher: StepPusher | None, *, trace_from: int | None = None):
         self.header = header
         metadata = {"engine_fingerprint": header["engine_fingerprint"]} if header.get("engine_fingerprint") else None
         self.writer = (
             TraceWriter(header["trace_path"], flush_every_steps=1 << 62, metadata=metadata) if header.get("trace_path") else None
         )
         self.pusher = pusher
+        self.trace_from = trace_from
         self.num_steps = 0
+        self.next_step_id: int | None = None
+        self._pushed_ids: deque[int] = deque()
+        self._settled_offset = 0
 
     def add(self, step: list) -> None:
         rows = step_rows(self.header, step)
-        if self.writer is not None:
+        step_id = step[0]
+        if self.writer is not None and (self.trace_from is None or step_id >= self.trace_from):
             self.writer.write_step(rows)
         if self.pusher is not None:
             self.pusher.push_step(rows)
+            self._pushed_ids.append(step_id)
         self.num_steps += 1
+        self.next_step_id = step_id + 1
 
     def flush(self) -> None:
         if self.writer is not None:
             self.writer.flush()
+
+    def safe_from(self) -> tuple[int, int] | None:
+        """(first step id not yet flushed to the trace, first step id the pusher has not settled): every step
+        before both is safe from this process's death. None before the first step. Call after `flush`."""
+        if self.next_step_id is None:
+            return None
+        push_next = self.next_step_id
+        if self.pusher is not None:
+            settled = self.pusher.settled_steps()
+            while self._settled_offset < settled and self._pushed_ids:
+                self._pushed_ids.popleft()
+                self._settled_offset += 1
+            if self._pushed_ids:
+                push_next = self._pushed_ids[0]
+        return self.next_step_id, push_next
 
     def close(self, timeout_s: float = DELIVERY_CLOSE_TIMEOUT_S) -> bool:
         """Write the trace's last steps and send (or spool) the pusher's; True if the service has them all."""
         if self.writer is not None:
             self.writer.close()
         return self.pusher.close(timeout_s) if self.pusher is not None else True
+
+
+RELAY_RETAIN_BYTES = 256 << 20
+"""Encoded steps the engine process keeps until the delivery process reports them safe (about 150,000 steps of
+16 slices): what a delivery process that dies takes with it is sent again to the next one."""
+RELAY_WRITE_CHUNK_BYTES = 256 << 10
+RELAY_WATCH_INTERVAL_S = 0.1
+DELIVERY_REPORT_INTERVAL_S = 0.1
+RELAY_CLOSE_TIMEOUT_S = 60.0
+MAX_DELIVERY_RESTARTS = 5
+DELIVERY_RESTART_WINDOW_S = 60.0
+_DELIVERY_COMMAND = 'exec 3<&0; "$0" -m llmvisor.client --ack-fd "$1" <&3 3<&- >&2 & echo $!'
+
+
+@dataclass
+class RelayCounts:
+    """What the engine side of the relay did with the steps handed to it (logged at close)."""
+
+    relayed: int = 0
+    restarts: int = 0
+    """Delivery processes started because the previous one died."""
+    resent: int = 0
+    """Steps sent again to a new delivery process (not yet safe when the previous one died)."""
+    unprotected: int = 0
+    """Steps forgotten before the delivery process had them safe, to stay within `RELAY_RETAIN_BYTES`."""
+    lost: int = 0
+    """Steps dropped here: the pipe took nothing while `RELAY_RETAIN_BYTES` of steps waited (they are gaps)."""
 
 
 class StepRelay:
@@ -509,90 +743,277 @@ class StepRelay:
     is not in the engine process's tree, which vLLM SIGKILLs at shutdown; it has its own session, so a
     Ctrl-C to the server's process group does not reach it. It ignores SIGINT and SIGTERM and ends when the
     pipe closes (the engine exited or was killed), after writing and pushing every whole step it received.
-    The pipe is non-blocking: if the delivery process falls behind, steps wait in this process's memory
-    and go out with the next ``send`` (or ``close``) rather than blocking the engine loop.
+
+    Nothing is lost on the way:
+
+    - the pipe is non-blocking; if the delivery process falls behind, steps wait in this process's memory and
+      a watcher thread writes them as soon as the pipe has room (also while the engine is idle, so a SIGKILL
+      of an idle engine finds them in the pipe, which the delivery process still reads to its end);
+    - the delivery process reports back, on a second pipe, up to which step everything is safe (flushed to the
+      trace and acknowledged by the service, spooled to its file or rejected); this process keeps each step's
+      bytes until then (at most `RELAY_RETAIN_BYTES`). If the delivery process dies (the report pipe closes),
+      the watcher starts a new one and sends it every step not yet reported safe, whole; the service is
+      idempotent on (run_id, step_id), so a step sent twice is stored once. After `MAX_DELIVERY_RESTARTS`
+      deaths within `DELIVERY_RESTART_WINDOW_S`, this process delivers by itself.
     """
 
-    def __init__(self, header: dict):
+    def __init__(self, header: dict, *, max_retained_bytes: int = RELAY_RETAIN_BYTES):
         self.header = header
-        read_fd, self._fd = os.pipe()
+        self.max_retained_bytes = max_retained_bytes
+        self.counts = RelayCounts()
+        self._lock = threading.RLock()
+        self._retained: deque[tuple[int, bytes]] = deque()
+        self._retained_bytes = 0
+        self._written = 0
+        self._partial = 0
+        self._trace_next: int | None = None
+        self._ack_buffer = b""
+        self._dead = False
+        self._fd = -1
+        self._ack_fd = -1
+        self._fallback: StepDelivery | None = None
+        self._restarts: deque[float] = deque()
+        self._last_loss_log_s = -1e9
+        self._start_delivery(None)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="llmvisor-relay", daemon=True)
+        self._thread.start()
+
+    def _start_delivery(self, resume: dict | None) -> None:
+        read_fd, write_fd = os.pipe()
+        ack_read, ack_write = os.pipe()
         try:
-            fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, RELAY_PIPE_BYTES)
+            fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, RELAY_PIPE_BYTES)
         except OSError:
             pass  # the system's limit is lower; the default pipe size still works
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        launcher = subprocess.Popen(
-            # a background job's stdin is /dev/null unless redirected: the pipe goes through fd 3
-            ["/bin/sh", "-c", 'exec 3<&0; "$0" -m llmvisor.client <&3 3<&- >&2 & echo $!', sys.executable],
-            stdin=read_fd,
-            stdout=subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-        )
-        output, _ = launcher.communicate()
-        os.close(read_fd)
+        try:
+            launcher = subprocess.Popen(
+                # a background job's stdin is /dev/null unless redirected: the pipe goes through fd 3
+                ["/bin/sh", "-c", _DELIVERY_COMMAND, sys.executable, str(ack_write)],
+                stdin=read_fd,
+                stdout=subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+                pass_fds=(ack_write,),
+            )
+            output, _ = launcher.communicate()
+        finally:
+            os.close(read_fd)
+            os.close(ack_write)
         self.pid = int(output.strip())
-        self._pending = bytearray()
-        self._fallback: StepDelivery | None = None
-        self._send_now(json.dumps(header).encode() + b"\n", block=True)
-        os.set_blocking(self._fd, False)
+        header = dict(self.header, resume=resume) if resume else self.header
+        data = json.dumps(header).encode() + b"\n"
+        while data:
+            data = data[os.write(write_fd, data) :]
+        os.set_blocking(write_fd, False)
+        os.set_blocking(ack_read, False)
+        self._fd, self._ack_fd, self._dead, self._ack_buffer = write_fd, ack_read, False, b""
 
     def send(self, step: list) -> None:
         """Hand over one step ``[step_id, timestamp_s, step_latency_s, slices]``."""
-        if self._fallback is not None:
-            self._fallback.add(step)
-            return
-        self._send_now(json.dumps(step).encode() + b"\n", block=False)
-
-    def _send_now(self, data: bytes, *, block: bool) -> None:
-        self._pending += data
-        try:
-            while self._pending:
-                written = os.write(self._fd, self._pending)
-                del self._pending[:written]
-        except BlockingIOError:
-            if block:
-                raise
-        except BrokenPipeError:
-            self._take_over()
-
-    def _take_over(self) -> None:
-        """The delivery process is gone: deliver from this process from now on (the steps still in the pipe
-        when it died are lost; this is logged)."""
-        log.error(
-            "llmvisor: the delivery process (pid %d) exited early; delivering from the engine process from now on",
-            self.pid,
-        )
-        self._fallback = StepDelivery(self.header, StepPusher.from_env())
-        for line in bytes(self._pending).splitlines():
-            try:
-                step = json.loads(line)
-            except ValueError:
-                continue  # the rest of a line partly written to the pipe
-            if isinstance(step, list):
+        data = json.dumps(step).encode() + b"\n"
+        with self._lock:
+            self.counts.relayed += 1
+            if self._fallback is not None:
                 self._fallback.add(step)
-        self._pending.clear()
+                return
+            self._retain(step[0], data)
+            self._write_some()
+            if self._dead:
+                self._replace_delivery()
 
-    def flush(self) -> None:
-        """Write whatever waits in this process to the pipe (blocking)."""
-        if self._fallback is not None:
-            self._fallback.flush()
-        elif self._pending:
-            os.set_blocking(self._fd, True)
-            self._send_now(b"", block=True)
-            os.set_blocking(self._fd, False)
+    def _retain(self, step_id: int, data: bytes) -> None:
+        self._retained.append((step_id, data))
+        self._retained_bytes += len(data)
+        while self._retained_bytes > self.max_retained_bytes and self._written > 0:
+            self._forget_first()
+            self.counts.unprotected += 1
+        if self._retained_bytes > self.max_retained_bytes and self._written < len(self._retained) - 1:
+            self._retained.pop()
+            self._retained_bytes -= len(data)
+            self.counts.lost += 1
+            now = time.monotonic()
+            if now - self._last_loss_log_s >= OUTAGE_LOG_INTERVAL_S:
+                self._last_loss_log_s = now
+                log.error(
+                    "llmvisor: the delivery process (pid %d) takes no steps and %d bytes of them wait in the engine; "
+                    "dropped step %d (%d dropped so far): they show as gaps of run %s",
+                    self.pid, self._retained_bytes, step_id, self.counts.lost, self.header["columns"]["run_id"],
+                )
+
+    def _forget_first(self) -> None:
+        _step_id, data = self._retained.popleft()
+        self._retained_bytes -= len(data)
+        self._written -= 1
+
+    def _write_some(self) -> None:
+        """Write waiting steps to the pipe until it is full (non-blocking); marks the delivery process dead if
+        the pipe is broken."""
+        while self._written < len(self._retained) and not self._dead:
+            parts, size, offset = [], 0, self._partial
+            for k in range(self._written, len(self._retained)):
+                data = self._retained[k][1]
+                parts.append(data[offset:] if offset else data)
+                size += len(data) - offset
+                offset = 0
+                if size >= RELAY_WRITE_CHUNK_BYTES:
+                    break
+            try:
+                n = os.write(self._fd, b"".join(parts))
+            except BlockingIOError:
+                return
+            except (BrokenPipeError, OSError):
+                self._dead = True
+                return
+            while n > 0:
+                remaining = len(self._retained[self._written][1]) - self._partial
+                if n >= remaining:
+                    n -= remaining
+                    self._written += 1
+                    self._partial = 0
+                else:
+                    self._partial += n
+                    n = 0
+
+    def _read_reports(self) -> None:
+        """Forget the steps the delivery process reports safe; an end of the report pipe means it died."""
+        while True:
+            try:
+                chunk = os.read(self._ack_fd, 1 << 16)
+            except BlockingIOError:
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._dead = True
+                break
+            self._ack_buffer += chunk
+        *lines, self._ack_buffer = self._ack_buffer.split(b"\n")
+        if not lines:
+            return
+        trace_next, push_next = (int(x) for x in lines[-1].split())
+        self._trace_next = trace_next
+        safe_before = min(trace_next, push_next)
+        while self._retained and self._written > 0 and self._retained[0][0] < safe_before:
+            self._forget_first()
+
+    def _watch(self) -> None:
+        """The watcher thread: write what waits when the pipe has room, read the reports, replace a dead
+        delivery process, whether or not the engine sends steps."""
+        while not self._stop.is_set():
+            with self._lock:
+                if self._fallback is not None:
+                    return
+                fd, ack_fd, waiting = self._fd, self._ack_fd, self._written < len(self._retained)
+            try:
+                select.select([ack_fd], [fd] if waiting else [], [], RELAY_WATCH_INTERVAL_S)
+            except (OSError, ValueError):  # replaced or closed meanwhile
+                time.sleep(RELAY_WATCH_INTERVAL_S)
+            with self._lock:
+                if self._stop.is_set() or self._fallback is not None or self._fd < 0:
+                    return
+                self._read_reports()
+                self._write_some()
+                if self._dead:
+                    self._replace_delivery()
+
+    def _replace_delivery(self) -> None:
+        """The delivery process is gone: start another and send it every step not reported safe."""
+        old_pid = self.pid
+        for fd in (self._fd, self._ack_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fd = self._ack_fd = -1
+        now = time.monotonic()
+        self._restarts.append(now)
+        while self._restarts and now - self._restarts[0] > DELIVERY_RESTART_WINDOW_S:
+            self._restarts.popleft()
+        if len(self._restarts) > MAX_DELIVERY_RESTARTS:
+            self._take_over(f"{len(self._restarts)} delivery processes died within {DELIVERY_RESTART_WINDOW_S:g} s")
+            return
+        try:
+            self._start_delivery({"trace_next": self._trace_next})
+        except (OSError, ValueError) as error:
+            self._take_over(f"a new delivery process could not be started ({error})")
+            return
+        self.counts.restarts += 1
+        self.counts.resent += len(self._retained)
+        self._written = self._partial = 0
+        log.error(
+            "llmvisor: the delivery process (pid %d) of run %s died with %d steps not yet safe; started delivery "
+            "process %d and sent them to it again (%d restarts, %d steps re-sent so far)",
+            old_pid, self.header["columns"]["run_id"], len(self._retained), self.pid, self.counts.restarts, self.counts.resent,
+        )
+        self._write_some()
+
+    def _take_over(self, reason: str) -> None:
+        """Deliver from this process from now on, starting with every step not reported safe."""
+        log.error(
+            "llmvisor: %s; delivering the steps of run %s from the engine process from now on (%d waiting)",
+            reason, self.header["columns"]["run_id"], len(self._retained),
+        )
+        self._fallback = StepDelivery(self.header, StepPusher.from_env(), trace_from=self._trace_next)
+        for _step_id, data in self._retained:
+            self._fallback.add(json.loads(data))
+        self.counts.resent += len(self._retained)
+        self._retained.clear()
+        self._retained_bytes = self._written = self._partial = 0
+
+    def flush(self, timeout_s: float = RELAY_CLOSE_TIMEOUT_S) -> bool:
+        """Write whatever waits in this process to the pipe, waiting up to ``timeout_s`` for room; False if
+        some steps still wait."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if self._fallback is not None:
+                    self._fallback.flush()
+                    return True
+                self._write_some()
+                if self._dead:
+                    self._replace_delivery()
+                    continue
+                if self._written == len(self._retained) or time.monotonic() >= deadline:
+                    return self._written == len(self._retained)
+                fd = self._fd
+            try:
+                select.select([], [fd], [], min(0.1, max(deadline - time.monotonic(), 0.0)))
+            except (OSError, ValueError):
+                pass
 
     def close(self) -> None:
         """Send the rest and close the pipe; the delivery process then finishes on its own."""
-        if self._fd < 0:
+        if self._stop.is_set():
             return
-        self.flush()
-        os.close(self._fd)
-        self._fd = -1
-        if self._fallback is not None:
-            self._fallback.close()
+        complete = self.flush()
+        self._stop.set()
+        self._thread.join(5.0)
+        with self._lock:
+            if not complete:
+                unsent = len(self._retained) - self._written
+                self.counts.lost += unsent
+                log.error(
+                    "llmvisor: the delivery process (pid %d) took no steps for %g s; %d steps of run %s that wait in "
+                    "the engine are lost (gaps)", self.pid, RELAY_CLOSE_TIMEOUT_S, unsent, self.header["columns"]["run_id"],
+                )
+            for fd in (self._fd, self._ack_fd):
+                if fd >= 0:
+                    os.close(fd)
+            self._fd = self._ack_fd = -1
+            if self._fallback is not None:
+                self._fallback.close()
+            counts = self.counts
+            level = logging.ERROR if counts.lost or counts.unprotected else logging.INFO
+            log.log(
+                level,
+                "llmvisor: relayed %d steps of run %s (%d delivery process restarts, %d steps re-sent, %d left "
+                "unprotected by the memory bound, %d lost in the engine)",
+                counts.relayed, self.header["columns"]["run_id"], counts.restarts, counts.resent, counts.unprotected, counts.lost,
+            )
 
 
 def process_running(pid: int) -> bool:
@@ -614,8 +1035,9 @@ def wait_for_delivery(pid: int, timeout_s: float = DELIVERY_CLOSE_TIMEOUT_S + 10
     return True
 
 
-def deliver(read_fd: int = 0) -> int:
-    """The delivery process: read the relay's header and steps from ``read_fd`` until it closes."""
+def deliver(read_fd: int = 0, ack_fd: int | None = None) -> int:
+    """The delivery process: read the relay's header and steps from ``read_fd`` until it closes, reporting on
+    ``ack_fd`` (``"<trace_next> <push_next>"`` lines, `StepDelivery.safe_from`) what is safe so far."""
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(
@@ -626,10 +1048,17 @@ def deliver(read_fd: int = 0) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     port = os.environ.get(ENV_DELIVERY_METRICS_PORT)
     if port:
-        prometheus_client.start_http_server(int(port), addr="127.0.0.1")
+        try:
+            prometheus_client.start_http_server(int(port), addr="127.0.0.1")
+        except OSError as error:  # a replacement delivery process finds the port still taken
+            log.warning("llmvisor: cannot serve delivery metrics on port %s (%s)", port, error)
+    if ack_fd is not None:
+        os.set_blocking(ack_fd, False)
     buffer = bytearray()
     delivery: StepDelivery | None = None
     torn = 0
+    reported = None
+    reported_at_s = 0.0
     while True:
         ready, _, _ = select.select([read_fd], [], [], 0.2)
         chunk = os.read(read_fd, 1 << 20) if ready else None
@@ -643,24 +1072,43 @@ def deliver(read_fd: int = 0) -> int:
             for line in lines:
                 if delivery is None:
                     header = json.loads(line)
-                    delivery = StepDelivery(header, StepPusher.from_env())
-                    log.info("llmvisor: delivering steps of run %s", header["columns"]["run_id"])
+                    resume = header.get("resume") or {}
+                    delivery = StepDelivery(header, StepPusher.from_env(), trace_from=resume.get("trace_next"))
+                    log.info("llmvisor: delivering steps of run %s%s", header["columns"]["run_id"],
+                             " (replacing a delivery process that died)" if header.get("resume") else "")
                 else:
                     delivery.add(json.loads(line))
         if delivery is not None:
             delivery.flush()
+            # at most every DELIVERY_REPORT_INTERVAL_S: each report wakes a thread of the engine's process
+            due = ack_fd is not None and time.monotonic() - reported_at_s >= DELIVERY_REPORT_INTERVAL_S
+            safe = delivery.safe_from() if due else None
+            if safe is not None and safe != reported:
+                try:
+                    os.write(ack_fd, f"{safe[0]} {safe[1]}\n".encode())
+                    reported, reported_at_s = safe, time.monotonic()
+                except (BlockingIOError, BrokenPipeError):
+                    pass
     if delivery is None:
         return 0
     complete = delivery.close()
+    stats = delivery.pusher.stats if delivery.pusher is not None else None
     log.info(
-        "llmvisor: the engine closed the step relay; delivered %d steps of run %s%s%s",
+        "llmvisor: the engine closed the step relay; delivered %d steps of run %s%s%s%s",
         delivery.num_steps,
         delivery.header["columns"]["run_id"],
+        f" (service: {stats.acknowledged} acknowledged, {stats.spooled} spooled, {stats.replayed} replayed, "
+        f"{stats.rejected} rejected, {stats.dropped} dropped)" if stats is not None else "",
         "" if complete else f"; some are not acknowledged yet and stay in the spool {delivery.pusher.spool_path}",
         f"; {torn} torn step at the end skipped" if torn else "",
     )
     return 0
 
 
+def _main(argv: list[str]) -> int:
+    ack_fd = int(argv[argv.index("--ack-fd") + 1]) if "--ack-fd" in argv else None
+    return deliver(0, ack_fd)
+
+
 if __name__ == "__main__":
-    sys.exit(deliver())
+    sys.exit(_main(sys.argv[1:]))

@@ -1,7 +1,8 @@
 """Copy a ledger of an older schema into a new, empty ledger of the current one; the old one is only read.
 
 Schema 1 (a row per slice) is re-ingested step by step; schema 2 (no engine classes) is copied table by table,
-its steps marked as attributed by the default model of no class.
+its steps marked as attributed by the default model of no class; schema 3 is copied table by table as it is.
+Schema 4's received step-id ranges (``step_ranges``) are built from the copied steps.
 
 A copy rather than an upgrade in place: nothing already stored can be damaged by a migration that stops
 half way, the two can be compared afterwards, and the copy may go to another database (SQLite to
@@ -30,12 +31,22 @@ from sqlalchemy import (
     func,
     insert,
     inspect,
+    literal,
     select,
 )
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DatabaseError
 
-from llmvisor.ledger.schema import api_keys, ledger_info, slice_batches, steps, usage_per_second
+from llmvisor.ledger.schema import (
+    active_models,
+    api_keys,
+    engine_models,
+    ledger_info,
+    slice_batches,
+    step_ranges,
+    steps,
+    usage_per_second,
+)
 from llmvisor.ledger.store import Ledger, LedgerError, StepRecords, normalize_url
 
 _schema_1 = MetaData()
@@ -224,29 +235,68 @@ def _read_version(source_url: str):
 
 
 def migrate(source_url: str, target_url: str, **kwargs) -> MigrationReport:
-    """Copy a ledger of an older schema (1 or 2) into an empty ledger of the current schema."""
+    """Copy a ledger of an older schema (1, 2 or 3) into an empty ledger of the current schema."""
     source, source_name, version = _read_version(source_url)
     source.dispose()
     if version == "1":
         return migrate_schema_1(source_url, target_url, **kwargs)
-    if version == "2":
+    if version in ("2", "3"):
         return migrate_schema_2(source_url, target_url, progress=kwargs.get("progress"))
-    raise LedgerError(f"{source_name}: ledger schema version {version}; versions 1 and 2 are migrated")
+    raise LedgerError(f"{source_name}: ledger schema version {version}; versions 1, 2 and 3 are migrated")
+
+
+_schema_3 = MetaData()
+_steps_3 = steps.to_metadata(_schema_3)
+_engine_models_3 = engine_models.to_metadata(_schema_3)
+_active_models_3 = active_models.to_metadata(_schema_3)
+
+
+def _copy_step_ranges(read, write) -> None:
+    """Build ``step_ranges`` from the copied steps: each run's consecutive ids are one range (an id minus its
+    rank within the run is constant along a range)."""
+    has_class = "engine_class" in {c["name"] for c in inspect(read).get_columns("steps")}
+    engine_class = _steps_3.c.engine_class if has_class else None
+    table = _steps_3 if has_class else _steps_2
+    rank = func.row_number().over(partition_by=table.c.run_id, order_by=table.c.step_id)
+    numbered = select(
+        table.c.run_id, table.c.step_id, table.c.ingested_at_us,
+        (engine_class if engine_class is not None else literal("")).label("engine_class"),
+        (table.c.step_id - rank).label("island"),
+    ).subquery()
+    query = select(
+        numbered.c.run_id, func.min(numbered.c.step_id), func.max(numbered.c.step_id), func.min(numbered.c.engine_class),
+        func.min(numbered.c.ingested_at_us),
+    ).group_by(numbered.c.run_id, numbered.c.island)
+    chunk: list[dict] = []
+    for run_id, first, last, engine_class_of_run, received in read.execute(query):
+        chunk.append({"run_id": run_id, "first_step_id": int(first), "last_step_id": int(last),
+                      "engine_class": engine_class_of_run or "", "first_received_us": int(received)})
+        if len(chunk) >= 10_000:
+            write.execute(insert(step_ranges), chunk)
+            chunk = []
+    if chunk:
+        write.execute(insert(step_ranges), chunk)
 
 
 def migrate_schema_2(source_url: str, target_url: str, *, progress: Callable[[int, int], None] | None = None) -> MigrationReport:
-    """Copy a schema-2 ledger into an empty schema-3 one: keys, each slice batch (blob as stored) with its
-    steps (engine class '', the default model, none pending: schema 2 had no classes) and the usage rows as
-    they are; then check steps, slices, measured and attributed ns and every tenant's total."""
+    """Copy a schema-2 or schema-3 ledger into an empty current one: keys, each slice batch (blob as stored)
+    with its steps (from schema 2: engine class '', the default model, none pending, as it had no classes;
+    from schema 3: as stored, with its models and active versions), the usage rows as they are and the
+    received step-id ranges built from the steps; then check steps, slices, measured and attributed ns and
+    every tenant's total."""
     source, source_name, version = _read_version(source_url)
-    if version != "2":
+    if version not in ("2", "3"):
         source.dispose()
-        raise LedgerError(f"{source_name}: ledger schema version {version}; expected version 2")
+        raise LedgerError(f"{source_name}: ledger schema version {version}; expected version 2 or 3")
+    source_steps = _steps_3 if version == "3" else _steps_2
     target = Ledger(target_url)
     target_name = target.safe_url
     try:
         with source.connect() as conn:
-            n_steps, measured = conn.execute(select(func.count(), func.coalesce(func.sum(_steps_2.c.measured_ns), 0))).one()
+            billed = _steps_3.c.pending.is_(False) if version == "3" else True  # pending steps are not in the totals
+            n_steps, measured = conn.execute(
+                select(func.count(), func.coalesce(func.sum(source_steps.c.measured_ns), 0)).where(billed)
+            ).one()
             n_slices, attributed = conn.execute(
                 select(func.coalesce(func.sum(_usage_2.c.num_slices), 0), func.coalesce(func.sum(_usage_2.c.attributed_ns), 0))
             ).one()
@@ -271,9 +321,10 @@ def migrate_schema_2(source_url: str, target_url: str, *, progress: Callable[[in
                             slices_parquet=batch.slices_parquet)
                     .returning(slice_batches.c.batch_id)
                 ).scalar_one()
+                no_class = {"engine_class": "", "model_version": None, "pending": False} if version == "2" else {}
                 rows = [
-                    {**dict(row._mapping), "slice_batch_id": new_id, "engine_class": "", "model_version": None, "pending": False}
-                    for row in read.execute(select(_steps_2).where(_steps_2.c.slice_batch_id == batch.batch_id))
+                    {**no_class, **dict(row._mapping), "slice_batch_id": new_id}
+                    for row in read.execute(select(source_steps).where(source_steps.c.slice_batch_id == batch.batch_id))
                 ]
                 if rows:
                     write.execute(insert(steps), rows)
@@ -289,6 +340,12 @@ def migrate_schema_2(source_url: str, target_url: str, *, progress: Callable[[in
                     chunk = []
             if chunk:
                 write.execute(insert(usage_per_second), chunk)
+            if version == "3":
+                for table in (_engine_models_3, _active_models_3):
+                    rows = [dict(row._mapping) for row in read.execute(select(table))]
+                    if rows:
+                        write.execute(insert(engine_models if table is _engine_models_3 else active_models), rows)
+            _copy_step_ranges(read, write)
         _check_copy(target, expected, target_name)
     finally:
         target.close()

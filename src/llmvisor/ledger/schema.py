@@ -18,7 +18,11 @@ slices are kept in its batch's blob, and it is attributed, once, when a model of
 Fitted models are kept per class and version in ``engine_models``; ``active_models`` names the version
 attributing each class.
 
-``adjustments`` (added to a schema-3 ledger when it is opened: a new table, nothing existing changes) holds
+Schema 4 adds ``step_ranges``: the step ids received per run as merged ranges (a run instance numbers its steps
+0, 1, 2, ...), so the steps a run is missing — ids below its highest received id that never arrived — are a
+query over a few rows per run instead of a scan of its steps (`Ledger.run_gaps`).
+
+``adjustments`` (schema 4 too) holds
 corrections of past bills: when a later model version of a class prices a period better, ``llmvisor adjust``
 writes one entry per tenant and period, the re-attributed minus the billed time, naming both model versions. A
 bill already written is never rewritten; usage plus its adjustments is what the tenant owes.
@@ -41,7 +45,7 @@ from sqlalchemy import (
     Text,
 )
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 USAGE_RESOLUTION_US = 1_000_000
 """Usage is kept per second of step start, so usage queries take time ranges in whole seconds."""
 
@@ -130,6 +134,18 @@ active_models = Table(
     Column("version", Integer, nullable=False),
     Column("activated_at_us", BigInteger, nullable=False),
 )
+
+step_ranges = Table(
+    "step_ranges",
+    metadata,
+    Column("run_id", Text, primary_key=True),
+    Column("first_step_id", BigInteger, primary_key=True, autoincrement=False),
+    Column("last_step_id", BigInteger, nullable=False, doc="inclusive: every id first..last of the run is stored"),
+    Column("engine_class", Text, nullable=False, doc="engine class of the run's steps in the range (first seen)"),
+    Column("first_received_us", BigInteger, nullable=False, doc="when the range's first step was stored (earliest)"),
+)
+"""Merged on insert (adjacent ranges join), under a per-run lock on PostgreSQL: concurrent service processes
+storing steps of one run take turns on its ranges."""
 
 adjustments = Table(
     "adjustments",

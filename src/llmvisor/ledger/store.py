@@ -20,7 +20,21 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from sqlalchemy import Connection, Engine, and_, bindparam, create_engine, event, func, insert, inspect, select, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    and_,
+    bindparam,
+    create_engine,
+    delete,
+    event,
+    func,
+    insert,
+    inspect,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.pool import StaticPool
@@ -39,6 +53,7 @@ from llmvisor.ledger.schema import (
     ledger_info,
     metadata,
     slice_batches,
+    step_ranges,
     steps,
     usage_per_second,
 )
@@ -219,10 +234,10 @@ class _StoredBatch:
         usage = usage.sort_by([(name, "ascending") for name in _USAGE_KEY])
         names = [*_USAGE_KEY, "attributed_ns_sum", "attributed_ns_count", "num_new_tokens_sum", "timestamp_us_min", "timestamp_us_max"]
         self.usage_columns = [usage[name].to_pylist() for name in names]
-        self._records = records
+        self.records = records
 
     def step_rows(self, slice_batch_id: int, ingested_at_us: int) -> list[tuple]:
-        records = self._records
+        records = self.records
         pending_list = records.per_step("pending", False).astype(bool).tolist()
         return list(
             zip(
@@ -360,6 +375,86 @@ class AdjustmentRow:
     delta_ns: int
     num_steps: int
     created_at_us: int
+
+
+@dataclass(frozen=True)
+class StepGap:
+    """Step ids ``first_step_id..last_step_id`` (inclusive) of a run that never arrived, though a later one did
+    at ``since_us`` (the gap is that old)."""
+
+    first_step_id: int
+    last_step_id: int
+    since_us: int
+
+    @property
+    def num_steps(self) -> int:
+        return self.last_step_id - self.first_step_id + 1
+
+
+@dataclass(frozen=True)
+class RunGaps:
+    """What the ledger holds of a run's step ids (numbered from 0 by the recorder) and what it misses below the
+    highest id received; steps after that one cannot be known missing until a later step arrives."""
+
+    run_id: str
+    engine_class: str
+    num_received: int
+    last_step_id: int
+    gaps: list[StepGap]
+
+    @property
+    def num_missing(self) -> int:
+        return sum(gap.num_steps for gap in self.gaps)
+
+
+def gaps_of_ranges(run_id: str, ranges: Sequence[tuple[int, int, str, int]]) -> RunGaps:
+    """A run's gaps from its stored ranges ``(first_step_id, last_step_id, engine_class, first_received_us)``:
+    the ids below each range not covered by an earlier one, from 0. A gap is as old as the earliest range after it."""
+    ranges = sorted(ranges)
+    gaps: list[StepGap] = []
+    earliest_after = [0] * len(ranges)
+    running = None
+    for k in range(len(ranges) - 1, -1, -1):
+        received = ranges[k][3]
+        running = received if running is None else min(running, received)
+        earliest_after[k] = running
+    expected = min(0, ranges[0][0]) if ranges else 0
+    for k, (first, last, _class, _received) in enumerate(ranges):
+        if first > expected:
+            gaps.append(StepGap(expected, first - 1, earliest_after[k]))
+        expected = max(expected, last + 1)
+    return RunGaps(
+        run_id=run_id,
+        engine_class=ranges[0][2] if ranges else "",
+        num_received=sum(last - first + 1 for first, last, _c, _r in ranges),
+        last_step_id=max((last for _f, last, _c, _r in ranges), default=-1),
+        gaps=gaps,
+    )
+
+
+def merge_ranges(ranges: Sequence[tuple[int, int, str, int]]) -> list[tuple[int, int, str, int]]:
+    """Overlapping or adjacent ranges joined; a joined range keeps the earliest receipt and that range's class."""
+    merged: list[list] = []
+    for first, last, engine_class, received in sorted(ranges):
+        if merged and first <= merged[-1][1] + 1:
+            top = merged[-1]
+            top[1] = max(top[1], last)
+            if received < top[3]:
+                top[2], top[3] = engine_class, received
+        else:
+            merged.append([first, last, engine_class, received])
+    return [tuple(item) for item in merged]
+
+
+def step_id_ranges(step_ids: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted, distinct step ids as runs of consecutive ids ``(first, last)``."""
+    ids = np.unique(np.asarray(step_ids, dtype=np.int64))
+    if not ids.size:
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1)
+    firsts = np.concatenate(([ids[0]], ids[breaks + 1]))
+    lasts = np.concatenate((ids[breaks], [ids[-1]]))
+    return list(zip(firsts.tolist(), lasts.tolist()))
 
 
 @dataclass(frozen=True)
@@ -590,6 +685,42 @@ class Ledger:
         else:
             conn.exec_driver_sql(f"INSERT INTO steps ({step_columns}) VALUES ({', '.join(['?'] * len(steps.columns))})", step_rows)
         self._upsert_usage(conn, batch)
+        records = batch.records
+        received_us = np.full(records.n_steps, ingested_at_us) if records.ingested_at_us is None else records.ingested_at_us
+        self.add_step_ranges(conn, records.run_id, records.step_id, records.per_step("engine_class", ""), received_us)
+
+    def add_step_ranges(self, conn: Connection, run_id: np.ndarray, step_id: np.ndarray, engine_class: np.ndarray,
+                        received_us: np.ndarray) -> None:
+        """Merge newly stored steps' ids into their runs' ranges (`step_ranges`), run by run in name order.
+
+        Last in the transaction, after every row lock it takes: on PostgreSQL a transaction-scoped advisory
+        lock per run makes concurrent writers of one run take turns on its ranges, and taking those locks in
+        one order while waiting on nothing else cannot deadlock. SQLite has one writer at a time anyway."""
+        run_id = np.asarray(run_id, dtype=object).astype(str)
+        for run in sorted(set(run_id.tolist())):
+            mine = run_id == run
+            islands = step_id_ranges(step_id[mine])
+            engine_class_of_run = str(np.asarray(engine_class, dtype=object)[mine][0])
+            received = int(np.min(np.asarray(received_us)[mine]))
+            if self.backend == "postgresql":
+                conn.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(run, 0))))
+            low, high = islands[0][0], islands[-1][1]
+            table = step_ranges
+            existing = conn.execute(
+                select(table.c.first_step_id, table.c.last_step_id, table.c.engine_class, table.c.first_received_us).where(
+                    table.c.run_id == run, table.c.last_step_id >= low - 1, table.c.first_step_id <= high + 1
+                )
+            ).all()
+            merged = merge_ranges([*((a, b, engine_class_of_run, received) for a, b in islands), *map(tuple, existing)])
+            if existing:
+                conn.execute(
+                    delete(table).where(table.c.run_id == run, table.c.first_step_id.in_([row[0] for row in existing]))
+                )
+            conn.execute(
+                insert(table),
+                [{"run_id": run, "first_step_id": a, "last_step_id": b, "engine_class": c, "first_received_us": r}
+                 for a, b, c, r in merged],
+            )
 
     def _upsert_usage(self, conn: Connection, batch: _StoredBatch) -> None:
         if not batch.usage_columns[0]:
@@ -779,6 +910,40 @@ class Ledger:
                 ).to_pylist()
             ],
         )
+
+    # -----------------------------------------------------------------------------------------------------
+    # Gaps: step ids a run never delivered
+
+    def run_gaps(self, run_id: str) -> RunGaps | None:
+        """The run's received ids and gaps; None if no step of it is stored."""
+        table = step_ranges
+        with self._read() as conn:
+            rows = conn.execute(
+                select(table.c.first_step_id, table.c.last_step_id, table.c.engine_class, table.c.first_received_us)
+                .where(table.c.run_id == run_id)
+            ).all()
+        return gaps_of_ranges(run_id, [tuple(r) for r in rows]) if rows else None
+
+    def runs_with_gaps(self, limit: int = 1000) -> list[RunGaps]:
+        """Runs missing steps (by most recent gap first, at most ``limit``), with their gaps."""
+        table = step_ranges
+        gapped = (
+            select(table.c.run_id)
+            .group_by(table.c.run_id)
+            .having(or_(func.count() > 1, func.min(table.c.first_step_id) > 0))
+            .order_by(func.max(table.c.first_received_us).desc(), table.c.run_id)
+            .limit(limit)
+        )
+        with self._read() as conn:
+            runs = [r[0] for r in conn.execute(gapped)]
+            by_run: dict[str, list[tuple]] = {run: [] for run in runs}
+            for i in range(0, len(runs), _LOOKUP_CHUNK):
+                query = select(
+                    table.c.run_id, table.c.first_step_id, table.c.last_step_id, table.c.engine_class, table.c.first_received_us
+                ).where(table.c.run_id.in_(runs[i : i + _LOOKUP_CHUNK]))
+                for run, *rest in conn.execute(query):
+                    by_run[run].append(tuple(rest))
+        return [gaps_of_ranges(run, ranges) for run, ranges in by_run.items()]
 
     # -----------------------------------------------------------------------------------------------------
     # API keys

@@ -9,16 +9,21 @@ and wires the routers (`llmvisor.service.routes`) and the `RequestGuard` middlew
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 
 import llmvisor
 from llmvisor.core.model import StepLatencyModel
+from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
 from llmvisor.service.config import (
     DEFAULT_MAX_BODY_BYTES,
@@ -29,11 +34,12 @@ from llmvisor.service.config import (
     DEFAULT_MAX_TENANT_LABELS,
     ServiceSettings,
 )
+from llmvisor.service.gaps import DEFAULT_GAP_ALERT_AFTER_S, DEFAULT_GAP_CHECK_INTERVAL_S, GapMonitor
 from llmvisor.service.metrics import DriftSettings, ServiceMetrics
 from llmvisor.service.middleware import RequestGuard
 from llmvisor.service.registry import DEFAULT_REFRESH_S, ModelRegistry
 from llmvisor.service.responses import database_unavailable
-from llmvisor.service.routes import adjustments, keys, models, operations, steps, usage
+from llmvisor.service.routes import adjustments, keys, models, operations, runs, steps, usage
 
 
 async def validation_error(_request: Request, error: RequestValidationError) -> JSONResponse:
@@ -43,6 +49,36 @@ async def validation_error(_request: Request, error: RequestValidationError) -> 
         where = ".".join(str(p) for p in item.get("loc", ()) if p not in ("query", "body", "path"))
         parts.append(f"{item.get('loc', ('',))[0]} parameter {where!r}: {item.get('msg')}" if where else item.get("msg"))
     return JSONResponse(status_code=422, content={"detail": "; ".join(parts)})
+
+
+monitor_log = logging.getLogger("llmvisor.service")
+ENV_GAP_ALERT_AFTER_S = "LLMVISOR_GAP_ALERT_AFTER_S"
+ENV_GAP_CHECK_INTERVAL_S = "LLMVISOR_GAP_CHECK_INTERVAL_S"
+
+
+def seconds_setting(value: float | None, env: str, default: float) -> float:
+    """An argument, else the environment variable ``env``, else ``default``; a bad value is one clear line."""
+    if value is None:
+        text = os.environ.get(env)
+        if not text:
+            return default
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise LlmvisorError(f"{env} must be a positive number of seconds (got {text!r})")
+    return float(value)
+
+
+async def check_gaps_periodically(monitor: GapMonitor, interval_s: float) -> None:
+    """Every ``interval_s``: re-read the runs with gaps (metric, and the alert for gaps past the window)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await run_in_threadpool(monitor.refresh)
+        except Exception:  # noqa: BLE001 - a database outage must not end the checks
+            monitor_log.warning("llmvisor: the periodic gap check failed; retrying in %g s", interval_s, exc_info=True)
 
 
 async def database_error(_request: Request, _error: OperationalError) -> JSONResponse:
@@ -63,6 +99,8 @@ def create_app(
     fallback_model_path: str | Path | None = None,
     drift: DriftSettings | None = None,
     registry_refresh_s: float = DEFAULT_REFRESH_S,
+    gap_alert_after_s: float | None = None,
+    gap_check_interval_s: float | None = None,
 ) -> FastAPI:
     """The service for one latency model and one ledger database.
 
@@ -73,7 +111,12 @@ def create_app(
     version of it, and steps without a fingerprint; the one at ``fallback_model_path``, if given, every other
     class without a model (warned once per class); else their steps are stored pending
     (`llmvisor.service.registry`).
+    A gap in a run's step ids still open ``gap_alert_after_s`` after a later step arrived is logged as lost
+    (default ``LLMVISOR_GAP_ALERT_AFTER_S`` or 600 s); all runs are checked every ``gap_check_interval_s``
+    (``LLMVISOR_GAP_CHECK_INTERVAL_S`` or 30 s).
     """
+    gap_alert_after_s = seconds_setting(gap_alert_after_s, ENV_GAP_ALERT_AFTER_S, DEFAULT_GAP_ALERT_AFTER_S)
+    gap_check_interval_s = seconds_setting(gap_check_interval_s, ENV_GAP_CHECK_INTERVAL_S, DEFAULT_GAP_CHECK_INTERVAL_S)
     settings = ServiceSettings(
         max_body_bytes=max_body_bytes,
         max_small_body_bytes=max_small_body_bytes,
@@ -89,10 +132,19 @@ def create_app(
     fallback = StepLatencyModel.from_json(fallback_model_path) if fallback_model_path is not None else None
     registry = ModelRegistry(ledger, model, fallback_model=fallback, refresh_s=registry_refresh_s, metrics=metrics)
 
+    gaps = GapMonitor(ledger, alert_after_s=gap_alert_after_s)
+    metrics.registry.register(gaps)
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        yield
-        ledger.close()
+        checker = asyncio.create_task(check_gaps_periodically(gaps, gap_check_interval_s))
+        try:
+            yield
+        finally:
+            checker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checker
+            ledger.close()
 
     app = FastAPI(
         title="llmvisor accounting service",
@@ -104,11 +156,12 @@ def create_app(
     app.state.model = model
     app.state.registry = registry
     app.state.metrics = metrics
+    app.state.gaps = gaps
     app.state.settings = settings
     app.state.ingest_slots = asyncio.Semaphore(max_concurrent_ingest)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(OperationalError, database_error)
     app.add_middleware(RequestGuard, ledger=ledger, metrics=metrics, settings=settings)
-    for router in (steps.router, usage.router, adjustments.router, keys.router, models.router, operations.router):
+    for router in (steps.router, usage.router, adjustments.router, keys.router, models.router, operations.router, runs.router):
         app.include_router(router)
     return app

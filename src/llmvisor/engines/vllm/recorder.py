@@ -220,8 +220,10 @@ class RecordingScheduler(Scheduler):
         self.latency_s_per_step = array("d")
         self._flush_lock = threading.Lock()
         self._flush_stop = threading.Event()
+        self._flush_thread: threading.Thread | None = None
         if self._writer is not None or self._pusher is not None:
-            threading.Thread(target=self._flush_when_idle, name="llmvisor-trace-flush", daemon=True).start()
+            self._flush_thread = threading.Thread(target=self._flush_when_idle, name="llmvisor-trace-flush", daemon=True)
+            self._flush_thread.start()
         logger.info(
             "llmvisor: %s base, steps timed as %s",
             "AsyncScheduler" if isinstance(self, AsyncScheduler) else "Scheduler",
@@ -439,7 +441,12 @@ class RecordingScheduler(Scheduler):
         )
 
     def shutdown(self) -> None:
+        # The idle-flush thread ends before the writer closes, and the last flush and the close hold its lock:
+        # no flush runs into a closed (or None) writer, and no daemon thread is cut off mid-write at exit.
         self._flush_stop.set()
+        if self._flush_thread is not None:
+            self._flush_thread.join()
+            self._flush_thread = None
         if self._relay is not None:
             self._relay.close()
             overhead = self.recorder_overhead()
@@ -450,8 +457,9 @@ class RecordingScheduler(Scheduler):
             )
             self._relay = None
         if self._writer is not None:
-            self.flush_trace()
-            self._writer.close()
+            with self._flush_lock:
+                self._flush_unwritten()
+                self._writer.close()
             overhead = self.recorder_overhead()
             logger.info(
                 "llmvisor: recorded %d steps of run %s to %s; recorder overhead %.3f%% of step time (%.1f us/step)",
@@ -461,9 +469,11 @@ class RecordingScheduler(Scheduler):
                 100 * overhead.fraction,
                 overhead.recorder_time_per_step_us,
             )
-            self._writer = None
+            with self._flush_lock:
+                self._writer = None
         if self._pusher is not None:
-            self.flush_trace()
+            with self._flush_lock:
+                self._flush_unwritten()
             if not self._pusher.close():
                 logger.warning("llmvisor: some steps are not acknowledged by the service yet; they stay in the spool %s", self._pusher.spool_path)
             self._pusher = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Annotated
 
@@ -24,6 +25,7 @@ from llmvisor.service.deps import (
     check_name,
     to_datetime,
 )
+from llmvisor.service.gaps import GapMonitor
 from llmvisor.service.ingest import (
     MAX_STRING_CHARS,
     PARQUET_MEDIA_TYPE,
@@ -46,6 +48,7 @@ INGEST_PATH = "/v1/steps"
 MAX_CONFLICTS_LISTED = 1000
 
 router = APIRouter(tags=["steps"])
+log = logging.getLogger("llmvisor.service")
 
 
 def is_database_outage(error: DBAPIError) -> bool:
@@ -56,7 +59,8 @@ def is_database_outage(error: DBAPIError) -> bool:
 # Batches from several connections run in parallel threads: one can be parsed (pyarrow and numpy release
 # the GIL) while another waits on the database, which serialises only the write itself.
 def ingest_body(
-    body: bytes, content_type: str | None, *, registry: ModelRegistry, ledger: Ledger, metrics: ServiceMetrics, settings: ServiceSettings
+    body: bytes, content_type: str | None, *, registry: ModelRegistry, ledger: Ledger, metrics: ServiceMetrics, settings: ServiceSettings,
+    gaps: GapMonitor | None = None,
 ) -> IngestResponse:
     started_s = time.perf_counter()
     trace = read_batch(
@@ -73,6 +77,11 @@ def ingest_body(
     records = prepared.records
     outcome = ledger.ingest(records)
     inserted_steps = np.asarray(outcome.inserted, dtype=bool)
+    if gaps is not None and outcome.n_inserted:
+        try:
+            gaps.observe_runs(records.run_id[inserted_steps].tolist())
+        except DBAPIError:  # the steps are stored: answer so; the periodic check reads their gaps again
+            log.warning("llmvisor: cannot read the gaps of the runs just stored; the periodic check will", exc_info=True)
     pending = records.pending & inserted_steps
     attributed_steps = inserted_steps & ~records.pending
     inserted_slices = np.repeat(inserted_steps, np.diff(records.step_offsets))
@@ -157,7 +166,8 @@ async def post_steps(
         body = await request.body()
         async with request.app.state.ingest_slots:
             return await run_in_threadpool(
-                ingest_body, body, request.headers.get("content-type"), registry=registry, ledger=ledger, metrics=metrics, settings=settings
+                ingest_body, body, request.headers.get("content-type"), registry=registry, ledger=ledger, metrics=metrics, settings=settings,
+                gaps=request.app.state.gaps,
             )
     except PayloadError as payload_error:
         metrics.count_ingest_error(payload_error.reason)

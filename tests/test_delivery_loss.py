@@ -1,0 +1,242 @@
+"""The engine side loses no step on the paths that used to lose them, each with a real delivery process and a
+real `llmvisor serve`: bytes left in the relay when the pipe was full and the engine then idled and was
+SIGKILLed; steps in the pipe when the delivery process died; steps the pusher could not spool (a directory
+it cannot write to); and the recorder's flush thread at shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from _service_fixtures import make_steps, model_path  # noqa: F401
+from llmvisor.client import StepPusher, process_running, wait_for_delivery
+from llmvisor.ledger import Ledger
+from llmvisor.service.process import ServerProcess, free_loopback_port
+from test_service_client import ThreadServer
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def service(model_path, tmp_path):  # noqa: F811
+    db_url = f"sqlite:///{tmp_path}/ledger.db"
+    ledger = Ledger(db_url)
+    key = ledger.create_key(is_admin=True)
+    server = ServerProcess(model_path, db_url, log_path=tmp_path / "service.log").start()
+    yield server, ledger, key
+    server.stop()
+    ledger.close()
+
+
+class RelayEngine:
+    """`tests/_relay_engine.py` in a child process: the engine side of the relay, driven line by line."""
+
+    def __init__(self, tmp_path: Path, url: str, key: str, run_id: str):
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]),
+            "LLMVISOR_SERVICE_URL": url,
+            "LLMVISOR_SERVICE_KEY": key,
+            "LLMVISOR_SPOOL": str(tmp_path / "spool.jsonl"),
+        }
+        self.log_path = tmp_path / f"{run_id}.log"
+        self.log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, str(HERE / "_relay_engine.py"), run_id], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self.log, env=env, text=True,
+        )
+        self.delivery_pid = int(self.answer("pid")[1])
+
+    def command(self, line: str) -> None:
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def answer(self, word: str) -> list[str]:
+        line = self.process.stdout.readline().split()
+        assert line and line[0] == word, f"{line}\n{self.log_path.read_text(errors='replace')[-3000:]}"
+        return line
+
+    def ask(self, line: str, word: str) -> list[str]:
+        self.command(line)
+        return self.answer(word)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def stop(self) -> None:
+        self.kill()
+        self.log.close()
+
+
+def stored_steps(ledger: Ledger) -> int:
+    return ledger.totals().num_steps
+
+
+def wait_for_steps(ledger: Ledger, expected: int, timeout_s: float = 60.0, settle_s: float = 3.0) -> int:
+    """Wait until the ledger holds ``expected`` steps, or their count has not moved for ``settle_s``."""
+    deadline = time.monotonic() + timeout_s
+    count, moved = stored_steps(ledger), time.monotonic()
+    while count < expected and time.monotonic() < deadline and time.monotonic() - moved < settle_s:
+        time.sleep(0.1)
+        now = stored_steps(ledger)
+        if now != count:
+            count, moved = now, time.monotonic()
+    return count
+
+
+def test_sigkill_of_an_idle_engine_with_steps_waiting_for_a_full_pipe_loses_none(service, tmp_path):
+    server, ledger, key = service
+    engine = RelayEngine(tmp_path, server.url, key, "idle-kill")
+    delivery_pid = engine.delivery_pid
+    try:
+        os.kill(delivery_pid, signal.SIGSTOP)  # the delivery process falls behind: the 1 MiB pipe fills
+        assert engine.ask("send 1500", "sent") == ["sent", "1500"]  # about 2.5 MB: the rest waits in the engine
+        os.kill(delivery_pid, signal.SIGCONT)
+        wait_for_steps(ledger, 1500)  # the engine is idle now: nothing calls send() again
+        engine.kill()  # as vLLM's shutdown kills the engine core
+        assert wait_for_delivery(delivery_pid, timeout_s=60)
+        assert stored_steps(ledger) == 1500
+    finally:
+        if process_running(delivery_pid):
+            os.kill(delivery_pid, signal.SIGCONT)
+        engine.stop()
+
+
+def test_steps_in_the_pipe_when_the_delivery_process_dies_are_delivered(service, tmp_path):
+    server, ledger, key = service
+    engine = RelayEngine(tmp_path, server.url, key, "delivery-death")
+    first_pid = engine.delivery_pid
+    try:
+        os.kill(first_pid, signal.SIGSTOP)
+        assert engine.ask("send 300", "sent") == ["sent", "300"]  # about 0.5 MB: all of it in the pipe, unread
+        os.kill(first_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while process_running(first_pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # The engine is idle: it must notice by itself and hand the 300 steps to a new delivery process.
+        assert wait_for_steps(ledger, 300, settle_s=5.0) == 300
+        assert engine.ask("send 100", "sent") == ["sent", "400"]
+        last_pid = int(engine.ask("close", "closed")[1])
+        engine.command("exit")
+        assert engine.process.wait(30) == 0
+        assert wait_for_delivery(last_pid, timeout_s=60)
+        assert stored_steps(ledger) == 400
+        assert last_pid != first_pid
+    finally:
+        engine.stop()
+
+
+def unwritable_directory(tmp_path: Path) -> Path:
+    """A directory this process cannot create files in: a read-only one (mode 0555); where the process ignores
+    modes (root), a directory of a read-only pseudo file system."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    for candidate in (folder, Path("/sys"), Path("/proc")):
+        try:
+            (candidate / "llmvisor-probe").open("a").close()
+        except OSError:
+            return candidate
+        (candidate / "llmvisor-probe").unlink()
+    pytest.skip("no directory here refuses writes")
+
+
+def fast_pusher(url, key, spool, **kwargs):
+    options = dict(max_attempts=2, backoff_initial_s=0.01, backoff_max_s=0.05, retry_interval_s=0.2, flush_interval_s=0.02,
+                   request_timeout_s=5.0)
+    options.update(kwargs)
+    return StepPusher(url, key, spool, **options)
+
+
+@pytest.fixture
+def down_service(model_path, tmp_path):  # noqa: F811
+    db_url = f"sqlite:///{tmp_path}/ledger.db"
+    ledger = Ledger(db_url)
+    key = ledger.create_key(is_admin=True)
+    port = free_loopback_port()
+    server = ThreadServer(model_path, db_url, port)
+    yield server, ledger, key, f"http://127.0.0.1:{port}"
+    server.stop()
+    ledger.close()
+
+
+def test_steps_that_cannot_be_spooled_are_kept_and_delivered_when_the_service_is_back(down_service, tmp_path, caplog):
+    server, ledger, key, url = down_service
+    spool = unwritable_directory(tmp_path) / "spool.jsonl"
+    groups = make_steps("read-only-spool", 150, batch_size=4)
+    pusher = fast_pusher(url, key, spool)
+    with caplog.at_level(logging.ERROR, "llmvisor.pusher"):
+        for group in groups:
+            pusher.push_step(group)
+        deadline = time.monotonic() + 10
+        while pusher.stats.failed_posts < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)  # a few spooling attempts fail
+        assert any("cannot spool" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    server.start()
+    assert pusher.close(timeout_s=30), pusher.stats
+    assert stored_steps(ledger) == 150
+    assert pusher.stats.dropped == 0 and pusher.stats.acknowledged == 150
+    assert not spool.exists()
+
+
+def test_steps_beyond_the_memory_bound_are_dropped_counted_logged_and_shown_as_a_gap(down_service, tmp_path, caplog):
+    server, ledger, key, url = down_service
+    spool = unwritable_directory(tmp_path) / "spool.jsonl"
+    groups = make_steps("bounded", 350, batch_size=4)
+    pusher = fast_pusher(url, key, spool, max_held_steps=200)
+    with caplog.at_level(logging.ERROR, "llmvisor.pusher"):
+        for group in groups[:300]:
+            pusher.push_step(group)
+        deadline = time.monotonic() + 20
+        while pusher.stats.dropped < 100 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pusher.stats.dropped == 100 and pusher.stats.held >= 200
+        assert any("dropped 100 step(s)" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    server.start()
+    for group in groups[300:]:  # the engine runs on: later steps arrive, so the lost ones are a gap
+        pusher.push_step(group)
+    assert pusher.close(timeout_s=30) is True
+    assert stored_steps(ledger) == 250 and pusher.stats.dropped == 100
+    assert all(ledger.step_detail("bounded", step_id) is None for step_id in range(200, 300))
+    headers = {"Authorization": f"Bearer {key}"}
+    gaps = httpx.get(f"{url}/v1/runs/bounded/gaps", headers=headers, timeout=10).json()
+    assert (gaps["num_missing"], gaps["gaps"][0]["first_step_id"], gaps["gaps"][0]["last_step_id"]) == (100, 200, 299)
+    metrics = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
+    assert 'llmvisor_steps_missing_total{engine_class="",run="bounded"} 100.0' in metrics
+
+
+def test_an_outage_is_logged_in_true_counts(down_service, tmp_path, caplog):
+    """Once when the service goes away, then 'service back' with the steps spooled meanwhile and 'replayed N'
+    with the spool's count (not one 'spooling 1 steps' line per failed batch and nothing about the replay)."""
+    server, ledger, key, url = down_service
+    groups = make_steps("outage", 120, batch_size=3)
+    pusher = fast_pusher(url, key, tmp_path / "spool.jsonl")
+    with caplog.at_level(logging.INFO, "llmvisor.pusher"):
+        for group in groups[:100]:
+            pusher.push_step(group)
+            time.sleep(0.005)  # several batches, each failing or spooled while the service is away
+        deadline = time.monotonic() + 10
+        while pusher.stats.spooled < 100 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        server.start()
+        for group in groups[100:]:
+            pusher.push_step(group)
+        assert pusher.close(timeout_s=30)
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("service unavailable" in m for m in messages) == 1, messages
+    [back] = [m for m in messages if "service back after" in m]
+    assert f"spooled {pusher.stats.spooled} steps meanwhile" in back and pusher.stats.spooled >= 100
+    replayed = [m for m in messages if "replayed" in m and "from the spool" in m]
+    assert sum(int(m.split("replayed ")[1].split()[0]) for m in replayed) == pusher.stats.replayed == pusher.stats.spooled
+    assert stored_steps(ledger) == 120
