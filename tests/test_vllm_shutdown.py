@@ -26,9 +26,16 @@ except Exception as error:  # noqa: BLE001 - a broken install raises more than I
     pytest.skip(f"vLLM is not importable ({type(error).__name__}: {error})", allow_module_level=True)
 
 from llmvisor.client import wait_for_delivery
+from llmvisor.core.trace import read_trace
 from llmvisor.engines.vllm.openai_server import DEFAULT_HTTP_SHUTDOWN_GRACE_S, http_shutdown_grace_s
 from llmvisor.errors import LlmvisorError
-from test_vllm_delivery import ApiServer, assert_completed_requests_billed_once, assert_ledger_matches_trace, service  # noqa: F401
+from test_vllm_delivery import (  # noqa: F401
+    ApiServer,
+    assert_completed_requests_billed_once,
+    assert_ledger_matches_trace,
+    request_rows,
+    service,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -36,6 +43,11 @@ LAUNCHER = "llmvisor.engines.vllm.openai_server"
 ENGINE_TEARDOWN_S = 30.0
 """Allowance on top of ``--shutdown-timeout`` and the HTTP grace for the engine's and workers' teardown (vLLM gives
 its workers 5 s, then signals them) on a loaded 2-core machine; the docs state the bound with this allowance."""
+
+
+ORPHAN_EXIT_BOUND_S = 20.0
+"""How long the engine side may take to exit after its API server is SIGKILLed (measured: see the test's output)."""
+ORPHANED_TENANT = "(orphaned)"
 
 
 class Clients:
@@ -158,3 +170,55 @@ def test_bound_http_shutdown_sets_uvicorns_graceful_timeout_unless_given(monkeyp
     assert uvicorn.Config.__mro__[1] is original
     assert uvicorn.Config(app=None).timeout_graceful_shutdown == 4.0
     assert uvicorn.Config(app=None, timeout_graceful_shutdown=1).timeout_graceful_shutdown == 1
+
+
+def test_sigkill_of_the_api_server_stops_the_engine_and_bills_the_steps_after_it_to_no_tenant(service, tmp_path):
+    server = ApiServer(service, tmp_path, "orphan")
+    clients = None
+    try:
+        engine_side = {c.pid: c.name() for c in psutil.Process(server.process.pid).children(recursive=True)}
+        assert server.engine_pid() in engine_side
+        clients = Clients(server, n_clients=4, max_tokens=200)
+        time.sleep(4)
+        os.kill(server.process.pid, signal.SIGKILL)  # the API server only, as an OOM kill does
+        server.process.wait()
+        killed_s = time.monotonic()
+        while time.monotonic() - killed_s < ORPHAN_EXIT_BOUND_S and not all(gone(pid) for pid in engine_side):
+            time.sleep(0.1)
+        exit_s = time.monotonic() - killed_s
+        left = {pid: name for pid, name in engine_side.items() if not gone(pid)}
+        assert not left, f"still running {ORPHAN_EXIT_BOUND_S:.0f} s after the API server's SIGKILL: {left}"
+        print(f"engine side gone {exit_s:.1f} s after the API server's SIGKILL")
+    finally:
+        for pid in engine_side:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        if clients is not None:
+            clients.join()
+    assert wait_for_delivery(server.delivery_pid, 60), "the delivery process did not finish"
+    log = server.log()
+    seen = re.findall(rf"the API server \(pid {server.process.pid}\) is gone \(seen at unix time ([0-9.]+)\)", log)
+    excerpt = "\n".join(line for line in log.splitlines() if "llmvisor" in line or "shutdown" in line)[-4000:]
+    assert seen, excerpt
+    seen_s = float(seen[-1])
+    trace = read_trace(tmp_path / "trace.jsonl")
+    mine = trace.run_id == server.run_id
+    orphaned = mine & (trace.tenant == ORPHANED_TENANT)
+    orphaned_steps = np.unique(trace.step_id[orphaned])
+    all_steps = np.unique(trace.step_id[mine])
+    # the steps recorded after the death was seen are the run's last ones, each wholly orphaned; every step billed
+    # to a client's tenant ended before it (a step that ended just before, recorded just after, is orphaned too)
+    assert orphaned_steps.tolist() == all_steps[all_steps.size - orphaned_steps.size :].tolist(), excerpt
+    assert not np.isin(trace.step_id[mine & ~orphaned], orphaned_steps).any()
+    ends_s = trace.extra["timestamp_s"].astype(float) + trace.step_latency_s
+    assert ends_s[mine & ~orphaned].max() <= seen_s + 1e-3, excerpt
+    counted = re.findall(r"(\d+) steps of run (\S+) ended after the API server died", log)
+    if counted:  # the engine logged it on its way out (unless its teardown was cut short)
+        assert int(counted[-1][0]) == orphaned_steps.size and counted[-1][1] == server.run_id, excerpt
+    # stored and measured, under the orphaned tenant only; the ledger holds every step of the trace once
+    assert_ledger_matches_trace(service["db_url"], tmp_path / "trace.jsonl", server.run_id)
+    rows = request_rows(service["db_url"], server.run_id)
+    assert sum(r.num_new_tokens for r in rows.get(ORPHANED_TENANT, [])) == int(trace.num_new_tokens[orphaned].sum())
+    orphaned_per_step = (trace.run_id_per_step == server.run_id) & np.isin(trace.step_id_per_step, orphaned_steps)
+    assert (trace.step_latency_s_per_step[orphaned_per_step] > 0).all()
+    print(f"{orphaned_steps.size} of {all_steps.size} steps recorded as orphaned")
