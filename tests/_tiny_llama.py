@@ -48,3 +48,17 @@ def tiny_engine_args(model: str | Path, scheduler_cls: type) -> dict:
         enforce_eager=True,
         scheduler_cls=scheduler_cls,
     )
+
+
+def lift_cpu_async_override(monkeypatch) -> None:
+    """Undo the CPU platform's ``scheduler_config.async_scheduling = False`` (vllm/platforms/cpu.py)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config.__func__
+
+    def keep_async_scheduling(cls, vllm_config):
+        requested = vllm_config.scheduler_config.async_scheduling
+        original(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = requested
+
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async_scheduling))

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
 
-from _tiny_llama import write_tiny_llama  # noqa: E402
+from _tiny_llama import lift_cpu_async_override, write_tiny_llama  # noqa: E402
 from llmvisor.core.attribution import attribute_arrays  # noqa: E402
 from llmvisor.core.model import StepLatencyModel  # noqa: E402
 from llmvisor.core.synthetic import DEFAULT_COEF_S  # noqa: E402
@@ -52,7 +52,7 @@ class Engine:
                 load_format="dummy",
                 skip_tokenizer_init=True,
                 distributed_executor_backend="uni",
-                async_scheduling=False,
+                async_scheduling=engine_args.pop("async_scheduling", False),
                 enable_prefix_caching=False,
                 enforce_eager=True,
                 max_model_len=max_model_len,
@@ -271,3 +271,73 @@ def test_preemption_evicts_the_most_served_tenant_first(small_kv):
         assert preemption.keys[preemption.tenant] == max(preemption.keys.values())
     assert preemptions[0].tenant == "heavy" and set(preemptions[0].keys) == {"heavy", "light"}
     assert preemptions[0].request_id.startswith("heavy3")  # the most-served tenant's newest request
+
+
+def test_under_async_scheduling_each_pass_sees_the_steps_scheduled_before_it_charged(tmp_path, monkeypatch):
+    """A batch queue of 2 (the CPU platform's async override lifted, as the recorder's async test does): vLLM
+    schedules step k+1 before step k's output arrives. The counters that pass sees already hold step k, at the
+    model's predicted shares; once the outputs are in, they are the measured shares, as charged without a queue."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    lift_cpu_async_override(monkeypatch)
+    engine = Engine(tmp_path, max_num_seqs=4, async_scheduling=True)
+    try:
+        scheduler = engine.scheduler
+        assert isinstance(scheduler, AsyncScheduler) and engine.engine.engine_core.engine_core.batch_queue_size == 2
+        engine.configure(cost="attributed")
+        events: list[tuple[str, dict | None]] = []  # ("schedule", counters the pass starts from) / ("output", None)
+        schedule, update_from_output = scheduler.schedule, scheduler.update_from_output
+
+        def watched_schedule(*args, **kwargs):
+            counters = dict(scheduler.fair.vtc.counter)
+            output = schedule(*args, **kwargs)
+            if output.total_num_scheduled_tokens:
+                events.append(("schedule", counters))
+            return output
+
+        def watched_update(scheduler_output, model_runner_output):
+            if scheduler_output.total_num_scheduled_tokens:
+                events.append(("output", None))
+            return update_from_output(scheduler_output, model_runner_output)
+
+        monkeypatch.setattr(scheduler, "schedule", watched_schedule)
+        monkeypatch.setattr(scheduler, "update_from_output", watched_update)
+        for k in range(3):
+            engine.add(f"ctx{k}", "ctx", 200 + 40 * k, max_tokens=4)
+            engine.add(f"chat{k}", "chat", 16 + 8 * k, max_tokens=6)
+        finished = engine.run()
+        assert len(finished) == 6
+        scheduler.flush_trace()
+        state = scheduler.fair_state()
+    finally:
+        engine.engine.engine_core.shutdown()
+    assert state["num_lifts"] == 0  # every request arrived before the first step: counters are sums of charges
+    trace = read_trace(engine.trace_path)
+    measured = np.asarray(scheduler.fair_step_latency_s)
+    n_steps = trace.n_steps
+    assert n_steps == measured.size == sum(kind == "schedule" for kind, _ in events) == sum(kind == "output" for kind, _ in events)
+    step_of_slice = np.repeat(np.arange(n_steps), np.diff(trace.step_offsets))
+
+    def per_step_tenant(shares: np.ndarray) -> dict[str, np.ndarray]:
+        return {tenant: np.bincount(step_of_slice[trace.tenant == tenant], shares[trace.tenant == tenant], n_steps) for tenant in ("ctx", "chat")}
+
+    model = fixed_model()
+    args = (model, trace.num_new_tokens, trace.num_context_tokens, trace.is_prefill, trace.step_offsets)
+    measured_shares = per_step_tenant(attribute_arrays(*args, measured).share_s)
+    predicted_shares = per_step_tenant(attribute_arrays(*args).share_s)
+    # the steps come out in the order they were scheduled (the batch queue is FIFO): the trace numbers them so
+    num_scheduled = num_out = num_ahead = 0
+    for kind, counters in events:
+        if kind == "output":
+            num_out += 1
+            continue
+        for tenant in ("ctx", "chat"):
+            expected = math.fsum(measured_shares[tenant][:num_out]) + math.fsum(predicted_shares[tenant][num_out:num_scheduled])
+            assert counters.get(tenant, 0.0) == pytest.approx(expected, rel=1e-9, abs=1e-15), (num_scheduled, num_out, tenant)
+        num_ahead += num_scheduled > num_out
+        num_scheduled += 1
+    assert num_ahead >= n_steps // 2  # most passes ran with the previous step still in the queue
+    for tenant in ("ctx", "chat"):
+        assert state["counter"][tenant] == pytest.approx(math.fsum(measured_shares[tenant]), rel=1e-9)
+        assert state["attributed_s"][tenant] == pytest.approx(math.fsum(measured_shares[tenant]), rel=1e-9)
+    assert math.fsum(state["served"].values()) == pytest.approx(math.fsum(measured), rel=1e-9)

@@ -57,7 +57,9 @@ def service(tmp_path_factory):
 class ApiServer:
     """vLLM's OpenAI server with the recorder, default shutdown settings, pushing to the service."""
 
-    def __init__(self, service: dict, folder, name: str):
+    def __init__(
+        self, service: dict, folder, name: str, extra_args: tuple[str, ...] = (), entry_point: str = "vllm.entrypoints.openai.api_server"
+    ):
         self.folder = folder
         self.model = str(service["model_dir"])
         self.port = free_loopback_port()
@@ -74,12 +76,12 @@ class ApiServer:
             "LLMVISOR_SPOOL": str(folder / "spool.jsonl"),
         }
         command = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            sys.executable, "-m", entry_point,
             "--model", self.model, "--load-format", "dummy", "--skip-tokenizer-init",
             "--host", "127.0.0.1", "--port", str(self.port),
             "--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "128",
             "--enforce-eager", "--no-async-scheduling", "--no-enable-prefix-caching",
-            "--scheduler-cls", "llmvisor.engines.vllm.recorder.RecordingScheduler",
+            "--scheduler-cls", "llmvisor.engines.vllm.recorder.RecordingScheduler", *extra_args,
         ]  # fmt: skip
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

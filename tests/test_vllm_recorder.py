@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from _tiny_llama import tiny_engine_args, write_tiny_llama
+from _tiny_llama import lift_cpu_async_override, tiny_engine_args, write_tiny_llama
 from llmvisor.core.trace import read_trace
 
 vllm = pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
@@ -274,20 +274,6 @@ def test_profile_rejects_bad_input_with_exit_code_2(tmp_path):
     )
     assert result.returncode == 2
     assert str(missing) in result.stderr and "Traceback" not in result.stderr
-
-
-def lift_cpu_async_override(monkeypatch) -> None:
-    """Undo the CPU platform's ``scheduler_config.async_scheduling = False`` (vllm/platforms/cpu.py)."""
-    from vllm.platforms.cpu import CpuPlatform
-
-    original = CpuPlatform.check_and_update_config.__func__
-
-    def keep_async_scheduling(cls, vllm_config):
-        requested = vllm_config.scheduler_config.async_scheduling
-        original(cls, vllm_config)
-        vllm_config.scheduler_config.async_scheduling = requested
-
-    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async_scheduling))
 
 
 def test_scheduler_classes_take_async_scheduler_as_base_when_the_config_says_so():

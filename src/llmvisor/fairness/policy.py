@@ -19,7 +19,9 @@ The cost is pluggable:
 
 Both are charged per step, as the engine runs the work. Within one scheduling pass an admission also reserves
 its predicted prefill cost on its tenant's counter, so one pass does not hand every free slot to the tenant that
-was lowest when it began; reservations are dropped once the step's measured charges land.
+was lowest when it began; reservations are dropped once the step's charge lands. An engine that schedules a
+step before the previous one's output arrives (a batch queue) charges it when scheduled (`FairShare.charge_scheduled`,
+the model's predicted shares) and corrects it to the measured cost when it ran (`charge_step`).
 
 **Quotas**: a per-tenant budget of engine seconds over a sliding window (always attributed seconds, whatever
 the VTC cost). A tenant whose window holds its budget or more waits. ``work_conserving`` admits it anyway
@@ -638,9 +640,12 @@ class FairShare:
         measured_s: float,
         now_s: float,
         effective_context_tokens: np.ndarray | None = None,
+        charged_when_scheduled: Mapping[str, float] | None = None,
     ) -> StepCharge:
         """Charge one step that ran: each slice's cost to its tenant; quotas get attributed seconds. With
-        ``effective_context_tokens`` (prefix caching), each KV block shared in the step is split among its readers."""
+        ``effective_context_tokens`` (prefix caching), each KV block shared in the step is split among its readers.
+        With ``charged_when_scheduled`` (`charge_scheduled`'s return), the counters get only the difference
+        between the measured cost and what was charged then."""
         shares = None
         if self.attributor is not None:
             shares = self.attributor.attribute(num_new_tokens, num_context_tokens, is_prefill, measured_s, effective_context_tokens)
@@ -659,12 +664,45 @@ class FairShare:
                     state = self.quota_of(tenant)
                     if state is not None:
                         state.add(now_s, seconds)
+        charged = charged_when_scheduled
+        for tenant, cost in per_tenant.items():
+            correction = cost if charged is None else cost - charged.get(tenant, 0.0)
+            if correction or charged is None:
+                self.vtc.charge(tenant, correction)
+        self.vtc.clear_reservations()
+        if self.shared is not None:
+            self.shared.refresh(self.vtc.counter)
+        return StepCharge(per_tenant, attributed)
+
+    def charge_scheduled(
+        self,
+        tenants: Sequence[str],
+        num_new_tokens: np.ndarray,
+        num_context_tokens: np.ndarray,
+        is_prefill: np.ndarray,
+        samples_token: np.ndarray,
+        effective_context_tokens: np.ndarray | None = None,
+    ) -> dict[str, float]:
+        """Charge a step to the counters when it is scheduled, before it runs, and return the cost per tenant.
+
+        The cost is what `charge_step` will charge, with the model's predicted shares in place of the measured
+        time (the token cost is known exactly). Under async scheduling (a batch queue) the next pass is made before
+        this step's output arrives; charged here, that pass already sees the step. `charge_step` with
+        ``charged_when_scheduled`` then corrects the counters to the measured cost (quotas and ``attributed_s``
+        are charged there, measured, only). The pass's reservations are dropped: the step's charge replaces them."""
+        if self.config.cost == "attributed":
+            costs = self.attributor.attribute(num_new_tokens, num_context_tokens, is_prefill, None, effective_context_tokens)
+        else:
+            costs = self.tokens.slice_costs(num_new_tokens, is_prefill, samples_token)
+        per_tenant: dict[str, float] = {}
+        for tenant, cost in zip(tenants, costs.tolist()):
+            per_tenant[tenant] = per_tenant.get(tenant, 0.0) + cost
         for tenant, cost in per_tenant.items():
             self.vtc.charge(tenant, cost)
         self.vtc.clear_reservations()
         if self.shared is not None:
             self.shared.refresh(self.vtc.counter)
-        return StepCharge(per_tenant, attributed)
+        return per_tenant
 
     def reservation(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float:
         """Predicted cost of a request's prefill in the configured unit, reserved at admission."""

@@ -14,8 +14,12 @@ What it changes in vLLM (0.32, V1):
 - Before each pass ``self.running`` is stably sorted by tenant counter, most-served tenant last. vLLM's FCFS
   preemption evicts ``running[-1]``, so the most-served tenant's newest request goes first, and under a tight
   token budget the least-served tenants' running requests get their tokens first.
-- After each step, its measured time (the recorder's step time, `llmvisor.engines.vllm.step_clock`) is
-  charged: tokens or attributed seconds per tenant.
+- Each step is charged when it is scheduled (its composition is known then): tokens, or the model's predicted
+  shares of it in seconds, per tenant (`FairShare.charge_scheduled`). When its output arrives the counters are
+  corrected to its measured time (the recorder's step time, `llmvisor.engines.vllm.step_clock`) split by the
+  shares, and quotas get those measured seconds (`FairShare.charge_step`). Under async scheduling vLLM schedules
+  step k+1 before step k's output arrives; the pass that makes k+1 already sees k's charge, and the counters end
+  at the measured totals.
 - With ``shared_counters`` in the config, the counters are shared with the pool's other replicas through Redis
   (`llmvisor.fairness.shared_counters`; a background thread does the I/O, the engine loop never waits on it).
 
@@ -372,7 +376,8 @@ class FairScheduler(RecordingScheduler):
         self._pass_admitted_deferred.clear()
         resumed = time.perf_counter()
         if scheduler_output.total_num_scheduled_tokens:
-            self._steps[id(scheduler_output)] = self._step_slices(scheduler_output)
+            step = self._step_slices(scheduler_output)
+            self._steps[id(scheduler_output)] = (*step, self.fair.charge_scheduled(*step[:5], effective_context_tokens=step[5]))
         finished = time.perf_counter()
         # queue work since the last pass: arrivals (add_request) in between and this pass's admissions
         queue_s = queue.time_s - self._queue_time_counted_s
@@ -402,10 +407,11 @@ class FairScheduler(RecordingScheduler):
         step = self._steps.pop(id(scheduler_output), None)
         timing = self.step_timing(scheduler_output, entered)
         if step is not None and timing is not None:
-            tenants, num_new, num_context, is_prefill, samples, effective, _, schedule_overhead_s = step
+            tenants, num_new, num_context, is_prefill, samples, effective, charged, _, schedule_overhead_s = step
             latency_s = timing[1]
             self.fair.charge_step(
-                tenants, num_new, num_context, is_prefill, samples, latency_s, time.monotonic(), effective_context_tokens=effective
+                tenants, num_new, num_context, is_prefill, samples, latency_s, time.monotonic(),
+                effective_context_tokens=effective, charged_when_scheduled=charged,
             )
             overhead_s = schedule_overhead_s + time.perf_counter() - entered
             self.num_charged_steps += 1

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
+import signal
 import threading
 import time
 from array import array
@@ -55,6 +57,10 @@ IDLE_FLUSH_AFTER_S = 0.1
 
 ENGINE = "vllm"
 DEFAULT_TENANT = "default"
+ORPHANED_TENANT = "(orphaned)"
+"""The tenant of steps that ran after the API server died: measured and stored, billed to no client's tenant."""
+ORPHAN_EXIT_AFTER_S = 10.0
+PARENT_POLL_S = 1.0
 MAX_KEPT_STEPS = 1 << 20
 
 
@@ -221,6 +227,9 @@ class RecordingScheduler(Scheduler):
         self._flush_lock = threading.Lock()
         self._flush_stop = threading.Event()
         self._flush_thread: threading.Thread | None = None
+        self.orphaned_since_s: float | None = None
+        self.num_orphaned_steps = 0
+        self._watch_parent()
         if self._writer is not None or self._pusher is not None:
             self._flush_thread = threading.Thread(target=self._flush_when_idle, name="llmvisor-trace-flush", daemon=True)
             self._flush_thread.start()
@@ -279,6 +288,8 @@ class RecordingScheduler(Scheduler):
         in_flight = self._in_flight.pop(id(scheduler_output), None)
         if in_flight is not None and timing is not None:
             slices, schedule_overhead_s = in_flight
+            if self.orphaned_since_s is not None:
+                slices = self._orphaned(slices)
             start, latency_s = timing
             self._record(start, latency_s, slices, entered)
             overhead_s = schedule_overhead_s + time.perf_counter() - entered
@@ -311,6 +322,55 @@ class RecordingScheduler(Scheduler):
 
     def tenant_of(self, request) -> str:
         return request_tenant(request, self.tenant_key, self.default_tenant)
+
+    # ---------------------------------------------------------------------------------------------------
+    # The API server's death
+
+    def _watch_parent(self) -> None:
+        """Watch the process that started this engine-core process (vLLM's API server), if one did.
+
+        When the API server is killed (SIGKILL, OOM), vLLM's engine core does not notice: it runs the requests
+        it holds to their end, answers nobody, and then idles. A daemon thread waits on the parent's
+        `multiprocessing` sentinel (readable once the parent is gone; a reparenting seen by ``os.getppid`` too)
+        and then stops the engine (`_parent_died`). An engine in the process that runs it (``LLM``) has no
+        such parent and is not watched."""
+        parent = multiprocessing.parent_process()
+        if parent is None or parent.sentinel is None:
+            return
+        threading.Thread(target=self._await_parent_death, args=(parent.pid, parent.sentinel), name="llmvisor-parent-watch", daemon=True).start()
+
+    def _await_parent_death(self, parent_pid: int, sentinel: int) -> None:
+        from multiprocessing.connection import wait
+
+        while not wait([sentinel], timeout=PARENT_POLL_S) and os.getppid() == parent_pid:
+            pass
+        self._parent_died(parent_pid)
+
+    def _parent_died(self, parent_pid: int) -> None:
+        """Record the steps still to come as orphaned and stop the engine as vLLM's SIGTERM does, aborting (not
+        draining) what it runs, since no answer can reach a client; exit outright if that takes too long."""
+        self.orphaned_since_s = time.perf_counter()
+        logger.error(
+            "llmvisor: the API server (pid %d) is gone (seen at unix time %.6f); stopping the engine. Steps that end "
+            "from now on are recorded under tenant %r (measured, billed to no tenant)",
+            parent_pid, self.orphaned_since_s + self._wall_minus_perf_s, ORPHANED_TENANT,
+        )
+        try:
+            self.vllm_config.shutdown_timeout = 0
+        except Exception as error:  # a config that refuses the change still stops, after draining
+            logger.warning("llmvisor: cannot switch the engine's shutdown to abort (%s)", error)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(ORPHAN_EXIT_AFTER_S)
+        logger.error("llmvisor: the engine has not exited %.0f s after its API server died; exiting now", ORPHAN_EXIT_AFTER_S)
+        try:
+            self.flush_trace()
+        finally:
+            os._exit(1)
+
+    def _orphaned(self, slices: list[tuple]) -> list[tuple]:
+        """A step that ended after the API server died: its slices under `ORPHANED_TENANT`."""
+        self.num_orphaned_steps += 1
+        return [(s[0], ORPHANED_TENANT, *s[2:]) for s in slices]
 
     def _start_delivery(self) -> tuple[TraceWriter | None, StepPusher | None, StepRelay | None]:
         """With a service URL, a delivery process writes the trace and pushes (`StepRelay`: each step leaves this
@@ -441,6 +501,11 @@ class RecordingScheduler(Scheduler):
         )
 
     def shutdown(self) -> None:
+        if self.orphaned_since_s is not None:
+            logger.warning(
+                "llmvisor: %d steps of run %s ended after the API server died; recorded under tenant %r",
+                self.num_orphaned_steps, self.run_id, ORPHANED_TENANT,
+            )
         # The idle-flush thread ends before the writer closes, and the last flush and the close hold its lock:
         # no flush runs into a closed (or None) writer, and no daemon thread is cut off mid-write at exit.
         self._flush_stop.set()

@@ -1,0 +1,221 @@
+"""Stopping the real OpenAI server (vLLM CPU build) with requests in flight: the documented stop ends in the stated
+time and bills every step the engine ran (docs/recorder.md, "Stopping the server").
+
+vLLM's own entry point waits for open connections without a time limit once its engine has stopped ("Waiting
+for connections to close"); `llmvisor.engines.vllm.openai_server` runs that entry point with uvicorn's graceful
+shutdown bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+
+pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
+
+from llmvisor.client import wait_for_delivery
+from llmvisor.core.trace import read_trace
+from llmvisor.engines.vllm.openai_server import DEFAULT_HTTP_SHUTDOWN_GRACE_S, http_shutdown_grace_s
+from llmvisor.errors import LlmvisorError
+from test_vllm_delivery import (  # noqa: F401
+    ApiServer,
+    assert_completed_requests_billed_once,
+    assert_ledger_matches_trace,
+    request_rows,
+    service,
+)
+
+pytestmark = pytest.mark.vllm
+
+LAUNCHER = "llmvisor.engines.vllm.openai_server"
+ENGINE_TEARDOWN_S = 30.0
+"""Allowance on top of ``--shutdown-timeout`` and the HTTP grace for the engine's and workers' teardown (vLLM gives
+its workers 5 s, then signals them) on a loaded 2-core machine; the docs state the bound with this allowance."""
+
+
+ORPHAN_EXIT_BOUND_S = 20.0
+"""How long the engine side may take to exit after its API server is SIGKILLed (measured: see the test's output)."""
+ORPHANED_TENANT = "(orphaned)"
+
+
+class Clients:
+    """Clients sending long completions back to back; each request's start, end and answer are kept."""
+
+    def __init__(self, server: ApiServer, n_clients: int, max_tokens: int):
+        self.server = server
+        self.max_tokens = max_tokens
+        self.records: list[dict] = []
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self.run, args=(seed,), daemon=True) for seed in range(n_clients)]
+        for thread in self.threads:
+            thread.start()
+
+    def run(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        k = 0
+        while not self.stop.is_set() and self.server.process.poll() is None:
+            k += 1
+            tenant = f"{self.server.run_id}-c{seed}-{k}"
+            prompt_len = int(rng.integers(8, 64))
+            record = {"tenant": tenant, "prompt_len": prompt_len, "start_s": time.monotonic(), "end_s": None, "status": None}
+            with self.lock:
+                self.records.append(record)
+            body = {"model": self.server.model, "prompt": rng.integers(10, 1000, prompt_len).tolist(), "max_tokens": self.max_tokens,
+                    "ignore_eos": True, "vllm_xargs": {"tenant": tenant}}  # fmt: skip
+            try:
+                response = httpx.post(f"{self.server.base}/v1/completions", json=body, timeout=300)
+            except httpx.HTTPError as error:
+                record.update(end_s=time.monotonic(), status=type(error).__name__)
+                return
+            record.update(end_s=time.monotonic(), status=response.status_code)
+            if response.status_code == 200:
+                answer = response.json()
+                record["finish_reason"] = answer["choices"][0]["finish_reason"]
+                record["completion_tokens"] = answer["usage"]["completion_tokens"]
+                if record["finish_reason"] == "length":  # a whole answer: billed as P + O - 1 tokens
+                    with self.server._lock:
+                        self.server.completed[tenant] = (prompt_len, record["completion_tokens"])
+
+    def in_flight(self, at_s: float) -> list[dict]:
+        with self.lock:
+            return [r for r in self.records if r["start_s"] < at_s and (r["end_s"] is None or r["end_s"] > at_s)]
+
+    def join(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(30)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize("shutdown_timeout_s", [0, 20])
+def test_sigint_with_requests_in_flight_ends_within_the_stated_time_and_bills_every_step(service, tmp_path, monkeypatch, shutdown_timeout_s):
+    monkeypatch.setenv("LLMVISOR_HTTP_SHUTDOWN_GRACE_S", str(DEFAULT_HTTP_SHUTDOWN_GRACE_S))
+    server = ApiServer(service, tmp_path, "stop", extra_args=("--shutdown-timeout", str(shutdown_timeout_s)), entry_point=LAUNCHER)
+    clients = None
+    try:
+        engine_pid = server.engine_pid()
+        clients = Clients(server, n_clients=4, max_tokens=200)
+        time.sleep(4)
+        sigint_s = time.monotonic()
+        server.process.send_signal(signal.SIGINT)
+        bound_s = shutdown_timeout_s + DEFAULT_HTTP_SHUTDOWN_GRACE_S + ENGINE_TEARDOWN_S
+        try:
+            server.process.wait(timeout=bound_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server still runs {bound_s:.0f} s after SIGINT:\n{server.log()[-3000:]}")
+        stopped_s = time.monotonic() - sigint_s
+        print(f"--shutdown-timeout {shutdown_timeout_s}: SIGINT to exit {stopped_s:.1f} s")
+    finally:
+        if server.process.poll() is None:
+            os.killpg(server.process.pid, signal.SIGKILL)
+            server.process.wait()
+        if clients is not None:
+            clients.join()
+    assert gone(engine_pid), "the engine-core process outlived the server"
+    assert wait_for_delivery(server.delivery_pid, 60), "the delivery process did not finish"
+    in_flight = clients.in_flight(sigint_s)
+    assert in_flight, "no request was in flight at SIGINT"
+    log = server.log()
+    if shutdown_timeout_s:
+        # draining: every request in flight at SIGINT was answered in full
+        assert f"mode=drain timeout={shutdown_timeout_s}s" in log
+        assert all(r["status"] == 200 and r["completion_tokens"] == 200 for r in in_flight), in_flight
+    else:
+        assert "mode=abort timeout=0s" in log
+    assert_completed_requests_billed_once(service["db_url"], server)
+    n_steps = assert_ledger_matches_trace(service["db_url"], tmp_path / "trace.jsonl", server.run_id)
+    assert n_steps > 20
+    relayed = re.findall(r"relayed (\d+) steps of run", log)
+    if relayed:  # the engine lived to log what it handed over: the ledger holds exactly that many steps
+        assert int(relayed[-1]) == n_steps
+
+
+def test_http_shutdown_grace_comes_from_the_environment_and_bad_values_are_one_line_errors():
+    assert http_shutdown_grace_s({}) == DEFAULT_HTTP_SHUTDOWN_GRACE_S
+    assert http_shutdown_grace_s({"LLMVISOR_HTTP_SHUTDOWN_GRACE_S": "2.5"}) == 2.5
+    for bad in ("-1", "soon", "inf", "nan"):
+        with pytest.raises(LlmvisorError, match="LLMVISOR_HTTP_SHUTDOWN_GRACE_S must be a number of seconds"):
+            http_shutdown_grace_s({"LLMVISOR_HTTP_SHUTDOWN_GRACE_S": bad})
+
+
+def test_bound_http_shutdown_sets_uvicorns_graceful_timeout_unless_given(monkeypatch):
+    import uvicorn
+
+    from llmvisor.engines.vllm.openai_server import bound_http_shutdown
+
+    monkeypatch.setattr(uvicorn, "Config", uvicorn.Config)  # restored after the test
+    original = uvicorn.Config
+    assert original(app=None).timeout_graceful_shutdown is None  # uvicorn's default: wait for ever
+    bound_http_shutdown(3.0)
+    bound_http_shutdown(4.0)  # a second call replaces the first, it does not stack
+    assert uvicorn.Config.__mro__[1] is original
+    assert uvicorn.Config(app=None).timeout_graceful_shutdown == 4.0
+    assert uvicorn.Config(app=None, timeout_graceful_shutdown=1).timeout_graceful_shutdown == 1
+
+
+def test_sigkill_of_the_api_server_stops_the_engine_and_bills_the_steps_after_it_to_no_tenant(service, tmp_path):
+    server = ApiServer(service, tmp_path, "orphan")
+    clients = None
+    try:
+        engine_side = {c.pid: c.name() for c in psutil.Process(server.process.pid).children(recursive=True)}
+        assert server.engine_pid() in engine_side
+        clients = Clients(server, n_clients=4, max_tokens=200)
+        time.sleep(4)
+        os.kill(server.process.pid, signal.SIGKILL)  # the API server only, as an OOM kill does
+        server.process.wait()
+        killed_s = time.monotonic()
+        while time.monotonic() - killed_s < ORPHAN_EXIT_BOUND_S and not all(gone(pid) for pid in engine_side):
+            time.sleep(0.1)
+        exit_s = time.monotonic() - killed_s
+        left = {pid: name for pid, name in engine_side.items() if not gone(pid)}
+        assert not left, f"still running {ORPHAN_EXIT_BOUND_S:.0f} s after the API server's SIGKILL: {left}"
+        print(f"engine side gone {exit_s:.1f} s after the API server's SIGKILL")
+    finally:
+        for pid in engine_side:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        if clients is not None:
+            clients.join()
+    assert wait_for_delivery(server.delivery_pid, 60), "the delivery process did not finish"
+    log = server.log()
+    seen = re.findall(rf"the API server \(pid {server.process.pid}\) is gone \(seen at unix time ([0-9.]+)\)", log)
+    excerpt = "\n".join(line for line in log.splitlines() if "llmvisor" in line or "shutdown" in line)[-4000:]
+    assert seen, excerpt
+    seen_s = float(seen[-1])
+    trace = read_trace(tmp_path / "trace.jsonl")
+    mine = trace.run_id == server.run_id
+    orphaned = mine & (trace.tenant == ORPHANED_TENANT)
+    orphaned_steps = np.unique(trace.step_id[orphaned])
+    all_steps = np.unique(trace.step_id[mine])
+    # the steps recorded after the death was seen are the run's last ones, each wholly orphaned; every step billed
+    # to a client's tenant ended before it (a step that ended just before, recorded just after, is orphaned too)
+    assert orphaned_steps.tolist() == all_steps[all_steps.size - orphaned_steps.size :].tolist(), excerpt
+    assert not np.isin(trace.step_id[mine & ~orphaned], orphaned_steps).any()
+    ends_s = trace.extra["timestamp_s"].astype(float) + trace.step_latency_s
+    assert ends_s[mine & ~orphaned].max() <= seen_s + 1e-3, excerpt
+    counted = re.findall(r"(\d+) steps of run (\S+) ended after the API server died", log)
+    if counted:  # the engine logged it on its way out (unless its teardown was cut short)
+        assert int(counted[-1][0]) == orphaned_steps.size and counted[-1][1] == server.run_id, excerpt
+    # stored and measured, under the orphaned tenant only; the ledger holds every step of the trace once
+    assert_ledger_matches_trace(service["db_url"], tmp_path / "trace.jsonl", server.run_id)
+    rows = request_rows(service["db_url"], server.run_id)
+    assert sum(r.num_new_tokens for r in rows.get(ORPHANED_TENANT, [])) == int(trace.num_new_tokens[orphaned].sum())
+    orphaned_per_step = (trace.run_id_per_step == server.run_id) & np.isin(trace.step_id_per_step, orphaned_steps)
+    assert (trace.step_latency_s_per_step[orphaned_per_step] > 0).all()
+    print(f"{orphaned_steps.size} of {all_steps.size} steps recorded as orphaned")
