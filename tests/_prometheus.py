@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from _processes import stop_process
-from llmvisor.service.process import free_loopback_port
+from llmvisor.net import free_loopback_port
 
 PROMETHEUS_BINARY = shutil.which("prometheus")
 SCRAPE_INTERVAL_MS = 1000

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from _processes import stop_process
-from llmvisor.service.process import free_loopback_port
+from llmvisor.net import free_loopback_port
 
 REDIS_BINARY = shutil.which("redis-server")
 SKIP_REASON = "needs Debian's redis-server binary (scripts/install-test.sh installs it)"

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from llmvisor.engines.vllm.fleet import SESSION_HEADER, ManagedProcess, router_argv, session_key, wait_healthy
-from llmvisor.service.process import free_loopback_port
+from llmvisor.net import free_loopback_port
 
 ROUTER = Path(sys.executable).with_name("vllm-router")
 pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="needs vllm-router (pip install vllm-router)")

@@ -35,7 +35,7 @@ import numpy as np
 
 from llmvisor.engines.vllm.fair_experiment import arrival_schedule
 from llmvisor.errors import LlmvisorError
-from llmvisor.service.process import free_loopback_port
+from llmvisor.net import free_loopback_port
 
 POLICY_SCHEDULER = {
     "fcfs": "llmvisor.engines.vllm.recorder.RecordingScheduler",

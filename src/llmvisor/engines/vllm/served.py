@@ -33,7 +33,7 @@ from llmvisor.client import wait_for_delivery
 from llmvisor.core.workloads import read_workload_csv
 from llmvisor.engines.vllm.fleet import SERVED_MODEL, VOCAB_LOW, ManagedProcess, wait_healthy
 from llmvisor.errors import LlmvisorError
-from llmvisor.service.process import free_loopback_port
+from llmvisor.net import free_loopback_port
 
 CANARY_TENANT = "canary"
 DELIVERY_LINE = re.compile(r"steps of run (\S+) go to the accounting service at \S+ through delivery process (\d+)")
