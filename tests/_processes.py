@@ -73,7 +73,8 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 def stop_process(process: subprocess.Popen | None, timeout_s: float = GRACE_S, sig: int = signal.SIGTERM) -> None:
     """Stop ``process`` and its whole process group: ``sig``, then SIGKILL to whatever of the group is left after
-    ``timeout_s``. A process not started by ``start_process`` (not a group leader) is signalled alone."""
+    ``timeout_s``; its descendants that left the group (found while it still runs) get SIGTERM, then SIGKILL. A
+    process not started by ``start_process`` (not a group leader) is signalled alone."""
     if process is None:
         return
     leads_group = _running.pop(process.pid, None) is not None
@@ -87,6 +88,10 @@ def stop_process(process: subprocess.Popen | None, timeout_s: float = GRACE_S, s
                 process.wait()
         return
     pgid = process.pid
+    try:  # children that left the group (a server the command started in a session of its own) go too
+        outside = [c for c in psutil.Process(pgid).children(recursive=True) if os.getpgid(c.pid) != pgid]
+    except (psutil.Error, OSError):
+        outside = []
     _signal_group(pgid, sig)
     deadline = time.monotonic() + timeout_s
     try:
@@ -98,6 +103,8 @@ def stop_process(process: subprocess.Popen | None, timeout_s: float = GRACE_S, s
     _signal_group(pgid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(5)
+    if outside:
+        kill_all(outside, grace_s=max(1.0, deadline - time.monotonic()))
 
 
 @contextlib.contextmanager

@@ -67,6 +67,14 @@ def test_a_command_that_times_out_leaves_no_background_server():
     assert not [p for p in leftover_processes() if "sleep 302" in " ".join(p.cmdline())]
 
 
+def test_a_timed_out_command_takes_the_servers_it_started_in_their_own_session_along():
+    """As `llmvisor experiment calibration` starts vLLM servers (ManagedProcess: a session of their own)."""
+    code = "import subprocess, time; subprocess.Popen(['sleep', '303'], start_new_session=True); time.sleep(300)"
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_process([sys.executable, "-c", code], timeout_s=2)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "303"]]
+
+
 def test_a_child_that_leaves_the_group_is_still_found_by_its_marker():
     done = run_process([sys.executable, "-c", "import subprocess; print(subprocess.Popen(['sleep', '300'], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)"],
                        timeout_s=30)
