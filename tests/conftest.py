@@ -17,13 +17,15 @@ import uuid
 
 import pytest
 
-from _processes import SESSION_ENV, describe, kill_all, leftover_processes
+from _processes import SESSION_ENV, START_TIMEOUT_S, describe, kill_all, leftover_processes
 
 LEFTOVER_GRACE_S = float(os.environ.get("LLMVISOR_TEST_LEFTOVER_GRACE_S", "30"))
 
 # A fresh marker (a pytest run inside a test is a session of its own), set before the first test saves the
 # environment, so every child inherits it.
 os.environ[SESSION_ENV] = uuid.uuid4().hex
+# The experiments' own engine start-up waits (llmvisor.engines.vllm.fleet.start_timeout_s) get the suite's limit.
+os.environ.setdefault("LLMVISOR_ENGINE_START_TIMEOUT_S", str(START_TIMEOUT_S))
 
 
 @pytest.fixture(autouse=True)
