@@ -226,6 +226,7 @@ def test_idle_engine_is_billed_within_a_second_and_sigint_mid_traffic_loses_noth
     assert not (tmp_path / "spool.jsonl").exists() and not (tmp_path / "spool.jsonl.rejected.jsonl").exists()
 
 
+@pytest.mark.slow  # two server starts
 def test_restart_with_the_same_label_is_a_new_run_and_an_engine_sigkill_loses_only_the_step_in_flight(service, tmp_path):
     first = ApiServer(service, tmp_path, "first")
     try:
