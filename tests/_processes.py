@@ -71,16 +71,18 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def stop_process(process: subprocess.Popen | None, timeout_s: float = GRACE_S, sig: int = signal.SIGTERM) -> None:
+def stop_process(process: subprocess.Popen | None, timeout_s: float = GRACE_S, sig: int | None = signal.SIGTERM) -> None:
     """Stop ``process`` and its whole process group: ``sig``, then SIGKILL to whatever of the group is left after
-    ``timeout_s``; its descendants that left the group (found while it still runs) get SIGTERM, then SIGKILL. A
-    process not started by ``start_process`` (not a group leader) is signalled alone."""
+    ``timeout_s``; its descendants that left the group (found while it still runs) get SIGTERM, then SIGKILL. With
+    ``sig=None`` nothing is sent at first: the group gets ``timeout_s`` to end on its own (a server shutting down
+    after its own signal). A process not started by ``start_process`` (not a group leader) is signalled alone."""
     if process is None:
         return
     leads_group = _running.pop(process.pid, None) is not None
     if not leads_group:
         if process.poll() is None:
-            process.send_signal(sig)
+            if sig is not None:
+                process.send_signal(sig)
             try:
                 process.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -92,7 +94,8 @@ def stop_process(process: subprocess.Popen | None, timeout_s: float = GRACE_S, s
         outside = [c for c in psutil.Process(pgid).children(recursive=True) if os.getpgid(c.pid) != pgid]
     except (psutil.Error, OSError):
         outside = []
-    _signal_group(pgid, sig)
+    if sig is not None:
+        _signal_group(pgid, sig)
     deadline = time.monotonic() + timeout_s
     try:
         process.wait(timeout_s)

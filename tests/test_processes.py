@@ -120,3 +120,13 @@ def test_a_session_that_leaves_a_process_fails_and_kills_it(tmp_path):
     assert "1 passed" in done.stdout and "processes the suite left running (killed now)" in done.stdout
     assert "sleep 301" in done.stdout
     assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "301"]]
+
+
+def test_without_a_signal_the_group_gets_its_grace_to_end_on_its_own():
+    process = start_process([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    started = time.monotonic()
+    stop_process(process, timeout_s=30, sig=None)
+    assert process.returncode == 0 and time.monotonic() - started < 20  # it ran to its end, not killed
+    stubborn = start_process(["sleep", "300"])
+    stop_process(stubborn, timeout_s=1, sig=None)
+    assert stubborn.returncode == -9

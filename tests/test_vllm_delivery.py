@@ -154,10 +154,7 @@ class ApiServer:
         return time.monotonic() - started
 
     def wait(self) -> None:
-        try:
-            self.process.wait(timeout=60)
-        finally:
-            stop_process(self.process)  # the rest of its group (the engine core, if still up)
+        stop_process(self.process, timeout_s=60, sig=None)  # its group ends on its own, or is SIGKILLed after 60 s
         self.stop_traffic()
         assert wait_for_delivery(self.delivery_pid, 60), "the delivery process did not finish"
 
