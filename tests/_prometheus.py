@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 
-from _processes import stop_process
-from llmvisor.service.process import free_loopback_port
+from _processes import start_process, stop_process
+from llmvisor.net import free_loopback_port
 
 PROMETHEUS_BINARY = shutil.which("prometheus")
 SCRAPE_INTERVAL_MS = 1000
@@ -48,8 +48,7 @@ class PrometheusServer:
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 30.0) -> PrometheusServer:
-        log = open(self.folder / "prometheus.log", "ab")
-        self.process = subprocess.Popen(
+        self.process = start_process(
             [
                 PROMETHEUS_BINARY,
                 f"--config.file={self.config}",
@@ -57,10 +56,8 @@ class PrometheusServer:
                 f"--web.listen-address=127.0.0.1:{self.port}",
                 "--log.level=warn",
             ],
-            stdout=log,
-            stderr=log,
+            log_path=self.folder / "prometheus.log",
         )
-        log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -11,8 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from _processes import stop_process
-from llmvisor.service.process import free_loopback_port
+from _processes import start_process, stop_process
+from llmvisor.net import free_loopback_port
 
 REDIS_BINARY = shutil.which("redis-server")
 SKIP_REASON = "needs Debian's redis-server binary (scripts/install-test.sh installs it)"
@@ -26,8 +26,7 @@ class RedisServer:
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
-        log = open(self.folder / "redis.log", "ab")
-        self.process = subprocess.Popen(
+        self.process = start_process(
             [
                 REDIS_BINARY,
                 "--port", str(self.port),
@@ -38,10 +37,8 @@ class RedisServer:
                 "--save", "",
                 "--daemonize", "no",
             ],
-            stdout=log,
-            stderr=log,
+            log_path=self.folder / "redis.log",
         )  # fmt: skip
-        log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -8,26 +8,26 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
 
+from _processes import START_TIMEOUT_S, run_process  # noqa: E402
 from llmvisor.core.model import StepLatencyModel  # noqa: E402
 from llmvisor.core.trace import read_trace  # noqa: E402
 from llmvisor.profile.calibration_experiment import canary_mask  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # two served sessions and a calibration
 
 
 def test_two_served_sessions_calibrate_and_score_on_the_held_out_one(tmp_path):
     out = tmp_path / "experiment"
-    done = subprocess.run(
+    done = run_process(
         [sys.executable, "-m", "llmvisor.cli", "experiment", "calibration", "-o", str(out), "--phases", "1,2,4,6", "--phase-s", "4",
          "--canary", "64x4", "--max-prompt-tokens", "256", "--max-output-tokens", "8", "--no-profile", "--json"],
-        capture_output=True, text=True, timeout=900, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        timeout_s=2 * START_TIMEOUT_S + 900, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout)

@@ -26,6 +26,16 @@ RESULTS = REPO / "docs" / "results"
 MODEL_ROWS = {"llmvisor": "llmvisor", "paper_ols": "paper_ols", "token_count": "token_count (VTC cost)", "random_forest": "random_forest"}
 
 
+# Baselines whose figures come from a library's estimator, not our own arithmetic: recomputed, they match the shipped
+# file at the precision the README prints (a forest's trees depend on the scikit-learn release); the rest match exactly.
+LIBRARY_MODELS = ("random_forest",)
+
+
+def readme_cells(phase_figures: dict) -> list[str]:
+    """One phase's cells of the README's error table, as printed."""
+    return [*(pct(phase_figures[f"rel_err_{q}"]) for q in ("p50", "p90", "p99")), signed_pct(phase_figures["signed_err_p50"])]
+
+
 def load(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
@@ -55,8 +65,8 @@ def demo_figures(demo: dict) -> list[str]:
         cells = []
         for phase in ("prefill", "decode"):
             m = evaluation["models"][name][phase]
-            cells.append(" / ".join(pct(m[f"rel_err_{q}"]) for q in ("p50", "p90", "p99")))
-            cells.append(signed_pct(m["signed_err_p50"]))
+            printed = readme_cells(m)
+            cells += [" / ".join(printed[:3]), printed[3]]
         figures.append(f"| {label} | " + " | ".join(cells) + " |")
     gain = evaluation["improvement"]
     figures.append(
@@ -256,6 +266,10 @@ def test_shipped_demo_result_is_what_the_demo_computes_now(section, demo_now):
         for name in MODEL_ROWS:
             for phase in ("prefill", "decode", "all"):
                 now, then = demo_now[section]["models"][name][phase], shipped_demo[section]["models"][name][phase]
+                if name in LIBRARY_MODELS:  # another scikit-learn release grows another forest: as the README prints them
+                    assert readme_cells(now) == readme_cells(then), (name, phase)
+                    assert now["n_steps"] == then["n_steps"]
+                    continue
                 point_estimates = [k for k in then if not k.endswith("_ci95")]
                 assert {k: now[k] for k in point_estimates} == pytest.approx({k: then[k] for k in point_estimates}, rel=1e-9, abs=1e-12)
         for phase, gains in shipped_demo[section]["improvement"].items():
@@ -304,3 +318,11 @@ def test_traces_readme_describes_each_shipped_trace_from_its_own_file():
 def test_fleet_doc_holds_the_tables_generated_from_the_shipped_experiment():
     summary = fleet_markdown_summary(load(shipped.result_path(shipped.FLEET_RESULT)))
     assert missing_from((REPO / "docs" / "fleet.md").read_text(encoding="utf-8"), summary.splitlines()) == []
+
+
+def test_forest_figures_compare_at_the_precision_the_readme_prints():
+    """A forest grown by another scikit-learn release moves its figures in far decimals: still the README's row; a
+    move the README would show is not."""
+    decode = load(RESULTS / "demo.json")["evaluation"]["models"]["random_forest"]["decode"]
+    assert readme_cells({**decode, "rel_err_p90": decode["rel_err_p90"] * (1 + 1e-7)}) == readme_cells(decode)
+    assert readme_cells({**decode, "rel_err_p90": decode["rel_err_p90"] + 0.002}) != readme_cells(decode)

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from _processes import run_process
 from _service_fixtures import POSTGRES_URL, empty_postgres, model_path  # noqa: F401
 from llmvisor.service.fleet import FleetSettings, SimulatedEngine, load_fleet
 from llmvisor.service.ingest import read_batch
@@ -67,11 +68,11 @@ def test_the_fleet_command_refuses_a_running_service_in_one_line():
 
 
 def test_the_fleet_command_prints_its_figures_as_json(model_path):
-    completed = subprocess.run(
+    completed = run_process(
         [sys.executable, "-m", "llmvisor.cli", "load", "--engines", "2", "--processes", "1", "--engine-steps-per-s", "10",
          "--batch-size", "2", "--max-seconds", "4", "--model", str(model_path), "--json"],
-        capture_output=True, text=True, timeout=120,
-    )
+        timeout_s=300,
+    )  # it starts its own service processes: stopped with the command's group however the test ends
     assert completed.returncode == 0, completed.stderr
     [run] = json.loads(completed.stdout)["runs"]
     assert run["settings"]["engines"] == 2 and run["database"] == "sqlite" and run["reconciled"]

@@ -13,8 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from _processes import START_TIMEOUT_S
 from llmvisor.engines.vllm.fleet import SESSION_HEADER, ManagedProcess, router_argv, session_key, wait_healthy
-from llmvisor.service.process import free_loopback_port
+from llmvisor.net import free_loopback_port
 
 ROUTER = Path(sys.executable).with_name("vllm-router")
 pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="needs vllm-router (pip install vllm-router)")
@@ -56,10 +57,10 @@ def test_consistent_hashing_on_the_session_header_gives_the_experiments_skew(tmp
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     processes = list(workers)
     try:
-        wait_healthy(workers, [f"{url}/health" for url in urls], timeout_s=30)
+        wait_healthy(workers, [f"{url}/health" for url in urls], timeout_s=START_TIMEOUT_S)
         router_port = free_loopback_port()
         processes.append(ManagedProcess("vllm-router", router_argv(urls, router_port), tmp_path / "router.log"))
-        wait_healthy(processes[-1:], [f"http://127.0.0.1:{router_port}/health"], timeout_s=60)
+        wait_healthy(processes[-1:], [f"http://127.0.0.1:{router_port}/health"], timeout_s=START_TIMEOUT_S)
         served = collections.defaultdict(collections.Counter)
         with httpx.Client(base_url=f"http://127.0.0.1:{router_port}", timeout=10) as client:
             for k in range(30):

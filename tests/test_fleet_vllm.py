@@ -20,6 +20,7 @@ from llmvisor.fairness.fleet_experiment import fleet_tenants, run_fleet_experime
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.slow,  # two replicas, a router and Redis
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs Debian's redis-server binary (scripts/install-test.sh installs it)"),
     pytest.mark.skipif(not Path(ROUTER).exists(), reason="needs vllm-router (pip install vllm-router)"),
 ]

@@ -1,7 +1,9 @@
 """Import boundaries of the package, read from the source (AST), function-local imports included.
 
 Applications import the core, never the other way; only `cli/` imports typer; only `engines/` imports vLLM and
-torch, and only `engines/` and `cli/` import `engines/`; nothing reaches into another module's private names.
+torch, and only `engines/` and `cli/` import `engines/`; `engines/` does not import the service (helpers both need,
+like the port helper, live below both, in `llmvisor.net`); only `report/` and `cli/` import the report package (plot
+helpers live below it, in `llmvisor.plots`); nothing reaches into another module's private names.
 """
 
 from __future__ import annotations
@@ -126,6 +128,17 @@ def test_only_engines_and_cli_import_engines():
     ) == []
 
 
+def test_engines_do_not_import_the_service():
+    assert LLMVISOR.violations(lambda i: within(i.source, "llmvisor.engines") and within(i.module, "llmvisor.service")) == []
+
+
+def test_only_report_and_cli_import_the_report_package():
+    """The demo report draws validation's and fairness's sections, so those cannot import it back."""
+    assert LLMVISOR.violations(
+        lambda i: within(i.module, "llmvisor.report") and not within(i.source, "llmvisor.report", "llmvisor.cli")
+    ) == []
+
+
 def test_no_private_names_across_modules():
     assert LLMVISOR.private_uses() == []
 
@@ -133,7 +146,7 @@ def test_no_private_names_across_modules():
 def test_the_checks_catch_what_they_should(tmp_path):
     """The same walk over a planted package: each kind of violation is found, and allowed imports are not."""
     root = tmp_path / "llmvisor"
-    for folder in ("core", "validation", "engines", "fairness"):
+    for folder in ("core", "validation", "engines", "fairness", "service", "report"):
         (root / folder).mkdir(parents=True)
         (root / folder / "__init__.py").write_text("")
     (root / "__init__.py").write_text("")
@@ -142,6 +155,10 @@ def test_the_checks_catch_what_they_should(tmp_path):
     (root / "validation" / "study.py").write_text("import typer\nfrom ..core.trace import _private\n")
     (root / "engines" / "run.py").write_text("import vllm\nfrom . import _helpers\n")
     (root / "engines" / "_helpers.py").write_text("")
+    (root / "engines" / "served.py").write_text("from llmvisor.service.process import free_loopback_port\n")
+    (root / "service" / "process.py").write_text("")
+    (root / "report" / "html.py").write_text("")
+    (root / "validation" / "report.py").write_text("def f():\n    from llmvisor.report.html import img_tag\n")
     (root / "fairness" / "x.py").write_text(
         "def f():\n    import torch\n    from llmvisor.validation import study as v\n    from llmvisor.engines import run\n    return v._journal\n"
     )
@@ -155,6 +172,12 @@ def test_the_checks_catch_what_they_should(tmp_path):
     ) == ["llmvisor/core/trace.py:2: llmvisor.validation.study"]
     assert planted.violations(lambda i: within(i.module, "llmvisor.engines") and not within(i.source, "llmvisor.engines")) == [
         "llmvisor/fairness/x.py:4: llmvisor.engines.run"
+    ]
+    assert planted.violations(lambda i: within(i.source, "llmvisor.engines") and within(i.module, "llmvisor.service")) == [
+        "llmvisor/engines/served.py:1: llmvisor.service.process free_loopback_port"
+    ]
+    assert planted.violations(lambda i: within(i.module, "llmvisor.report") and not within(i.source, "llmvisor.report", "llmvisor.cli")) == [
+        "llmvisor/validation/report.py:2: llmvisor.report.html img_tag"
     ]
     assert planted.private_uses() == [
         "llmvisor/engines/run.py:2: llmvisor.engines._helpers",

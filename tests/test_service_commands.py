@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 
 import pytest
 
+from _processes import run_process
 from _service_fixtures import model_path  # noqa: F401
 from llmvisor.cli.load import load
 from llmvisor.cli.serve import keys_create
@@ -18,7 +18,8 @@ from llmvisor.service.load import check_loopback
 
 
 def run_service_command(*args):
-    return subprocess.run([sys.executable, "-m", "llmvisor.cli", *args], capture_output=True, text=True, timeout=60)
+    """`load` starts a service of its own: in the helper's process group, so a timeout leaves none behind."""
+    return run_process([sys.executable, "-m", "llmvisor.cli", *args], timeout_s=120)
 
 
 def test_keys_commands_print_the_key_once_and_store_only_its_hash(tmp_path):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -24,13 +23,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
 
+from _processes import start_process, stop_process, wait_ready
 from _tiny_llama import tiny_engine_args, write_tiny_llama
 from llmvisor.client import wait_for_delivery
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import synthetic_trace
 from llmvisor.core.trace import read_trace
 from llmvisor.ledger import Ledger
-from llmvisor.service.process import ServerProcess, free_loopback_port
+from llmvisor.net import free_loopback_port
+from llmvisor.service.process import ServerProcess
 from test_vllm_recorder import ENGINE_ENV, TINY_FIELDS
 
 pytestmark = pytest.mark.vllm
@@ -83,18 +84,13 @@ class ApiServer:
             "--enforce-eager", "--no-async-scheduling", "--no-enable-prefix-caching",
             "--scheduler-cls", "llmvisor.engines.vllm.recorder.RecordingScheduler", *extra_args,
         ]  # fmt: skip
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 240
-        while True:
-            assert self.process.poll() is None, f"server exited early:\n{self.log()[-3000:]}"
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"server not healthy in time:\n{self.log()[-3000:]}"
-            time.sleep(0.5)
+        self.log_path.unlink(missing_ok=True)
+        self.process = start_process(command, env=env, log_path=self.log_path)
+        try:
+            wait_ready(self.process, f"{self.base}/health", port=self.port, log=self.log)
+        except BaseException:
+            stop_process(self.process)
+            raise
         found = re.findall(r"steps of run (\S+) go to the accounting service at \S+ through delivery process (\d+)", self.log())
         assert found, f"no delivery process in the log:\n{self.log()[-3000:]}"
         self.run_id, self.delivery_pid = found[-1][0], int(found[-1][1])
@@ -158,11 +154,7 @@ class ApiServer:
         return time.monotonic() - started
 
     def wait(self) -> None:
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        stop_process(self.process, timeout_s=60, sig=None)  # its group ends on its own, or is SIGKILLed after 60 s
         self.stop_traffic()
         assert wait_for_delivery(self.delivery_pid, 60), "the delivery process did not finish"
 
@@ -223,8 +215,7 @@ def test_idle_engine_is_billed_within_a_second_and_sigint_mid_traffic_loses_noth
         time.sleep(4)
         print(f"SIGINT to exit: {server.interrupt():.2f} s")
     finally:
-        if server.process.poll() is None:
-            os.killpg(server.process.pid, signal.SIGKILL)
+        stop_process(server.process, sig=signal.SIGKILL)
     assert "stopping engine client mode=abort timeout=0s" in server.log()  # vLLM's default shutdown
     assert_completed_requests_billed_once(service["db_url"], server)
     n_steps = assert_ledger_matches_trace(service["db_url"], tmp_path / "trace.jsonl", server.run_id)
@@ -232,6 +223,7 @@ def test_idle_engine_is_billed_within_a_second_and_sigint_mid_traffic_loses_noth
     assert not (tmp_path / "spool.jsonl").exists() and not (tmp_path / "spool.jsonl.rejected.jsonl").exists()
 
 
+@pytest.mark.slow  # two server starts
 def test_restart_with_the_same_label_is_a_new_run_and_an_engine_sigkill_loses_only_the_step_in_flight(service, tmp_path):
     first = ApiServer(service, tmp_path, "first")
     try:
@@ -239,8 +231,7 @@ def test_restart_with_the_same_label_is_a_new_run_and_an_engine_sigkill_loses_on
         time.sleep(2)
         first.interrupt()
     finally:
-        if first.process.poll() is None:
-            os.killpg(first.process.pid, signal.SIGKILL)
+        stop_process(first.process, sig=signal.SIGKILL)
     second = ApiServer(service, tmp_path, "second")
     try:
         assert second.run_id != first.run_id and second.run_id.startswith(f"{LABEL}-") and first.run_id.startswith(f"{LABEL}-")
@@ -249,8 +240,7 @@ def test_restart_with_the_same_label_is_a_new_run_and_an_engine_sigkill_loses_on
         os.kill(second.engine_pid(), signal.SIGKILL)
         second.wait()
     finally:
-        if second.process.poll() is None:
-            os.killpg(second.process.pid, signal.SIGKILL)
+        stop_process(second.process, sig=signal.SIGKILL)
     for server in (first, second):
         assert_completed_requests_billed_once(service["db_url"], server)
         assert assert_ledger_matches_trace(service["db_url"], tmp_path / "trace.jsonl", server.run_id) > 5

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,8 +21,10 @@ import httpx
 import numpy as np
 import pytest
 
+from _processes import START_TIMEOUT_S, run_process, start_process, stop_process, wait_ready
 from _tiny_llama import lift_cpu_async_override, tiny_engine_args, write_tiny_llama
 from llmvisor.core.trace import read_trace
+from llmvisor.net import free_loopback_port
 
 vllm = pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
 
@@ -156,15 +157,9 @@ def test_offline_rows_match_what_was_scheduled(tiny_model, tmp_path, monkeypatch
     assert np.allclose(trace.extra["effective_context_tokens"].astype(float), trace.num_context_tokens)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_openai_server_with_scheduler_cls_records_tenants(tiny_model, tmp_path):
     trace_path = tmp_path / "server.jsonl"
-    port = free_port()
+    port = free_loopback_port()
     env = {
         **os.environ,
         **ENGINE_ENV,
@@ -181,20 +176,10 @@ def test_openai_server_with_scheduler_cls_records_tenants(tiny_model, tmp_path):
         "--scheduler-cls", "llmvisor.engines.vllm.recorder.RecordingScheduler",
     ]  # fmt: skip
     log_path = tmp_path / "server.log"
-    with open(log_path, "wb") as log:
-        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = start_process(command, env=env, log_path=log_path)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, f"server exited early:\n{log_path.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"server not healthy in time:\n{log_path.read_text()[-3000:]}"
-            time.sleep(1)
+        wait_ready(server, f"{base}/health", port=port, log=lambda: log_path.read_text(errors="replace"), interval_s=1)
         requests = [("alice", 30, 6), ("bob", 200, 4), ("alice", 7, 3), ("bob", 55, 8)]
         rng = np.random.default_rng(1)
         for tenant, prompt_len, max_tokens in requests:
@@ -209,12 +194,7 @@ def test_openai_server_with_scheduler_cls_records_tenants(tiny_model, tmp_path):
             assert response.status_code == 200, response.text
             assert response.json()["usage"]["completion_tokens"] == max_tokens
     finally:
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_process(server, timeout_s=30, sig=signal.SIGINT)
 
     trace = read_trace(trace_path)
     (run_id,) = set(trace.run_id.tolist())
@@ -240,7 +220,7 @@ def test_profile_sweep_on_tiny_model(tiny_model, tmp_path):
         "--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
         "--kv-cache-gib", "1", "--threads", "1", "--enforce-eager", "--run-id", "tiny-sweep", "--json",
     ]  # fmt: skip
-    result = subprocess.run(command, env={**os.environ, **ENGINE_ENV}, capture_output=True, text=True, timeout=300)
+    result = run_process(command, env={**os.environ, **ENGINE_ENV}, timeout_s=START_TIMEOUT_S + 300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Envelope coverage" in result.stderr
     assert "noise floor" in result.stderr and "recorder overhead" in result.stderr

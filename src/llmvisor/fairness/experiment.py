@@ -468,7 +468,7 @@ def report_sections(result: dict) -> list[tuple[str, str]]:
     """HTML sections for the llmvisor report: the plot and a summary table per policy."""
     import html
 
-    from llmvisor.report.html import figure_png_base64, img_tag
+    from llmvisor.plots import figure_png_base64, img_tag
 
     rows = []
     for policy in POLICIES:

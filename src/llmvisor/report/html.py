@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import json
 from pathlib import Path
 
@@ -17,20 +15,10 @@ import numpy as np  # noqa: E402
 from llmvisor.core.features import FEATURE_NAMES  # noqa: E402
 from llmvisor.core.trace import StepTrace  # noqa: E402
 from llmvisor.evaluation.heldout import relative_errors, steady_steps  # noqa: E402
+from llmvisor.plots import figure_png_base64, img_tag  # noqa: E402
 from llmvisor.profile.stats import warmup_mask_per_step  # noqa: E402
 
 MODEL_COLORS = {"llmvisor": "#1f77b4", "paper_ols": "#ff7f0e", "token_count": "#d62728", "random_forest": "#2ca02c"}
-
-
-def figure_png_base64(figure) -> str:
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
-    plt.close(figure)
-    return base64.b64encode(buffer.getvalue()).decode()
-
-
-def img_tag(encoded: str, alt: str) -> str:
-    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{encoded}">'
 
 
 def predicted_vs_measured(result: dict, test: StepTrace) -> str:

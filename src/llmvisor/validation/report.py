@@ -6,7 +6,7 @@ import html
 
 import numpy as np
 
-from llmvisor.report.html import figure_png_base64, img_tag
+from llmvisor.plots import figure_png_base64, img_tag
 from llmvisor.validation.analysis import GOAL, HEADLINE_METHOD, METHOD_NOTES, Method, upgrade_result
 from llmvisor.validation.plans import PHASES, BatchKind
 

@@ -31,9 +31,9 @@ import numpy as np
 
 from llmvisor.client import wait_for_delivery
 from llmvisor.core.workloads import read_workload_csv
-from llmvisor.engines.vllm.fleet import SERVED_MODEL, VOCAB_LOW, ManagedProcess, wait_healthy
+from llmvisor.engines.vllm.fleet import SERVED_MODEL, VOCAB_LOW, ManagedProcess, start_timeout_s, wait_healthy
 from llmvisor.errors import LlmvisorError
-from llmvisor.service.process import free_loopback_port
+from llmvisor.net import free_loopback_port
 
 CANARY_TENANT = "canary"
 DELIVERY_LINE = re.compile(r"steps of run (\S+) go to the accounting service at \S+ through delivery process (\d+)")
@@ -129,7 +129,7 @@ def run(spec: dict) -> dict:
     log_path.unlink(missing_ok=True)
     server = ManagedProcess(f"vLLM server {spec['name']}", server_argv(spec, port), log_path, server_env(spec, trace_path))
     try:
-        wait_healthy([server], [f"http://127.0.0.1:{port}/health"], timeout_s=float(spec.get("start_timeout_s", 600)))
+        wait_healthy([server], [f"http://127.0.0.1:{port}/health"], timeout_s=start_timeout_s(spec))
         found = DELIVERY_LINE.findall(log_path.read_text(encoding="utf-8", errors="replace"))
         if not found:
             raise LlmvisorError(f"{log_path}: the recorder started no delivery process (is LLMVISOR_SERVICE_URL reachable?)")
