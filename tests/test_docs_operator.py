@@ -176,8 +176,15 @@ def test_the_documented_operator_commands_run(tmp_path):
 
 @pytest.mark.vllm
 def test_the_documented_fair_scheduler_commands_run(tmp_path):
-    """docs/fairness.md: the OpenAI server with FairScheduler reading the documented fair.toml, two tenants served."""
-    done, _ = run_doc(FAIRNESS_DOC, tmp_path, timeout_s=START_TIMEOUT_S + 300)
+    """docs/fairness.md: the OpenAI server with FairScheduler reading the documented fair.toml and pushing every step
+    to the accounting service; two tenants served, both billed, and the server stops within its bound."""
+    done, work = run_doc(FAIRNESS_DOC, tmp_path, timeout_s=START_TIMEOUT_S + 300)
     assert re.search(r"llmvisor: fair scheduler: cost attributed, tenant key 'tenant', weights \{'team-a': 2\.0\}, 0 quotas, tpot_slo_s 0\.2", done.stdout)
     answers = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"id"')]
     assert [answer["usage"]["completion_tokens"] for answer in answers] == [8, 8]
+    usage = json.loads(next(line for line in done.stdout.splitlines() if '"tenants"' in line))
+    billed = {t["tenant"]: t for t in usage["tenants"]}
+    assert set(billed) == {"team-a", "team-b"}, usage
+    for tenant in billed.values():  # the prompt, then one token per decode step
+        assert tenant["attributed_ns"] > 0 and tenant["num_new_tokens"] == 4 + 7
+    assert "its steps are billed with the fallback model" in (work / "service.log").read_text(encoding="utf-8")
