@@ -70,7 +70,9 @@ class Clients:
             record = {"tenant": tenant, "prompt_len": prompt_len, "start_s": time.monotonic(), "end_s": None, "status": None}
             with self.lock:
                 self.records.append(record)
-            body = {"model": self.server.model, "prompt": rng.integers(10, 1000, prompt_len).tolist(), "max_tokens": self.max_tokens,
+            max_tokens = self.max_tokens + 40 * seed  # clients out of step: some request is always mid-answer
+            record["max_tokens"] = max_tokens
+            body = {"model": self.server.model, "prompt": rng.integers(10, 1000, prompt_len).tolist(), "max_tokens": max_tokens,
                     "ignore_eos": True, "vllm_xargs": {"tenant": tenant}}  # fmt: skip
             try:
                 response = httpx.post(f"{self.server.base}/v1/completions", json=body, timeout=300)
@@ -85,6 +87,16 @@ class Clients:
                 if record["finish_reason"] == "length":  # a whole answer: billed as P + O - 1 tokens
                     with self.server._lock:
                         self.server.completed[tenant] = (prompt_len, record["completion_tokens"])
+
+    def wait_mid_answer(self, running_s: float, timeout_s: float) -> None:
+        """Until some request has been in flight for ``running_s`` (so the engine is running it, not just receiving it)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            with self.lock:
+                if any(r["end_s"] is None and now - r["start_s"] >= running_s for r in self.records):
+                    return
+            time.sleep(0.05)
 
     def in_flight(self, at_s: float) -> list[dict]:
         with self.lock:
@@ -112,6 +124,7 @@ def test_sigint_with_requests_in_flight_ends_within_the_stated_time_and_bills_ev
         engine_pid = server.engine_pid()
         clients = Clients(server, n_clients=4, max_tokens=200)
         time.sleep(4)
+        clients.wait_mid_answer(running_s=1.5, timeout_s=60)
         sigint_s = time.monotonic()
         server.process.send_signal(signal.SIGINT)
         bound_s = shutdown_timeout_s + DEFAULT_HTTP_SHUTDOWN_GRACE_S + ENGINE_TEARDOWN_S
@@ -133,9 +146,15 @@ def test_sigint_with_requests_in_flight_ends_within_the_stated_time_and_bills_ev
     assert in_flight, "no request was in flight at SIGINT"
     log = server.log()
     if shutdown_timeout_s:
-        # draining: every request in flight at SIGINT was answered in full
+        # Draining: every request in flight at SIGINT that the engine had started (it ran a step: its tenant is in the
+        # trace) was answered in full. One still on its way to the engine (sent, not yet scheduled: on a loaded
+        # machine the API server's side can lag seconds) is refused when the HTTP grace ends, and was never billed.
         assert f"mode=drain timeout={shutdown_timeout_s}s" in log
-        assert all(r["status"] == 200 and r["completion_tokens"] == 200 for r in in_flight), in_flight
+        ran = set(read_trace(tmp_path / "trace.jsonl").tenant.tolist())
+        started = [r for r in in_flight if r["tenant"] in ran]
+        assert started, f"no request in flight at SIGINT had run a step: {in_flight}"
+        assert all(r["status"] == 200 and r["completion_tokens"] == r["max_tokens"] for r in started), started
+        assert all(r["status"] != 200 for r in in_flight if r["tenant"] not in ran)
     else:
         assert "mode=abort timeout=0s" in log
     assert_completed_requests_billed_once(service["db_url"], server)
