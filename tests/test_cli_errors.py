@@ -106,6 +106,14 @@ def test_the_output_check_runs_before_the_work():
         params.check_output_file(Path("/nonexistent-folder/x.json"))
     with pytest.raises(LlmvisorError, match="is a file; give a folder"):
         params.check_output_folder(Path(__file__))
+    with pytest.raises(LlmvisorError, match="the folder cannot be created"):
+        params.check_output_folder(Path(__file__) / "out")
+
+
+def test_the_output_folder_check_creates_nothing(tmp_path):
+    """A command refused after the check (a bad later option) leaves no folder behind."""
+    assert params.check_output_folder(tmp_path / "a" / "b") == tmp_path / "a" / "b"
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("name", ["empty.jsonl", "header.csv"])

@@ -262,6 +262,7 @@ def calibration(
     from llmvisor.profile.calibration_experiment import run_calibration_experiment
 
     console = Console(stderr=True)
+    check_output_folder(output)
     settings = eo.engine_settings(engine_model)
     stems = workload or ["azure-2023-conv", "azure-2023-code"]
     if len(stems) != 2:
@@ -270,7 +271,6 @@ def calibration(
     for path in paths:
         if not path.is_file():
             raise LlmvisorError(f"--workload: {path}: no such workload file (shipped: {', '.join(Path(f).stem for f in shipped.WORKLOAD_FILES)})")
-    check_output_folder(output)  # after the inputs: a refused command leaves no folder behind
     result = run_calibration_experiment(
         output,
         engine_dir=Path(settings.model),

@@ -103,15 +103,17 @@ def check_output_file(path: Path, option: str = "--output") -> Path:
 
 
 def check_output_folder(path: Path, option: str = "--output") -> Path:
-    """Refuse, before any work, an output folder that is a file or cannot be created; create it otherwise."""
+    """Refuse, before any work, an output folder that is a file or could not be created or written; create
+    nothing (the command makes it when it writes), so a command refused later leaves no folder behind."""
     if path.exists() and not path.is_dir():
         raise LlmvisorError(f"{option} {path}: is a file; give a folder")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise LlmvisorError(f"{option} {path}: cannot create the folder ({error.strerror})") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise LlmvisorError(f"{option} {path}: not writable")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise LlmvisorError(f"{option} {path}: {str(existing)!r} is a file; the folder cannot be created")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise LlmvisorError(f"{option} {path}: {'not writable' if existing == path else f'cannot create the folder in {str(existing)!r} (not writable)'}")
     return path
 
 
