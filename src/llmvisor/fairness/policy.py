@@ -650,14 +650,10 @@ class FairShare:
         if self.attributor is not None:
             shares = self.attributor.attribute(num_new_tokens, num_context_tokens, is_prefill, measured_s, effective_context_tokens)
         costs = shares if self.config.cost == "attributed" else self.tokens.slice_costs(num_new_tokens, is_prefill, samples_token)
-        per_tenant: dict[str, float] = {}
-        for tenant, cost in zip(tenants, costs.tolist()):
-            per_tenant[tenant] = per_tenant.get(tenant, 0.0) + cost
+        per_tenant = sum_by_tenant(tenants, costs)
         attributed = None
         if shares is not None:
-            attributed = {}
-            for tenant, share in zip(tenants, shares.tolist()):
-                attributed[tenant] = attributed.get(tenant, 0.0) + share
+            attributed = sum_by_tenant(tenants, shares)
             for tenant, seconds in attributed.items():
                 self.attributed_s[tenant] = self.attributed_s.get(tenant, 0.0) + seconds
                 if self._has_quotas:
@@ -669,9 +665,7 @@ class FairShare:
             correction = cost if charged is None else cost - charged.get(tenant, 0.0)
             if correction or charged is None:
                 self.vtc.charge(tenant, correction)
-        self.vtc.clear_reservations()
-        if self.shared is not None:
-            self.shared.refresh(self.vtc.counter)
+        self._settle_counters()
         return StepCharge(per_tenant, attributed)
 
     def charge_scheduled(
@@ -694,15 +688,17 @@ class FairShare:
             costs = self.attributor.attribute(num_new_tokens, num_context_tokens, is_prefill, None, effective_context_tokens)
         else:
             costs = self.tokens.slice_costs(num_new_tokens, is_prefill, samples_token)
-        per_tenant: dict[str, float] = {}
-        for tenant, cost in zip(tenants, costs.tolist()):
-            per_tenant[tenant] = per_tenant.get(tenant, 0.0) + cost
+        per_tenant = sum_by_tenant(tenants, costs)
         for tenant, cost in per_tenant.items():
             self.vtc.charge(tenant, cost)
+        self._settle_counters()
+        return per_tenant
+
+    def _settle_counters(self) -> None:
+        """After a charge: the pass's reservations are replaced by it, and a shared pool sees the new counters."""
         self.vtc.clear_reservations()
         if self.shared is not None:
             self.shared.refresh(self.vtc.counter)
-        return per_tenant
 
     def reservation(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float:
         """Predicted cost of a request's prefill in the configured unit, reserved at admission."""
@@ -712,6 +708,14 @@ class FairShare:
         if self.admission is None:
             return 0.0
         return self.admission.prefill_cost_s(num_prompt_tokens, num_cached_tokens)
+
+
+def sum_by_tenant(tenants: Sequence[str], values: np.ndarray) -> dict[str, float]:
+    """Per tenant, the sum of its slices' values, in order of first appearance."""
+    totals: dict[str, float] = {}
+    for tenant, value in zip(tenants, values.tolist()):
+        totals[tenant] = totals.get(tenant, 0.0) + value
+    return totals
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -37,6 +37,12 @@ MIN_DECODE_BATCH_SIZES = 4
 MIN_FIT_STEPS = 100
 MIN_KIND_STEPS = 10
 STEP_KINDS = ("pure prefill", "mixed", "decode-only")
+
+
+def shortfalls(*checks: tuple[int, int, str]) -> list[str]:
+    """``"12 steps (need 100)"`` for each (have, need, what) with have < need: the coverage and fit rules' reasons."""
+    return [f"{have} {what} (need {need})" for have, need, what in checks if have < need]
+
 def read_fingerprint(path: str | os.PathLike) -> EngineFingerprint:
     """The engine fingerprint in a JSON record, in a Parquet trace's metadata, or beside a JSONL/CSV trace."""
     path = Path(path)
@@ -75,15 +81,12 @@ def live_coverage(trace: StepTrace) -> dict:
         "decode_batch_sizes": sorted({int(s) for s in sizes}),
         "engine_fingerprints": fingerprints,
     }
-    missing = []
-    if covered["n_steps"] < MIN_STEPS:
-        missing.append(f"{covered['n_steps']} steps (need {MIN_STEPS})")
-    if covered["n_prefill_steps"] < MIN_PREFILL_STEPS:
-        missing.append(f"{covered['n_prefill_steps']} steps with prefill (need {MIN_PREFILL_STEPS})")
-    if covered["n_decode_steps"] < MIN_DECODE_STEPS:
-        missing.append(f"{covered['n_decode_steps']} decode-only steps (need {MIN_DECODE_STEPS})")
-    if len(covered["decode_batch_sizes"]) < MIN_DECODE_BATCH_SIZES:
-        missing.append(f"{len(covered['decode_batch_sizes'])} decode batch sizes (need {MIN_DECODE_BATCH_SIZES})")
+    missing = shortfalls(
+        (covered["n_steps"], MIN_STEPS, "steps"),
+        (covered["n_prefill_steps"], MIN_PREFILL_STEPS, "steps with prefill"),
+        (covered["n_decode_steps"], MIN_DECODE_STEPS, "decode-only steps"),
+        (len(covered["decode_batch_sizes"]), MIN_DECODE_BATCH_SIZES, "decode batch sizes"),
+    )
     if len(fingerprints) > 1:
         missing.append(f"steps of {len(fingerprints)} engine fingerprints (need one: {', '.join(fingerprints)})")
     covered["missing"] = missing
@@ -140,15 +143,12 @@ def fit_usable(model: StepLatencyModel, trace: StepTrace) -> dict:
         "kinds": {name: {"covered": int((steady & (kinds == k)).sum()), "used": int((used & (kinds == k)).sum())}
                   for k, name in enumerate(STEP_KINDS)},
     }
-    short = []
-    if usable["n_steps_used"] < MIN_FIT_STEPS:
-        short.append(f"{usable['n_steps_used']} steps (need {MIN_FIT_STEPS})")
-    if usable["n_prefill_steps_used"] < MIN_PREFILL_STEPS:
-        short.append(f"{usable['n_prefill_steps_used']} with prefill (need {MIN_PREFILL_STEPS})")
-    if usable["n_decode_steps_used"] < MIN_DECODE_STEPS:
-        short.append(f"{usable['n_decode_steps_used']} decode-only (need {MIN_DECODE_STEPS})")
-    if usable["decode_batch_sizes_used"] < MIN_DECODE_BATCH_SIZES:
-        short.append(f"{usable['decode_batch_sizes_used']} decode batch sizes (need {MIN_DECODE_BATCH_SIZES})")
+    short = shortfalls(
+        (usable["n_steps_used"], MIN_FIT_STEPS, "steps"),
+        (usable["n_prefill_steps_used"], MIN_PREFILL_STEPS, "with prefill"),
+        (usable["n_decode_steps_used"], MIN_DECODE_STEPS, "decode-only"),
+        (usable["decode_batch_sizes_used"], MIN_DECODE_BATCH_SIZES, "decode batch sizes"),
+    )
     for name, counts in usable["kinds"].items():
         if counts["covered"] >= MIN_KIND_STEPS and counts["used"] < min(MIN_KIND_STEPS, counts["covered"] / 2):
             short.append(f"{counts['used']} of {counts['covered']} {name} steps (need {MIN_KIND_STEPS})")
