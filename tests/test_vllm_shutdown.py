@@ -154,7 +154,10 @@ def test_sigint_with_requests_in_flight_ends_within_the_stated_time_and_bills_ev
         started = [r for r in in_flight if r["tenant"] in ran]
         assert started, f"no request in flight at SIGINT had run a step: {in_flight}"
         assert all(r["status"] == 200 and r["completion_tokens"] == r["max_tokens"] for r in started), started
-        assert all(r["status"] != 200 for r in in_flight if r["tenant"] not in ran)
+        # One the engine never ran got no tokens: refused, or answered 200 with finish_reason "abort" and nothing in it
+        # (vLLM answers a request aborted before its first step that way). Tokens without a step would be unbilled.
+        never_ran = [r for r in in_flight if r["tenant"] not in ran]
+        assert all(r["status"] != 200 or r.get("completion_tokens") == 0 for r in never_ran), never_ran
     else:
         assert "mode=abort timeout=0s" in log
     assert_completed_requests_billed_once(service["db_url"], server)
