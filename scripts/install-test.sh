@@ -27,5 +27,10 @@ install_binary() {  # BINARY PACKAGE WHAT-SKIPS-WITHOUT-IT
         echo "install-test: no $1 binary and cannot apt-get $2 (not root or no apt): $3 will be skipped" >&2
     fi
 }
+# focus-validator (the FinOps Foundation's FOCUS validator) pins numpy<2 and multimethod<2 (it does not import with
+# multimethod 2), which vLLM's stack cannot share: it gets its own environment, used only by the FOCUS export test.
+[ -x .venv-focus/bin/focus-validator ] || { python3 -m venv .venv-focus && .venv-focus/bin/pip install -q "focus-validator==1.0.0" "multimethod<2"; }
 install_binary prometheus prometheus "the Prometheus test"
 install_binary redis-server redis-server "the shared fairness counters tests"
+install_binary chromium chromium "the usage page's browser test"
+install_binary chromedriver chromium-driver "the usage page's browser test"

@@ -19,6 +19,8 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "report": ("matplotlib",),
     "eval": ("sklearn",),
     "vllm": ("vllm", "httpx", "prometheus_client", "redis"),
+    "archive": ("duckdb", "fsspec"),
+    "export": ("cloudevents", "tenacity", "httpx"),
 }
 """Import names each extra provides, as pyproject.toml's [project.optional-dependencies] declares them."""
 
