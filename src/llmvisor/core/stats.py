@@ -229,3 +229,54 @@ def _segment_starts(groups: np.ndarray | None, n: int) -> np.ndarray:
         changed = groups[start + 1 : stop] != groups[start : stop - 1]
         starts.append(start + 1 + np.flatnonzero(changed))
     return np.concatenate(starts)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The noise floor
+
+NOISE_FLOOR_DEFINITION = (
+    "per-measurement relative noise: |t_j - mean(t)| * sqrt(k / (k - 1)) / scale over groups of k >= 2 independent "
+    "measurements of the same thing (for a pair, |t1 - t2| / (sqrt(2) * scale)); scale is the group's mean unless given"
+)
+
+
+def replicate_noise_floor(
+    groups: Iterable[Iterable[float]],
+    scales: Iterable[float] | None = None,
+    *,
+    percentiles: tuple[float, ...] = (50, 90, 99),
+    n_resamples: int = 1000,
+    seed: int = 0,
+    confidence: float = 0.95,
+) -> dict | None:
+    """The one noise floor llmvisor reports (profile, eval, validate): how far one measurement strays from the
+    truth it measures, relative to ``scale`` (the group's mean, or e.g. the batch's step time for a Shapley value).
+
+    Each group holds k ≥ 2 independent measurements of one quantity; a deviation from the group mean is scaled by
+    √(k/(k−1)) so that it estimates one measurement's error, whatever k (a pair's half-difference understates it by
+    √2). Groups with fewer than two measurements are left out. Percentiles of the absolute deviations, with a
+    bootstrap interval resampling groups (the measurements of one group share its mean). None when no group has two.
+    """
+    scales = None if scales is None else list(scales)
+    deviations: list[float] = []
+    labels: list[int] = []
+    n_groups = 0
+    for g, values in enumerate(groups):
+        t = np.asarray(list(values), dtype=np.float64)
+        if t.size < 2:
+            continue
+        scale = float(t.mean()) if scales is None else float(scales[g])
+        if not scale > 0:
+            continue
+        deviations.extend((np.abs(t - t.mean()) * math.sqrt(t.size / (t.size - 1)) / scale).tolist())
+        labels.extend([n_groups] * t.size)
+        n_groups += 1
+    if not n_groups:
+        return None
+    deviations_arr = np.asarray(deviations)
+    out = quantile_summary(deviations_arr, percentiles)
+    ci = bootstrap_quantile_ci(deviations_arr, percentiles, n_resamples=n_resamples, seed=seed,
+                               groups=np.asarray(labels), resample="groups", confidence=confidence)["ci"]
+    out.update(n_groups=n_groups, n_measurements=out.pop("n"),
+               interval={f"p{q:g}": ci.get(q) for q in percentiles}, confidence=confidence, definition=NOISE_FLOOR_DEFINITION)
+    return out
