@@ -1,20 +1,19 @@
 """`GET /v1/usage/requests/{id}` by the id the OpenAI server answered with, `/v1/usage/classes`, and the usage page's
-headers, over a real SQLite ledger (FastAPI's TestClient): a tenant key reads its own requests and nothing else."""
+headers, over a real SQLite ledger and PostgreSQL where one is set up (FastAPI's TestClient): a tenant key reads its own requests and nothing else."""
 
 from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
 
-from _service_fixtures import bearer, model_path  # noqa: F401
+from _service_fixtures import bearer, db_url, model_path  # noqa: F401
 from _usage_data import ACME_COMPLETION, ACME_OTHER, ENGINE_IDS, GLOBEX_CHAT, usage_steps
 from llmvisor.ledger import Ledger
 from llmvisor.service.app import create_app
 
 
 @pytest.fixture
-def served(model_path, tmp_path):  # noqa: F811
-    db_url = f"sqlite:///{tmp_path}/ledger.db"
+def served(model_path, db_url):  # noqa: F811
     ledger = Ledger(db_url)
     keys = {"admin": ledger.create_key(is_admin=True), "acme": ledger.create_key("acme"), "globex": ledger.create_key("globex")}
     ledger.close()
