@@ -263,12 +263,15 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
         ("DELETE", "/v1/keys/{key_id}"), ("GET", "/metrics"), ("GET", "/healthz"), ("GET", "/v1/steps/{run_id}/{step_id}"),
         ("GET", "/v1/models"), ("POST", "/v1/models"), ("POST", "/v1/models/{engine_class}/{version}/activate"),
         ("GET", "/v1/models/drift"), ("GET", "/v1/adjustments"), ("GET", "/v1/runs/{run_id}/gaps"),
+        ("GET", "/v1/usage/requests/{request_id}"), ("GET", "/v1/usage/classes"),
+        ("GET", "/usage"), ("GET", "/usage/app.js"), ("GET", "/usage/style.css"),  # the page's static files: no data
     }
     forbidden = [
         ("GET", "/v1/adjustments?tenant=tenant-0"),
         ("GET", "/v1/usage/tenants?tenant=tenant-0"),
         ("GET", "/v1/usage/tenants?tenant=tenant-0&bucket=hour"),
         ("GET", "/v1/usage/requests?tenant=tenant-0"),
+        ("GET", "/v1/usage/classes?tenant=tenant-0"),
         ("GET", "/v1/usage/top"),
         ("GET", "/v1/usage/totals"),
         ("GET", "/v1/keys"),
@@ -297,6 +300,9 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
     hidden = client.get("/v1/usage/requests?run_id=run-a&request_id=req-0", headers=other)
     assert hidden.status_code == 404
     assert client.get("/v1/usage/requests?run_id=run-a&request_id=req-0", headers=bearer(keys["tenant-0"])).status_code == 200
+    assert client.get("/v1/usage/requests/req-0", headers=other).status_code == 404
+    assert client.get("/v1/usage/requests/req-0", headers=bearer(keys["tenant-0"])).json()["tenant"] == "tenant-0"
+    assert client.get("/v1/usage/classes", headers=other).json()["tenant"] == "tenant-1"
 
     # Unfiltered reads with tenant-1's key see tenant-1 only.
     own = client.get("/v1/usage/tenants?bucket=minute", headers=other).json()
@@ -308,7 +314,7 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
 
     assert client.get("/v1/adjustments", headers=other).json() == {"adjustments": []}
     for path in ("/v1/usage/tenants", "/v1/usage/requests", "/v1/usage/top", "/v1/usage/totals", "/v1/keys", "/metrics",
-                 "/v1/whoami", "/v1/steps/run-a/0", "/v1/adjustments"):
+                 "/v1/whoami", "/v1/steps/run-a/0", "/v1/adjustments", "/v1/usage/requests/req-0", "/v1/usage/classes"):
         assert client.get(path).status_code == 401
         assert client.get(path, headers=bearer("lvk_x_y")).status_code == 401
 

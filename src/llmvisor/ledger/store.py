@@ -802,6 +802,53 @@ class Ledger:
             for row in rows
         ]
 
+    def class_usage(
+        self, start_us: int | None = None, end_us: int | None = None, bucket: str = "hour", tenant: str | None = None
+    ) -> list[tuple[str, int, int, int, int]]:
+        """(engine_class, bucket_start_us, attributed_ns, num_slices, num_new_tokens) per engine class and UTC
+        bucket, a tenant's if given. A request's class is its run's (a run is one engine instance; its first
+        class seen in `step_ranges`), so this reads the per-second usage, not the steps."""
+        if bucket not in BUCKET_US:
+            raise LedgerError(f"unknown bucket {bucket!r}; choose one of {', '.join(BUCKET_US)}")
+        usage, size = usage_per_second, BUCKET_US[bucket]
+        run_class = select(step_ranges.c.run_id, func.min(step_ranges.c.engine_class).label("engine_class")).group_by(step_ranges.c.run_id).subquery()
+        conditions = self._range(usage.c.second_us, start_us, end_us)
+        if tenant is not None:
+            conditions.append(usage.c.tenant == tenant)
+        columns = [func.coalesce(run_class.c.engine_class, "").label("engine_class"), ((usage.c.second_us // size) * size).label("bucket_start_us")]
+        query = (
+            select(*columns, func.sum(usage.c.attributed_ns), func.sum(usage.c.num_slices), func.sum(usage.c.num_new_tokens))
+            .select_from(usage.outerjoin(run_class, run_class.c.run_id == usage.c.run_id))
+            .where(and_(True, *conditions))
+            .group_by(*columns)
+            .order_by(*columns)
+        )
+        with self._read() as conn:
+            return [(str(r[0]), int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in conn.execute(query).all()]
+
+    def billing_versions(self, start_us: int | None = None, end_us: int | None = None, tenant: str | None = None) -> list[tuple[str, int | None]]:
+        """(engine_class, model_version) of the attributed steps of the runs a tenant (if given) had usage in, in
+        the range: the model versions that billed it (None: the service's default model). No counts: a run's
+        steps are other tenants' too."""
+        usage = usage_per_second
+        run_conditions = self._range(usage.c.second_us, start_us, end_us)
+        if tenant is not None:
+            run_conditions.append(usage.c.tenant == tenant)
+        runs = select(usage.c.run_id).where(and_(True, *run_conditions)).distinct()
+        conditions = [steps.c.run_id.in_(runs), steps.c.pending.is_(False)]
+        if start_us is not None:
+            conditions.append(steps.c.timestamp_us >= start_us)
+        if end_us is not None:
+            conditions.append(steps.c.timestamp_us < end_us)
+        query = (
+            select(steps.c.engine_class, steps.c.model_version)
+            .where(and_(*conditions))
+            .distinct()
+            .order_by(steps.c.engine_class, steps.c.model_version)
+        )
+        with self._read() as conn:
+            return [(str(r[0]), None if r[1] is None else int(r[1])) for r in conn.execute(query).all()]
+
     def request_usage(
         self,
         start_us: int | None = None,
@@ -811,13 +858,18 @@ class Ledger:
         request_id: str | None = None,
         limit: int = 1000,
         offset: int = 0,
+        request_id_prefix: str | None = None,
     ) -> list[RequestUsageRow]:
-        """Attributed time per request, largest first."""
+        """Attributed time per request, largest first; ``request_id_prefix`` keeps the ids that start with it
+        (matched as a literal: ``%`` and ``_`` in it are not wildcards; SQLite's LIKE ignores ASCII case, so
+        callers that need an exact prefix check the ids returned)."""
         usage = usage_per_second
         conditions = self._range(usage.c.second_us, start_us, end_us)
         for column, value in ((usage.c.tenant, tenant), (usage.c.run_id, run_id), (usage.c.request_id, request_id)):
             if value is not None:
                 conditions.append(column == value)
+        if request_id_prefix is not None:
+            conditions.append(usage.c.request_id.startswith(request_id_prefix, autoescape=True))
         total = func.sum(usage.c.attributed_ns)
         query = (
             select(

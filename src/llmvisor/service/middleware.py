@@ -29,9 +29,10 @@ from llmvisor.service.metrics import ServiceMetrics
 from llmvisor.service.responses import database_unavailable, error, unauthorized
 from llmvisor.service.routes.keys import KEYS_PATH
 from llmvisor.service.routes.models import MODELS_PATH
+from llmvisor.service.routes.page import PAGE_PATHS
 from llmvisor.service.routes.steps import INGEST_PATH, is_database_outage
 
-OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}) | PAGE_PATHS
 ADMIN_BODY_ROUTES = {
     ("POST", INGEST_PATH): INGEST_FORBIDDEN_DETAIL,
     ("POST", KEYS_PATH): "this needs an admin key",

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+from datetime import datetime
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Path, Query
+from pydantic import BaseModel
 
 from llmvisor.service.deps import (
     AdminKey,
@@ -16,6 +19,7 @@ from llmvisor.service.deps import (
     scoped_tenant,
     to_datetime,
 )
+from llmvisor.service.ingest import MAX_STRING_CHARS
 from llmvisor.service.schemas import (
     BucketUsage,
     RequestUsage,
@@ -116,12 +120,72 @@ def usage_requests(
     return RequestUsageResponse(
         start=span.start,
         end=span.end,
-        requests=[
-            RequestUsage(run_id=r.run_id, request_id=r.request_id, tenant=r.tenant, attributed_s=r.attributed_ns / 1e9,
-                         attributed_ns=r.attributed_ns, num_steps=r.num_steps, num_new_tokens=r.num_new_tokens,
-                         first_step_at=to_datetime(r.first_timestamp_us), last_step_at=to_datetime(r.last_timestamp_us))
-            for r in rows
-        ],
+        requests=[request_usage_out(r) for r in rows],
+    )
+
+
+ENGINE_SUFFIX = re.compile(r"(?:[-_][0-9]+)?-[0-9a-f]{8}")
+"""What vLLM appends to the id its OpenAI server answers with: the prompt's index for completions (``-0``; a
+chat completion of several engine inputs: ``_1``), then ``-`` and 8 random hex characters (``assign_request_id``)."""
+
+
+class CallerRequestUsage(BaseModel):
+    """One caller's request: the id it asked for and the engine requests that ran it, summed."""
+
+    request_id: str
+    tenant: str
+    attributed_s: float
+    attributed_ns: int
+    num_steps: int
+    num_new_tokens: int
+    runs: list[str]
+    parts: list[RequestUsage]
+
+
+def request_rows_of(ledger, span, tenant: str | None, request_id: str) -> list:
+    """The engine requests of ``request_id``: itself if the ledger has it, else the ids vLLM made of it."""
+    rows = ledger.request_usage(span.start_us, span.end_us, tenant, request_id=request_id, limit=10_000)
+    if rows:
+        return rows
+    candidates = ledger.request_usage(span.start_us, span.end_us, tenant, request_id_prefix=request_id, limit=10_000)
+    return [r for r in candidates if r.request_id.startswith(request_id) and ENGINE_SUFFIX.fullmatch(r.request_id[len(request_id):])]
+
+
+def request_usage_out(r) -> RequestUsage:
+    return RequestUsage(run_id=r.run_id, request_id=r.request_id, tenant=r.tenant, attributed_s=r.attributed_ns / 1e9,
+                        attributed_ns=r.attributed_ns, num_steps=r.num_steps, num_new_tokens=r.num_new_tokens,
+                        first_step_at=to_datetime(r.first_timestamp_us), last_step_at=to_datetime(r.last_timestamp_us))
+
+
+@router.get(
+    "/requests/{request_id}",
+    response_model=CallerRequestUsage,
+    summary="One request's attributed time, by the id the OpenAI server answered with",
+    responses={404: {"description": "no request of that id has usage this key may read (yet)"}},
+)
+def usage_request(
+    principal: AnyKey,
+    ledger: LedgerDep,
+    span: TimeRangeDep,
+    request_id: Annotated[str, Path(max_length=MAX_STRING_CHARS)],
+):
+    """The request's attributed engine time, steps and tokens. ``request_id`` is the engine's id or the
+    ``id`` of vLLM's OpenAI answer (``cmpl-…``, ``chatcmpl-…``): the engine ran that as ``<id>-<index>-<8 hex>``,
+    and the parts of every prompt of it are summed. A tenant key sees its own tenant's requests only: another
+    tenant's id is a 404, as an unknown one is."""
+    scoped = scoped_tenant(principal, None)
+    rows = request_rows_of(ledger, span, scoped, check_name("request_id", request_id))
+    tenants = sorted({r.tenant for r in rows})
+    if not rows:
+        raise HTTPException(404, f"no usage of request {request_id!r} visible to this key (yet: steps are billed once delivered)")
+    if len(tenants) > 1:  # only an admin key can see this: one id used by several tenants
+        raise HTTPException(409, f"request {request_id!r} names requests of several tenants ({', '.join(tenants)}); use /v1/usage/requests?tenant=")
+    rows = sorted(rows, key=lambda r: (r.run_id, r.request_id))
+    total_ns = sum(r.attributed_ns for r in rows)
+    return CallerRequestUsage(
+        request_id=request_id, tenant=tenants[0], attributed_s=total_ns / 1e9, attributed_ns=total_ns,
+        num_steps=sum(r.num_steps for r in rows), num_new_tokens=sum(r.num_new_tokens for r in rows),
+        runs=sorted({r.run_id for r in rows}), parts=[request_usage_out(r) for r in rows],
     )
 
 
@@ -144,4 +208,47 @@ def usage_totals(_principal: AdminKey, ledger: LedgerDep, span: TimeRangeDep):
         attributed_ns=totals.attributed_ns,
         pending_steps=totals.pending_steps,
         pending_measured_ns=totals.pending_measured_ns,
+    )
+
+
+class ClassBucket(BaseModel):
+    engine_class: str
+    start: datetime
+    attributed_s: float
+    attributed_ns: int
+    num_slices: int
+    num_new_tokens: int
+
+
+class BillingVersion(BaseModel):
+    engine_class: str
+    model_version: int | None  # None: the service's default model
+
+
+class ClassUsageResponse(BaseModel):
+    start: datetime | None
+    end: datetime | None
+    bucket: str
+    tenant: str | None
+    buckets: list[ClassBucket]
+    model_versions: list[BillingVersion]
+
+
+@router.get("/classes", response_model=ClassUsageResponse, summary="Attributed time per engine class and UTC bucket, and the model versions that billed it")
+def usage_classes(
+    principal: AnyKey,
+    ledger: LedgerDep,
+    span: TimeRangeDep,
+    bucket: Annotated[Literal["minute", "hour", "day"], Query(description="UTC buckets")] = "hour",
+    tenant: NameParam = None,
+):
+    """A tenant key: its own tenant's usage. A request's engine class is its run's; the model versions are those
+    of the attributed steps of the runs the tenant used in the range."""
+    scoped = scoped_tenant(principal, check_name("tenant", tenant))
+    rows = ledger.class_usage(span.start_us, span.end_us, bucket, scoped)
+    return ClassUsageResponse(
+        start=span.start, end=span.end, bucket=bucket, tenant=scoped,
+        buckets=[ClassBucket(engine_class=c, start=to_datetime(b), attributed_s=ns / 1e9, attributed_ns=ns, num_slices=n, num_new_tokens=t)
+                 for c, b, ns, n, t in rows],
+        model_versions=[BillingVersion(engine_class=c, model_version=v) for c, v in ledger.billing_versions(span.start_us, span.end_us, scoped)],
     )

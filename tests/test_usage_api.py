@@ -1,0 +1,85 @@
+"""`GET /v1/usage/requests/{id}` by the id the OpenAI server answered with, `/v1/usage/classes`, and the usage page's
+headers, over a real SQLite ledger and PostgreSQL where one is set up (FastAPI's TestClient): a tenant key reads its own requests and nothing else."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from _service_fixtures import bearer, db_url, model_path  # noqa: F401
+from _usage_data import ACME_COMPLETION, ACME_OTHER, ENGINE_IDS, GLOBEX_CHAT, usage_steps
+from llmvisor.ledger import Ledger
+from llmvisor.service.app import create_app
+
+
+@pytest.fixture
+def served(model_path, db_url):  # noqa: F811
+    ledger = Ledger(db_url)
+    keys = {"admin": ledger.create_key(is_admin=True), "acme": ledger.create_key("acme"), "globex": ledger.create_key("globex")}
+    ledger.close()
+    app = create_app(model_path, db_url, fallback_model_path=model_path)
+    with TestClient(app) as client:
+        response = client.post("/v1/steps", json={"steps": usage_steps()}, headers=bearer(keys["admin"]))
+        assert response.status_code == 200, response.text
+        yield client, {name: bearer(key) for name, key in keys.items()}
+
+
+def engine_rows(client, headers, tenant):
+    response = client.get("/v1/usage/requests", params={"tenant": tenant, "limit": 100}, headers=headers)
+    return response.json()["requests"]
+
+
+def test_a_caller_reads_its_completion_by_the_id_it_was_answered_with(served):
+    client, keys = served
+    rows = engine_rows(client, keys["admin"], "acme")
+    parts = [r for r in rows if r["request_id"] in ENGINE_IDS["acme"][:2]]
+    assert len(parts) == 4  # two prompts, each on two runs
+    response = client.get(f"/v1/usage/requests/{ACME_COMPLETION}", headers=keys["acme"])
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["tenant"] == "acme" and body["runs"] == sorted({p["run_id"] for p in parts})
+    assert body["attributed_ns"] == sum(p["attributed_ns"] for p in parts) > 0
+    assert body["num_new_tokens"] == sum(p["num_new_tokens"] for p in parts)
+    assert sorted((p["run_id"], p["request_id"]) for p in body["parts"]) == sorted((p["run_id"], p["request_id"]) for p in parts)
+    # The engine's own id works too, and names that request alone.
+    engine_id = ENGINE_IDS["acme"][0]
+    exact = client.get(f"/v1/usage/requests/{engine_id}", headers=keys["acme"]).json()
+    assert exact["attributed_ns"] == sum(r["attributed_ns"] for r in rows if r["request_id"] == engine_id) and len(exact["parts"]) == 2
+
+
+def test_a_tenant_key_never_reads_another_tenants_request(served):
+    client, keys = served
+    assert client.get(f"/v1/usage/requests/{GLOBEX_CHAT}", headers=keys["globex"]).status_code == 200
+    refused = client.get(f"/v1/usage/requests/{GLOBEX_CHAT}", headers=keys["acme"])
+    assert refused.status_code == 404 and "globex" not in refused.text
+    assert client.get(f"/v1/usage/requests/{ACME_OTHER}", headers=keys["globex"]).status_code == 404
+    assert client.get("/v1/usage/requests/cmpl-unknown", headers=keys["acme"]).status_code == 404
+    assert client.get(f"/v1/usage/requests/{GLOBEX_CHAT}").status_code == 401
+    # A prefix that is not the whole caller id matches nothing: only vLLM's suffixes are added.
+    assert client.get(f"/v1/usage/requests/{ACME_COMPLETION[:-4]}", headers=keys["acme"]).status_code == 404
+    assert client.get("/v1/usage/requests/cmpl-%25", headers=keys["acme"]).status_code == 404  # '%' is no wildcard
+
+
+def test_class_usage_per_tenant_sums_to_its_usage_and_names_the_billing_versions(served):
+    client, keys = served
+    for tenant in ("acme", "globex"):
+        classes = client.get("/v1/usage/classes", params={"bucket": "hour"}, headers=keys[tenant]).json()
+        usage = client.get("/v1/usage/tenants", headers=keys[tenant]).json()["tenants"]
+        assert classes["tenant"] == tenant and [u["tenant"] for u in usage] == [tenant]
+        assert sum(b["attributed_ns"] for b in classes["buckets"]) == usage[0]["attributed_ns"]
+        assert {b["engine_class"] for b in classes["buckets"]} == {"", "cpu-test-class"}
+        assert len({b["start"] for b in classes["buckets"]}) >= 2  # two hours of steps
+        assert {(v["engine_class"], v["model_version"]) for v in classes["model_versions"]} == {("", None), ("cpu-test-class", None)}
+    assert client.get("/v1/usage/classes", params={"tenant": "globex"}, headers=keys["acme"]).status_code == 403
+
+
+def test_the_usage_page_is_open_and_served_with_a_strict_policy(served):
+    client, _keys = served
+    for path, kind in (("/usage", "text/html"), ("/usage/app.js", "text/javascript"), ("/usage/style.css", "text/css")):
+        response = client.get(path)
+        assert response.status_code == 200 and response.headers["content-type"].startswith(kind)
+        policy = response.headers["content-security-policy"]
+        assert "default-src 'none'" in policy and "script-src 'self'" in policy and "unsafe" not in policy
+        assert response.headers["x-content-type-options"] == "nosniff"
+    page = client.get("/usage").text
+    assert "<script src=\"/usage/app.js\"" in page and "http" not in page.replace("http-equiv", "")  # nothing from elsewhere

@@ -1,0 +1,155 @@
+"""The tenant usage page in a real headless browser (Debian's chromium driven by Selenium) against a real
+`llmvisor serve` over a SQLite ledger filled by ingest of two tenants' steps: the page loads under its CSP, a bad
+key is an error, the totals shown equal the API's, the CSV holds the API's requests, and tenant A's page and CSV
+never show tenant B's requests or name.
+
+``LLMVISOR_USAGE_SCREENSHOT=PATH`` saves the logged-in page there (``scripts/usage-page-screenshot.sh``).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from _service_fixtures import bearer, model_path  # noqa: F401
+from _usage_data import ENGINE_IDS, GLOBEX_CHAT, T0_S, usage_steps
+from llmvisor.ledger import Ledger
+from llmvisor.ledger.store import AdjustmentRow
+from llmvisor.service.process import ServerProcess
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (pip install -e '.[test]')")
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support import expected_conditions  # noqa: E402
+from selenium.webdriver.support.wait import WebDriverWait  # noqa: E402
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+pytestmark = pytest.mark.skipif(
+    not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)),
+    reason="needs Debian's chromium and chromium-driver (scripts/install-test.sh installs them)",
+)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, model_path):  # noqa: F811
+    folder = tmp_path_factory.mktemp("page")
+    db_url = f"sqlite:///{folder}/ledger.db"
+    ledger = Ledger(db_url)
+    keys = {"admin": ledger.create_key(is_admin=True), "acme": ledger.create_key("acme"), "globex": ledger.create_key("globex")}
+    hour_us = 3_600_000_000
+    start_us = int(T0_S * 1e6)
+    ledger.add_adjustments([
+        AdjustmentRow("cpu-test-class", start_us, start_us + hour_us, 2, tenant, "default", 1_000_000_000, 1_000_000_000 + delta_ns,
+                      delta_ns, 15, int(time.time() * 1e6))
+        for tenant, delta_ns in (("acme", -12_345_678), ("globex", 98_765))
+    ])
+    ledger.close()
+    server = ServerProcess(model_path, db_url, log_path=folder / "service.log", extra_args=("--fallback-model", str(model_path))).start()
+    try:
+        response = httpx.post(f"{server.url}/v1/steps", json={"steps": usage_steps()}, headers=bearer(keys["admin"]), timeout=30)
+        assert response.status_code == 200, response.text
+        yield {"url": server.url, "keys": keys}
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def browser(tmp_path):
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1200,1500"):
+        options.add_argument(argument)
+    if os.geteuid() == 0:
+        options.add_argument("--no-sandbox")
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    options.add_experimental_option("prefs", {"download.default_directory": str(downloads), "download.prompt_for_download": False})
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)  # the system driver: nothing downloaded
+    driver.downloads = downloads
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def api(served, path: str, tenant: str) -> dict:
+    response = httpx.get(f"{served['url']}{path}", headers=bearer(served["keys"][tenant]), timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def log_in(driver, key: str) -> None:
+    field = driver.find_element(By.ID, "key")
+    field.clear()
+    field.send_keys(key)
+    driver.find_element(By.CSS_SELECTOR, "#login button[type=submit]").click()
+
+
+def visible(driver, element_id: str):
+    return WebDriverWait(driver, 20).until(expected_conditions.visibility_of_element_located((By.ID, element_id)))
+
+
+def test_a_bad_key_is_an_error_and_a_tenant_sees_its_own_usage_only(served, browser):
+    browser.get(f"{served['url']}/usage")
+    assert browser.find_element(By.ID, "login").is_displayed() and not browser.find_element(By.ID, "usage").is_displayed()
+
+    log_in(browser, "llmvisor-not-a-key")
+    assert "refused" in visible(browser, "error").text
+    assert not browser.find_element(By.ID, "usage").is_displayed()
+    assert browser.execute_script("return sessionStorage.getItem('llmvisor-key')") is None
+
+    log_in(browser, served["keys"]["acme"])
+    visible(browser, "usage")
+    assert not browser.find_element(By.ID, "error").is_displayed()
+    assert browser.execute_script("return sessionStorage.getItem('llmvisor-key')") == served["keys"]["acme"]
+
+    usage = api(served, "/v1/usage/tenants", "acme")["tenants"]
+    assert [u["tenant"] for u in usage] == ["acme"]
+    assert browser.find_element(By.ID, "tenant").text == "acme"
+    assert browser.find_element(By.ID, "total-attributed-ns").text == f"{usage[0]['attributed_ns']} ns"
+    assert browser.find_element(By.ID, "total-adjustments-ns").text == f"{usage[0]['adjustments_ns']} ns" == "-12345678 ns"
+    assert browser.find_element(By.ID, "total-adjusted-ns").text == f"{usage[0]['adjusted_ns']} ns"
+
+    classes = api(served, "/v1/usage/classes?bucket=hour", "acme")
+    class_rows = browser.find_elements(By.CSS_SELECTOR, "#classes tbody tr")
+    assert len(class_rows) == len(classes["buckets"]) >= 4  # two classes over two hours
+    shown_s = [float(row.find_elements(By.TAG_NAME, "td")[2].text.split()[0]) for row in class_rows]
+    assert shown_s == [round(b["attributed_ns"] / 1e9, 6) for b in classes["buckets"]]
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#versions li")) == len(classes["model_versions"]) == 2
+
+    top = api(served, "/v1/usage/requests?limit=20", "acme")["requests"]
+    shown_ids = [row.find_elements(By.TAG_NAME, "td")[0].text for row in browser.find_elements(By.CSS_SELECTOR, "#requests tbody tr")]
+    assert shown_ids == [r["request_id"] for r in top] and set(shown_ids) == set(ENGINE_IDS["acme"])
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#adjustments tbody tr")) == 1
+
+    page = browser.page_source
+    for foreign in ("globex", GLOBEX_CHAT, *ENGINE_IDS["globex"]):
+        assert foreign not in page, foreign
+
+    browser.find_element(By.ID, "csv").click()
+    deadline = time.monotonic() + 20
+    while not (files := [p for p in browser.downloads.iterdir() if p.suffix == ".csv"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert files, "the CSV was not downloaded"
+    text = Path(files[0]).read_text()
+    rows = list(csv.DictReader(text.splitlines()))
+    everything = api(served, "/v1/usage/requests?limit=10000", "acme")["requests"]
+    assert [(r["run_id"], r["request_id"], int(r["attributed_ns"])) for r in rows] == [
+        (r["run_id"], r["request_id"], r["attributed_ns"]) for r in everything]
+    assert sum(int(r["attributed_ns"]) for r in rows) == usage[0]["attributed_ns"]
+    assert "globex" not in text and GLOBEX_CHAT not in text
+
+    browser.refresh()  # the key stays for the tab
+    visible(browser, "usage")
+    if os.environ.get("LLMVISOR_USAGE_SCREENSHOT"):
+        browser.save_screenshot(os.environ["LLMVISOR_USAGE_SCREENSHOT"])
+    violations = [entry["message"] for entry in browser.get_log("browser") if "Content Security Policy" in entry["message"]]
+    assert not violations, violations
