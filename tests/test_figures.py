@@ -514,3 +514,32 @@ def test_the_test_runs_floor_comes_only_from_compositions_repeated_across_runs()
     repeated = [key for key, n in counts.items() if n > 1]
     assert repeated and all(len(groups[key]) > 1 for key in repeated)
     assert "The test runs repeat a step composition only across runs" in " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+
+
+def admission_factor_figures() -> list[str]:
+    """docs/fairness.md's figures on SLO admission's prediction factor, recomputed from the shipped latency model on
+    the shipped held-out traces (the model the fairness experiment admits with)."""
+    import numpy as np
+
+    from llmvisor.core.model import StepLatencyModel
+    from llmvisor.core.trace import read_traces
+
+    model = StepLatencyModel.from_json(shipped.latency_model_path())
+    held_out = read_traces(sorted(p for p in (shipped.data_dir() / "traces").glob("*.parquet") if p.name != shipped.TRAIN_TRACE))
+    factor = 1 / (1 - model.fit_info_["train_rel_err_p90"])
+    predicted, measured = model.predict(held_out), held_out.step_latency_s_per_step
+    steady, prefill = ~held_out.is_warmup_per_step, held_out.is_prefill_per_step
+    masks = {"decode": steady & ~prefill, "prefill": steady & prefill}
+    signed = {k: signed_pct(np.median((predicted[m] - measured[m]) / measured[m])) for k, m in masks.items()}
+    covered = {k: f"{100 * np.mean(measured[m] <= factor * predicted[m]):.0f}%" for k, m in masks.items()}
+    held_out_factor = np.percentile(measured[masks["decode"]] / predicted[masks["decode"]], 90)
+    return [
+        f"held-out median signed error on the shipped traces: {signed['decode']} for decode, {signed['prefill']} for prefill steps",
+        f"({factor:.3f} for the shipped model)",
+        f"it covers {covered['decode']} of decode and {covered['prefill']} of prefill steps",
+        f"(`underprediction_factor_p90`: {held_out_factor:.3f} for the shipped model on the shipped traces",
+    ]
+
+
+def test_fairness_doc_quotes_the_admission_factor_of_the_shipped_model():
+    assert missing_from((REPO / "docs" / "fairness.md").read_text(encoding="utf-8"), admission_factor_figures()) == []
