@@ -479,6 +479,11 @@ def test_the_checks_catch_the_old_wrong_sentences(facts, old_sentence):
 def test_the_held_out_improvement_is_called_shown_only_where_the_intervals_are_apart():
     evaluation = load(RESULTS / "demo.json")["evaluation"]
     sentence = improvement_sentence(evaluation)
+    readme = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    ours, theirs = evaluation["models"]["llmvisor"], evaluation["models"]["token_count"]
+    shown = {(phase, q): established(ours[phase], theirs[phase], f"rel_err_p{q}") for phase in ("prefill", "decode") for q in (90, 99)}
+    assert "on decode llmvisor is better at p90 and p99; on prefill its lower point estimates are not established" in readme
+    assert shown == {("decode", 90): True, ("decode", 99): True, ("prefill", 90): False, ("prefill", 99): False}
     assert re.search(r"prefill \d\.\d× at p90 \(\[[^]]*58\.1%\] vs \[35\.5%, 59\.9%\], intervals overlap: not established\)", sentence)
     assert re.search(r"decode \d\.\d× at p90 \([^)]*intervals apart\)", sentence)
     widened = json.loads(json.dumps(evaluation))
