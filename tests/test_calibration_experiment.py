@@ -45,9 +45,10 @@ def test_canary_steps_are_those_with_only_canary_slices():
 def test_noise_floor_is_the_spread_of_identical_canary_steps_across_sessions():
     steady = canary_floor([trace_from_rows(session([1.0, 1.0, 1.0], "a")), trace_from_rows(session([1.0, 1.0, 1.0], "b"))])
     assert steady["p50"] == 0 and steady["n_groups"] == 4 and steady["n_canary_steps"] == [12, 12]
-    # one session 10% slower than the other: every step is 5% (of the median) from its composition's median
+    # one session 10% slower than the other: every step is 0.05 from its composition's mean (1.05) over 4 steps,
+    # scaled by sqrt(4 / 3) to one measurement's error (the one floor, `replicate_noise_floor`)
     shifted = canary_floor([trace_from_rows(session([1.0, 1.0], "a")), trace_from_rows(session([1.1, 1.1], "b"))])
-    assert shifted["p50"] == pytest.approx(0.05 / 1.05, rel=1e-9)
+    assert shifted["p50"] == pytest.approx(0.05 * (4 / 3) ** 0.5 / 1.05, rel=1e-9)
     with pytest.raises(LlmvisorError, match="no canary composition was measured twice"):
         canary_floor([trace_from_rows(session([1.0], "a"))])
 

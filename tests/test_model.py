@@ -242,8 +242,51 @@ def test_a_repeated_sweep_keeps_identical_compositions_in_one_fold():
         assert not (set(groups[test]) & set(groups[~test]))
     model = StepLatencyModel().fit(repeated)
     search = model.fit_info_["boundary_search"]
-    assert search["fold_grouping"] == "composition"
-    assert search["n_groups"] == np.unique(groups).size
+    assert search["fold_grouping"] == "time_block"
+    folds_of = fold_assignment(StepLatencyModel.fold_groups(repeated)[0])
+    assert np.array_equal(folds_of[:300], folds_of[300:])  # each step's repeat is in its fold
+
+
+def fold_assignment(groups: np.ndarray) -> np.ndarray:
+    fold = np.full(groups.size, -1)
+    for k, test in enumerate(group_k_fold(groups, 5)):
+        fold[test] = k
+    return fold
+
+
+def decode_runs_trace(n_runs: int, steps_per_run: int, seed: int = 0):
+    """One recording of back-to-back decode runs: each run's requests decode together, one token further each step
+    (neighbouring steps nearly identical), and the next run starts with new requests."""
+    from llmvisor.core.trace import trace_from_rows
+
+    rng = np.random.default_rng(seed)
+    rows, step = [], 0
+    for run in range(n_runs):
+        batch, context = int(rng.integers(1, 6)), int(rng.integers(10, 2000))
+        for k in range(steps_per_run):
+            latency = (0.01 + 1e-6 * batch * (context + k)) * (1 + 0.01 * rng.standard_normal())
+            for i in range(batch):
+                rows.append({"run_id": "sweep", "step_id": step, "request_id": f"r{run}-{i}", "tenant": "t",
+                             "phase": "decode", "num_new_tokens": 1, "num_context_tokens": context + k,
+                             "step_latency_s": latency})
+            step += 1
+    return trace_from_rows(rows)
+
+
+def test_adjacent_near_identical_steps_never_sit_on_both_sides_of_a_fold():
+    """Within one run without an episode column the folds are contiguous stretches of shared requests: a step that
+    shares a request with the step before it (one decode token further) is always in that step's fold. Composition
+    groups did not ensure it: consecutive decode steps differ by one context token, so each was its own group."""
+    trace = decode_runs_trace(40, 25)
+    groups, grouping = StepLatencyModel.fold_groups(trace)
+    assert grouping == "time_block" and 30 <= np.unique(groups).size <= 40  # runs with a common composition are joined
+    fold = fold_assignment(groups)
+    requests = [set(trace.request_id[trace.step_offsets[k]:trace.step_offsets[k + 1]].tolist()) for k in range(trace.n_steps)]
+    neighbours = [k for k in range(1, trace.n_steps) if requests[k] & requests[k - 1]]
+    assert len(neighbours) == 40 * 24
+    assert all(fold[k] == fold[k - 1] for k in neighbours)
+    old = fold_assignment(composition_groups(trace))  # the earlier grouping split some neighbours
+    assert sum(old[k] != old[k - 1] for k in neighbours) > 0
 
 
 def test_composition_groups_ignore_slice_order_and_tell_compositions_apart():
@@ -391,14 +434,14 @@ def test_two_runs_of_300_and_472_steps_fit_with_folds_by_run():
 
 
 def test_a_boundary_search_with_nothing_to_score_falls_back_to_none_with_a_reason(tmp_path):
-    """One composition group (every step alike) or one run of one kind of step leaves no fold to train on:
+    """One fold group (every step alike) or one run of one kind of step leaves no fold to train on:
     the boundary is none, the reason is stated in the model file and survives saving and loading."""
     trace = synthetic_trace(60, max_batch_size=1, prefill_fraction=0.0, seed=3)
     trace.num_context_tokens[:] = 7
     model = StepLatencyModel().fit(trace)
     search = model.fit_info_["boundary_search"]
     assert model.boundary_ is None and search["chosen"] == "none" and search["n_folds"] == 0
-    assert "1 composition group" in search["reason"]
+    assert "1 time_block group" in search["reason"]
     model.to_json(tmp_path / "m.json")
     loaded = StepLatencyModel.from_json(tmp_path / "m.json")
     assert loaded.boundary_ is None and loaded.fit_info_["boundary_search"]["reason"] == search["reason"]
@@ -411,7 +454,7 @@ def test_fold_groups_count_only_the_runs_left_after_warm_up():
     runs = concat_traces([synthetic_trace(200, run_id="a", noise=0.02, seed=1), synthetic_trace(200, run_id="b", noise=0.02, seed=2)])
     runs.extra["is_warmup"] = runs.run_id == "a"
     search = StepLatencyModel().fit(runs).fit_info_["boundary_search"]
-    assert search["fold_grouping"] == "composition" and search["n_folds"] == 5
+    assert search["fold_grouping"] == "time_block" and search["n_folds"] == 5
 
 
 def test_a_trace_of_only_warm_up_steps_is_refused_in_one_line():

@@ -32,3 +32,20 @@ def test_scales_replace_the_group_mean_and_single_measurements_are_left_out():
     floor = replicate_noise_floor([[1.0, 1.2], [7.0]], scales=[10.0, 1.0], n_resamples=50)
     assert floor["n_groups"] == 1 and floor["p50"] == pytest.approx(0.1 * np.sqrt(2) / 10)
     assert replicate_noise_floor([[3.0], []]) is None
+
+
+def test_clusters_resample_groups_together():
+    """Requests of one batch share its measurements: with ``clusters`` the bootstrap draws whole batches, so the
+    interval is wider than one that treats correlated groups as independent."""
+    rng = np.random.default_rng(1)
+    groups, clusters = [], []
+    for batch in range(40):
+        shift = 0.05 * rng.standard_normal()  # a batch-wide disturbance shared by its 8 requests
+        for _ in range(8):
+            groups.append([1.0, 1.0 + shift + 0.005 * rng.standard_normal()])
+            clusters.append(batch)
+    independent = replicate_noise_floor(groups, n_resamples=300)
+    clustered = replicate_noise_floor(groups, clusters=clusters, n_resamples=300)
+    assert clustered["p50"] == independent["p50"]
+    width = {name: f["interval"]["p50"][1] - f["interval"]["p50"][0] for name, f in (("i", independent), ("c", clustered))}
+    assert width["c"] > 1.5 * width["i"]

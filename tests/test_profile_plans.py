@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from llmvisor import shipped
@@ -113,7 +114,9 @@ def test_noise_floor_groups_identical_steps_and_skips_warmup():
     )
     floor = noise_floor(trace_from_rows(rows))
     assert floor["n_groups"] == 2 and floor["n_steps"] == 5
-    assert floor["p99"] == pytest.approx(0.1 / 1.1 * 0.99 + 0.1 / 1.1 * 0.01, rel=0.05)
+    # the one floor: deviation from the group mean scaled by sqrt(k / (k - 1)), not |t - median| / median
+    assert floor["p99"] == pytest.approx(0.1 * np.sqrt(3 / 2) / 1.1)
+    assert floor["p50"] == pytest.approx(0.0, abs=1e-12) and floor["interval"]["p99"][1] == pytest.approx(floor["p99"])
     assert noise_floor(trace_from_rows(step_rows(0, 1.0, [(1, 1)]))) is None
 
     summary = coverage(trace_from_rows(rows), {"max_num_seqs": 4, "max_num_batched_tokens": 128, "max_model_len": 256})

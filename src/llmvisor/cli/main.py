@@ -372,10 +372,12 @@ def unseen_phase_lines(result: dict) -> list[str]:
 
 
 def noise_floor_line(result: dict) -> str:
+    from llmvisor.profile.stats import floor_text
+
     parts = []
     for which, floor in result.get("noise_floor", {}).items():
         if floor:
-            parts.append(f"{which}: p50 {floor['p50']:.1%}, p90 {floor['p90']:.1%}, p99 {floor['p99']:.1%}")
+            parts.append(f"{which}: {floor_text(floor)}")
     return "noise floor (re-measuring identical steps) — " + ("; ".join(parts) if parts else "not measured in these traces")
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.linalg
 import scipy.optimize
+from scipy.sparse import coo_matrix
+from scipy.sparse.csgraph import connected_components
 
 from llmvisor.core.features import (
     FEATURE_NAMES,
@@ -35,7 +37,8 @@ READABLE_FORMAT_VERSIONS = {1: FEATURE_NAMES_V1, 2: FEATURE_NAMES}
 """Each model file version this llmvisor reads, with its feature list."""
 SEGMENT_NAMES = ("memory_bound", "compute_bound")
 EPISODE_COLUMN = "episode"
-"""Optional trace column naming the episode a step belongs to; the boundary search keeps an episode in one fold."""
+"""Optional trace column naming the episode a step belongs to; the boundary search keeps an episode in one fold.
+The recorder does not write it: without it, a single run's folds are time blocks (`time_block_groups`)."""
 
 
 def _is_real(value) -> bool:
@@ -72,6 +75,40 @@ def composition_groups(trace: StepTrace) -> np.ndarray:
         key = _mix64(key ^ trace.is_prefill.astype(np.uint64))
         step_hash = np.add.reduceat(key, trace.step_starts) ^ _mix64(trace.batch_size_per_step.astype(np.uint64))
     return np.unique(step_hash, return_inverse=True)[1].astype(np.intp)
+
+
+def request_stretches(trace: StepTrace) -> np.ndarray:
+    """Per step, the contiguous stretch of the recording it falls in: a new stretch starts, in the trace's step order
+    (the recorder's), at each step that shares no request with the step before it. Consecutive steps of the same
+    requests (a decode run one token further each step: nearly identical) are thus one stretch."""
+    n = trace.n_steps
+    if n == 0:
+        return np.zeros(0, dtype=np.intp)
+    request = np.unique(trace.request_id, return_inverse=True)[1].reshape(-1)
+    step_of_slice = np.repeat(np.arange(n), trace.batch_size_per_step)
+    continues = np.zeros(n, dtype=bool)  # step k shares a request with step k - 1
+    last_step = np.full(int(request.max()) + 1, -2)
+    for k, r in zip(step_of_slice.tolist(), request.tolist()):
+        continues[k] |= last_step[r] == k - 1
+        last_step[r] = k
+    continues[0] = True
+    return (np.cumsum(~continues)).astype(np.intp)
+
+
+def time_block_groups(trace: StepTrace, steps: np.ndarray) -> np.ndarray:
+    """Per selected step, its fold group within one run: contiguous stretches of shared requests
+    (`request_stretches`), joined with every other stretch that holds a step of identical composition
+    (`composition_groups`: a repeated sweep's second pass), as connected components. Neither near-identical
+    neighbours nor identical repeats can then sit on both sides of a fold."""
+    stretch = request_stretches(trace)[steps]
+    composition = composition_groups(trace)[steps]
+    if stretch.size == 0:
+        return stretch
+    n_stretch = int(stretch.max()) + 1
+    size = n_stretch + int(composition.max()) + 1
+    graph = coo_matrix((np.ones(stretch.size), (stretch, n_stretch + composition)), shape=(size, size))
+    component = connected_components(graph, directed=False)[1]
+    return np.unique(component[stretch], return_inverse=True)[1].astype(np.intp).reshape(-1)
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -188,8 +225,10 @@ class StepLatencyModel:
         Drop steps marked ``is_warmup`` in the trace (counted in ``fit_info_``).
     cv_folds : int
         Folds of the boundary search. A fold never splits a group of steps: the run when the training data
-        holds several runs, else the episode (column ``episode``) when the trace has one, else the step's
-        composition, so a repeated sweep's identical steps are never in train and test at once. Groups go to
+        holds several runs, else the episode (column ``episode``) when the trace has one, else a time block
+        (`time_block_groups`: contiguous stretches of steps sharing requests, joined with any stretch holding a step
+        of identical composition), so neither neighbouring near-identical steps nor a repeated sweep's identical
+        steps are ever in train and test at once. Groups go to
         folds as scikit-learn's ``GroupKFold`` puts them (``group_k_fold``); fewer groups make fewer folds, and
         with one group the boundary is "none", the reason in ``fit_info_["boundary_search"]["reason"]``. The
         grouping used is ``fit_info_["boundary_search"]["fold_grouping"]``.
@@ -321,7 +360,7 @@ class StepLatencyModel:
         if EPISODE_COLUMN in trace.extra and steps.any():
             episodes = np.asarray(trace.extra[EPISODE_COLUMN])[trace.step_starts[steps]].astype(str)
             return np.unique(episodes, return_inverse=True)[1], EPISODE_COLUMN
-        return composition_groups(trace)[steps], "composition"
+        return time_block_groups(trace, steps), "time_block"
 
     def _segment_is_estimable(self, x: np.ndarray, mask: np.ndarray) -> bool:
         if mask.sum() < self.min_steps_per_segment:

@@ -244,6 +244,7 @@ def replicate_noise_floor(
     groups: Iterable[Iterable[float]],
     scales: Iterable[float] | None = None,
     *,
+    clusters: Iterable | None = None,
     percentiles: tuple[float, ...] = (50, 90, 99),
     n_resamples: int = 1000,
     seed: int = 0,
@@ -255,9 +256,12 @@ def replicate_noise_floor(
     Each group holds k ≥ 2 independent measurements of one quantity; a deviation from the group mean is scaled by
     √(k/(k−1)) so that it estimates one measurement's error, whatever k (a pair's half-difference understates it by
     √2). Groups with fewer than two measurements are left out. Percentiles of the absolute deviations, with a
-    bootstrap interval resampling groups (the measurements of one group share its mean). None when no group has two.
+    bootstrap interval resampling groups (the measurements of one group share its mean), or ``clusters`` (one label
+    per group: groups that share a label, e.g. the requests of one batch, are resampled together). None when no
+    group has two.
     """
     scales = None if scales is None else list(scales)
+    clusters = None if clusters is None else list(clusters)
     deviations: list[float] = []
     labels: list[int] = []
     n_groups = 0
@@ -269,7 +273,7 @@ def replicate_noise_floor(
         if not scale > 0:
             continue
         deviations.extend((np.abs(t - t.mean()) * math.sqrt(t.size / (t.size - 1)) / scale).tolist())
-        labels.extend([n_groups] * t.size)
+        labels.extend([n_groups if clusters is None else clusters[g]] * t.size)
         n_groups += 1
     if not n_groups:
         return None

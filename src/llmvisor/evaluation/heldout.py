@@ -18,6 +18,7 @@ from llmvisor.evaluation.baselines import (
     TokenCountBaseline,
     step_phases,
 )
+from llmvisor.profile.stats import noise_floor
 
 MODEL_FACTORIES: dict[str, Callable[..., StepLatencyPredictor]] = {
     "llmvisor": StepLatencyModel,
@@ -110,7 +111,9 @@ def evaluate(
     stated rules), so the comparison is between model forms, not between cleaned and raw data.
 
     Returns ``{"models": {name: {phase: metrics}}, "improvement": {phase: {"p90", "p99"}}, ...}`` where
-    improvement is token_count's error divided by llmvisor's at that percentile; ``"by_sharing"`` holds the
+    improvement is token_count's error divided by llmvisor's at that percentile; ``"noise_floor"`` is the one
+    floor (`llmvisor.profile.stats.noise_floor`) computed from the traces themselves, on the test runs (the runs
+    being judged; None when they repeat no step composition) and on the training runs; ``"by_sharing"`` holds the
     same metrics for the steps with shared KV context and those without (``{"shared": {name: {phase: metrics}},
     "unique": {...}}``).
     """
@@ -171,14 +174,14 @@ def evaluate(
         for run in test.run_ids:
             in_run = runs == run
             result["by_run"].setdefault(run, {})[name] = {
-                phase: error_summary(predicted[mask & in_run], measured[mask & in_run], n_bootstrap=0)
+                phase: error_summary(predicted[mask & in_run], measured[mask & in_run], n_bootstrap=n_bootstrap, seed=seed, groups=runs[mask & in_run])
                 for phase, mask in masks.items()
             }
     if "llmvisor" in model_names and "token_count" in model_names:
         result["improvement"] = improvement(result["models"], "token_count")
     result["noise_floor"] = {
-        "train": train.metadata.get("noise_floor"),
-        "test": test.metadata.get("noise_floor"),
+        "train": noise_floor(train, n_resamples=n_bootstrap, seed=seed),
+        "test": noise_floor(test, n_resamples=n_bootstrap, seed=seed),
     }
     return result
 

@@ -439,9 +439,9 @@ class AdmissionController:
     of n requests with total context C costs ``b + d2·C + d4·n + e·C`` (coefficients of the segment its load n
     falls in); a prefill chunk of p tokens over c cached ones adds its own prefill terms to the step it runs in.
 
-    Predictions run low on runs other than the one fitted (on the shipped traces the held-out median signed
-    error is -1.2% for decode, -2.4% for prefill steps), so the predicted time per output token is multiplied
-    by ``prediction_factor`` before it meets the SLO. Given, it is used as is (e.g. ``llmvisor eval``'s
+    Predictions can run low on runs other than the one fitted (the engine's speed drifts between runs; `llmvisor
+    eval` reports the held-out median signed error, ``signed_err_p50``, per phase), so the predicted time per
+    output token is multiplied by ``prediction_factor`` before it meets the SLO. Given, it is used as is (e.g. ``llmvisor eval``'s
     held-out ``underprediction_factor_p90``). None takes it from the model's fit: ``1 / (1 − r90)``, r90 the
     90th percentile of the fit's |relative error| (``fit_info.train_rel_err_p90``); a step predicted at p
     then ran in at most p / (1 − r90) for at least nine in ten training steps. A model without fit info

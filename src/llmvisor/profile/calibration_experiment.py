@@ -7,8 +7,9 @@ session's live steps (``--from-trace``) and, optionally, on a profile of the ser
 (``--fingerprint``); each model, and the shipped one, is then scored on the held-out session only (its traffic
 steps; the canary's are the floor's), by relative residual (measured − predicted) / measured.
 
-The noise floor is the canary's: steps of identical composition, from both sessions, each compared with the
-median of its composition (`llmvisor.profile.stats.noise_floor`, the statistic of ``profile --repeat``). It is
+The noise floor is the canary's: steps of identical composition, from both sessions, grouped by composition:
+the one floor (`llmvisor.profile.stats.noise_floor`, `llmvisor.core.stats.replicate_noise_floor`, as ``profile
+--repeat``), one measurement's deviation from its group's mean scaled by √(k/(k−1)), with its interval. It is
 re-measuring an identical served step minutes or a restart apart, as a model fitted on one session and scored
 on another must. The goal (issue: served residual p50 within 1.5× of the noise floor) is checked on p50.
 """

@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from llmvisor.core.stats import quantile_summary
+from llmvisor.core.stats import quantile_summary, replicate_noise_floor
 from llmvisor.core.trace import StepTrace
 
 QUANTILES = (0, 10, 50, 90, 100)
@@ -51,37 +51,22 @@ def composition_keys(trace: StepTrace) -> list[tuple]:
     return keys
 
 
-def noise_floor(trace: StepTrace) -> dict | None:
-    """p50/p90/p99 of |t - median| / median over steps of identical composition (warm-up steps left out).
+def noise_floor(trace: StepTrace, *, n_resamples: int = 1000, seed: int = 0) -> dict | None:
+    """The one noise floor (`llmvisor.core.stats.replicate_noise_floor`) over groups of steps of identical
+    composition (warm-up steps left out), with its bootstrap interval over the groups.
 
-    Only compositions seen at least twice count; None when there are none (no ``--repeat``).
-    """
+    Only compositions seen at least twice count; None when there are none (no ``--repeat``). ``n_steps`` is how
+    many steps the floor was computed from (``n_measurements``)."""
     latency = trace.step_latency_s_per_step
     usable = ~warmup_mask_per_step(trace)
     groups: dict[tuple, list[float]] = defaultdict(list)
     for key, t, ok in zip(composition_keys(trace), latency.tolist(), usable.tolist()):
         if ok:
             groups[key].append(t)
-    deviations = []
-    n_groups = 0
-    for times in groups.values():
-        if len(times) < 2:
-            continue
-        n_groups += 1
-        times = np.asarray(times)
-        median = np.median(times)
-        deviations.extend((np.abs(times - median) / median).tolist())
-    if not n_groups:
+    floor = replicate_noise_floor(groups.values(), n_resamples=n_resamples, seed=seed)
+    if floor is None:
         return None
-    figures = quantile_summary(deviations, (50, 90, 99))
-    return {
-        "p50": figures["p50"],
-        "p90": figures["p90"],
-        "p99": figures["p99"],
-        "n_groups": n_groups,
-        "n_steps": figures["n"],
-        "definition": "|t - median| / median over steps of identical composition, warm-up steps excluded",
-    }
+    return {**floor, "n_steps": floor["n_measurements"], "groups": "steps of identical composition, warm-up steps excluded"}
 
 
 def _quantiles(values: np.ndarray) -> dict:
@@ -165,11 +150,21 @@ def print_coverage(console, summary: dict) -> None:
         console.print(f"envelope reached (max over steps): {reached}")
 
 
+def floor_text(floor: dict) -> str:
+    """"p50 x% [lo, hi], ..." of a `replicate_noise_floor` result: each figure with its interval where it has one."""
+    parts = []
+    for q in ("p50", "p90", "p99"):
+        interval = (floor.get("interval") or {}).get(q)
+        bounds = f" [{100 * interval[0]:.1f}%, {100 * interval[1]:.1f}%]" if interval else ""
+        parts.append(f"{q} {100 * floor[q]:.1f}%{bounds}")
+    return ", ".join(parts)
+
+
 def print_noise_floor(console, floor: dict | None) -> None:
     if floor is None:
         console.print("noise floor: no repeated step compositions (use --repeat 2 or more)")
         return
     console.print(
-        f"noise floor (|t - median| / median, {floor['n_groups']} groups of identical steps, {floor['n_steps']} steps): "
-        f"p50 {100 * floor['p50']:.1f}%, p90 {100 * floor['p90']:.1f}%, p99 {100 * floor['p99']:.1f}%"
+        f"noise floor (one measurement's relative error, {floor['n_groups']} groups of identical steps, {floor['n_steps']} steps): "
+        + floor_text(floor)
     )

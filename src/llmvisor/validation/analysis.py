@@ -7,8 +7,9 @@ Every request's share under each method (`Method`) is compared with φ_i (and LO
 of the measured step time T(B). Quantiles come with batch-clustered bootstrap intervals (requests of one
 batch share its measurements, so batches, not requests, are resampled).
 
-The **noise floor**: some batches are measured twice, independently; |φ⁽¹⁾ − φ⁽²⁾| / (√2·T(B)) estimates
-how far one measured Shapley value is from the true one, the error a perfect predictor would still show.
+The **noise floor**: some batches are measured twice, independently; the one floor
+(`llmvisor.core.stats.replicate_noise_floor`, for a pair |φ⁽¹⁾ − φ⁽²⁾| / (√2·T(B))) estimates how far one measured
+Shapley value is from the true one, the error a perfect predictor would still show; batches are resampled whole.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 
 from llmvisor.core.attribution import RULES, attribute_arrays
 from llmvisor.core.game import VTC_TOKEN_PRICES, SubsetGame, shared_prefix_effective_context, subset_costs_s
-from llmvisor.core.stats import bootstrap_interval, bootstrap_quantile_ci, quantile_summary
+from llmvisor.core.stats import bootstrap_interval, bootstrap_quantile_ci, quantile_summary, replicate_noise_floor
 from llmvisor.validation.game import (
     additive_design,
     additive_fit,
@@ -313,14 +314,17 @@ def summarize(records: list[dict], *, n_bootstrap: int = 1000, seed: int = 0, ag
         summary["loo_sum_gap_fraction"][phase] = plain_quantiles(r["loo_sum_gap_fraction"] for r in phase_records)
         summary["noise_floor"]["step"][phase] = plain_quantiles(x for r in phase_records for x in r["step_spread"])
         replicated = [r for r in phase_records if "shapley_replicate_s" in r]
-        floor_errors, floor_groups = [], []
-        for r in replicated:
-            diff = np.abs(np.asarray(r["shapley_s"]) - np.asarray(r["shapley_replicate_s"])) / (math.sqrt(2) * r["measured_step_s"])
-            floor_errors.extend(diff)
-            floor_groups.extend([r["index"]] * r["size"])
+        floor = replicate_noise_floor(
+            [pair for r in replicated for pair in zip(r["shapley_s"], r["shapley_replicate_s"])],
+            [r["measured_step_s"] for r in replicated for _ in range(r["size"])],
+            clusters=[r["index"] for r in replicated for _ in range(r["size"])], n_resamples=n_bootstrap, seed=seed,
+        ) or {}
         summary["noise_floor"]["shapley"][phase] = {
             "n_batches": len(replicated),
-            **quantiles_with_ci(np.array(floor_errors), np.array(floor_groups), n_bootstrap=n_bootstrap, seed=seed),
+            "n": floor.get("n_measurements", 0),
+            **{f"p{q}": floor.get(f"p{q}") for q in (50, 90, 99)},
+            **{f"p{q}_ci95": (floor.get("interval") or {}).get(f"p{q}") for q in (50, 90, 99)},
+            "definition": floor.get("definition"),
             "full_step_rel_diff": plain_quantiles(
                 abs(r["measured_step_s"] - r["measured_step_replicate_s"]) / r["measured_step_s"] for r in replicated
             ),
