@@ -125,7 +125,7 @@ def test_the_migrate_command_reports_what_it_copied(tmp_path, model_path, capsys
     ledger_migrate(source=source_url, target=f"sqlite:///{tmp_path}/schema2.db")
     out = capsys.readouterr().out
     assert f"copied 30 steps, {len(slice_rows)} slices, 1 keys" in out and "The source was not changed." in out
-    with pytest.raises(LlmvisorError, match="ledger schema version 4; versions 1, 2 and 3 are migrated"):
+    with pytest.raises(LlmvisorError, match="ledger schema version 5; versions 1, 2, 3 and 4 are migrated"):
         ledger_migrate(source=f"sqlite:///{tmp_path}/schema2.db", target=f"sqlite:///{tmp_path}/third.db")
 
 
