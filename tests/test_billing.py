@@ -369,3 +369,44 @@ def test_push_retries_5xx_then_succeeds_and_never_retries_4xx(flaky_server, serv
                   "--push", url, "--dry-run")
     assert dry.returncode == 0 and "nothing sent" in dry.stderr and len(flaky_server.seen) == 6
     assert all(json.loads(line)["event_name"] == "llmvisor_engine_ns" for line in dry.stdout.splitlines())
+
+
+def test_prices_api_reads_with_any_key_and_adds_with_an_admin_key(model_path, db_url):  # noqa: F811
+    ledger = Ledger(db_url)
+    admin, tenant_key = ledger.create_key(is_admin=True), ledger.create_key("tenant-0")
+    ledger.close()
+    entry = {"engine_class": CLASS_A, "currency": "USD", "engine_hour_price": "2.50", "valid_from": HOUR0}
+    with TestClient(create_app(model_path, db_url, registry_refresh_s=0.0)) as client:
+        assert client.post("/v1/prices", json={"prices": [entry]}, headers=bearer(tenant_key)).status_code == 403
+        added = client.post("/v1/prices", json={"prices": [entry, {**entry, "valid_from": HOUR0 + 3600}]}, headers=bearer(admin))
+        assert added.status_code == 201, added.text
+        assert [(p["version"], p["engine_hour_price"]) for p in added.json()] == [(1, "2.50"), (2, "2.50")]
+        bad = client.post("/v1/prices", json={"prices": [{**entry, "engine_hour_price": 2.5}]}, headers=bearer(admin))
+        assert bad.status_code == 422 and "body price 1" in bad.text and "not a float" in bad.text
+        listed = client.get("/v1/prices", headers=bearer(tenant_key))
+        assert listed.status_code == 200 and [p["version"] for p in listed.json()] == [1, 2]
+        assert client.get("/v1/prices").status_code == 401
+
+
+def test_a_schema_4_ledger_migrates_to_schema_5_with_its_totals(served, tmp_path):
+    """A schema-4 ledger is this one without the billing table, marked version 4."""
+    if not served.startswith("sqlite"):
+        pytest.skip("the schema-4 ledger is built as a SQLite file")
+    from sqlalchemy import create_engine, text
+
+    from llmvisor.ledger.migrate import migrate
+
+    engine = create_engine(served)
+    with engine.begin() as conn:
+        conn.execute(text("DROP TABLE prices"))
+        conn.execute(text("UPDATE ledger_info SET value = '4' WHERE name = 'schema_version'"))
+    engine.dispose()
+    with pytest.raises(Exception, match="schema version 4, this llmvisor reads 5"):
+        Ledger(served)
+    target = f"sqlite:///{tmp_path}/five.db"
+    report = migrate(served, target)
+    copied = Ledger(target)
+    assert {r.tenant: r.attributed_ns for r in copied.tenant_usage()} == report.attributed_ns_per_tenant
+    assert len(copied.adjustment_rows()) > 0 and list_prices(copied) == []
+    assert {m.version for m in copied.list_models(CLASS_A)} == {1, 2}
+    copied.close()

@@ -127,11 +127,16 @@ def read_price_file(path: Path) -> list[Price]:
     key = "[[price]] tables" if path.suffix.lower() == ".toml" else 'a "prices" list'
     if not isinstance(entries, list) or not entries:
         raise PriceError(f"{path}: expected {key}, one per engine class and start time")
+    return parse_prices(entries, str(path), source=path.name)
+
+
+def parse_prices(entries: list, where_prefix: str, *, source: str) -> list[Price]:
+    """Price entries (dicts of the price file's fields) checked and parsed; errors name ``where_prefix`` and the entry."""
     known = {"engine_class", "currency", "engine_hour_price", "valid_from", "prompt_token_price", "output_token_price",
              "cached_token_discount"}
     out = []
     for k, entry in enumerate(entries, start=1):
-        where = f"{path} price {k}"
+        where = f"{where_prefix} price {k}"
         if not isinstance(entry, dict):
             raise PriceError(f"{where}: expected a table of fields")
         unknown = sorted(set(entry) - known)
@@ -152,7 +157,7 @@ def read_price_file(path: Path) -> list[Price]:
             output_token_price=_decimal(where, "output_token_price", entry.get("output_token_price"), required=False),
             cached_token_discount=_decimal(where, "cached_token_discount", entry.get("cached_token_discount"), required=False,
                                            at_most_one=True),
-            source=path.name,
+            source=source,
         ))
     return out
 
