@@ -388,7 +388,7 @@ def test_prices_api_reads_with_any_key_and_adds_with_an_admin_key(model_path, db
         assert client.get("/v1/prices").status_code == 401
 
 
-def test_a_schema_4_ledger_migrates_to_schema_5_with_its_totals(served, tmp_path):
+def test_a_schema_4_ledger_migrates_to_schema_5_with_its_totals(served, tmp_path, model_path):  # noqa: F811
     """A schema-4 ledger is this one without the billing table, marked version 4."""
     if not served.startswith("sqlite"):
         pytest.skip("the schema-4 ledger is built as a SQLite file")
@@ -403,10 +403,21 @@ def test_a_schema_4_ledger_migrates_to_schema_5_with_its_totals(served, tmp_path
     engine.dispose()
     with pytest.raises(Exception, match="schema version 4, this llmvisor reads 5"):
         Ledger(served)
-    target = f"sqlite:///{tmp_path}/five.db"
-    report = migrate(served, target)
-    copied = Ledger(target)
-    assert {r.tenant: r.attributed_ns for r in copied.tenant_usage()} == report.attributed_ns_per_tenant
-    assert len(copied.adjustment_rows()) > 0 and list_prices(copied) == []
-    assert {m.version for m in copied.list_models(CLASS_A)} == {1, 2}
-    copied.close()
+    from _service_fixtures import POSTGRES_URL, empty_postgres
+
+    targets = [f"sqlite:///{tmp_path}/five.db"] + ([empty_postgres(POSTGRES_URL)] if POSTGRES_URL else [])
+    for target in targets:
+        report = migrate(served, target)
+        copied = Ledger(target)
+        assert {r.tenant: r.attributed_ns for r in copied.tenant_usage()} == report.attributed_ns_per_tenant
+        assert len(copied.adjustment_rows()) > 0 and list_prices(copied) == []
+        assert {m.version for m in copied.list_models(CLASS_A)} == {1, 2}
+        admin = copied.create_key(is_admin=True)
+        steps_before = copied.totals().num_steps
+        copied.close()
+        with TestClient(create_app(model_path, target, registry_refresh_s=0.0)) as client:  # new batches after the copied ids
+            body = class_body(CLASS_B, 30, run_id="after", seed=9, first_timestamp_s=T0_S + 100)
+            assert client.post("/v1/steps", json=body, headers=bearer(admin)).status_code == 200
+        after = Ledger(target)
+        assert after.totals().num_steps == steps_before + 30
+        after.close()
