@@ -17,6 +17,7 @@ from collections import defaultdict
 from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
+from urllib.parse import parse_qs
 
 import jsonschema
 import pyarrow.parquet as pq
@@ -24,7 +25,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from _service_fixtures import T0_S, bearer, class_body, class_model, db_url, model_path  # noqa: F401
-from llmvisor.billing import PriceBook, cost_of, list_prices, usage_charges
+from llmvisor.billing import PriceBook, cost_of, list_prices, tenant_cost, usage_charges
 from llmvisor.billing.charges import charges
 from llmvisor.billing.formats import cloudevents, cloudevents_json, lago_batches, lago_events, stripe_events
 from llmvisor.billing.prices import Price
@@ -327,7 +328,8 @@ class _Flaky(http.server.BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802
         server = self.server
         body = self.rfile.read(int(self.headers["content-length"]))
-        server.seen.append(json.loads(body))
+        server.headers.append(dict(self.headers))
+        server.seen.append(json.loads(body) if "json" in self.headers["content-type"] else parse_qs(body.decode()))
         status = server.statuses.pop(0) if server.statuses else 200
         self.send_response(status)
         self.send_header("content-length", "0")
@@ -340,7 +342,7 @@ class _Flaky(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def flaky_server():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
-    server.seen, server.statuses = [], []
+    server.seen, server.statuses, server.headers = [], [], []
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -421,3 +423,49 @@ def test_a_schema_4_ledger_migrates_to_schema_5_with_its_totals(served, tmp_path
         after = Ledger(target)
         assert after.totals().num_steps == steps_before + 30
         after.close()
+
+
+def test_stripe_push_is_form_encoded_with_the_key_from_the_environment(flaky_server, served):
+    url = f"http://127.0.0.1:{flaky_server.server_address[1]}/v1/billing/meter_events"
+    import os
+
+    env = {**os.environ, "LLMVISOR_TEST_STRIPE_KEY": "sk_test_123"}
+    result = subprocess.run([sys.executable, "-m", "llmvisor.cli", "export", "--format", "stripe", "--db", served, "--start",
+                             str(PERIOD[0]), "--end", str(PERIOD[1]), "--push", url, "--auth-env", "LLMVISOR_TEST_STRIPE_KEY"],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    ledger = Ledger(served)
+    expected = stripe_events(charges(ledger, PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000), {}, warn=lambda _line: None)
+    ledger.close()
+    assert len(flaky_server.seen) == len(expected)
+    for sent, event, headers in zip(flaky_server.seen, expected, flaky_server.headers):
+        assert headers["Authorization"] == "Bearer sk_test_123"
+        assert sent == {"event_name": [event["event_name"]], "identifier": [event["identifier"]], "timestamp": [str(event["timestamp"])],
+                        "payload[stripe_customer_id]": [event["payload"]["stripe_customer_id"]],
+                        "payload[value]": [event["payload"]["value"]]}
+    unset = run_cli("export", "--format", "stripe", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
+                    "--push", url, "--auth-env", "LLMVISOR_TEST_UNSET_VARIABLE")
+    assert unset.returncode == 2 and "LLMVISOR_TEST_UNSET_VARIABLE is not set" in unset.stderr
+
+
+def test_tenant_cost_sums_the_charges_per_currency(served):
+    ledger = Ledger(served)
+    found = charges(ledger, PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000, ["tenant-1"])
+    owed = tenant_cost(ledger, "tenant-1", PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000)
+    ledger.close()
+    assert found and owed == {"USD": sum(c.cost for c in found)}
+    assert all(c.tenant == "tenant-1" for c in found)
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["--format", "xml", "-o", "x.csv"], "--format: choose one of"),
+    (["--format", "focus", "--push", "http://127.0.0.1:9/"], "a FOCUS export is a file"),
+    (["--format", "focus", "-o", "x.txt"], "written as .csv or .parquet"),
+    (["--format", "lago"], "name a file"),
+    (["--format", "lago", "-o", "x.json", "--customers", "missing.json"], "cannot read the customer map"),
+])
+def test_export_input_errors_are_one_line(served, tmp_path, args, reason):
+    result = subprocess.run([sys.executable, "-m", "llmvisor.cli", "export", "--db", served, "--start", str(PERIOD[0]),
+                             "--end", str(PERIOD[1]), *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 2 and reason in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -132,3 +132,13 @@ def charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str] | Non
     """Usage charges, then adjustment charges, of a period (the two functions above)."""
     book = PriceBook.load(ledger)
     return usage_charges(ledger, start_us, end_us, tenants, book) + adjustment_charges(ledger, start_us, end_us, tenants, book)
+
+
+def tenant_cost(ledger: Ledger, tenant: str, start_us: int, end_us: int) -> dict[str, Decimal]:
+    """What one tenant owes for a period, per currency: the sum of its charges' costs (usage and adjustments, each
+    rounded by ``cost_of``). Unpriced charges add nothing; for a usage page or a caller's own bill."""
+    owed: dict[str, Decimal] = {}
+    for charge in charges(ledger, start_us, end_us, [tenant]):
+        if charge.cost is not None:
+            owed[charge.price.currency] = owed.get(charge.price.currency, Decimal(0)) + charge.cost
+    return owed

@@ -27,9 +27,18 @@ def _should_retry(error: BaseException) -> bool:
     return isinstance(error, _Retryable | httpx.TransportError)
 
 
+def stripe_form(event: dict) -> bytes:
+    """A Stripe meter event as Stripe's v1 API takes it: form-encoded, the payload as ``payload[key]`` fields."""
+    from urllib.parse import urlencode
+
+    fields = [(k, str(v)) for k, v in event.items() if k != "payload"]
+    fields += [(f"payload[{k}]", str(v)) for k, v in event["payload"].items()]
+    return urlencode(fields).encode()
+
+
 def push(url: str, bodies: list, *, content_type: str = "application/json", headers: dict[str, str] | None = None,
-         attempts: int = ATTEMPTS, wait_s: float = 0.5, timeout_s: float = 30.0) -> int:
-    """POST each body as JSON; returns the number of requests made (retries included)."""
+         attempts: int = ATTEMPTS, wait_s: float = 0.5, timeout_s: float = 30.0, encode=None) -> int:
+    """POST each body (JSON, or ``encode(body)`` bytes); returns the number of requests made (retries included)."""
     requests = 0
 
     with httpx.Client(timeout=timeout_s) as client:
@@ -39,7 +48,8 @@ def push(url: str, bodies: list, *, content_type: str = "application/json", head
         def send(body) -> None:
             nonlocal requests
             requests += 1
-            response = client.post(url, content=json.dumps(body).encode(), headers={"content-type": content_type, **(headers or {})})
+            content = encode(body) if encode is not None else json.dumps(body).encode()
+            response = client.post(url, content=content, headers={"content-type": content_type, **(headers or {})})
             if response.status_code >= 500:
                 raise _Retryable(f"HTTP {response.status_code}")
             if response.status_code >= 400:

@@ -41,6 +41,9 @@ def export(
     push_url: Annotated[str | None, typer.Option("--push", help="POST the events to this ingest URL, retrying 5xx and "
                                                  "connection errors.", metavar="URL")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be written or sent; write and send nothing.")] = False,
+    auth_env: Annotated[str | None, typer.Option("--auth-env", help="Send 'Authorization: Bearer $VAR' with --push (the "
+                                                 "receiver's API key, read from this environment variable).",
+                                                 metavar="VAR")] = None,
     event_name: Annotated[str, typer.Option(help="Stripe meter event name / Lago billable metric code.",
                                             metavar="NAME")] = "llmvisor_engine_ns",
     db: DbOption = DEFAULT_DB_URL,
@@ -58,6 +61,13 @@ def export(
     if format_ == "focus" and push_url is not None:
         raise LlmvisorError("--push sends metering events; a FOCUS export is a file (-o FILE.csv or FILE.parquet)")
     start_us, end_us = _hour_us("--start", start), _hour_us("--end", end)
+    headers = {}
+    if auth_env is not None:
+        import os
+
+        if not os.environ.get(auth_env):
+            raise LlmvisorError(f"--auth-env: the environment variable {auth_env} is not set")
+        headers["Authorization"] = f"Bearer {os.environ[auth_env]}"
     customer_ids = fmt.read_customer_map(customers)
     ledger = Ledger(db)
     try:
@@ -78,7 +88,7 @@ def export(
         sends, content_type = [bodies] if bodies else [], "application/cloudevents-batch+json"
     elif format_ == "stripe":
         bodies = fmt.stripe_events(found, customer_ids, event_name=event_name, warn=lambda line: typer.echo(line, err=True))
-        sends, content_type = bodies, "application/json"
+        sends, content_type = bodies, "application/x-www-form-urlencoded"
     else:
         bodies = fmt.lago_events(found, customer_ids, code=event_name)
         sends, content_type = fmt.lago_batches(bodies), "application/json"
@@ -92,7 +102,8 @@ def export(
         output.write_text(json.dumps(bodies, indent=1) + "\n", encoding="utf-8")
         typer.echo(f"{output}: {len(bodies)} {format_} events")
     if push_url is not None:
-        from llmvisor.billing.push import push
+        from llmvisor.billing.push import push, stripe_form
 
-        requests = push(push_url, sends, content_type=content_type)
+        requests = push(push_url, sends, content_type=content_type, headers=headers,
+                        encode=stripe_form if format_ == "stripe" else None)
         typer.echo(f"{push_url}: {len(bodies)} events sent in {len(sends)} bodies ({requests} requests with retries)")
