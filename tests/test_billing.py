@@ -183,8 +183,9 @@ def test_focus_export_passes_the_validator_and_sums_to_the_ledger(served, tmp_pa
     assert len(ratios) == 3 and set(ratios.values()) == {Decimal(1)}
 
     again = tmp_path / "again.csv"
-    assert run_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
-                   "-o", str(again)).returncode == 0
+    rerun = run_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
+                    "-o", str(again), "--json")
+    assert rerun.returncode == 0 and json.loads(rerun.stdout)["ids"] == [r["x_IdempotencyId"] for r in rows]
     assert [r["x_IdempotencyId"] for r in _read_csv(again)] == [r["x_IdempotencyId"] for r in rows]
     assert len({r["x_IdempotencyId"] for r in rows}) == len(rows)
 

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from llmvisor.cli.serve import DEFAULT_DB_URL, DbOption
+from llmvisor.cli.serve import DEFAULT_DB_URL, DbOption, JsonOption, echo_json
 from llmvisor.errors import LlmvisorError
 
 
@@ -47,6 +47,7 @@ def export(
     event_name: Annotated[str, typer.Option(help="Stripe meter event name / Lago billable metric code.",
                                             metavar="NAME")] = "llmvisor_engine_ns",
     db: DbOption = DEFAULT_DB_URL,
+    json_output: JsonOption = False,
 ) -> None:
     """Export a period's charges (usage per tenant, engine class, model version and hour, priced at the price in force;
     adjustments as their own records), each with a stable idempotency id."""
@@ -81,7 +82,10 @@ def export(
                 typer.echo(json.dumps(row))
             return
         fmt.write_focus(rows, output)
-        typer.echo(f"{output}: {len(rows)} FOCUS rows")
+        if json_output:
+            echo_json({"format": format_, "file": str(output), "records": len(rows), "ids": [r["x_IdempotencyId"] for r in rows]})
+        else:
+            typer.echo(f"{output}: {len(rows)} FOCUS rows")
         return
     if format_ == "cloudevents":
         bodies = fmt.cloudevents_json(fmt.cloudevents(found, customer_ids))
@@ -98,12 +102,17 @@ def export(
         typer.echo(f"dry run: {len(bodies)} events in {len(sends)} requests{f' to {push_url}' if push_url else ''}; nothing sent",
                    err=True)
         return
+    say = (lambda _line: None) if json_output else typer.echo
     if output is not None:
         output.write_text(json.dumps(bodies, indent=1) + "\n", encoding="utf-8")
-        typer.echo(f"{output}: {len(bodies)} {format_} events")
+        say(f"{output}: {len(bodies)} {format_} events")
+    requests = 0
     if push_url is not None:
         from llmvisor.billing.push import push, stripe_form
 
         requests = push(push_url, sends, content_type=content_type, headers=headers,
                         encode=stripe_form if format_ == "stripe" else None)
-        typer.echo(f"{push_url}: {len(bodies)} events sent in {len(sends)} bodies ({requests} requests with retries)")
+        say(f"{push_url}: {len(bodies)} events sent in {len(sends)} bodies ({requests} requests with retries)")
+    if json_output:
+        echo_json({"format": format_, "file": None if output is None else str(output), "records": len(bodies),
+                   "pushed_to": push_url, "bodies_sent": len(sends) if push_url else 0, "requests": requests})
