@@ -456,6 +456,8 @@ def test_tenant_cost_sums_the_charges_per_currency(served):
     ledger.close()
     assert found and owed == {"USD": sum(c.cost for c in found)}
     assert all(c.tenant == "tenant-1" for c in found)
+    everyone = {c.idempotency_id for c in charges(Ledger(served), PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000)}
+    assert {c.idempotency_id for c in found} < everyone  # a tenant's export is a subset with the same ids
 
 
 @pytest.mark.parametrize("args, reason", [
