@@ -35,6 +35,11 @@ ADAPTERS: dict[str, dict[str, tuple[str, str, tuple[str, ...]]]] = {
         "load": ("llmvisor.cli.load", "load", ("service",)),
         "refit": ("llmvisor.cli.models", "refit", ("service",)),
         "adjust": ("llmvisor.cli.models", "adjust", ("service",)),
+        "export": ("llmvisor.cli.export", "export", ("service", "export")),
+    },
+    "prices": {
+        "add": ("llmvisor.cli.prices", "prices_add", ("service",)),
+        "list": ("llmvisor.cli.prices", "prices_list", ("service",)),
     },
     "models": {
         "add": ("llmvisor.cli.models", "models_add", ("service",)),
@@ -197,6 +202,8 @@ ledger_app = typer.Typer(cls=adapter_group("ledger"), help="The accounting servi
 app.add_typer(ledger_app, name="ledger")
 models_app = typer.Typer(cls=adapter_group("models"), help="Fitted models per engine class (the service's registry).", no_args_is_help=True, **TYPER_SETTINGS)
 app.add_typer(models_app, name="models")
+prices_app = typer.Typer(cls=adapter_group("prices"), help="Prices per engine class (the price book).", no_args_is_help=True, **TYPER_SETTINGS)
+app.add_typer(prices_app, name="prices")
 experiment_app = typer.Typer(cls=adapter_group("experiment"), help="Experiments on the real engine.", no_args_is_help=True, **TYPER_SETTINGS)
 app.add_typer(experiment_app, name="experiment")
 

@@ -2,7 +2,8 @@
 
 Schema 1 (a row per slice) is re-ingested step by step; schema 2 (no engine classes) is copied table by table,
 its steps marked as attributed by the default model of no class; schema 3 is copied table by table as it is.
-Schema 4's received step-id ranges (``step_ranges``) are built from the copied steps.
+Schema 4's received step-id ranges (``step_ranges``) are built from the copied steps. Schema 4 is copied table by
+table into schema 5, which only adds tables (billing's ``prices``).
 
 A copy rather than an upgrade in place: nothing already stored can be damaged by a migration that stops
 half way, the two can be compared afterwards, and the copy may go to another database (SQLite to
@@ -242,7 +243,9 @@ def migrate(source_url: str, target_url: str, **kwargs) -> MigrationReport:
         return migrate_schema_1(source_url, target_url, **kwargs)
     if version in ("2", "3"):
         return migrate_schema_2(source_url, target_url, progress=kwargs.get("progress"))
-    raise LedgerError(f"{source_name}: ledger schema version {version}; versions 1, 2 and 3 are migrated")
+    if version == "4":
+        return migrate_schema_4(source_url, target_url)
+    raise LedgerError(f"{source_name}: ledger schema version {version}; versions 1, 2, 3 and 4 are migrated")
 
 
 _schema_3 = MetaData()
@@ -377,3 +380,54 @@ def _check_copy(target: Ledger, expected, target_name: str) -> None:
     ]
     if mismatches:
         raise LedgerError(f"the copy in {target_name} does not match its source ({'; '.join(mismatches)}); do not use it")
+
+
+# --- schema 4 -> 5: billing adds tables only; every schema-4 table is copied as it is ------------------------------
+SCHEMA_5_BILLING_TABLES = ("prices",)
+"""Tables schema 5 added for billing (nothing to copy from schema 4)."""
+
+
+def migrate_schema_4(source_url: str, target_url: str) -> MigrationReport:
+    """Copy every table of a schema-4 ledger into an empty current one, rows as they are (slice batch ids too, the
+    steps refer to them), then check the totals as the other steps do."""
+    source, source_name, version = _read_version(source_url)
+    if version != "4":
+        source.dispose()
+        raise LedgerError(f"{source_name}: ledger schema version {version}; expected version 4")
+    from llmvisor.ledger.schema import metadata
+
+    tables = [t for t in metadata.sorted_tables if t.name not in (*SCHEMA_5_BILLING_TABLES, ledger_info.name)]
+    target = Ledger(target_url)
+    target_name = target.safe_url
+    try:
+        with source.connect() as conn:
+            n_steps, measured = conn.execute(
+                select(func.count(), func.coalesce(func.sum(steps.c.measured_ns), 0)).where(steps.c.pending.is_(False))).one()
+            n_slices, attributed = conn.execute(select(func.coalesce(func.sum(usage_per_second.c.num_slices), 0),
+                                                       func.coalesce(func.sum(usage_per_second.c.attributed_ns), 0))).one()
+            per_tenant = {t: int(ns) for t, ns in conn.execute(
+                select(usage_per_second.c.tenant, func.sum(usage_per_second.c.attributed_ns)).group_by(usage_per_second.c.tenant))}
+            n_keys = conn.execute(select(func.count()).select_from(api_keys)).scalar_one()
+        expected = MigrationReport(int(n_steps), int(n_slices), int(measured), int(attributed), int(n_keys), per_tenant)
+        before = target.totals()
+        if before.num_steps or before.pending_steps or target.list_keys():
+            raise LedgerError(f"{target_name}: the target of a migration must be an empty ledger")
+        with source.connect() as read, target.write_transaction() as write:
+            for table in tables:
+                chunk: list[dict] = []
+                for row in read.execution_options(stream_results=True, yield_per=1000).execute(select(table)):
+                    chunk.append(dict(row._mapping))
+                    if len(chunk) >= 1000:
+                        write.execute(insert(table), chunk)
+                        chunk = []
+                if chunk:
+                    write.execute(insert(table), chunk)
+            if target.backend == "postgresql":  # ids were copied: the sequence continues after them
+                write.exec_driver_sql("SELECT setval(pg_get_serial_sequence('slice_batches', 'batch_id'), "
+                                      "COALESCE((SELECT MAX(batch_id) FROM slice_batches), 0) + 1, false)")
+        _check_copy(target, expected, target_name)
+    finally:
+        target.close()
+        source.dispose()
+    return expected
+# --- end of schema 4 -> 5 -----------------------------------------------------------------------------------------

@@ -26,6 +26,10 @@ query over a few rows per run instead of a scan of its steps (`Ledger.run_gaps`)
 corrections of past bills: when a later model version of a class prices a period better, ``llmvisor adjust``
 writes one entry per tenant and period, the re-attributed minus the billed time, naming both model versions. A
 bill already written is never rewritten; usage plus its adjustments is what the tenant owes.
+
+Schema 5 (billing, `llmvisor.billing`) adds ``prices``: a price book per engine class, versioned like the models. Each
+version is in force from ``valid_from_us`` on (until a later one of the class starts), so usage becomes cost with the
+price of its time; prices are exact decimal strings, never floats.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from sqlalchemy import (
     Text,
 )
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 USAGE_RESOLUTION_US = 1_000_000
 """Usage is kept per second of step start, so usage queries take time ranges in whole seconds."""
 
@@ -163,3 +167,21 @@ adjustments = Table(
     Column("created_at_us", BigInteger, nullable=False),
     Index("ix_adjustments_tenant", "tenant"),
 )
+
+# --- schema 5: billing (price book) -------------------------------------------------------------------------------
+prices = Table(
+    "prices",
+    metadata,
+    Column("engine_class", Text, primary_key=True),
+    Column("version", Integer, primary_key=True, autoincrement=False),
+    Column("valid_from_us", BigInteger, nullable=False, doc="in force for usage at or after this (a whole hour)"),
+    Column("currency", String(3), nullable=False, doc="ISO 4217 code"),
+    Column("engine_hour_price", Text, nullable=False, doc="price per engine-hour, an exact decimal string"),
+    Column("prompt_token_price", Text, nullable=True, doc="price per prompt token (decimal string), if any"),
+    Column("output_token_price", Text, nullable=True, doc="price per output token (decimal string), if any"),
+    Column("cached_token_discount", Text, nullable=True, doc="fraction off the prompt-token price for cached tokens"),
+    Column("source", Text, nullable=False, doc="the price file it came from"),
+    Column("created_at_us", BigInteger, nullable=False),
+    Index("ix_prices_class_valid_from", "engine_class", "valid_from_us"),
+)
+# --- end of schema 5: billing -------------------------------------------------------------------------------------

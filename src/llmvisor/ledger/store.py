@@ -594,6 +594,12 @@ class Ledger:
         with self._read_engine.begin() as conn:
             yield conn
 
+    @contextmanager
+    def read_transaction(self) -> Iterator[Connection]:
+        """One read transaction, for queries kept beside their domain (``llmvisor.billing``)."""
+        with self._read() as conn:
+            yield conn
+
     # -----------------------------------------------------------------------------------------------------
     # Ingest
 

@@ -1,0 +1,144 @@
+"""Charges: a tenant's engine time per engine class, model version and hour, with its cost at the price in force,
+and adjustments as charges of their own. What every export format writes, so all formats sum alike.
+
+Usage is kept per request per second (``usage_per_second``); the engine class and model version of a run's second
+come from its steps. Should one second of a run have steps billed by two model versions (an activation inside
+that second), its usage is charged under the higher version; the time is the same either way.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from decimal import Decimal
+
+from sqlalchemy import and_, func, select
+
+from llmvisor.billing.prices import US_PER_HOUR, Price, PriceBook, PriceError, cost_of
+from llmvisor.errors import LlmvisorError
+from llmvisor.ledger import Ledger
+from llmvisor.ledger.schema import steps, usage_per_second
+
+ID_NAMESPACE = uuid.UUID("5b0e7a52-3c1d-4e2a-9f47-6c6c6d766973")
+"""Namespace of the idempotency ids (uuid5): fixed, so the same charge gets the same id on every export."""
+DEFAULT_MODEL_VERSION = 0
+"""Model version of steps billed by the service's default model (NULL in the ledger)."""
+
+
+@dataclass(frozen=True)
+class Charge:
+    """One tenant's charge for one engine class, model version and period: usage or an adjustment."""
+
+    kind: str  # "usage" or "adjustment"
+    tenant: str
+    engine_class: str
+    model_version: int  # usage: the version that billed it (0: default model); adjustment: the version re-attributing
+    period_start_us: int
+    period_end_us: int
+    attributed_ns: int  # an adjustment's delta (negative: a credit)
+    num_new_tokens: int
+    price: Price | None
+    cost: Decimal | None
+    allocated_ratio: Decimal | None = None  # usage: this tenant's share of the class's time in the period
+    from_versions: str = ""  # adjustment: the versions that billed the period
+
+    @property
+    def idempotency_id(self) -> str:
+        """Stable id of (kind, tenant, period, engine class, model version): a re-export gives the same id."""
+        key = "|".join((self.kind, self.tenant, str(self.period_start_us), str(self.period_end_us), self.engine_class,
+                        str(self.model_version), self.from_versions))
+        return str(uuid.uuid5(ID_NAMESPACE, key))
+
+
+def _apportion(parts: list[int], digits: int = 12) -> list[Decimal]:
+    """Ratios ``part/total`` to ``digits`` decimals that sum to exactly 1 (largest remainder)."""
+    total = sum(parts)
+    unit = 10**digits
+    floors = [p * unit // total for p in parts]
+    rest = unit - sum(floors)
+    order = sorted(range(len(parts)), key=lambda k: (-(parts[k] * unit - floors[k] * total), k))
+    for k in order[:rest]:
+        floors[k] += 1
+    return [Decimal(f).scaleb(-digits) for f in floors]
+
+
+def usage_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str] | None = None,
+                  book: PriceBook | None = None) -> list[Charge]:
+    """Hourly usage charges of [start_us, end_us) (whole hours), each priced with the class's price in force at the
+    hour's start (a charge without a price has cost None), ordered by hour, class, version, tenant."""
+    if start_us % US_PER_HOUR or end_us % US_PER_HOUR or end_us <= start_us:
+        raise LlmvisorError("the export period must start and end on whole UTC hours, the end after the start")
+    book = book if book is not None else PriceBook.load(ledger)
+    second = (steps.c.timestamp_us // 1_000_000) * 1_000_000
+    run_second = (
+        select(steps.c.run_id, second.label("second_us"), func.min(steps.c.engine_class).label("engine_class"),
+               func.max(func.coalesce(steps.c.model_version, DEFAULT_MODEL_VERSION)).label("model_version"))
+        .where(and_(steps.c.timestamp_us >= start_us, steps.c.timestamp_us < end_us))
+        .group_by(steps.c.run_id, second)
+        .subquery()
+    )
+    u = usage_per_second
+    hour = ((u.c.second_us // US_PER_HOUR) * US_PER_HOUR).label("hour_us")
+    query = (
+        select(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant, func.sum(u.c.attributed_ns),
+               func.sum(u.c.num_new_tokens))
+        .join(run_second, and_(run_second.c.run_id == u.c.run_id, run_second.c.second_us == u.c.second_us))
+        .where(and_(u.c.second_us >= start_us, u.c.second_us < end_us))
+        .group_by(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant)
+        .order_by(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant)
+    )
+    with ledger.read_transaction() as conn:
+        rows = [(int(h), c, int(v), t, int(ns), int(tok)) for h, c, v, t, ns, tok in conn.execute(query)]
+    groups: dict[tuple[int, str], list[int]] = {}
+    for k, (h, c, _v, _t, _ns, _tok) in enumerate(rows):
+        groups.setdefault((h, c), []).append(k)
+    ratios: dict[int, Decimal] = {}
+    for members in groups.values():
+        parts = [rows[k][4] for k in members]
+        if sum(parts) > 0:
+            ratios.update(zip(members, _apportion(parts)))
+    wanted = None if tenants is None else set(tenants)
+    charges = []
+    for k, (h, c, v, t, ns, tok) in enumerate(rows):
+        if wanted is not None and t not in wanted:
+            continue
+        price = book.price_at(c, h)
+        charges.append(Charge("usage", t, c, v, h, h + US_PER_HOUR, ns, tok, price,
+                              None if price is None else cost_of(ns, price), ratios.get(k)))
+    return charges
+
+
+def adjustment_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str] | None = None,
+                       book: PriceBook | None = None) -> list[Charge]:
+    """Adjustment entries whose period starts in [start_us, end_us), priced at the price in force at the period's
+    start; a period across a price change of its class is refused (its cost would be undefined)."""
+    book = book if book is not None else PriceBook.load(ledger)
+    wanted = None if tenants is None else set(tenants)
+    charges = []
+    for row in ledger.adjustment_rows():
+        if not start_us <= row.period_start_us < end_us or (wanted is not None and row.tenant not in wanted):
+            continue
+        if book.changes_within(row.engine_class, row.period_start_us, row.period_end_us):
+            raise PriceError(f"adjustment of engine class {row.engine_class!r} for [{row.period_start_us / 1e6:.0f}, "
+                             f"{row.period_end_us / 1e6:.0f}) spans a price change; it cannot be priced")
+        price = book.price_at(row.engine_class, row.period_start_us)
+        charges.append(Charge("adjustment", row.tenant, row.engine_class, row.to_version, row.period_start_us,
+                              row.period_end_us, row.delta_ns, 0, price, None if price is None else cost_of(row.delta_ns, price),
+                              from_versions=row.from_versions))
+    return charges
+
+
+def charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str] | None = None) -> list[Charge]:
+    """Usage charges, then adjustment charges, of a period (the two functions above)."""
+    book = PriceBook.load(ledger)
+    return usage_charges(ledger, start_us, end_us, tenants, book) + adjustment_charges(ledger, start_us, end_us, tenants, book)
+
+
+def tenant_cost(ledger: Ledger, tenant: str, start_us: int, end_us: int) -> dict[str, Decimal]:
+    """What one tenant owes for a period, per currency: the sum of its charges' costs (usage and adjustments, each
+    rounded by ``cost_of``). Unpriced charges add nothing; for a usage page or a caller's own bill."""
+    owed: dict[str, Decimal] = {}
+    for charge in charges(ledger, start_us, end_us, [tenant]):
+        if charge.cost is not None:
+            owed[charge.price.currency] = owed.get(charge.price.currency, Decimal(0)) + charge.cost
+    return owed

@@ -1,0 +1,250 @@
+"""Charges in the records billing and FinOps tools read: FOCUS rows (CSV, Parquet), CloudEvents for OpenMeter,
+Stripe meter events and Lago events. Each record carries its charge's idempotency id, so a re-export never
+double-bills. Metering events carry engine time in integer nanoseconds (``engine_ns``), exact."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+
+from llmvisor.billing.charges import Charge
+from llmvisor.errors import LlmvisorError
+
+SERVICE_NAME = "llmvisor"
+EVENT_TYPE = "llmvisor.engine_time"
+EVENT_SOURCE = "llmvisor"
+STRIPE_MAX_AGE_S = 35 * 86400
+"""Stripe accepts meter events whose timestamp is at most 35 days old."""
+LAGO_BATCH = 100
+"""Lago's batch endpoint takes at most 100 events per request."""
+ALLOCATION_METHOD_ID = "llmvisor-step-latency-split"
+FORMATS = ("focus", "cloudevents", "stripe", "lago")
+
+
+def _iso(us: int) -> str:
+    return datetime.fromtimestamp(us / 1e6, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _month_bounds(us: int) -> tuple[str, str]:
+    moment = datetime.fromtimestamp(us / 1e6, tz=UTC)
+    start = moment.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    end = start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
+    return start.strftime("%Y-%m-%dT%H:%M:%SZ"), end.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _seconds(ns: int) -> str:
+    """Nanoseconds as exact decimal seconds."""
+    return str(Decimal(int(ns)).scaleb(-9))
+
+
+def _hours(ns: int) -> str:
+    return str(Decimal(int(ns)) / Decimal(3_600_000_000_000))
+
+
+def read_customer_map(path: Path | None) -> dict[str, str]:
+    """Tenant → customer id from a JSON object file (``{"tenant": "cus_..."}``); a tenant not in it is its own id."""
+    if path is None:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise LlmvisorError(f"{path}: cannot read the customer map ({error.strerror})") from None
+    except json.JSONDecodeError as error:
+        raise LlmvisorError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) and v for k, v in data.items()):
+        raise LlmvisorError(f"{path}: expected a JSON object of tenant name to customer id (non-empty strings)")
+    return data
+
+
+def _customer(charge: Charge, customers: dict[str, str]) -> str:
+    return customers.get(charge.tenant, charge.tenant)
+
+
+# FOCUS --------------------------------------------------------------------------------------------------------------
+
+FOCUS_COLUMNS = (
+    "AvailabilityZone", "BilledCost", "BillingAccountId", "BillingAccountName", "BillingCurrency", "BillingPeriodEnd",
+    "BillingPeriodStart", "ChargeCategory", "ChargeClass", "ChargeDescription", "ChargeFrequency", "ChargePeriodEnd",
+    "ChargePeriodStart", "CommitmentDiscountCategory", "CommitmentDiscountId", "CommitmentDiscountName",
+    "CommitmentDiscountStatus", "CommitmentDiscountType", "ConsumedQuantity", "ConsumedUnit", "ContractedCost",
+    "ContractedUnitPrice", "EffectiveCost", "InvoiceIssuer", "ListCost", "ListUnitPrice", "PricingCategory",
+    "PricingQuantity", "PricingUnit", "Provider", "Publisher", "RegionId", "RegionName", "ResourceId", "ResourceName",
+    "ResourceType", "ServiceCategory", "ServiceName", "SkuId", "SkuPriceId", "SubAccountId", "SubAccountName", "Tags",
+    "AllocatedMethodId", "AllocatedMethodDetails",
+    "x_IdempotencyId", "x_EngineClass", "x_ModelVersion", "x_AttributedNs", "x_NewTokens", "x_AdjustedFromVersions",
+)
+"""FOCUS 1.0's columns, the 1.3 split-cost allocation columns, and llmvisor's own (``x_``). ``ResourceId`` is the
+spec's spelling; the 1.0 validator checks ``ResourceID``, which the CSV carries as well (same value)."""
+
+
+def focus_rows(charges: list[Charge], *, billing_account: str = "llmvisor") -> list[dict]:
+    """One FOCUS row per charge. Only priced charges can be rows (BilledCost is never null): unpriced ones are refused."""
+    unpriced = [c for c in charges if c.price is None]
+    if unpriced:
+        c = unpriced[0]
+        raise LlmvisorError(f"engine class {c.engine_class!r} has no price in force at {_iso(c.period_start_us)}; add one "
+                            f"(llmvisor prices add FILE) before a FOCUS export ({len(unpriced)} charges unpriced)")
+    rows = []
+    for c in charges:
+        billing_start, billing_end = _month_bounds(c.period_start_us)
+        usage = c.kind == "usage"
+        version = "default model" if c.model_version == 0 else f"model v{c.model_version}"
+        details = None
+        if usage and c.allocated_ratio is not None:
+            details = json.dumps({"Elements": [{"AllocatedRatio": str(c.allocated_ratio), "UsageQuantity": _seconds(c.attributed_ns),
+                                                "UsageUnit": "Engine-Seconds", "SubAccountId": c.tenant}]}, separators=(",", ":"))
+        resource = f"llmvisor/engine-class/{c.engine_class or 'none'}"
+        rows.append({
+            "AvailabilityZone": None,
+            "BilledCost": str(c.cost),
+            "BillingAccountId": billing_account,
+            "BillingAccountName": billing_account,
+            "BillingCurrency": c.price.currency,
+            "BillingPeriodEnd": billing_end,
+            "BillingPeriodStart": billing_start,
+            "ChargeCategory": "Usage" if usage else "Adjustment",
+            "ChargeClass": None if usage else "Correction",
+            "ChargeDescription": (f"engine time on engine class {c.engine_class or '(none)'}, attributed by the {version}"
+                                  if usage else f"correction of the bill by model v{c.model_version} (billed by {c.from_versions})"),
+            "ChargeFrequency": "Usage-Based",
+            "ChargePeriodEnd": _iso(c.period_end_us),
+            "ChargePeriodStart": _iso(c.period_start_us),
+            "CommitmentDiscountCategory": None,
+            "CommitmentDiscountId": None,
+            "CommitmentDiscountName": None,
+            "CommitmentDiscountStatus": None,
+            "CommitmentDiscountType": None,
+            "ConsumedQuantity": _seconds(c.attributed_ns) if usage else None,
+            "ConsumedUnit": "Engine-Seconds" if usage else None,
+            "ContractedCost": str(c.cost),
+            "ContractedUnitPrice": str(c.price.engine_hour_price),
+            "EffectiveCost": str(c.cost),
+            "InvoiceIssuer": billing_account,
+            "ListCost": str(c.cost),
+            "ListUnitPrice": str(c.price.engine_hour_price),
+            "PricingCategory": "Standard",
+            "PricingQuantity": _hours(c.attributed_ns),
+            "PricingUnit": "Engine-Hours",
+            "Provider": billing_account,
+            "Publisher": billing_account,
+            "RegionId": None,
+            "RegionName": None,
+            "ResourceId": resource,
+            "ResourceName": f"engine class {c.engine_class or '(none)'}",
+            "ResourceType": "LLM engine class",
+            "ServiceCategory": "AI and Machine Learning",
+            "ServiceName": SERVICE_NAME,
+            "SkuId": f"engine-hour/{c.engine_class or 'none'}",
+            "SkuPriceId": f"engine-hour/{c.engine_class or 'none'}/v{c.price.version}",
+            "SubAccountId": c.tenant,
+            "SubAccountName": c.tenant,
+            "Tags": json.dumps({"llmvisor/engine_class": c.engine_class, "llmvisor/model_version": str(c.model_version)},
+                               separators=(",", ":")),
+            "AllocatedMethodId": ALLOCATION_METHOD_ID if details else None,
+            "AllocatedMethodDetails": details,
+            "x_IdempotencyId": c.idempotency_id,
+            "x_EngineClass": c.engine_class,
+            "x_ModelVersion": c.model_version,
+            "x_AttributedNs": c.attributed_ns,
+            "x_NewTokens": c.num_new_tokens,
+            "x_AdjustedFromVersions": c.from_versions or None,
+        })
+    return rows
+
+
+def write_focus(rows: list[dict], path: Path) -> None:
+    """FOCUS rows as CSV (``.csv``) or Parquet (``.parquet``); CSV also carries ``ResourceID`` (module note)."""
+    import pyarrow as pa
+
+    path = Path(path)
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        columns = {name: [row[name] for row in rows] for name in FOCUS_COLUMNS}
+        table = pa.table({name: pa.array(values, type=pa.int64() if name in ("x_ModelVersion", "x_AttributedNs", "x_NewTokens")
+                                          else pa.string()) for name, values in columns.items()})
+        pq.write_table(table, path)
+        return
+    if path.suffix.lower() != ".csv":
+        raise LlmvisorError(f"{path}: a FOCUS export is written as .csv or .parquet")
+    import csv
+
+    names = [*FOCUS_COLUMNS, "ResourceID"]
+    with path.open("w", newline="", encoding="utf-8") as out:
+        writer = csv.DictWriter(out, fieldnames=names)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({name: ("" if value is None else value) for name, value in {**row, "ResourceID": row["ResourceId"]}.items()})
+
+
+# Metering events ----------------------------------------------------------------------------------------------------
+
+def _data(c: Charge) -> dict:
+    data = {"engine_ns": c.attributed_ns, "engine_class": c.engine_class, "model_version": c.model_version, "kind": c.kind,
+            "period_start": _iso(c.period_start_us), "period_end": _iso(c.period_end_us), "new_tokens": c.num_new_tokens}
+    if c.cost is not None:
+        data.update(cost=str(c.cost), currency=c.price.currency)
+    if c.kind == "adjustment":
+        data["adjusted_from_versions"] = c.from_versions
+    return data
+
+
+def cloudevents(charges: list[Charge], customers: dict[str, str]) -> list:
+    """CloudEvents 1.0 (OpenMeter's ingest format), built with the ``cloudevents`` SDK (its v1 event class, which
+    validates the attributes)."""
+    from cloudevents.core.v1.event import CloudEvent
+
+    return [CloudEvent({"id": c.idempotency_id, "type": EVENT_TYPE, "source": EVENT_SOURCE, "subject": _customer(c, customers),
+                        "time": datetime.fromtimestamp(c.period_start_us / 1e6, tz=UTC), "datacontenttype": "application/json",
+                        "specversion": "1.0"}, _data(c))
+            for c in charges]
+
+
+def cloudevents_json(events: list) -> list[dict]:
+    """Structured-mode JSON of each event (the SDK's JSON format), as OpenMeter's batch ingest takes them."""
+    from cloudevents.core.formats.json import JSONFormat
+
+    writer = JSONFormat()
+    return [json.loads(writer.write(event)) for event in events]
+
+
+def stripe_events(charges: list[Charge], customers: dict[str, str], *, event_name: str = "llmvisor_engine_ns",
+                  now_s: float | None = None, warn=None) -> list[dict]:
+    """Stripe meter events: ``value`` is engine nanoseconds as a whole-number string. Stripe takes no negative values,
+    so a credit (an adjustment below 0) is left out with one warning line (issue a credit note for it); events more
+    than 35 days old are warned about in one line (Stripe refuses them)."""
+    warn = warn or (lambda line: print(line, file=sys.stderr))
+    now_s = time.time() if now_s is None else now_s
+    events, credits, old = [], [], 0
+    for c in charges:
+        if c.attributed_ns < 0:
+            credits.append(c)
+            continue
+        if c.attributed_ns == 0:
+            continue
+        timestamp = c.period_start_us // 1_000_000
+        old += now_s - timestamp > STRIPE_MAX_AGE_S
+        events.append({"event_name": event_name, "identifier": c.idempotency_id, "timestamp": timestamp,
+                       "payload": {"stripe_customer_id": _customer(c, customers), "value": str(c.attributed_ns)}})
+    if credits:
+        warn(f"stripe: {len(credits)} credits ({sum(c.attributed_ns for c in credits)} ns) left out: meter events take no "
+             "negative values; issue them as credit notes")
+    if old:
+        warn(f"stripe: {old} events are more than 35 days old; Stripe refuses them")
+    return events
+
+
+def lago_events(charges: list[Charge], customers: dict[str, str], *, code: str = "llmvisor_engine_ns") -> list[dict]:
+    """Lago events (``transaction_id`` is Lago's idempotency key), one per charge, credits as negative values."""
+    return [{"transaction_id": c.idempotency_id, "external_subscription_id": _customer(c, customers), "code": code,
+             "timestamp": c.period_start_us // 1_000_000, "properties": {**_data(c), "engine_ns": c.attributed_ns}}
+            for c in charges]
+
+
+def lago_batches(events: list[dict]) -> list[dict]:
+    """Lago batch bodies of at most ``LAGO_BATCH`` events."""
+    return [{"events": events[k:k + LAGO_BATCH]} for k in range(0, len(events), LAGO_BATCH)]

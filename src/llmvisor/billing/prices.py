@@ -1,0 +1,232 @@
+"""The price book: per engine class, a price per engine-hour (and optional per-token prices), versioned in the
+ledger with a time from which each version is in force, so usage becomes cost with the price of its time.
+
+Money is exact: prices are kept as decimal strings and costs are computed as exact fractions, then rounded once
+per charge (one tenant, one engine class, one model version, one charge period) half-to-even to the currency's
+minor unit (the cent: 2 decimals). ``cost_of`` is that rule, written once.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+from pathlib import Path
+
+from sqlalchemy import func, insert, select
+
+from llmvisor.errors import LlmvisorError
+from llmvisor.ledger import Ledger
+from llmvisor.ledger.schema import prices
+from llmvisor.ledger.store import now_us
+
+NS_PER_HOUR = 3_600_000_000_000
+US_PER_HOUR = 3_600_000_000
+MINOR_UNIT_DIGITS = 2
+"""Costs are rounded to the cent (2 decimals), half to even, once per charge."""
+
+
+class PriceError(LlmvisorError):
+    """A price file or price entry that cannot be used as given."""
+
+
+@dataclass(frozen=True)
+class Price:
+    """One version of one engine class's price, in force from ``valid_from_us`` until the class's next one."""
+
+    engine_class: str
+    version: int
+    valid_from_us: int
+    currency: str
+    engine_hour_price: Decimal
+    prompt_token_price: Decimal | None = None
+    output_token_price: Decimal | None = None
+    cached_token_discount: Decimal | None = None
+    source: str = ""
+    created_at_us: int = 0
+
+    def to_dict(self) -> dict:
+        def text(value):
+            return None if value is None else str(value)
+
+        return {"engine_class": self.engine_class, "version": self.version, "valid_from_us": self.valid_from_us,
+                "currency": self.currency, "engine_hour_price": str(self.engine_hour_price),
+                "prompt_token_price": text(self.prompt_token_price), "output_token_price": text(self.output_token_price),
+                "cached_token_discount": text(self.cached_token_discount), "source": self.source,
+                "created_at_us": self.created_at_us}
+
+
+def cost_of(attributed_ns: int, price: Price) -> Decimal:
+    """Engine time's cost at ``price``: ``attributed_ns / NS_PER_HOUR × engine_hour_price``, computed exactly and
+    rounded half to even to the cent (``MINOR_UNIT_DIGITS``). Negative time (an adjustment's credit) gives a
+    negative cost, rounded the same way."""
+    exact = Fraction(int(attributed_ns)) * Fraction(price.engine_hour_price) / NS_PER_HOUR
+    minor = round(exact * 10**MINOR_UNIT_DIGITS)  # round() of a Fraction is exact and half to even
+    return Decimal(minor).scaleb(-MINOR_UNIT_DIGITS)
+
+
+def _decimal(source: str, field: str, value, *, required: bool, at_most_one: bool = False) -> Decimal | None:
+    if value is None:
+        if required:
+            raise PriceError(f"{source}: {field} is required")
+        return None
+    if isinstance(value, float):
+        raise PriceError(f"{source}: {field} must be written as a string or an integer (\"0.25\"), not a float, so that "
+                         "the price is exact")
+    try:
+        number = Decimal(str(value).strip())
+    except InvalidOperation:
+        raise PriceError(f"{source}: {field} must be a decimal number, got {value!r}") from None
+    if not number.is_finite() or number < 0 or (at_most_one and number > 1):
+        raise PriceError(f"{source}: {field} must be a finite number at least 0{' and at most 1' if at_most_one else ''}, "
+                         f"got {value!r}")
+    return number
+
+
+def _valid_from_us(source: str, value) -> int:
+    from datetime import UTC, datetime
+
+    if isinstance(value, datetime):  # TOML datetimes arrive parsed
+        moment = value
+    elif isinstance(value, int) and not isinstance(value, bool):
+        moment = datetime.fromtimestamp(value, tz=UTC)
+    elif isinstance(value, str):
+        try:
+            moment = datetime.fromisoformat(value.strip())
+        except ValueError:
+            raise PriceError(f"{source}: valid_from must be an ISO 8601 time or Unix seconds, got {value!r}") from None
+    else:
+        raise PriceError(f"{source}: valid_from must be an ISO 8601 time or Unix seconds, got {value!r}")
+    moment = moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+    seconds = moment.timestamp()
+    if seconds < 0 or seconds % 3600:
+        raise PriceError(f"{source}: valid_from {value!r} must be a whole UTC hour at or after 1970 (charges are hourly)")
+    return int(seconds) * 1_000_000
+
+
+def read_price_file(path: Path) -> list[Price]:
+    """Entries of a TOML or JSON price file: ``[[price]]`` tables (TOML) or ``{"prices": [...]}`` (JSON), each with
+    ``engine_class``, ``currency``, ``engine_hour_price``, ``valid_from`` and optional ``prompt_token_price``,
+    ``output_token_price``, ``cached_token_discount``. Versions are given when stored."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise PriceError(f"{path}: cannot read the price file ({error.strerror})") from None
+    try:
+        if path.suffix.lower() == ".toml":
+            data = tomllib.loads(text)
+            entries = data.get("price")
+        else:
+            data = json.loads(text)
+            entries = data.get("prices") if isinstance(data, dict) else None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
+        raise PriceError(f"{path}: not valid {'TOML' if path.suffix.lower() == '.toml' else 'JSON'} ({error})") from None
+    key = "[[price]] tables" if path.suffix.lower() == ".toml" else 'a "prices" list'
+    if not isinstance(entries, list) or not entries:
+        raise PriceError(f"{path}: expected {key}, one per engine class and start time")
+    return parse_prices(entries, str(path), source=path.name)
+
+
+def parse_prices(entries: list, where_prefix: str, *, source: str) -> list[Price]:
+    """Price entries (dicts of the price file's fields) checked and parsed; errors name ``where_prefix`` and the entry."""
+    known = {"engine_class", "currency", "engine_hour_price", "valid_from", "prompt_token_price", "output_token_price",
+             "cached_token_discount"}
+    out = []
+    for k, entry in enumerate(entries, start=1):
+        where = f"{where_prefix} price {k}"
+        if not isinstance(entry, dict):
+            raise PriceError(f"{where}: expected a table of fields")
+        unknown = sorted(set(entry) - known)
+        if unknown:
+            raise PriceError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        engine_class = entry.get("engine_class")
+        if not isinstance(engine_class, str):
+            raise PriceError(f"{where}: engine_class must be a string (an engine fingerprint id; '' for steps without one)")
+        currency = entry.get("currency")
+        if not isinstance(currency, str) or len(currency) != 3 or not currency.isalpha() or not currency.isupper():
+            raise PriceError(f"{where}: currency must be a three-letter ISO 4217 code such as \"USD\", got {currency!r}")
+        if "valid_from" not in entry:
+            raise PriceError(f"{where}: valid_from is required (the whole UTC hour the price is in force from)")
+        out.append(Price(
+            engine_class=engine_class, version=0, valid_from_us=_valid_from_us(where, entry["valid_from"]), currency=currency,
+            engine_hour_price=_decimal(where, "engine_hour_price", entry.get("engine_hour_price"), required=True),
+            prompt_token_price=_decimal(where, "prompt_token_price", entry.get("prompt_token_price"), required=False),
+            output_token_price=_decimal(where, "output_token_price", entry.get("output_token_price"), required=False),
+            cached_token_discount=_decimal(where, "cached_token_discount", entry.get("cached_token_discount"), required=False,
+                                           at_most_one=True),
+            source=source,
+        ))
+    return out
+
+
+def add_prices(ledger: Ledger, entries: list[Price]) -> list[Price]:
+    """Store each entry as the next version of its class (one transaction); returns them with their versions.
+    A class's prices share one currency (a bill is in one currency)."""
+    stored = []
+    created = now_us()
+    with ledger.write_transaction() as conn:
+        for entry in entries:
+            currency = conn.execute(select(prices.c.currency).where(prices.c.engine_class == entry.engine_class).limit(1)).scalar()
+            if currency is not None and currency != entry.currency:
+                raise PriceError(f"{entry.source}: engine class {entry.engine_class!r} is priced in {currency}, not "
+                                 f"{entry.currency}; nothing was stored")
+            version = (conn.execute(select(func.max(prices.c.version)).where(prices.c.engine_class == entry.engine_class))
+                       .scalar() or 0) + 1
+            row = Price(**{**entry.__dict__, "version": version, "created_at_us": created})
+            conn.execute(insert(prices).values(
+                engine_class=row.engine_class, version=row.version, valid_from_us=row.valid_from_us, currency=row.currency,
+                engine_hour_price=str(row.engine_hour_price),
+                prompt_token_price=None if row.prompt_token_price is None else str(row.prompt_token_price),
+                output_token_price=None if row.output_token_price is None else str(row.output_token_price),
+                cached_token_discount=None if row.cached_token_discount is None else str(row.cached_token_discount),
+                source=row.source, created_at_us=row.created_at_us,
+            ))
+            stored.append(row)
+    return stored
+
+
+def list_prices(ledger: Ledger, engine_class: str | None = None) -> list[Price]:
+    """Every stored price version, by class, then start time, then version."""
+    query = select(prices)
+    if engine_class is not None:
+        query = query.where(prices.c.engine_class == engine_class)
+    query = query.order_by(prices.c.engine_class, prices.c.valid_from_us, prices.c.version)
+    with ledger.read_transaction() as conn:
+        rows = conn.execute(query).all()
+
+    def number(value):
+        return None if value is None else Decimal(value)
+
+    return [Price(engine_class=r.engine_class, version=r.version, valid_from_us=r.valid_from_us, currency=r.currency,
+                  engine_hour_price=Decimal(r.engine_hour_price), prompt_token_price=number(r.prompt_token_price),
+                  output_token_price=number(r.output_token_price), cached_token_discount=number(r.cached_token_discount),
+                  source=r.source, created_at_us=r.created_at_us) for r in rows]
+
+
+class PriceBook:
+    """The stored prices, for looking up the one in force for a class at a time."""
+
+    def __init__(self, entries: list[Price]):
+        self._by_class: dict[str, list[Price]] = {}
+        for entry in sorted(entries, key=lambda e: (e.valid_from_us, e.version)):
+            self._by_class.setdefault(entry.engine_class, []).append(entry)
+
+    @classmethod
+    def load(cls, ledger: Ledger) -> PriceBook:
+        return cls(list_prices(ledger))
+
+    def price_at(self, engine_class: str, time_us: int) -> Price | None:
+        """The version in force for usage at ``time_us``: the latest start at or before it; of versions starting at
+        the same time, the highest (a later entry corrects an earlier one). None if the class has none yet."""
+        found = None
+        for entry in self._by_class.get(engine_class, []):
+            if entry.valid_from_us <= time_us:
+                found = entry
+        return found
+
+    def changes_within(self, engine_class: str, start_us: int, end_us: int) -> bool:
+        """Whether another price of the class starts strictly inside (start, end)."""
+        return any(start_us < e.valid_from_us < end_us for e in self._by_class.get(engine_class, []))

@@ -1,0 +1,474 @@
+"""Prices and `llmvisor export`, checked against the published contracts: the FOCUS validator, the CloudEvents SDK,
+JSON Schemas of Stripe's and Lago's bodies (tests/data/billing, sources cited there), and the ledger's own totals.
+
+The ledger is filled by the real service (POST /v1/steps), two engine classes over two hours, and an adjustment is
+made by `adjust_period` with a second model version, as `llmvisor adjust` does.
+"""
+
+from __future__ import annotations
+
+import csv
+import http.server
+import json
+import subprocess
+import sys
+import threading
+from collections import defaultdict
+from decimal import Decimal
+from fractions import Fraction
+from pathlib import Path
+from urllib.parse import parse_qs
+
+import jsonschema
+import pyarrow.parquet as pq
+import pytest
+from fastapi.testclient import TestClient
+
+from _service_fixtures import T0_S, bearer, class_body, class_model, db_url, model_path  # noqa: F401
+from llmvisor.billing import PriceBook, cost_of, list_prices, tenant_cost, usage_charges
+from llmvisor.billing.charges import charges
+from llmvisor.billing.formats import cloudevents, cloudevents_json, lago_batches, lago_events, stripe_events
+from llmvisor.billing.prices import Price
+from llmvisor.billing.push import PushError, push
+from llmvisor.core.synthetic import DEFAULT_COEF_S
+from llmvisor.ledger import Ledger
+from llmvisor.service.adjust import adjust_period
+from llmvisor.service.app import create_app
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).parent / "data" / "billing"
+VALIDATOR = ROOT / ".venv-focus" / "bin" / "focus-validator"
+CLASS_A, CLASS_B = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"
+HOUR0 = int(T0_S) // 3600 * 3600
+PERIOD = (HOUR0, HOUR0 + 2 * 3600)
+PRICES_TOML = f"""
+[[price]]
+engine_class = "{CLASS_A}"
+currency = "USD"
+engine_hour_price = "3.1415"
+valid_from = {HOUR0}
+
+[[price]]
+engine_class = "{CLASS_A}"
+currency = "USD"
+engine_hour_price = "4.75"
+valid_from = {HOUR0 + 3600}
+
+[[price]]
+engine_class = "{CLASS_B}"
+currency = "USD"
+engine_hour_price = "12"
+prompt_token_price = "0.000001"
+cached_token_discount = "0.5"
+valid_from = "{__import__('datetime').datetime.fromtimestamp(HOUR0, tz=__import__('datetime').UTC).isoformat()}"
+"""
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "llmvisor.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def served(model_path, db_url, tmp_path):  # noqa: F811
+    """A ledger filled by the service: class A in both hours (v1), class B in the first; prices stored; class A's
+    first hour adjusted to v2."""
+    ledger = Ledger(db_url)
+    admin = ledger.create_key(is_admin=True)
+    ledger.close()
+    bodies = [class_body(CLASS_A, 120, run_id="a0", seed=1, first_timestamp_s=T0_S),
+              class_body(CLASS_A, 120, run_id="a1", seed=2, first_timestamp_s=HOUR0 + 3600 + 30),
+              class_body(CLASS_B, 120, run_id="b0", seed=3, first_timestamp_s=T0_S + 10)]
+    app = create_app(model_path, db_url, registry_refresh_s=0.0)
+    with TestClient(app) as client:
+        for engine_class in (CLASS_A, CLASS_B):
+            response = client.post("/v1/models", json={"model": class_model(engine_class).to_dict(), "activate": True},
+                                   headers=bearer(admin))
+            assert response.status_code == 201, response.text
+        for body in bodies:
+            assert client.post("/v1/steps", json=body, headers=bearer(admin)).status_code == 200
+    price_file = tmp_path / "prices.toml"
+    price_file.write_text(PRICES_TOML)
+    result = run_cli("prices", "add", str(price_file), "--db", db_url, "--json")
+    assert result.returncode == 0, result.stderr
+    ledger = Ledger(db_url)
+    coef = {**DEFAULT_COEF_S, "decode_context_tokens": DEFAULT_COEF_S["decode_context_tokens"] * 5}  # another split
+    ledger.add_model(CLASS_A, json.dumps(class_model(CLASS_A, coef_s=coef, seed=7).to_dict()), "second.json")
+    adjust_period(ledger, CLASS_A, HOUR0 * 1_000_000, (HOUR0 + 3600) * 1_000_000, to_version=2)
+    ledger.close()
+    return db_url
+
+
+def test_cost_is_exact_and_rounds_half_to_even_per_charge():
+    price = Price(engine_class="", version=1, valid_from_us=0, currency="USD", engine_hour_price=Decimal("36"))
+    # 36 per hour is 0.01 per 10^9 ns... per 10^11 ns: 0.5e9 ns is exactly half a cent, 1.5e9 one and a half
+    assert cost_of(500_000_000, price) == Decimal("0.00")
+    assert cost_of(1_500_000_000, price) == Decimal("0.02")
+    assert cost_of(2_500_000_000, price) == Decimal("0.02")
+    assert cost_of(-1_500_000_000, price) == Decimal("-0.02")
+    odd = Price(engine_class="", version=1, valid_from_us=0, currency="USD", engine_hour_price=Decimal("3.1415"))
+    ns = 123_456_789_012_345
+    assert cost_of(ns, odd) == Decimal(round(Fraction(ns) * Fraction("3.1415") * 100 / 3_600_000_000_000)) / 100
+    assert str(cost_of(ns, odd)) == "107.73"
+
+
+def test_prices_are_versioned_and_in_force_from_their_hour(served, tmp_path):
+    ledger = Ledger(served)
+    stored = list_prices(ledger)
+    book = PriceBook(stored)
+    ledger.close()
+    assert [(p.engine_class, p.version, str(p.engine_hour_price)) for p in stored] == [
+        (CLASS_A, 1, "3.1415"), (CLASS_A, 2, "4.75"), (CLASS_B, 1, "12")]
+    assert book.price_at(CLASS_A, HOUR0 * 1_000_000 - 1) is None
+    assert book.price_at(CLASS_A, (HOUR0 + 3599) * 1_000_000).version == 1
+    assert book.price_at(CLASS_A, (HOUR0 + 3600) * 1_000_000).version == 2
+    assert stored[2].prompt_token_price == Decimal("0.000001") and stored[2].cached_token_discount == Decimal("0.5")
+    listed = run_cli("prices", "list", "--db", served)
+    assert listed.returncode == 0 and "4.75 USD/engine-hour" in listed.stdout
+    bad = tmp_path / "bad.toml"
+    for text, reason in (("[[price]]\nengine_class = 'x'\ncurrency = 'USD'\nengine_hour_price = 0.1\nvalid_from = 0\n", "not a float"),
+                         ("[[price]]\nengine_class = 'x'\ncurrency = 'usd'\nengine_hour_price = '1'\nvalid_from = 0\n", "ISO 4217"),
+                         ("[[price]]\nengine_class = 'x'\ncurrency = 'USD'\nengine_hour_price = '1'\nvalid_from = 60\n", "whole UTC hour"),
+                         ("[[price]]\nengine_class = 'x'\ncurrency = 'USD'\nengine_hour_price = '-1'\nvalid_from = 0\n", "at least 0")):
+        bad.write_text(text)
+        result = run_cli("prices", "add", str(bad), "--db", served)
+        assert result.returncode == 2 and reason in result.stderr and "price 1" in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    other_currency = tmp_path / "eur.json"
+    other_currency.write_text(json.dumps({"prices": [{"engine_class": CLASS_A, "currency": "EUR", "engine_hour_price": "1",
+                                                      "valid_from": HOUR0}]}))
+    result = run_cli("prices", "add", str(other_currency), "--db", served)
+    assert result.returncode == 2 and "priced in USD" in result.stderr
+    assert len(list_prices(Ledger(served))) == 3
+
+
+def _read_csv(path: Path) -> list[dict]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_focus_export_passes_the_validator_and_sums_to_the_ledger(served, tmp_path):
+    out = tmp_path / "focus.csv"
+    result = run_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]), "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = _read_csv(out)
+
+    ledger = Ledger(served)
+    usage = {r.tenant: r.attributed_ns for r in ledger.tenant_usage(PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000)}
+    adjustments = ledger.adjustment_rows()
+    book = PriceBook.load(ledger)
+    ledger.close()
+    assert adjustments and {r["ChargeCategory"] for r in rows} == {"Usage", "Adjustment"}
+    exported_ns: dict[str, int] = defaultdict(int)
+    for r in rows:
+        if r["ChargeCategory"] == "Usage":
+            exported_ns[r["SubAccountId"]] += int(r["x_AttributedNs"])
+    assert dict(exported_ns) == usage  # to the nanosecond
+    for entry in adjustments:
+        [row] = [r for r in rows if r["ChargeCategory"] == "Adjustment" and r["SubAccountId"] == entry.tenant]
+        assert int(row["x_AttributedNs"]) == entry.delta_ns and row["ChargeClass"] == "Correction"
+    for r in rows:  # cost = seconds × price, rounded half to even to the cent, per charge
+        price = book.price_at(r["x_EngineClass"], int(__import__("datetime").datetime.fromisoformat(r["ChargePeriodStart"]).timestamp()) * 1_000_000)
+        exact = Fraction(int(r["x_AttributedNs"])) * Fraction(price.engine_hour_price) / 3_600_000_000_000
+        assert Decimal(r["BilledCost"]) == Decimal(round(exact * 100)) / 100 == Decimal(r["EffectiveCost"])
+        assert Decimal(r["ConsumedQuantity"] or "0") * 10**9 == (int(r["x_AttributedNs"]) if r["ChargeCategory"] == "Usage" else 0)
+    second_hour = [r for r in rows if r["x_EngineClass"] == CLASS_A and r["ChargePeriodStart"].endswith(f"{(HOUR0 // 3600 + 1) % 24:02d}:00:00Z")]
+    assert second_hour and {r["ListUnitPrice"] for r in second_hour} == {"4.75"}
+
+    ratios: dict[tuple[str, str], Decimal] = defaultdict(Decimal)
+    for r in rows:
+        if r["ChargeCategory"] == "Usage":
+            assert r["AllocatedMethodId"]
+            [element] = json.loads(r["AllocatedMethodDetails"])["Elements"]
+            ratios[(r["x_EngineClass"], r["ChargePeriodStart"])] += Decimal(element["AllocatedRatio"])
+    assert len(ratios) == 3 and set(ratios.values()) == {Decimal(1)}
+
+    again = tmp_path / "again.csv"
+    rerun = run_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
+                    "-o", str(again), "--json")
+    assert rerun.returncode == 0 and json.loads(rerun.stdout)["ids"] == [r["x_IdempotencyId"] for r in rows]
+    assert [r["x_IdempotencyId"] for r in _read_csv(again)] == [r["x_IdempotencyId"] for r in rows]
+    assert len({r["x_IdempotencyId"] for r in rows}) == len(rows)
+
+    parquet = tmp_path / "focus.parquet"
+    assert run_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
+                   "-o", str(parquet)).returncode == 0
+    table = pq.read_table(parquet).to_pylist()
+    assert [t["BilledCost"] for t in table] == [r["BilledCost"] for r in rows]
+    assert [t["x_AttributedNs"] for t in table] == [int(r["x_AttributedNs"]) for r in rows]
+
+    if not VALIDATOR.exists():
+        pytest.skip(f"no FOCUS validator at {VALIDATOR.relative_to(ROOT)} (scripts/install-test.sh creates it)")
+    check = run_validator(out)
+    assert check.returncode == 0 and "Validation succeeded." in check.stdout, check.stdout[-3000:] + check.stderr[-2000:]
+    broken = tmp_path / "broken.csv"  # the same check fails a file that breaks a rule
+    broken.write_text(out.read_text().replace("Usage-Based", "Sometimes"))
+    assert "ChargeFrequency_Enum failed" in run_validator(broken).stdout
+
+
+def run_validator(path: Path) -> subprocess.CompletedProcess:
+    """focus-validator on a CSV, from its site-packages folder (1.0.0 reads its currency-code list by a path relative
+    to the working directory), skipping the rule tests/data/billing/focus-validator-overrides.yaml explains."""
+    [packages] = VALIDATOR.resolve().parent.parent.glob("lib/python*/site-packages")
+    return subprocess.run([str(VALIDATOR), "--data-file", str(path.resolve()), "--validate-version", "1.0", "--override-file",
+                           str(DATA / "focus-validator-overrides.yaml")], capture_output=True, text=True, timeout=600, cwd=packages)
+
+
+def test_focus_columns_follow_the_spec_definitions(served, tmp_path):
+    spec = json.loads((DATA / "focus-1.2-1.3-columns.json").read_text())
+    out = tmp_path / "focus.csv"
+    assert run_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
+                   "-o", str(out)).returncode == 0
+    rows = _read_csv(out)
+    from datetime import datetime
+
+    for name, rule in spec["columns"].items():
+        for row in rows:
+            assert name in row, name
+            value = row[name]
+            if value == "":
+                assert rule["nullable"], f"{name} is null"
+                continue
+            if rule["type"] == "Decimal":
+                Decimal(value)
+            elif rule["type"] == "DateTime":
+                assert value.endswith("Z") and datetime.fromisoformat(value).utcoffset().total_seconds() == 0
+            elif rule["type"] == "JSON":
+                assert isinstance(json.loads(value), dict)
+            elif rule["type"] == "CurrencyCode":
+                assert len(value) == 3 and value.isupper()
+            if "allowed" in rule:
+                assert value in rule["allowed"], (name, value)
+        if name == "ConsumedQuantity":
+            assert all(r[name] for r in rows if r["ChargeCategory"] == "Usage")
+    for row in rows:
+        if row["AllocatedMethodDetails"]:
+            assert row["AllocatedMethodId"]
+            assert all(0 <= Decimal(e["AllocatedRatio"]) <= 1 for e in json.loads(row["AllocatedMethodDetails"])["Elements"])
+    assert all(row["ServiceCategory"] == "AI and Machine Learning" for row in rows)
+    assert all(row["SkuPriceId"] for row in rows if row["ChargeCategory"] == "Usage")  # the intent of a skipped 1.0 rule
+    custom = [name for name in rows[0] if name not in spec["columns"] and name.startswith("x_")]
+    assert custom and all(name.startswith(spec["custom_column_prefix"]) for name in custom)
+
+
+def test_metering_events_validate_and_sum_to_the_ledger(served, tmp_path):
+    from cloudevents.core.formats.json import JSONFormat
+    from cloudevents.core.v1.event import CloudEvent
+
+    ledger = Ledger(served)
+    found = charges(ledger, PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000)
+    usage = {r.tenant: r.attributed_ns for r in ledger.tenant_usage(PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000)}
+    delta = defaultdict(int)
+    for row in ledger.adjustment_rows():
+        delta[row.tenant] += row.delta_ns
+    ledger.close()
+    owed = {t: usage.get(t, 0) + delta.get(t, 0) for t in set(usage) | set(delta)}
+    customers = tmp_path / "customers.json"
+    customers.write_text(json.dumps({"tenant-0": "cus_zero"}))
+
+    result = run_cli("export", "--format", "cloudevents", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
+                     "--customers", str(customers), "-o", str(tmp_path / "events.json"))
+    assert result.returncode == 0, result.stderr
+    bodies = json.loads((tmp_path / "events.json").read_text())
+    events = [JSONFormat().read(None, json.dumps(body)) for body in bodies]  # parsed back with the SDK
+    assert all(isinstance(e, CloudEvent) and e.get_specversion() == "1.0" and e.get_type() == "llmvisor.engine_time"
+               and e.get_source() == "llmvisor" and e.get_time().utcoffset().total_seconds() == 0 for e in events)
+    assert [e.get_id() for e in events] == [c.idempotency_id for c in found]
+    subjects = {e.get_subject() for e in events}
+    assert "cus_zero" in subjects and "tenant-0" not in subjects
+    summed = defaultdict(int)
+    for e in events:
+        summed["tenant-0" if e.get_subject() == "cus_zero" else e.get_subject()] += e.get_data()["engine_ns"]
+    assert dict(summed) == owed  # usage plus adjustments, to the nanosecond
+    assert [b["id"] for b in cloudevents_json(cloudevents(found, {}))] == [e.get_id() for e in events]  # re-export
+
+    stripe_schema = json.loads((DATA / "stripe-meter-event.schema.json").read_text())
+    warnings = []
+    stripe = stripe_events(found, {}, warn=warnings.append)
+    for event in stripe:
+        jsonschema.validate(event, stripe_schema)
+    assert any("35 days" in w for w in warnings)  # the test ledger's steps are from 2025
+    credits = sum(c.attributed_ns for c in found if c.attributed_ns < 0)
+    assert credits < 0 and any("credits" in w for w in warnings)
+    assert sum(int(e["payload"]["value"]) for e in stripe) == sum(owed.values()) + delta_total_credit(found)
+    assert len({e["identifier"] for e in stripe}) == len(stripe)
+    assert stripe_events(found, {}, warn=lambda _line: None) == stripe  # same ids on a re-export
+
+    lago_schema = json.loads((DATA / "lago-event-batch.schema.json").read_text())
+    lago = lago_events(found, {"tenant-1": "sub_one"})
+    batches = lago_batches(lago * 60)  # more than one batch's worth
+    assert len(batches) == -(-len(lago) * 60 // 100) and all(len(b["events"]) <= 100 for b in batches)
+    for batch in batches:
+        jsonschema.validate(batch, lago_schema)
+    lago_sum = defaultdict(int)
+    for event in lago:
+        lago_sum["tenant-1" if event["external_subscription_id"] == "sub_one" else event["external_subscription_id"]] += (
+            event["properties"]["engine_ns"])
+    assert dict(lago_sum) == owed
+
+
+def delta_total_credit(found) -> int:
+    """What Stripe leaves out: the credits (negative adjustments), which it cannot take as meter events."""
+    return -sum(c.attributed_ns for c in found if c.attributed_ns < 0)
+
+
+def test_an_unpriced_class_is_refused_for_focus_in_one_line(served, tmp_path):
+    result = run_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0] - 3600), "--end", str(PERIOD[1]),
+                     "-o", str(tmp_path / "x.csv"))
+    assert result.returncode == 0  # no usage before HOUR0: nothing unpriced
+    ledger = Ledger(served)
+    found = usage_charges(ledger, PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000)
+    ledger.close()
+    assert all(c.price is not None for c in found)
+    bad = run_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0] + 1), "--end", str(PERIOD[1]), "-o", "x.csv")
+    assert bad.returncode == 2 and "whole UTC hour" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+class _Flaky(http.server.BaseHTTPRequestHandler):
+    """Answers 503 to the first two requests, then 200; records the bodies."""
+
+    def do_POST(self):  # noqa: N802
+        server = self.server
+        body = self.rfile.read(int(self.headers["content-length"]))
+        server.headers.append(dict(self.headers))
+        server.seen.append(json.loads(body) if "json" in self.headers["content-type"] else parse_qs(body.decode()))
+        status = server.statuses.pop(0) if server.statuses else 200
+        self.send_response(status)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def flaky_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
+    server.seen, server.statuses, server.headers = [], [], []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_push_retries_5xx_then_succeeds_and_never_retries_4xx(flaky_server, served):
+    url = f"http://127.0.0.1:{flaky_server.server_address[1]}/events"
+    flaky_server.statuses = [503, 502]
+    result = run_cli("export", "--format", "lago", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]), "--push", url)
+    assert result.returncode == 0, result.stderr
+    assert len(flaky_server.seen) == 3 and flaky_server.seen[0] == flaky_server.seen[2]  # the same body, the same ids
+    assert "3 requests with retries" in result.stdout
+    flaky_server.seen.clear()
+    flaky_server.statuses = [422]
+    with pytest.raises(PushError, match="refused the body with HTTP 422"):
+        push(url, [{"a": 1}], wait_s=0.01)
+    assert len(flaky_server.seen) == 1
+    flaky_server.statuses = [500] * 5
+    with pytest.raises(PushError, match="HTTP 500 after 5 attempts"):
+        push(url, [{"a": 1}], wait_s=0.01)
+    dry = run_cli("export", "--format", "stripe", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
+                  "--push", url, "--dry-run")
+    assert dry.returncode == 0 and "nothing sent" in dry.stderr and len(flaky_server.seen) == 6
+    assert all(json.loads(line)["event_name"] == "llmvisor_engine_ns" for line in dry.stdout.splitlines())
+
+
+def test_prices_api_reads_with_any_key_and_adds_with_an_admin_key(model_path, db_url):  # noqa: F811
+    ledger = Ledger(db_url)
+    admin, tenant_key = ledger.create_key(is_admin=True), ledger.create_key("tenant-0")
+    ledger.close()
+    entry = {"engine_class": CLASS_A, "currency": "USD", "engine_hour_price": "2.50", "valid_from": HOUR0}
+    with TestClient(create_app(model_path, db_url, registry_refresh_s=0.0)) as client:
+        assert client.post("/v1/prices", json={"prices": [entry]}, headers=bearer(tenant_key)).status_code == 403
+        added = client.post("/v1/prices", json={"prices": [entry, {**entry, "valid_from": HOUR0 + 3600}]}, headers=bearer(admin))
+        assert added.status_code == 201, added.text
+        assert [(p["version"], p["engine_hour_price"]) for p in added.json()] == [(1, "2.50"), (2, "2.50")]
+        bad = client.post("/v1/prices", json={"prices": [{**entry, "engine_hour_price": 2.5}]}, headers=bearer(admin))
+        assert bad.status_code == 422 and "body price 1" in bad.text and "not a float" in bad.text
+        listed = client.get("/v1/prices", headers=bearer(tenant_key))
+        assert listed.status_code == 200 and [p["version"] for p in listed.json()] == [1, 2]
+        assert client.get("/v1/prices").status_code == 401
+
+
+def test_a_schema_4_ledger_migrates_to_schema_5_with_its_totals(served, tmp_path, model_path):  # noqa: F811
+    """A schema-4 ledger is this one without the billing table, marked version 4."""
+    if not served.startswith("sqlite"):
+        pytest.skip("the schema-4 ledger is built as a SQLite file")
+    from sqlalchemy import create_engine, text
+
+    from llmvisor.ledger.migrate import migrate
+
+    engine = create_engine(served)
+    with engine.begin() as conn:
+        conn.execute(text("DROP TABLE prices"))
+        conn.execute(text("UPDATE ledger_info SET value = '4' WHERE name = 'schema_version'"))
+    engine.dispose()
+    with pytest.raises(Exception, match="schema version 4, this llmvisor reads 5"):
+        Ledger(served)
+    from _service_fixtures import POSTGRES_URL, empty_postgres
+
+    targets = [f"sqlite:///{tmp_path}/five.db"] + ([empty_postgres(POSTGRES_URL)] if POSTGRES_URL else [])
+    for target in targets:
+        report = migrate(served, target)
+        copied = Ledger(target)
+        assert {r.tenant: r.attributed_ns for r in copied.tenant_usage()} == report.attributed_ns_per_tenant
+        assert len(copied.adjustment_rows()) > 0 and list_prices(copied) == []
+        assert {m.version for m in copied.list_models(CLASS_A)} == {1, 2}
+        admin = copied.create_key(is_admin=True)
+        steps_before = copied.totals().num_steps
+        copied.close()
+        with TestClient(create_app(model_path, target, registry_refresh_s=0.0)) as client:  # new batches after the copied ids
+            body = class_body(CLASS_B, 30, run_id="after", seed=9, first_timestamp_s=T0_S + 100)
+            assert client.post("/v1/steps", json=body, headers=bearer(admin)).status_code == 200
+        after = Ledger(target)
+        assert after.totals().num_steps == steps_before + 30
+        after.close()
+
+
+def test_stripe_push_is_form_encoded_with_the_key_from_the_environment(flaky_server, served):
+    url = f"http://127.0.0.1:{flaky_server.server_address[1]}/v1/billing/meter_events"
+    import os
+
+    env = {**os.environ, "LLMVISOR_TEST_STRIPE_KEY": "sk_test_123"}
+    result = subprocess.run([sys.executable, "-m", "llmvisor.cli", "export", "--format", "stripe", "--db", served, "--start",
+                             str(PERIOD[0]), "--end", str(PERIOD[1]), "--push", url, "--auth-env", "LLMVISOR_TEST_STRIPE_KEY"],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    ledger = Ledger(served)
+    expected = stripe_events(charges(ledger, PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000), {}, warn=lambda _line: None)
+    ledger.close()
+    assert len(flaky_server.seen) == len(expected)
+    for sent, event, headers in zip(flaky_server.seen, expected, flaky_server.headers):
+        assert headers["Authorization"] == "Bearer sk_test_123"
+        assert sent == {"event_name": [event["event_name"]], "identifier": [event["identifier"]], "timestamp": [str(event["timestamp"])],
+                        "payload[stripe_customer_id]": [event["payload"]["stripe_customer_id"]],
+                        "payload[value]": [event["payload"]["value"]]}
+    unset = run_cli("export", "--format", "stripe", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
+                    "--push", url, "--auth-env", "LLMVISOR_TEST_UNSET_VARIABLE")
+    assert unset.returncode == 2 and "LLMVISOR_TEST_UNSET_VARIABLE is not set" in unset.stderr
+
+
+def test_tenant_cost_sums_the_charges_per_currency(served):
+    ledger = Ledger(served)
+    found = charges(ledger, PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000, ["tenant-1"])
+    owed = tenant_cost(ledger, "tenant-1", PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000)
+    ledger.close()
+    assert found and owed == {"USD": sum(c.cost for c in found)}
+    assert all(c.tenant == "tenant-1" for c in found)
+    everyone = {c.idempotency_id for c in charges(Ledger(served), PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000)}
+    assert {c.idempotency_id for c in found} < everyone  # a tenant's export is a subset with the same ids
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["--format", "xml", "-o", "x.csv"], "--format: choose one of"),
+    (["--format", "focus", "--push", "http://127.0.0.1:9/"], "a FOCUS export is a file"),
+    (["--format", "focus", "-o", "x.txt"], "written as .csv or .parquet"),
+    (["--format", "lago"], "name a file"),
+    (["--format", "lago", "-o", "x.json", "--customers", "missing.json"], "cannot read the customer map"),
+])
+def test_export_input_errors_are_one_line(served, tmp_path, args, reason):
+    result = subprocess.run([sys.executable, "-m", "llmvisor.cli", "export", "--db", served, "--start", str(PERIOD[0]),
+                             "--end", str(PERIOD[1]), *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 2 and reason in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
