@@ -35,6 +35,7 @@ ADAPTERS: dict[str, dict[str, tuple[str, str, tuple[str, ...]]]] = {
         "load": ("llmvisor.cli.load", "load", ("service",)),
         "refit": ("llmvisor.cli.models", "refit", ("service",)),
         "adjust": ("llmvisor.cli.models", "adjust", ("service",)),
+        "audit": ("llmvisor.cli.audit", "audit", ("service", "archive")),
     },
     "models": {
         "add": ("llmvisor.cli.models", "models_add", ("service",)),
