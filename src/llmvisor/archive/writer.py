@@ -128,6 +128,7 @@ class ArchiveWriter:
         self._next_part: dict[tuple[str, int], int] = {}
         self._latest: dict[str, int] = {}
         self._is_local = isinstance(self.fs, LocalFileSystem)
+        self._retry_at_s = 0.0
 
     @classmethod
     def from_env(cls, metadata: dict | None = None) -> ArchiveWriter | None:
@@ -157,9 +158,11 @@ class ArchiveWriter:
 
     def rotate(self, now_s: float | None = None) -> None:
         """Write every window that ended ``grace_s`` before ``now_s`` (default: the clock), and retry failed ones."""
-        now_ms = (self.clock() if now_s is None else now_s) * 1000
+        now_s = self.clock() if now_s is None else now_s
         window_ms = round(self.window_s * 1000)
-        self._write_windows([k for k in self._open if k[1] + window_ms + self.grace_s * 1000 <= now_ms])
+        due = [k for k in self._open if k[1] + window_ms + self.grace_s * 1000 <= now_s * 1000]
+        if due or (self._failed and now_s >= self._retry_at_s):  # failed windows: retried once a window at most
+            self._write_windows(due)
 
     def close(self) -> bool:
         """Write everything buffered; True when every step handed over is in the archive."""
@@ -172,6 +175,7 @@ class ArchiveWriter:
         return True
 
     def _write_windows(self, keys: list[tuple[str, int]]) -> None:
+        self._retry_at_s = self.clock() + self.window_s
         retry, self._failed = self._failed, []
         for run_id, window, rows, n_steps in retry:
             self._write(run_id, window, rows, n_steps)
