@@ -209,3 +209,19 @@ def test_steps_never_written_are_reported_at_close(tmp_path, caplog):
 def test_bad_archive_urls_are_one_error(tmp_path, url, reason):
     with pytest.raises(ArchiveReadError, match=reason):
         read_archive(url.format(tmp=tmp_path))
+
+
+def test_recorder_doc_quotes_the_archive_figures():
+    """docs/recorder.md quotes docs/results/archive.json (written by scripts/measure-archive.py) as it is."""
+    import json
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    result = json.loads((repo / "docs" / "results" / "archive.json").read_text(encoding="utf-8"))
+    doc = " ".join((repo / "docs" / "recorder.md").read_text(encoding="utf-8").split())
+    b8, b32 = result["runs"]
+    for figure in (f"{b8['archive_bytes_per_step']} bytes per step at B = {b8['batch_size']}",
+                   f"{b32['archive_bytes_per_step']} bytes per step at B = {b32['batch_size']}",
+                   f"{b32['archive_bytes_per_slice']} bytes per slice",
+                   f"{b8['writer_cpu_us_per_step']} / {b32['writer_cpu_us_per_step']} µs"):
+        assert figure in doc, figure
