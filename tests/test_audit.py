@@ -161,3 +161,20 @@ def test_bad_input_is_one_line_and_exit_2(billed_and_archived, tmp_path, case):
     out = run_cli("audit", *[x for pair in args.items() for x in pair], "--model", str(model_path))
     assert out.returncode == 2, out.stdout + out.stderr
     assert expected in out.stderr and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+def test_refit_reads_the_archive(billed_and_archived, tmp_path):
+    """`llmvisor refit --from-archive`: the class's archived steps (all 600, none of the unfingerprinted ones)."""
+    db_url, archive, _model_path = billed_and_archived
+    out = run_cli("refit", "--class", CLASS_A, "--from-archive", archive, "--db", db_url, "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["train_steps"] + result["test_steps"] == 600 and result["version"] == 2
+    ledger = Ledger(db_url)
+    try:
+        assert [m.source for m in ledger.list_models(CLASS_A)][-1].startswith(f"refit from the archive {archive}: 480 steps fitted")
+    finally:
+        ledger.close()
+    missing = run_cli("refit", "--class", CLASS_A, "--from-archive", str(tmp_path / "nowhere"), "--db", db_url)
+    assert missing.returncode == 2 and "no such directory" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1
