@@ -196,6 +196,18 @@ def test_a_failed_write_is_counted_kept_and_retried(tmp_path, caplog):
     assert read_archive(str(tmp_path)).step_id_per_step.tolist() == [0, 1, 2]
 
 
+def test_a_long_outage_drops_the_oldest_windows_loudly_past_the_cap(tmp_path, caplog):
+    (tmp_path / "run-a").write_text("not a directory")
+    writer = ArchiveWriter(str(tmp_path), window_s=1.0, max_held_steps=3)
+    for step_id in range(6):
+        writer.add_step(make_step("run-a", step_id, T0_S + step_id, [("q0", "t0", 5, 10, True, 0)]))
+    assert writer.stats.steps_held == 3 and writer.stats.steps_dropped == 2  # the sixth is still open
+    assert "dropped 1 steps of run run-a" in caplog.text
+    (tmp_path / "run-a").unlink()
+    assert writer.close() and writer.stats.steps_written == 4
+    assert read_archive(str(tmp_path)).step_id_per_step.tolist() == [2, 3, 4, 5]
+
+
 def test_steps_never_written_are_reported_at_close(tmp_path, caplog):
     (tmp_path / "run-a").write_text("not a directory")
     writer = ArchiveWriter(str(tmp_path))

@@ -41,6 +41,10 @@ log = logging.getLogger("llmvisor.archive")
 ENV_ARCHIVE_URL = "LLMVISOR_ARCHIVE_URL"
 ENV_ARCHIVE_WINDOW_S = "LLMVISOR_ARCHIVE_WINDOW_S"
 DEFAULT_WINDOW_S = 60.0
+DEFAULT_MAX_HELD_STEPS = 500_000
+"""Steps kept for a retry while the archive cannot be written (about 3 minutes of 50 engines' steps); beyond it
+the oldest failed window is dropped, with an ERROR line and ``ArchiveStats.steps_dropped``, so a long outage of
+the storage cannot take the delivery process's memory."""
 DEFAULT_GRACE_S = 2.0
 """How long after a window ends `rotate` waits for its last steps (a step is dated by its start)."""
 COMPRESSION = "zstd"
@@ -88,6 +92,7 @@ class ArchiveStats:
     bytes_written: int = 0
     errors: int = 0
     steps_held: int = 0
+    steps_dropped: int = 0
 
 
 def rows_table(rows: Sequence[dict], metadata: dict) -> pa.Table:
@@ -112,13 +117,15 @@ class ArchiveWriter:
     distinct ``model_version`` values its rows carry (the edge attribution's; empty when the rows have none)."""
 
     def __init__(self, url: str, *, window_s: float = DEFAULT_WINDOW_S, grace_s: float = DEFAULT_GRACE_S,
-                 metadata: dict | None = None, clock: Callable[[], float] = time.time):
+                 metadata: dict | None = None, clock: Callable[[], float] = time.time,
+                 max_held_steps: int = DEFAULT_MAX_HELD_STEPS):
         if not (window_s >= 0.001 and math.isfinite(window_s)):
             raise ValueError(f"archive window must be at least 1 ms, got {window_s!r} s")
         self.url = url
         self.fs, self.root = fsspec.core.url_to_fs(url)
         self.window_s = float(window_s)
         self.grace_s = grace_s
+        self.max_held_steps = max_held_steps
         self.metadata = dict(metadata or {})
         self.clock = clock
         self.stats = ArchiveStats()
@@ -183,6 +190,13 @@ class ArchiveWriter:
             rows, n_steps = self._open.pop(key), self._open_steps.pop(key)
             self._write(key[0], key[1], rows, n_steps)
         self.stats.steps_held = sum(n for *_, n in self._failed)
+        while self.stats.steps_held > self.max_held_steps and len(self._failed) > 1:
+            run_id, window, _rows, n_steps = self._failed.pop(0)
+            self.stats.steps_held -= n_steps
+            self.stats.steps_dropped += n_steps
+            log.error("llmvisor: dropped %d steps of run %s (window at %d ms) from the archive queue: the archive %s has "
+                      "failed for more than %d held steps; they are not in the archive", n_steps, run_id, window, self.url,
+                      self.max_held_steps)
 
     def _write(self, run_id: str, window: int, rows: list[dict], n_steps: int) -> None:
         try:
