@@ -134,6 +134,7 @@ class ArchiveWriter:
         self._failed: list[tuple[str, int, list[dict], int]] = []
         self._next_part: dict[tuple[str, int], int] = {}
         self._latest: dict[str, int] = {}
+        self._listed_runs: set[str] = set()
         self._is_local = isinstance(self.fs, LocalFileSystem)
         self._retry_at_s = 0.0
 
@@ -222,19 +223,18 @@ class ArchiveWriter:
         self.stats.bytes_written += len(data)
 
     def _part(self, run_id: str, window: int) -> int:
-        """The next unused part number of a window (looked up in the archive the first time: a replacement
-        delivery process may find parts its predecessor wrote)."""
-        key = (run_id, window)
-        if key not in self._next_part:
+        """The next unused part number of a window. The run's directory is listed once, at its first write (a
+        replacement delivery process finds the parts its predecessor wrote); after that this writer counts."""
+        if run_id not in self._listed_runs:
             directory = f"{self.root.rstrip('/')}/{urllib.parse.quote(run_id, safe='')}"
-            taken = [-1]
             if self.fs.exists(directory):
                 for path in self.fs.ls(directory, detail=False):
                     parsed = parse_file_name("/".join(str(path).rstrip("/").split("/")[-2:]))
-                    if parsed is not None and parsed[1] == window:
-                        taken.append(parsed[2])
-            self._next_part[key] = max(taken) + 1
-        return self._next_part[key]
+                    if parsed is not None:
+                        key = (run_id, parsed[1])
+                        self._next_part[key] = max(self._next_part.get(key, 0), parsed[2] + 1)
+            self._listed_runs.add(run_id)
+        return self._next_part.get((run_id, window), 0)
 
     def _put(self, path: str, data: bytes) -> None:
         directory = path.rsplit("/", 1)[0]
