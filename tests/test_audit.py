@@ -132,14 +132,25 @@ def test_audit_counts_adjustments_beside_the_bill(billed_and_archived):
     db_url, archive, model_path = billed_and_archived
     ledger = Ledger(db_url)
     try:
-        ledger.add_model(CLASS_A, json.dumps(class_model(CLASS_A, coef_s={**DEFAULT_COEF_S}, seed=3).to_dict()), "v2", activate=True)
+        ledger.add_model(CLASS_A, json.dumps(class_model(CLASS_A, coef_s={**DEFAULT_COEF_S, "decode_context_tokens": DEFAULT_COEF_S["decode_context_tokens"] / 5,
+                                                                   "decode_requests": DEFAULT_COEF_S["decode_requests"] * 3}, seed=3).to_dict()), "v2", activate=True)
         adjustment = adjust_period(ledger, CLASS_A, *PERIOD_US, to_version=2)
         delta = {e.tenant: e.delta_ns for e in adjustment.entries}
         result = audit_tenant(ledger, archive, "tenant-0", *PERIOD_US, StepLatencyModel.from_json(model_path))
     finally:
         ledger.close()
     assert result.ok, result.to_dict()  # the bill is not rewritten: v1 still re-attributes it exactly
-    assert result.adjusted_ns == delta.get("tenant-0", 0) and result.net_billed_ns == result.usage_ns + result.adjusted_ns
+    assert result.adjusted_ns == delta.get("tenant-0", 0) != 0 and result.net_billed_ns == result.usage_ns + result.adjusted_ns
+    assert result.adjustments_checked == 1 and result.adjustment_mismatches == []  # v2 re-attributes the archive to it
+    engine = create_engine(db_url)
+    with engine.begin() as conn:  # a changed adjustment row is caught as well
+        assert conn.execute(text("UPDATE adjustments SET reattributed_ns = reattributed_ns + 5 WHERE tenant = 'tenant-0'")).rowcount == 1
+    engine.dispose()
+    out = run_cli("audit", "--archive", archive, "--db", db_url, "--tenant", "tenant-0", "--start", str(PERIOD[0]),
+                  "--end", str(PERIOD[1]), "--model", str(model_path), "--json")
+    assert out.returncode == 1, out.stdout + out.stderr
+    (mismatch,) = json.loads(out.stdout)["adjustment_mismatches"]
+    assert mismatch["adjusted_to_ns"] == mismatch["reattributed_ns"] + 5 and mismatch["to_version"] == 2
 
 
 @pytest.mark.parametrize("case", ["missing archive", "bad url", "no steps", "missing ledger", "bad time"])

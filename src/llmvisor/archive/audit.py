@@ -11,7 +11,10 @@ same integer apportionment give the same nanoseconds, so the audit expects equal
 
 Adjustments (`llmvisor.service.adjust`) correct a period without rewriting it: those inside the audited period are
 summed into ``adjusted_ns`` and the net bill (usage + adjustments) is reported beside the check; an adjustment
-whose period only partly overlaps the audited one is counted (``partial_adjustments``), not split. Archived steps
+whose period only partly overlaps the audited one is counted (``partial_adjustments``), not split. Each adjusted
+(class, period) inside is checked too: its newest entry's ``reattributed_ns`` (what usage plus all its
+adjustments now bill the tenant) must equal the archive's steps of that class and period re-attributed with that
+entry's version (``adjustment_mismatches`` lists those that do not). Archived steps
 the ledger has not billed (pending, or not ingested yet) are counted as ``unbilled_steps``, not a mismatch.
 """
 
@@ -57,11 +60,13 @@ class AuditResult:
     versions: dict[str, int]
     mismatched_steps: list[dict] = field(default_factory=list)
     num_mismatched_steps: int = 0
+    adjustments_checked: int = 0
+    adjustment_mismatches: list[dict] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return (self.reattributed_ns == self.usage_ns == self.billed_steps_ns and self.missing_steps == 0
-                and self.num_mismatched_steps == 0)
+                and self.num_mismatched_steps == 0 and not self.adjustment_mismatches)
 
     @property
     def net_billed_ns(self) -> int:
@@ -109,9 +114,7 @@ def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, e
     groups = {(c, int(v), bool(s)) for c, v, s in zip(classes.tolist(), version.tolist(), shared_stored.tolist()) if v != -2}
     for engine_class, v, with_sharing in sorted(groups):
         mask = (classes == engine_class) & (version == v) & (shared_stored == with_sharing)
-        part = trace.select_steps(mask)
-        if not with_sharing:  # the ledger billed these steps without the sharing columns: attribute them so too
-            part = dataclasses.replace(part, extra={k: val for k, val in part.extra.items() if k not in SHARING_COLUMNS})
+        part = _as_billed(trace.select_steps(mask), with_sharing)
         model = default_model if v < 0 else load_version(ledger, engine_class, v)
         records = prepare_batch(model, part, received_at_us=0, choose=lambda _c, m=model, v=v: ModelChoice(m, None if v < 0 else v)).records
         _add_tenant_shares(reattributed, part, records.attributed_ns, tenant)
@@ -125,18 +128,47 @@ def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, e
     ]
     usage = ledger.tenant_usage(start_us, end_us, tenant=tenant)
     adjusted_ns, partial = 0, 0
+    newest: dict[tuple[str, int, int], object] = {}
     for row in ledger.adjustment_rows(tenant=tenant):
         if start_us <= row.period_start_us and row.period_end_us <= end_us:
             adjusted_ns += row.delta_ns
+            key = (row.engine_class, row.period_start_us, row.period_end_us)
+            if key not in newest or (row.created_at_us, row.to_version) >= (newest[key].created_at_us, newest[key].to_version):
+                newest[key] = row
         elif row.period_start_us < end_us and start_us < row.period_end_us:
             partial += 1
+    when_us = np.rint(trace.extra["timestamp_s"][trace.step_starts].astype(np.float64) * 1e6)
+    adjustment_mismatches = []
+    for (engine_class, period_start_us, period_end_us), row in sorted(newest.items()):
+        in_period = (classes == engine_class) & (when_us >= period_start_us) & (when_us < period_end_us) & (version != -2)
+        model = load_version(ledger, engine_class, row.to_version)
+        ns: dict[tuple[str, int], int] = {}
+        for with_sharing in (False, True):
+            mask = in_period & (shared_stored == with_sharing)
+            if mask.any():
+                part = _as_billed(trace.select_steps(mask), with_sharing)
+                records = prepare_batch(model, part, received_at_us=0, choose=lambda _c, m=model, v=row.to_version: ModelChoice(m, v)).records
+                _add_tenant_shares(ns, part, records.attributed_ns, tenant)
+        if sum(ns.values()) != row.reattributed_ns:
+            adjustment_mismatches.append({"engine_class": engine_class, "period_start_us": period_start_us,
+                                          "period_end_us": period_end_us, "to_version": row.to_version,
+                                          "adjusted_to_ns": row.reattributed_ns, "reattributed_ns": sum(ns.values())})
     return AuditResult(
         tenant=tenant, start_us=start_us, end_us=end_us, archive_steps=trace.n_steps, audited_steps=len(reattributed),
         unbilled_steps=int((version == -2).sum()), missing_steps=len(missing),
         reattributed_ns=sum(reattributed.values()), billed_steps_ns=sum(billed_ns.values()),
         usage_ns=sum(row.attributed_ns for row in usage), adjusted_ns=adjusted_ns, partial_adjustments=partial,
         versions=versions, mismatched_steps=mismatched[:MAX_LISTED_STEPS], num_mismatched_steps=len(mismatched),
+        adjustments_checked=len(newest), adjustment_mismatches=adjustment_mismatches,
     )
+
+
+def _as_billed(part: StepTrace, with_sharing: bool) -> StepTrace:
+    """Steps as the ledger billed them: without the sharing columns where it stored none (a pusher that did not
+    send them), so the model prices them as the service did."""
+    if with_sharing:
+        return part
+    return dataclasses.replace(part, extra={k: val for k, val in part.extra.items() if k not in SHARING_COLUMNS})
 
 
 def _add_tenant_shares(out: dict, part: StepTrace, attributed_ns: np.ndarray, tenant: str) -> None:

@@ -86,6 +86,13 @@ def audit(
                  f"{result.partial_adjustments} adjustments only partly in the period (not counted)" if result.partial_adjustments else ""]
         for note in filter(None, notes):
             stdout.print(note, highlight=False)
+        if result.adjustments_checked:
+            stdout.print(f"{result.adjustments_checked} adjusted periods re-attributed with their newest version: "
+                         f"{len(result.adjustment_mismatches)} differ", highlight=False)
+        for item in result.adjustment_mismatches:
+            stdout.print(f"adjustment of {item['engine_class']} [{item['period_start_us'] / 1e6:.0f}, {item['period_end_us'] / 1e6:.0f}) "
+                         f"to v{item['to_version']}: adjusted to {item['adjusted_to_ns']} ns, archive re-attributes "
+                         f"{item['reattributed_ns']} ns", highlight=False)
         for step in result.mismatched_steps:
             stdout.print(f"step {step['step_id']} of run {step['run_id']}: billed {step['billed_ns']} ns, "
                          f"re-attributed {step['reattributed_ns']} ns", highlight=False)
