@@ -17,6 +17,7 @@ from llmvisor.archive import ArchiveWriter
 from llmvisor.archive.audit import audit_tenant
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import DEFAULT_COEF_S, synthetic_trace
+from llmvisor.core.trace import SHARING_COLUMNS
 from llmvisor.ledger import Ledger
 from llmvisor.service.adjust import adjust_period
 from llmvisor.service.app import create_app
@@ -44,22 +45,29 @@ def steps_of(body: dict) -> list[list[dict]]:
 
 @pytest.fixture
 def billed_and_archived(model_path, db_url, tmp_path):  # noqa: F811
-    """Steps of class A (registry v1; one run with shared prefixes) and steps without a fingerprint (the service's
+    """Steps of class A (registry v1; two runs with shared prefixes, one of them billed without the sharing
+    columns) and steps without a fingerprint (the service's
     --model), ingested by the real service and written to the archive; returns (db_url, archive dir, model path)."""
     ledger = Ledger(db_url)
     admin = ledger.create_key(is_admin=True)
     ledger.close()
     bodies = [class_body(CLASS_A, 200, run_id=f"r{k}", seed=50 + k, first_timestamp_s=T0_S + 12 * k,
-                         shared_prefix_fraction=0.4 if k == 1 else 0.0) for k in range(3)]
+                         shared_prefix_fraction=0.4 if k >= 1 else 0.0) for k in range(3)]
     plain = make_steps("plain", 25, start_s=T0_S, step_interval_s=2.0, n_tenants=4)
     archive = tmp_path / "archive"
     writer = ArchiveWriter(str(archive), window_s=10.0)
     app = create_app(model_path, db_url, registry_refresh_s=0.0)
     with TestClient(app) as client:
-        response = client.post("/v1/models", json={"model": class_model(CLASS_A).to_dict(), "activate": True}, headers=bearer(admin))
+        model = StepLatencyModel().fit(synthetic_trace(1500, seed=0, max_batch_size=16, shared_prefix_fraction=0.4,
+                                                       coef_s={**DEFAULT_COEF_S, "effective_context_tokens": 2e-7}))
+        model.engine_fingerprint_ = {"id": CLASS_A}  # fitted where prefixes are shared: it prices the shared part
+        response = client.post("/v1/models", json={"model": model.to_dict(), "activate": True}, headers=bearer(admin))
         assert response.status_code in (200, 201), response.text
-        for body in bodies:
-            assert client.post("/v1/steps", json=body, headers=bearer(admin)).status_code == 200
+        for k, body in enumerate(bodies):
+            sent = body
+            if k == 2:  # sent without the sharing columns (as `client.columns_body` sends steps), archived with them
+                sent = {"columns": {n: v for n, v in body["columns"].items() if n not in SHARING_COLUMNS}}
+            assert client.post("/v1/steps", json=sent, headers=bearer(admin)).status_code == 200
             for step in steps_of(body):
                 writer.add_step(step)
         response = client.post("/v1/steps", json={"steps": plain}, headers=bearer(admin))
