@@ -671,10 +671,13 @@ class StepDelivery:
         self.next_step_id: int | None = None
         self._pushed_ids: deque[int] = deque()
         self._settled_offset = 0
+        self.archive = _archive_from_env(metadata)
 
     def add(self, step: list) -> None:
         rows = step_rows(self.header, step)
         step_id = step[0]
+        if self.archive is not None:
+            self.archive.add_step(rows)
         if self.writer is not None and (self.trace_from is None or step_id >= self.trace_from):
             self.writer.write_step(rows)
         if self.pusher is not None:
@@ -686,6 +689,8 @@ class StepDelivery:
     def flush(self) -> None:
         if self.writer is not None:
             self.writer.flush()
+        if self.archive is not None:
+            self.archive.rotate()
 
     def safe_from(self) -> tuple[int, int] | None:
         """(first step id not yet flushed to the trace, first step id the pusher has not settled): every step
@@ -706,7 +711,18 @@ class StepDelivery:
         """Write the trace's last steps and send (or spool) the pusher's; True if the service has them all."""
         if self.writer is not None:
             self.writer.close()
+        if self.archive is not None:
+            self.archive.close()
         return self.pusher.close(timeout_s) if self.pusher is not None else True
+
+
+def _archive_from_env(metadata: dict | None):
+    """The raw-step archive (``LLMVISOR_ARCHIVE_URL``, see llmvisor.archive), or None when not configured."""
+    if not os.environ.get("LLMVISOR_ARCHIVE_URL"):
+        return None
+    from llmvisor.archive import ArchiveWriter
+
+    return ArchiveWriter.from_env(metadata)
 
 
 RELAY_RETAIN_BYTES = 256 << 20

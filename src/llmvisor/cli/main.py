@@ -36,6 +36,7 @@ ADAPTERS: dict[str, dict[str, tuple[str, str, tuple[str, ...]]]] = {
         "refit": ("llmvisor.cli.models", "refit", ("service",)),
         "adjust": ("llmvisor.cli.models", "adjust", ("service",)),
         "export": ("llmvisor.cli.export", "export", ("service", "export")),
+        "audit": ("llmvisor.cli.audit", "audit", ("service", "archive")),
     },
     "prices": {
         "add": ("llmvisor.cli.prices", "prices_add", ("service",)),

@@ -92,6 +92,7 @@ def models_activate(
 def refit(
     engine_class: Annotated[str, typer.Option("--class", help="Engine class (fingerprint id) to refit.", metavar="ID")],
     trace: Annotated[list[Path] | None, typer.Option("--from-trace", help="Fit on these trace files instead of the ledger (repeatable), as `llmvisor calibrate --from-trace` does.", dir_okay=False, metavar="TRACE")] = None,
+    archive: Annotated[str | None, typer.Option("--from-archive", help="Fit on the class's steps in the raw-step archive (a directory or fsspec URL) instead of the ledger.", metavar="URL")] = None,
     test_fraction: Annotated[float, typer.Option(help="Newest fraction of the steps held out to compare the models.", min=0.0, max=1.0)] = 0.2,
     newest_steps: Annotated[int, typer.Option(help="Steps of the class read from the ledger (the newest).", min=1)] = 20_000,
     db: DbOption = DEFAULT_DB_URL,
@@ -104,7 +105,7 @@ def refit(
 
     ledger = Ledger(db)
     try:
-        result = refit_class(ledger, engine_class, traces=trace or (), test_fraction=test_fraction, newest_steps=newest_steps)
+        result = refit_class(ledger, engine_class, traces=trace or (), archive_url=archive, test_fraction=test_fraction, newest_steps=newest_steps)
     finally:
         ledger.close()
     if json_output:

@@ -65,7 +65,11 @@ def split_by_time(trace: StepTrace, timestamps_s: np.ndarray, test_fraction: flo
 def class_steps_from_traces(paths: Sequence[Path], engine_class: str) -> tuple[StepTrace, np.ndarray]:
     """The steps of the class in trace files (all steps of files without fingerprints) and their start times
     (``timestamp_s``, else their order in the files)."""
-    trace = read_traces(paths)
+    return class_steps(read_traces(paths), engine_class)
+
+
+def class_steps(trace: StepTrace, engine_class: str) -> tuple[StepTrace, np.ndarray]:
+    """`class_steps_from_traces` of a trace already read (the raw-step archive's, `llmvisor.archive`)."""
     ids = step_fingerprint_ids(trace)
     if (ids != "").any():
         trace = trace.select_steps(ids == engine_class)
@@ -82,15 +86,21 @@ def refit_class(
     engine_class: str,
     *,
     traces: Sequence[Path] = (),
+    archive_url: str | None = None,
     test_fraction: float = DEFAULT_TEST_FRACTION,
     newest_steps: int = DEFAULT_NEWEST_STEPS,
     model_params: dict | None = None,
 ) -> RefitResult:
-    """Fit a new version of the class from its ``newest_steps`` steps in the ledger (or ``traces``), compare
-    it held-out with the active version, store it, and activate it if it is better."""
+    """Fit a new version of the class from its ``newest_steps`` steps in the ledger (or ``traces``, or the raw-step
+    archive at ``archive_url``), compare it held-out with the active version, store it, and activate it if better."""
     if not 0 < test_fraction < 1:
         raise RefitError(f"--test-fraction must be between 0 and 1 (got {test_fraction})")
-    if traces:
+    if archive_url:
+        from llmvisor.archive import read_archive
+
+        trace, timestamps_s = class_steps(read_archive(archive_url), engine_class)
+        source = f"refit from the archive {archive_url}"
+    elif traces:
         trace, timestamps_s = class_steps_from_traces(traces, engine_class)
         source = f"refit from {len(traces)} trace file(s)"
     else:
@@ -105,7 +115,7 @@ def refit_class(
     if train.n_steps < MIN_TRAIN_STEPS or test.n_steps < MIN_TEST_STEPS:
         raise RefitError(
             f"engine class {engine_class!r}: {trace.n_steps} steps to refit from, too few for {MIN_TRAIN_STEPS} to fit and "
-            f"{MIN_TEST_STEPS} to test ({'trace files' if traces else 'the ledger'})"
+            f"{MIN_TEST_STEPS} to test ({'the archive' if archive_url else 'trace files' if traces else 'the ledger'})"
         )
     model = StepLatencyModel(**(model_params or {})).fit(train)
     fingerprint = getattr(model, "engine_fingerprint_", None)

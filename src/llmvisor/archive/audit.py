@@ -1,0 +1,181 @@
+"""Audit a tenant's bill against the raw-step archive: re-attribute the period's archived steps with the model
+versions the ledger says billed them, and compare with what the ledger billed.
+
+The service bills each step by splitting its measured nanoseconds (``rint(step_latency_s · 1e9)``) among its
+slices with one model version (`llmvisor.service.ingest.prepare_batch`); the same steps, the same version and the
+same integer apportionment give the same nanoseconds, so the audit expects equality to the nanosecond:
+
+- ``reattributed_ns`` (the archive's steps that the ledger billed, re-attributed) = ``usage_ns`` (the tenant's
+  per-second usage, what bills are made of) = ``billed_steps_ns`` (Σ of the tenant's slices as stored per step);
+- no step the ledger billed to the tenant is missing from the archive, and no step's share differs.
+
+Adjustments (`llmvisor.service.adjust`) correct a period without rewriting it: those inside the audited period are
+summed into ``adjusted_ns`` and the net bill (usage + adjustments) is reported beside the check; an adjustment
+whose period only partly overlaps the audited one is counted (``partial_adjustments``), not split. Each adjusted
+(class, period) inside is checked too: its newest entry's ``reattributed_ns`` (what usage plus all its
+adjustments now bill the tenant) must equal the archive's steps of that class and period re-attributed with that
+entry's version (``adjustment_mismatches`` lists those that do not). Archived steps
+the ledger has not billed (pending, or not ingested yet) are counted as ``unbilled_steps``, not a mismatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llmvisor.archive.reader import read_archive
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.trace import SHARING_COLUMNS, StepTrace
+from llmvisor.errors import LlmvisorError
+from llmvisor.ledger import Ledger
+from llmvisor.service.adjust import version_names
+from llmvisor.service.ingest import ModelChoice, prepare_batch, step_fingerprint_ids
+from llmvisor.service.registry import load_version
+
+MAX_LISTED_STEPS = 20
+
+
+class AuditError(LlmvisorError):
+    """An audit that cannot run as asked (no archived steps of the tenant in the period)."""
+
+
+@dataclass
+class AuditResult:
+    """What the audit found; ``ok`` when the archive's re-attribution equals the ledger's bill exactly."""
+
+    tenant: str
+    start_us: int
+    end_us: int
+    archive_steps: int
+    audited_steps: int
+    unbilled_steps: int
+    missing_steps: int
+    reattributed_ns: int
+    billed_steps_ns: int
+    usage_ns: int
+    adjusted_ns: int
+    partial_adjustments: int
+    versions: dict[str, int]
+    mismatched_steps: list[dict] = field(default_factory=list)
+    num_mismatched_steps: int = 0
+    adjustments_checked: int = 0
+    adjustment_mismatches: list[dict] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return (self.reattributed_ns == self.usage_ns == self.billed_steps_ns and self.missing_steps == 0
+                and self.num_mismatched_steps == 0 and not self.adjustment_mismatches)
+
+    @property
+    def net_billed_ns(self) -> int:
+        return self.usage_ns + self.adjusted_ns
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "ok": self.ok, "net_billed_ns": self.net_billed_ns,
+                "difference_ns": self.reattributed_ns - self.usage_ns}
+
+
+def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, end_us: int,
+                 default_model: StepLatencyModel) -> AuditResult:
+    """Re-attribute ``tenant``'s archived steps starting in [start_us, end_us) and check them against ``ledger``
+    (module docstring). ``default_model``: the service's ``--model``, for steps it billed (version 'default')."""
+    if end_us <= start_us:
+        raise AuditError(f"the period must end after it starts (start {start_us / 1e6:.0f}, end {end_us / 1e6:.0f})")
+    trace = read_archive(archive_url, start_us, end_us, tenant=tenant)
+    if trace.n_steps == 0:
+        raise AuditError(f"archive {archive_url}: no steps of tenant {tenant!r} start in [{start_us / 1e6:.0f}, {end_us / 1e6:.0f})")
+    keys = list(zip(trace.run_id_per_step.tolist(), trace.step_id_per_step.tolist()))
+    classes = step_fingerprint_ids(trace)
+    version = np.full(trace.n_steps, -2, dtype=np.int64)  # -2: not billed by the ledger
+    shared_stored = np.zeros(trace.n_steps, dtype=bool)
+    billed_ns: dict[tuple[str, int], int] = {}
+    for engine_class in dict.fromkeys(classes.tolist()):
+        stored = ledger.billed_steps(engine_class, start_us, end_us)
+        by_key = dict(zip(stored.keys, stored.model_version.tolist()))
+        slices = stored.slices
+        has_sharing = slices.num_rows and all(name in slices.column_names for name in SHARING_COLUMNS)
+        shared_keys = set()
+        if slices.num_rows:
+            runs, steps = slices["run_id"].to_pylist(), slices["step_id"].to_pylist()
+            tenants, shares = slices["tenant"].to_pylist(), slices["attributed_ns"].to_pylist()
+            sharing = slices["num_shared_context_tokens"].to_pylist() if has_sharing else [None] * len(runs)
+            for run, step, owner, share, shared in zip(runs, steps, tenants, shares, sharing):
+                if owner == tenant:
+                    billed_ns[(run, step)] = billed_ns.get((run, step), 0) + int(share)
+                if shared is not None:
+                    shared_keys.add((run, step))
+        for k in np.flatnonzero(classes == engine_class).tolist():
+            version[k] = by_key.get(keys[k], -2)
+            shared_stored[k] = keys[k] in shared_keys
+    reattributed: dict[tuple[str, int], int] = {}
+    versions: dict[str, int] = {}
+    groups = {(c, int(v), bool(s)) for c, v, s in zip(classes.tolist(), version.tolist(), shared_stored.tolist()) if v != -2}
+    for engine_class, v, with_sharing in sorted(groups):
+        mask = (classes == engine_class) & (version == v) & (shared_stored == with_sharing)
+        part = _as_billed(trace.select_steps(mask), with_sharing)
+        model = default_model if v < 0 else load_version(ledger, engine_class, v)
+        records = prepare_batch(model, part, received_at_us=0, choose=lambda _c, m=model, v=v: ModelChoice(m, None if v < 0 else v)).records
+        _add_tenant_shares(reattributed, part, records.attributed_ns, tenant)
+        label = f"{engine_class or '(no fingerprint)'} {version_names(np.array([v]))}"
+        versions[label] = versions.get(label, 0) + int(mask.sum())
+    archived = set(keys)
+    missing = [key for key in billed_ns if key not in archived]
+    mismatched = [
+        {"run_id": run, "step_id": step, "billed_ns": billed_ns.get((run, step), 0), "reattributed_ns": ns}
+        for (run, step), ns in sorted(reattributed.items()) if billed_ns.get((run, step), 0) != ns
+    ]
+    usage = ledger.tenant_usage(start_us, end_us, tenant=tenant)
+    adjusted_ns, partial = 0, 0
+    newest: dict[tuple[str, int, int], object] = {}
+    for row in ledger.adjustment_rows(tenant=tenant):
+        if start_us <= row.period_start_us and row.period_end_us <= end_us:
+            adjusted_ns += row.delta_ns
+            key = (row.engine_class, row.period_start_us, row.period_end_us)
+            if key not in newest or (row.created_at_us, row.to_version) >= (newest[key].created_at_us, newest[key].to_version):
+                newest[key] = row
+        elif row.period_start_us < end_us and start_us < row.period_end_us:
+            partial += 1
+    when_us = np.rint(trace.extra["timestamp_s"][trace.step_starts].astype(np.float64) * 1e6)
+    adjustment_mismatches = []
+    for (engine_class, period_start_us, period_end_us), row in sorted(newest.items()):
+        in_period = (classes == engine_class) & (when_us >= period_start_us) & (when_us < period_end_us) & (version != -2)
+        model = load_version(ledger, engine_class, row.to_version)
+        ns: dict[tuple[str, int], int] = {}
+        for with_sharing in (False, True):
+            mask = in_period & (shared_stored == with_sharing)
+            if mask.any():
+                part = _as_billed(trace.select_steps(mask), with_sharing)
+                records = prepare_batch(model, part, received_at_us=0, choose=lambda _c, m=model, v=row.to_version: ModelChoice(m, v)).records
+                _add_tenant_shares(ns, part, records.attributed_ns, tenant)
+        if sum(ns.values()) != row.reattributed_ns:
+            adjustment_mismatches.append({"engine_class": engine_class, "period_start_us": period_start_us,
+                                          "period_end_us": period_end_us, "to_version": row.to_version,
+                                          "adjusted_to_ns": row.reattributed_ns, "reattributed_ns": sum(ns.values())})
+    return AuditResult(
+        tenant=tenant, start_us=start_us, end_us=end_us, archive_steps=trace.n_steps, audited_steps=len(reattributed),
+        unbilled_steps=int((version == -2).sum()), missing_steps=len(missing),
+        reattributed_ns=sum(reattributed.values()), billed_steps_ns=sum(billed_ns.values()),
+        usage_ns=sum(row.attributed_ns for row in usage), adjusted_ns=adjusted_ns, partial_adjustments=partial,
+        versions=versions, mismatched_steps=mismatched[:MAX_LISTED_STEPS], num_mismatched_steps=len(mismatched),
+        adjustments_checked=len(newest), adjustment_mismatches=adjustment_mismatches,
+    )
+
+
+def _as_billed(part: StepTrace, with_sharing: bool) -> StepTrace:
+    """Steps as the ledger billed them: without the sharing columns where it stored none (a pusher that did not
+    send them), so the model prices them as the service did."""
+    if with_sharing:
+        return part
+    return dataclasses.replace(part, extra={k: val for k, val in part.extra.items() if k not in SHARING_COLUMNS})
+
+
+def _add_tenant_shares(out: dict, part: StepTrace, attributed_ns: np.ndarray, tenant: str) -> None:
+    """Per step key, the tenant's attributed nanoseconds (steps where it ran nothing are not in the archive read)."""
+    mine = part.tenant == tenant
+    step_of_slice = part.slice_step_index
+    sums = np.zeros(part.n_steps, dtype=np.int64)
+    np.add.at(sums, step_of_slice[mine], attributed_ns[mine])
+    for run, step, ns in zip(part.run_id_per_step.tolist(), part.step_id_per_step.tolist(), sums.tolist()):
+        out[(run, step)] = out.get((run, step), 0) + int(ns)

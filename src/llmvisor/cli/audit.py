@@ -1,0 +1,103 @@
+"""``llmvisor audit``: check a tenant's bill in the ledger against the raw-step archive, to the nanosecond."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from llmvisor import shipped
+from llmvisor.cli.console import print_table, stderr, stdout
+from llmvisor.cli.serve import DEFAULT_DB_URL, DbOption, JsonOption, echo_json
+from llmvisor.errors import LlmvisorError
+
+
+def _seconds(ns: int) -> str:
+    return f"{ns / 1e9:.9f}"
+
+
+def _whole_second_us(option: str, value: str) -> int:
+    """An ISO 8601 time (naive means UTC) or Unix seconds, as µs; the ledger keeps usage per second."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            moment = datetime.fromisoformat(value.strip())
+        except ValueError:
+            raise LlmvisorError(f"{option}: expected an ISO 8601 time or Unix seconds, got {value!r}") from None
+        seconds = (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+    if not seconds >= 0 or seconds != int(seconds):
+        raise LlmvisorError(f"{option}: {value!r} is not a whole second at or after 1970 (usage is kept per second)")
+    return int(seconds) * 1_000_000
+
+
+def _check_db(db: str) -> None:
+    """A SQLite ledger that does not exist would be created empty and every bill read as 0: refuse it instead."""
+    if db.startswith("sqlite:///") and db != "sqlite:///:memory:":
+        path = Path(db[len("sqlite:///"):])
+        if not path.is_file():
+            raise LlmvisorError(f"--db {db}: no such ledger file")
+
+
+def audit(
+    archive: Annotated[str, typer.Option("--archive", help="The step archive: a directory or an fsspec URL (LLMVISOR_ARCHIVE_URL).", metavar="URL")],
+    tenant: Annotated[str, typer.Option("--tenant", help="The tenant whose bill to check.")],
+    start: Annotated[str, typer.Option(help="Period start (steps starting at or after it): ISO 8601 or Unix seconds.", metavar="TIME")],
+    end: Annotated[str, typer.Option(help="Period end (steps starting before it): ISO 8601 or Unix seconds.", metavar="TIME")],
+    model: Annotated[Path | None, typer.Option("--model", help="The service's --model, for steps it billed with it (default: the shipped latency model).", dir_okay=False, metavar="MODEL")] = None,
+    db: DbOption = DEFAULT_DB_URL,
+    json_output: JsonOption = False,
+) -> None:
+    """Re-attribute a tenant's period from the archived raw steps with the model versions the ledger billed them
+    with, and check it against the ledger's bill (equal to the nanosecond, or exit 1). Adjustments are shown."""
+    from llmvisor.archive.audit import audit_tenant
+    from llmvisor.core.model import StepLatencyModel
+    from llmvisor.ledger import Ledger
+
+    start_us, end_us = _whole_second_us("--start", start), _whole_second_us("--end", end)
+    _check_db(db)
+    default_model = StepLatencyModel.from_json(model or shipped.latency_model_path())
+    ledger = Ledger(db)
+    try:
+        result = audit_tenant(ledger, archive, tenant, start_us, end_us, default_model)
+    finally:
+        ledger.close()
+    if json_output:
+        echo_json(result.to_dict())
+    else:
+        table = Table(title=f"Audit of tenant {tenant} [{start_us / 1e6:.0f}, {end_us / 1e6:.0f})")
+        table.add_column("")
+        table.add_column("seconds", justify="right")
+        table.add_column("steps", justify="right")
+        table.add_row("re-attributed from the archive", _seconds(result.reattributed_ns), str(result.audited_steps))
+        table.add_row("billed per step (ledger)", _seconds(result.billed_steps_ns), "")
+        table.add_row("billed usage (ledger)", _seconds(result.usage_ns), "")
+        table.add_row("difference", _seconds(result.reattributed_ns - result.usage_ns), str(result.num_mismatched_steps))
+        table.add_row("adjustments in the period", _seconds(result.adjusted_ns), "")
+        table.add_row("net billed (usage + adjustments)", _seconds(result.net_billed_ns), "")
+        print_table(table)
+        for label, n in result.versions.items():
+            stdout.print(f"billed by {label}: {n} steps", highlight=False)
+        notes = [f"{result.unbilled_steps} archived steps not billed (pending or not ingested)" if result.unbilled_steps else "",
+                 f"{result.missing_steps} billed steps missing from the archive" if result.missing_steps else "",
+                 f"{result.partial_adjustments} adjustments only partly in the period (not counted)" if result.partial_adjustments else ""]
+        for note in filter(None, notes):
+            stdout.print(note, highlight=False)
+        if result.adjustments_checked:
+            stdout.print(f"{result.adjustments_checked} adjusted periods re-attributed with their newest version: "
+                         f"{len(result.adjustment_mismatches)} differ", highlight=False)
+        for item in result.adjustment_mismatches:
+            stdout.print(f"adjustment of {item['engine_class']} [{item['period_start_us'] / 1e6:.0f}, {item['period_end_us'] / 1e6:.0f}) "
+                         f"to v{item['to_version']}: adjusted to {item['adjusted_to_ns']} ns, archive re-attributes "
+                         f"{item['reattributed_ns']} ns", highlight=False)
+        for step in result.mismatched_steps:
+            stdout.print(f"step {step['step_id']} of run {step['run_id']}: billed {step['billed_ns']} ns, "
+                         f"re-attributed {step['reattributed_ns']} ns", highlight=False)
+        stdout.print("OK: the ledger's bill equals the archive's re-attribution" if result.ok else "MISMATCH", highlight=False)
+    if not result.ok:
+        if json_output:
+            stderr.print("MISMATCH: the ledger's bill differs from the archive's re-attribution", highlight=False)
+        raise typer.Exit(code=1)
