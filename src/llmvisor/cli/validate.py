@@ -34,12 +34,14 @@ from llmvisor.validation.measurement import (
     missing_sampled_steps,
 )
 from llmvisor.validation.plans import (
+    COALITION_KINDS,
     SAMPLED_KINDS,
     SAMPLED_SIZES,
+    Design,
     Envelope,
     draw_batches,
-    draw_sampled_batches,
     read_length_mixes,
+    sampled_plan,
     sampled_run_budget_s,
 )
 
@@ -63,9 +65,9 @@ def parse_sizes(text: str) -> tuple[int, ...]:
 def parse_kinds(text: str) -> tuple[str, ...]:
     """``--sampled-kinds``: comma-separated `SampledKind` names."""
     kinds = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [k for k in kinds if k not in SAMPLED_KINDS]
+    unknown = [k for k in kinds if k not in COALITION_KINDS]
     if unknown or not kinds:
-        raise LlmvisorError(f"--sampled-kinds: unknown kind(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(SAMPLED_KINDS)}")
+        raise LlmvisorError(f"--sampled-kinds: unknown kind(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(COALITION_KINDS)}")
     return kinds
 
 
@@ -109,6 +111,10 @@ RESUMED_OPTIONS = {
     "sampled_repeat": ("sampled", "repeat"),
     "sampled_sizes": ("sampled", "sizes"),
     "sampled_kinds": ("sampled", "kinds"),
+    "design": ("sampled", "design"),
+    "coalitions_per_request": ("sampled", "coalitions_per_request"),
+    "replicate_share": ("sampled", "replicate_share"),
+    "exact_sharing_batches": ("sampled", "exact_sharing_batches"),
 }
 """Options a re-run takes from the existing result's settings when not given: `validate -o RESULT` re-analyses (or
 resumes) the plan RESULT was measured with, instead of drawing another plan from the defaults."""
@@ -162,6 +168,10 @@ def validate(
     sampled_sizes: Annotated[str, typer.Option(help="Sizes of the serving-size batches, comma-separated (each at most --max-num-seqs).", metavar="N,N,...")] = ",".join(map(str, SAMPLED_SIZES)),
     sampled_kinds: Annotated[str, typer.Option(help="Kinds of serving-size batches, comma-separated, cycled.", metavar="KIND,KIND,...")] = ",".join(SAMPLED_KINDS),
     sampled_repeat: Annotated[int, typer.Option(help="Times each prefix step of a serving-size batch is measured (median kept); more orders usually buy more than repeats.", min=1)] = 1,
+    design: Annotated[str, typer.Option(help="Serving-size batches measured on 'prefixes' of sampled orders (permutation sampling) or on random complementary 'coalitions' (the regression estimator).", metavar="DESIGN")] = "prefixes",
+    coalitions_per_request: Annotated[float, typer.Option(help="With --design coalitions: coalitions measured per request of a batch (× n, plus the full batch).", min=1)] = 4.0,
+    replicate_share: Annotated[float, typer.Option(help="With --design coalitions: share of every batch's coalitions measured again, independently (its replicate noise).", min=0, max=1)] = 0.25,
+    exact_sharing_batches: Annotated[int, typer.Option(help="With --design coalitions: mixed-sharing decode batches of 6–7 requests (2 prefix groups and own contexts) with every subset measured twice.", min=0)] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the batches and the measuring order.", min=0)] = 0,
     n_bootstrap: params.Bootstrap = 1000,
     keep_steps: Annotated[bool, typer.Option(help="Keep the recorder's trace of every engine step run (RESULT.steps.jsonl).")] = False,
@@ -186,6 +196,8 @@ def validate(
         "max_model_len": max_model_len, "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
         "kv_cache_gib": kv_cache_gib, "threads": threads, "seed": seed, "sampled_batches": sampled_batches,
         "orders": orders, "sampled_repeat": sampled_repeat, "sampled_sizes": sampled_sizes, "sampled_kinds": sampled_kinds,
+        "design": design, "coalitions_per_request": coalitions_per_request, "replicate_share": replicate_share,
+        "exact_sharing_batches": exact_sharing_batches,
     })
     batches, max_batch, repeat, replicate_every = options["batches"], options["max_batch"], options["repeat"], options["replicate_every"]
     adversarial_fraction, max_prefill_tokens = options["adversarial_fraction"], options["max_prefill_tokens"]
@@ -193,6 +205,10 @@ def validate(
     kv_cache_gib, threads, seed = options["kv_cache_gib"], options["threads"], options["seed"]
     sampled_batches, orders, sampled_repeat = options["sampled_batches"], options["orders"], options["sampled_repeat"]
     sampled_sizes, sampled_kinds = options["sampled_sizes"], options["sampled_kinds"]
+    design, coalitions_per_request = options["design"], options["coalitions_per_request"]
+    replicate_share, exact_sharing_batches = options["replicate_share"], options["exact_sharing_batches"]
+    if design not in tuple(Design):
+        raise LlmvisorError(f"--design: {design!r} is not one of {', '.join(Design)}")
     model = model if model is not None else shipped.latency_model_path()
     latency_model = StepLatencyModel.from_json(model)
     if repeat < 1:
@@ -228,11 +244,15 @@ def validate(
         raise LlmvisorError(f"--sampled-batches: must be 0 or more (got {sampled_batches})")
     if sampled_repeat < 1:
         raise LlmvisorError(f"--sampled-repeat: must be at least 1 (got {sampled_repeat})")
-    if sampled_batches:
-        sampled_specs = draw_sampled_batches(
-            mixes, envelope, n_batches=sampled_batches, n_orders=orders, sizes=parse_sizes(sampled_sizes),
-            kinds=parse_kinds(sampled_kinds), seed=seed,
-        )
+    sampled_settings = {
+        "design": design, "batches": sampled_batches, "orders": orders, "repeat": sampled_repeat, "antithetic": design == Design.PREFIXES,
+        "sizes": list(parse_sizes(sampled_sizes)), "kinds": list(parse_kinds(sampled_kinds)),
+    }
+    if design == Design.COALITIONS:
+        sampled_settings |= {"coalitions_per_request": coalitions_per_request, "replicate_share": replicate_share,
+                             "exact_sharing_batches": exact_sharing_batches, "exact_sharing_sizes": [6, 7], "chunk": 32}
+    if sampled_batches or (design == Design.COALITIONS and exact_sharing_batches):
+        sampled_specs = sampled_plan(mixes, envelope, sampled_settings, seed=seed)
 
     engine_settings = {
         "engine_model_config": json.loads(config_path.read_text(encoding="utf-8")),
@@ -258,9 +278,11 @@ def validate(
     budget_s = sampled_run_budget_s(sampled_specs, model_step_s(latency_model), repeat=sampled_repeat) if sampled_specs else 0.0
     preparation_s = sampled_preparation_s(sampled_specs, latency_model) if sampled_specs else 0.0
     if sampled_specs:
-        n_steps = sum(len(b.subsets()) for b in sampled_specs) * sampled_repeat
+        n_steps = sum(len(b.subsets(r)) for b in sampled_specs for r in range(b.rounds)) * sampled_repeat
         console.print(
-            f"[bold]validate[/]: {len(sampled_specs)} sampled batches × {orders} orders: {n_steps} subset steps, "
+            f"[bold]validate[/]: {len(sampled_specs)} "
+            + (f"sampled batches × {orders} orders" if design == Design.PREFIXES else "serving-size batches on random coalitions")
+            + f": {n_steps} subset steps, "
             f"{budget_s / 60:.1f} min of controlled steps by the model, about {preparation_s / 60:.1f} min more preparing "
             f"decode contexts ({n_missing_sampled} steps still to measure; warm-up and canaries come on top)"
         )
@@ -352,16 +374,7 @@ def validate(
         "measurement_runs": previous_runs,
     }
     if sampled_specs:
-        settings["sampled"] = {
-            "batches": sampled_batches,
-            "orders": orders,
-            "repeat": sampled_repeat,
-            "antithetic": True,
-            "sizes": list(parse_sizes(sampled_sizes)),
-            "kinds": list(parse_kinds(sampled_kinds)),
-            "model_budget_s": round(budget_s, 1),
-            "model_preparation_s": round(preparation_s, 1),
-        }
+        settings["sampled"] = {**sampled_settings, "model_budget_s": round(budget_s, 1), "model_preparation_s": round(preparation_s, 1)}
     if previous_runs and previous_runs[-1].get("engine"):
         settings["engine"] = previous_runs[-1]["engine"]
     result = build_result(specs, journal, latency_model, repeat=repeat, n_bootstrap=n_bootstrap, seed=seed, settings=settings,
