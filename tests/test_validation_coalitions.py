@@ -92,3 +92,43 @@ def test_grouped_batches_are_measured_resumably_with_sharing_within_each_group(t
 def test_the_prefixes_design_refuses_mixed_sharing_batches():
     with pytest.raises(LlmvisorError, match="coalitions only"):
         draw_sampled_batches(mixes(), ENVELOPE_64, n_batches=1, n_orders=2, sizes=(16,), kinds=(SampledKind.MIXED_SHARING_DECODE,))
+
+
+def grouped_sharing_cost(slices) -> float:
+    """`sharing_cost` with each prefix group's blocks read once by that group's readers (groups told apart by their
+    shared length: the plan gives each group a prefix of its own length)."""
+    from test_validation_sampled_plan import D6, D7, B
+
+    readers: dict[int, int] = {}
+    for s in slices:
+        if s.num_shared_context_tokens:
+            readers[s.num_shared_context_tokens] = readers.get(s.num_shared_context_tokens, 0) + 1
+    cost = B
+    for s in slices:
+        shared = s.num_shared_context_tokens
+        cost += D7 + D6 * (s.num_context_tokens - shared + (shared / readers[shared] if shared else 0.0))
+    return cost
+
+
+def test_the_sharing_check_passes_the_right_rule_and_flags_a_planted_wrong_one(tmp_path):
+    from llmvisor.validation.coalitions import analyse_coalition_batch, coalition_summary
+    from test_validation_sampled_plan import sharing_model
+
+    batches = draw_coalition_batches(mixes(), ENVELOPE_64, n_batches=2, coalitions_per_request=4, sizes=(16,),
+                                     kinds=(SampledKind.MIXED_SHARING_DECODE, SampledKind.DECODE), exact_sharing_batches=3, seed=5)
+    journal = Journal(tmp_path / "j.jsonl")
+    measure_sampled(GroupedEngine(grouped_sharing_cost, noise=0.01, seed=2), batches, journal, repeat=1, warm_up_steps=0)
+    records = [analyse_coalition_batch(b, journal, sharing_model()) for b in batches]
+    assert all(r is not None for r in records) and sum(r["exact"] for r in records) == 3
+    summary = coalition_summary(records, trials=5)
+    exact = summary["sharing"]["exact"]["rules"]
+    right, wrong = exact["split_among_readers"], exact["whole_block_per_reader"]
+    assert not right["flagged"] and abs(right["class_bias"]["shared"]["bias"]) < 0.03
+    # each reader paying the whole block overcharges the readers and, the step's time being fixed, undercharges the rest
+    assert wrong["flagged"] and wrong["verdict"]["unique"] == "missed" and "missed" not in right["verdict"].values()
+    assert wrong["class_bias"]["shared"]["bias"] > 0.01 and wrong["class_bias"]["unique"]["bias"] < -0.03
+    assert set(right["class_bias"]) >= {"largest_group", "smallest_group"}
+    assert summary["batch_sizes"]["max"] == 16 and summary["batch_sizes"]["n_exact_batches"] == 3
+    assert set(summary["sampled"]["halfwidth_over_share_p50"]) == {"mixed_sharing_decode", "decode"}
+    assert summary["additivity"]["per_batch"] and summary["noise_floor"]["relative_per_measurement"]["n_groups"] > 0
+    assert 0 <= summary["estimator"]["exact_coverage_95"] <= 1

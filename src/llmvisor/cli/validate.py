@@ -379,6 +379,22 @@ def validate(
         settings["engine"] = previous_runs[-1]["engine"]
     result = build_result(specs, journal, latency_model, repeat=repeat, n_bootstrap=n_bootstrap, seed=seed, settings=settings,
                           sampled_batches=sampled_specs, sampled_repeat=sampled_repeat, agreement_orders=max(orders, 4))
+    if design == Design.COALITIONS:
+        from llmvisor.validation.coalitions import (
+            analyse_coalition_batch,
+            batch_record_json,
+            coalition_summary,
+            jsonable,
+            permutation_reference,
+        )
+
+        coalition_records = [r for r in (analyse_coalition_batch(b, journal, latency_model, sampled_repeat) for b in sampled_specs) if r is not None]
+        shipped_result = shipped.result_path(shipped.VALIDATION_RESULT)
+        reference = permutation_reference(json.loads(shipped_result.read_text(encoding="utf-8"))) if shipped_result.is_file() else None
+        if coalition_records:
+            result["summary"] = {**result["summary"], **jsonable(coalition_summary(coalition_records, permutation_reference=reference, seed=seed))}
+        result["n_sampled_batches_measured"] = len(coalition_records)
+        result["sampled_batches"] = [batch_record_json(r) for r in coalition_records]
     with replaced_atomically(output) as tmp:
         Path(tmp).write_text(dumps_result(result), encoding="utf-8")
     if json_output:
@@ -433,7 +449,7 @@ def print_summary(console, result: dict) -> None:
     table = Table(title="|share − measured Shapley| / step time")
     for column in ("phase", "method", "p50 [95% CI]", "p90 [95% CI]", "p99", "p90 gain vs tokens"):
         table.add_column(column, justify="right" if column != "method" else "left")
-    for phase, tables in summary["errors"].items():
+    for phase, tables in summary.get("errors", {}).items():
         for method in SUMMARY_METHODS:
             m = tables["shapley"].get(method)
             if not m:
@@ -447,8 +463,9 @@ def print_summary(console, result: dict) -> None:
                 pct(m["p99"]),
                 "–" if gain is None else f"{gain:.2f}×",
             )
-    console.print(table)
-    for phase in summary["errors"]:
+    if summary.get("errors"):
+        console.print(table)
+    for phase in summary.get("errors", {}):
         floor = summary["noise_floor"]["shapley"].get(phase, {})
         gap = summary["loo_sum_gap_fraction"].get(phase, {})
         step = summary["noise_floor"]["step"].get(phase, {})
@@ -458,7 +475,14 @@ def print_summary(console, result: dict) -> None:
             f"(Σ LOO − T)/T median {pct(gap.get('p50'))}"
         )
         console.print(goal_line(summary, phase))
+    estimator = summary.get("estimator")
+    if estimator:
+        console.print(f"coalitions: exact coverage of the regression's 95% intervals {pct(estimator.get('exact_coverage_95'))}; "
+                      f"half-width ratio vs permutation (equal steps) {estimator.get('halfwidth_ratio_vs_permutation')}; "
+                      f"half-width ÷ share p50 {summary['sampled'].get('halfwidth_over_share_p50')}")
     for kind, entry in summary.get("sampled", {}).items():
+        if "errors" not in entry:
+            continue
         errors = entry["errors"]
         cells = "; ".join(
             f"{m} p50 {pct(errors[m]['p50'])} p90 {pct(errors[m]['p90'])}" for m in (Method.SHAPLEY, Method.TOKEN_COUNT) if m in errors
