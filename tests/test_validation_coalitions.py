@@ -132,3 +132,46 @@ def test_the_sharing_check_passes_the_right_rule_and_flags_a_planted_wrong_one(t
     assert set(summary["sampled"]["halfwidth_over_share_p50"]) == {"mixed_sharing_decode", "decode"}
     assert summary["additivity"]["per_batch"] and summary["noise_floor"]["relative_per_measurement"]["n_groups"] > 0
     assert 0 <= summary["estimator"]["exact_coverage_95"] <= 1
+
+
+def test_validate_measures_the_coalitions_plan_within_a_time_limit_and_resumes(tmp_path, monkeypatch):
+    import json
+    import time
+
+    from llmvisor.cli.validate import validate
+    from llmvisor.engines.vllm import controlled
+    from test_validation import _write_mix_csvs
+    from test_validation_sampled_plan import FakeControlledEngine, sharing_model
+
+    class FakeGroupedEngine(FakeControlledEngine, GroupedEngine):
+        def decode_step(self, handle, members):
+            time.sleep(0.004)  # slow enough for the time limit to stop the first run part-way
+            return GroupedEngine.decode_step(self, handle, members)
+
+    monkeypatch.setattr(controlled, "ControlledEngine", FakeGroupedEngine)
+    workloads = tmp_path / "workloads"
+    _write_mix_csvs(workloads)
+    model_path = tmp_path / "model.json"
+    sharing_model().to_json(model_path)
+    output = tmp_path / "c.json"
+    common = dict(output=output, model=model_path, workloads=workloads, batches=0, repeat=1, n_bootstrap=20, max_num_seqs=32,
+                  design="coalitions", sampled_batches=3, coalitions_per_request=2, sampled_sizes="16",
+                  sampled_kinds="decode,shared_prefix_decode,mixed_sharing_decode", exact_sharing_batches=2)
+    validate(**common, time_limit_s=1)
+    first = json.loads(output.read_text())
+    assert first["settings"]["measurement_runs"][-1]["stopped_by_time_limit"]
+    assert first["n_sampled_batches_measured"] < 5
+    validate(**common)  # resumes: measures only what the journal lacks
+    result = json.loads(output.read_text())
+    assert result["n_sampled_batches_measured"] == 5 and not result["settings"]["measurement_runs"][-1]["stopped_by_time_limit"]
+    summary = result["summary"]
+    assert summary["batch_sizes"]["max"] == 16 and summary["estimator"]["exact_coverage_95"] is not None
+    assert set(summary["sampled"]["halfwidth_over_share_p50"]) == {"decode", "shared_prefix_decode", "mixed_sharing_decode"}
+    assert summary["sharing"]["exact"]["rules"]["whole_block_per_reader"]["flagged"]
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("--no-measure must not start the engine")
+
+    monkeypatch.setattr(controlled, "ControlledEngine", no_engine)
+    validate(**common, measure_missing=False)
+    assert json.loads(output.read_text())["summary"]["sampled"] == summary["sampled"]

@@ -172,6 +172,10 @@ def validate(
     coalitions_per_request: Annotated[float, typer.Option(help="With --design coalitions: coalitions measured per request of a batch (× n, plus the full batch).", min=1)] = 4.0,
     replicate_share: Annotated[float, typer.Option(help="With --design coalitions: share of every batch's coalitions measured again, independently (its replicate noise).", min=0, max=1)] = 0.25,
     exact_sharing_batches: Annotated[int, typer.Option(help="With --design coalitions: mixed-sharing decode batches of 6–7 requests (2 prefix groups and own contexts) with every subset measured twice.", min=0)] = 0,
+    guard_max_redos: Annotated[int, typer.Option(help="Times a batch-round the interference guard flags is measured again before it is kept, flagged.", min=0)] = 4,
+    guard_max_wait_s: Annotated[float, typer.Option(help="Longest wait for the machine to quieten between redos, in seconds.", min=0)] = 600.0,
+    time_limit_s: Annotated[float | None, typer.Option(help="Stop measuring after this many seconds (the batch-round under way is dropped) and write the result of what the journal holds; a re-run resumes.", min=1)] = None,
+    measure_missing: Annotated[bool, typer.Option("--measure/--no-measure", help="Measure what the journal lacks (--no-measure: only analyse it).")] = True,
     seed: Annotated[int, typer.Option(help="Seed of the batches and the measuring order.", min=0)] = 0,
     n_bootstrap: params.Bootstrap = 1000,
     keep_steps: Annotated[bool, typer.Option(help="Keep the recorder's trace of every engine step run (RESULT.steps.jsonl).")] = False,
@@ -289,8 +293,18 @@ def validate(
 
     engine_facts: dict = {}
     counts = {"measured_now": 0, "rejected_now": 0}
+    journal_before = {k: list(v) for k, v in journal.measurements.items()}
+    rejected_before, discarded_before = journal.n_rejected, len(journal.interference)
     started = time.perf_counter()
-    if n_missing:
+    invoked = time.monotonic()
+    time_up = False
+
+    def advance(progress, task, n: int) -> None:
+        progress.advance(task, n)
+        if time_limit_s is not None and time.monotonic() - invoked > time_limit_s:
+            raise _TimeUp
+
+    if n_missing and measure_missing:
         extras.require("llmvisor validate (measuring on the engine)", "vllm")
         from llmvisor.engines.vllm.controlled import ControlledEngine
 
@@ -324,13 +338,22 @@ def validate(
                 disable=json_output and not console.is_terminal,
             ) as progress:
                 task = progress.add_task("subset steps", total=n_missing)
-                guard = InterferenceGuard()
-                counts = measure(engine, specs, journal, repeat=repeat, seed=seed, guard=guard, on_step=lambda n: progress.advance(task, n))
-                if n_missing_sampled:
-                    more = measure_sampled(
-                        engine, sampled_specs, journal, repeat=sampled_repeat, seed=seed, guard=guard, on_step=lambda n: progress.advance(task, n)
-                    )
-                    counts = {k: counts.get(k, 0) + more.get(k, 0) for k in {*counts, *more}}
+                guard = InterferenceGuard(max_redos=guard_max_redos, max_wait_s=guard_max_wait_s)
+                try:
+                    counts = measure(engine, specs, journal, repeat=repeat, seed=seed, guard=guard, on_step=lambda n: advance(progress, task, n))
+                    if n_missing_sampled:
+                        more = measure_sampled(
+                            engine, measuring_order(sampled_specs), journal, repeat=sampled_repeat, seed=seed, guard=guard,
+                            on_step=lambda n: advance(progress, task, n),
+                        )
+                        counts = {k: counts.get(k, 0) + more.get(k, 0) for k in {*counts, *more}}
+                except _TimeUp:
+                    time_up = True
+                    now = Journal(journal_path)
+                    counts = {"measured_now": sum(len(v) for v in now.measurements.values()) - sum(len(v) for v in journal_before.values()),
+                              "rejected_now": now.n_rejected - rejected_before, "discarded_batch_rounds": len(now.interference) - discarded_before}
+                    journal = now
+                    console.print(f"[bold]validate[/]: --time-limit-s {time_limit_s:g} reached; a re-run resumes from the journal")
     measure_s = time.perf_counter() - started
 
     previous_runs: list[dict] = []
@@ -346,6 +369,10 @@ def validate(
                 "measured_steps": counts.get("measured_now", 0),
                 "rejected_steps": counts.get("rejected_now", 0),
                 "discarded_batch_rounds": counts.get("discarded_batch_rounds", 0),
+                "flagged_batch_rounds": counts.get("flagged_batch_rounds", 0),
+                "guard_max_redos": guard_max_redos,
+                "guard_max_wait_s": guard_max_wait_s,
+                "stopped_by_time_limit": time_up,
                 "wall_s": round(measure_s, 1),
                 **engine_facts,
             }
@@ -403,6 +430,21 @@ def validate(
         print_summary(console, result)
         sampled_note = f", {result['n_sampled_batches_measured']} sampled" if sampled_specs else ""
         console.print(f"wrote {output} ({result['n_batches_measured']} batches{sampled_note}; journal {journal_path.name})")
+
+
+class _TimeUp(Exception):
+    """--time-limit-s reached while measuring."""
+
+
+def measuring_order(batches: list) -> list:
+    """The order serving-size batches are measured in: two exact ones, the plan's first cycle of kinds and sizes largest
+    first, the other exact ones, the other cycles (a run cut short has exact batches and the largest batches of every
+    kind); a batch's journal key does not depend on it."""
+    exact = [b for b in batches if b.coalitions and b.size < 16 and len(b.coalitions) == (1 << b.size) - 1]
+    rest = [b for b in batches if b not in exact]
+    cycle = max(1, len({(b.kind, b.size) for b in rest}))
+    rest = sorted(rest, key=lambda b: (rest.index(b) // cycle, -b.size, rest.index(b)))
+    return exact[:2] + rest[:cycle] + exact[2:] + rest[cycle:]
 
 
 def goal_line(summary: dict, phase: str) -> str:
