@@ -168,6 +168,10 @@ def test_validate_measures_the_coalitions_plan_within_a_time_limit_and_resumes(t
     assert summary["batch_sizes"]["max"] == 16 and summary["estimator"]["exact_coverage_95"] is not None
     assert set(summary["sampled"]["halfwidth_over_share_p50"]) == {"decode", "shared_prefix_decode", "mixed_sharing_decode"}
     assert summary["sharing"]["exact"]["rules"]["whole_block_per_reader"]["flagged"]
+    from llmvisor.validation.report import coalitions_markdown_summary
+
+    text = coalitions_markdown_summary(result)
+    assert "| whole block per reader |" in text and text.count("| yes |") >= 1 and "mixed-sharing decode" in text
 
     def no_engine(*args, **kwargs):
         raise AssertionError("--no-measure must not start the engine")
