@@ -62,17 +62,25 @@ def analyse_coalition_batch(batch: SampledBatchSpec, journal: Journal, model, re
     until round 0 is measured."""
     n, full = batch.size, (1 << batch.size) - 1
     masks, cost, blocks = [], [], []
+    n_disturbed = 0
     for k, chunk in enumerate(batch.chunks(0)):
         for s in chunk:
-            t = _times(journal, batch, 0, s, repeat)
-            if len(t) < repeat:
+            taken = journal.get(batch, 0, s)[:repeat]
+            if len(taken) < repeat:
                 return None
+            if any(m.interference for m in taken):
+                # kept after every redo was disturbed: left out of the fit (an exact batch is then left out whole)
+                n_disturbed += 1
+                continue
             masks.append(s)
-            cost.append(float(np.median(t)))
+            cost.append(float(np.median([m.step_latency_s for m in taken])))
             blocks.append(k)
     cost = np.array(cost)
-    reps = {s: _times(journal, batch, 1, s, repeat) for s in batch.replicated} if batch.rounds > 1 else {}
-    reps = {s: t for s, t in reps.items() if t}
+    reps = {s: _times(journal, batch, 1, s, repeat) for s in batch.replicated if s in set(masks)} if batch.rounds > 1 else {}
+    reps = {s: t for s, t in reps.items() if t and not any(m.interference for m in journal.get(batch, 1, s)[:repeat])}
+    if full not in masks or len(masks) < 2 * n + 1 or (batch.size < 16 and n_disturbed):
+        return {"interference_flagged": True, "index": batch.index, "kind": batch.kind, "size": n, "exact": batch.size < 16,
+                "n_disturbed_steps": n_disturbed}
     exact = batch.size < 16 and len(set(masks)) == full
     # An exact batch's chunks are runs of its subsets in mask order (each holds or lacks the top request): an offset
     # per chunk would be confounded with that request, so its fit has none.
@@ -105,6 +113,7 @@ def analyse_coalition_batch(batch: SampledBatchSpec, journal: Journal, model, re
     additivity = additivity_test(all_masks, all_cost, n, weights=relative_weights(all_masks, all_cost, n)) if reps else None
     pairs = [[float(np.median(_times(journal, batch, 0, s, repeat))), float(np.median(t))] for s, t in reps.items()]
     record = {
+        "interference_flagged": False, "n_disturbed_steps": n_disturbed,
         "index": batch.index, "kind": batch.kind, "size": n, "source": batch.source, "exact": exact,
         "n_steps": len(masks), "n_replicated": len(pairs), "measured_step_s": measured_s,
         "groups": list(batch.groups), "num_context_tokens": context.tolist(), "num_shared_context_tokens": shared.tolist(),
@@ -113,7 +122,7 @@ def analyse_coalition_batch(batch: SampledBatchSpec, journal: Journal, model, re
         "permutation_half_s": projected_permutation_half_s({"size": n}, masks, fit, cost, confidence=confidence), "sharing_rule_shares_s": shares,
         "additivity": additivity, "replicate_pairs": pairs,
     }
-    if record["exact"] and reps and len(reps) == full:
+    if record["exact"] and len(reps) == full:
         times = np.array([[float(np.median(_times(journal, batch, 0, s, repeat))), float(np.median(reps[s]))] for s in range(1, full + 1)])
         w = shapley_matrix(n)
         exact = w @ times.mean(axis=1)
@@ -198,6 +207,10 @@ def coalition_summary(records: list[dict], *, permutation_reference: dict | None
     """The summary a coalitions-design result carries (see the module's notes). ``permutation_reference``: per
     "size/kind", the median permutation half-width ÷ step × √steps measured on prefix-design batches (another
     journal), which scales to any number of steps."""
+    flagged = [r for r in records if r["interference_flagged"]]
+    records = [r for r in records if not r["interference_flagged"]]  # kept after every redo was disturbed: judged on nothing
+    if not records:
+        return {"batch_sizes": {"n_interference_flagged_excluded": len(flagged)}}
     serving = [r for r in records if not r["exact"]]
     exact = [r for r in records if "exact_shapley_s" in r]
     games = [{"batch": _Batch(r["size"]), "record": {"shapley_s": r["exact_shapley_s"], "measured_step_s": r["measured_step_s"]},
@@ -267,7 +280,8 @@ def coalition_summary(records: list[dict], *, permutation_reference: dict | None
         "sampled": {"halfwidth_over_share_p50": over_share, "by_kind": decision},
         "batch_sizes": {"max": max(r["size"] for r in records), "min": min(r["size"] for r in records),
                         "serving_size": sorted({r["size"] for r in serving}), "n_serving_size_batches": len(serving),
-                        "n_exact_batches": len(exact)},
+                        "n_exact_batches": len(exact), "n_interference_flagged_excluded": len(flagged),
+                        "interference_flagged_excluded": [{"index": r["index"], "kind": r["kind"], "size": r["size"]} for r in flagged]},
         "sharing": sharing_check(records),
         "additivity": {
             "per_batch": additivity,
@@ -314,7 +328,7 @@ def permutation_reference(result: dict) -> dict:
 
 def batch_record_json(record: dict) -> dict:
     """A coalitions-design batch's record as the result file keeps it (no covariance matrix, no raw times)."""
-    keep = ("index", "kind", "size", "source", "exact", "n_steps", "n_replicated", "measured_step_s", "groups", "num_context_tokens",
+    keep = ("interference_flagged", "n_disturbed_steps", "index", "kind", "size", "source", "exact", "n_steps", "n_replicated", "measured_step_s", "groups", "num_context_tokens",
             "num_shared_context_tokens", "shapley_s", "half_s", "permutation_half_s", "shares_s", "exact_shapley_s")
     out = {k: record[k] for k in keep if k in record}
     if record.get("additivity"):
