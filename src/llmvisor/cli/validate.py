@@ -437,14 +437,15 @@ class _TimeUp(Exception):
 
 
 def measuring_order(batches: list) -> list:
-    """The order serving-size batches are measured in: two exact ones, the plan's first cycle of kinds and sizes largest
-    first, the other exact ones, the other cycles (a run cut short has exact batches and the largest batches of every
-    kind); a batch's journal key does not depend on it."""
+    """The order serving-size batches are measured in: two exact ones, the first cycle's largest batches, the other
+    exact ones, then each cycle of kinds and sizes largest first (a run cut short has exact batches and the largest
+    batches of every kind); a batch's journal key does not depend on it."""
     exact = [b for b in batches if b.coalitions and b.size < 16 and len(b.coalitions) == (1 << b.size) - 1]
     rest = [b for b in batches if b not in exact]
     cycle = max(1, len({(b.kind, b.size) for b in rest}))
     rest = sorted(rest, key=lambda b: (rest.index(b) // cycle, -b.size, rest.index(b)))
-    return exact[:2] + rest[:cycle] + exact[2:] + rest[cycle:]
+    largest = [b for b in rest[:cycle] if b.size == rest[0].size] if rest else []
+    return exact[:2] + largest + exact[2:] + [b for b in rest if b not in largest]
 
 
 def goal_line(summary: dict, phase: str) -> str:

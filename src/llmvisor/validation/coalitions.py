@@ -281,6 +281,8 @@ def coalition_summary(records: list[dict], *, permutation_reference: dict | None
         "batch_sizes": {"max": max(r["size"] for r in records), "min": min(r["size"] for r in records),
                         "serving_size": sorted({r["size"] for r in serving}), "n_serving_size_batches": len(serving),
                         "n_exact_batches": len(exact), "n_interference_flagged_excluded": len(flagged),
+                        "n_steps_used": sum(r["n_steps"] + r["n_replicated"] * (2 if r["exact"] else 1) for r in records),
+                        "n_disturbed_steps_left_out": sum(r.get("n_disturbed_steps", 0) for r in records + flagged),
                         "interference_flagged_excluded": [{"index": r["index"], "kind": r["kind"], "size": r["size"]} for r in flagged]},
         "sharing": sharing_check(records),
         "additivity": {

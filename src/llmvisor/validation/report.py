@@ -332,12 +332,12 @@ def coalitions_markdown_summary(result: dict) -> str:
     file and nothing else (tests/test_validation_coalitions_doc.py)."""
     summary = result["summary"]
     estimator, sampled, sizes = summary["estimator"], summary["sampled"], summary["batch_sizes"]
-    runs = result["settings"].get("measurement_runs", [])
     exact = estimator.get("exact") or {}
     lines = [
         f"{sizes['n_serving_size_batches']} serving-size batches of {', '.join(map(str, sizes['serving_size']))} requests "
-        f"(largest {sizes['max']}) and {sizes['n_exact_batches']} exact mixed-sharing batches, "
-        f"{sum(r['measured_steps'] for r in runs):,} controlled steps kept in {len(runs)} runs.",
+        f"(largest {sizes['max']}) and {sizes['n_exact_batches']} exact mixed-sharing batches: {sizes['n_steps_used']:,} controlled "
+        f"steps used, {sizes['n_disturbed_steps_left_out']:,} the interference guard kept after every redo was disturbed left out "
+        f"({sizes['n_interference_flagged_excluded']} batches left out whole).",
         "",
         f"Exact mixed-sharing batches ({', '.join(map(str, exact.get('sizes', [])))} requests, every subset measured twice): the "
         f"regression's 95% intervals from 2n+1 and 4n+1 coalitions of one repeat cover the exact value of the other repeat for "
