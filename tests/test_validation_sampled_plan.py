@@ -16,7 +16,7 @@ from llmvisor.errors import LlmvisorError
 from llmvisor.validation.analysis import analyse_sampled_batch, model_step_s
 from llmvisor.validation.game import members
 from llmvisor.validation.measurement import Journal, measure_sampled
-from llmvisor.validation.plans import SampledKind, draw_sampled_batches, sampled_run_budget_s
+from llmvisor.validation.plans import SAMPLED_KINDS, SampledKind, draw_sampled_batches, sampled_run_budget_s
 from test_validation import ENVELOPE, GameEngine, _write_mix_csvs, mixes
 
 B, K1, K3, A2, D6, D7 = 0.010, 2e-5, 1e-9, 3e-6, 1e-6, 5e-4
@@ -128,7 +128,7 @@ def _without_sharing(journal: Journal, tmp_path) -> Journal:
 
 
 def test_the_budget_is_the_models_time_of_every_distinct_prefix():
-    batches = draw_sampled_batches(mixes(), ENVELOPE, n_batches=4, n_orders=4, sizes=(16,), kinds=tuple(SampledKind))
+    batches = draw_sampled_batches(mixes(), ENVELOPE, n_batches=4, n_orders=4, sizes=(16,), kinds=SAMPLED_KINDS)
     model = sharing_model()
     step_s = model_step_s(model)
     budget = sampled_run_budget_s(batches, step_s, repeat=2)

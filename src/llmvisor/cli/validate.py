@@ -34,12 +34,14 @@ from llmvisor.validation.measurement import (
     missing_sampled_steps,
 )
 from llmvisor.validation.plans import (
+    COALITION_KINDS,
     SAMPLED_KINDS,
     SAMPLED_SIZES,
+    Design,
     Envelope,
     draw_batches,
-    draw_sampled_batches,
     read_length_mixes,
+    sampled_plan,
     sampled_run_budget_s,
 )
 
@@ -63,9 +65,9 @@ def parse_sizes(text: str) -> tuple[int, ...]:
 def parse_kinds(text: str) -> tuple[str, ...]:
     """``--sampled-kinds``: comma-separated `SampledKind` names."""
     kinds = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [k for k in kinds if k not in SAMPLED_KINDS]
+    unknown = [k for k in kinds if k not in COALITION_KINDS]
     if unknown or not kinds:
-        raise LlmvisorError(f"--sampled-kinds: unknown kind(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(SAMPLED_KINDS)}")
+        raise LlmvisorError(f"--sampled-kinds: unknown kind(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(COALITION_KINDS)}")
     return kinds
 
 
@@ -109,6 +111,10 @@ RESUMED_OPTIONS = {
     "sampled_repeat": ("sampled", "repeat"),
     "sampled_sizes": ("sampled", "sizes"),
     "sampled_kinds": ("sampled", "kinds"),
+    "design": ("sampled", "design"),
+    "coalitions_per_request": ("sampled", "coalitions_per_request"),
+    "replicate_share": ("sampled", "replicate_share"),
+    "exact_sharing_batches": ("sampled", "exact_sharing_batches"),
 }
 """Options a re-run takes from the existing result's settings when not given: `validate -o RESULT` re-analyses (or
 resumes) the plan RESULT was measured with, instead of drawing another plan from the defaults."""
@@ -162,6 +168,14 @@ def validate(
     sampled_sizes: Annotated[str, typer.Option(help="Sizes of the serving-size batches, comma-separated (each at most --max-num-seqs).", metavar="N,N,...")] = ",".join(map(str, SAMPLED_SIZES)),
     sampled_kinds: Annotated[str, typer.Option(help="Kinds of serving-size batches, comma-separated, cycled.", metavar="KIND,KIND,...")] = ",".join(SAMPLED_KINDS),
     sampled_repeat: Annotated[int, typer.Option(help="Times each prefix step of a serving-size batch is measured (median kept); more orders usually buy more than repeats.", min=1)] = 1,
+    design: Annotated[str, typer.Option(help="Serving-size batches measured on 'prefixes' of sampled orders (permutation sampling) or on random complementary 'coalitions' (the regression estimator).", metavar="DESIGN")] = "prefixes",
+    coalitions_per_request: Annotated[float, typer.Option(help="With --design coalitions: coalitions measured per request of a batch (× n, plus the full batch).", min=1)] = 4.0,
+    replicate_share: Annotated[float, typer.Option(help="With --design coalitions: share of every batch's coalitions measured again, independently (its replicate noise).", min=0, max=1)] = 0.25,
+    exact_sharing_batches: Annotated[int, typer.Option(help="With --design coalitions: mixed-sharing decode batches of 6–7 requests (2 prefix groups and own contexts) with every subset measured twice.", min=0)] = 0,
+    guard_max_redos: Annotated[int, typer.Option(help="Times a batch-round the interference guard flags is measured again before it is kept, flagged.", min=0)] = 4,
+    guard_max_wait_s: Annotated[float, typer.Option(help="Longest wait for the machine to quieten between redos, in seconds.", min=0)] = 600.0,
+    time_limit_s: Annotated[float | None, typer.Option(help="Stop measuring after this many seconds (the batch-round under way is dropped) and write the result of what the journal holds; a re-run resumes.", min=1)] = None,
+    measure_missing: Annotated[bool, typer.Option("--measure/--no-measure", help="Measure what the journal lacks (--no-measure: only analyse it).")] = True,
     seed: Annotated[int, typer.Option(help="Seed of the batches and the measuring order.", min=0)] = 0,
     n_bootstrap: params.Bootstrap = 1000,
     keep_steps: Annotated[bool, typer.Option(help="Keep the recorder's trace of every engine step run (RESULT.steps.jsonl).")] = False,
@@ -186,6 +200,8 @@ def validate(
         "max_model_len": max_model_len, "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
         "kv_cache_gib": kv_cache_gib, "threads": threads, "seed": seed, "sampled_batches": sampled_batches,
         "orders": orders, "sampled_repeat": sampled_repeat, "sampled_sizes": sampled_sizes, "sampled_kinds": sampled_kinds,
+        "design": design, "coalitions_per_request": coalitions_per_request, "replicate_share": replicate_share,
+        "exact_sharing_batches": exact_sharing_batches,
     })
     batches, max_batch, repeat, replicate_every = options["batches"], options["max_batch"], options["repeat"], options["replicate_every"]
     adversarial_fraction, max_prefill_tokens = options["adversarial_fraction"], options["max_prefill_tokens"]
@@ -193,6 +209,10 @@ def validate(
     kv_cache_gib, threads, seed = options["kv_cache_gib"], options["threads"], options["seed"]
     sampled_batches, orders, sampled_repeat = options["sampled_batches"], options["orders"], options["sampled_repeat"]
     sampled_sizes, sampled_kinds = options["sampled_sizes"], options["sampled_kinds"]
+    design, coalitions_per_request = options["design"], options["coalitions_per_request"]
+    replicate_share, exact_sharing_batches = options["replicate_share"], options["exact_sharing_batches"]
+    if design not in tuple(Design):
+        raise LlmvisorError(f"--design: {design!r} is not one of {', '.join(Design)}")
     model = model if model is not None else shipped.latency_model_path()
     latency_model = StepLatencyModel.from_json(model)
     if repeat < 1:
@@ -228,11 +248,15 @@ def validate(
         raise LlmvisorError(f"--sampled-batches: must be 0 or more (got {sampled_batches})")
     if sampled_repeat < 1:
         raise LlmvisorError(f"--sampled-repeat: must be at least 1 (got {sampled_repeat})")
-    if sampled_batches:
-        sampled_specs = draw_sampled_batches(
-            mixes, envelope, n_batches=sampled_batches, n_orders=orders, sizes=parse_sizes(sampled_sizes),
-            kinds=parse_kinds(sampled_kinds), seed=seed,
-        )
+    sampled_settings = {
+        "design": design, "batches": sampled_batches, "orders": orders, "repeat": sampled_repeat, "antithetic": design == Design.PREFIXES,
+        "sizes": list(parse_sizes(sampled_sizes)), "kinds": list(parse_kinds(sampled_kinds)),
+    }
+    if design == Design.COALITIONS:
+        sampled_settings |= {"coalitions_per_request": coalitions_per_request, "replicate_share": replicate_share,
+                             "exact_sharing_batches": exact_sharing_batches, "exact_sharing_sizes": [6, 7], "chunk": 32}
+    if sampled_batches or (design == Design.COALITIONS and exact_sharing_batches):
+        sampled_specs = sampled_plan(mixes, envelope, sampled_settings, seed=seed)
 
     engine_settings = {
         "engine_model_config": json.loads(config_path.read_text(encoding="utf-8")),
@@ -258,17 +282,29 @@ def validate(
     budget_s = sampled_run_budget_s(sampled_specs, model_step_s(latency_model), repeat=sampled_repeat) if sampled_specs else 0.0
     preparation_s = sampled_preparation_s(sampled_specs, latency_model) if sampled_specs else 0.0
     if sampled_specs:
-        n_steps = sum(len(b.subsets()) for b in sampled_specs) * sampled_repeat
+        n_steps = sum(len(b.subsets(r)) for b in sampled_specs for r in range(b.rounds)) * sampled_repeat
         console.print(
-            f"[bold]validate[/]: {len(sampled_specs)} sampled batches × {orders} orders: {n_steps} subset steps, "
+            f"[bold]validate[/]: {len(sampled_specs)} "
+            + (f"sampled batches × {orders} orders" if design == Design.PREFIXES else "serving-size batches on random coalitions")
+            + f": {n_steps} subset steps, "
             f"{budget_s / 60:.1f} min of controlled steps by the model, about {preparation_s / 60:.1f} min more preparing "
             f"decode contexts ({n_missing_sampled} steps still to measure; warm-up and canaries come on top)"
         )
 
     engine_facts: dict = {}
     counts = {"measured_now": 0, "rejected_now": 0}
+    journal_before = {k: list(v) for k, v in journal.measurements.items()}
+    rejected_before, discarded_before = journal.n_rejected, len(journal.interference)
     started = time.perf_counter()
-    if n_missing:
+    invoked = time.monotonic()
+    time_up = False
+
+    def advance(progress, task, n: int) -> None:
+        progress.advance(task, n)
+        if time_limit_s is not None and time.monotonic() - invoked > time_limit_s:
+            raise _TimeUp
+
+    if n_missing and measure_missing:
         extras.require("llmvisor validate (measuring on the engine)", "vllm")
         from llmvisor.engines.vllm.controlled import ControlledEngine
 
@@ -302,13 +338,22 @@ def validate(
                 disable=json_output and not console.is_terminal,
             ) as progress:
                 task = progress.add_task("subset steps", total=n_missing)
-                guard = InterferenceGuard()
-                counts = measure(engine, specs, journal, repeat=repeat, seed=seed, guard=guard, on_step=lambda n: progress.advance(task, n))
-                if n_missing_sampled:
-                    more = measure_sampled(
-                        engine, sampled_specs, journal, repeat=sampled_repeat, seed=seed, guard=guard, on_step=lambda n: progress.advance(task, n)
-                    )
-                    counts = {k: counts.get(k, 0) + more.get(k, 0) for k in {*counts, *more}}
+                guard = InterferenceGuard(max_redos=guard_max_redos, max_wait_s=guard_max_wait_s)
+                try:
+                    counts = measure(engine, specs, journal, repeat=repeat, seed=seed, guard=guard, on_step=lambda n: advance(progress, task, n))
+                    if n_missing_sampled:
+                        more = measure_sampled(
+                            engine, measuring_order(sampled_specs), journal, repeat=sampled_repeat, seed=seed, guard=guard,
+                            on_step=lambda n: advance(progress, task, n),
+                        )
+                        counts = {k: counts.get(k, 0) + more.get(k, 0) for k in {*counts, *more}}
+                except _TimeUp:
+                    time_up = True
+                    now = Journal(journal_path)
+                    counts = {"measured_now": sum(len(v) for v in now.measurements.values()) - sum(len(v) for v in journal_before.values()),
+                              "rejected_now": now.n_rejected - rejected_before, "discarded_batch_rounds": len(now.interference) - discarded_before}
+                    journal = now
+                    console.print(f"[bold]validate[/]: --time-limit-s {time_limit_s:g} reached; a re-run resumes from the journal")
     measure_s = time.perf_counter() - started
 
     previous_runs: list[dict] = []
@@ -324,6 +369,10 @@ def validate(
                 "measured_steps": counts.get("measured_now", 0),
                 "rejected_steps": counts.get("rejected_now", 0),
                 "discarded_batch_rounds": counts.get("discarded_batch_rounds", 0),
+                "flagged_batch_rounds": counts.get("flagged_batch_rounds", 0),
+                "guard_max_redos": guard_max_redos,
+                "guard_max_wait_s": guard_max_wait_s,
+                "stopped_by_time_limit": time_up,
                 "wall_s": round(measure_s, 1),
                 **engine_facts,
             }
@@ -352,20 +401,27 @@ def validate(
         "measurement_runs": previous_runs,
     }
     if sampled_specs:
-        settings["sampled"] = {
-            "batches": sampled_batches,
-            "orders": orders,
-            "repeat": sampled_repeat,
-            "antithetic": True,
-            "sizes": list(parse_sizes(sampled_sizes)),
-            "kinds": list(parse_kinds(sampled_kinds)),
-            "model_budget_s": round(budget_s, 1),
-            "model_preparation_s": round(preparation_s, 1),
-        }
+        settings["sampled"] = {**sampled_settings, "model_budget_s": round(budget_s, 1), "model_preparation_s": round(preparation_s, 1)}
     if previous_runs and previous_runs[-1].get("engine"):
         settings["engine"] = previous_runs[-1]["engine"]
     result = build_result(specs, journal, latency_model, repeat=repeat, n_bootstrap=n_bootstrap, seed=seed, settings=settings,
                           sampled_batches=sampled_specs, sampled_repeat=sampled_repeat, agreement_orders=max(orders, 4))
+    if design == Design.COALITIONS:
+        from llmvisor.validation.coalitions import (
+            analyse_coalition_batch,
+            batch_record_json,
+            coalition_summary,
+            jsonable,
+            permutation_reference,
+        )
+
+        coalition_records = [r for r in (analyse_coalition_batch(b, journal, latency_model, sampled_repeat) for b in sampled_specs) if r is not None]
+        shipped_result = shipped.result_path(shipped.VALIDATION_RESULT)
+        reference = permutation_reference(json.loads(shipped_result.read_text(encoding="utf-8"))) if shipped_result.is_file() else None
+        if coalition_records:
+            result["summary"] = {**result["summary"], **jsonable(coalition_summary(coalition_records, permutation_reference=reference, seed=seed))}
+        result["n_sampled_batches_measured"] = len(coalition_records)
+        result["sampled_batches"] = [batch_record_json(r) for r in coalition_records]
     with replaced_atomically(output) as tmp:
         Path(tmp).write_text(dumps_result(result), encoding="utf-8")
     if json_output:
@@ -374,6 +430,22 @@ def validate(
         print_summary(console, result)
         sampled_note = f", {result['n_sampled_batches_measured']} sampled" if sampled_specs else ""
         console.print(f"wrote {output} ({result['n_batches_measured']} batches{sampled_note}; journal {journal_path.name})")
+
+
+class _TimeUp(Exception):
+    """--time-limit-s reached while measuring."""
+
+
+def measuring_order(batches: list) -> list:
+    """The order serving-size batches are measured in: two exact ones, the first cycle's largest batches, the other
+    exact ones, then each cycle of kinds and sizes largest first (a run cut short has exact batches and the largest
+    batches of every kind); a batch's journal key does not depend on it."""
+    exact = [b for b in batches if b.coalitions and b.size < 16 and len(b.coalitions) == (1 << b.size) - 1]
+    rest = [b for b in batches if b not in exact]
+    cycle = max(1, len({(b.kind, b.size) for b in rest}))
+    rest = sorted(rest, key=lambda b: (rest.index(b) // cycle, -b.size, rest.index(b)))
+    largest = [b for b in rest[:cycle] if b.size == rest[0].size] if rest else []
+    return exact[:2] + largest + exact[2:] + [b for b in rest if b not in largest]
 
 
 def goal_line(summary: dict, phase: str) -> str:
@@ -420,7 +492,7 @@ def print_summary(console, result: dict) -> None:
     table = Table(title="|share − measured Shapley| / step time")
     for column in ("phase", "method", "p50 [95% CI]", "p90 [95% CI]", "p99", "p90 gain vs tokens"):
         table.add_column(column, justify="right" if column != "method" else "left")
-    for phase, tables in summary["errors"].items():
+    for phase, tables in summary.get("errors", {}).items():
         for method in SUMMARY_METHODS:
             m = tables["shapley"].get(method)
             if not m:
@@ -434,8 +506,9 @@ def print_summary(console, result: dict) -> None:
                 pct(m["p99"]),
                 "–" if gain is None else f"{gain:.2f}×",
             )
-    console.print(table)
-    for phase in summary["errors"]:
+    if summary.get("errors"):
+        console.print(table)
+    for phase in summary.get("errors", {}):
         floor = summary["noise_floor"]["shapley"].get(phase, {})
         gap = summary["loo_sum_gap_fraction"].get(phase, {})
         step = summary["noise_floor"]["step"].get(phase, {})
@@ -445,7 +518,14 @@ def print_summary(console, result: dict) -> None:
             f"(Σ LOO − T)/T median {pct(gap.get('p50'))}"
         )
         console.print(goal_line(summary, phase))
+    estimator = summary.get("estimator")
+    if estimator:
+        console.print(f"coalitions: exact coverage of the regression's 95% intervals {pct(estimator.get('exact_coverage_95'))}; "
+                      f"half-width ratio vs permutation (equal steps) {estimator.get('halfwidth_ratio_vs_permutation')}; "
+                      f"half-width ÷ share p50 {summary['sampled'].get('halfwidth_over_share_p50')}")
     for kind, entry in summary.get("sampled", {}).items():
+        if "errors" not in entry:
+            continue
         errors = entry["errors"]
         cells = "; ".join(
             f"{m} p50 {pct(errors[m]['p50'])} p90 {pct(errors[m]['p90'])}" for m in (Method.SHAPLEY, Method.TOKEN_COUNT) if m in errors

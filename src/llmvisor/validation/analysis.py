@@ -659,6 +659,8 @@ def analyse_sampled_batch(batch: SampledBatchSpec, journal: Journal, model, repe
     full batch's step (the prefix's whole KV blocks), and the model prices the batch and its subsets with the
     prefix read once (`llmvisor.core.game.shared_prefix_effective_context`, `llmvisor.core.game.SubsetGame`: the
     model's game of a batch, whose exact Shapley value is the ``shapley`` rule's predicted share, is the control variate)."""
+    if batch.coalitions:
+        return None  # measured on coalitions: judged by the regression estimator (llmvisor.validation.estimator)
     n = batch.size
     full = (1 << n) - 1
     cost: dict[int, float] = {}

@@ -54,8 +54,8 @@ from llmvisor.validation.plans import (
     Envelope,
     SampledBatchSpec,
     draw_batches,
-    draw_sampled_batches,
     read_length_mixes,
+    sampled_plan,
 )
 
 FIGURES_FORMAT = "llmvisor.validation.estimator"
@@ -102,9 +102,7 @@ def load_validation(result_path: str | Path | None = None, journal_path: str | P
                               max_prefill_tokens=settings["max_prefill_tokens"], seed=settings["seed"]) if settings["batches"] else ([], {})
     sampled = []
     if settings.get("sampled"):
-        s = settings["sampled"]
-        sampled = draw_sampled_batches(mixes, envelope, n_batches=s["batches"], n_orders=s["orders"], sizes=tuple(s["sizes"]),
-                                       kinds=tuple(s["kinds"]), antithetic=s.get("antithetic", True), seed=settings["seed"])
+        sampled = sampled_plan(mixes, envelope, settings["sampled"], seed=settings["seed"])
     return Validation(batches, sampled, journal, model, settings)
 
 

@@ -93,6 +93,15 @@ class SharedPrefixMeasurer(Measurer, Protocol):
     def prepare_shared_decode(self, context_lengths: list[int], shared_prefix_tokens: int, *, max_decode_steps: int) -> Any: ...
 
 
+class GroupedPrefixMeasurer(Measurer, Protocol):
+    """A measurer that holds decode batches in several prefix groups: request i's prompt starts with its group's
+    prefix of ``shared_prefix_tokens[i]`` tokens (group −1: its own context); the engine holds each group's blocks once,
+    and a step shares a group's blocks only among that group's members in it (two or more)."""
+
+    def prepare_grouped_decode(self, context_lengths: list[int], shared_prefix_tokens: list[int], prefix_groups: list[int], *,
+                               max_decode_steps: int) -> Any: ...
+
+
 @dataclass
 class Measurement:
     batch_key: str
@@ -198,7 +207,7 @@ def missing_measurements(batches: Iterable[BatchSpec], journal: Journal, repeat:
 def missing_sampled_steps(batches: Iterable[SampledBatchSpec], journal: Journal, repeat: int) -> int:
     """Subset steps of sampled batches still to measure (each distinct prefix ``repeat`` times)."""
     return sum(
-        max(0, repeat - len(journal.get(b, r, s))) for b in batches for r in range(b.rounds) for s in b.subsets()
+        max(0, repeat - len(journal.get(b, r, s))) for b in batches for r in range(b.rounds) for s in b.subsets(r)
     )
 
 
@@ -361,6 +370,9 @@ def measure_sampled(
     """
     check_repeat(repeat)
     for batch in batches:
+        if batch.kind == SampledKind.MIXED_SHARING_DECODE and not hasattr(measurer, "prepare_grouped_decode"):
+            raise LlmvisorError(f"batch {batch.index}: mixed-sharing decode batches need a measurer with prepare_grouped_decode "
+                                f"({type(measurer).__name__} has none)")
         if batch.kind == SampledKind.SHARED_PREFIX_DECODE:
             common_prefix_tokens(batch)
             if not hasattr(measurer, "prepare_shared_decode"):
@@ -371,6 +383,21 @@ def measure_sampled(
                                 f"({type(measurer).__name__} has none)")
     sleep, progress, counts = _begin(measurer, journal, guard, True, on_step, sleep)
     for batch in batches:
+        if batch.coalitions:
+            # the coalitions design: each chunk of coalitions (pairs together) is one guarded batch-round
+            for round_ in range(batch.rounds):
+                for k, chunk in enumerate(batch.chunks(round_)):
+                    todo = []
+                    for subset in chunk:
+                        have = len(journal.get(batch, round_, subset))
+                        counts["reused"] += min(have, repeat)
+                        todo += [subset] * max(0, repeat - have)
+                    if not todo:
+                        continue
+                    rng = np.random.default_rng([seed, batch.index, round_, k, 7])
+                    order = [todo[i] for i in rng.permutation(len(todo))]
+                    _measure_guarded(measurer, batch, round_, order, journal, max_attempts, warm_up_steps, guard, progress, counts, sleep)
+            continue
         masks = prefix_masks(np.array(batch.orders, dtype=np.int64))
         for round_ in range(batch.rounds):
             for k, prefixes in enumerate(masks):
@@ -422,7 +449,15 @@ def _measure_batch_round(
             clean &= ok
 
     canary()
-    if batch.phase == SampledKind.SHARED_PREFIX_DECODE:
+    if batch.phase == SampledKind.MIXED_SHARING_DECODE:
+        runs_per_request = max(sum(1 for m in order if m >> i & 1) for i in range(batch.size))
+        handle = measurer.prepare_grouped_decode(
+            list(batch.num_context_tokens), list(batch.shared_prefix_tokens), list(batch.groups),
+            max_decode_steps=runs_per_request + warm_up_steps + 4 * max_attempts,
+        )
+        def run(subset):
+            return measurer.decode_step(handle, members(subset, batch.size))
+    elif batch.phase == SampledKind.SHARED_PREFIX_DECODE:
         runs_per_request = max(sum(1 for m in order if m >> i & 1) for i in range(batch.size))
         handle = measurer.prepare_shared_decode(
             list(batch.num_context_tokens), common_prefix_tokens(batch), max_decode_steps=runs_per_request + warm_up_steps + 4 * max_attempts

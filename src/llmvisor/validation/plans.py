@@ -207,10 +207,27 @@ class SampledKind(StrEnum):
     SHARED_PREFIX_DECODE = "shared_prefix_decode"
     """Decodes whose contexts share a cached prefix (a common system prompt or document): the engine holds the
     prefix's KV blocks once, and a step of two or more of them reads those blocks as shared KV."""
+    MIXED_SHARING_DECODE = "mixed_sharing_decode"
+    """Decodes in 2–3 prefix groups of different sizes (each group's contexts share that group's prefix) beside
+    requests of their own context: which blocks a step shares depends on which readers of each group it holds, so
+    a wrong sharing rule shows as a bias between the classes of one batch."""
 
 
-SAMPLED_KINDS = tuple(SampledKind)
+SAMPLED_KINDS = tuple(k for k in SampledKind if k != SampledKind.MIXED_SHARING_DECODE)
+"""The kinds the prefixes design draws (`draw_sampled_batches`); the coalitions design draws every kind."""
+COALITION_KINDS = tuple(SampledKind)
 SAMPLED_SIZES = (16, 32, 64)
+SHARED_KINDS = (SampledKind.SHARED_PREFIX_DECODE, SampledKind.MIXED_SHARING_DECODE)
+"""Decode kinds whose requests read shared prefix blocks."""
+
+
+class Design(StrEnum):
+    """Which coalitions of a serving-size batch are measured."""
+
+    PREFIXES = "prefixes"
+    """The prefixes of sampled orders (nested coalitions: what permutation sampling needs)."""
+    COALITIONS = "coalitions"
+    """Random complementary coalitions, each request in about half (what the regression estimator needs)."""
 
 
 @dataclass(frozen=True)
@@ -229,6 +246,16 @@ class SampledBatchSpec:
     orders: tuple[tuple[int, ...], ...]
     antithetic: bool = True
     rounds: int = 1
+    prefix_groups: tuple[int, ...] = ()
+    """Per request, the prefix group it shares its prefix with (−1: a context of its own); empty: one group of all
+    requests with a nonzero ``shared_prefix_tokens``."""
+    coalitions: tuple[int, ...] = ()
+    """With the coalitions design: the measured coalitions (bit masks, the full batch first, then complementary
+    pairs); empty: the orders' prefixes are measured."""
+    replicated: tuple[int, ...] = ()
+    """Coalitions measured again, independently, in round 1 (the replicate noise of this batch)."""
+    chunk: int = 32
+    """Coalitions per batch-round of the coalitions design (a decode batch is prepared afresh per chunk)."""
 
     @property
     def size(self) -> int:
@@ -242,11 +269,35 @@ class SampledBatchSpec:
     def key(self) -> str:
         lengths = ",".join(map(str, self.num_new_tokens)) + "|" + ",".join(map(str, self.num_context_tokens))
         shared = ",".join(map(str, self.shared_prefix_tokens)) if any(self.shared_prefix_tokens) else ""
-        return f"sampled{self.index}:{self.kind}:{lengths}" + (f"|{shared}" if shared else "")
+        key = f"sampled{self.index}:{self.kind}:{lengths}" + (f"|{shared}" if shared else "")
+        if self.prefix_groups:
+            key += "|g" + ",".join(map(str, self.prefix_groups))
+        if self.coalitions:
+            key = "coalitions-" + key
+        return key
 
-    def subsets(self) -> list[int]:
-        """Every distinct non-empty subset the orders' prefixes visit, the full batch included."""
+    @property
+    def design(self) -> str:
+        return Design.COALITIONS.value if self.coalitions else Design.PREFIXES.value
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        """Per request, its prefix group (−1: own context)."""
+        if self.prefix_groups:
+            return self.prefix_groups
+        return tuple(0 if p else -1 for p in self.shared_prefix_tokens)
+
+    def subsets(self, round_: int = 0) -> list[int]:
+        """Every distinct non-empty subset measured in ``round_``, the full batch included (round 0)."""
+        if self.coalitions:
+            return list(self.coalitions) if round_ == 0 else list(self.replicated)
         return subsets_to_measure(np.array(self.orders, dtype=np.int64))
+
+    def chunks(self, round_: int = 0) -> list[list[int]]:
+        """The batch-rounds the coalitions of ``round_`` are measured in (complementary pairs kept together)."""
+        masks = self.subsets(round_)
+        size = max(2, self.chunk)
+        return [masks[i : i + size] for i in range(0, len(masks), size)]
 
 
 def draw_sampled_batches(
@@ -278,6 +329,8 @@ def draw_sampled_batches(
     too_big = [s for s in sizes if s > envelope.max_num_seqs]
     if too_big or min(sizes, default=0) < 2:
         raise LlmvisorError(f"sampled batch sizes must be 2 to max_num_seqs {envelope.max_num_seqs} (got {list(sizes)})")
+    if SampledKind.MIXED_SHARING_DECODE in kinds:
+        raise LlmvisorError("mixed-sharing decode batches are measured on coalitions only (--design coalitions)")
     rng = np.random.default_rng(seed)
     max_context = envelope.max_model_len - decode_headroom
     budget = min(envelope.max_num_batched_tokens, envelope.max_model_len - 1)
@@ -316,10 +369,124 @@ def draw_sampled_batches(
     return batches
 
 
+def draw_prefix_groups(size: int, rng: np.random.Generator, *, exact: bool = False) -> list[int]:
+    """Per request, its prefix group (−1: own context): 2–3 groups of different sizes and at least one request of its
+    own (a serving-size batch: 3 groups of about 30%, 20% and 10% of it when it has 16 or more; an exact one: groups of
+    3 and 2), shuffled."""
+    if exact or size < 16:
+        if size < 6:
+            raise LlmvisorError(f"a mixed-sharing batch needs at least 6 requests (got {size})")
+        sizes = [3, 2]
+    else:
+        sizes = [max(4, round(0.3 * size)), max(3, round(0.2 * size)), max(2, round(0.1 * size))]
+    groups = [g for g, count in enumerate(sizes) for _ in range(count)]
+    groups += [-1] * (size - len(groups))
+    return [int(g) for g in rng.permutation(groups)]
+
+
+def complementary_masks(n: int, m: int, rng: np.random.Generator) -> list[int]:
+    """The full batch and (m − 1) // 2 distinct complementary pairs (S, B∖S), each request in S with probability ½."""
+    full = (1 << n) - 1
+    k = min((m - 1) // 2, (1 << (n - 1)) - 1)
+    pairs: list[int] = []
+    seen: set[int] = set()
+    while len(pairs) < k:
+        bits = rng.random(n) < 0.5
+        s = int(sum(1 << i for i in range(n) if bits[i]))
+        if 0 < s < full and min(s, full ^ s) not in seen:
+            seen.add(min(s, full ^ s))
+            pairs.append(s)
+    return [full] + [c for p in pairs for c in (p, full ^ p)]
+
+
+def draw_coalition_batches(
+    mixes: list[LengthMix],
+    envelope: Envelope,
+    *,
+    n_batches: int,
+    coalitions_per_request: float = 4.0,
+    sizes: tuple[int, ...] = SAMPLED_SIZES,
+    kinds: tuple[str, ...] = (SampledKind.DECODE, SampledKind.SHARED_PREFIX_DECODE, SampledKind.MIXED_SHARING_DECODE),
+    replicate_share: float = 0.25,
+    exact_sharing_batches: int = 0,
+    exact_sharing_sizes: tuple[int, ...] = (6, 7),
+    chunk: int = 32,
+    decode_headroom: int = 256,
+    seed: int = 0,
+) -> list[SampledBatchSpec]:
+    """Serving-size batches measured on random complementary coalitions (``coalitions_per_request`` × n + 1 of them,
+    the full batch included), lengths as `draw_sampled_batches`; kinds and sizes cycle. Every batch measures the
+    first ``replicate_share`` of its coalitions (whole chunks' worth, pairs together) again in round 1, so each size and
+    kind has its replicate noise. Mixed-sharing decode batches hold 2–3 prefix groups (`draw_prefix_groups`), each
+    group's prefix 0.1–0.3 of the model's length, different per group. ``exact_sharing_batches`` more mixed-sharing
+    batches of ``exact_sharing_sizes`` (cycled) measure every subset, twice: their Shapley values are exact."""
+    if n_batches < 0 or exact_sharing_batches < 0:
+        raise LlmvisorError("--sampled-batches / --exact-sharing-batches: 0 or more")
+    if coalitions_per_request < 1:
+        raise LlmvisorError(f"--coalitions-per-request: at least 1 (got {coalitions_per_request})")
+    if not 0 <= replicate_share <= 1:
+        raise LlmvisorError(f"--replicate-share: in [0, 1] (got {replicate_share})")
+    too_big = [s for s in (*sizes, *exact_sharing_sizes) if s > envelope.max_num_seqs]
+    if too_big or min(sizes, default=2) < 2:
+        raise LlmvisorError(f"batch sizes must be 2 to max_num_seqs {envelope.max_num_seqs} (got {list(sizes)})")
+    base = draw_sampled_batches(mixes, envelope, n_batches=max(1, n_batches), n_orders=2, sizes=sizes,
+                                kinds=tuple(SampledKind.SHARED_PREFIX_DECODE if k == SampledKind.MIXED_SHARING_DECODE else k for k in kinds),
+                                decode_headroom=decode_headroom, seed=seed)[:n_batches]
+    rng = np.random.default_rng([seed, 1964])
+    max_context = envelope.max_model_len - decode_headroom
+    out = []
+
+    def sharing_batch(index: int, template: SampledBatchSpec | None, size: int, exact: bool) -> SampledBatchSpec:
+        groups = draw_prefix_groups(size, rng, exact=exact)
+        n_groups = max(groups) + 1
+        prefixes = [int(max_context * f) for f in rng.permutation(np.linspace(0.1, 0.3, n_groups))]
+        mix = mixes[index % len(mixes)]
+        scale = min(1.0, max_context / float(np.percentile(mix.prompt_tokens + mix.output_tokens, 99)))
+        rows = rng.integers(0, mix.prompt_tokens.size, size)
+        raw = (mix.prompt_tokens[rows] + np.floor(rng.random(size) * (mix.output_tokens[rows] + 1))) * scale
+        shared = np.array([prefixes[g] if g >= 0 else 0 for g in groups])
+        own = np.clip(np.rint(raw * (max_context - shared) / max_context), 1, max_context - shared).astype(int)
+        context = shared + own
+        masks = list(range((1 << size) - 1, 0, -1)) if exact else complementary_masks(size, int(coalitions_per_request * size) + 1, rng)
+        return SampledBatchSpec(
+            index=index, kind=SampledKind.MIXED_SHARING_DECODE.value, source=mix.name if template is None else template.source,
+            num_new_tokens=(1,) * size, num_context_tokens=tuple(int(v) for v in context), is_prefill=(False,) * size,
+            shared_prefix_tokens=tuple(int(v) for v in shared), orders=(), antithetic=False, rounds=2 if exact or replicate_share else 1,
+            prefix_groups=tuple(groups), coalitions=tuple(masks), replicated=tuple(masks) if exact else (), chunk=chunk,
+        )
+
+    for index, template in enumerate(base):
+        kind = SampledKind(kinds[index % len(kinds)])
+        if kind == SampledKind.MIXED_SHARING_DECODE:
+            batch = sharing_batch(index, template, template.size, exact=False)
+        else:
+            masks = complementary_masks(template.size, int(coalitions_per_request * template.size) + 1, rng)
+            batch = SampledBatchSpec(**{**template.__dict__, "orders": (), "antithetic": False, "coalitions": tuple(masks),
+                                        "chunk": chunk})
+        n_rep = int(round(replicate_share * len(batch.coalitions) / 2)) * 2
+        replicated = batch.replicated or tuple(batch.coalitions[1 : 1 + n_rep])
+        out.append(SampledBatchSpec(**{**batch.__dict__, "replicated": replicated, "rounds": 2 if replicated else 1}))
+    exact = [sharing_batch(n_batches + j, None, exact_sharing_sizes[j % len(exact_sharing_sizes)], exact=True)
+             for j in range(exact_sharing_batches)]
+    return exact + out  # the exact ones first: cheap, and what the sharing check needs
+
+
 def sampled_run_budget_s(batches: list[SampledBatchSpec], step_s, *, repeat: int) -> float:
     """Seconds of controlled steps a sampled plan needs: Σ over its distinct subsets of ``step_s(batch, subset)`` × repeat.
 
     Warm-up, canaries and re-preparing decode contexts come on top; ``step_s`` is a step-time estimate (a fitted
     latency model, or the journal's measured times).
     """
-    return repeat * sum(step_s(b, s) for b in batches for s in b.subsets())
+    return repeat * sum(step_s(b, s) for b in batches for r in range(b.rounds) for s in b.subsets(r))
+
+
+def sampled_plan(mixes: list[LengthMix], envelope: Envelope, sampled: dict, *, seed: int) -> list[SampledBatchSpec]:
+    """The serving-size batches a result's ``settings.sampled`` describes (either design), drawn again."""
+    kinds, sizes = tuple(sampled["kinds"]), tuple(sampled["sizes"])
+    if sampled.get("design", Design.PREFIXES) == Design.COALITIONS:
+        return draw_coalition_batches(
+            mixes, envelope, n_batches=sampled["batches"], coalitions_per_request=sampled["coalitions_per_request"], sizes=sizes,
+            kinds=kinds, replicate_share=sampled["replicate_share"], exact_sharing_batches=sampled.get("exact_sharing_batches", 0),
+            exact_sharing_sizes=tuple(sampled.get("exact_sharing_sizes", (6, 7))), chunk=sampled.get("chunk", 32), seed=seed)
+    return draw_sampled_batches(mixes, envelope, n_batches=sampled["batches"], n_orders=sampled["orders"], sizes=sizes, kinds=kinds,
+                                antithetic=sampled.get("antithetic", True), seed=seed)

@@ -312,3 +312,72 @@ def markdown_summary(validation: dict) -> str:
                   f"measured subsets): |φ̂ − φ| / T p50 {cell(a, 50)}, p90 {cell(a, 90)}; 95% intervals hold the exact value for "
                   f"{100 * agreement['ci95_coverage']:.0f}% of {a['n']} requests."]
     return "\n".join(lines) + "\n"
+
+
+COALITION_KIND_LABELS = {"decode": "decode", "shared_prefix_decode": "shared-prefix decode", "mixed_sharing_decode": "mixed-sharing decode",
+                         "prefill": "prefill", "mixed": "mixed"}
+CLASS_LABELS = {"shared": "shared-prefix readers", "unique": "own contexts", "largest_group": "largest group",
+                "middle_group": "middle group", "smallest_group": "smallest group"}
+
+
+def _interval(entry: dict | None) -> str:
+    if entry is None:
+        return "–"
+    low, high = entry["ci95"]
+    return f"{100 * entry['bias']:+.1f}% [{100 * low:+.1f}%, {100 * high:+.1f}%]".replace("+-", "-")
+
+
+def coalitions_markdown_summary(result: dict) -> str:
+    """docs/validation.md's tables of a coalitions-design result (``validation-coalitions.json``), so the doc quotes the
+    file and nothing else (tests/test_validation_coalitions_doc.py)."""
+    summary = result["summary"]
+    estimator, sampled, sizes = summary["estimator"], summary["sampled"], summary["batch_sizes"]
+    exact = estimator.get("exact") or {}
+    lines = [
+        f"{sizes['n_serving_size_batches']} serving-size batches of {', '.join(map(str, sizes['serving_size']))} requests "
+        f"(largest {sizes['max']}) and {sizes['n_exact_batches']} exact mixed-sharing batches: {sizes['n_steps_used']:,} controlled "
+        f"steps used, {sizes['n_disturbed_steps_left_out']:,} the interference guard kept after every redo was disturbed left out "
+        f"({sizes['n_interference_flagged_excluded']} batches left out whole).",
+        "",
+        f"Exact mixed-sharing batches ({', '.join(map(str, exact.get('sizes', [])))} requests, every subset measured twice): the "
+        f"regression's 95% intervals from 2n+1 and 4n+1 coalitions of one repeat cover the exact value of the other repeat for "
+        f"{_pct(estimator['exact_coverage_95'])} of requests.",
+        "",
+        "| requests | regression half-width ÷ step (p50) | permutation at equal steps (projected) | ratio |",
+        "| --- | --- | --- | --- |",
+    ]
+    for size, row in estimator["halfwidth_ratio_detail"].items():
+        lines.append(f"| {size} | {_pct(row['regression_halfwidth_over_step_p50'])} | "
+                     f"{_pct(row['permutation_halfwidth_over_step_p50_projected'])} | {row['ratio']:.2f}× |")
+    lines += [
+        "",
+        "| batch kind | batches | 95% half-width ÷ share (p50) | `shapley` p50 / p90 / p99 vs estimate | `token_count` p90 | p90 ≤ 10% | ≥ 2× `token_count` |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for kind, row in sampled["by_kind"].items():
+        err = row["relative_error_vs_estimate"]
+        lines.append(
+            f"| {COALITION_KIND_LABELS.get(kind, kind)} | {row['n_batches']} | {_pct(row['halfwidth_over_share_p50'])} | "
+            f"{_pct(err['shapley']['p50'])} / {_pct(err['shapley']['p90'])} / {_pct(err['shapley']['p99'])} | "
+            f"{_pct(err['token_count']['p90'])} | {row['goal_p90']} | {row['goal_vs_token_count']} |")
+    for label, entry in summary["sharing"].items():
+        lines += [
+            "",
+            f"Sharing, {'exact' if label == 'exact' else 'serving-size'} mixed-sharing batches ({entry['n_batches']}, "
+            f"{', '.join(map(str, entry['sizes']))} requests): class bias of the `shapley` shares, Σ shares ÷ Σ values − 1 [95%].",
+            "",
+            "| sharing rule | " + " | ".join(CLASS_LABELS[c] for c in CLASS_LABELS if c in entry["rules"][next(iter(entry["rules"]))]["class_bias"])
+            + " | flagged |",
+            "| --- |" + " --- |" * (1 + sum(c in entry["rules"][next(iter(entry["rules"]))]["class_bias"] for c in CLASS_LABELS)),
+        ]
+        for rule, row in entry["rules"].items():
+            cells = [_interval(row["class_bias"].get(c)) for c in CLASS_LABELS if c in row["class_bias"]]
+            lines.append(f"| {rule.replace('_', ' ')} | " + " | ".join(cells) + f" | {'yes' if row['flagged'] else 'no'} |")
+    additivity, floor = summary["additivity"], summary["noise_floor"]["relative_per_measurement"]
+    if additivity.get("per_batch"):
+        lines += ["", f"Additivity against each batch's own replicates: rejected at 5% for {_pct(additivity['rejected_fraction_5pct'])} of "
+                  f"{len(additivity['per_batch'])} serving-size batches (misfit ÷ noise p50 {additivity['misfit_over_noise']['p50']:.2f}); "
+                  f"replicate noise floor of one step p50 {_pct(floor['p50'])} [{_pct(floor['interval']['p50'][0])}, "
+                  f"{_pct(floor['interval']['p50'][1])}], p90 {_pct(floor['p90'])} [{_pct(floor['interval']['p90'][0])}, "
+                  f"{_pct(floor['interval']['p90'][1])}]."]
+    return "\n".join(lines)

@@ -152,13 +152,20 @@ class DecodeBatch:
     shared_context_tokens: list[int] = field(default_factory=list)
     """Per request, the context tokens in blocks shared with the batch's other shared-prefix requests (whole
     blocks of the common prefix; 0 for a request of its own): what a step of two or more of them records."""
+    prefix_groups: list[int] = field(default_factory=list)
+    """Per request, its prefix group (−1: own context); empty: one group of every request with shared blocks."""
 
     def intended(self, members: list[int]) -> dict[str, Slice]:
         """Each member's decode slice in a step of ``members``: its shared blocks count only when another
-        member of the step reads them too."""
+        member of the step (of its prefix group) reads them too."""
         shared = self.shared_context_tokens or [0] * len(self.request_ids)
-        sharing = sum(1 for i in members if shared[i] > 0) >= 2
-        return {self.request_ids[i]: Slice(1, self.context_tokens[i], False, shared[i] if sharing else 0) for i in members}
+        groups = self.prefix_groups or [0 if c > 0 else -1 for c in shared]
+        readers: dict[int, int] = {}
+        for i in members:
+            if shared[i] > 0 and groups[i] >= 0:
+                readers[groups[i]] = readers.get(groups[i], 0) + 1
+        return {self.request_ids[i]: Slice(1, self.context_tokens[i], False,
+                                           shared[i] if readers.get(groups[i], 0) >= 2 and groups[i] >= 0 else 0) for i in members}
 
 
 @dataclass
@@ -537,6 +544,61 @@ class ControlledEngine:
     def prepare_shared_decode(self, context_lengths: list[int], shared_prefix_tokens: int, *, max_decode_steps: int) -> DecodeBatch:
         """A decode batch whose prompts share their first ``shared_prefix_tokens`` tokens (`prepare_decode`)."""
         return self.prepare_decode(context_lengths, max_decode_steps=max_decode_steps, shared_prefix_tokens=shared_prefix_tokens)
+
+    def prepare_grouped_decode(self, context_lengths: list[int], shared_prefix_tokens: list[int], prefix_groups: list[int], *,
+                               max_decode_steps: int) -> DecodeBatch:
+        """A decode batch in prefix groups: request i's prompt starts with its group's prefix of
+        ``shared_prefix_tokens[i]`` tokens (group −1: a context of its own). One request of each group is prefilled
+        first (with the own-context ones), the rest after, so they find their group's whole blocks in the prefix cache."""
+        self._check_lengths(context_lengths, what="decode batch")
+        n = len(context_lengths)
+        if len(shared_prefix_tokens) != n or len(prefix_groups) != n:
+            raise LlmvisorError("grouped decode batch: one prefix length and one group per request")
+        too_long = [c for c in context_lengths if c + max_decode_steps + 1 > self.limits.max_model_len]
+        if too_long:
+            raise LlmvisorError(f"decode contexts {too_long} + {max_decode_steps} steps exceed max_model_len {self.limits.max_model_len}")
+        prefix_of: dict[int, int] = {}
+        for c, p, g in zip(context_lengths, shared_prefix_tokens, prefix_groups, strict=True):
+            if g < 0:
+                continue
+            if prefix_of.setdefault(g, p) != p or not self.block_size <= p <= c:
+                raise LlmvisorError(f"prefix group {g}: one prefix of at least a KV block ({self.block_size} tokens) "
+                                    f"and at most each context, per group (got {p} for a context of {c})")
+        if self.engine.has_unfinished_requests():
+            self._abort_all()
+        self._held = set()
+        key = (tuple(context_lengths), tuple(shared_prefix_tokens), tuple(prefix_groups))
+        if self._decode_prompts is None or self._decode_prompts[0] != key:
+            prefixes = {g: self._token_ids(p) for g, p in sorted(prefix_of.items())}
+            self._decode_prompts = (key, [self._prompt(length, prefixes.get(g)) for length, g in zip(context_lengths, prefix_groups, strict=True)])
+        prompts = self._decode_prompts[1]
+        params = self._sampling(max_decode_steps + 1)
+        first: list[int] = []
+        seen: set[int] = set()
+        for i, g in enumerate(prefix_groups):
+            if g < 0 or g not in seen:
+                first.append(i)
+                seen.add(g)
+        later = [i for i in range(n) if i not in set(first)]
+        ids: list[str | None] = [None] * n
+        for wave in (first, later):
+            if not wave:
+                continue
+            added = [self.engine.add_request(self._new_id("d"), prompts[i], params) for i in wave]
+            self._prefill(added, max(context_lengths[i] for i in wave))
+            for i, rid in zip(wave, added, strict=True):
+                ids[i] = rid
+        self.scheduler.allowed_request_ids = set()
+        self._held = set(ids)
+        self._read_new_steps()
+        requests = self.scheduler.requests
+        actual = [requests[rid].num_computed_tokens for rid in ids]
+        if actual != list(context_lengths):
+            raise LlmvisorError(f"decode batch prefilled to contexts {actual} instead of {list(context_lengths)}")
+        members_of = {g: sum(1 for h in prefix_groups if h == g) for g in prefix_of}
+        shared = [p // self.block_size * self.block_size if g >= 0 and members_of[g] > 1 else 0
+                  for p, g in zip(shared_prefix_tokens, prefix_groups, strict=True)]
+        return DecodeBatch(list(ids), list(actual), list(context_lengths), shared, list(prefix_groups))
 
     def prepare_mixed(self, chunk_tokens: int, cached_tokens: int, decode_contexts: list[int], *, max_decode_steps: int) -> MixedBatch:
         """Hold decodes at ``decode_contexts`` for mixed steps whose member 0 is a prefill chunk of ``chunk_tokens``

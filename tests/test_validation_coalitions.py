@@ -1,0 +1,181 @@
+"""Serving-size batches measured on random complementary coalitions, mixed-sharing decode batches (2–3 prefix groups
+beside own contexts) and their exact small versions, on a synthetic engine that shares KV blocks within a group."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llmvisor.engines.vllm.controlled import DecodeBatch
+from llmvisor.errors import LlmvisorError
+from llmvisor.validation.game import members
+from llmvisor.validation.measurement import Journal, measure_sampled, missing_sampled_steps
+from llmvisor.validation.plans import Envelope, SampledKind, draw_coalition_batches, draw_sampled_batches, sampled_plan
+from test_validation import mixes
+from test_validation_sampled_plan import BLOCK, ServingEngine, sharing_cost
+
+ENVELOPE_64 = Envelope(4096, 2048, 64)
+
+
+class GroupedEngine(ServingEngine):
+    """`ServingEngine` plus decode batches in prefix groups (`DecodeBatch.intended` says what a step shares)."""
+
+    def prepare_grouped_decode(self, contexts, shared, groups, *, max_decode_steps):
+        sizes = {g: groups.count(g) for g in groups}
+        whole = [p // BLOCK * BLOCK if g >= 0 and sizes[g] > 1 else 0 for p, g in zip(shared, groups, strict=True)]
+        return DecodeBatch([str(i) for i in range(len(contexts))], list(contexts), list(contexts), whole, list(groups))
+
+    def decode_step(self, handle, members):
+        if isinstance(handle, DecodeBatch):
+            return self._run(list(handle.intended(members).values()))
+        return super().decode_step(handle, members)
+
+
+def plan(**kwargs):
+    options = dict(n_batches=6, coalitions_per_request=4, sizes=(16, 64), replicate_share=0.25, exact_sharing_batches=2, seed=3)
+    return draw_coalition_batches(mixes(), ENVELOPE_64, **(options | kwargs))
+
+
+def test_coalitions_are_complementary_pairs_with_each_request_in_about_half():
+    batches = plan()
+    serving = [b for b in batches if b.size >= 16]
+    assert {(b.kind, b.size) for b in serving} >= {("decode", 16), ("mixed_sharing_decode", 64)}
+    for b in serving:
+        full = (1 << b.size) - 1
+        masks = list(b.coalitions)
+        assert masks[0] == full and len(masks) == 4 * b.size + 1 and len(set(masks)) == len(masks)
+        assert all(masks[i] ^ masks[i + 1] == full for i in range(1, len(masks), 2))  # S and its complement
+        share_in = np.array([[m >> i & 1 for i in range(b.size)] for m in masks[1:]]).mean(axis=0)
+        np.testing.assert_allclose(share_in, 0.5)  # pairs: each request in exactly half
+        assert b.rounds == 2 and len(b.replicated) == round(0.25 * len(masks) / 2) * 2  # a fixed share, every size and kind
+        assert set(b.replicated) <= set(masks) and b.key.startswith("coalitions-")
+        assert all(len(chunk) <= b.chunk for chunk in b.chunks(0))
+    # The same settings draw the same plan (a resumed run finds its journal keys), another seed another.
+    assert [b.key for b in plan()] == [b.key for b in batches] != [b.key for b in plan(seed=4)]
+    settings = {"design": "coalitions", "batches": 6, "sizes": [16, 64], "kinds": ["decode", "shared_prefix_decode", "mixed_sharing_decode"],
+                "coalitions_per_request": 4, "replicate_share": 0.25, "exact_sharing_batches": 2}
+    assert [b.key for b in sampled_plan(mixes(), ENVELOPE_64, settings, seed=3)] == [b.key for b in batches]
+
+
+def test_mixed_sharing_batches_hold_groups_of_different_sizes_beside_own_contexts():
+    for b in plan():
+        if b.kind != SampledKind.MIXED_SHARING_DECODE:
+            continue
+        groups = np.array(b.groups)
+        sizes = sorted(int((groups == g).sum()) for g in set(b.groups) if g >= 0)
+        assert 2 <= len(sizes) <= 3 and len(set(sizes)) == len(sizes) and (groups < 0).any()
+        prefixes = {g: {p for p, h in zip(b.shared_prefix_tokens, b.groups, strict=True) if h == g} for g in set(b.groups)}
+        assert prefixes[-1] == {0} and all(len(p) == 1 and min(p) >= BLOCK for g, p in prefixes.items() if g >= 0)
+        assert all(c > p for c, p in zip(b.num_context_tokens, b.shared_prefix_tokens, strict=True))
+        if b.size < 16:  # exact: every subset, twice
+            assert sorted(b.coalitions) == list(range(1, 1 << b.size)) and b.replicated == b.coalitions
+
+
+def test_grouped_batches_are_measured_resumably_with_sharing_within_each_group(tmp_path):
+    batches = plan(sizes=(16,), n_batches=3)
+    journal = Journal(tmp_path / "j.jsonl")
+    total = missing_sampled_steps(batches, journal, 1)
+    assert total == sum(len(b.coalitions) + len(b.replicated) for b in batches)
+    counts = measure_sampled(GroupedEngine(sharing_cost), batches, journal, repeat=1, warm_up_steps=0)
+    assert counts["measured_now"] == total
+    reread = Journal(tmp_path / "j.jsonl")
+    assert missing_sampled_steps(batches, reread, 1) == 0
+    exact = next(b for b in batches if b.kind == SampledKind.MIXED_SHARING_DECODE and b.size < 16)
+    for subset in exact.coalitions:
+        chosen = members(subset, exact.size)
+        (m,) = reread.get(exact, 0, subset)
+        expected = [exact.shared_prefix_tokens[i] // BLOCK * BLOCK
+                    if exact.groups[i] >= 0 and sum(exact.groups[j] == exact.groups[i] for j in chosen) >= 2 else 0 for i in chosen]
+        assert (m.num_shared_context_tokens or [0] * len(chosen)) == expected
+
+
+def test_the_prefixes_design_refuses_mixed_sharing_batches():
+    with pytest.raises(LlmvisorError, match="coalitions only"):
+        draw_sampled_batches(mixes(), ENVELOPE_64, n_batches=1, n_orders=2, sizes=(16,), kinds=(SampledKind.MIXED_SHARING_DECODE,))
+
+
+def grouped_sharing_cost(slices) -> float:
+    """`sharing_cost` with each prefix group's blocks read once by that group's readers (groups told apart by their
+    shared length: the plan gives each group a prefix of its own length)."""
+    from test_validation_sampled_plan import D6, D7, B
+
+    readers: dict[int, int] = {}
+    for s in slices:
+        if s.num_shared_context_tokens:
+            readers[s.num_shared_context_tokens] = readers.get(s.num_shared_context_tokens, 0) + 1
+    cost = B
+    for s in slices:
+        shared = s.num_shared_context_tokens
+        cost += D7 + D6 * (s.num_context_tokens - shared + (shared / readers[shared] if shared else 0.0))
+    return cost
+
+
+def test_the_sharing_check_passes_the_right_rule_and_flags_a_planted_wrong_one(tmp_path):
+    from llmvisor.validation.coalitions import analyse_coalition_batch, coalition_summary
+    from test_validation_sampled_plan import sharing_model
+
+    batches = draw_coalition_batches(mixes(), ENVELOPE_64, n_batches=2, coalitions_per_request=4, sizes=(16,),
+                                     kinds=(SampledKind.MIXED_SHARING_DECODE, SampledKind.DECODE), exact_sharing_batches=3, seed=5)
+    journal = Journal(tmp_path / "j.jsonl")
+    measure_sampled(GroupedEngine(grouped_sharing_cost, noise=0.01, seed=2), batches, journal, repeat=1, warm_up_steps=0)
+    records = [analyse_coalition_batch(b, journal, sharing_model()) for b in batches]
+    assert all(r is not None for r in records) and sum(r["exact"] for r in records) == 3
+    summary = coalition_summary(records, trials=5)
+    exact = summary["sharing"]["exact"]["rules"]
+    right, wrong = exact["split_among_readers"], exact["whole_block_per_reader"]
+    assert not right["flagged"] and abs(right["class_bias"]["shared"]["bias"]) < 0.03
+    # each reader paying the whole block overcharges the readers and, the step's time being fixed, undercharges the rest
+    assert wrong["flagged"] and wrong["verdict"]["unique"] == "missed" and "missed" not in right["verdict"].values()
+    assert wrong["class_bias"]["shared"]["bias"] > 0.01 and wrong["class_bias"]["unique"]["bias"] < -0.03
+    assert set(right["class_bias"]) >= {"largest_group", "smallest_group"}
+    assert summary["batch_sizes"]["max"] == 16 and summary["batch_sizes"]["n_exact_batches"] == 3
+    assert set(summary["sampled"]["halfwidth_over_share_p50"]) == {"mixed_sharing_decode", "decode"}
+    assert summary["additivity"]["per_batch"] and summary["noise_floor"]["relative_per_measurement"]["n_groups"] > 0
+    assert 0 <= summary["estimator"]["exact_coverage_95"] <= 1
+
+
+def test_validate_measures_the_coalitions_plan_within_a_time_limit_and_resumes(tmp_path, monkeypatch):
+    import json
+    import time
+
+    from llmvisor.cli.validate import validate
+    from llmvisor.engines.vllm import controlled
+    from test_validation import _write_mix_csvs
+    from test_validation_sampled_plan import FakeControlledEngine, sharing_model
+
+    class FakeGroupedEngine(FakeControlledEngine, GroupedEngine):
+        def decode_step(self, handle, members):
+            time.sleep(0.004)  # slow enough for the time limit to stop the first run part-way
+            return GroupedEngine.decode_step(self, handle, members)
+
+    monkeypatch.setattr(controlled, "ControlledEngine", FakeGroupedEngine)
+    workloads = tmp_path / "workloads"
+    _write_mix_csvs(workloads)
+    model_path = tmp_path / "model.json"
+    sharing_model().to_json(model_path)
+    output = tmp_path / "c.json"
+    common = dict(output=output, model=model_path, workloads=workloads, batches=0, repeat=1, n_bootstrap=20, max_num_seqs=32,
+                  design="coalitions", sampled_batches=3, coalitions_per_request=2, sampled_sizes="16",
+                  sampled_kinds="decode,shared_prefix_decode,mixed_sharing_decode", exact_sharing_batches=2)
+    validate(**common, time_limit_s=1)
+    first = json.loads(output.read_text())
+    assert first["settings"]["measurement_runs"][-1]["stopped_by_time_limit"]
+    assert first["n_sampled_batches_measured"] < 5
+    validate(**common)  # resumes: measures only what the journal lacks
+    result = json.loads(output.read_text())
+    assert result["n_sampled_batches_measured"] == 5 and not result["settings"]["measurement_runs"][-1]["stopped_by_time_limit"]
+    summary = result["summary"]
+    assert summary["batch_sizes"]["max"] == 16 and summary["estimator"]["exact_coverage_95"] is not None
+    assert set(summary["sampled"]["halfwidth_over_share_p50"]) == {"decode", "shared_prefix_decode", "mixed_sharing_decode"}
+    assert summary["sharing"]["exact"]["rules"]["whole_block_per_reader"]["flagged"]
+    from llmvisor.validation.report import coalitions_markdown_summary
+
+    text = coalitions_markdown_summary(result)
+    assert "| whole block per reader |" in text and text.count("| yes |") >= 1 and "mixed-sharing decode" in text
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("--no-measure must not start the engine")
+
+    monkeypatch.setattr(controlled, "ControlledEngine", no_engine)
+    validate(**common, measure_missing=False)
+    assert json.loads(output.read_text())["summary"]["sampled"] == summary["sampled"]
