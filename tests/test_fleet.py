@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -25,6 +26,7 @@ pytestmark = [
     pytest.mark.skipif(not POSTGRES_URL, reason="LLMVISOR_TEST_POSTGRES_URL not set (scripts/start-postgres.sh)"),
 ]
 N_PROCESSES = 2
+SERVICE_START_TIMEOUT_S = 120.0  # both import at once on a small machine: more than a lone start's 30 s
 
 
 def changed(groups: list[list[dict]]) -> list[list[dict]]:
@@ -43,8 +45,10 @@ def fleet(model_path, tmp_path):
     key = ledger.create_key(is_admin=True)
     servers = [ServerProcess(model_path, url, log_path=tmp_path / f"server-{i}.log") for i in range(N_PROCESSES)]
     try:
-        for server in servers:
-            server.start()
+        # Started side by side, as a fleet comes up: each start is mostly imports, so one after the other took twice as long.
+        with ThreadPoolExecutor(N_PROCESSES) as pool:
+            for started in [pool.submit(server.start, SERVICE_START_TIMEOUT_S) for server in servers]:
+                started.result()
         yield ledger, key, servers
     finally:
         for server in servers:
