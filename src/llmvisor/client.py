@@ -1140,9 +1140,6 @@ def _main(argv: list[str]) -> int:
     return deliver(0, ack_fd)
 
 
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
-
 
 # ---------------------------------------------------------------------------------------------------------
 # Window aggregates (issue #22): the delivery process attributes the steps with its class's active model and
@@ -1397,3 +1394,7 @@ class WindowDelivery:
         self._push(self.aggregator.close())
         self.aggregation_s += time.perf_counter() - started
         return self.pusher.close(timeout_s)
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
