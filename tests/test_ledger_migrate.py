@@ -257,3 +257,61 @@ def test_a_schema_3_ledger_is_copied_with_its_models_and_its_gaps_show(tmp_path,
         assert [(g.first_step_id, g.last_step_id) for g in ledger.run_gaps("run-a").gaps] == [(40, 44)]
     finally:
         ledger.close()
+
+
+def _schema_4_ledger(path, model, groups) -> str:
+    """A schema-4 ledger holding ``groups`` of class-x, its model active, one adjustment: a current one without
+    schema 5's window tables."""
+    from llmvisor.ledger import AdjustmentRow
+
+    url = f"sqlite:///{path}"
+    ledger = Ledger(url)
+    records = prepare_batch(model, validate_trace(groups), received_at_us=0).records
+    records.engine_class = np.full(records.n_steps, "class-x", dtype=object)
+    ledger.ingest(records)
+    ledger.add_model("class-x", json.dumps(model.to_dict()), "test", activate=True)
+    ledger.add_adjustments([AdjustmentRow("class-x", 0, 10**15, 1, "tenant-0", "default", 10, 7, -3, 2, 5)])
+    ledger.create_key("tenant-1")
+    ledger.close()
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        for table in ("windows", "window_tenant_usage", "request_totals"):
+            conn.execute(text(f"DROP TABLE {table}"))
+        conn.execute(text("UPDATE ledger_info SET value = '4' WHERE name = 'schema_version'"))
+    engine.dispose()
+    return url
+
+
+def test_a_schema_4_ledger_is_copied_whole_and_takes_windows_after(tmp_path, model_path, db_url):
+    from llmvisor.metering import WindowAggregator
+
+    model = StepLatencyModel.from_json(model_path)
+    run_a = make_steps("run-a", 50, batch_size=5, seed=1)
+    groups = run_a[:10] + run_a[14:] + make_steps("run-b", 20, n_tenants=4, seed=2)
+    source_path = tmp_path / "schema4.db"
+    source_url = _schema_4_ledger(source_path, model, groups)
+    with pytest.raises(LedgerError, match="schema version 4, this llmvisor reads 5"):
+        Ledger(source_url)
+    source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
+    report = migrate(source_url, db_url)
+    assert report.num_steps == len(groups) and report.num_keys == 1
+    assert hashlib.sha256(source_path.read_bytes()).hexdigest() == source_digest
+    ledger = Ledger(db_url)
+    try:
+        totals = ledger.totals()
+        assert totals.num_steps == len(groups) and totals.measured_ns == totals.attributed_ns == report.measured_ns
+        assert {row.tenant: row.attributed_ns for row in ledger.tenant_usage()} == report.attributed_ns_per_tenant
+        assert [(g.first_step_id, g.last_step_id) for g in ledger.run_gaps("run-a").gaps] == [(10, 13)]
+        assert [(a.tenant, a.delta_ns) for a in ledger.adjustment_rows()] == [("tenant-0", -3)]
+        assert ledger.active_versions() == {"class-x": 1}
+        # schema 5's tables work on the copy: a window of run-a's missing steps closes its gap
+        agg = WindowAggregator("run-a", "class-x", lambda: (model, 1))
+        closed = []
+        for g in run_a[10:14]:
+            closed += agg.add(g[0]["step_id"], g[0]["timestamp_s"], g[0]["step_latency_s"],
+                    [[r["request_id"], r["tenant"], r["num_new_tokens"], r["num_context_tokens"], r["phase"] == "prefill", 0, None] for r in g])
+        assert ledger.ingest_windows(closed + agg.close()).inserted == 4  # make_steps: one step per second
+        assert ledger.run_gaps("run-a").num_missing == 0
+        assert ledger.totals().num_steps == len(groups) + 4
+    finally:
+        ledger.close()

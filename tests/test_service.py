@@ -263,7 +263,7 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
         ("DELETE", "/v1/keys/{key_id}"), ("GET", "/metrics"), ("GET", "/healthz"), ("GET", "/v1/steps/{run_id}/{step_id}"),
         ("GET", "/v1/models"), ("POST", "/v1/models"), ("POST", "/v1/models/{engine_class}/{version}/activate"),
         ("GET", "/v1/models/drift"), ("GET", "/v1/adjustments"), ("GET", "/v1/runs/{run_id}/gaps"),
-        ("GET", "/v1/usage/requests/{request_id}"), ("GET", "/v1/usage/classes"), ("GET", "/v1/prices"), ("POST", "/v1/prices"),
+        ("GET", "/v1/usage/requests/{request_id}"), ("GET", "/v1/usage/classes"), ("GET", "/v1/prices"), ("POST", "/v1/prices"), ("POST", "/v1/windows"), ("GET", "/v1/models/{engine_class}/active"),
         ("GET", "/usage"), ("GET", "/usage/app.js"), ("GET", "/usage/style.css"),  # the page's static files: no data
     }
     forbidden = [
@@ -286,6 +286,8 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
         ("GET", "/v1/models/drift"),
         ("GET", "/v1/runs/run-a/gaps"),
         ("POST", "/v1/prices"),
+        ("POST", "/v1/windows"),
+        ("GET", "/v1/models/abc/active"),
     ]
     for method, path in forbidden:
         kwargs = {"json": {"tenant": "tenant-0"}} if path == "/v1/keys" and method == "POST" else {}

@@ -271,3 +271,56 @@ def test_recorder_and_fair_scheduler_agree_on_the_tenant_with_a_configured_key(t
     tokens = {t: int(trace.num_new_tokens[trace.tenant == t].sum()) for t in set(trace.tenant.tolist())}
     assert tokens == {"red": 40 + 4 - 1, "blue": 30 + 6 - 1, "default": 20 + 3 - 1}
     assert charged == set(tokens)
+
+
+def test_window_aggregates_from_a_real_engine_bill_what_the_trace_attributes(service, tmp_path, monkeypatch):
+    """Window mode (the default outside this suite): the delivery process attributes the engine's steps with its
+    class's active model from the registry and sends window aggregates; the ledger's per-tenant totals equal the
+    trace's attribution with that model to the nanosecond, and no step row is stored."""
+    from sqlalchemy import create_engine, func, select
+
+    from llmvisor.ledger.schema import steps as steps_table
+    from llmvisor.ledger.schema import windows as windows_table
+    from llmvisor.service.ingest import prepare_batch
+
+    monkeypatch.setenv("LLMVISOR_STORE_STEPS", "0")
+    server = ApiServer(service, tmp_path, "windows")
+    try:
+        found = re.findall(r"llmvisor: engine fingerprint (\S+):", server.log())
+        assert found, server.log()[-3000:]
+        engine_class = found[-1]
+        model = StepLatencyModel().fit(synthetic_trace(1000, seed=5))
+        headers = {"Authorization": f"Bearer {service['key']}"}
+        added = httpx.post(f"{service['url']}/v1/models", headers=headers, timeout=30,
+                           json={"model": model.to_dict(), "engine_class": engine_class, "activate": True})
+        assert added.status_code == 201, added.text
+        server.start_traffic()
+        time.sleep(5)
+        server.interrupt()
+    finally:
+        stop_process(server.process, sig=signal.SIGKILL)
+    trace = read_trace(tmp_path / "trace.jsonl")
+    trace = trace.select_steps(trace.run_id_per_step == server.run_id)
+    records = prepare_batch(model, trace, received_at_us=0).records
+    expected: dict[str, int] = {}
+    for tenant, ns in zip(records.tenant.tolist(), records.attributed_ns.tolist()):
+        expected[tenant] = expected.get(tenant, 0) + ns
+    ledger = Ledger(service["db_url"])
+    try:
+        billed = {row.tenant: row.attributed_ns for row in ledger.tenant_usage() if row.tenant.startswith(server.run_id)}
+        gaps = ledger.run_gaps(server.run_id)
+    finally:
+        ledger.close()
+    engine = create_engine(service["db_url"])
+    with engine.connect() as conn:
+        n_step_rows = conn.execute(select(func.count()).select_from(steps_table).where(steps_table.c.run_id == server.run_id)).scalar()
+        versions = conn.execute(select(windows_table.c.model_version, func.count(), func.sum(windows_table.c.num_steps))
+                                .where(windows_table.c.run_id == server.run_id).group_by(windows_table.c.model_version)).all()
+    engine.dispose()
+    print(f"windows by model version: {versions}; {trace.n_steps} steps")
+    assert n_step_rows == 0
+    assert [(v, int(n)) for v, _, n in versions] == [(1, trace.n_steps)]
+    assert billed == {t: ns for t, ns in expected.items() if t.startswith(server.run_id)} and billed
+    assert gaps is not None and gaps.num_missing == 0 and gaps.num_received == trace.n_steps
+    assert_completed_requests_billed_once(service["db_url"], server)
+    assert not (tmp_path / "spool.jsonl.windows.jsonl").exists() and not (tmp_path / "spool.jsonl.windows.rejected.jsonl").exists()

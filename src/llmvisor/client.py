@@ -50,7 +50,10 @@ import httpx
 import prometheus_client
 
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
+from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import REQUIRED_COLUMNS, TraceWriter
+from llmvisor.errors import LlmvisorError
+from llmvisor.metering import DEFAULT_WINDOW_S, WindowAggregate, WindowAggregator
 
 log = logging.getLogger("llmvisor.pusher")
 
@@ -659,8 +662,10 @@ class StepDelivery:
     ``trace_from``: steps with a lower id are in the trace already (a delivery process that replaces one that
     died is sent again what its predecessor had not made safe, some of it written to the trace)."""
 
-    def __init__(self, header: dict, pusher: StepPusher | None, *, trace_from: int | None = None):
+    def __init__(self, header: dict, pusher: StepPusher | None, *, trace_from: int | None = None,
+                 windows: WindowDelivery | None = None):
         self.header = header
+        self.windows = windows
         metadata = {"engine_fingerprint": header["engine_fingerprint"]} if header.get("engine_fingerprint") else None
         self.writer = (
             TraceWriter(header["trace_path"], flush_every_steps=1 << 62, metadata=metadata) if header.get("trace_path") else None
@@ -683,6 +688,8 @@ class StepDelivery:
         if self.pusher is not None:
             self.pusher.push_step(rows)
             self._pushed_ids.append(step_id)
+        if self.windows is not None:
+            self.windows.add(step)
         self.num_steps += 1
         self.next_step_id = step_id + 1
 
@@ -691,6 +698,8 @@ class StepDelivery:
             self.writer.flush()
         if self.archive is not None:
             self.archive.rotate()
+        if self.windows is not None:
+            self.windows.tick()
 
     def safe_from(self) -> tuple[int, int] | None:
         """(first step id not yet flushed to the trace, first step id the pusher has not settled): every step
@@ -705,6 +714,8 @@ class StepDelivery:
                 self._settled_offset += 1
             if self._pushed_ids:
                 push_next = self._pushed_ids[0]
+        if self.windows is not None:
+            push_next = self.windows.push_next(self.next_step_id)
         return self.next_step_id, push_next
 
     def close(self, timeout_s: float = DELIVERY_CLOSE_TIMEOUT_S) -> bool:
@@ -713,7 +724,19 @@ class StepDelivery:
             self.writer.close()
         if self.archive is not None:
             self.archive.close()
+        if self.windows is not None:
+            return self.windows.close(timeout_s)
         return self.pusher.close(timeout_s) if self.pusher is not None else True
+
+    @classmethod
+    def from_env(cls, header: dict, *, trace_from: int | None = None) -> StepDelivery:
+        """Window aggregates to the service (default), or every step with ``LLMVISOR_STORE_STEPS=1``; neither
+        without ``LLMVISOR_SERVICE_URL``."""
+        if store_steps_from_env():
+            return cls(header, StepPusher.from_env(), trace_from=trace_from)
+        pusher = WindowPusher.from_env()
+        windows = None if pusher is None else WindowDelivery(header, pusher, window_s=window_s_from_env())
+        return cls(header, None, trace_from=trace_from, windows=windows)
 
 
 def _archive_from_env(metadata: dict | None):
@@ -973,7 +996,7 @@ class StepRelay:
             "llmvisor: %s; delivering the steps of run %s from the engine process from now on (%d waiting)",
             reason, self.header["columns"]["run_id"], len(self._retained),
         )
-        self._fallback = StepDelivery(self.header, StepPusher.from_env(), trace_from=self._trace_next)
+        self._fallback = StepDelivery.from_env(self.header, trace_from=self._trace_next)
         for _step_id, data in self._retained:
             self._fallback.add(json.loads(data))
         self.counts.resent += len(self._retained)
@@ -1089,7 +1112,7 @@ def deliver(read_fd: int = 0, ack_fd: int | None = None) -> int:
                 if delivery is None:
                     header = json.loads(line)
                     resume = header.get("resume") or {}
-                    delivery = StepDelivery(header, StepPusher.from_env(), trace_from=resume.get("trace_next"))
+                    delivery = StepDelivery.from_env(header, trace_from=resume.get("trace_next"))
                     log.info("llmvisor: delivering steps of run %s%s", header["columns"]["run_id"],
                              " (replacing a delivery process that died)" if header.get("resume") else "")
                 else:
@@ -1108,14 +1131,21 @@ def deliver(read_fd: int = 0, ack_fd: int | None = None) -> int:
     if delivery is None:
         return 0
     complete = delivery.close()
-    stats = delivery.pusher.stats if delivery.pusher is not None else None
+    pusher = delivery.pusher if delivery.windows is None else delivery.windows.pusher
+    stats = pusher.stats if pusher is not None else None
+    if delivery.windows is not None:
+        log.info(
+            "llmvisor: run %s metered in %d windows of engine class %s (model version %s); aggregation %.2f µs per step",
+            delivery.header["columns"]["run_id"], delivery.windows.windows_sent, delivery.windows.engine_class,
+            delivery.windows.models.version, 1e6 * delivery.windows.aggregation_s / max(delivery.num_steps, 1),
+        )
     log.info(
         "llmvisor: the engine closed the step relay; delivered %d steps of run %s%s%s%s",
         delivery.num_steps,
         delivery.header["columns"]["run_id"],
         f" (service: {stats.acknowledged} acknowledged, {stats.spooled} spooled, {stats.replayed} replayed, "
         f"{stats.rejected} rejected, {stats.dropped} dropped)" if stats is not None else "",
-        "" if complete else f"; some are not acknowledged yet and stay in the spool {delivery.pusher.spool_path}",
+        "" if complete else f"; some are not acknowledged yet and stay in the spool {pusher.spool_path}",
         f"; {torn} torn step at the end skipped" if torn else "",
     )
     return 0
@@ -1124,6 +1154,262 @@ def deliver(read_fd: int = 0, ack_fd: int | None = None) -> int:
 def _main(argv: list[str]) -> int:
     ack_fd = int(argv[argv.index("--ack-fd") + 1]) if "--ack-fd" in argv else None
     return deliver(0, ack_fd)
+
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Window aggregates (issue #22): the delivery process attributes the steps with its class's active model and
+# sends one aggregate per window (`llmvisor.metering`) instead of every step; ``LLMVISOR_STORE_STEPS=1`` sends
+# every step as before (audit mode, small deployments).
+
+ENV_STORE_STEPS = "LLMVISOR_STORE_STEPS"
+ENV_WINDOW_S = "LLMVISOR_WINDOW_S"
+MODEL_REFRESH_INTERVAL_S = 5.0
+WINDOWS_PATH = "/v1/windows"
+
+
+def store_steps_from_env() -> bool:
+    """Audit mode: every step to the service (``LLMVISOR_STORE_STEPS=1``); default: window aggregates."""
+    value = os.environ.get(ENV_STORE_STEPS, "0").strip().lower()
+    if value not in ("0", "1", "true", "false", "yes", "no", ""):
+        raise ValueError(f"{ENV_STORE_STEPS}={value!r}: give 1 or 0")
+    return value in ("1", "true", "yes")
+
+
+def window_s_from_env() -> float:
+    raw = os.environ.get(ENV_WINDOW_S, str(DEFAULT_WINDOW_S))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(f"{ENV_WINDOW_S}={raw!r}: give a positive number of seconds")
+    return value
+
+
+class ActiveModelCache:
+    """The active model of one engine class from the service's registry (``GET /v1/models``), cached: the list
+    is read at most every ``refresh_interval_s`` and the model fetched again only when the active version
+    changes. While the service cannot be asked, the cached model stays in use; with none, windows are pending."""
+
+    def __init__(self, client: httpx.Client, engine_class: str, *, refresh_interval_s: float = MODEL_REFRESH_INTERVAL_S):
+        self.client, self.engine_class, self.refresh_interval_s = client, engine_class, refresh_interval_s
+        self.version: int | None = None
+        self.model: StepLatencyModel | None = None
+        self._checked_s = -1e18
+
+    def __call__(self) -> tuple[StepLatencyModel, int] | None:
+        now = time.monotonic()
+        if now - self._checked_s >= self.refresh_interval_s:
+            self._checked_s = now
+            self._refresh()
+        return None if self.model is None else (self.model, self.version)
+
+    def _refresh(self) -> None:
+        try:
+            listed = self.client.get("/v1/models")
+            if listed.status_code != 200:
+                return
+            active = [m["version"] for m in listed.json() if m["engine_class"] == self.engine_class and m["active"]]
+            if not active:
+                self.model = self.version = None
+                return
+            if active[0] == self.version:
+                return
+            answer = self.client.get(f"/v1/models/{self.engine_class}/active")
+            if answer.status_code != 200:
+                return
+            data = answer.json()
+            self.model, self.version = StepLatencyModel.from_dict(data["model"], source="/v1/models"), int(data["version"])
+            log.info("llmvisor: attributing engine class %s with model version %d at the edge", self.engine_class, self.version)
+        except (httpx.HTTPError, ValueError, KeyError, LlmvisorError) as problem:
+            log.warning("llmvisor: cannot read the active model of engine class %s (%s); keeping version %s",
+                        self.engine_class, problem, self.version)
+
+
+class WindowPusher:
+    """Send window aggregates to ``POST /v1/windows`` in the background; spool them to ``<spool>.windows.jsonl``
+    while the service cannot take them, replayed when it answers (ingest is idempotent per window). A window the
+    service refuses for its content (409, 422) goes to ``<spool>.windows.rejected.jsonl``, logged and counted."""
+
+    def __init__(self, url: str, api_key: str, spool_path: str | os.PathLike = DEFAULT_SPOOL, *, max_batch_windows: int = 200,
+                 flush_interval_s: float = 0.1, request_timeout_s: float = 10.0, retry_interval_s: float = 2.0):
+        self.client = httpx.Client(base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {api_key}"}, timeout=request_timeout_s)
+        self.spool_path = Path(f"{spool_path}.windows.jsonl")
+        self.replay_path = Path(f"{spool_path}.windows.replaying")
+        self.rejected_path = Path(f"{spool_path}.windows.rejected.jsonl")
+        self.max_batch_windows, self.flush_interval_s, self.retry_interval_s = max_batch_windows, flush_interval_s, retry_interval_s
+        self.stats = PusherStats()
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[int, dict]] = deque()
+        self._next_seq = 0
+        self._unsettled: set[int] = set()
+        self._next_try_s = 0.0
+        self._stop = threading.Event()
+        self._deadline: float | None = None
+        self._thread = threading.Thread(target=self._run, name="llmvisor-window-pusher", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_env(cls) -> WindowPusher | None:
+        url = service_url_from_env()
+        return cls(url, os.environ[ENV_KEY], os.environ.get(ENV_SPOOL, DEFAULT_SPOOL)) if url else None
+
+    def push(self, window: WindowAggregate) -> int:
+        with self._lock:
+            seq = self._next_seq
+            self._next_seq += 1
+            self._unsettled.add(seq)
+            self._queue.append((seq, window.to_json()))
+        self.stats.add(pushed=1)
+        return seq
+
+    def settled_windows(self) -> int:
+        """How many of the first windows pushed are settled (acknowledged, spooled or rejected)."""
+        with self._lock:
+            return min(self._unsettled) if self._unsettled else self._next_seq
+
+    def _settle(self, batch: list[tuple[int, dict]]) -> None:
+        with self._lock:
+            self._unsettled.difference_update(seq for seq, _ in batch)
+
+    def _run(self) -> None:
+        while True:
+            stopping = self._stop.is_set()
+            with self._lock:
+                batch = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch_windows))]
+            if batch:
+                self._send_or_spool(batch)
+            if time.monotonic() >= self._next_try_s and not self._out_of_time():
+                self._replay()
+            if stopping and not self._queue:
+                return
+            if not batch:
+                time.sleep(self.flush_interval_s)
+
+    def _out_of_time(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
+    def _send_or_spool(self, batch: list[tuple[int, dict]]) -> None:
+        if time.monotonic() < self._next_try_s or self._out_of_time() or not self._deliver(batch):
+            self._write(self.spool_path, [w for _, w in batch])
+            self.stats.add(spooled=len(batch))
+        self._settle(batch)
+
+    def _deliver(self, batch: list[tuple[int, dict]]) -> bool:
+        """POST the batch; False when the service cannot take it now (spool it). Refused windows are rejected."""
+        delay_s = 0.1
+        for attempt in range(4):
+            try:
+                response = self.client.post(WINDOWS_PATH, json={"windows": [w for _, w in batch]})
+                if response.status_code < 500 and response.status_code not in (401, 403, 429):
+                    break
+                reason = f"HTTP {response.status_code}"
+            except httpx.HTTPError as problem:
+                reason = f"{type(problem).__name__}: {problem}"
+            self.stats.add(failed_posts=1)
+            if attempt == 3 or self._out_of_time():
+                self.stats.last_error = reason
+                self._next_try_s = time.monotonic() + self.retry_interval_s
+                return False
+            time.sleep(delay_s * (0.5 + random.random()))
+            delay_s *= 2
+        if response.status_code == 200:
+            result = response.json()
+            self.stats.add(acknowledged=result["windows_inserted"], duplicate=result["windows_duplicate"])
+            return True
+        if len(batch) > 1:  # find the refused windows by halving; the others go through
+            middle = len(batch) // 2
+            return self._deliver(batch[:middle]) and self._deliver(batch[middle:])
+        self._write(self.rejected_path, [w for _, w in batch])
+        self.stats.add(rejected=len(batch))
+        self.stats.last_error = _detail(response)
+        log.error("llmvisor service rejected window %s of run %s: HTTP %d %s; kept in %s", batch[0][1]["window_start_us"],
+                  batch[0][1]["run_id"], response.status_code, _detail(response), self.rejected_path)
+        return True
+
+    def _write(self, path: Path, windows: list[dict]) -> None:
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write("".join(json.dumps(w) + "\n" for w in windows))
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def _replay(self) -> None:
+        if not self.replay_path.exists():
+            if not self.spool_path.exists():
+                return
+            os.replace(self.spool_path, self.replay_path)
+        windows = []
+        for line in self.replay_path.read_text(encoding="utf-8").splitlines():
+            try:
+                windows.append((-1, json.loads(line)))
+            except ValueError:
+                log.error("llmvisor window spool %s: an unreadable line skipped (a torn write?)", self.replay_path)
+        for i in range(0, len(windows), self.max_batch_windows):
+            if not self._deliver(windows[i : i + self.max_batch_windows]):
+                return
+        self.replay_path.unlink()
+        self.stats.add(replayed=len(windows))
+        log.warning("llmvisor: replayed %d windows from the spool", len(windows))
+
+    def pending_windows(self) -> int:
+        spooled = sum(len(p.read_text(encoding="utf-8").splitlines()) for p in (self.spool_path, self.replay_path) if p.exists())
+        return len(self._queue) + spooled
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Send what is queued and replay the spool for up to ``timeout_s``; True if the service has every window."""
+        self._deadline = time.monotonic() + timeout_s
+        self._next_try_s = 0.0
+        self._stop.set()
+        self._thread.join(timeout_s + 5.0)
+        self.client.close()
+        return self.pending_windows() == 0
+
+
+class WindowDelivery:
+    """The delivery process's window mode: steps into a `WindowAggregator`, closed windows to a `WindowPusher`.
+    ``safe_from`` reports the first step whose window the service does not have (acknowledged or spooled) yet."""
+
+    def __init__(self, header: dict, pusher: WindowPusher, *, window_s: float):
+        columns = header["columns"]
+        fingerprint = header.get("engine_fingerprint") or {}
+        self.engine_class = str(columns.get(FINGERPRINT_COLUMN) or fingerprint.get("id") or "")
+        self.models = ActiveModelCache(pusher.client, self.engine_class)
+        self.aggregator = WindowAggregator(columns["run_id"], self.engine_class, self.models, window_s=window_s)
+        self.pusher = pusher
+        self._pushed: deque[tuple[int, int]] = deque()  # (seq, first step id) of windows pushed, unsettled ones first
+        self.windows_sent = 0
+        self.aggregation_s = 0.0
+
+    def add(self, step: list) -> None:
+        started = time.perf_counter()
+        closed = self.aggregator.add(step[0], step[1], step[2], step[3])
+        self.aggregation_s += time.perf_counter() - started
+        self._push(closed)
+
+    def tick(self) -> None:
+        """Close a window the clock has passed (an idle engine sends no step that would)."""
+        self._push(self.aggregator.close_due(time.time()))
+
+    def _push(self, closed: list) -> None:
+        for window in closed:
+            self._pushed.append((self.pusher.push(window), window.step_ranges[0][0]))
+            self.windows_sent += 1
+
+    def push_next(self, next_step_id: int) -> int:
+        settled = self.pusher.settled_windows()
+        while self._pushed and self._pushed[0][0] < settled:
+            self._pushed.popleft()
+        if self._pushed:
+            return self._pushed[0][1]
+        first_open = self.aggregator.first_open_step_id()
+        return next_step_id if first_open is None else first_open
+
+    def close(self, timeout_s: float) -> bool:
+        started = time.perf_counter()
+        self._push(self.aggregator.close())
+        self.aggregation_s += time.perf_counter() - started
+        return self.pusher.close(timeout_s)
 
 
 if __name__ == "__main__":

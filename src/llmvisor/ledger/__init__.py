@@ -23,6 +23,8 @@ from llmvisor.ledger.store import (  # noqa: E402
     StoredSteps,
     Totals,
     UsageRow,
+    WindowConflictError,
+    WindowOutcome,
     normalize_url,
 )
 
@@ -45,5 +47,7 @@ __all__ = [
     "StoredSteps",
     "Totals",
     "UsageRow",
+    "WindowConflictError",
+    "WindowOutcome",
     "normalize_url",
 ]

@@ -2,8 +2,9 @@
 
 Schema 1 (a row per slice) is re-ingested step by step; schema 2 (no engine classes) is copied table by table,
 its steps marked as attributed by the default model of no class; schema 3 is copied table by table as it is.
-Schema 4's received step-id ranges (``step_ranges``) are built from the copied steps. Schema 4 is copied table by
-table into schema 5, which only adds tables (billing's ``prices``).
+Schema 4's received step-id ranges (``step_ranges``) are built from the copied steps of schemas 2 and 3, and
+copied as stored (with the adjustments) from schema 4; schema 5's tables (window aggregates, billing's ``prices``)
+start empty.
 
 A copy rather than an upgrade in place: nothing already stored can be damaged by a migration that stops
 half way, the two can be compared afterwards, and the copy may go to another database (SQLite to
@@ -40,6 +41,7 @@ from sqlalchemy.exc import DatabaseError
 
 from llmvisor.ledger.schema import (
     active_models,
+    adjustments,
     api_keys,
     engine_models,
     ledger_info,
@@ -236,15 +238,13 @@ def _read_version(source_url: str):
 
 
 def migrate(source_url: str, target_url: str, **kwargs) -> MigrationReport:
-    """Copy a ledger of an older schema (1, 2 or 3) into an empty ledger of the current schema."""
+    """Copy a ledger of an older schema (1 to 4) into an empty ledger of the current schema."""
     source, source_name, version = _read_version(source_url)
     source.dispose()
     if version == "1":
         return migrate_schema_1(source_url, target_url, **kwargs)
-    if version in ("2", "3"):
+    if version in ("2", "3", "4"):
         return migrate_schema_2(source_url, target_url, progress=kwargs.get("progress"))
-    if version == "4":
-        return migrate_schema_4(source_url, target_url)
     raise LedgerError(f"{source_name}: ledger schema version {version}; versions 1, 2, 3 and 4 are migrated")
 
 
@@ -288,15 +288,15 @@ def migrate_schema_2(source_url: str, target_url: str, *, progress: Callable[[in
     received step-id ranges built from the steps; then check steps, slices, measured and attributed ns and
     every tenant's total."""
     source, source_name, version = _read_version(source_url)
-    if version not in ("2", "3"):
+    if version not in ("2", "3", "4"):
         source.dispose()
-        raise LedgerError(f"{source_name}: ledger schema version {version}; expected version 2 or 3")
-    source_steps = _steps_3 if version == "3" else _steps_2
+        raise LedgerError(f"{source_name}: ledger schema version {version}; expected version 2, 3 or 4")
+    source_steps = _steps_3 if version in ("3", "4") else _steps_2
     target = Ledger(target_url)
     target_name = target.safe_url
     try:
         with source.connect() as conn:
-            billed = _steps_3.c.pending.is_(False) if version == "3" else True  # pending steps are not in the totals
+            billed = _steps_3.c.pending.is_(False) if version in ("3", "4") else True  # pending steps are not in the totals
             n_steps, measured = conn.execute(
                 select(func.count(), func.coalesce(func.sum(source_steps.c.measured_ns), 0)).where(billed)
             ).one()
@@ -343,17 +343,42 @@ def migrate_schema_2(source_url: str, target_url: str, *, progress: Callable[[in
                     chunk = []
             if chunk:
                 write.execute(insert(usage_per_second), chunk)
-            if version == "3":
+            if version in ("3", "4"):
                 for table in (_engine_models_3, _active_models_3):
                     rows = [dict(row._mapping) for row in read.execute(select(table))]
                     if rows:
                         write.execute(insert(engine_models if table is _engine_models_3 else active_models), rows)
-            _copy_step_ranges(read, write)
+            if version == "4":
+                _copy_schema_4_tables(read, write)
+            else:
+                _copy_step_ranges(read, write)
         _check_copy(target, expected, target_name)
     finally:
         target.close()
         source.dispose()
     return expected
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Schema 4 → 5 (window aggregates): schema 4's tables are copied as they are, its received step-id ranges and
+# adjustments included; schema 5's window tables start empty (nothing was metered in windows before).
+
+_schema_4 = MetaData()
+_step_ranges_4 = step_ranges.to_metadata(_schema_4)
+_adjustments_4 = adjustments.to_metadata(_schema_4)
+
+
+def _copy_schema_4_tables(read, write) -> None:
+    for source_table, target_table in ((_step_ranges_4, step_ranges), (_adjustments_4, adjustments)):
+        rows = read.execution_options(stream_results=True, yield_per=10_000).execute(select(source_table))
+        chunk: list[dict] = []
+        for row in rows:
+            chunk.append(dict(row._mapping))
+            if len(chunk) >= 10_000:
+                write.execute(insert(target_table), chunk)
+                chunk = []
+        if chunk:
+            write.execute(insert(target_table), chunk)
 
 
 def _check_copy(target: Ledger, expected, target_name: str) -> None:
@@ -380,54 +405,3 @@ def _check_copy(target: Ledger, expected, target_name: str) -> None:
     ]
     if mismatches:
         raise LedgerError(f"the copy in {target_name} does not match its source ({'; '.join(mismatches)}); do not use it")
-
-
-# --- schema 4 -> 5: billing adds tables only; every schema-4 table is copied as it is ------------------------------
-SCHEMA_5_BILLING_TABLES = ("prices",)
-"""Tables schema 5 added for billing (nothing to copy from schema 4)."""
-
-
-def migrate_schema_4(source_url: str, target_url: str) -> MigrationReport:
-    """Copy every table of a schema-4 ledger into an empty current one, rows as they are (slice batch ids too, the
-    steps refer to them), then check the totals as the other steps do."""
-    source, source_name, version = _read_version(source_url)
-    if version != "4":
-        source.dispose()
-        raise LedgerError(f"{source_name}: ledger schema version {version}; expected version 4")
-    from llmvisor.ledger.schema import metadata
-
-    tables = [t for t in metadata.sorted_tables if t.name not in (*SCHEMA_5_BILLING_TABLES, ledger_info.name)]
-    target = Ledger(target_url)
-    target_name = target.safe_url
-    try:
-        with source.connect() as conn:
-            n_steps, measured = conn.execute(
-                select(func.count(), func.coalesce(func.sum(steps.c.measured_ns), 0)).where(steps.c.pending.is_(False))).one()
-            n_slices, attributed = conn.execute(select(func.coalesce(func.sum(usage_per_second.c.num_slices), 0),
-                                                       func.coalesce(func.sum(usage_per_second.c.attributed_ns), 0))).one()
-            per_tenant = {t: int(ns) for t, ns in conn.execute(
-                select(usage_per_second.c.tenant, func.sum(usage_per_second.c.attributed_ns)).group_by(usage_per_second.c.tenant))}
-            n_keys = conn.execute(select(func.count()).select_from(api_keys)).scalar_one()
-        expected = MigrationReport(int(n_steps), int(n_slices), int(measured), int(attributed), int(n_keys), per_tenant)
-        before = target.totals()
-        if before.num_steps or before.pending_steps or target.list_keys():
-            raise LedgerError(f"{target_name}: the target of a migration must be an empty ledger")
-        with source.connect() as read, target.write_transaction() as write:
-            for table in tables:
-                chunk: list[dict] = []
-                for row in read.execution_options(stream_results=True, yield_per=1000).execute(select(table)):
-                    chunk.append(dict(row._mapping))
-                    if len(chunk) >= 1000:
-                        write.execute(insert(table), chunk)
-                        chunk = []
-                if chunk:
-                    write.execute(insert(table), chunk)
-            if target.backend == "postgresql":  # ids were copied: the sequence continues after them
-                write.exec_driver_sql("SELECT setval(pg_get_serial_sequence('slice_batches', 'batch_id'), "
-                                      "COALESCE((SELECT MAX(batch_id) FROM slice_batches), 0) + 1, false)")
-        _check_copy(target, expected, target_name)
-    finally:
-        target.close()
-        source.dispose()
-    return expected
-# --- end of schema 4 -> 5 -----------------------------------------------------------------------------------------

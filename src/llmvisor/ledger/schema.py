@@ -30,6 +30,8 @@ bill already written is never rewritten; usage plus its adjustments is what the 
 Schema 5 (billing, `llmvisor.billing`) adds ``prices``: a price book per engine class, versioned like the models. Each
 version is in force from ``valid_from_us`` on (until a later one of the class starts), so usage becomes cost with the
 price of its time; prices are exact decimal strings, never floats.
+Schema 5 (window aggregates, `llmvisor.metering`) adds ``windows``, ``window_tenant_usage`` and
+``request_totals``; see their block at the end of this module.
 """
 
 from __future__ import annotations
@@ -185,3 +187,64 @@ prices = Table(
     Index("ix_prices_class_valid_from", "engine_class", "valid_from_us"),
 )
 # --- end of schema 5: billing -------------------------------------------------------------------------------------
+
+# ---------------------------------------------------------------------------------------------------------
+# Schema 5: window aggregates (issue #22). Engines attribute at the edge and send one aggregate per run
+# instance and window (`llmvisor.metering.WindowAggregate`, POST /v1/windows) instead of every step: the
+# ledger keeps a row per window (the idempotency key, measured time, residual statistics for drift), a row per
+# tenant and window (what bills read) and a row per request (accumulated over its windows), not a row per step.
+# The windows' step-id ranges go to ``step_ranges`` like stored steps', so gaps show the same either way.
+
+windows = Table(
+    "windows",
+    metadata,
+    Column("run_id", Text, primary_key=True),
+    Column("window_start_us", BigInteger, primary_key=True, autoincrement=False, doc="steps starting at or after this"),
+    Column("window_end_us", BigInteger, nullable=False, doc="steps starting before this"),
+    Column("engine_class", Text, nullable=False),
+    Column("model_version", Integer, nullable=True, doc="registry version that attributed it at the edge; NULL: pending"),
+    Column("pending", Boolean, nullable=False, doc="its class had no active model: measured time kept, nothing attributed"),
+    Column("num_steps", BigInteger, nullable=False),
+    Column("measured_ns", BigInteger, nullable=False),
+    Column("attributed_ns", BigInteger, nullable=False, doc="= measured_ns exactly, or 0 while pending"),
+    Column("residual_count", BigInteger, nullable=False),
+    Column("residual_sum_s", Float, nullable=False),
+    Column("residual_sum_sq_s2", Float, nullable=False),
+    Column("residual_min_s", Float, nullable=True),
+    Column("residual_max_s", Float, nullable=True),
+    Column("content_sha256", LargeBinary(32), nullable=False, doc="canonical JSON of the aggregate, for idempotent re-sends"),
+    Column("ingested_at_us", BigInteger, nullable=False),
+    Index("ix_windows_window_start_us", "window_start_us"),
+)
+
+window_tenant_usage = Table(
+    "window_tenant_usage",
+    metadata,
+    Column("run_id", Text, primary_key=True),
+    Column("window_start_us", BigInteger, primary_key=True, autoincrement=False),
+    Column("tenant", Text, primary_key=True),
+    Column("second_us", BigInteger, nullable=False, doc="the second the window starts in: usage queries' time key"),
+    Column("attributed_ns", BigInteger, nullable=False),
+    Column("measured_ns", BigInteger, nullable=False, doc="Σ over the tenant's requests of their steps' measured time"),
+    Column("num_slices", BigInteger, nullable=False),
+    Column("num_new_tokens", BigInteger, nullable=False),
+    Index("ix_window_tenant_usage_tenant_second_us", "tenant", "second_us"),
+    Index("ix_window_tenant_usage_second_us", "second_us"),
+)
+
+request_totals = Table(
+    "request_totals",
+    metadata,
+    Column("run_id", Text, primary_key=True),
+    Column("request_id", Text, primary_key=True),
+    Column("tenant", Text, primary_key=True),
+    Column("first_second_us", BigInteger, nullable=False, doc="the second of its first window: usage queries' time key"),
+    Column("attributed_ns", BigInteger, nullable=False),
+    Column("measured_ns", BigInteger, nullable=False),
+    Column("num_slices", BigInteger, nullable=False),
+    Column("num_new_tokens", BigInteger, nullable=False),
+    Column("first_timestamp_us", BigInteger, nullable=False),
+    Column("last_timestamp_us", BigInteger, nullable=False),
+    Index("ix_request_totals_tenant", "tenant"),
+)
+"""One row per request, summed over its windows as they arrive (each window is stored once, so adding is safe)."""

@@ -52,10 +52,13 @@ from llmvisor.ledger.schema import (
     engine_models,
     ledger_info,
     metadata,
+    request_totals,
     slice_batches,
     step_ranges,
     steps,
     usage_per_second,
+    window_tenant_usage,
+    windows,
 )
 
 BUCKET_US = {"minute": 60_000_000, "hour": 3_600_000_000, "day": 86_400_000_000}
@@ -89,6 +92,27 @@ class StepConflictError(LlmvisorError):
             f"step {step_id} of run {run_id!r}{more} is already stored with different content; "
             "a (run_id, step_id) can be ingested once, re-sends must be identical"
         )
+
+
+class WindowConflictError(LlmvisorError):
+    """Window aggregates re-sent with a (run_id, window_start_us) already stored under different content."""
+
+    def __init__(self, conflicts: Sequence[tuple[str, int]]):
+        self.conflicts = list(conflicts)
+        run_id, start_us = self.conflicts[0]
+        more = f" (and {len(self.conflicts) - 1} more)" if len(self.conflicts) > 1 else ""
+        super().__init__(
+            f"window {start_us} of run {run_id!r}{more} is already stored with different content; "
+            "a (run_id, window_start_us) can be ingested once, re-sends must be identical"
+        )
+
+
+@dataclass(frozen=True)
+class WindowOutcome:
+    """Windows of a batch stored now and those already there, identical (duplicates)."""
+
+    inserted: int
+    duplicate: int
 
 
 @dataclass
@@ -466,6 +490,27 @@ class KeyInfo:
     revoked_at_us: int | None
 
 
+def _tenant_usage_rows():
+    """Per-second usage of stored steps and per-window usage of aggregates as one relation (tenant, second_us,
+    attributed_ns, num_slices, num_new_tokens), so a tenant's total is the same whichever way it was metered."""
+    w = window_tenant_usage
+    u = usage_per_second
+    return select(u.c.tenant, u.c.second_us, u.c.attributed_ns, u.c.num_slices, u.c.num_new_tokens).union_all(
+        select(w.c.tenant, w.c.second_us, w.c.attributed_ns, w.c.num_slices, w.c.num_new_tokens)
+    ).subquery("usage")
+
+
+def _request_usage_rows():
+    """Per-second request usage of stored steps and request totals of aggregates as one relation."""
+    u = usage_per_second
+    r = request_totals
+    return select(u.c.run_id, u.c.request_id, u.c.tenant, u.c.second_us, u.c.attributed_ns, u.c.num_slices, u.c.num_new_tokens,
+                  u.c.first_timestamp_us, u.c.last_timestamp_us).union_all(
+        select(r.c.run_id, r.c.request_id, r.c.tenant, r.c.first_second_us, r.c.attributed_ns, r.c.num_slices, r.c.num_new_tokens,
+               r.c.first_timestamp_us, r.c.last_timestamp_us)
+    ).subquery("usage")
+
+
 def now_us() -> int:
     return time.time_ns() // 1000
 
@@ -635,6 +680,112 @@ class Ledger:
                 time.sleep(0.01 * 2**attempt)
         raise AssertionError("unreachable")
 
+    def ingest_windows(self, aggregates: Sequence) -> WindowOutcome:
+        """Store the window aggregates (`llmvisor.metering.WindowAggregate`) not yet stored, in one transaction:
+        per window its row, its tenants' rows, its requests added to their totals and its step ids merged into
+        the run's ranges. An identical re-send is a duplicate; `WindowConflictError` (nothing stored) if one
+        differs, also from another in the same batch."""
+        digests: dict[tuple[str, int], bytes] = {}
+        unique = []
+        conflicts: list[tuple[str, int]] = []
+        for w in aggregates:
+            key, digest = (w.run_id, w.window_start_us), w.content_sha256()
+            if key in digests:
+                if digests[key] != digest:
+                    conflicts.append(key)
+                continue
+            digests[key] = digest
+            unique.append(w)
+        if conflicts:
+            raise WindowConflictError(conflicts)
+        for attempt in range(_WRITE_ATTEMPTS):
+            try:
+                with self.write_transaction() as conn:
+                    stored = self._stored_window_hashes(conn, list(digests))
+                    conflicts = [k for k in digests if k in stored and stored[k] != digests[k]]
+                    if conflicts:
+                        raise WindowConflictError(conflicts)
+                    new = [w for w in unique if (w.run_id, w.window_start_us) not in stored]
+                    if new:
+                        self._insert_windows(conn, new, digests)
+                return WindowOutcome(inserted=len(new), duplicate=len(aggregates) - len(new))
+            except (IntegrityError, OperationalError):
+                if attempt == _WRITE_ATTEMPTS - 1:  # a concurrent writer stored some: the next look sees them
+                    raise
+                time.sleep(0.01 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def _stored_window_hashes(self, conn: Connection, keys: list[tuple[str, int]]) -> dict[tuple[str, int], bytes]:
+        out: dict[tuple[str, int], bytes] = {}
+        for run in sorted({k[0] for k in keys}):
+            starts = [k[1] for k in keys if k[0] == run]
+            for i in range(0, len(starts), _LOOKUP_CHUNK):
+                rows = conn.execute(
+                    select(windows.c.window_start_us, windows.c.content_sha256).where(
+                        windows.c.run_id == run, windows.c.window_start_us.in_(starts[i : i + _LOOKUP_CHUNK])
+                    )
+                )
+                out.update({(run, int(start)): bytes(digest) for start, digest in rows})
+        return out
+
+    def _insert_windows(self, conn: Connection, new: Sequence, digests: dict) -> None:
+        received_us = now_us()
+        conn.execute(insert(windows), [
+            {"run_id": w.run_id, "window_start_us": w.window_start_us, "window_end_us": w.window_end_us,
+             "engine_class": w.engine_class, "model_version": w.model_version, "pending": w.pending, "num_steps": w.num_steps,
+             "measured_ns": w.measured_ns, "attributed_ns": w.attributed_ns, "residual_count": w.residual.count,
+             "residual_sum_s": w.residual.sum_s, "residual_sum_sq_s2": w.residual.sum_sq_s2, "residual_min_s": w.residual.min_s,
+             "residual_max_s": w.residual.max_s, "content_sha256": digests[w.run_id, w.window_start_us], "ingested_at_us": received_us}
+            for w in new
+        ])
+        tenant_rows, request_rows = [], {}
+        for w in new:
+            second_us = w.window_start_us // USAGE_RESOLUTION_US * USAGE_RESOLUTION_US
+            for tenant, t in w.tenant_totals().items():
+                tenant_rows.append({"run_id": w.run_id, "window_start_us": w.window_start_us, "tenant": tenant, "second_us": second_us, **t})
+            for q in w.requests:
+                key = (w.run_id, q.request_id, q.tenant)
+                row = request_rows.get(key)
+                if row is None:
+                    request_rows[key] = {"run_id": w.run_id, "request_id": q.request_id, "tenant": q.tenant, "first_second_us": second_us,
+                                         "attributed_ns": q.attributed_ns, "measured_ns": q.measured_ns, "num_slices": q.num_steps,
+                                         "num_new_tokens": q.num_new_tokens, "first_timestamp_us": q.first_timestamp_us,
+                                         "last_timestamp_us": q.last_timestamp_us}
+                else:
+                    for name, value in (("attributed_ns", q.attributed_ns), ("measured_ns", q.measured_ns),
+                                        ("num_slices", q.num_steps), ("num_new_tokens", q.num_new_tokens)):
+                        row[name] += value
+                    row["first_second_us"] = min(row["first_second_us"], second_us)
+                    row["first_timestamp_us"] = min(row["first_timestamp_us"], q.first_timestamp_us)
+                    row["last_timestamp_us"] = max(row["last_timestamp_us"], q.last_timestamp_us)
+        if tenant_rows:
+            conn.execute(insert(window_tenant_usage), tenant_rows)
+        if request_rows:
+            if self.backend == "postgresql":
+                from sqlalchemy.dialects.postgresql import insert as upsert
+            else:
+                from sqlalchemy.dialects.sqlite import insert as upsert
+            statement = upsert(request_totals)
+            table = request_totals
+            statement = statement.on_conflict_do_update(
+                index_elements=["run_id", "request_id", "tenant"],
+                set_={
+                    **{name: table.c[name] + statement.excluded[name] for name in ("attributed_ns", "measured_ns", "num_slices", "num_new_tokens")},
+                    "first_second_us": func.least(table.c.first_second_us, statement.excluded.first_second_us)
+                    if self.backend == "postgresql" else func.min(table.c.first_second_us, statement.excluded.first_second_us),
+                    "first_timestamp_us": func.least(table.c.first_timestamp_us, statement.excluded.first_timestamp_us)
+                    if self.backend == "postgresql" else func.min(table.c.first_timestamp_us, statement.excluded.first_timestamp_us),
+                    "last_timestamp_us": func.greatest(table.c.last_timestamp_us, statement.excluded.last_timestamp_us)
+                    if self.backend == "postgresql" else func.max(table.c.last_timestamp_us, statement.excluded.last_timestamp_us),
+                },
+            )
+            # in key order, so concurrent writers lock the rows in one order
+            conn.execute(statement, [request_rows[k] for k in sorted(request_rows)])
+        run_ids = np.asarray([w.run_id for w in new for _ in range(w.num_steps)], dtype=object)
+        step_ids = np.concatenate([w.step_ids() for w in new])
+        classes = np.asarray([w.engine_class for w in new for _ in range(w.num_steps)], dtype=object)
+        self.add_step_ranges(conn, run_ids, step_ids, classes, np.full(step_ids.size, received_us))
+
     def _stored_hashes(self, conn: Connection, keys: list[tuple[str, int]]) -> dict[tuple[str, int], bytes]:
         by_run: dict[str, list[int]] = {}
         for run_id, step_id in keys:
@@ -778,8 +929,9 @@ class Ledger:
         bucket: str | None = None,
         tenant: str | None = None,
     ) -> list[UsageRow]:
-        """Attributed time per tenant (and per UTC bucket of ``bucket`` if given), ordered by tenant and time."""
-        usage = usage_per_second
+        """Attributed time per tenant (and per UTC bucket of ``bucket`` if given), ordered by tenant and time;
+        steps stored one by one and window aggregates alike."""
+        usage = _tenant_usage_rows()
         conditions = self._range(usage.c.second_us, start_us, end_us)
         if tenant is not None:
             conditions.append(usage.c.tenant == tenant)
@@ -816,7 +968,10 @@ class Ledger:
         class seen in `step_ranges`), so this reads the per-second usage, not the steps."""
         if bucket not in BUCKET_US:
             raise LedgerError(f"unknown bucket {bucket!r}; choose one of {', '.join(BUCKET_US)}")
-        usage, size = usage_per_second, BUCKET_US[bucket]
+        u, w = usage_per_second, window_tenant_usage  # steps stored one by one, and window aggregates
+        usage = select(u.c.run_id, u.c.tenant, u.c.second_us, u.c.attributed_ns, u.c.num_slices, u.c.num_new_tokens).union_all(
+            select(w.c.run_id, w.c.tenant, w.c.second_us, w.c.attributed_ns, w.c.num_slices, w.c.num_new_tokens)).subquery("usage")
+        size = BUCKET_US[bucket]
         run_class = select(step_ranges.c.run_id, func.min(step_ranges.c.engine_class).label("engine_class")).group_by(step_ranges.c.run_id).subquery()
         conditions = self._range(usage.c.second_us, start_us, end_us)
         if tenant is not None:
@@ -866,10 +1021,11 @@ class Ledger:
         offset: int = 0,
         request_id_prefix: str | None = None,
     ) -> list[RequestUsageRow]:
-        """Attributed time per request, largest first; ``request_id_prefix`` keeps the ids that start with it
-        (matched as a literal: ``%`` and ``_`` in it are not wildcards; SQLite's LIKE ignores ASCII case, so
-        callers that need an exact prefix check the ids returned)."""
-        usage = usage_per_second
+        """Attributed time per request, largest first. A request metered in windows counts in the range its
+        first window starts in. ``request_id_prefix`` keeps the ids that start with it (matched as a literal: ``%``
+        and ``_`` in it are not wildcards; SQLite's LIKE ignores ASCII case, so callers that need an exact prefix
+        check the ids returned)."""
+        usage = _request_usage_rows()
         conditions = self._range(usage.c.second_us, start_us, end_us)
         for column, value in ((usage.c.tenant, tenant), (usage.c.run_id, run_id), (usage.c.request_id, request_id)):
             if value is not None:
@@ -900,7 +1056,7 @@ class Ledger:
 
     def top_tenants(self, n: int, start_us: int | None = None, end_us: int | None = None) -> list[UsageRow]:
         """The ``n`` tenants with the most attributed time, largest first."""
-        usage = usage_per_second
+        usage = _tenant_usage_rows()
         total = func.sum(usage.c.attributed_ns)
         query = (
             select(usage.c.tenant, total, func.sum(usage.c.num_slices), func.sum(usage.c.num_new_tokens))
@@ -920,7 +1076,12 @@ class Ledger:
             .where(and_(True, *self._range(steps.c.timestamp_us, start_us, end_us)))
             .group_by(steps.c.pending)
         )
-        usage = usage_per_second
+        window_query = (
+            select(windows.c.pending, func.coalesce(func.sum(windows.c.num_steps), 0), func.coalesce(func.sum(windows.c.measured_ns), 0))
+            .where(and_(True, *self._range(windows.c.window_start_us // USAGE_RESOLUTION_US * USAGE_RESOLUTION_US, start_us, end_us)))
+            .group_by(windows.c.pending)
+        )
+        usage = _tenant_usage_rows()
         usage_query = select(
             func.coalesce(func.sum(usage.c.num_slices), 0), func.coalesce(func.sum(usage.c.attributed_ns), 0)
         ).where(and_(True, *self._range(usage.c.second_us, start_us, end_us)))
@@ -929,6 +1090,9 @@ class Ledger:
             engine = engine.execution_options(isolation_level="REPEATABLE READ")
         with engine.begin() as conn:
             by_state = {bool(pending): (int(n), int(ns)) for pending, n, ns in conn.execute(step_query)}
+            for pending, n, ns in conn.execute(window_query):
+                have = by_state.get(bool(pending), (0, 0))
+                by_state[bool(pending)] = (have[0] + int(n), have[1] + int(ns))
             n_slices, attributed = conn.execute(usage_query).one()
         (n_steps, measured), (n_pending, pending_ns) = by_state.get(False, (0, 0)), by_state.get(True, (0, 0))
         return Totals(n_steps, measured, int(n_slices), int(attributed), n_pending, pending_ns)

@@ -39,7 +39,7 @@ from llmvisor.service.metrics import DriftSettings, ServiceMetrics
 from llmvisor.service.middleware import RequestGuard
 from llmvisor.service.registry import DEFAULT_REFRESH_S, ModelRegistry
 from llmvisor.service.responses import database_unavailable
-from llmvisor.service.routes import adjustments, keys, models, operations, page, prices, runs, steps, usage
+from llmvisor.service.routes import adjustments, keys, models, operations, page, prices, runs, steps, usage, windows
 
 
 async def validation_error(_request: Request, error: RequestValidationError) -> JSONResponse:
@@ -163,6 +163,6 @@ def create_app(
     app.add_exception_handler(OperationalError, database_error)
     app.add_middleware(RequestGuard, ledger=ledger, metrics=metrics, settings=settings)
     for router in (steps.router, usage.router, adjustments.router, keys.router, models.router, operations.router, runs.router,
-                   prices.router, page.router):
+                   windows.router, prices.router, page.router):
         app.include_router(router)
     return app

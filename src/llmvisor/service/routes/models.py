@@ -38,6 +38,20 @@ def list_models(_principal: AdminKey, ledger: LedgerDep):
     ]
 
 
+@router.get(
+    MODELS_PATH + "/{engine_class}/active",
+    summary="The active model of an engine class, for engines that attribute at the edge (admin)",
+    responses={404: {"description": "the class has no active model (its steps are pending)"}},
+)
+def active_model(engine_class: Annotated[str, Path(max_length=MAX_STRING_CHARS)], _principal: AdminKey, ledger: LedgerDep):
+    check_name("engine_class", engine_class)
+    version = ledger.active_versions().get(engine_class)
+    text = None if version is None else ledger.model_json(engine_class, version)
+    if text is None:
+        raise HTTPException(404, f"engine class {engine_class!r} has no active model")
+    return {"engine_class": engine_class, "version": version, "model": json.loads(text)}
+
+
 @router.post(MODELS_PATH, response_model=ModelVersionOut, status_code=201, summary="Add a model version (admin)")
 async def add_model(body: ModelAdd, _principal: AdminKey, ledger: LedgerDep, registry: RegistryDep):
     check_name("engine_class", body.engine_class)

@@ -1,0 +1,343 @@
+"""Window aggregates: a run instance's steps attributed at the edge and summed per window of step start.
+
+Why: storing every co-batched step centrally does not scale (issue #22); a bill needs per tenant and request
+sums, and the trust checks need the step ids covered. `WindowAggregator` buffers one window's steps and, when
+the window closes, attributes them with the active model of the run's engine class (one cost game:
+`llmvisor.core.attribution.attribute_arrays`, the same call the service's per-step ingest makes) and rounds each
+step's shares to integer nanoseconds with `llmvisor.core.rounding.apportion_ns`, the ledger's own rule. So a
+window's Σ attributed equals its Σ measured to the nanosecond, and a tenant's total over windows equals the
+total per-step ingest would store for the same steps, exactly.
+
+A window whose class has no active model is *pending*: measured time and tokens kept, nothing attributed
+(``attributed_ns`` 0), ``model_version`` None.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from llmvisor.core.attribution import attribute_arrays
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.rounding import apportion_ns
+from llmvisor.errors import LlmvisorError
+
+DEFAULT_WINDOW_S = 1.0
+WINDOW_FORMAT = 1
+MAX_NAME_CHARS = 512
+
+ModelSource = Callable[[], "tuple[StepLatencyModel, int] | None"]
+"""Returns the active (model, registry version) of the run's engine class, or None (the window is pending)."""
+
+
+class WindowError(LlmvisorError):
+    """A window aggregate that cannot be read: the message names the field and the reason."""
+
+
+@dataclass
+class RequestWindow:
+    """One request's part of a window: its attributed share and the measured time of the steps it ran in."""
+
+    request_id: str
+    tenant: str
+    attributed_ns: int
+    measured_ns: int
+    num_new_tokens: int
+    num_steps: int
+    first_timestamp_us: int
+    last_timestamp_us: int
+
+
+@dataclass
+class ResidualStats:
+    """Measured − predicted step time over the window's attributed steps, in seconds: enough for drift
+    (mean, spread, extremes) and to merge windows."""
+
+    count: int = 0
+    sum_s: float = 0.0
+    sum_sq_s2: float = 0.0
+    min_s: float | None = None
+    max_s: float | None = None
+
+
+@dataclass
+class WindowAggregate:
+    """Per run instance and window ``[window_start_us, window_end_us)`` of step start."""
+
+    run_id: str
+    engine_class: str
+    window_start_us: int
+    window_end_us: int
+    model_version: int | None
+    pending: bool
+    num_steps: int
+    measured_ns: int
+    attributed_ns: int
+    step_ranges: list[list[int]]
+    requests: list[RequestWindow]
+    residual: ResidualStats = field(default_factory=ResidualStats)
+    format: int = WINDOW_FORMAT
+
+    def tenant_totals(self) -> dict[str, dict[str, int]]:
+        """Per tenant: attributed and measured ns, slices (a request's steps) and new tokens."""
+        out: dict[str, dict[str, int]] = {}
+        for r in self.requests:
+            t = out.setdefault(r.tenant, {"attributed_ns": 0, "measured_ns": 0, "num_slices": 0, "num_new_tokens": 0})
+            t["attributed_ns"] += r.attributed_ns
+            t["measured_ns"] += r.measured_ns
+            t["num_slices"] += r.num_steps
+            t["num_new_tokens"] += r.num_new_tokens
+        return out
+
+    def step_ids(self) -> np.ndarray:
+        return np.concatenate([np.arange(a, b + 1, dtype=np.int64) for a, b in self.step_ranges]) if self.step_ranges else np.zeros(0, np.int64)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def canonical_bytes(self) -> bytes:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
+
+    def content_sha256(self) -> bytes:
+        """The idempotency digest: an identical re-send has the same one."""
+        return hashlib.sha256(self.canonical_bytes()).digest()
+
+    @classmethod
+    def from_json(cls, data: object, *, where: str = "window") -> WindowAggregate:
+        """Read and check one aggregate; a `WindowError` names the field (``where.field``) and the reason."""
+        if not isinstance(data, dict):
+            raise WindowError(f"{where}: must be an object")
+        r = _Reader(data, where)
+        fmt = r.integer("format", low=1, default=WINDOW_FORMAT)
+        if fmt != WINDOW_FORMAT:
+            raise WindowError(f"{where}.format: unknown window format {fmt}; this llmvisor reads {WINDOW_FORMAT}")
+        start, end = r.integer("window_start_us", low=0), r.integer("window_end_us", low=0)
+        if end <= start:
+            raise WindowError(f"{where}.window_end_us: must be after window_start_us ({end} <= {start})")
+        pending = r.boolean("pending")
+        version = r.integer("model_version", low=1, optional=True)
+        if pending != (version is None):
+            raise WindowError(f"{where}.model_version: a pending window has none, an attributed one has one")
+        ranges = r.ranges("step_ranges")
+        num_steps = r.integer("num_steps", low=1)
+        if sum(b - a + 1 for a, b in ranges) != num_steps:
+            raise WindowError(f"{where}.step_ranges: cover {sum(b - a + 1 for a, b in ranges)} steps, num_steps says {num_steps}")
+        measured, attributed = r.integer("measured_ns", low=0), r.integer("attributed_ns", low=0)
+        requests_raw = r.get("requests", list)
+        if not requests_raw:
+            raise WindowError(f"{where}.requests: must list at least one request")
+        requests = [_request_from_json(item, f"{where}.requests[{k}]") for k, item in enumerate(requests_raw)]
+        keys = [(q.request_id, q.tenant) for q in requests]
+        if len(set(keys)) != len(keys):
+            raise WindowError(f"{where}.requests: a (request_id, tenant) is listed twice")
+        total_attributed = sum(q.attributed_ns for q in requests)
+        if total_attributed != attributed:
+            raise WindowError(f"{where}.attributed_ns: {attributed} but the requests' sum is {total_attributed}")
+        if attributed != (0 if pending else measured):
+            raise WindowError(
+                f"{where}.attributed_ns: must equal measured_ns ({measured}) exactly"
+                + (" (a pending window attributes nothing: 0)" if pending else "")
+            )
+        if any(q.measured_ns > measured for q in requests):
+            raise WindowError(f"{where}.requests: a request's measured_ns exceeds the window's")
+        residual = _residual_from_json(r.get("residual", dict), f"{where}.residual")
+        return cls(
+            run_id=r.name("run_id"), engine_class=r.name("engine_class", allow_empty=True), window_start_us=start, window_end_us=end,
+            model_version=version, pending=pending, num_steps=num_steps, measured_ns=measured, attributed_ns=attributed,
+            step_ranges=ranges, requests=requests, residual=residual, format=fmt,
+        )
+
+
+class _Reader:
+    def __init__(self, data: dict, where: str):
+        self.data, self.where = data, where
+
+    def get(self, name: str, kind: type, *, optional: bool = False, default=None):
+        if name not in self.data or self.data[name] is None:
+            if optional or default is not None:
+                return default
+            raise WindowError(f"{self.where}.{name}: missing")
+        value = self.data[name]
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise WindowError(f"{self.where}.{name}: must be an integer, not {value!r:.60}")
+        if kind is not int and not isinstance(value, kind):
+            raise WindowError(f"{self.where}.{name}: must be {kind.__name__}, not {type(value).__name__}")
+        return value
+
+    def integer(self, name: str, *, low: int, optional: bool = False, default=None) -> int | None:
+        value = self.get(name, int, optional=optional, default=default)
+        if value is not None and not low <= value < 2**63:
+            raise WindowError(f"{self.where}.{name}: {value} is out of range (at least {low}, below 2**63)")
+        return value
+
+    def boolean(self, name: str) -> bool:
+        return self.get(name, bool)
+
+    def name(self, name: str, *, allow_empty: bool = False) -> str:
+        value = self.get(name, str)
+        if (not value and not allow_empty) or len(value) > MAX_NAME_CHARS:
+            raise WindowError(f"{self.where}.{name}: must be 1 to {MAX_NAME_CHARS} characters")
+        return value
+
+    def ranges(self, name: str) -> list[list[int]]:
+        raw = self.get(name, list)
+        out: list[list[int]] = []
+        for k, item in enumerate(raw):
+            if (not isinstance(item, list) or len(item) != 2
+                    or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**63 for v in item) or item[1] < item[0]):
+                raise WindowError(f"{self.where}.{name}[{k}]: must be [first, last] step ids, 0 <= first <= last")
+            if out and item[0] <= out[-1][1] + 1:
+                raise WindowError(f"{self.where}.{name}[{k}]: ranges must be sorted, disjoint and not adjacent")
+            out.append([item[0], item[1]])
+        if not out:
+            raise WindowError(f"{self.where}.{name}: must list at least one range")
+        return out
+
+
+def _request_from_json(data: object, where: str) -> RequestWindow:
+    if not isinstance(data, dict):
+        raise WindowError(f"{where}: must be an object")
+    r = _Reader(data, where)
+    first, last = r.integer("first_timestamp_us", low=0), r.integer("last_timestamp_us", low=0)
+    if last < first:
+        raise WindowError(f"{where}.last_timestamp_us: before first_timestamp_us")
+    return RequestWindow(
+        request_id=r.name("request_id"), tenant=r.name("tenant"), attributed_ns=r.integer("attributed_ns", low=0),
+        measured_ns=r.integer("measured_ns", low=0), num_new_tokens=r.integer("num_new_tokens", low=0),
+        num_steps=r.integer("num_steps", low=1), first_timestamp_us=first, last_timestamp_us=last,
+    )
+
+
+def _residual_from_json(data: dict, where: str) -> ResidualStats:
+    out = ResidualStats(count=_Reader(data, where).integer("count", low=0, default=0))
+    for name in ("sum_s", "sum_sq_s2", "min_s", "max_s"):
+        value = data.get(name)
+        if value is None:
+            if name in ("sum_s", "sum_sq_s2") and out.count:
+                raise WindowError(f"{where}.{name}: missing")
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise WindowError(f"{where}.{name}: must be a finite number")
+        setattr(out, name, float(value))
+    return out
+
+
+class WindowAggregator:
+    """Steps of one run instance in, closed `WindowAggregate` s out.
+
+    ``add`` takes a relayed step (``step_id, timestamp_s, step_latency_s`` and slices ``[request_id, tenant,
+    num_new_tokens, num_context_tokens, is_prefill, num_shared_context_tokens, effective_context_tokens]``) and
+    returns the windows it closed (a step of a later window closes the earlier ones; ``close_due`` closes a window
+    once the clock is past its end by ``grace_s``, for an idle engine; ``close`` closes the last). Step ids at or
+    below the last one added are re-sends and skipped; a step dated before the open window (clocks are not
+    monotonic) is counted in the open window, so no window is sent twice with different content.
+    """
+
+    def __init__(self, run_id: str, engine_class: str, model_source: ModelSource, *, window_s: float = DEFAULT_WINDOW_S,
+                 grace_s: float = 0.5):
+        if not window_s > 0 or not math.isfinite(window_s):
+            raise LlmvisorError(f"window_s: must be a positive number of seconds, not {window_s!r}")
+        self.run_id, self.engine_class, self.model_source = run_id, engine_class, model_source
+        self.window_us = max(int(round(window_s * 1e6)), 1)
+        self.grace_us = int(round(grace_s * 1e6))
+        self.last_step_id: int | None = None
+        self._start_us: int | None = None
+        self._steps: list[tuple[int, int, float, list]] = []
+
+    @property
+    def open_window_start_us(self) -> int | None:
+        return self._start_us
+
+    @property
+    def open_steps(self) -> int:
+        return len(self._steps)
+
+    def first_open_step_id(self) -> int | None:
+        return self._steps[0][0] if self._steps else None
+
+    def add(self, step_id: int, timestamp_s: float, step_latency_s: float, slices: list) -> list[WindowAggregate]:
+        if self.last_step_id is not None and step_id <= self.last_step_id:
+            return []
+        self.last_step_id = step_id
+        timestamp_us = int(round(timestamp_s * 1e6))
+        start_us = timestamp_us // self.window_us * self.window_us
+        closed = []
+        if self._start_us is not None and start_us > self._start_us:
+            closed.append(self._close())
+        if self._start_us is None:
+            self._start_us = start_us
+        self._steps.append((step_id, max(timestamp_us, self._start_us), float(step_latency_s), slices))
+        return closed
+
+    def close_due(self, now_s: float) -> list[WindowAggregate]:
+        if self._start_us is not None and now_s * 1e6 >= self._start_us + self.window_us + self.grace_us:
+            return [self._close()]
+        return []
+
+    def close(self) -> list[WindowAggregate]:
+        return [self._close()] if self._steps else []
+
+    def _close(self) -> WindowAggregate:
+        steps, start_us = self._steps, self._start_us
+        self._steps, self._start_us = [], None
+        return aggregate_window(self.run_id, self.engine_class, start_us, start_us + self.window_us, steps, self.model_source())
+
+
+def aggregate_window(run_id: str, engine_class: str, start_us: int, end_us: int, steps: list[tuple[int, int, float, list]],
+                     model: tuple[StepLatencyModel, int] | None) -> WindowAggregate:
+    """One window of ``(step_id, timestamp_us, step_latency_s, slices)`` attributed with ``model`` (None: pending)."""
+    sizes = np.fromiter((len(s[3]) for s in steps), dtype=np.int64, count=len(steps))
+    offsets = np.concatenate(([0], np.cumsum(sizes)))
+    slices = [x for s in steps for x in s[3]]
+    request = [str(x[0]) for x in slices]
+    tenant = [str(x[1]) for x in slices]
+    new = np.fromiter((x[2] for x in slices), dtype=np.float64, count=len(slices))
+    context = np.fromiter((x[3] for x in slices), dtype=np.float64, count=len(slices))
+    prefill = np.fromiter((bool(x[4]) for x in slices), dtype=bool, count=len(slices))
+    effective = None
+    if slices and all(len(x) > 6 and x[6] is not None for x in slices):
+        effective = np.fromiter((x[6] for x in slices), dtype=np.float64, count=len(slices))
+    latency_s = np.fromiter((s[2] for s in steps), dtype=np.float64, count=len(steps))
+    timestamp_us = np.fromiter((s[1] for s in steps), dtype=np.int64, count=len(steps))
+    measured_ns = np.rint(latency_s * 1e9).astype(np.int64)
+    residual = ResidualStats()
+    if model is None:
+        attributed_ns = np.zeros(len(slices), dtype=np.int64)
+    else:
+        attribution = attribute_arrays(model[0], new, context, prefill, offsets, latency_s, effective_context_tokens=effective)
+        attributed_ns = apportion_ns(attribution.share_s, offsets, measured_ns)
+        r = latency_s - attribution.predicted_step_s
+        residual = ResidualStats(int(r.size), float(r.sum()), float((r * r).sum()), float(r.min()), float(r.max()))
+    slice_measured = np.repeat(measured_ns, sizes)
+    slice_ts = np.repeat(timestamp_us, sizes)
+    by_request: dict[tuple[str, str], list[int]] = {}
+    for k, key in enumerate(zip(request, tenant)):
+        acc = by_request.get(key)
+        if acc is None:
+            by_request[key] = [int(attributed_ns[k]), int(slice_measured[k]), int(new[k]), 1, int(slice_ts[k]), int(slice_ts[k])]
+        else:
+            acc[0] += int(attributed_ns[k])
+            acc[1] += int(slice_measured[k])
+            acc[2] += int(new[k])
+            acc[3] += 1
+            acc[5] = int(slice_ts[k])
+    step_ids = [s[0] for s in steps]
+    ranges: list[list[int]] = []
+    for step_id in step_ids:
+        if ranges and step_id == ranges[-1][1] + 1:
+            ranges[-1][1] = step_id
+        else:
+            ranges.append([step_id, step_id])
+    total_measured = int(measured_ns.sum())
+    return WindowAggregate(
+        run_id=run_id, engine_class=engine_class, window_start_us=start_us, window_end_us=end_us,
+        model_version=None if model is None else int(model[1]), pending=model is None, num_steps=len(steps),
+        measured_ns=total_measured, attributed_ns=0 if model is None else int(attributed_ns.sum()), step_ranges=ranges,
+        requests=[RequestWindow(q, t, *acc[:4], acc[4], max(acc[4], acc[5])) for (q, t), acc in sorted(by_request.items())],
+        residual=residual,
+    )

@@ -1,0 +1,98 @@
+"""``POST /v1/windows``: window aggregates attributed at the edge (`llmvisor.metering`), stored per tenant and
+request rather than per step."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from sqlalchemy.exc import DBAPIError
+
+from llmvisor.ledger import Ledger, WindowConflictError
+from llmvisor.metering import WindowAggregate, WindowError
+from llmvisor.service.config import ServiceSettings
+from llmvisor.service.deps import IngestKey, LedgerDep, MetricsDep, SettingsDep
+from llmvisor.service.gaps import GapMonitor
+from llmvisor.service.responses import database_unavailable, error
+from llmvisor.service.routes.steps import MAX_CONFLICTS_LISTED, is_database_outage
+
+WINDOWS_PATH = "/v1/windows"
+
+router = APIRouter(tags=["windows"])
+log = logging.getLogger("llmvisor.service")
+
+
+class WindowIngestResponse(BaseModel):
+    windows_received: int
+    windows_inserted: int
+    windows_duplicate: int
+    steps_covered: int
+    attributed_ns: int
+
+
+def read_windows(body: bytes, *, max_windows: int) -> list[WindowAggregate]:
+    """The body's aggregates, checked; a `WindowError` names the window and field."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as bad:
+        raise WindowError(f"request body: not JSON ({bad})") from None
+    items = data.get("windows") if isinstance(data, dict) else None
+    if not isinstance(items, list):
+        raise WindowError('request body: must be {"windows": [...]}')
+    if len(items) > max_windows:
+        raise WindowError(f"request body: {len(items)} windows, at most {max_windows} per request")
+    return [WindowAggregate.from_json(item, where=f"windows[{k}]") for k, item in enumerate(items)]
+
+
+def ingest_windows(body: bytes, *, ledger: Ledger, settings: ServiceSettings, gaps: GapMonitor | None) -> WindowIngestResponse:
+    aggregates = read_windows(body, max_windows=settings.max_steps_per_request)
+    for k, w in enumerate(aggregates):
+        if not w.pending and ledger.model_json(w.engine_class, w.model_version) is None:
+            raise WindowError(f"windows[{k}].model_version: no version {w.model_version} of engine class {w.engine_class!r} is registered")
+    outcome = ledger.ingest_windows(aggregates)
+    if gaps is not None and outcome.inserted:
+        try:
+            gaps.observe_runs(sorted({w.run_id for w in aggregates}))
+        except DBAPIError:
+            log.warning("llmvisor: cannot read the gaps of the runs just stored; the periodic check will", exc_info=True)
+    return WindowIngestResponse(
+        windows_received=len(aggregates), windows_inserted=outcome.inserted, windows_duplicate=outcome.duplicate,
+        steps_covered=sum(w.num_steps for w in aggregates), attributed_ns=sum(w.attributed_ns for w in aggregates),
+    )
+
+
+@router.post(
+    WINDOWS_PATH,
+    response_model=WindowIngestResponse,
+    summary="Ingest window aggregates attributed at the edge",
+    description=(
+        'JSON {"windows": [...]}, each a `WindowAggregate` (per run instance and window: per (tenant, request) attributed '
+        "and measured nanoseconds, tokens, steps, the step-id ranges covered, residual statistics, the model version). "
+        "Idempotent on (run_id, window_start_us): an identical re-send is a duplicate; a different one is a 409 naming "
+        "the windows; the batch is stored whole or not at all."
+    ),
+    responses={409: {"description": "a window was stored before with different content"},
+               422: {"description": "a window breaks the format (the message names the field)"},
+               503: {"description": "database unavailable; retry"}},
+)
+async def post_windows(request: Request, _principal: IngestKey, ledger: LedgerDep, metrics: MetricsDep, settings: SettingsDep):
+    try:
+        body = await request.body()
+        async with request.app.state.ingest_slots:
+            return await run_in_threadpool(ingest_windows, body, ledger=ledger, settings=settings, gaps=request.app.state.gaps)
+    except WindowError as bad:
+        metrics.count_ingest_error("bad_shape")
+        return error(422, str(bad))
+    except WindowConflictError as conflict:
+        metrics.count_ingest_error("conflict")
+        listed = [{"run_id": r, "window_start_us": s} for r, s in conflict.conflicts[:MAX_CONFLICTS_LISTED]]
+        return JSONResponse(status_code=409, content={"detail": str(conflict), "conflicting_windows": listed})
+    except DBAPIError as database_error:
+        if not is_database_outage(database_error):
+            raise
+        metrics.count_ingest_error("database")
+        return database_unavailable()

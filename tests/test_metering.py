@@ -1,0 +1,148 @@
+"""Window aggregates at the edge: exact to the nanosecond, equal to per-step ingest, read back with named errors."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from _service_fixtures import model_path  # noqa: F401
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.metering import WindowAggregate, WindowAggregator, WindowError
+from llmvisor.service.ingest import prepare_batch, validate_trace
+
+T0_S = 1_750_000_000.0
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    return StepLatencyModel.from_json(model_path)
+
+
+slice_strategy = st.tuples(
+    st.integers(0, 12),  # request
+    st.integers(0, 3),  # tenant
+    st.booleans(),  # prefill
+    st.integers(1, 400),  # new tokens of a prefill
+    st.integers(0, 3000),  # context
+)
+step_strategy = st.tuples(
+    st.floats(0.0, 0.7, allow_nan=False),  # gap to the previous step's start, s
+    st.floats(1e-5, 0.3, allow_nan=False),  # latency, s
+    st.integers(0, 2),  # step ids skipped before this one (gaps)
+    st.lists(slice_strategy, min_size=1, max_size=12, unique_by=lambda s: s[0]),
+)
+
+
+def build(steps):
+    """Relayed steps ``[step_id, timestamp_s, latency_s, slices]`` and the same steps as POST /v1/steps groups."""
+    relayed, groups = [], []
+    t, step_id = T0_S, -1
+    for gap_s, latency_s, skipped, slices in steps:
+        t += gap_s
+        step_id += 1 + skipped
+        rows, out = [], []
+        for request, tenant, prefill, new, context in slices:
+            new = new if prefill else 1
+            out.append([f"req-{request}", f"tenant-{tenant}", new, context, prefill, 0, None])
+            rows.append({"run_id": "run-a", "step_id": step_id, "step_latency_s": latency_s, "request_id": f"req-{request}",
+                         "tenant": f"tenant-{tenant}", "num_new_tokens": new, "num_context_tokens": context,
+                         "phase": "prefill" if prefill else "decode", "timestamp_s": t})
+        relayed.append([step_id, t, latency_s, out])
+        groups.append(rows)
+    return relayed, groups
+
+
+def aggregate(model, relayed, window_s=1.0, version=3):
+    agg = WindowAggregator("run-a", "class-x", lambda: None if model is None else (model, version), window_s=window_s)
+    windows = []
+    for step in relayed:
+        windows += agg.add(*step)
+    return windows + agg.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(step_strategy, min_size=1, max_size=60), st.sampled_from([0.25, 1.0, 2.0]))
+def test_windows_reconcile_and_equal_per_step_attribution(model, steps, window_s):
+    relayed, groups = build(steps)
+    windows = aggregate(model, relayed, window_s)
+    records = prepare_batch(model, validate_trace(groups), received_at_us=0).records
+    # every window: Σ attributed = Σ measured to the nanosecond, and it survives its JSON form
+    for w in windows:
+        assert w.attributed_ns == w.measured_ns == sum(q.attributed_ns for q in w.requests)
+        assert WindowAggregate.from_json(json.loads(json.dumps(w.to_json()))) == w
+    # the step ids covered, gaps included, are the steps sent
+    covered = np.concatenate([w.step_ids() for w in windows])
+    assert covered.tolist() == [s[0] for s in relayed]
+    assert sum(w.num_steps for w in windows) == len(relayed)
+    # tenant and request totals equal what per-step ingest stores, exactly
+    per_step_tenant, per_step_request = defaultdict(int), defaultdict(int)
+    for tenant, request, ns in zip(records.tenant.tolist(), records.request_id.tolist(), records.attributed_ns.tolist()):
+        per_step_tenant[tenant] += ns
+        per_step_request[request] += ns
+    window_tenant, window_request = defaultdict(int), defaultdict(int)
+    for w in windows:
+        for tenant, totals in w.tenant_totals().items():
+            window_tenant[tenant] += totals["attributed_ns"]
+        for q in w.requests:
+            window_request[q.request_id] += q.attributed_ns
+    assert dict(window_tenant) == dict(per_step_tenant)
+    assert dict(window_request) == dict(per_step_request)
+    assert sum(w.measured_ns for w in windows) == int(records.measured_ns.sum())
+    # with 1 s windows, a tenant's window equals its per-second usage
+    if window_s == 1.0:
+        per_second = defaultdict(int)
+        for tenant, ts, ns in zip(records.tenant.tolist(), np.repeat(records.timestamp_us, np.diff(records.step_offsets)).tolist(),
+                                  records.attributed_ns.tolist()):
+            per_second[tenant, ts // 1_000_000 * 1_000_000] += ns
+        by_window = defaultdict(int)
+        for w in windows:
+            for tenant, totals in w.tenant_totals().items():
+                by_window[tenant, w.window_start_us] += totals["attributed_ns"]
+        assert {k: v for k, v in by_window.items() if v} == {k: v for k, v in per_second.items() if v}
+
+
+def test_pending_windows_keep_measured_time_and_attribute_nothing(model):
+    relayed, _ = build([(0.1, 0.05, 0, [(0, 0, True, 100, 0), (1, 1, False, 1, 50)])] * 30)
+    windows = aggregate(None, relayed)
+    assert windows and all(w.pending and w.model_version is None and w.attributed_ns == 0 for w in windows)
+    assert sum(w.measured_ns for w in windows) == 30 * 50_000_000
+    assert WindowAggregate.from_json(windows[0].to_json()) == windows[0]
+
+
+def test_resent_steps_are_skipped_and_windows_close_when_due(model):
+    relayed, _ = build([(0.3, 0.01, 0, [(0, 0, False, 1, 10)])] * 5)
+    agg = WindowAggregator("run-a", "class-x", lambda: (model, 1))
+    out = []
+    for step in relayed + relayed[:3]:
+        out += agg.add(*step)
+    assert agg.close_due(relayed[-1][1]) == []
+    out += agg.close_due(relayed[-1][1] + 2.0)
+    assert agg.open_steps == 0
+    assert sum(w.num_steps for w in out) == 5
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda d: d.pop("run_id"), "window.run_id: missing"),
+        (lambda d: d.update(attributed_ns=d["attributed_ns"] + 1), "window.attributed_ns"),
+        (lambda d: d["requests"][0].update(attributed_ns=-1), "window.requests[0].attributed_ns"),
+        (lambda d: d.update(step_ranges=[[5, 3]]), "window.step_ranges[0]"),
+        (lambda d: d.update(num_steps=999), "window.step_ranges"),
+        (lambda d: d.update(window_end_us=d["window_start_us"]), "window.window_end_us"),
+        (lambda d: d.update(model_version=None), "window.model_version"),
+        (lambda d: d["residual"].update(sum_s="x"), "window.residual.sum_s"),
+        (lambda d: d["requests"][0].update(tenant=7), "window.requests[0].tenant"),
+    ],
+)
+def test_bad_windows_name_the_field(model, change, field):
+    relayed, _ = build([(0.1, 0.05, 0, [(0, 0, True, 100, 0), (1, 1, False, 1, 50)])] * 4)
+    data = aggregate(model, relayed)[0].to_json()
+    change(data)
+    with pytest.raises(WindowError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        WindowAggregate.from_json(data)

@@ -1,0 +1,118 @@
+"""POST /v1/windows over real databases: usage equal to per-step ingest of the same steps, idempotent re-sends,
+409 on different content, named errors, gaps from the windows' step ranges; and the 4 → 5 migration."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from _service_fixtures import T0_S, bearer, class_model, db_url, make_steps, model_path  # noqa: F401
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.ledger import Ledger
+from llmvisor.metering import WindowAggregator
+from llmvisor.service.app import create_app
+
+CLASS_W = "cccccccccccccccc"
+
+
+@pytest.fixture
+def admin(db_url):
+    ledger = Ledger(db_url)
+    key = ledger.create_key(is_admin=True)
+    ledger.close()
+    return key
+
+
+@pytest.fixture
+def client(model_path, db_url, admin):
+    with TestClient(create_app(model_path, db_url)) as test_client:
+        added = test_client.post("/v1/models", headers=bearer(admin),
+                                 json={"model": class_model(CLASS_W).to_dict(), "engine_class": CLASS_W, "activate": True})
+        assert added.status_code == 201, added.text
+        yield test_client
+
+
+def steps_of(run_id: str, n_steps: int = 60, *, skip: tuple[int, ...] = ()):
+    groups = [g for g in make_steps(run_id, n_steps, step_interval_s=0.27, seed=3) if g[0]["step_id"] not in skip]
+    for group in groups:
+        for row in group:
+            row["engine_fingerprint"] = CLASS_W
+    return groups
+
+
+def relayed(groups):
+    return [[g[0]["step_id"], g[0]["timestamp_s"], g[0]["step_latency_s"],
+             [[r["request_id"], r["tenant"], r["num_new_tokens"], r["num_context_tokens"], r["phase"] == "prefill", 0, None] for r in g]]
+            for g in groups]
+
+
+def windows_of(client, admin, run_id, groups):
+    active = client.get(f"/v1/models/{CLASS_W}/active", headers=bearer(admin))
+    assert active.status_code == 200, active.text
+    model = StepLatencyModel.from_dict(active.json()["model"])
+    version = active.json()["version"]
+    agg = WindowAggregator(run_id, CLASS_W, lambda: (model, version))
+    out = []
+    for step in relayed(groups):
+        out += agg.add(*step)
+    return [w.to_json() for w in out + agg.close()]
+
+
+def tenants(client, admin):
+    body = client.get("/v1/usage/tenants", headers=bearer(admin)).json()
+    return {t["tenant"]: t["attributed_ns"] for t in body["tenants"]}
+
+
+def test_windows_bill_what_per_step_ingest_bills(client, admin):
+    steps = steps_of("run-s")
+    assert client.post("/v1/steps", headers=bearer(admin), json={"steps": steps}).status_code == 200
+    per_step = tenants(client, admin)
+    totals_steps = client.get("/v1/usage/totals", headers=bearer(admin)).json()
+    windows = windows_of(client, admin, "run-w", steps_of("run-w"))
+    answer = client.post("/v1/windows", headers=bearer(admin), json={"windows": windows})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["windows_inserted"] == len(windows) and answer.json()["steps_covered"] == 60
+    # the same steps metered in windows add exactly what per-step ingest added, tenant by tenant
+    assert tenants(client, admin) == {t: 2 * ns for t, ns in per_step.items()}
+    totals = client.get("/v1/usage/totals", headers=bearer(admin)).json()
+    assert totals["num_steps"] == 2 * totals_steps["num_steps"] and totals["num_slices"] == 2 * totals_steps["num_slices"]
+    assert totals["measured_ns"] == 2 * totals_steps["measured_ns"] == totals["attributed_ns"]
+    # request totals: one row per request, equal to the per-step sums
+    by_run = {}
+    for run in ("run-s", "run-w"):
+        rows = client.get("/v1/usage/requests", headers=bearer(admin), params={"run_id": run}).json()["requests"]
+        by_run[run] = {(r["request_id"], r["tenant"]): r["attributed_ns"] for r in rows}
+    assert by_run["run-s"] == by_run["run-w"] and by_run["run-s"]
+
+
+def test_resends_are_duplicates_and_different_content_is_409(client, admin):
+    windows = windows_of(client, admin, "run-w", steps_of("run-w"))
+    assert client.post("/v1/windows", headers=bearer(admin), json={"windows": windows}).status_code == 200
+    before = tenants(client, admin)
+    again = client.post("/v1/windows", headers=bearer(admin), json={"windows": windows})
+    assert again.status_code == 200 and again.json()["windows_duplicate"] == len(windows) and again.json()["windows_inserted"] == 0
+    changed = dict(windows[1], measured_ns=windows[1]["measured_ns"] + 1, attributed_ns=windows[1]["attributed_ns"] + 1)
+    changed["requests"] = [dict(q) for q in windows[1]["requests"]]
+    changed["requests"][0]["attributed_ns"] += 1
+    conflict = client.post("/v1/windows", headers=bearer(admin), json={"windows": [changed]})
+    assert conflict.status_code == 409, conflict.text
+    assert conflict.json()["conflicting_windows"] == [{"run_id": "run-w", "window_start_us": windows[1]["window_start_us"]}]
+    assert tenants(client, admin) == before
+
+
+def test_bad_windows_are_422_naming_the_field_and_store_nothing(client, admin):
+    windows = windows_of(client, admin, "run-w", steps_of("run-w"))
+    bad = dict(windows[0], step_ranges="x")
+    answer = client.post("/v1/windows", headers=bearer(admin), json={"windows": [windows[1], bad]})
+    assert answer.status_code == 422 and "windows[1].step_ranges" in answer.json()["detail"]
+    unknown = dict(windows[0], model_version=9)
+    answer = client.post("/v1/windows", headers=bearer(admin), json={"windows": [unknown]})
+    assert answer.status_code == 422 and "windows[0].model_version" in answer.json()["detail"]
+    assert tenants(client, admin) == {}
+
+
+def test_gaps_show_from_window_step_ranges(client, admin):
+    windows = windows_of(client, admin, "run-w", steps_of("run-w", skip=(7, 8, 30)))
+    assert client.post("/v1/windows", headers=bearer(admin), json={"windows": windows}).status_code == 200
+    gaps = client.get("/v1/runs/run-w/gaps", headers=bearer(admin)).json()
+    assert [(g["first_step_id"], g["last_step_id"]) for g in gaps["gaps"]] == [(7, 8), (30, 30)]
