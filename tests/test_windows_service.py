@@ -116,3 +116,24 @@ def test_gaps_show_from_window_step_ranges(client, admin):
     assert client.post("/v1/windows", headers=bearer(admin), json={"windows": windows}).status_code == 200
     gaps = client.get("/v1/runs/run-w/gaps", headers=bearer(admin)).json()
     assert [(g["first_step_id"], g["last_step_id"]) for g in gaps["gaps"]] == [(7, 8), (30, 30)]
+
+
+def test_exported_charges_count_window_usage_like_per_step_usage(client, admin, db_url):
+    from llmvisor.billing.charges import usage_charges
+
+    def by_key():
+        ledger = Ledger(db_url)
+        try:
+            start_us = int(T0_S // 3600 * 3600 * 1_000_000)
+            return {(c.engine_class, c.model_version, c.tenant): c.attributed_ns
+                    for c in usage_charges(ledger, start_us, start_us + 2 * 3600 * 1_000_000)}
+        finally:
+            ledger.close()
+
+    assert client.post("/v1/steps", headers=bearer(admin), json={"steps": steps_of("run-s")}).status_code == 200
+    per_step = by_key()
+    assert per_step and all(version == 1 for _, version, _ in per_step)
+    answer = client.post("/v1/windows", headers=bearer(admin), json={"windows": windows_of(client, admin, "run-w", steps_of("run-w"))})
+    assert answer.status_code == 200, answer.text
+    # the same steps metered in windows are charged under the same class and version, the same nanoseconds again
+    assert by_key() == {key: 2 * ns for key, ns in per_step.items()}

@@ -1,9 +1,11 @@
 """Charges: a tenant's engine time per engine class, model version and hour, with its cost at the price in force,
 and adjustments as charges of their own. What every export format writes, so all formats sum alike.
 
-Usage is kept per request per second (``usage_per_second``); the engine class and model version of a run's second
-come from its steps. Should one second of a run have steps billed by two model versions (an activation inside
-that second), its usage is charged under the higher version; the time is the same either way.
+Usage stored step by step is kept per request per second (``usage_per_second``); the engine class and model version
+of a run's second come from its steps. Should one second of a run have steps billed by two model versions (an
+activation inside that second), its usage is charged under the higher version; the time is the same either way.
+Usage metered in window aggregates (``window_tenant_usage``) takes the class and version its window recorded, and is
+charged in the hour its window starts in; pending windows (nothing attributed yet) are not charged.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from sqlalchemy import and_, func, select
 from llmvisor.billing.prices import US_PER_HOUR, Price, PriceBook, PriceError, cost_of
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
-from llmvisor.ledger.schema import steps, usage_per_second
+from llmvisor.ledger.schema import steps, usage_per_second, window_tenant_usage, windows
 
 ID_NAMESPACE = uuid.UUID("5b0e7a52-3c1d-4e2a-9f47-6c6c6d766973")
 """Namespace of the idempotency ids (uuid5): fixed, so the same charge gets the same id on every export."""
@@ -87,8 +89,22 @@ def usage_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str]
         .group_by(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant)
         .order_by(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant)
     )
-    with ledger.read_transaction() as conn:
-        rows = [(int(h), c, int(v), t, int(ns), int(tok)) for h, c, v, t, ns, tok in conn.execute(query)]
+    w, win = window_tenant_usage, windows
+    window_hour = ((w.c.second_us // US_PER_HOUR) * US_PER_HOUR).label("hour_us")
+    window_version = func.coalesce(win.c.model_version, DEFAULT_MODEL_VERSION)
+    window_query = (
+        select(window_hour, win.c.engine_class, window_version, w.c.tenant, func.sum(w.c.attributed_ns), func.sum(w.c.num_new_tokens))
+        .join(win, and_(win.c.run_id == w.c.run_id, win.c.window_start_us == w.c.window_start_us))
+        .where(and_(w.c.second_us >= start_us, w.c.second_us < end_us, win.c.pending.is_(False)))
+        .group_by(window_hour, win.c.engine_class, window_version, w.c.tenant)
+    )
+    summed: dict[tuple[int, str, int, str], list[int]] = {}
+    with ledger.read_transaction() as conn:  # one snapshot: per-step and window usage read together
+        for h, c, v, t, ns, tok in [*conn.execute(query), *conn.execute(window_query)]:
+            total = summed.setdefault((int(h), c, int(v), t), [0, 0])
+            total[0] += int(ns)
+            total[1] += int(tok)
+    rows = [(h, c, v, t, ns, tok) for (h, c, v, t), (ns, tok) in sorted(summed.items())]
     groups: dict[tuple[int, str], list[int]] = {}
     for k, (h, c, _v, _t, _ns, _tok) in enumerate(rows):
         groups.setdefault((h, c), []).append(k)
