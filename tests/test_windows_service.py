@@ -137,3 +137,15 @@ def test_exported_charges_count_window_usage_like_per_step_usage(client, admin, 
     assert answer.status_code == 200, answer.text
     # the same steps metered in windows are charged under the same class and version, the same nanoseconds again
     assert by_key() == {key: 2 * ns for key, ns in per_step.items()}
+
+
+def test_the_model_versions_that_billed_a_tenant_include_those_of_its_windows(client, admin, db_url):
+    answer = client.post("/v1/windows", headers=bearer(admin), json={"windows": windows_of(client, admin, "run-w", steps_of("run-w"))})
+    assert answer.status_code == 200, answer.text
+    ledger = Ledger(db_url)
+    try:
+        tenant = ledger.request_usage(limit=1)[0].tenant
+        assert ledger.billing_versions(tenant=tenant) == [(CLASS_W, 1)]
+        assert ledger.billing_versions(tenant="nobody") == []
+    finally:
+        ledger.close()

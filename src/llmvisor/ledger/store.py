@@ -1007,8 +1007,19 @@ class Ledger:
             .distinct()
             .order_by(steps.c.engine_class, steps.c.model_version)
         )
+        w, win = window_tenant_usage, windows
+        window_conditions = self._range(w.c.second_us, start_us, end_us)
+        if tenant is not None:
+            window_conditions.append(w.c.tenant == tenant)
+        window_query = (  # metered in windows: the versions of the windows the tenant had usage in
+            select(win.c.engine_class, win.c.model_version)
+            .join(w, and_(w.c.run_id == win.c.run_id, w.c.window_start_us == win.c.window_start_us))
+            .where(and_(win.c.pending.is_(False), *window_conditions))
+            .distinct()
+        )
         with self._read() as conn:
-            return [(str(r[0]), None if r[1] is None else int(r[1])) for r in conn.execute(query).all()]
+            found = {(str(r[0]), None if r[1] is None else int(r[1])) for r in [*conn.execute(query).all(), *conn.execute(window_query).all()]}
+        return sorted(found, key=lambda cv: (cv[0], -1 if cv[1] is None else cv[1]))
 
     def request_usage(
         self,
