@@ -26,9 +26,6 @@ LEFTOVER_GRACE_S = float(os.environ.get("LLMVISOR_TEST_LEFTOVER_GRACE_S", "30"))
 os.environ[SESSION_ENV] = uuid.uuid4().hex
 # The experiments' own engine start-up waits (llmvisor.engines.vllm.fleet.start_timeout_s) get the suite's limit.
 os.environ.setdefault("LLMVISOR_ENGINE_START_TIMEOUT_S", str(START_TIMEOUT_S))
-# The recorder's delivery sends window aggregates by default; the suite's delivery tests check stored steps, so
-# they run in the per-step audit mode unless a test asks for windows (LLMVISOR_STORE_STEPS=0).
-os.environ.setdefault("LLMVISOR_STORE_STEPS", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -14,13 +14,13 @@ from sqlalchemy import create_engine, text
 
 from _service_fixtures import T0_S, bearer, class_body, class_model, db_url, make_steps, model_path  # noqa: F401
 from llmvisor.archive import ArchiveWriter
-from llmvisor.archive.audit import audit_tenant
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import DEFAULT_COEF_S, synthetic_trace
 from llmvisor.core.trace import SHARING_COLUMNS
 from llmvisor.ledger import Ledger
 from llmvisor.service.adjust import adjust_period
 from llmvisor.service.app import create_app
+from llmvisor.service.audit import audit_tenant
 
 CLASS_A = "aaaaaaaaaaaaaaaa"
 PERIOD = (int(T0_S), int(T0_S) + 60)

@@ -441,7 +441,7 @@ def test_a_boundary_search_with_nothing_to_score_falls_back_to_none_with_a_reaso
     model = StepLatencyModel().fit(trace)
     search = model.fit_info_["boundary_search"]
     assert model.boundary_ is None and search["chosen"] == "none" and search["n_folds"] == 0
-    assert "1 time_block group" in search["reason"]
+    assert "1 time-block group" in search["reason"]
     model.to_json(tmp_path / "m.json")
     loaded = StepLatencyModel.from_json(tmp_path / "m.json")
     assert loaded.boundary_ is None and loaded.fit_info_["boundary_search"]["reason"] == search["reason"]

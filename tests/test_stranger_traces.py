@@ -133,12 +133,12 @@ def test_fit_on_two_runs_of_300_and_472_steps_succeeds(tmp_path, suffix):
 
 
 def test_fit_states_why_the_boundary_is_none_when_nothing_can_be_scored(tmp_path):
-    """A run of identical decode steps is one composition group: no fold to score on, so the boundary is none and
-    `fit` says why."""
+    """A run of identical decode steps is one time-block group (a single run's folds are time blocks, identical
+    compositions joined): no fold to score on, so the boundary is none and `fit` says why."""
     generated = build_generated_trace(two_runs(lengths=(80,), max_batch_size=1, phases="decode", token_scale="tiny", seed=1))
     generated.trace.num_context_tokens[:] = 3
     path = generated.write(tmp_path / "trace")
     code, _, err = invoke("fit", path, "-o", tmp_path / "model.json")
     assert code == 0
-    assert "boundary: none (no boundary could be cross-validated: the 80 training step(s) form 1 composition group(s)" in err
+    assert "boundary: none (no boundary could be cross-validated: the 80 training step(s) form 1 time-block group(s)" in err
     assert "reason" in json.loads((tmp_path / "model.json").read_text())["fit_info"]["boundary_search"]

@@ -730,8 +730,8 @@ class StepDelivery:
 
     @classmethod
     def from_env(cls, header: dict, *, trace_from: int | None = None) -> StepDelivery:
-        """Window aggregates to the service (default), or every step with ``LLMVISOR_STORE_STEPS=1``; neither
-        without ``LLMVISOR_SERVICE_URL``."""
+        """Every step to the service (default, ``LLMVISOR_STORE_STEPS=1``), or window aggregates with
+        ``LLMVISOR_STORE_STEPS=0``; neither without ``LLMVISOR_SERVICE_URL``."""
         if store_steps_from_env():
             return cls(header, StepPusher.from_env(), trace_from=trace_from)
         pusher = WindowPusher.from_env()
@@ -1158,9 +1158,11 @@ def _main(argv: list[str]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Window aggregates (issue #22): the delivery process attributes the steps with its class's active model and
-# sends one aggregate per window (`llmvisor.metering`) instead of every step; ``LLMVISOR_STORE_STEPS=1`` sends
-# every step as before (audit mode, small deployments).
+# Window aggregates (issue #22): with ``LLMVISOR_STORE_STEPS=0`` the delivery process attributes the steps with its
+# class's active model and sends one aggregate per window (`llmvisor.metering`) instead of every step. Not yet the
+# default: a class without an active model sends pending windows that nothing attributes later, and the service's
+# own default or fallback model (`serve --model`, `--fallback-model`) plays no part at the edge, so such a
+# deployment would bill 0 ns where per-step ingest bills with those models.
 
 ENV_STORE_STEPS = "LLMVISOR_STORE_STEPS"
 ENV_WINDOW_S = "LLMVISOR_WINDOW_S"
@@ -1169,8 +1171,8 @@ WINDOWS_PATH = "/v1/windows"
 
 
 def store_steps_from_env() -> bool:
-    """Audit mode: every step to the service (``LLMVISOR_STORE_STEPS=1``); default: window aggregates."""
-    value = os.environ.get(ENV_STORE_STEPS, "0").strip().lower()
+    """Every step to the service (``LLMVISOR_STORE_STEPS=1``, the default); ``0``: window aggregates."""
+    value = os.environ.get(ENV_STORE_STEPS, "1").strip().lower()
     if value not in ("0", "1", "true", "false", "yes", "no", ""):
         raise ValueError(f"{ENV_STORE_STEPS}={value!r}: give 1 or 0")
     return value in ("1", "true", "yes")

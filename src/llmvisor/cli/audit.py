@@ -53,9 +53,9 @@ def audit(
 ) -> None:
     """Re-attribute a tenant's period from the archived raw steps with the model versions the ledger billed them
     with, and check it against the ledger's bill (equal to the nanosecond, or exit 1). Adjustments are shown."""
-    from llmvisor.archive.audit import audit_tenant
     from llmvisor.core.model import StepLatencyModel
     from llmvisor.ledger import Ledger
+    from llmvisor.service.audit import audit_tenant
 
     start_us, end_us = _whole_second_us("--start", start), _whole_second_us("--end", end)
     _check_db(db)

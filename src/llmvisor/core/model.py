@@ -471,7 +471,7 @@ class StepLatencyModel:
         }
         if not folds:
             reason = (
-                f"no boundary could be cross-validated: the {y.size} training step(s) form {n_groups} {grouping} group(s) "
+                f"no boundary could be cross-validated: the {y.size} training step(s) form {n_groups} {grouping.replace('_', '-')} group(s) "
                 "and a fold needs another group to train on"
             )
             return {"chosen": None, "report": {**report, "candidates": {}, "chosen": "none", "reason": reason}}
