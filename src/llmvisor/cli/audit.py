@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
@@ -11,6 +10,7 @@ from rich.table import Table
 
 from llmvisor import shipped
 from llmvisor.cli.console import print_table, stderr, stdout
+from llmvisor.cli.params import period_bound_us
 from llmvisor.cli.serve import DEFAULT_DB_URL, DbOption, JsonOption, echo_json
 from llmvisor.errors import LlmvisorError
 
@@ -18,20 +18,6 @@ from llmvisor.errors import LlmvisorError
 def _seconds(ns: int) -> str:
     return f"{ns / 1e9:.9f}"
 
-
-def _whole_second_us(option: str, value: str) -> int:
-    """An ISO 8601 time (naive means UTC) or Unix seconds, as µs; the ledger keeps usage per second."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            moment = datetime.fromisoformat(value.strip())
-        except ValueError:
-            raise LlmvisorError(f"{option}: expected an ISO 8601 time or Unix seconds, got {value!r}") from None
-        seconds = (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
-    if not seconds >= 0 or seconds != int(seconds):
-        raise LlmvisorError(f"{option}: {value!r} is not a whole second at or after 1970 (usage is kept per second)")
-    return int(seconds) * 1_000_000
 
 
 def _check_db(db: str) -> None:
@@ -57,7 +43,7 @@ def audit(
     from llmvisor.ledger import Ledger
     from llmvisor.service.audit import audit_tenant
 
-    start_us, end_us = _whole_second_us("--start", start), _whole_second_us("--end", end)
+    start_us, end_us = period_bound_us("--start", start), period_bound_us("--end", end)
     _check_db(db)
     default_model = StepLatencyModel.from_json(model or shipped.latency_model_path())
     ledger = Ledger(db)

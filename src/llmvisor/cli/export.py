@@ -3,29 +3,14 @@
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from llmvisor.cli.params import WHOLE_HOUR, period_bound_us
 from llmvisor.cli.serve import DEFAULT_DB_URL, DbOption, JsonOption, echo_json
 from llmvisor.errors import LlmvisorError
-
-
-def _hour_us(option: str, value: str) -> int:
-    """An ISO 8601 time (naive means UTC) or Unix seconds on a whole UTC hour, as µs."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            moment = datetime.fromisoformat(value.strip())
-        except ValueError:
-            raise LlmvisorError(f"{option}: expected an ISO 8601 time or Unix seconds, got {value!r}") from None
-        seconds = (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
-    if not seconds >= 0 or seconds % 3600:
-        raise LlmvisorError(f"{option}: {value!r} is not a whole UTC hour (charges are hourly)")
-    return int(seconds) * 1_000_000
 
 
 def export(
@@ -61,7 +46,7 @@ def export(
         raise LlmvisorError("name a file (-o FILE), an ingest URL (--push URL) or --dry-run")
     if format_ == "focus" and push_url is not None:
         raise LlmvisorError("--push sends metering events; a FOCUS export is a file (-o FILE.csv or FILE.parquet)")
-    start_us, end_us = _hour_us("--start", start), _hour_us("--end", end)
+    start_us, end_us = period_bound_us("--start", start, WHOLE_HOUR), period_bound_us("--end", end, WHOLE_HOUR)
     headers = {}
     if auth_env is not None:
         import os

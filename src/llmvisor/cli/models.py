@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from llmvisor.cli.params import period_bound_us
 from llmvisor.cli.serve import DEFAULT_DB_URL, DbOption, JsonOption, echo_json
 from llmvisor.core.model import StepLatencyModel
 
@@ -123,22 +124,6 @@ def refit(
     typer.echo(f"v{result.version} {'activated' if result.activated else 'stored, not activated (not better)'}")
 
 
-def _whole_second_us(option: str, value: str) -> int:
-    """An ISO 8601 time (naive means UTC) or Unix seconds, as µs; usage is kept per second, so whole seconds."""
-    from llmvisor.errors import LlmvisorError
-
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            moment = datetime.fromisoformat(value.strip())
-        except ValueError:
-            raise LlmvisorError(f"{option}: expected an ISO 8601 time or Unix seconds, got {value!r}") from None
-        seconds = (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
-    if not seconds >= 0 or seconds != int(seconds):
-        raise LlmvisorError(f"{option}: {value!r} is not a whole second at or after 1970 (usage is kept per second)")
-    return int(seconds) * 1_000_000
-
 
 def adjust(
     engine_class: Annotated[str, typer.Option("--class", help="Engine class (fingerprint id) whose bills to correct.")],
@@ -154,7 +139,7 @@ def adjust(
     from llmvisor.ledger import Ledger
     from llmvisor.service.adjust import adjust_period
 
-    start_us, end_us = _whole_second_us("--start", start), _whole_second_us("--end", end)
+    start_us, end_us = period_bound_us("--start", start), period_bound_us("--end", end)
     ledger = Ledger(db)
     try:
         result = adjust_period(ledger, engine_class, start_us, end_us, to_version=to_version, dry_run=dry_run)

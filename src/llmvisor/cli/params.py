@@ -3,12 +3,14 @@
 - Readable metavars (FILE, DIR, N, NUM, TEXT) instead of Python type names, and none on flags.
 - Renamed options: an old spelling still works, with one warning line on stderr naming the new one.
 - Output paths checked before any work starts, so a run never fails at the end for want of a folder.
+- Period bounds (`--start`, `--end`) read one way: an ISO 8601 time (naive means UTC) or Unix seconds.
 """
 
 from __future__ import annotations
 
 import os
 import typing
+from datetime import UTC, datetime
 from pathlib import Path
 
 import typer
@@ -124,3 +126,26 @@ def check_input_file(path: Path, option: str, what: str = "file") -> Path:
     if not path.is_file():
         raise LlmvisorError(f"{option} {path}: no such {what}")
     return path
+
+
+WHOLE_SECOND = (1, "is not a whole second at or after 1970 (usage is kept per second)")
+"""Usage is kept per second: `adjust` and `audit` periods start and end on whole seconds."""
+WHOLE_HOUR = (3600, "is not a whole UTC hour (charges are hourly)")
+"""Charges are hourly: `export` periods start and end on whole UTC hours."""
+
+
+def period_bound_us(option: str, value: str, whole: tuple[int, str] = WHOLE_SECOND) -> int:
+    """``value`` of ``option`` (an ISO 8601 time, naive meaning UTC, or Unix seconds) as µs; it must be at or after
+    1970 and a multiple of ``whole[0]`` seconds, else a one-line error ending in ``whole[1]``."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            moment = datetime.fromisoformat(value.strip())
+        except ValueError:
+            raise LlmvisorError(f"{option}: expected an ISO 8601 time or Unix seconds, got {value!r}") from None
+        seconds = (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+    step_s, why = whole
+    if not seconds >= 0 or seconds % step_s:
+        raise LlmvisorError(f"{option}: {value!r} {why}")
+    return int(seconds) * 1_000_000
