@@ -334,15 +334,7 @@ def migrate_schema_2(source_url: str, target_url: str, *, progress: Callable[[in
                 copied_steps += len(rows)
                 if progress is not None:
                     progress(copied_steps, expected.num_steps)
-            usage = read.execution_options(stream_results=True, yield_per=10_000).execute(select(_usage_2))
-            chunk: list[dict] = []
-            for row in usage:
-                chunk.append(dict(row._mapping))
-                if len(chunk) >= 10_000:
-                    write.execute(insert(usage_per_second), chunk)
-                    chunk = []
-            if chunk:
-                write.execute(insert(usage_per_second), chunk)
+            _copy_rows(read, write, _usage_2, usage_per_second)
             if version in ("3", "4"):
                 for table in (_engine_models_3, _active_models_3):
                     rows = [dict(row._mapping) for row in read.execute(select(table))]
@@ -370,15 +362,20 @@ _adjustments_4 = adjustments.to_metadata(_schema_4)
 
 def _copy_schema_4_tables(read, write) -> None:
     for source_table, target_table in ((_step_ranges_4, step_ranges), (_adjustments_4, adjustments)):
-        rows = read.execution_options(stream_results=True, yield_per=10_000).execute(select(source_table))
-        chunk: list[dict] = []
-        for row in rows:
-            chunk.append(dict(row._mapping))
-            if len(chunk) >= 10_000:
-                write.execute(insert(target_table), chunk)
-                chunk = []
-        if chunk:
+        _copy_rows(read, write, source_table, target_table)
+
+
+def _copy_rows(read, write, source_table, target_table, chunk_rows: int = 10_000) -> None:
+    """Every row of ``source_table`` into ``target_table`` as it is, streamed ``chunk_rows`` at a time."""
+    rows = read.execution_options(stream_results=True, yield_per=chunk_rows).execute(select(source_table))
+    chunk: list[dict] = []
+    for row in rows:
+        chunk.append(dict(row._mapping))
+        if len(chunk) >= chunk_rows:
             write.execute(insert(target_table), chunk)
+            chunk = []
+    if chunk:
+        write.execute(insert(target_table), chunk)
 
 
 def _check_copy(target: Ledger, expected, target_name: str) -> None:
