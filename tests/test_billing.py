@@ -472,3 +472,11 @@ def test_export_input_errors_are_one_line(served, tmp_path, args, reason):
                              "--end", str(PERIOD[1]), *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 2 and reason in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_export_refuses_a_ledger_file_that_does_not_exist_and_creates_none(tmp_path):
+    missing = tmp_path / "typo.db"
+    result = subprocess.run([sys.executable, "-m", "llmvisor.cli", "export", "--db", f"sqlite:///{missing}", "--start", str(PERIOD[0]),
+                             "--end", str(PERIOD[1]), "--format", "lago", "-o", "x.json"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 2 and "no such ledger file" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not missing.exists()

@@ -10,22 +10,13 @@ from rich.table import Table
 
 from llmvisor import shipped
 from llmvisor.cli.console import print_table, stderr, stdout
-from llmvisor.cli.params import period_bound_us
+from llmvisor.cli.params import check_ledger_exists, period_bound_us
 from llmvisor.cli.serve import DEFAULT_DB_URL, DbOption, JsonOption, echo_json
-from llmvisor.errors import LlmvisorError
 
 
 def _seconds(ns: int) -> str:
     return f"{ns / 1e9:.9f}"
 
-
-
-def _check_db(db: str) -> None:
-    """A SQLite ledger that does not exist would be created empty and every bill read as 0: refuse it instead."""
-    if db.startswith("sqlite:///") and db != "sqlite:///:memory:":
-        path = Path(db[len("sqlite:///"):])
-        if not path.is_file():
-            raise LlmvisorError(f"--db {db}: no such ledger file")
 
 
 def audit(
@@ -44,7 +35,7 @@ def audit(
     from llmvisor.service.audit import audit_tenant
 
     start_us, end_us = period_bound_us("--start", start), period_bound_us("--end", end)
-    _check_db(db)
+    check_ledger_exists(db)
     default_model = StepLatencyModel.from_json(model or shipped.latency_model_path())
     ledger = Ledger(db)
     try:

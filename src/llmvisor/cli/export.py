@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from llmvisor.cli.params import WHOLE_HOUR, period_bound_us
+from llmvisor.cli.params import WHOLE_HOUR, check_ledger_exists, period_bound_us
 from llmvisor.cli.serve import DEFAULT_DB_URL, DbOption, JsonOption, echo_json
 from llmvisor.errors import LlmvisorError
 
@@ -55,6 +55,7 @@ def export(
             raise LlmvisorError(f"--auth-env: the environment variable {auth_env} is not set")
         headers["Authorization"] = f"Bearer {os.environ[auth_env]}"
     customer_ids = fmt.read_customer_map(customers)
+    check_ledger_exists(db)
     ledger = Ledger(db)
     try:
         found = charges(ledger, start_us, end_us, tenant or None)

@@ -4,6 +4,7 @@
 - Renamed options: an old spelling still works, with one warning line on stderr naming the new one.
 - Output paths checked before any work starts, so a run never fails at the end for want of a folder.
 - Period bounds (`--start`, `--end`) read one way: an ISO 8601 time (naive means UTC) or Unix seconds.
+- A ledger a command only reads must exist: a mistyped SQLite path would be created empty and read as no usage.
 """
 
 from __future__ import annotations
@@ -149,3 +150,9 @@ def period_bound_us(option: str, value: str, whole: tuple[int, str] = WHOLE_SECO
     if not seconds >= 0 or seconds % step_s:
         raise LlmvisorError(f"{option}: {value!r} {why}")
     return int(seconds) * 1_000_000
+
+
+def check_ledger_exists(db: str) -> None:
+    """A SQLite ledger that does not exist would be created empty and every bill read as 0: refuse it instead."""
+    if db.startswith("sqlite:///") and db != "sqlite:///:memory:" and not Path(db[len("sqlite:///"):]).is_file():
+        raise LlmvisorError(f"--db {db}: no such ledger file")
