@@ -237,6 +237,16 @@ def coalition_summary(records: list[dict], *, permutation_reference: dict | None
             "p90_gain_vs_token_count": gain,
             "halfwidth_over_share_p50": over_share[kind],
         }
+    by_size: dict[str, dict] = {}
+    for size in sorted({r["size"] for r in serving}):
+        for kind in sorted({r["kind"] for r in serving if r["size"] == size}):
+            chosen = [r for r in serving if r["size"] == size and r["kind"] == kind]
+            ratio = float(np.median(np.concatenate([r["half_s"] / r["shares_s"][Method.SHAPLEY.value] for r in chosen])))
+            steps = float(np.median([r["n_steps"] for r in chosen]))
+            # half-width ∝ 1/√(measured coalitions): the coalitions a batch like these needs for a median of 25%
+            by_size.setdefault(str(size), {})[kind] = {
+                "n_batches": len(chosen), "steps_per_batch_p50": steps, "halfwidth_over_share_p50": ratio,
+                "steps_for_halfwidth_quarter": math.ceil(steps * (ratio / HALFWIDTH_DECIDABLE_MAX) ** 2)}
     ratios: dict[str, dict] = {}
     for size in sorted({r["size"] for r in serving}):
         if size < 32:
@@ -277,7 +287,7 @@ def coalition_summary(records: list[dict], *, permutation_reference: dict | None
             "halfwidth_ratio_detail": ratios,
             "variant": "relative_weights_rounds",
         },
-        "sampled": {"halfwidth_over_share_p50": over_share, "by_kind": decision},
+        "sampled": {"halfwidth_over_share_p50": over_share, "by_kind": decision, "by_size": by_size},
         "batch_sizes": {"max": max(r["size"] for r in records), "min": min(r["size"] for r in records),
                         "serving_size": sorted({r["size"] for r in serving}), "n_serving_size_batches": len(serving),
                         "n_exact_batches": len(exact), "n_interference_flagged_excluded": len(flagged),

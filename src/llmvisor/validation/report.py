@@ -360,6 +360,19 @@ def coalitions_markdown_summary(result: dict) -> str:
             f"| {COALITION_KIND_LABELS.get(kind, kind)} | {row['n_batches']} | {_pct(row['halfwidth_over_share_p50'])} | "
             f"{_pct(err['shapley']['p50'])} / {_pct(err['shapley']['p90'])} / {_pct(err['shapley']['p99'])} | "
             f"{_pct(err['token_count']['p90'])} | {row['goal_p90']} | {row['goal_vs_token_count']} |")
+    if sampled.get("by_size"):
+        lines += [
+            "",
+            "Per size (half-width scales as 1/√(measured coalitions): the last column is the steps a batch like these "
+            "would need for a median half-width of 25% of its share at this noise):",
+            "",
+            "| requests | batch kind | batches | steps per batch (p50) | 95% half-width ÷ share (p50) | steps for 25% |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for size, kinds in sampled["by_size"].items():
+            for kind, row in kinds.items():
+                lines.append(f"| {size} | {COALITION_KIND_LABELS.get(kind, kind)} | {row['n_batches']} | {row['steps_per_batch_p50']:.0f} | "
+                             f"{_pct(row['halfwidth_over_share_p50'])} | {row['steps_for_halfwidth_quarter']:,} |")
     for label, entry in summary["sharing"].items():
         lines += [
             "",
