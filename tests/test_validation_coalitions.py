@@ -213,3 +213,23 @@ def test_pools_add_batches_that_share_one_prefill_and_leave_the_rest_of_the_plan
             (m,), (n,) = held.get(b, 0, subset), alone.get(o, 0, subset)
             assert m.num_context_tokens == n.num_context_tokens and m.num_shared_context_tokens == n.num_shared_context_tokens
             assert m.step_latency_s == pytest.approx(n.step_latency_s, rel=1e-12)
+
+
+def test_a_journal_refuses_steps_from_a_machine_whose_canary_runs_many_times_slower(tmp_path):
+    """Resuming on a host where the canary runs ~90× slower (no bf16 vector units) must not add its steps to batches
+    measured elsewhere: the run stops before measuring or journaling anything; a like machine resumes."""
+    from llmvisor.validation.measurement import InterferenceGuard
+
+    batches = plan(sizes=(16,), n_batches=2, exact_sharing_batches=0)
+    path = tmp_path / "j.jsonl"
+    measure_sampled(GroupedEngine(sharing_cost), batches[:1], Journal(path), repeat=1, warm_up_steps=0, guard=InterferenceGuard())
+    before = path.read_bytes()
+
+    def slower(factor):
+        return GroupedEngine(lambda slices: factor * sharing_cost(slices))
+
+    with pytest.raises(LlmvisorError, match=r"canary step runs 90\.0× slower here .* another machine or engine build"):
+        measure_sampled(slower(90.0), batches, Journal(path), repeat=1, warm_up_steps=0, guard=InterferenceGuard())
+    assert path.read_bytes() == before
+    counts = measure_sampled(slower(1.5), batches, Journal(path), repeat=1, warm_up_steps=0, guard=InterferenceGuard())
+    assert counts["measured_now"] == len(batches[1].coalitions) + len(batches[1].replicated)

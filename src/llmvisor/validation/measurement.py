@@ -314,12 +314,36 @@ def check_repeat(repeat: int) -> None:
         raise LlmvisorError(f"--repeat: must be at least 1 (got {repeat})")
 
 
+SAME_MACHINE_MAX_RATIO = 3.0
+"""How much slower or faster than in a journal's earlier runs the canary may run before `check_same_machine` refuses."""
+
+
+def check_same_machine(journal: Journal, baseline_s: float, *, max_ratio: float = SAME_MACHINE_MAX_RATIO) -> None:
+    """Refuse to add to a journal measured on a machine this one is not: the guard's new baseline canary (the lower
+    half of its calibration) against the median of every canary the journal holds. Interference slows a canary for
+    seconds, not a whole calibration's lower half; a host without the earlier one's vector units (a bf16 matmul
+    emulated) or another engine build moves it many times over, and its steps would join batches measured elsewhere."""
+    earlier = journal.canary_s
+    if len(earlier) < 5 or not baseline_s > 0:
+        return
+    reference = float(np.median(earlier))
+    ratio = baseline_s / reference
+    if 1 / max_ratio <= ratio <= max_ratio:
+        return
+    how = f"{ratio:.1f}× slower" if ratio > 1 else f"{1 / ratio:.1f}× faster"
+    raise LlmvisorError(
+        f"{journal.path}: the canary step runs {how} here ({baseline_s:.3g} s) than in the journal's earlier runs "
+        f"({reference:.3g} s, median of {len(earlier)}): another machine or engine build. A journal holds one machine's "
+        "measurements; measure into a new one (another -o RESULT.json)")
+
+
 def _begin(measurer: Measurer, journal: Journal, guard: InterferenceGuard | None, anything_to_measure: bool,
            on_step: Callable[[int], None] | None, sleep: Callable[[float], None] | None) -> tuple[Callable, Callable, dict]:
     """What both measuring loops start with: the guard's baseline canaries (journaled, once, if anything is to be
     measured), the sleep and progress callbacks, and the counts they return."""
     if guard is not None and anything_to_measure and not guard.accepted_s:
         guard.calibrate(measurer)
+        check_same_machine(journal, guard.baseline_s)
         journal.log({"type": "canaries", "calibration": True, "canary_s": guard.all_s[:], "baseline_s": guard.baseline_s})
     counts = {"measured_now": 0, "rejected_now": 0, "discarded_batch_rounds": 0, "flagged_batch_rounds": 0, "reused": 0}
     return sleep or time.sleep, on_step or (lambda n: None), counts
