@@ -233,3 +233,20 @@ def test_a_journal_refuses_steps_from_a_machine_whose_canary_runs_many_times_slo
     assert path.read_bytes() == before
     counts = measure_sampled(slower(1.5), batches, Journal(path), repeat=1, warm_up_steps=0, guard=InterferenceGuard())
     assert counts["measured_now"] == len(batches[1].coalitions) + len(batches[1].replicated)
+
+
+def test_each_batch_round_journals_where_its_wall_time_went(tmp_path):
+    from llmvisor.validation.coalitions import measurement_cost
+    from llmvisor.validation.measurement import InterferenceGuard
+
+    batches = plan(sizes=(16,), n_batches=1, exact_sharing_batches=0)
+    path = tmp_path / "j.jsonl"
+    counts = measure_sampled(GroupedEngine(sharing_cost), batches, Journal(path), repeat=1, warm_up_steps=0, guard=InterferenceGuard())
+    journal = Journal(path)
+    rounds = sum(len(b.chunks(r)) for b in batches for r in range(b.rounds))
+    assert len(journal.round_timing) == rounds and all(t["round_wall_s"] >= t["prepare_s"] >= 0 for t in journal.round_timing)
+    steps_s = sum(m.step_latency_s for ms in journal.measurements.values() for m in ms)
+    cost = measurement_cost(journal, [{"wall_s": 10.0, "measured_steps": counts["measured_now"]}])
+    assert cost["rounds"]["n"] == rounds and cost["rounds"]["steps_s"] == pytest.approx(steps_s, rel=1e-3)
+    assert cost["step_time_s"] == pytest.approx(steps_s) and cost["steps_per_wall_s"] == pytest.approx(counts["measured_now"] / 10.0)
+    assert cost["other_fraction"] == pytest.approx(1 - (steps_s + sum(journal.canary_s)) / 10.0)

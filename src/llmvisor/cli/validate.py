@@ -421,6 +421,7 @@ def validate(
             batch_record_json,
             coalition_summary,
             jsonable,
+            measurement_cost,
             permutation_reference,
         )
 
@@ -429,6 +430,7 @@ def validate(
         reference = permutation_reference(json.loads(shipped_result.read_text(encoding="utf-8"))) if shipped_result.is_file() else None
         if coalition_records:
             result["summary"] = {**result["summary"], **jsonable(coalition_summary(coalition_records, permutation_reference=reference, seed=seed))}
+            result["summary"]["measurement_cost"] = jsonable(measurement_cost(journal, previous_runs))
         result["n_sampled_batches_measured"] = len(coalition_records)
         result["sampled_batches"] = [batch_record_json(r) for r in coalition_records]
     with replaced_atomically(output) as tmp:

@@ -127,6 +127,8 @@ class Journal:
         self.n_rejected = 0
         self.interference: list[dict] = []
         self.canary_s: list[float] = []
+        self.round_timing: list[dict] = []
+        """Where each batch-round's wall time went (`_measure_batch_round`), for rounds journaled with it."""
         if self.path.exists():
             self._load()
 
@@ -158,6 +160,7 @@ class Journal:
             self.canary_s.extend(float(t) for t in row.get("canary_s", []))
         elif kind == "canaries":
             self.canary_s.extend(float(t) for t in row.get("canary_s", []))
+            self.round_timing.extend(dict(t) for t in row.get("timing", []))
         elif kind == "measurement":
             m = Measurement(
                 str(row["batch_key"]), int(row["round"]), int(row["subset"]), int(row["repeat"]),
