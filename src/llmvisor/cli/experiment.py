@@ -356,6 +356,7 @@ def admission(
     held_out_eval: Annotated[Path | None, typer.Option(help="An `llmvisor eval` result (e.g. docs/results/demo.json): its held-out decode underprediction_factor_p90 scales the predictions.", dir_okay=False, metavar="EVAL.json")] = None,
     tpot_prediction_factor: Annotated[float | None, typer.Option(help="The prediction factor itself (instead of --held-out-eval). Neither: the model's training factor.", min=0.01)] = None,
     analyse_only: Annotated[bool, typer.Option(help="Re-analyse the runs already in --output instead of running the engine.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print only the result JSON to stdout.")] = False,
 ) -> None:
     """SLO admission repeated over seeds: attributed VTC without and with admission control on the same arrivals."""
     console = Console(stderr=True)
@@ -393,5 +394,8 @@ def admission(
         warmup_s=warmup_s, analyse_only=analyse_only,
         progress=lambda message: console.print(f"[bold]admission[/]: {message}", highlight=False),
     )
+    if json_output:
+        typer.echo(json.dumps(result, indent=2))
+        return
     typer.echo(admission_markdown_summary(result))
     console.print(f"wrote {output / 'admission.json'}", highlight=False)
