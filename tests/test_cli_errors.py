@@ -242,3 +242,12 @@ def test_serve_on_a_busy_port_is_one_line_and_creates_no_ledger(tmp_path):
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and f"--port {port}" in done.stderr, done.stderr
     assert "startup complete" not in done.stderr and "Traceback" not in done.stderr
     assert not any(tmp_path.iterdir()), "a refused start must not create a ledger"
+
+
+def test_admission_refuses_an_eval_result_without_the_held_out_factor_in_one_line(tmp_path):
+    bad = tmp_path / "eval.json"
+    bad.write_text(json.dumps({"evaluation": {"models": {}}}))
+    one_line_error(invoke("experiment", "admission", "-o", tmp_path / "out", "--held-out-eval", bad), "eval.json", "underprediction_factor_p90")
+    one_line_error(invoke("experiment", "admission", "-o", tmp_path / "out", "--held-out-eval", tmp_path / "missing.json"), "missing.json")
+    one_line_error(invoke("experiment", "admission", "-o", tmp_path / "out", "--seeds", "0,x"), "--seeds")
+    assert not (tmp_path / "out").exists()

@@ -183,3 +183,44 @@ def test_model_free_goal_judges_attributed_vtc():
     judged = model_free_goals({"fcfs": {"model_free": {"max_min": 2.5}}, "attributed": {"model_free": {"max_min": 1.1}}})
     assert judged["attributed_model_free_within_max_min"] and judged["fcfs_model_free_max_min"] == 2.5
     assert model_free_goals({"attributed": {"model_free": {"max_min": 1.3}}})["attributed_model_free_within_max_min"] is False
+
+
+def test_admission_repeated_over_seeds_runs_both_arms_per_seed_with_the_given_factor(tmp_path, monkeypatch):
+    """Each seed runs attributed VTC without and with admission on its own arrivals and engine seed, the SLO run
+    with the held-out factor; the figures over seeds are means with Student-t intervals of the per-seed figures."""
+    from scipy import stats
+
+    from llmvisor.fairness import experiment
+
+    tpots = {0: ([0.03, 0.07, 0.09], [0.03, 0.04]), 1: ([0.04, 0.06, 0.08], [0.02, 0.045, 0.06]), 2: ([0.02, 0.07], [0.03])}
+    specs = []
+
+    def fake_run_policy(spec, log_path):
+        specs.append(spec)
+        seed = spec["workload"]["seed"]
+        assert spec["engine"]["seed"] == seed
+        without, with_ = tpots[seed]
+        run = _slo_run({"a": without if spec["tpot_slo_s"] is None else with_}, spec["name"])
+        if spec["tpot_slo_s"] is not None:
+            run["scheduler_state"] = {"tpot_prediction_factor": spec["tpot_prediction_factor"], "num_deferred": 1}
+        return run
+
+    monkeypatch.setattr(experiment, "run_policy", fake_run_policy)
+    monkeypatch.setattr(experiment, "analyse_run", lambda run, model, **kw: {"summary": _summary({})})
+    result = experiment.run_admission_experiment(
+        tmp_path / "out", latency_model_path=None, engine_dir=tmp_path, engine={"max_num_seqs": 32}, workload={"tenants": [], "duration_s": 90.0},
+        seeds=[0, 1, 2], tpot_slo_s=0.05, tpot_prediction_factor=1.058, prediction_factor_source="held-out", window_s=10.0, warmup_s=10.0)
+    assert [(s["workload"]["seed"], s["name"]) for s in specs] == [(k, n) for k in (0, 1, 2) for n in ("attributed", "attributed-slo")]
+    assert [s["tpot_prediction_factor"] for s in specs] == [None, 1.058] * 3
+    assert result["setup"]["factor_applied"] == [1.058]
+    met = result["over_seeds"]["rows"]["a"]["met_slo_fraction"]
+    without = [1 / 3, 1 / 3, 1 / 2]
+    with_ = [1.0, 2 / 3, 1.0]
+    assert met["without"]["mean"] == pytest.approx(np.mean(without)) and met["with"]["values"] == pytest.approx(with_)
+    change = np.subtract(with_, without)
+    half = stats.t.ppf(0.975, 2) * change.std(ddof=1) / np.sqrt(3)
+    assert met["change"]["ci95"] == pytest.approx([change.mean() - half, change.mean() + half])
+    assert result["over_seeds"]["goals_met"]["p99_tpot_within_slo"] == 2  # seed 1's with-run has a 60 ms request
+    assert json.loads((tmp_path / "out" / "admission.json").read_text())["over_seeds"] == json.loads(json.dumps(result["over_seeds"]))
+    text = experiment.admission_markdown_summary(result)
+    assert "3 seeds (0, 1, 2), prediction factor 1.058 (held-out)" in text and "| a |" in text and "2 of 3 seeds" in text

@@ -455,14 +455,26 @@ def test_the_shipped_facts_are_as_the_checks_assume(facts):
     assert facts["boundary"] is not None and facts["shared_context"] and facts["some_p99_above_floor"]
 
 
-AWAITING_FIX = {"validation.md": ["has no segment boundary"]}
-"""Contradicted phrases in a doc another branch is rewriting (docs/validation.md: "identical to `shapley` for this
-model, which has no segment boundary"); tolerated until that branch lands, then this entry goes."""
-
-
 def test_no_doc_says_what_the_shipped_files_contradict(facts):
-    found = {name: [f for f in contradicted_sentences(text, facts) if f not in AWAITING_FIX.get(name, [])] for name, text in shipped_docs().items()}
+    found = {name: contradicted_sentences(text, facts) for name, text in shipped_docs().items()}
     assert {name: phrases for name, phrases in found.items() if phrases} == {}
+
+
+def test_model_exact_shapley_agrees_with_shapley_on_every_batch_boundary_straddlers_included():
+    """docs/validation.md: `model_exact_shapley` and `shapley` "agree on every shipped batch, those whose subsets lie on
+    both sides of the model's segment boundary ... included" — true of the shipped validation.json, and such batches exist."""
+    import numpy as np
+
+    validation = load(shipped.result_path(shipped.VALIDATION_RESULT))
+    boundary = load(shipped.latency_model_path())["boundary_new_tokens"]
+    assert "the two agree on every shipped batch" in " ".join((REPO / "docs" / "validation.md").read_text(encoding="utf-8").split())
+    straddling = 0
+    for batch in validation["batches"]:
+        shares = batch["shares_s"]
+        np.testing.assert_allclose(shares["model_exact_shapley"], shares["shapley"], rtol=1e-9, atol=1e-12)
+        new = batch["num_new_tokens"]
+        straddling += batch["phase"] == "prefill" and min(new) < boundary < sum(new)
+    assert straddling > 0
 
 
 @pytest.mark.parametrize("old_sentence", [

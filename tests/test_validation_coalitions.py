@@ -179,3 +179,74 @@ def test_validate_measures_the_coalitions_plan_within_a_time_limit_and_resumes(t
     monkeypatch.setattr(controlled, "ControlledEngine", no_engine)
     validate(**common, measure_missing=False)
     assert json.loads(output.read_text())["summary"]["sampled"] == summary["sampled"]
+
+
+def test_pools_add_batches_that_share_one_prefill_and_leave_the_rest_of_the_plan_as_it_was(tmp_path):
+    """A pool is a 64-request batch and batches of 16 drawn from its requests (stratified by prefix group); adding pools
+    changes no other batch's key, and a pooled batch measured with its pool held records the same steps as the same
+    requests measured as a batch of their own (the held requests that a step does not name take no part in it)."""
+    from dataclasses import replace
+
+    base = plan()
+    pooled_plan = plan(pools=3)
+    assert [b.key for b in pooled_plan[: len(base)]] == [b.key for b in base]
+    pooled = pooled_plan[len(base):]
+    assert len(pooled) == 3 * 5 and len({b.key for b in pooled_plan}) == len(pooled_plan)
+    assert {b.kind for b in pooled} == {"decode", "shared_prefix_decode", "mixed_sharing_decode"}
+    for b in pooled:
+        pool = next(p for p in pooled if p.size == 64 and p.pool_context_tokens == b.pool_context_tokens)
+        assert list(b.pool_index) == sorted(set(b.pool_index)) and len(b.pool_index) == b.size
+        assert b.num_context_tokens == tuple(pool.num_context_tokens[i] for i in b.pool_index)
+        assert b.shared_prefix_tokens == tuple(pool.shared_prefix_tokens[i] for i in b.pool_index)
+        if b.kind == SampledKind.MIXED_SHARING_DECODE:
+            groups = np.array(b.groups)
+            assert (groups < 0).any() and all((groups == g).sum() >= 2 for g in set(b.groups) if g >= 0)
+            assert len(set(b.groups) - {-1}) == len(set(pool.groups) - {-1})
+    small = [b for b in pooled if b.size == 16]
+    engine = GroupedEngine(sharing_cost)
+    held, alone = Journal(tmp_path / "held.jsonl"), Journal(tmp_path / "alone.jsonl")
+    measure_sampled(engine, small, held, repeat=1, warm_up_steps=0)
+    own = [replace(b, pool_index=(), pool_context_tokens=(), pool_shared_prefix_tokens=(), pool_groups=()) for b in small]
+    measure_sampled(engine, own, alone, repeat=1, warm_up_steps=0)
+    for b, o in zip(small, own, strict=True):
+        for subset in b.coalitions:
+            (m,), (n,) = held.get(b, 0, subset), alone.get(o, 0, subset)
+            assert m.num_context_tokens == n.num_context_tokens and m.num_shared_context_tokens == n.num_shared_context_tokens
+            assert m.step_latency_s == pytest.approx(n.step_latency_s, rel=1e-12)
+
+
+def test_a_journal_refuses_steps_from_a_machine_whose_canary_runs_many_times_slower(tmp_path):
+    """Resuming on a host where the canary runs ~90× slower (no bf16 vector units) must not add its steps to batches
+    measured elsewhere: the run stops before measuring or journaling anything; a like machine resumes."""
+    from llmvisor.validation.measurement import InterferenceGuard
+
+    batches = plan(sizes=(16,), n_batches=2, exact_sharing_batches=0)
+    path = tmp_path / "j.jsonl"
+    measure_sampled(GroupedEngine(sharing_cost), batches[:1], Journal(path), repeat=1, warm_up_steps=0, guard=InterferenceGuard())
+    before = path.read_bytes()
+
+    def slower(factor):
+        return GroupedEngine(lambda slices: factor * sharing_cost(slices))
+
+    with pytest.raises(LlmvisorError, match=r"canary step runs 90\.0× slower here .* another machine or engine build"):
+        measure_sampled(slower(90.0), batches, Journal(path), repeat=1, warm_up_steps=0, guard=InterferenceGuard())
+    assert path.read_bytes() == before
+    counts = measure_sampled(slower(1.5), batches, Journal(path), repeat=1, warm_up_steps=0, guard=InterferenceGuard())
+    assert counts["measured_now"] == len(batches[1].coalitions) + len(batches[1].replicated)
+
+
+def test_each_batch_round_journals_where_its_wall_time_went(tmp_path):
+    from llmvisor.validation.coalitions import measurement_cost
+    from llmvisor.validation.measurement import InterferenceGuard
+
+    batches = plan(sizes=(16,), n_batches=1, exact_sharing_batches=0)
+    path = tmp_path / "j.jsonl"
+    counts = measure_sampled(GroupedEngine(sharing_cost), batches, Journal(path), repeat=1, warm_up_steps=0, guard=InterferenceGuard())
+    journal = Journal(path)
+    rounds = sum(len(b.chunks(r)) for b in batches for r in range(b.rounds))
+    assert len(journal.round_timing) == rounds and all(t["round_wall_s"] >= t["prepare_s"] >= 0 for t in journal.round_timing)
+    steps_s = sum(m.step_latency_s for ms in journal.measurements.values() for m in ms)
+    cost = measurement_cost(journal, [{"wall_s": 10.0, "measured_steps": counts["measured_now"]}])
+    assert cost["rounds"]["n"] == rounds and cost["rounds"]["steps_s"] == pytest.approx(steps_s, rel=1e-3)
+    assert cost["step_time_s"] == pytest.approx(steps_s) and cost["steps_per_wall_s"] == pytest.approx(counts["measured_now"] / 10.0)
+    assert cost["other_fraction"] == pytest.approx(1 - (steps_s + sum(journal.canary_s)) / 10.0)

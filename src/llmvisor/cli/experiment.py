@@ -17,7 +17,15 @@ from llmvisor.cli import engine_options as eo
 from llmvisor.cli.console import print_table
 from llmvisor.cli.params import check_output_folder
 from llmvisor.errors import LlmvisorError
-from llmvisor.fairness.experiment import POLICIES, POLICY_LABELS, format_seconds, run_experiment, workload_tenants
+from llmvisor.fairness.experiment import (
+    POLICIES,
+    POLICY_LABELS,
+    admission_markdown_summary,
+    format_seconds,
+    run_admission_experiment,
+    run_experiment,
+    workload_tenants,
+)
 from llmvisor.fairness.fleet_experiment import FLEET_LABELS, fleet_tenants, run_fleet_experiment
 
 
@@ -322,3 +330,72 @@ def parse_canary(text: str) -> list[list[int]]:
             raise LlmvisorError(f"--canary: {part.strip()!r} is not PROMPTxOUTPUT (prompt >= 1, output >= 2 tokens), e.g. 384x16")
         shapes.append([int(prompt), int(output)])
     return shapes
+
+
+def held_out_factor(path: Path) -> float:
+    """``models.llmvisor.decode.underprediction_factor_p90`` of an `llmvisor eval` result (held-out runs)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LlmvisorError(f"--held-out-eval: {path}: not a readable JSON file ({exc.__class__.__name__})") from None
+    evaluation = value.get("evaluation", value) if isinstance(value, dict) else None
+    try:
+        factor = float(evaluation["models"]["llmvisor"]["decode"]["underprediction_factor_p90"])
+    except (KeyError, TypeError, ValueError):
+        raise LlmvisorError(f"--held-out-eval: {path}: no models.llmvisor.decode.underprediction_factor_p90 (write it with `llmvisor eval --json`)") from None
+    return factor
+
+
+def admission(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for each seed's runs and admission.json.", file_okay=False, metavar="DIR")] = Path("admission-experiment"),
+    like: Annotated[Path | None, typer.Option(help="A fairness.json whose workload and engine settings to repeat. Default: the shipped one.", dir_okay=False, metavar="FAIRNESS.json")] = None,
+    model: eo.LatencyModel = None,
+    engine_model: eo.EngineModel = None,
+    seeds: Annotated[str, typer.Option(help="Seeds, comma-separated: each draws its own arrivals, prompts and engine sampling.", metavar="S,S,...")] = "0,1,2",
+    tpot_slo_s: Annotated[float, typer.Option(help="TPOT SLO of the admission control, seconds.", min=0.001)] = 0.05,
+    held_out_eval: Annotated[Path | None, typer.Option(help="An `llmvisor eval` result (e.g. docs/results/demo.json): its held-out decode underprediction_factor_p90 scales the predictions.", dir_okay=False, metavar="EVAL.json")] = None,
+    tpot_prediction_factor: Annotated[float | None, typer.Option(help="The prediction factor itself (instead of --held-out-eval). Neither: the model's training factor.", min=0.01)] = None,
+    analyse_only: Annotated[bool, typer.Option(help="Re-analyse the runs already in --output instead of running the engine.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print only the result JSON to stdout.")] = False,
+) -> None:
+    """SLO admission repeated over seeds: attributed VTC without and with admission control on the same arrivals."""
+    console = Console(stderr=True)
+    if not analyse_only:
+        check_output_folder(output)
+    source = like if like is not None else shipped.result_path("fairness.json")
+    try:
+        setup = json.loads(source.read_text(encoding="utf-8"))["setup"]
+        workload = {"tenants": setup["workload"]["tenants"], "duration_s": float(setup["workload"]["duration_s"])}
+        window_s, warmup_s = float(setup["window_s"]), float(setup["warmup_s"])
+        given = setup["engine"]
+        engine_given = {"max_model_len": int(given["max_model_len"]), "max_num_batched_tokens": int(given["max_num_batched_tokens"]),
+                        "max_num_seqs": int(given["max_num_seqs"]), "kv_cache_gib": int(given["kv_cache_space_gib"]),
+                        "enforce_eager": bool(given["enforce_eager"]), "threads": given.get("threads"), "executor": given.get("executor", "uni")}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        raise LlmvisorError(f"--like: {source}: not a fairness.json with setup.workload, setup.engine, window_s and warmup_s") from None
+    try:
+        seed_list = [int(part) for part in seeds.split(",") if part.strip()]
+    except ValueError:
+        raise LlmvisorError(f"--seeds: comma-separated whole numbers (got {seeds!r})") from None
+    if held_out_eval is not None and tpot_prediction_factor is not None:
+        raise LlmvisorError("--held-out-eval and --tpot-prediction-factor: give one")
+    if held_out_eval is not None:
+        factor = held_out_factor(held_out_eval)
+        factor_source = f"held-out: {held_out_eval.name} models.llmvisor.decode.underprediction_factor_p90"
+    elif tpot_prediction_factor is not None:
+        factor, factor_source = tpot_prediction_factor, "configured"
+    else:
+        factor, factor_source = None, "the model's training factor (1 / (1 - train p90 |relative error|))"
+    settings = eo.engine_settings(engine_model, **engine_given, seed=0)
+    engine = {key: value for key, value in settings.as_dict().items() if key not in ("model", "seed")}
+    result = run_admission_experiment(
+        output, latency_model_path=model, engine_dir=Path(settings.model), engine=engine, workload=workload, seeds=seed_list,
+        tpot_slo_s=tpot_slo_s, tpot_prediction_factor=factor, prediction_factor_source=factor_source, window_s=window_s,
+        warmup_s=warmup_s, analyse_only=analyse_only,
+        progress=lambda message: console.print(f"[bold]admission[/]: {message}", highlight=False),
+    )
+    if json_output:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    typer.echo(admission_markdown_summary(result))
+    console.print(f"wrote {output / 'admission.json'}", highlight=False)

@@ -115,6 +115,8 @@ RESUMED_OPTIONS = {
     "coalitions_per_request": ("sampled", "coalitions_per_request"),
     "replicate_share": ("sampled", "replicate_share"),
     "exact_sharing_batches": ("sampled", "exact_sharing_batches"),
+    "pools": ("sampled", "pools"),
+    "pool_coalitions_per_request": ("sampled", "pool_coalitions_per_request"),
 }
 """Options a re-run takes from the existing result's settings when not given: `validate -o RESULT` re-analyses (or
 resumes) the plan RESULT was measured with, instead of drawing another plan from the defaults."""
@@ -172,6 +174,8 @@ def validate(
     coalitions_per_request: Annotated[float, typer.Option(help="With --design coalitions: coalitions measured per request of a batch (× n, plus the full batch).", min=1)] = 4.0,
     replicate_share: Annotated[float, typer.Option(help="With --design coalitions: share of every batch's coalitions measured again, independently (its replicate noise).", min=0, max=1)] = 0.25,
     exact_sharing_batches: Annotated[int, typer.Option(help="With --design coalitions: mixed-sharing decode batches of 6–7 requests (2 prefix groups and own contexts) with every subset measured twice.", min=0)] = 0,
+    pools: Annotated[int, typer.Option(help="With --design coalitions: pools of batches sharing one prefill (a batch of the largest size, then largest ÷ s batches of each smaller size s drawn from its requests), after the other batches.", min=0)] = 0,
+    pool_coalitions_per_request: Annotated[float | None, typer.Option(help="With --pools: coalitions per request of a pooled batch (default: --coalitions-per-request).", min=1)] = None,
     guard_max_redos: Annotated[int, typer.Option(help="Times a batch-round the interference guard flags is measured again before it is kept, flagged.", min=0)] = 4,
     guard_max_wait_s: Annotated[float, typer.Option(help="Longest wait for the machine to quieten between redos, in seconds.", min=0)] = 600.0,
     time_limit_s: Annotated[float | None, typer.Option(help="Stop measuring after this many seconds (the batch-round under way is dropped) and write the result of what the journal holds; a re-run resumes.", min=1)] = None,
@@ -201,7 +205,7 @@ def validate(
         "kv_cache_gib": kv_cache_gib, "threads": threads, "seed": seed, "sampled_batches": sampled_batches,
         "orders": orders, "sampled_repeat": sampled_repeat, "sampled_sizes": sampled_sizes, "sampled_kinds": sampled_kinds,
         "design": design, "coalitions_per_request": coalitions_per_request, "replicate_share": replicate_share,
-        "exact_sharing_batches": exact_sharing_batches,
+        "exact_sharing_batches": exact_sharing_batches, "pools": pools, "pool_coalitions_per_request": pool_coalitions_per_request,
     })
     batches, max_batch, repeat, replicate_every = options["batches"], options["max_batch"], options["repeat"], options["replicate_every"]
     adversarial_fraction, max_prefill_tokens = options["adversarial_fraction"], options["max_prefill_tokens"]
@@ -211,6 +215,9 @@ def validate(
     sampled_sizes, sampled_kinds = options["sampled_sizes"], options["sampled_kinds"]
     design, coalitions_per_request = options["design"], options["coalitions_per_request"]
     replicate_share, exact_sharing_batches = options["replicate_share"], options["exact_sharing_batches"]
+    pools, pool_coalitions_per_request = options["pools"], options["pool_coalitions_per_request"]
+    if pools and design != Design.COALITIONS:
+        raise LlmvisorError("--pools: only with --design coalitions")
     if design not in tuple(Design):
         raise LlmvisorError(f"--design: {design!r} is not one of {', '.join(Design)}")
     model = model if model is not None else shipped.latency_model_path()
@@ -255,6 +262,8 @@ def validate(
     if design == Design.COALITIONS:
         sampled_settings |= {"coalitions_per_request": coalitions_per_request, "replicate_share": replicate_share,
                              "exact_sharing_batches": exact_sharing_batches, "exact_sharing_sizes": [6, 7], "chunk": 32}
+        if pools:
+            sampled_settings |= {"pools": pools, "pool_coalitions_per_request": pool_coalitions_per_request}
     if sampled_batches or (design == Design.COALITIONS and exact_sharing_batches):
         sampled_specs = sampled_plan(mixes, envelope, sampled_settings, seed=seed)
 
@@ -412,6 +421,7 @@ def validate(
             batch_record_json,
             coalition_summary,
             jsonable,
+            measurement_cost,
             permutation_reference,
         )
 
@@ -420,6 +430,7 @@ def validate(
         reference = permutation_reference(json.loads(shipped_result.read_text(encoding="utf-8"))) if shipped_result.is_file() else None
         if coalition_records:
             result["summary"] = {**result["summary"], **jsonable(coalition_summary(coalition_records, permutation_reference=reference, seed=seed))}
+            result["summary"]["measurement_cost"] = jsonable(measurement_cost(journal, previous_runs))
         result["n_sampled_batches_measured"] = len(coalition_records)
         result["sampled_batches"] = [batch_record_json(r) for r in coalition_records]
     with replaced_atomically(output) as tmp:
@@ -438,14 +449,15 @@ class _TimeUp(Exception):
 
 def measuring_order(batches: list) -> list:
     """The order serving-size batches are measured in: two exact ones, the first cycle's largest batches, the other
-    exact ones, then each cycle of kinds and sizes largest first (a run cut short has exact batches and the largest
+    exact ones, the pooled batches (a pool's together, each prefill shared by more batches), then each cycle of kinds and sizes largest first (a run cut short has exact batches and the largest
     batches of every kind); a batch's journal key does not depend on it."""
     exact = [b for b in batches if b.coalitions and b.size < 16 and len(b.coalitions) == (1 << b.size) - 1]
-    rest = [b for b in batches if b not in exact]
+    pooled = [b for b in batches if getattr(b, "pool_index", ())]  # in plan order: each pool's batches together, sharing its prefill
+    rest = [b for b in batches if b not in exact and b not in pooled]
     cycle = max(1, len({(b.kind, b.size) for b in rest}))
     rest = sorted(rest, key=lambda b: (rest.index(b) // cycle, -b.size, rest.index(b)))
     largest = [b for b in rest[:cycle] if b.size == rest[0].size] if rest else []
-    return exact[:2] + largest + exact[2:] + [b for b in rest if b not in largest]
+    return exact[:2] + largest + exact[2:] + pooled + [b for b in rest if b not in largest]
 
 
 def goal_line(summary: dict, phase: str) -> str:

@@ -754,3 +754,152 @@ def markdown_summary(result: dict) -> str:
                     + " |"
                 )
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ admission, repeated
+
+ADMISSION_FORMAT = "llmvisor.admission"
+
+
+def _mean_ci(values: list[float], confidence: float = 0.95) -> dict:
+    """Mean over seeds with a Student-t interval (seeds independent: arrivals, prompts and the engine's sampling)."""
+    from scipy import stats
+
+    x = np.array([v for v in values if v is not None], dtype=np.float64)
+    if x.size == 0:
+        return {"n": 0, "mean": None, "ci95": [None, None]}
+    mean = float(x.mean())
+    if x.size < 2:
+        return {"n": 1, "mean": mean, "ci95": [None, None]}
+    half = float(stats.t.ppf(0.5 + confidence / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
+    return {"n": int(x.size), "mean": mean, "ci95": [mean - half, mean + half], "values": x.tolist()}
+
+
+def admission_over_seeds(per_seed: dict[int, dict]) -> dict:
+    """Across seeds: per tenant and overall, the share meeting the SLO and the goodput without and with admission,
+    and their change on the same arrivals (with − without), each as a mean with a 95% interval; how many seeds met
+    each goal."""
+    first = next(iter(per_seed.values()))
+    rows = [*first["without"]["tenants"], "all"]
+
+    def pick(run: dict, key: str, row: str, field: str):
+        block = run[key]["all"] if row == "all" else run[key]["tenants"][row]
+        return block[field]
+
+    out: dict = {"seeds": sorted(per_seed), "rows": {}}
+    for row in rows:
+        entry = {}
+        for field in ("met_slo_fraction", "goodput_tokens_per_s"):
+            without = [pick(r, "without", row, field) for r in per_seed.values()]
+            with_ = [pick(r, "with", row, field) for r in per_seed.values()]
+            change = [None if a is None or b is None else b - a for a, b in zip(without, with_, strict=True)]
+            entry[field] = {"without": _mean_ci(without), "with": _mean_ci(with_), "change": _mean_ci(change)}
+        entry["tpot_p99_s_with"] = _mean_ci([pick(r, "with", row, "tpot_s")["p99"] for r in per_seed.values()])
+        out["rows"][row] = entry
+    out["goals_met"] = {goal: sum(bool(r["goals"][goal]) for r in per_seed.values()) for goal in first["goals"]}
+    return out
+
+
+def run_admission_experiment(
+    output: Path,
+    *,
+    latency_model_path: Path | None,
+    engine_dir: Path,
+    engine: dict,
+    workload: dict,
+    seeds: list[int],
+    tpot_slo_s: float,
+    tpot_prediction_factor: float | None,
+    prediction_factor_source: str,
+    window_s: float,
+    warmup_s: float,
+    analyse_only: bool = False,
+    progress=None,
+) -> dict:
+    """SLO admission repeated: for each seed, attributed VTC without and with admission control at ``tpot_slo_s``
+    on the same arrivals (the seed draws arrivals, prompts and the engine's sampling), each run in a fresh engine
+    process as `run_experiment` runs them; the predictions scaled by ``tpot_prediction_factor`` (None: the model's
+    training factor). Writes admission.json: each seed's `admission` figures and `admission_over_seeds`."""
+    say = progress or (lambda message: None)
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise LlmvisorError(f"--seeds: one or more distinct seeds (got {seeds})")
+    if not (math.isfinite(tpot_slo_s) and tpot_slo_s > 0):
+        raise LlmvisorError(f"--tpot-slo-s: must be a positive number of seconds (got {tpot_slo_s})")
+    if tpot_prediction_factor is not None and not (math.isfinite(tpot_prediction_factor) and tpot_prediction_factor > 0):
+        raise LlmvisorError(f"--tpot-prediction-factor: must be a positive number (got {tpot_prediction_factor})")
+    model_path = str(latency_model_path if latency_model_path is not None else shipped.latency_model_path())
+    if not os.path.exists(model_path):
+        raise LlmvisorError(f"--model: {model_path} not found; fit one with `llmvisor fit TRACE -o model.json`")
+    charge_model = StepLatencyModel.from_json(model_path)
+    output.mkdir(parents=True, exist_ok=True)
+    per_seed: dict[int, dict] = {}
+    for seed in seeds:
+        runs = {}
+        seed_workload = {**workload, "seed": seed}
+        for name, slo in (("attributed", None), (SLO_RUN, tpot_slo_s)):
+            out_dir = output / f"seed-{seed}" / name
+            if analyse_only:
+                runs[name] = _load_run(out_dir, name)
+                continue
+            spec = {"policy": "attributed", "name": name, "tpot_slo_s": slo, "out_dir": str(out_dir), "model_dir": str(engine_dir),
+                    "model_path": model_path, "engine": {**engine, "seed": seed}, "workload": seed_workload,
+                    "tpot_prediction_factor": tpot_prediction_factor if slo is not None else None}
+            say(f"seed {seed}: running {name} for {seed_workload['duration_s']:.0f} s (+ engine start) …")
+            started = time.perf_counter()
+            runs[name] = run_policy(spec, out_dir / "engine.log")
+            say(f"  done in {time.perf_counter() - started:.0f} s")
+        analysed = {name: analyse_run(run, charge_model, window_s=window_s, warmup_s=warmup_s) for name, run in runs.items()}
+        per_seed[seed] = admission(analysed["attributed"], analysed[SLO_RUN], runs, tpot_slo_s)
+    factors = {r["tpot_prediction_factor"] for r in per_seed.values()}
+    result = {
+        "format": ADMISSION_FORMAT,
+        "experiment": "admission",
+        "setup": {
+            "model": os.path.basename(model_path),
+            "engine_model": os.path.basename(os.path.normpath(str(engine_dir))),
+            "engine": engine, "workload": workload, "window_s": window_s, "warmup_s": warmup_s, "hardware": _hardware(),
+            "tpot_slo_s": tpot_slo_s, "seeds": list(seeds),
+            "tpot_prediction_factor": tpot_prediction_factor, "prediction_factor_source": prediction_factor_source,
+            "factor_applied": sorted(f for f in factors if f is not None),
+        },
+        "per_seed": {str(seed): r for seed, r in per_seed.items()},
+        "over_seeds": admission_over_seeds(per_seed),
+    }
+    (output / "admission.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def admission_markdown_summary(result: dict) -> str:
+    """The repeated admission result as docs/fairness.md quotes it (generated from admission.json)."""
+    setup, over = result["setup"], result["over_seeds"]
+
+    def pct(entry: dict) -> str:
+        lo, hi = entry["ci95"]
+        return f"{100 * entry['mean']:.0f}%" + ("" if lo is None else f" [{100 * lo:.0f}%, {100 * hi:.0f}%]")
+
+    def pts(entry: dict) -> str:
+        lo, hi = entry["ci95"]
+        return f"{100 * entry['mean']:+.0f} pts" + ("" if lo is None else f" [{100 * lo:+.0f}, {100 * hi:+.0f}]")
+
+    def tok(entry: dict, signed: bool = False) -> str:
+        lo, hi = entry["ci95"]
+        f = "{:+.0f}" if signed else "{:.0f}"
+        return f.format(entry["mean"]) + ("" if lo is None else f" [{f.format(lo)}, {f.format(hi)}]")
+
+    n = len(over["seeds"])
+    lines = [f"Attributed VTC without and with SLO admission at {1000 * setup['tpot_slo_s']:.0f} ms on the same arrivals, "
+             f"{n} seeds ({', '.join(map(str, over['seeds']))}), prediction factor {setup['factor_applied'][0]:.3f} "
+             f"({setup['prediction_factor_source']}); mean over seeds [95% t-interval]:", "",
+             "| tenant | met the SLO without | with | change | goodput without (tok/s) | with | change | TPOT p99 with (ms) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row, entry in over["rows"].items():
+        met, good = entry["met_slo_fraction"], entry["goodput_tokens_per_s"]
+        p99 = entry["tpot_p99_s_with"]
+        lo, hi = p99["ci95"]
+        p99_text = f"{1000 * p99['mean']:.1f}" + ("" if lo is None else f" [{1000 * lo:.1f}, {1000 * hi:.1f}]")
+        lines.append(f"| {row} | {pct(met['without'])} | {pct(met['with'])} | {pts(met['change'])} | {tok(good['without'])} | "
+                     f"{tok(good['with'])} | {tok(good['change'], True)} | {p99_text} |")
+    goals = over["goals_met"]
+    lines += ["", f"Goals met: p99 TPOT within the SLO in {goals['p99_tpot_within_slo']} of {n} seeds; goodput not below "
+              f"without admission in {goals['goodput_not_below_without']} of {n}."]
+    return "\n".join(lines)

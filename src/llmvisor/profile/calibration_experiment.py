@@ -30,7 +30,7 @@ from llmvisor.engine_process import run_engine_module
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
 from llmvisor.profile.calibration import residual_quantiles
-from llmvisor.profile.stats import noise_floor
+from llmvisor.profile.stats import floor_text, noise_floor
 from llmvisor.service.process import ServerProcess
 
 CANARY_TENANT = "canary"
@@ -217,8 +217,11 @@ def markdown_summary(result: dict) -> str:
         f"({sessions['held-out']['n_steps']:,} steps, a new engine start); {ledger_line(result)}.",
         "",
         f"Noise floor (the canary's {floor['n_groups']} step compositions, {floor['n_steps']} steps over both sessions): "
-        f"p50 {_pct(floor['p50'])}, p90 {_pct(floor['p90'])}; goal: held-out p50 within {GOAL_RATIO}× of it "
-        f"({_pct(goal['limit'])}).",
+        + (floor_text(floor) if floor.get("interval") else
+           f"p50 {_pct(floor['p50'])}, p90 {_pct(floor['p90'])}, by the earlier statistic ({floor.get('definition', 'unstated')}), "
+           "without an interval: this result predates the one floor (`llmvisor.core.stats.replicate_noise_floor`), and "
+           "recomputing it needs the sessions re-measured")
+        + f"; goal: held-out p50 within {GOAL_RATIO}× of it ({_pct(goal['limit'])}).",
         "",
     ]
     for name, calibration in result["calibrations"].items():

@@ -633,9 +633,16 @@ def sampled_preparation_s(batches: list[SampledBatchSpec], model) -> float:
     """Seconds of unmeasured prefill a sampled plan spends preparing its decode contexts, by the model: a batch with
     decodes has its contexts prefilled once (a shared prefix once), each request's prefill priced as one step of its
     own (an estimate: the engine packs several into one step). Its later orders find the same prompts' blocks in
-    the prefix cache and are counted as free."""
+    the prefix cache and are counted as free, as are the batches of a pool after its first (they hold its prefill)."""
     total = 0.0
+    pools_seen: set[tuple] = set()
     for batch in batches:
+        pool = getattr(batch, "pool_context_tokens", ())
+        if pool:
+            key = (pool, batch.pool_shared_prefix_tokens, batch.pool_groups)
+            if key in pools_seen:
+                continue
+            pools_seen.add(key)
         contexts = [c for c, prefill in zip(batch.num_context_tokens, batch.is_prefill) if not prefill]
         if not contexts:
             continue

@@ -237,6 +237,16 @@ def coalition_summary(records: list[dict], *, permutation_reference: dict | None
             "p90_gain_vs_token_count": gain,
             "halfwidth_over_share_p50": over_share[kind],
         }
+    by_size: dict[str, dict] = {}
+    for size in sorted({r["size"] for r in serving}):
+        for kind in sorted({r["kind"] for r in serving if r["size"] == size}):
+            chosen = [r for r in serving if r["size"] == size and r["kind"] == kind]
+            ratio = float(np.median(np.concatenate([r["half_s"] / r["shares_s"][Method.SHAPLEY.value] for r in chosen])))
+            steps = float(np.median([r["n_steps"] for r in chosen]))
+            # half-width ∝ 1/√(measured coalitions): the coalitions a batch like these needs for a median of 25%
+            by_size.setdefault(str(size), {})[kind] = {
+                "n_batches": len(chosen), "steps_per_batch_p50": steps, "halfwidth_over_share_p50": ratio,
+                "steps_for_halfwidth_quarter": math.ceil(steps * (ratio / HALFWIDTH_DECIDABLE_MAX) ** 2)}
     ratios: dict[str, dict] = {}
     for size in sorted({r["size"] for r in serving}):
         if size < 32:
@@ -277,7 +287,7 @@ def coalition_summary(records: list[dict], *, permutation_reference: dict | None
             "halfwidth_ratio_detail": ratios,
             "variant": "relative_weights_rounds",
         },
-        "sampled": {"halfwidth_over_share_p50": over_share, "by_kind": decision},
+        "sampled": {"halfwidth_over_share_p50": over_share, "by_kind": decision, "by_size": by_size},
         "batch_sizes": {"max": max(r["size"] for r in records), "min": min(r["size"] for r in records),
                         "serving_size": sorted({r["size"] for r in serving}), "n_serving_size_batches": len(serving),
                         "n_exact_batches": len(exact), "n_interference_flagged_excluded": len(flagged),
@@ -351,3 +361,28 @@ def jsonable(value):
     if isinstance(value, (float, np.floating)):
         return float(value) if math.isfinite(value) else None
     return value
+
+
+def measurement_cost(journal: Journal, runs: list[dict]) -> dict:
+    """Where a journal's measuring time went: the runs' wall time (engine start included) against the measured steps'
+    own time and the canaries', the rest being engine starts, prefilling each batch's contexts, preparing held
+    contexts again per chunk and the measuring loop itself; per batch-round (for rounds journaled with their timing)
+    the preparation, the rounds' wall time and the guard's waits."""
+    wall_s = float(sum(r.get("wall_s", 0.0) for r in runs))
+    measured = [m for ms in journal.measurements.values() for m in ms]
+    step_s = float(sum(m.step_latency_s for m in measured))
+    canary_s = float(sum(journal.canary_s))
+    n_steps = int(sum(r.get("measured_steps", 0) for r in runs))
+    out = {
+        "n_runs": len(runs), "wall_s": wall_s, "n_steps_measured": n_steps, "n_steps_in_journal": len(measured),
+        "steps_per_wall_s": n_steps / wall_s if wall_s > 0 else None,
+        "step_time_s": step_s, "canary_time_s": canary_s,
+        "step_time_fraction": step_s / wall_s if wall_s > 0 else None,
+        "other_fraction": max(0.0, 1 - (step_s + canary_s) / wall_s) if wall_s > 0 else None,
+        "steps_per_step_s": len(measured) / step_s if step_s > 0 else None,
+    }
+    if journal.round_timing:
+        timing = journal.round_timing
+        out["rounds"] = {"n": len(timing), **{k: float(sum(t.get(k, 0.0) for t in timing))
+                                               for k in ("prepare_s", "round_wall_s", "steps_s", "wait_after_s")}}
+    return out

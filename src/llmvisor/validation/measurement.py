@@ -127,6 +127,8 @@ class Journal:
         self.n_rejected = 0
         self.interference: list[dict] = []
         self.canary_s: list[float] = []
+        self.round_timing: list[dict] = []
+        """Where each batch-round's wall time went (`_measure_batch_round`), for rounds journaled with it."""
         if self.path.exists():
             self._load()
 
@@ -158,6 +160,7 @@ class Journal:
             self.canary_s.extend(float(t) for t in row.get("canary_s", []))
         elif kind == "canaries":
             self.canary_s.extend(float(t) for t in row.get("canary_s", []))
+            self.round_timing.extend(dict(t) for t in row.get("timing", []))
         elif kind == "measurement":
             m = Measurement(
                 str(row["batch_key"]), int(row["round"]), int(row["subset"]), int(row["repeat"]),
@@ -314,12 +317,36 @@ def check_repeat(repeat: int) -> None:
         raise LlmvisorError(f"--repeat: must be at least 1 (got {repeat})")
 
 
+SAME_MACHINE_MAX_RATIO = 3.0
+"""How much slower or faster than in a journal's earlier runs the canary may run before `check_same_machine` refuses."""
+
+
+def check_same_machine(journal: Journal, baseline_s: float, *, max_ratio: float = SAME_MACHINE_MAX_RATIO) -> None:
+    """Refuse to add to a journal measured on a machine this one is not: the guard's new baseline canary (the lower
+    half of its calibration) against the median of every canary the journal holds. Interference slows a canary for
+    seconds, not a whole calibration's lower half; a host without the earlier one's vector units (a bf16 matmul
+    emulated) or another engine build moves it many times over, and its steps would join batches measured elsewhere."""
+    earlier = journal.canary_s
+    if len(earlier) < 5 or not baseline_s > 0:
+        return
+    reference = float(np.median(earlier))
+    ratio = baseline_s / reference
+    if 1 / max_ratio <= ratio <= max_ratio:
+        return
+    how = f"{ratio:.1f}× slower" if ratio > 1 else f"{1 / ratio:.1f}× faster"
+    raise LlmvisorError(
+        f"{journal.path}: the canary step runs {how} here ({baseline_s:.3g} s) than in the journal's earlier runs "
+        f"({reference:.3g} s, median of {len(earlier)}): another machine or engine build. A journal holds one machine's "
+        "measurements; measure into a new one (another -o RESULT.json)")
+
+
 def _begin(measurer: Measurer, journal: Journal, guard: InterferenceGuard | None, anything_to_measure: bool,
            on_step: Callable[[int], None] | None, sleep: Callable[[float], None] | None) -> tuple[Callable, Callable, dict]:
     """What both measuring loops start with: the guard's baseline canaries (journaled, once, if anything is to be
     measured), the sleep and progress callbacks, and the counts they return."""
     if guard is not None and anything_to_measure and not guard.accepted_s:
         guard.calibrate(measurer)
+        check_same_machine(journal, guard.baseline_s)
         journal.log({"type": "canaries", "calibration": True, "canary_s": guard.all_s[:], "baseline_s": guard.baseline_s})
     counts = {"measured_now": 0, "rejected_now": 0, "discarded_batch_rounds": 0, "flagged_batch_rounds": 0, "reused": 0}
     return sleep or time.sleep, on_step or (lambda n: None), counts
@@ -328,19 +355,26 @@ def _begin(measurer: Measurer, journal: Journal, guard: InterferenceGuard | None
 def _measure_guarded(measurer, batch, round_: int, order: list[int], journal: Journal, max_attempts: int, warm_up_steps: int,
                      guard: InterferenceGuard | None, progress, counts: dict, sleep) -> None:
     """One batch-round's steps (``order``: subset masks), redone while the guard sees interference; then journaled."""
+    spent: list[dict] = []
     for redo in range(guard.max_redos + 1 if guard else 1):
-        taken, canaries, clean = _measure_batch_round(measurer, batch, round_, order, journal, max_attempts, warm_up_steps, guard, progress, counts)
+        timing: dict = {}
+        taken, canaries, clean = _measure_batch_round(measurer, batch, round_, order, journal, max_attempts, warm_up_steps, guard, progress,
+                                                      counts, timing)
+        spent.append({k: round(v, 4) for k, v in timing.items()})
         if clean or redo == (guard.max_redos if guard else 0):
             break
         counts["discarded_batch_rounds"] += 1
         journal.log({"type": "interference", "batch_key": batch.key, "round": round_, "canary_s": canaries,
                      "baseline_s": guard.baseline_s, "tolerance": guard.tolerance, "discarded_steps": len(taken)})
         progress(-len(taken))
+        waited = time.perf_counter()
         guard.wait_quiet(measurer, sleep)
+        spent[-1]["wait_after_s"] = round(time.perf_counter() - waited, 4)
     if not clean:
         counts["flagged_batch_rounds"] += 1
     if guard is not None:
-        journal.log({"type": "canaries", "batch_key": batch.key, "round": round_, "canary_s": canaries, "baseline_s": guard.baseline_s})
+        journal.log({"type": "canaries", "batch_key": batch.key, "round": round_, "canary_s": canaries, "baseline_s": guard.baseline_s,
+                     "timing": spent})
     for m in taken:
         m.repeat = len(journal.get(batch, m.round, m.subset))
         m.interference = not clean
@@ -416,9 +450,13 @@ def measure_sampled(
 
 def common_prefix_tokens(batch: SampledBatchSpec) -> int:
     """The one prefix length a shared-prefix decode batch's requests share (every request shares it)."""
-    lengths = set(batch.shared_prefix_tokens)
+    return _one_prefix(batch.index, batch.shared_prefix_tokens)
+
+
+def _one_prefix(index: int, prefix_tokens) -> int:
+    lengths = set(prefix_tokens)
     if len(lengths) != 1 or 0 in lengths:
-        raise LlmvisorError(f"batch {batch.index}: a shared-prefix decode batch needs one prefix shared by every request "
+        raise LlmvisorError(f"batch {index}: a shared-prefix decode batch needs one prefix shared by every request "
                             f"(got prefix lengths {sorted(lengths)})")
     return lengths.pop()
 
@@ -434,12 +472,16 @@ def _measure_batch_round(
     guard: InterferenceGuard | None,
     progress: Callable[[int], None],
     counts: dict,
+    timing: dict,
 ) -> tuple[list[Measurement], list[float], bool]:
-    """One pass over a batch-round's subset steps; returns (measurements, canary times, no interference)."""
+    """One pass over a batch-round's subset steps; returns (measurements, canary times, no interference) and puts in
+    ``timing`` where its wall time went: preparing (prefill of the held contexts, a canary), all of it, and the
+    measured steps' own time."""
     full = (1 << batch.size) - 1
     taken: list[Measurement] = []
     canaries: list[float] = []
     clean = True
+    begun = time.perf_counter()
 
     def canary() -> None:
         nonlocal clean
@@ -449,28 +491,27 @@ def _measure_batch_round(
             clean &= ok
 
     canary()
-    if batch.phase == SampledKind.MIXED_SHARING_DECODE:
+    pooled = bool(getattr(batch, "pool_index", ()))
+    contexts = list(batch.pool_context_tokens) if pooled else list(batch.num_context_tokens)
+    shared_prefix = list(batch.pool_shared_prefix_tokens) if pooled else list(getattr(batch, "shared_prefix_tokens", ()))
+    groups = list(batch.pool_groups) if pooled else list(getattr(batch, "groups", ()))
+
+    def held(subset: int) -> list[int]:
+        """The step's requests as positions in what is held (a pool's, or the batch's own)."""
+        return batch.pool_members(members(subset, batch.size)) if pooled else members(subset, batch.size)
+
+    if batch.phase in (SampledKind.MIXED_SHARING_DECODE, SampledKind.SHARED_PREFIX_DECODE, Phase.DECODE):
         runs_per_request = max(sum(1 for m in order if m >> i & 1) for i in range(batch.size))
-        handle = measurer.prepare_grouped_decode(
-            list(batch.num_context_tokens), list(batch.shared_prefix_tokens), list(batch.groups),
-            max_decode_steps=runs_per_request + warm_up_steps + 4 * max_attempts,
-        )
+        steps = runs_per_request + warm_up_steps + 4 * max_attempts
+        if batch.phase == SampledKind.MIXED_SHARING_DECODE:
+            handle = measurer.prepare_grouped_decode(contexts, shared_prefix, groups, max_decode_steps=steps)
+        elif batch.phase == SampledKind.SHARED_PREFIX_DECODE:
+            handle = measurer.prepare_shared_decode(contexts, _one_prefix(batch.index, shared_prefix), max_decode_steps=steps)
+        else:
+            handle = measurer.prepare_decode(contexts, max_decode_steps=steps)
+
         def run(subset):
-            return measurer.decode_step(handle, members(subset, batch.size))
-    elif batch.phase == SampledKind.SHARED_PREFIX_DECODE:
-        runs_per_request = max(sum(1 for m in order if m >> i & 1) for i in range(batch.size))
-        handle = measurer.prepare_shared_decode(
-            list(batch.num_context_tokens), common_prefix_tokens(batch), max_decode_steps=runs_per_request + warm_up_steps + 4 * max_attempts
-        )
-        def run(subset):
-            return measurer.decode_step(handle, members(subset, batch.size))
-    elif batch.phase == Phase.DECODE:
-        runs_per_request = max(sum(1 for m in order if m >> i & 1) for i in range(batch.size))
-        handle = measurer.prepare_decode(
-            list(batch.num_context_tokens), max_decode_steps=runs_per_request + warm_up_steps + 4 * max_attempts
-        )
-        def run(subset):
-            return measurer.decode_step(handle, members(subset, batch.size))
+            return measurer.decode_step(handle, held(subset))
     elif batch.phase == SampledKind.MIXED:
         runs_per_request = max(sum(1 for m in order if m >> i & 1) for i in range(batch.size))
         handle = measurer.prepare_mixed(
@@ -483,6 +524,7 @@ def _measure_batch_round(
         handle = None
         def run(subset):
             return measurer.prefill_step([batch.num_new_tokens[i] for i in members(subset, batch.size)])
+    timing["prepare_s"] = time.perf_counter() - begun
     try:
         for _ in range(warm_up_steps):
             run(full)
@@ -510,6 +552,8 @@ def _measure_batch_round(
     finally:
         if handle is not None:
             measurer.release(handle)
+    timing["round_wall_s"] = time.perf_counter() - begun
+    timing["steps_s"] = sum(m.step_latency_s for m in taken)
     return taken, canaries, clean
 
 

@@ -256,6 +256,13 @@ class SampledBatchSpec:
     """Coalitions measured again, independently, in round 1 (the replicate noise of this batch)."""
     chunk: int = 32
     """Coalitions per batch-round of the coalitions design (a decode batch is prepared afresh per chunk)."""
+    pool_index: tuple[int, ...] = ()
+    """With a pool (`draw_coalition_pools`): each request's position in the pool whose contexts are held while this
+    batch is measured (ascending); empty: the batch is its own pool."""
+    pool_context_tokens: tuple[int, ...] = ()
+    """The pool's contexts, prefilled once and held for every batch drawn from it."""
+    pool_shared_prefix_tokens: tuple[int, ...] = ()
+    pool_groups: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
@@ -272,9 +279,15 @@ class SampledBatchSpec:
         key = f"sampled{self.index}:{self.kind}:{lengths}" + (f"|{shared}" if shared else "")
         if self.prefix_groups:
             key += "|g" + ",".join(map(str, self.prefix_groups))
+        if self.pool_index:
+            key += "|pool" + ",".join(map(str, self.pool_index))
         if self.coalitions:
             key = "coalitions-" + key
         return key
+
+    def pool_members(self, members: list[int]) -> list[int]:
+        """Positions in the held pool of the batch's ``members`` (the members themselves without a pool)."""
+        return [self.pool_index[i] for i in members] if self.pool_index else list(members)
 
     @property
     def design(self) -> str:
@@ -412,6 +425,8 @@ def draw_coalition_batches(
     exact_sharing_sizes: tuple[int, ...] = (6, 7),
     chunk: int = 32,
     decode_headroom: int = 256,
+    pools: int = 0,
+    pool_coalitions_per_request: float | None = None,
     seed: int = 0,
 ) -> list[SampledBatchSpec]:
     """Serving-size batches measured on random complementary coalitions (``coalitions_per_request`` × n + 1 of them,
@@ -436,7 +451,7 @@ def draw_coalition_batches(
     max_context = envelope.max_model_len - decode_headroom
     out = []
 
-    def sharing_batch(index: int, template: SampledBatchSpec | None, size: int, exact: bool) -> SampledBatchSpec:
+    def sharing_batch(index: int, template: SampledBatchSpec | None, size: int, exact: bool, rng=rng) -> SampledBatchSpec:
         groups = draw_prefix_groups(size, rng, exact=exact)
         n_groups = max(groups) + 1
         prefixes = [int(max_context * f) for f in rng.permutation(np.linspace(0.1, 0.3, n_groups))]
@@ -468,7 +483,88 @@ def draw_coalition_batches(
         out.append(SampledBatchSpec(**{**batch.__dict__, "replicated": replicated, "rounds": 2 if replicated else 1}))
     exact = [sharing_batch(n_batches + j, None, exact_sharing_sizes[j % len(exact_sharing_sizes)], exact=True)
              for j in range(exact_sharing_batches)]
-    return exact + out  # the exact ones first: cheap, and what the sharing check needs
+    pooled = draw_coalition_pools(mixes, envelope, n_pools=pools, first_index=n_batches + exact_sharing_batches,
+                                  coalitions_per_request=pool_coalitions_per_request or coalitions_per_request, sizes=sizes,
+                                  kinds=kinds, replicate_share=replicate_share, chunk=chunk, decode_headroom=decode_headroom,
+                                  seed=seed, sharing_batch=sharing_batch) if pools else []
+    return exact + out + pooled  # the exact ones first: cheap, and what the sharing check needs
+
+
+def _with_replicates(batch: SampledBatchSpec, replicate_share: float) -> SampledBatchSpec:
+    n_rep = int(round(replicate_share * len(batch.coalitions) / 2)) * 2
+    replicated = tuple(batch.coalitions[1 : 1 + n_rep])
+    return SampledBatchSpec(**{**batch.__dict__, "replicated": replicated, "rounds": 2 if replicated else 1})
+
+
+def pool_subset(n: int, groups: list[int], size: int, rng: np.random.Generator) -> list[int]:
+    """``size`` of a pool's ``n`` positions, ascending: at random, or (a pool in prefix ``groups``) stratified by group,
+    each group at least 2 readers (so its blocks can be shared) and at least one request of its own context kept."""
+    if not groups or all(g < 0 for g in groups):
+        return sorted(int(i) for i in rng.choice(n, size, replace=False))
+    arr = np.array(groups)
+    counts = {g: max(2, int(round(size * int((arr == g).sum()) / n))) for g in sorted(set(groups) - {-1})}
+    while sum(counts.values()) > size - 1:
+        counts[max(counts, key=lambda g: counts[g])] -= 1
+    counts[-1] = size - sum(counts.values())
+    picked = [int(i) for g, k in counts.items() for i in rng.choice(np.flatnonzero(arr == g), k, replace=False)]
+    return sorted(picked)
+
+
+def draw_coalition_pools(
+    mixes: list[LengthMix],
+    envelope: Envelope,
+    *,
+    n_pools: int,
+    first_index: int,
+    coalitions_per_request: float,
+    sizes: tuple[int, ...],
+    kinds: tuple[str, ...],
+    replicate_share: float,
+    chunk: int,
+    decode_headroom: int,
+    seed: int,
+    sharing_batch,
+) -> list[SampledBatchSpec]:
+    """Pools of serving-size batches that share one prefill: a pool is a batch of the largest size (kinds cycle, lengths
+    drawn as `draw_sampled_batches`' or, mixed sharing, `draw_coalition_batches`'), then max ÷ s batches of each
+    smaller size s, each a random subset of the pool's requests (stratified by prefix group). The pool's contexts are
+    prefilled once and held while all of its batches are measured: a held request runs only in the steps that name it,
+    so each batch is a game of its own requests, at a fraction of the prefill. Batches of one pool share requests
+    (their estimates' noise is independent: every step is measured afresh). Drawn from streams of their own, so adding
+    pools leaves every other batch of the plan as it was."""
+    largest = max(sizes)
+    rng = np.random.default_rng([seed, 1964, 7])
+    templates = draw_sampled_batches(
+        mixes, envelope, n_batches=n_pools, n_orders=2, sizes=(largest,),
+        kinds=tuple(SampledKind.SHARED_PREFIX_DECODE if k == SampledKind.MIXED_SHARING_DECODE else k for k in kinds),
+        decode_headroom=decode_headroom, seed=[seed, 1964, 8])
+    out: list[SampledBatchSpec] = []
+    index = first_index
+    for j, template in enumerate(templates):
+        kind = SampledKind(kinds[j % len(kinds)])
+        if kind == SampledKind.MIXED_SHARING_DECODE:
+            pool = sharing_batch(index, template, largest, exact=False, rng=rng)
+        else:
+            pool = SampledBatchSpec(**{**template.__dict__, "index": index, "orders": (), "antithetic": False, "chunk": chunk})
+        pool_fields = {"pool_context_tokens": pool.num_context_tokens, "pool_shared_prefix_tokens": pool.shared_prefix_tokens,
+                       "pool_groups": pool.prefix_groups}
+        masks = complementary_masks(largest, int(coalitions_per_request * largest) + 1, rng)
+        out.append(_with_replicates(SampledBatchSpec(**{**pool.__dict__, "coalitions": tuple(masks), "chunk": chunk,
+                                                        "pool_index": tuple(range(largest)), **pool_fields}), replicate_share))
+        index += 1
+        for size in sorted((s for s in set(sizes) if s < largest), reverse=True):
+            for _ in range(largest // size):
+                picked = pool_subset(largest, list(pool.prefix_groups), size, rng)
+                masks = complementary_masks(size, int(coalitions_per_request * size) + 1, rng)
+                sub = SampledBatchSpec(
+                    index=index, kind=pool.kind, source=pool.source, num_new_tokens=(1,) * size,
+                    num_context_tokens=tuple(pool.num_context_tokens[i] for i in picked), is_prefill=(False,) * size,
+                    shared_prefix_tokens=tuple(pool.shared_prefix_tokens[i] for i in picked), orders=(), antithetic=False,
+                    prefix_groups=tuple(pool.prefix_groups[i] for i in picked) if pool.prefix_groups else (),
+                    coalitions=tuple(masks), chunk=chunk, pool_index=tuple(picked), **pool_fields)
+                out.append(_with_replicates(sub, replicate_share))
+                index += 1
+    return out
 
 
 def sampled_run_budget_s(batches: list[SampledBatchSpec], step_s, *, repeat: int) -> float:
@@ -487,6 +583,7 @@ def sampled_plan(mixes: list[LengthMix], envelope: Envelope, sampled: dict, *, s
         return draw_coalition_batches(
             mixes, envelope, n_batches=sampled["batches"], coalitions_per_request=sampled["coalitions_per_request"], sizes=sizes,
             kinds=kinds, replicate_share=sampled["replicate_share"], exact_sharing_batches=sampled.get("exact_sharing_batches", 0),
-            exact_sharing_sizes=tuple(sampled.get("exact_sharing_sizes", (6, 7))), chunk=sampled.get("chunk", 32), seed=seed)
+            exact_sharing_sizes=tuple(sampled.get("exact_sharing_sizes", (6, 7))), chunk=sampled.get("chunk", 32),
+            pools=sampled.get("pools", 0), pool_coalitions_per_request=sampled.get("pool_coalitions_per_request"), seed=seed)
     return draw_sampled_batches(mixes, envelope, n_batches=sampled["batches"], n_orders=sampled["orders"], sizes=sizes, kinds=kinds,
                                 antithetic=sampled.get("antithetic", True), seed=seed)

@@ -360,6 +360,19 @@ def coalitions_markdown_summary(result: dict) -> str:
             f"| {COALITION_KIND_LABELS.get(kind, kind)} | {row['n_batches']} | {_pct(row['halfwidth_over_share_p50'])} | "
             f"{_pct(err['shapley']['p50'])} / {_pct(err['shapley']['p90'])} / {_pct(err['shapley']['p99'])} | "
             f"{_pct(err['token_count']['p90'])} | {row['goal_p90']} | {row['goal_vs_token_count']} |")
+    if sampled.get("by_size"):
+        lines += [
+            "",
+            "Per size (half-width scales as 1/√(measured coalitions): the last column is the steps a batch like these "
+            "would need for a median half-width of 25% of its share at this noise):",
+            "",
+            "| requests | batch kind | batches | steps per batch (p50) | 95% half-width ÷ share (p50) | steps for 25% |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for size, kinds in sampled["by_size"].items():
+            for kind, row in kinds.items():
+                lines.append(f"| {size} | {COALITION_KIND_LABELS.get(kind, kind)} | {row['n_batches']} | {row['steps_per_batch_p50']:.0f} | "
+                             f"{_pct(row['halfwidth_over_share_p50'])} | {row['steps_for_halfwidth_quarter']:,} |")
     for label, entry in summary["sharing"].items():
         lines += [
             "",
@@ -373,6 +386,13 @@ def coalitions_markdown_summary(result: dict) -> str:
         for rule, row in entry["rules"].items():
             cells = [_interval(row["class_bias"].get(c)) for c in CLASS_LABELS if c in row["class_bias"]]
             lines.append(f"| {rule.replace('_', ' ')} | " + " | ".join(cells) + f" | {'yes' if row['flagged'] else 'no'} |")
+    cost = summary.get("measurement_cost")
+    if cost and cost.get("wall_s"):
+        lines += ["", f"Measuring cost: {cost['n_runs']} runs, {cost['wall_s'] / 60:.1f} min in all (engine starts included) for "
+                  f"{cost['n_steps_measured']:,} measured steps, {cost['steps_per_wall_s']:.1f} steps/s; the steps themselves took "
+                  f"{_pct(cost['step_time_fraction'])} of it ({cost['steps_per_step_s']:.0f} steps per second of step time), the canaries "
+                  f"{cost['canary_time_s']:.0f} s, and {_pct(cost['other_fraction'])} went to engine starts, prefilling each batch's contexts, "
+                  "preparing held contexts again per chunk and the loop around the steps."]
     additivity, floor = summary["additivity"], summary["noise_floor"]["relative_per_measurement"]
     if additivity.get("per_batch"):
         lines += ["", f"Additivity against each batch's own replicates: rejected at 5% for {_pct(additivity['rejected_fraction_5pct'])} of "

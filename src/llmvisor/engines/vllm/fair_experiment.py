@@ -81,6 +81,8 @@ def run(spec: dict) -> dict:
     fair_config = {"cost": policy if policy != "fcfs" else "tokens", "model": spec["model_path"]}
     if spec.get("tpot_slo_s") is not None:
         fair_config["tpot_slo_s"] = spec["tpot_slo_s"]
+    if spec.get("tpot_prediction_factor") is not None:
+        fair_config["tpot_prediction_factor"] = spec["tpot_prediction_factor"]
     os.environ["LLMVISOR_FAIR_CONFIG"] = json.dumps(fair_config)
 
     import torch
