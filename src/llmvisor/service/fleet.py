@@ -656,6 +656,7 @@ def _build_edge(ledger: Ledger, settings: FleetSettings, model: StepLatencyModel
     started = time.perf_counter()
     engines = build_engines(specs, model, version, workers=workers)
     build_s = time.perf_counter() - started
-    [warmup] = build_engines([EdgeSpec(index=0, **{**common, "tag": f"{tag}w", "archive_url": None,
+    # the warm-up run's windows are dated an hour earlier: not archived, and outside any audit of the run's period
+    [warmup] = build_engines([EdgeSpec(index=0, **{**common, "tag": f"{tag}w", "archive_url": None, "base_s": base_s - 3600,
                                                    "duration_s": window_s * (settings.processes + 1)})], model, version, workers=1)
     return {"engines": engines, "warmup": warmup, "build_s": build_s, "base_s": base_s, "workload": DEFAULT_WORKLOAD}
