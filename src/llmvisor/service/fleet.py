@@ -56,6 +56,8 @@ PROBE_TIMEOUT_S = 30.0
 POST_TIMEOUT_S = 60.0
 LEDGER_TABLES = ("steps", "slice_batches", "usage_per_second", "windows", "window_tenant_usage", "request_totals", "step_ranges")
 MODES = ("steps", "aggregate")
+MAX_WINDOWS_PER_POST = 200
+"""At most this many windows in one POST, as the engines' `llmvisor.client.WindowPusher` sends (max_batch_windows)."""
 LATE_AFTER_CLOSE_S = 1.0
 """A window acknowledged more than this after its engine closed it is late (staleness goal: window + 1 s)."""
 
@@ -443,7 +445,7 @@ async def run_fleet_windows(urls: list[str], api_key: str, settings: FleetSettin
             if now < due_s:
                 await asyncio.sleep(due_s - now)
                 continue
-            due = [w for w in engine.windows[sent:] if t0 + w.close_s <= now]
+            due = [w for w in engine.windows[sent : sent + MAX_WINDOWS_PER_POST] if t0 + w.close_s <= now]
             content = b'{"windows":[' + b",".join(w.body for w in due) + b"]}"
             started = time.perf_counter()
             try:
