@@ -111,6 +111,21 @@ def test_bad_windows_are_422_naming_the_field_and_store_nothing(client, admin):
     assert tenants(client, admin) == {}
 
 
+def test_a_backlog_of_windows_larger_than_a_small_body_is_taken_in_one_post(client, admin):
+    """After an outage the pusher sends up to 200 windows at once (~10 kB each at B = 32): the windows route takes
+    bodies up to the ingest limit, not the 64 KiB of the other routes (it answered 413 to a fleet's backlog)."""
+    import json
+
+    from llmvisor.service.config import DEFAULT_MAX_SMALL_BODY_BYTES
+
+    windows = windows_of(client, admin, "run-big", steps_of("run-big", 600))
+    body = json.dumps({"windows": windows}).encode()
+    assert len(body) > DEFAULT_MAX_SMALL_BODY_BYTES
+    answer = client.post("/v1/windows", headers={**bearer(admin), "Content-Type": "application/json"}, content=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["windows_inserted"] == len(windows)
+
+
 def test_gaps_show_from_window_step_ranges(client, admin):
     windows = windows_of(client, admin, "run-w", steps_of("run-w", skip=(7, 8, 30)))
     assert client.post("/v1/windows", headers=bearer(admin), json={"windows": windows}).status_code == 200

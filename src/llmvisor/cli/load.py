@@ -44,6 +44,15 @@ def load(
     processes: Annotated[int, typer.Option(help="With --engines: service processes on the one database.", min=1, max=16)] = 2,
     engine_steps_per_s: Annotated[float, typer.Option(help="With --engines: steps per second of each engine.", min=0.1, max=1000)] = 50.0,
     flush_ms: Annotated[float, typer.Option(help="With --engines: how often each engine POSTs the steps that ended.", min=1, max=60_000)] = 200.0,
+    mode: Annotated[
+        str, typer.Option(help="With --engines: 'steps' (each engine POSTs its steps to /v1/steps) or 'aggregate' (one window "
+                          "aggregate per --window-s to /v1/windows, attributed at the edge, raw steps to a Parquet archive).")
+    ] = "steps",
+    window_s: Annotated[float, typer.Option(help="With --mode aggregate: the window, seconds (the engines' default).", min=0.05, max=600)] = 1.0,
+    archive: Annotated[
+        str | None, typer.Option(help="With --mode aggregate: where the engines archive their raw steps (directory or fsspec URL); "
+                                 "default: a temporary directory, removed after the run.", metavar="URL")
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print only JSON to stdout: the settings and each target's figures.")] = False,
 ) -> None:
     """Measure sustained ingest throughput (steps/s) on loopback, or with --engines a fleet's accepted rate,
@@ -54,10 +63,14 @@ def load(
     if engines is not None:
         if url is not None:
             raise LlmvisorError("--engines starts its own service processes; it does not take --url")
+        if archive is not None and mode != "aggregate":
+            raise LlmvisorError("--archive: only engines in --mode aggregate archive their steps")
+        if archive is not None and len(db or ["sqlite"]) > 1:
+            raise LlmvisorError("--archive: give one --db with it (each run archives its own steps)")
         settings = FleetSettings(engines=engines, processes=processes, steps_per_s_per_engine=engine_steps_per_s,
                                  batch_size=batch_size, flush_interval_s=flush_ms / 1e3, duration_s=max_seconds,
-                                 warmup_s=min(5.0, max_seconds / 4))
-        results = [load_fleet(target, settings, model_path=model) for target in (db or ["sqlite"])]
+                                 warmup_s=min(5.0, max_seconds / 4), mode=mode, window_s=window_s if mode == "aggregate" else None)
+        results = [load_fleet(target, settings, model_path=model, archive_url=archive) for target in (db or ["sqlite"])]
         if json_output:
             typer.echo(json.dumps({"runs": [result.to_json() for result in results]}, indent=2))
             return

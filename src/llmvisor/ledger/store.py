@@ -372,6 +372,19 @@ class ModelVersion:
 
 
 @dataclass(frozen=True)
+class TenantWindow:
+    """A window aggregate a tenant had usage in: the window's facts and the tenant's attributed time in it."""
+
+    run_id: str
+    window_start_us: int
+    window_end_us: int
+    engine_class: str
+    model_version: int | None
+    pending: bool
+    attributed_ns: int
+
+
+@dataclass(frozen=True)
 class StoredSteps:
     """Steps read back from the ledger with their slices (``slices``: a trace-format table sorted by
     ``(run_id, step_id)``, with ``timestamp_s`` and, where stored, the sharing columns)."""
@@ -1328,6 +1341,20 @@ class Ledger:
         with self._read() as conn:
             rows = conn.execute(query).all()
             return self._with_slices(conn, rows)
+
+    def tenant_windows(self, tenant: str, start_us: int, end_us: int) -> list[TenantWindow]:
+        """The windows ``tenant`` had usage in whose second (of their start) is in [start_us, end_us), by run and start."""
+        w, win = window_tenant_usage, windows
+        query = (
+            select(win.c.run_id, win.c.window_start_us, win.c.window_end_us, win.c.engine_class, win.c.model_version, win.c.pending,
+                   w.c.attributed_ns)
+            .join(w, and_(w.c.run_id == win.c.run_id, w.c.window_start_us == win.c.window_start_us))
+            .where(w.c.tenant == tenant, *self._range(w.c.second_us, start_us, end_us))
+            .order_by(win.c.run_id, win.c.window_start_us)
+        )
+        with self._read() as conn:
+            return [TenantWindow(str(r[0]), int(r[1]), int(r[2]), str(r[3]), None if r[4] is None else int(r[4]), bool(r[5]), int(r[6]))
+                    for r in conn.execute(query)]
 
     def billed_steps(self, engine_class: str, start_us: int, end_us: int) -> StoredSteps:
         """The attributed (not pending) steps of a class starting in [start_us, end_us), with their slices as

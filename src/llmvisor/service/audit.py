@@ -62,11 +62,18 @@ class AuditResult:
     num_mismatched_steps: int = 0
     adjustments_checked: int = 0
     adjustment_mismatches: list[dict] = field(default_factory=list)
+    window_steps: int = 0
+    """Archived steps the ledger billed in window aggregates (the edge attributed them)."""
+    windows_checked: int = 0
+    billed_windows_ns: int = 0
+    """Σ of the tenant's attributed time in those windows, as the ledger stored it."""
+    mismatched_windows: list[dict] = field(default_factory=list)
+    num_mismatched_windows: int = 0
 
     @property
     def ok(self) -> bool:
-        return (self.reattributed_ns == self.usage_ns == self.billed_steps_ns and self.missing_steps == 0
-                and self.num_mismatched_steps == 0 and not self.adjustment_mismatches)
+        return (self.reattributed_ns == self.usage_ns == self.billed_steps_ns + self.billed_windows_ns and self.missing_steps == 0
+                and self.num_mismatched_steps == 0 and self.num_mismatched_windows == 0 and not self.adjustment_mismatches)
 
     @property
     def net_billed_ns(self) -> int:
@@ -93,7 +100,7 @@ def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, e
     billed_ns: dict[tuple[str, int], int] = {}
     for engine_class in dict.fromkeys(classes.tolist()):
         stored = ledger.billed_steps(engine_class, start_us, end_us)
-        by_key = dict(zip(stored.keys, stored.model_version.tolist()))
+        by_key = dict(zip(stored.keys, [] if stored.model_version is None else stored.model_version.tolist()))  # None: no steps
         slices = stored.slices
         has_sharing = slices.num_rows and all(name in slices.column_names for name in SHARING_COLUMNS)
         shared_keys = set()
@@ -109,6 +116,12 @@ def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, e
         for k in np.flatnonzero(classes == engine_class).tolist():
             version[k] = by_key.get(keys[k], -2)
             shared_stored[k] = keys[k] in shared_keys
+    when_us = np.rint(trace.extra["timestamp_s"][trace.step_starts].astype(np.float64) * 1e6)
+    window_rows = ledger.tenant_windows(tenant, start_us, end_us)
+    window_of = _match_windows(trace, keys, classes, when_us, version, window_rows)
+    in_window = window_of >= 0
+    version[in_window] = [window_rows[i].model_version for i in window_of[in_window].tolist()]
+    shared_stored[in_window] = _priced_with_sharing(trace)[in_window]
     reattributed: dict[tuple[str, int], int] = {}
     versions: dict[str, int] = {}
     groups = {(c, int(v), bool(s)) for c, v, s in zip(classes.tolist(), version.tolist(), shared_stored.tolist()) if v != -2}
@@ -122,9 +135,18 @@ def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, e
         versions[label] = versions.get(label, 0) + int(mask.sum())
     archived = set(keys)
     missing = [key for key in billed_ns if key not in archived]
+    window_keys = {keys[k]: int(window_of[k]) for k in np.flatnonzero(in_window).tolist()}
     mismatched = [
         {"run_id": run, "step_id": step, "billed_ns": billed_ns.get((run, step), 0), "reattributed_ns": ns}
-        for (run, step), ns in sorted(reattributed.items()) if billed_ns.get((run, step), 0) != ns
+        for (run, step), ns in sorted(reattributed.items()) if (run, step) not in window_keys and billed_ns.get((run, step), 0) != ns
+    ]
+    per_window = [0] * len(window_rows)
+    for key, i in window_keys.items():
+        per_window[i] += reattributed.get(key, 0)
+    billed_windows = [row for row in window_rows if not row.pending]
+    mismatched_windows = [
+        {"run_id": row.run_id, "window_start_us": row.window_start_us, "billed_ns": row.attributed_ns, "reattributed_ns": per_window[i]}
+        for i, row in enumerate(window_rows) if not row.pending and per_window[i] != row.attributed_ns
     ]
     usage = ledger.tenant_usage(start_us, end_us, tenant=tenant)
     adjusted_ns, partial = 0, 0
@@ -137,7 +159,6 @@ def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, e
                 newest[key] = row
         elif row.period_start_us < end_us and start_us < row.period_end_us:
             partial += 1
-    when_us = np.rint(trace.extra["timestamp_s"][trace.step_starts].astype(np.float64) * 1e6)
     adjustment_mismatches = []
     for (engine_class, period_start_us, period_end_us), row in sorted(newest.items()):
         in_period = (classes == engine_class) & (when_us >= period_start_us) & (when_us < period_end_us) & (version != -2)
@@ -160,7 +181,45 @@ def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, e
         usage_ns=sum(row.attributed_ns for row in usage), adjusted_ns=adjusted_ns, partial_adjustments=partial,
         versions=versions, mismatched_steps=mismatched[:MAX_LISTED_STEPS], num_mismatched_steps=len(mismatched),
         adjustments_checked=len(newest), adjustment_mismatches=adjustment_mismatches,
+        window_steps=int(in_window.sum()), windows_checked=len(billed_windows),
+        billed_windows_ns=sum(row.attributed_ns for row in billed_windows),
+        mismatched_windows=mismatched_windows[:MAX_LISTED_STEPS], num_mismatched_windows=len(mismatched_windows),
     )
+
+
+def _match_windows(trace: StepTrace, keys: list, classes: np.ndarray, when_us: np.ndarray, version: np.ndarray,
+                   window_rows: list) -> np.ndarray:
+    """Per archived step the ledger did not bill per step, the index in ``window_rows`` of the attributed window of
+    its run and class that holds its start (-1: none)."""
+    out = np.full(trace.n_steps, -1, dtype=np.int64)
+    by_run: dict[str, list[int]] = {}
+    for i, row in enumerate(window_rows):
+        by_run.setdefault(row.run_id, []).append(i)
+    starts = {run: np.asarray([window_rows[i].window_start_us for i in idx], dtype=np.int64) for run, idx in by_run.items()}
+    for k in np.flatnonzero(version == -2).tolist():
+        run = keys[k][0]
+        if run not in by_run:
+            continue
+        j = int(np.searchsorted(starts[run], when_us[k], side="right")) - 1
+        if j < 0:
+            continue
+        i = by_run[run][j]
+        row = window_rows[i]
+        if when_us[k] < row.window_end_us and not row.pending and row.engine_class == classes[k]:
+            out[k] = i
+    return out
+
+
+def _priced_with_sharing(trace: StepTrace) -> np.ndarray:
+    """Per step, whether its archived slices carry shared context (the edge priced it with the sharing columns);
+    steps archived with none shared are priced without them, as a window of them is (`WindowAggregator`)."""
+    if trace.n_steps == 0 or not all(name in trace.extra for name in SHARING_COLUMNS):
+        return np.zeros(trace.n_steps, dtype=bool)
+    shared = np.asarray(trace.extra["num_shared_context_tokens"], dtype=np.float64) > 0
+    differs = np.asarray(trace.extra["effective_context_tokens"], dtype=np.float64) != np.asarray(trace.num_context_tokens, dtype=np.float64)
+    flags = np.zeros(trace.n_steps, dtype=np.int64)
+    np.add.at(flags, trace.slice_step_index, (shared | differs).astype(np.int64))
+    return flags > 0
 
 
 def _as_billed(part: StepTrace, with_sharing: bool) -> StepTrace:

@@ -11,11 +11,18 @@ and max), staleness (from a step's end until the usage API counts it, sampled by
 ``GET /v1/usage/requests`` for one long-running request of an engine), the CPU seconds the service processes
 spent per accepted step, and on PostgreSQL the WAL and table bytes written per step. All on loopback, bounded
 in engines and seconds; the load generator shares the machine with what it measures.
+
+``mode="aggregate"``: each engine instead sends one window aggregate per ``window_s`` (`llmvisor.service.fleet_edge`:
+built before the run by the real aggregator and archive writer, POSTed to ``/v1/windows`` when the engine would close
+it), and the run reports the steps its accepted windows cover, the windows' lateness, the archive's bytes and the
+engine-side CPU per step besides the same service figures.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import os
 import resource
 import tempfile
@@ -35,7 +42,9 @@ from llmvisor.core.stats import quantile_summary
 from llmvisor.core.synthetic import synthetic_trace
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
+from llmvisor.service.fleet_edge import DEFAULT_WORKLOAD, ENGINE_CLASS, LONG_REQUEST, EdgeEngine, EdgeSpec, build_engines
 from llmvisor.service.process import ServerProcess
+from llmvisor.service.routes.windows import WINDOWS_PATH
 
 MAX_ENGINES = 5000
 MAX_PROCESSES = 16
@@ -45,7 +54,12 @@ STEPS_PER_REQUEST = 200
 PROBE_POLL_S = 0.02
 PROBE_TIMEOUT_S = 30.0
 POST_TIMEOUT_S = 60.0
-LEDGER_TABLES = ("steps", "slice_batches", "usage_per_second")
+LEDGER_TABLES = ("steps", "slice_batches", "usage_per_second", "windows", "window_tenant_usage", "request_totals", "step_ranges")
+MODES = ("steps", "aggregate")
+MAX_WINDOWS_PER_POST = 200
+"""At most this many windows in one POST, as the engines' `llmvisor.client.WindowPusher` sends (max_batch_windows)."""
+LATE_AFTER_CLOSE_S = 1.0
+"""A window acknowledged more than this after its engine closed it is late (staleness goal: window + 1 s)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,10 @@ class FleetSettings:
     """Not measured: the first POSTs of a large fleet all arrive at once."""
     n_tenants: int = 16
     probe_interval_s: float = 0.25
+    mode: str = "steps"
+    """'steps' (every step POSTed to /v1/steps) or 'aggregate' (one window aggregate per window_s, /v1/windows)."""
+    window_s: float | None = None
+    """Aggregate mode's window (default 1 s, as the engines' delivery uses); None in steps mode."""
 
 
 @dataclass
@@ -69,6 +87,9 @@ class FleetResult:
     database: str
     offered_steps_per_s: float
     accepted_steps_per_s: float
+    """Steps acknowledged per second of the measured period (in aggregate mode: covered by acknowledged windows)."""
+    steps_covered_per_s: float
+    """Steps/s stored by the service: as acknowledged POSTs of steps, or covered by acknowledged windows."""
     steps_acknowledged: int
     steps_unsent_at_end: int
     posts: int
@@ -82,11 +103,19 @@ class FleetResult:
     service_cpu_s_per_step: float | None
     generator_cpu_s_per_step: float
     postgres_per_step: dict | None
-    """Per acknowledged step: WAL bytes, growth of each ledger table in bytes, PostgreSQL CPU seconds."""
+    """Per acknowledged step: WAL bytes, growth of each ledger table in bytes (``table_bytes`` their sum),
+    PostgreSQL CPU seconds."""
     reconciled: bool
-    window_s: float = field(default=0.0)
+    measured_s: float = field(default=0.0)
+    """Length of the measured period (the run less its warm-up)."""
     load_average_1min: list[float] = field(default_factory=list)
     """The machine's 1-minute load average before and after the run: what else was running."""
+    load_average_1min_max: float | None = None
+    """The highest 1-minute load average sampled (once a second) during the run."""
+    archive_bytes_per_step: float | None = None
+    """Aggregate mode: bytes of the raw-step archive's Parquet files per step; None in steps mode (no archive)."""
+    aggregate: dict | None = None
+    """Aggregate mode only: windows, lateness, coverage, engine-side CPU and the archive (`load_fleet`)."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -94,9 +123,12 @@ class FleetResult:
     def line(self) -> str:
         s = self.settings
         lat, stale = self.ingest_latency_s, self.staleness_s
+        covered = (f"covered {self.steps_covered_per_s:,.0f} steps/s in {self.aggregate['accepted_windows_per_s']:,.0f} windows/s "
+                   f"({self.aggregate['steps_uncovered_at_end']} steps uncovered, {self.aggregate['steps_late']} late)"
+                   if self.aggregate else f"accepted {self.accepted_steps_per_s:,.0f}")
         return (
-            f"{s['engines']} engines x {s['steps_per_s_per_engine']:g} steps/s into {s['processes']} processes ({self.database}): "
-            f"offered {self.offered_steps_per_s:,.0f} steps/s, accepted {self.accepted_steps_per_s:,.0f}; "
+            f"{s['engines']} engines x {s['steps_per_s_per_engine']:g} steps/s into {s['processes']} processes ({self.database}, "
+            f"{s['mode']} mode): offered {self.offered_steps_per_s:,.0f} steps/s, {covered}; "
             f"ingest p50 {1e3 * lat['p50']:.1f} ms, p99 {1e3 * lat['p99']:.1f} ms; "
             f"staleness p50 {stale['p50']:.2f} s, p99 {stale['p99']:.2f} s; "
             f"{self.mean_steps_per_post:.1f} steps per POST, {self.failed_posts} failed POSTs, "
@@ -163,11 +195,11 @@ class PushConnection:
     general client costs more CPU per request than the service spends on a small batch, and the generator
     shares the machine with the processes it measures."""
 
-    def __init__(self, url: str, api_key: str):
+    def __init__(self, url: str, api_key: str, path: str = "/v1/steps"):
         parts = urlsplit(url)
         self.host, self.port = parts.hostname, parts.port
         self.head = (
-            f"POST /v1/steps HTTP/1.1\r\nHost: {parts.netloc}\r\nAuthorization: Bearer {api_key}\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nAuthorization: Bearer {api_key}\r\n"
             "Content-Type: application/json\r\nContent-Length: "
         ).encode()
         self.reader: asyncio.StreamReader | None = None
@@ -255,6 +287,13 @@ def postgres_counters(ledger: Ledger) -> dict | None:
     finally:
         engine.dispose()
     return {"wal_bytes": int(wal), **{f"{name}_bytes": int(size) for name, size in sizes.items()}, "cpu_s": cpu_s}
+
+
+async def sample_load(end_s: float, out: list[float]) -> None:
+    """The 1-minute load average once a second until ``end_s``."""
+    while time.time() < end_s:
+        out.append(os.getloadavg()[0])
+        await asyncio.sleep(min(1.0, max(0.0, end_s - time.time())))
 
 
 async def run_fleet(urls: list[str], api_key: str, settings: FleetSettings) -> dict:
@@ -350,8 +389,9 @@ async def run_fleet(urls: list[str], api_key: str, settings: FleetSettings) -> d
                 probes.append(asyncio.create_task(probe_once(engine, client, step)))
         await asyncio.gather(*probes)
 
+    loads: list[float] = []
     try:
-        await asyncio.gather(probe(), *(push(engine, urls[e % len(urls)]) for e, engine in enumerate(engines)))
+        await asyncio.gather(probe(), sample_load(end_s, loads), *(push(engine, urls[e % len(urls)]) for e, engine in enumerate(engines)))
     finally:
         for client in clients:
             await client.aclose()
@@ -369,18 +409,138 @@ async def run_fleet(urls: list[str], api_key: str, settings: FleetSettings) -> d
         "latencies": latencies,
         "staleness": staleness,
         "probe_timeouts": counts["probe_timeouts"],
+        "load_max": max(loads, default=None),
     }
 
 
-def load_fleet(db_target: str, settings: FleetSettings, *, model_path: Path | None = None) -> FleetResult:
+async def run_fleet_windows(urls: list[str], api_key: str, settings: FleetSettings, engines: list[EdgeEngine],
+                            warmup: EdgeEngine) -> dict:
+    """Replay the built engines' windows against the service processes at ``urls``, each POSTed (one POST in flight
+    per engine, carrying every window due) when its engine closes it on the run's clock; the raw figures."""
+    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+    clients = [httpx.AsyncClient(base_url=url, headers=headers, timeout=60.0) for url in urls]
+    for client, window in zip(clients, warmup.windows):  # a process's first POST pays its imports and connections
+        response = await client.post(WINDOWS_PATH, content=b'{"windows":[' + window.body + b"]}")
+        if response.status_code != 200:
+            raise LlmvisorError(f"{client.base_url}: warm-up window answered {response.status_code}: {response.text[:300]}")
+    warmup_steps = sum(w.num_steps for w in warmup.windows[: len(clients)])
+    t0 = time.time() + 0.5
+    window_start_s, end_s = t0 + settings.warmup_s, t0 + settings.duration_s
+    drain_end_s = end_s + max(10.0, 2 * (settings.window_s or 1.0))
+    latencies: list[float] = []
+    failed_by_status: dict[str, int] = {}
+    staleness: list[float] = []
+    covered = [-1] * len(engines)  # per engine: the last step id covered by an acknowledged window
+    counts = {"acknowledged": 0, "windows": 0, "in_window": 0, "windows_in_window": 0, "posts": 0, "failed": 0,
+              "failed_steps": 0, "late_windows": 0, "late_steps": 0, "probe_timeouts": 0}
+
+    async def push(e: int, engine: EdgeEngine, url: str) -> None:
+        connection = PushConnection(url, api_key, WINDOWS_PATH)
+        sent = 0
+        while sent < len(engine.windows):
+            now = time.time()
+            if now >= drain_end_s:
+                break
+            due_s = t0 + engine.windows[sent].close_s
+            if now < due_s:
+                await asyncio.sleep(due_s - now)
+                continue
+            due = [w for w in engine.windows[sent : sent + MAX_WINDOWS_PER_POST] if t0 + w.close_s <= now]
+            content = b'{"windows":[' + b",".join(w.body for w in due) + b"]}"
+            started = time.perf_counter()
+            try:
+                status = await asyncio.wait_for(connection.post(content), POST_TIMEOUT_S)
+            except TimeoutError:
+                await connection.close()
+                status = 0
+            done_s = time.time()
+            counts["posts"] += 1
+            n_steps = sum(w.num_steps for w in due)
+            if status != 200:
+                failed_by_status[str(status)] = failed_by_status.get(str(status), 0) + 1
+                counts["failed"] += 1
+                counts["failed_steps"] += n_steps
+                await asyncio.sleep(0.2)
+                continue
+            sent += len(due)
+            covered[e] = due[-1].last_step_id
+            counts["acknowledged"] += n_steps
+            counts["windows"] += len(due)
+            for w in due:
+                if done_s - (t0 + w.close_s) > LATE_AFTER_CLOSE_S:
+                    counts["late_windows"] += 1
+                    counts["late_steps"] += w.num_steps
+            if window_start_s <= done_s < end_s:
+                counts["in_window"] += n_steps
+                counts["windows_in_window"] += len(due)
+                latencies.append(time.perf_counter() - started)
+        await connection.close()
+
+    async def probe_once(engine: EdgeEngine, client: httpx.AsyncClient, step: int) -> None:
+        params = {"run_id": engine.run_id, "request_id": LONG_REQUEST}
+        deadline = time.monotonic() + PROBE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                response = await client.get("/v1/usage/requests", params=params)
+                if response.status_code == 200 and response.json()["requests"] and response.json()["requests"][0]["num_steps"] >= step + 1:
+                    staleness.append(time.time() - (t0 + engine.step_end_s(step)))
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(PROBE_POLL_S)
+        counts["probe_timeouts"] += 1
+
+    async def probe() -> None:
+        """As in steps mode: the latest ended step of one engine, until the usage API of another process counts it."""
+        probes = []
+        next_probe_s = window_start_s
+        while time.time() < end_s:
+            await asyncio.sleep(max(0.0, next_probe_s - time.time()))
+            now = time.time()
+            index = len(probes)
+            next_probe_s += settings.probe_interval_s
+            engine = engines[index % len(engines)]
+            step = engine.ended_by(now - t0) - 1
+            if step >= 0 and now < end_s:
+                client = clients[(index % len(engines) + 1) % len(clients)]
+                probes.append(asyncio.create_task(probe_once(engine, client, step)))
+        await asyncio.gather(*probes)
+
+    loads: list[float] = []
+    try:
+        await asyncio.gather(probe(), sample_load(end_s, loads),
+                             *(push(e, engine, urls[e % len(urls)]) for e, engine in enumerate(engines)))
+    finally:
+        for client in clients:
+            await client.aclose()
+    offered = sum(engine.num_steps for engine in engines)
+    return {
+        "measured_s": end_s - window_start_s, "warmup_steps": warmup_steps, "offered": offered,
+        "acknowledged": counts["acknowledged"], "in_window": counts["in_window"], "windows": counts["windows"],
+        "windows_in_window": counts["windows_in_window"], "posts": counts["posts"], "failed": counts["failed"],
+        "failed_steps": counts["failed_steps"], "failed_by_status": failed_by_status,
+        "uncovered": sum(engine.num_steps - 1 - last for engine, last in zip(engines, covered)),
+        "late_windows": counts["late_windows"], "late_steps": counts["late_steps"], "latencies": latencies,
+        "staleness": staleness, "probe_timeouts": counts["probe_timeouts"], "load_max": max(loads, default=None),
+    }
+
+
+def load_fleet(db_target: str, settings: FleetSettings, *, model_path: Path | None = None, archive_url: str | None = None,
+               workers: int | None = None) -> FleetResult:
     """Start ``settings.processes`` service processes on one ledger ('sqlite' for a temporary file, or the URL
-    of a scratch database, where the run's steps are stored) and drive ``settings.engines`` engines into them."""
+    of a scratch database, where the run's steps are stored) and drive ``settings.engines`` engines into them.
+    Aggregate mode: the engines' raw steps go to the archive at ``archive_url`` (default: a temporary directory),
+    built in ``workers`` processes."""
     if not 1 <= settings.engines <= MAX_ENGINES:
         raise LlmvisorError(f"--engines {settings.engines}: choose 1 to {MAX_ENGINES}")
     if not 1 <= settings.processes <= MAX_PROCESSES:
         raise LlmvisorError(f"--processes {settings.processes}: choose 1 to {MAX_PROCESSES}")
+    if settings.mode not in MODES:
+        raise LlmvisorError(f"--mode {settings.mode}: choose one of {', '.join(MODES)}")
     if settings.warmup_s >= settings.duration_s:
         raise LlmvisorError(f"a run of {settings.duration_s:g} s leaves nothing to measure after its {settings.warmup_s:g} s warm-up")
+    if settings.mode == "aggregate" and not (settings.window_s and 0.05 <= settings.window_s <= settings.duration_s):
+        raise LlmvisorError(f"--window-s {settings.window_s}: choose 0.05 s up to the run's {settings.duration_s:g} s")
     with tempfile.TemporaryDirectory(prefix="llmvisor-fleet-") as scratch:
         if model_path is None:
             model_path = Path(scratch) / "model.json"
@@ -388,8 +548,11 @@ def load_fleet(db_target: str, settings: FleetSettings, *, model_path: Path | No
         db_url = f"sqlite:///{scratch}/ledger.db" if db_target == "sqlite" else db_target
         ledger = Ledger(db_url)
         servers = [ServerProcess(model_path, db_url, log_path=Path(scratch) / f"server-{i}.log") for i in range(settings.processes)]
+        edge = None
         try:
             key = ledger.create_key(is_admin=True)
+            if settings.mode == "aggregate":
+                edge = _build_edge(ledger, settings, StepLatencyModel.from_json(model_path), archive_url or f"{scratch}/archive", workers)
             steps_before = ledger.totals().num_steps
             for server in servers:
                 server.start()
@@ -397,7 +560,11 @@ def load_fleet(db_target: str, settings: FleetSettings, *, model_path: Path | No
             cpu_before = [cpu_seconds(server.process.pid) for server in servers]
             generator_before = resource.getrusage(resource.RUSAGE_SELF)
             load_before = os.getloadavg()[0]
-            raw = asyncio.run(run_fleet([server.url for server in servers], key, settings))
+            urls = [server.url for server in servers]
+            if edge is None:
+                raw = asyncio.run(run_fleet(urls, key, settings))
+            else:
+                raw = asyncio.run(run_fleet_windows(urls, key, settings, edge["engines"], edge["warmup"]))
             generator_after = resource.getrusage(resource.RUSAGE_SELF)
             load_after = os.getloadavg()[0]
             cpu_after = [cpu_seconds(server.process.pid) for server in servers]
@@ -419,13 +586,15 @@ def load_fleet(db_target: str, settings: FleetSettings, *, model_path: Path | No
             name: None if pg_before[name] is None or pg_after[name] is None else (pg_after[name] - pg_before[name]) / acknowledged
             for name in pg_before
         }
-    return FleetResult(
+        postgres_per_step["table_bytes"] = sum(postgres_per_step[f"{name}_bytes"] for name in LEDGER_TABLES)
+    measured_s = raw.get("measured_s", raw.get("window_s"))
+    common = dict(
         settings=asdict(settings),
         database=ledger.backend,
         offered_steps_per_s=settings.engines * settings.steps_per_s_per_engine,
-        accepted_steps_per_s=raw["in_window"] / raw["window_s"],
+        accepted_steps_per_s=raw["in_window"] / measured_s,
+        steps_covered_per_s=raw["in_window"] / measured_s,
         steps_acknowledged=acknowledged,
-        steps_unsent_at_end=raw["unsent"],
         posts=raw["posts"],
         failed_posts=raw["failed"],
         failed_posts_by_status=raw["failed_by_status"],
@@ -438,6 +607,58 @@ def load_fleet(db_target: str, settings: FleetSettings, *, model_path: Path | No
         postgres_per_step=postgres_per_step,
         # A POST that failed on the client's side may still have been stored (and not yet re-sent when the run ended).
         reconciled=acknowledged <= stored <= acknowledged + raw["failed_steps"] and totals.attributed_ns == totals.measured_ns,
-        window_s=raw["window_s"],
+        measured_s=measured_s,
         load_average_1min=[load_before, load_after],
+        load_average_1min_max=raw["load_max"],
     )
+    if edge is None:
+        return FleetResult(steps_unsent_at_end=raw["unsent"], **common)
+    engines: list[EdgeEngine] = edge["engines"]
+    offered = raw["offered"]
+    aggregate = {
+        "accepted_windows_per_s": raw["windows_in_window"] / measured_s,
+        "windows_acknowledged": raw["windows"],
+        "windows_built": sum(len(engine.windows) for engine in engines),
+        "steps_offered": offered,
+        "steps_uncovered_at_end": raw["uncovered"],
+        "steps_late": raw["late_steps"],
+        "windows_late": raw["late_windows"],
+        "late_after_close_s": LATE_AFTER_CLOSE_S,
+        "requests_per_window": sum(e.aggregate_requests_per_window * len(e.windows) for e in engines) / max(1, sum(len(e.windows) for e in engines)),
+        "tenants_per_window": sum(e.distinct_tenants_per_window * len(e.windows) for e in engines) / max(1, sum(len(e.windows) for e in engines)),
+        "finished_requests_per_step": sum(e.finished_requests for e in engines) / max(1, offered),
+        "window_body_bytes_per_step": sum(len(w.body) for e in engines for w in e.windows) / max(1, offered),
+        "engine_cpu_s_per_step": {
+            "aggregation": sum(e.aggregate_cpu_s for e in engines) / max(1, offered),
+            "archive_write": sum(e.archive_cpu_s for e in engines) / max(1, offered),
+            "total": sum(e.aggregate_cpu_s + e.archive_cpu_s for e in engines) / max(1, offered),
+        },
+        "build_s": edge["build_s"],
+        "archive_files": sum(e.archive_files for e in engines),
+        "period_s": [edge["base_s"], edge["base_s"] + settings.duration_s],  # the build clock's span of the steps: an audit reads it
+        "workload": edge["workload"],
+    }
+    return FleetResult(
+        steps_unsent_at_end=raw["uncovered"], archive_bytes_per_step=sum(e.archive_bytes for e in engines) / max(1, offered),
+        aggregate=aggregate, **common,
+    )
+
+
+def _build_edge(ledger: Ledger, settings: FleetSettings, model: StepLatencyModel, archive_url: str, workers: int | None) -> dict:
+    """Register the engines' model version and build the engines (`llmvisor.service.fleet_edge`), a warm-up one too."""
+    version = ledger.add_model(ENGINE_CLASS, json.dumps(model.to_dict()), source="llmvisor load", activate=True)
+    tag = uuid.uuid4().hex[:8]
+    rng = np.random.default_rng(0)
+    base_s = float(math.ceil(time.time()))
+    window_s = float(settings.window_s)
+    common = dict(tag=tag, steps_per_s=settings.steps_per_s_per_engine, batch_size=settings.batch_size, n_tenants=settings.n_tenants,
+                  window_s=window_s, duration_s=settings.duration_s, base_s=base_s, archive_url=archive_url)
+    specs = [EdgeSpec(index=e, offset_s=float(rng.uniform(0, 1 / settings.steps_per_s_per_engine)), **common)
+             for e in range(settings.engines)]
+    started = time.perf_counter()
+    engines = build_engines(specs, model, version, workers=workers)
+    build_s = time.perf_counter() - started
+    # the warm-up run's windows are dated an hour earlier: not archived, and outside any audit of the run's period
+    [warmup] = build_engines([EdgeSpec(index=0, **{**common, "tag": f"{tag}w", "archive_url": None, "base_s": base_s - 3600,
+                                                   "duration_s": window_s * (settings.processes + 1)})], model, version, workers=1)
+    return {"engines": engines, "warmup": warmup, "build_s": build_s, "base_s": base_s, "workload": DEFAULT_WORKLOAD}

@@ -9,7 +9,8 @@ middleware in front of the app:
 - on the routes that need a key, a missing or invalid bearer key is a 401 before the body is read, and on
   the routes that take a body and need an admin key (ingest, key creation) a tenant key is a 403.
 
-POST /v1/steps may carry ``max_body_bytes``; every other route ``max_small_body_bytes``. The principal found
+POST /v1/steps and POST /v1/windows may carry ``max_body_bytes`` (an engine's pusher sends up to 200 windows at
+once after an outage, ~10 kB each at B = 32); every other route ``max_small_body_bytes``. The principal found
 is handed to the route's key dependency in the ASGI scope.
 """
 
@@ -31,6 +32,7 @@ from llmvisor.service.routes.keys import KEYS_PATH
 from llmvisor.service.routes.models import MODELS_PATH
 from llmvisor.service.routes.page import PAGE_PATHS
 from llmvisor.service.routes.steps import INGEST_PATH, is_database_outage
+from llmvisor.service.routes.windows import WINDOWS_PATH
 
 OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}) | PAGE_PATHS
 ADMIN_BODY_ROUTES = {
@@ -66,7 +68,8 @@ class RequestGuard:
             return
         method, path = scope["method"], scope["path"]
         is_ingest = method == "POST" and path == INGEST_PATH
-        limit_bytes = self.settings.max_body_bytes if is_ingest else self.settings.max_small_body_bytes
+        is_bulk = is_ingest or (method == "POST" and path == WINDOWS_PATH)
+        limit_bytes = self.settings.max_body_bytes if is_bulk else self.settings.max_small_body_bytes
 
         def refuse(reason: str, response) -> ASGIApp:
             if is_ingest:
