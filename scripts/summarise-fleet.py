@@ -21,6 +21,18 @@ ASSUMPTIONS = {
 GOALS = {"engines": 1000, "postgres_bytes_per_step": 30.0, "staleness_over_window_s": 1.0}
 
 
+def finite_or_null(value):
+    """NaN (a figure nothing was measured for, e.g. staleness when no probe was answered) written as null: NaN is not
+    JSON, and strict readers (jq, browsers) refuse the file."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [finite_or_null(item) for item in value]
+    return value
+
+
 def steps_run(run: dict) -> dict:
     """A steps-mode run with the keys every run of the file carries (runs measured before the aggregate mode
     existed lack some: they are derived from what those runs measured, nothing is re-measured)."""
@@ -140,7 +152,7 @@ def main() -> None:
         "assumptions": ASSUMPTIONS,
         "extrapolation": extrapolation,
     }
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    args.output.write_text(json.dumps(finite_or_null(result), indent=2, allow_nan=False) + "\n")
 
 
 if __name__ == "__main__":
