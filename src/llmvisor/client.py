@@ -41,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -731,11 +732,12 @@ class StepDelivery:
     @classmethod
     def from_env(cls, header: dict, *, trace_from: int | None = None) -> StepDelivery:
         """Every step to the service (default, ``LLMVISOR_STORE_STEPS=1``), or window aggregates with
-        ``LLMVISOR_STORE_STEPS=0``; neither without ``LLMVISOR_SERVICE_URL``."""
+        ``LLMVISOR_STORE_STEPS=0`` (and per step the windows of a class without a model); neither without
+        ``LLMVISOR_SERVICE_URL``."""
         if store_steps_from_env():
             return cls(header, StepPusher.from_env(), trace_from=trace_from)
         pusher = WindowPusher.from_env()
-        windows = None if pusher is None else WindowDelivery(header, pusher, window_s=window_s_from_env())
+        windows = None if pusher is None else WindowDelivery(header, pusher, window_s=window_s_from_env(), step_pusher=StepPusher.from_env())
         return cls(header, None, trace_from=trace_from, windows=windows)
 
 
@@ -1134,10 +1136,15 @@ def deliver(read_fd: int = 0, ack_fd: int | None = None) -> int:
     pusher = delivery.pusher if delivery.windows is None else delivery.windows.pusher
     stats = pusher.stats if pusher is not None else None
     if delivery.windows is not None:
+        windows = delivery.windows
+        per_step = windows.step_pusher.stats if windows.step_pusher is not None else None
         log.info(
-            "llmvisor: run %s metered in %d windows of engine class %s (model version %s); aggregation %.2f µs per step",
-            delivery.header["columns"]["run_id"], delivery.windows.windows_sent, delivery.windows.engine_class,
-            delivery.windows.models.version, 1e6 * delivery.windows.aggregation_s / max(delivery.num_steps, 1),
+            "llmvisor: run %s metered in %d windows of engine class %s (model version %s, %s)%s; aggregation %.2f µs per step",
+            delivery.header["columns"]["run_id"], windows.windows_sent, windows.engine_class, windows.models.version,
+            windows.models.role or "none", "" if per_step is None else
+            f", {windows.steps_sent_per_step} steps per step while the class had no model (service: {per_step.acknowledged} "
+            f"acknowledged, {per_step.spooled} spooled, {per_step.replayed} replayed, {per_step.rejected} rejected)",
+            1e6 * windows.aggregation_s / max(delivery.num_steps, 1),
         )
     log.info(
         "llmvisor: the engine closed the step relay; delivered %d steps of run %s%s%s%s",
@@ -1158,11 +1165,11 @@ def _main(argv: list[str]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Window aggregates (issue #22): with ``LLMVISOR_STORE_STEPS=0`` the delivery process attributes the steps with its
-# class's active model and sends one aggregate per window (`llmvisor.metering`) instead of every step. Not yet the
-# default: a class without an active model sends pending windows that nothing attributes later, and the service's
-# own default or fallback model (`serve --model`, `--fallback-model`) plays no part at the edge, so such a
-# deployment would bill 0 ns where per-step ingest bills with those models.
+# Window aggregates (issue #22): with ``LLMVISOR_STORE_STEPS=0`` the delivery process attributes the steps with the
+# model that bills its class (the class's active version, else the service's `serve --model` or `--fallback-model`
+# where those bill it: `ActiveModelCache`) and sends one aggregate per window (`llmvisor.metering`) instead of every
+# step. A window closed while the class has no model goes per step, so the service stores those steps pending
+# (measured time kept, shown in totals and gaps) and attributes them, exactly, when a model is activated.
 
 ENV_STORE_STEPS = "LLMVISOR_STORE_STEPS"
 ENV_WINDOW_S = "LLMVISOR_WINDOW_S"
@@ -1190,13 +1197,16 @@ def window_s_from_env() -> float:
 
 
 class ActiveModelCache:
-    """The active model of one engine class from the service's registry (``GET /v1/models``), cached: the list
-    is read at most every ``refresh_interval_s`` and the model fetched again only when the active version
-    changes. While the service cannot be asked, the cached model stays in use; with none, windows are pending."""
+    """The model that bills one engine class, from the service's registry (``GET /v1/models/{class}/active``: its
+    active version, else the service's ``--model`` or ``--fallback-model`` where those bill it), cached: asked at
+    most every ``refresh_interval_s``, the model read again only when the version changes. While the service
+    cannot be asked, the cached model stays in use; with none (the class has no model, or the service was never
+    reached), the steps are sent per step and the service attributes them or stores them pending."""
 
     def __init__(self, client: httpx.Client, engine_class: str, *, refresh_interval_s: float = MODEL_REFRESH_INTERVAL_S):
         self.client, self.engine_class, self.refresh_interval_s = client, engine_class, refresh_interval_s
         self.version: int | None = None
+        self.role: str | None = None
         self.model: StepLatencyModel | None = None
         self._checked_s = -1e18
 
@@ -1208,24 +1218,25 @@ class ActiveModelCache:
         return None if self.model is None else (self.model, self.version)
 
     def _refresh(self) -> None:
+        if not self.engine_class:
+            return  # steps without a fingerprint: per step, the service bills them with its --model
         try:
-            listed = self.client.get("/v1/models")
-            if listed.status_code != 200:
+            answer = self.client.get(f"/v1/models/{urllib.parse.quote(self.engine_class, safe='')}/active")
+            if answer.status_code == 404:
+                if self.model is not None:
+                    log.warning("llmvisor: engine class %s has no model any more; its steps go per step", self.engine_class)
+                self.model = self.version = self.role = None
                 return
-            active = [m["version"] for m in listed.json() if m["engine_class"] == self.engine_class and m["active"]]
-            if not active:
-                self.model = self.version = None
-                return
-            if active[0] == self.version:
-                return
-            answer = self.client.get(f"/v1/models/{self.engine_class}/active")
             if answer.status_code != 200:
                 return
             data = answer.json()
-            self.model, self.version = StepLatencyModel.from_dict(data["model"], source="/v1/models"), int(data["version"])
-            log.info("llmvisor: attributing engine class %s with model version %d at the edge", self.engine_class, self.version)
-        except (httpx.HTTPError, ValueError, KeyError, LlmvisorError) as problem:
-            log.warning("llmvisor: cannot read the active model of engine class %s (%s); keeping version %s",
+            version, role = int(data["version"]), str(data.get("role", "active"))
+            if version == self.version and self.model is not None:
+                return
+            self.model, self.version, self.role = StepLatencyModel.from_dict(data["model"], source="/v1/models"), version, role
+            log.info("llmvisor: attributing engine class %s at the edge with model version %d (%s)", self.engine_class, version, role)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, LlmvisorError) as problem:
+            log.warning("llmvisor: cannot read the model of engine class %s (%s); keeping version %s",
                         self.engine_class, problem, self.version)
 
 
@@ -1369,18 +1380,28 @@ class WindowPusher:
 
 
 class WindowDelivery:
-    """The delivery process's window mode: steps into a `WindowAggregator`, closed windows to a `WindowPusher`.
-    ``safe_from`` reports the first step whose window the service does not have (acknowledged or spooled) yet."""
+    """The delivery process's window mode: steps into a `WindowAggregator`, closed windows to a `WindowPusher`;
+    a window closed while its class has no model at the edge goes per step to ``step_pusher`` (the service then
+    attributes those steps with the model it picks, or stores them pending until a model is activated; see
+    `ActiveModelCache`). ``push_next`` reports the first step the service does not have (acknowledged or
+    spooled) yet, whichever way it went."""
 
-    def __init__(self, header: dict, pusher: WindowPusher, *, window_s: float):
+    def __init__(self, header: dict, pusher: WindowPusher, *, window_s: float, step_pusher: StepPusher | None = None):
         columns = header["columns"]
         fingerprint = header.get("engine_fingerprint") or {}
+        self.header = header
         self.engine_class = str(columns.get(FINGERPRINT_COLUMN) or fingerprint.get("id") or "")
         self.models = ActiveModelCache(pusher.client, self.engine_class)
-        self.aggregator = WindowAggregator(columns["run_id"], self.engine_class, self.models, window_s=window_s)
+        self.aggregator = WindowAggregator(columns["run_id"], self.engine_class, self.models, window_s=window_s,
+                                           unattributed_steps=step_pusher is not None)
         self.pusher = pusher
-        self._pushed: deque[tuple[int, int]] = deque()  # (seq, first step id) of windows pushed, unsettled ones first
+        self.step_pusher = step_pusher
+        # what was pushed, oldest first, until settled: (0 window | 1 per step, the count of its pusher's first
+        # pushes that must be settled for it to be, its first step id)
+        self._pushed: deque[tuple[int, int, int]] = deque()
+        self._steps_pushed = 0
         self.windows_sent = 0
+        self.steps_sent_per_step = 0
         self.aggregation_s = 0.0
 
     def add(self, step: list) -> None:
@@ -1395,15 +1416,22 @@ class WindowDelivery:
 
     def _push(self, closed: list) -> None:
         for window in closed:
-            self._pushed.append((self.pusher.push(window), window.step_ranges[0][0]))
-            self.windows_sent += 1
+            if isinstance(window, WindowAggregate):
+                self._pushed.append((0, self.pusher.push(window) + 1, window.step_ranges[0][0]))
+                self.windows_sent += 1
+                continue
+            for step in window.steps:
+                self.step_pusher.push_step(step_rows(self.header, step))
+            self._steps_pushed += len(window.steps)
+            self._pushed.append((1, self._steps_pushed, window.steps[0][0]))
+            self.steps_sent_per_step += len(window.steps)
 
     def push_next(self, next_step_id: int) -> int:
-        settled = self.pusher.settled_windows()
-        while self._pushed and self._pushed[0][0] < settled:
+        settled = (self.pusher.settled_windows(), self.step_pusher.settled_steps() if self.step_pusher is not None else 0)
+        while self._pushed and settled[self._pushed[0][0]] >= self._pushed[0][1]:
             self._pushed.popleft()
         if self._pushed:
-            return self._pushed[0][1]
+            return self._pushed[0][2]
         first_open = self.aggregator.first_open_step_id()
         return next_step_id if first_open is None else first_open
 
@@ -1411,7 +1439,11 @@ class WindowDelivery:
         started = time.perf_counter()
         self._push(self.aggregator.close())
         self.aggregation_s += time.perf_counter() - started
-        return self.pusher.close(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        complete = self.pusher.close(timeout_s)
+        if self.step_pusher is not None:
+            complete = self.step_pusher.close(max(deadline - time.monotonic(), 1.0)) and complete
+        return complete
 
 
 if __name__ == "__main__":
