@@ -702,9 +702,11 @@ class StepDelivery:
         if self.windows is not None:
             self.windows.tick()
 
-    def safe_from(self) -> tuple[int, int] | None:
+    def safe_from(self) -> tuple[int, ...] | None:
         """(first step id not yet flushed to the trace, first step id the pusher has not settled): every step
-        before both is safe from this process's death. None before the first step. Call after `flush`."""
+        before both is safe from this process's death; in window mode a third number, the start (µs) of the
+        window that step is in (a replacement delivery process starts no window before it). None before the
+        first step. Call after `flush`."""
         if self.next_step_id is None:
             return None
         push_next = self.next_step_id
@@ -716,7 +718,8 @@ class StepDelivery:
             if self._pushed_ids:
                 push_next = self._pushed_ids[0]
         if self.windows is not None:
-            push_next = self.windows.push_next(self.next_step_id)
+            push_next, floor_us = self.windows.push_next(self.next_step_id)
+            return self.next_step_id, push_next, floor_us
         return self.next_step_id, push_next
 
     def close(self, timeout_s: float = DELIVERY_CLOSE_TIMEOUT_S) -> bool:
@@ -808,6 +811,7 @@ class StepRelay:
         self._written = 0
         self._partial = 0
         self._trace_next: int | None = None
+        self._windows_resume: dict = {}  # window mode: where a replacement delivery process resumes the windows
         self._ack_buffer = b""
         self._dead = False
         self._fd = -1
@@ -935,8 +939,9 @@ class StepRelay:
         *lines, self._ack_buffer = self._ack_buffer.split(b"\n")
         if not lines:
             return
-        trace_next, push_next = (int(x) for x in lines[-1].split())
+        trace_next, push_next, *window = (int(x) for x in lines[-1].split())
         self._trace_next = trace_next
+        self._windows_resume = {"push_next": push_next, "window_floor_us": window[0]} if window else {}
         safe_before = min(trace_next, push_next)
         while self._retained and self._written > 0 and self._retained[0][0] < safe_before:
             self._forget_first()
@@ -978,7 +983,7 @@ class StepRelay:
             self._take_over(f"{len(self._restarts)} delivery processes died within {DELIVERY_RESTART_WINDOW_S:g} s")
             return
         try:
-            self._start_delivery({"trace_next": self._trace_next})
+            self._start_delivery({"trace_next": self._trace_next, **self._windows_resume})
         except (OSError, ValueError) as error:
             self._take_over(f"a new delivery process could not be started ({error})")
             return
@@ -998,7 +1003,8 @@ class StepRelay:
             "llmvisor: %s; delivering the steps of run %s from the engine process from now on (%d waiting)",
             reason, self.header["columns"]["run_id"], len(self._retained),
         )
-        self._fallback = StepDelivery.from_env(self.header, trace_from=self._trace_next)
+        header = dict(self.header, resume=self._windows_resume) if self._windows_resume else self.header
+        self._fallback = StepDelivery.from_env(header, trace_from=self._trace_next)
         for _step_id, data in self._retained:
             self._fallback.add(json.loads(data))
         self.counts.resent += len(self._retained)
@@ -1078,7 +1084,7 @@ def wait_for_delivery(pid: int, timeout_s: float = DELIVERY_CLOSE_TIMEOUT_S + 10
 
 def deliver(read_fd: int = 0, ack_fd: int | None = None) -> int:
     """The delivery process: read the relay's header and steps from ``read_fd`` until it closes, reporting on
-    ``ack_fd`` (``"<trace_next> <push_next>"`` lines, `StepDelivery.safe_from`) what is safe so far."""
+    ``ack_fd`` (``"<trace_next> <push_next>[ <window_floor_us>]"`` lines, `StepDelivery.safe_from`) what is safe so far."""
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(
@@ -1126,7 +1132,7 @@ def deliver(read_fd: int = 0, ack_fd: int | None = None) -> int:
             safe = delivery.safe_from() if due else None
             if safe is not None and safe != reported:
                 try:
-                    os.write(ack_fd, f"{safe[0]} {safe[1]}\n".encode())
+                    os.write(ack_fd, (" ".join(map(str, safe)) + "\n").encode())
                     reported, reported_at_s = safe, time.monotonic()
                 except (BlockingIOError, BrokenPipeError):
                     pass
@@ -1243,18 +1249,22 @@ class ActiveModelCache:
 class WindowPusher:
     """Send window aggregates to ``POST /v1/windows`` in the background; spool them to ``<spool>.windows.jsonl``
     while the service cannot take them, replayed when it answers (ingest is idempotent per window). A window the
-    service refuses for its content (409, 422) goes to ``<spool>.windows.rejected.jsonl``, logged and counted."""
+    service refuses for its content (409, 413, 422) goes to ``<spool>.windows.rejected.jsonl``, logged and
+    counted. A POST carries at most ``max_batch_windows`` windows and, beyond its first, ``max_batch_bytes``
+    (a window lists every request of its steps: a busy engine's can take hundreds of kilobytes)."""
 
     def __init__(self, url: str, api_key: str, spool_path: str | os.PathLike = DEFAULT_SPOOL, *, max_batch_windows: int = 200,
-                 flush_interval_s: float = 0.1, request_timeout_s: float = 10.0, retry_interval_s: float = 2.0):
+                 max_batch_bytes: int = 4 << 20, flush_interval_s: float = 0.1, request_timeout_s: float = 10.0,
+                 retry_interval_s: float = 2.0):
         self.client = httpx.Client(base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {api_key}"}, timeout=request_timeout_s)
         self.spool_path = Path(f"{spool_path}.windows.jsonl")
         self.replay_path = Path(f"{spool_path}.windows.replaying")
         self.rejected_path = Path(f"{spool_path}.windows.rejected.jsonl")
-        self.max_batch_windows, self.flush_interval_s, self.retry_interval_s = max_batch_windows, flush_interval_s, retry_interval_s
+        self.max_batch_windows, self.max_batch_bytes = max_batch_windows, max_batch_bytes
+        self.flush_interval_s, self.retry_interval_s = flush_interval_s, retry_interval_s
         self.stats = PusherStats()
         self._lock = threading.Lock()
-        self._queue: deque[tuple[int, dict]] = deque()
+        self._queue: deque[tuple[int, str]] = deque()  # (seq, the window's JSON)
         self._next_seq = 0
         self._unsettled: set[int] = set()
         self._next_try_s = 0.0
@@ -1269,11 +1279,12 @@ class WindowPusher:
         return cls(url, os.environ[ENV_KEY], os.environ.get(ENV_SPOOL, DEFAULT_SPOOL)) if url else None
 
     def push(self, window: WindowAggregate) -> int:
+        text = json.dumps(window.to_json())
         with self._lock:
             seq = self._next_seq
             self._next_seq += 1
             self._unsettled.add(seq)
-            self._queue.append((seq, window.to_json()))
+            self._queue.append((seq, text))
         self.stats.add(pushed=1)
         return seq
 
@@ -1282,39 +1293,51 @@ class WindowPusher:
         with self._lock:
             return min(self._unsettled) if self._unsettled else self._next_seq
 
-    def _settle(self, batch: list[tuple[int, dict]]) -> None:
+    def _settle(self, batch: list[tuple[int, str]]) -> None:
         with self._lock:
             self._unsettled.difference_update(seq for seq, _ in batch)
+
+    def _batches(self, windows: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
+        out: list[list[tuple[int, str]]] = []
+        size = 0
+        for item in windows:
+            if not out or len(out[-1]) >= self.max_batch_windows or size + len(item[1]) > self.max_batch_bytes:
+                out.append([])
+                size = 0
+            out[-1].append(item)
+            size += len(item[1]) + 1
+        return out
 
     def _run(self) -> None:
         while True:
             stopping = self._stop.is_set()
             with self._lock:
-                batch = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch_windows))]
-            if batch:
+                taken = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch_windows))]
+            for batch in self._batches(taken):
                 self._send_or_spool(batch)
             if time.monotonic() >= self._next_try_s and not self._out_of_time():
                 self._replay()
             if stopping and not self._queue:
                 return
-            if not batch:
+            if not taken:
                 time.sleep(self.flush_interval_s)
 
     def _out_of_time(self) -> bool:
         return self._deadline is not None and time.monotonic() >= self._deadline
 
-    def _send_or_spool(self, batch: list[tuple[int, dict]]) -> None:
+    def _send_or_spool(self, batch: list[tuple[int, str]]) -> None:
         if time.monotonic() < self._next_try_s or self._out_of_time() or not self._deliver(batch):
             self._write(self.spool_path, [w for _, w in batch])
             self.stats.add(spooled=len(batch))
         self._settle(batch)
 
-    def _deliver(self, batch: list[tuple[int, dict]]) -> bool:
+    def _deliver(self, batch: list[tuple[int, str]]) -> bool:
         """POST the batch; False when the service cannot take it now (spool it). Refused windows are rejected."""
+        body = ('{"windows":[' + ",".join(w for _, w in batch) + "]}").encode()
         delay_s = 0.1
         for attempt in range(4):
             try:
-                response = self.client.post(WINDOWS_PATH, json={"windows": [w for _, w in batch]})
+                response = self.client.post(WINDOWS_PATH, content=body, headers={"Content-Type": "application/json"})
                 if response.status_code < 500 and response.status_code not in (401, 403, 429):
                     break
                 reason = f"HTTP {response.status_code}"
@@ -1337,13 +1360,14 @@ class WindowPusher:
         self._write(self.rejected_path, [w for _, w in batch])
         self.stats.add(rejected=len(batch))
         self.stats.last_error = _detail(response)
-        log.error("llmvisor service rejected window %s of run %s: HTTP %d %s; kept in %s", batch[0][1]["window_start_us"],
-                  batch[0][1]["run_id"], response.status_code, _detail(response), self.rejected_path)
+        first = json.loads(batch[0][1])
+        log.error("llmvisor service rejected window %s of run %s: HTTP %d %s; kept in %s", first.get("window_start_us"),
+                  first.get("run_id"), response.status_code, _detail(response), self.rejected_path)
         return True
 
-    def _write(self, path: Path, windows: list[dict]) -> None:
+    def _write(self, path: Path, windows: list[str]) -> None:
         with open(path, "a", encoding="utf-8") as handle:
-            handle.write("".join(json.dumps(w) + "\n" for w in windows))
+            handle.write("".join(w + "\n" for w in windows))
             handle.flush()
             os.fsync(handle.fileno())
 
@@ -1355,11 +1379,13 @@ class WindowPusher:
         windows = []
         for line in self.replay_path.read_text(encoding="utf-8").splitlines():
             try:
-                windows.append((-1, json.loads(line)))
+                json.loads(line)
             except ValueError:
                 log.error("llmvisor window spool %s: an unreadable line skipped (a torn write?)", self.replay_path)
-        for i in range(0, len(windows), self.max_batch_windows):
-            if not self._deliver(windows[i : i + self.max_batch_windows]):
+                continue
+            windows.append((-1, line))
+        for batch in self._batches(windows):
+            if not self._deliver(batch):
                 return
         self.replay_path.unlink()
         self.stats.add(replayed=len(windows))
@@ -1388,17 +1414,19 @@ class WindowDelivery:
 
     def __init__(self, header: dict, pusher: WindowPusher, *, window_s: float, step_pusher: StepPusher | None = None):
         columns = header["columns"]
+        resume = header.get("resume") or {}  # a delivery process that died sent the windows before these
         fingerprint = header.get("engine_fingerprint") or {}
         self.header = header
         self.engine_class = str(columns.get(FINGERPRINT_COLUMN) or fingerprint.get("id") or "")
         self.models = ActiveModelCache(pusher.client, self.engine_class)
         self.aggregator = WindowAggregator(columns["run_id"], self.engine_class, self.models, window_s=window_s,
-                                           unattributed_steps=step_pusher is not None)
+                                           unattributed_steps=step_pusher is not None, first_step_id=resume.get("push_next"),
+                                           floor_us=resume.get("window_floor_us") or 0)
         self.pusher = pusher
         self.step_pusher = step_pusher
         # what was pushed, oldest first, until settled: (0 window | 1 per step, the count of its pusher's first
-        # pushes that must be settled for it to be, its first step id)
-        self._pushed: deque[tuple[int, int, int]] = deque()
+        # pushes that must be settled for it to be, its first step id, its window's start)
+        self._pushed: deque[tuple[int, int, int, int]] = deque()
         self._steps_pushed = 0
         self.windows_sent = 0
         self.steps_sent_per_step = 0
@@ -1417,23 +1445,27 @@ class WindowDelivery:
     def _push(self, closed: list) -> None:
         for window in closed:
             if isinstance(window, WindowAggregate):
-                self._pushed.append((0, self.pusher.push(window) + 1, window.step_ranges[0][0]))
+                self._pushed.append((0, self.pusher.push(window) + 1, window.step_ranges[0][0], window.window_start_us))
                 self.windows_sent += 1
                 continue
             for step in window.steps:
                 self.step_pusher.push_step(step_rows(self.header, step))
             self._steps_pushed += len(window.steps)
-            self._pushed.append((1, self._steps_pushed, window.steps[0][0]))
+            self._pushed.append((1, self._steps_pushed, window.steps[0][0], window.window_start_us))
             self.steps_sent_per_step += len(window.steps)
 
-    def push_next(self, next_step_id: int) -> int:
+    def push_next(self, next_step_id: int) -> tuple[int, int]:
+        """(the first step the service does not have yet, the start of its window): a replacement delivery
+        process resumes there (`WindowAggregator`'s ``first_step_id`` and ``floor_us``)."""
         settled = (self.pusher.settled_windows(), self.step_pusher.settled_steps() if self.step_pusher is not None else 0)
         while self._pushed and settled[self._pushed[0][0]] >= self._pushed[0][1]:
             self._pushed.popleft()
         if self._pushed:
-            return self._pushed[0][2]
+            return self._pushed[0][2], self._pushed[0][3]
         first_open = self.aggregator.first_open_step_id()
-        return next_step_id if first_open is None else first_open
+        if first_open is None:
+            return next_step_id, self.aggregator.closed_until_us
+        return first_open, self.aggregator.open_window_start_us
 
     def close(self, timeout_s: float) -> bool:
         started = time.perf_counter()

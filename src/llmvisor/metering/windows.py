@@ -250,21 +250,26 @@ class WindowAggregator:
     returns the windows it closed (a step of a later window closes the earlier ones; ``close_due`` closes a window
     once the clock is past its end by ``grace_s``, for an idle engine; ``close`` closes the last). Step ids at or
     below the last one added are re-sends and skipped; a step dated before the open window (clocks are not
-    monotonic) is counted in the open window, so no window is sent twice with different content.
+    monotonic), or in a window already closed (a step that arrived after `close_due` closed its window), is
+    counted in the open window or the next one, so no window is sent twice with different content.
+    ``first_step_id`` and ``floor_us`` resume a run another aggregator began (a delivery process replacing one
+    that died): steps below ``first_step_id`` are in windows already sent, and no window starts before ``floor_us``.
 
     ``unattributed_steps``: a window closed while ``model_source`` has no model comes back as an
     `UnattributedWindow` (its raw steps) instead of a pending `WindowAggregate`.
     """
 
     def __init__(self, run_id: str, engine_class: str, model_source: ModelSource, *, window_s: float = DEFAULT_WINDOW_S,
-                 grace_s: float = 0.5, unattributed_steps: bool = False):
+                 grace_s: float = 0.5, unattributed_steps: bool = False, first_step_id: int | None = None, floor_us: int = 0):
         if not window_s > 0 or not math.isfinite(window_s):
             raise LlmvisorError(f"window_s: must be a positive number of seconds, not {window_s!r}")
         self.run_id, self.engine_class, self.model_source = run_id, engine_class, model_source
         self.unattributed_steps = unattributed_steps
         self.window_us = max(int(round(window_s * 1e6)), 1)
         self.grace_us = int(round(grace_s * 1e6))
-        self.last_step_id: int | None = None
+        self.last_step_id: int | None = None if first_step_id is None else first_step_id - 1
+        self.closed_until_us = int(floor_us)
+        """No window starts before this: the end of the last window closed (or the resumed floor)."""
         self._start_us: int | None = None
         self._steps: list[tuple[int, int, float, list, float]] = []  # (id, window-clamped start µs, latency, slices, timestamp_s)
 
@@ -284,7 +289,7 @@ class WindowAggregator:
             return []
         self.last_step_id = step_id
         timestamp_us = int(round(timestamp_s * 1e6))
-        start_us = timestamp_us // self.window_us * self.window_us
+        start_us = max(timestamp_us // self.window_us * self.window_us, self.closed_until_us)
         closed = []
         if self._start_us is not None and start_us > self._start_us:
             closed.append(self._close())
@@ -304,6 +309,7 @@ class WindowAggregator:
     def _close(self) -> WindowAggregate | UnattributedWindow:
         steps, start_us = self._steps, self._start_us
         self._steps, self._start_us = [], None
+        self.closed_until_us = start_us + self.window_us
         model = self.model_source()
         if model is None and self.unattributed_steps:
             return UnattributedWindow(self.run_id, self.engine_class, start_us, start_us + self.window_us,

@@ -14,7 +14,7 @@ DEFAULT_MAX_CONCURRENT_INGEST = 8
 
 @dataclass(frozen=True)
 class ServiceSettings:
-    """``max_body_bytes`` bounds POST /v1/steps (and what a Parquet body may decode to); every other route
+    """``max_body_bytes`` bounds POST /v1/steps and /v1/windows (and what a Parquet body may decode to); every other route
     takes at most ``max_small_body_bytes``. ``public_metrics`` serves /metrics without a key.
     ``max_concurrent_ingest`` batches are attributed and stored at once (no more than the ledger's connection
     pool holds); the others wait their turn in the event loop, so a fleet of engines posting at once queues

@@ -9,7 +9,7 @@ middleware in front of the app:
 - on the routes that need a key, a missing or invalid bearer key is a 401 before the body is read, and on
   the routes that take a body and need an admin key (ingest, key creation) a tenant key is a 403.
 
-POST /v1/steps may carry ``max_body_bytes``; every other route ``max_small_body_bytes``. The principal found
+POST /v1/steps and POST /v1/windows (ingest) may carry ``max_body_bytes``; every other route ``max_small_body_bytes``. The principal found
 is handed to the route's key dependency in the ASGI scope.
 """
 
@@ -31,10 +31,12 @@ from llmvisor.service.routes.keys import KEYS_PATH
 from llmvisor.service.routes.models import MODELS_PATH
 from llmvisor.service.routes.page import PAGE_PATHS
 from llmvisor.service.routes.steps import INGEST_PATH, is_database_outage
+from llmvisor.service.routes.windows import WINDOWS_PATH
 
 OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}) | PAGE_PATHS
 ADMIN_BODY_ROUTES = {
     ("POST", INGEST_PATH): INGEST_FORBIDDEN_DETAIL,
+    ("POST", WINDOWS_PATH): INGEST_FORBIDDEN_DETAIL,
     ("POST", KEYS_PATH): "this needs an admin key",
     ("POST", MODELS_PATH): "this needs an admin key",
 }
@@ -65,7 +67,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         method, path = scope["method"], scope["path"]
-        is_ingest = method == "POST" and path == INGEST_PATH
+        is_ingest = method == "POST" and path in (INGEST_PATH, WINDOWS_PATH)
         limit_bytes = self.settings.max_body_bytes if is_ingest else self.settings.max_small_body_bytes
 
         def refuse(reason: str, response) -> ASGIApp:
