@@ -7,6 +7,7 @@ same run then switches to windows. Every figure is compared with per-step ingest
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ from llmvisor.client import StepPusher, WindowDelivery, WindowPusher, step_rows
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
 from llmvisor.ledger import Ledger
 from llmvisor.ledger.schema import windows as windows_table
+from llmvisor.metering import WindowAggregator
 from llmvisor.service.process import ServerProcess
 
 CLASS_A = "aaaaaaaaaaaaaaaa"  # the class the service's --model was fitted on
@@ -167,3 +169,51 @@ def test_a_class_without_a_model_is_pending_per_step_then_attributed_exactly_and
     # what per-step ingest bills for the same steps with the activated model, request by request
     service.per_step("check", CLASS_B, relayed("check"))
     assert service.requests("mixed") == service.requests("check")
+
+
+def test_windows_spooled_through_an_outage_are_replayed_and_an_identical_resend_is_a_duplicate(tmp_path):
+    """The service is SIGKILLed mid-run: the pusher spools the windows it cannot send, replays them when the service
+    is back, and a re-send of every window (a delivery process that replaced one that died) is counted as duplicates;
+    the ledger holds each step once, nothing lost or doubled."""
+    service = Service(tmp_path, fallback=False)
+    try:
+        model = class_model(CLASS_B, seed=4)
+        version = service.http.post("/v1/models", json={"model": model.to_dict(), "engine_class": CLASS_B, "activate": True}).json()["version"]
+        aggregator = WindowAggregator("outage", CLASS_B, lambda: (model, version))
+        windows = []
+        for step in relayed("outage", n_steps=90):
+            windows += aggregator.add(*step)
+        windows += aggregator.close()
+        third = len(windows) // 3
+        pusher = WindowPusher(service.url, service.key, tmp_path / "spool.jsonl", flush_interval_s=0.02, retry_interval_s=0.2)
+        for w in windows[:third]:
+            pusher.push(w)
+        deadline = time.monotonic() + 60
+        while pusher.stats.acknowledged < third and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pusher.stats.acknowledged == third
+        service.server.kill()
+        for w in windows[third : 2 * third]:
+            pusher.push(w)
+        while pusher.stats.spooled < third and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pusher.stats.spooled == third and pusher.pending_windows() == third
+        service.server.start()
+        for w in windows[2 * third :]:
+            pusher.push(w)
+        assert pusher.close(60)
+        stats = pusher.stats
+        assert (stats.acknowledged, stats.replayed, stats.duplicate, stats.rejected) == (len(windows), third, 0, 0)
+        again = WindowPusher(service.url, service.key, tmp_path / "again.jsonl", flush_interval_s=0.02)
+        for w in windows:
+            again.push(w)
+        assert again.close(60)
+        assert (again.stats.acknowledged, again.stats.duplicate, again.stats.rejected) == (0, len(windows), 0)
+        totals = service.http.get("/v1/usage/totals").json()
+        steps = relayed("outage", n_steps=90)
+        assert totals["num_steps"] == 90 and totals["attributed_ns"] == totals["measured_ns"] == measured(steps)
+        service.per_step("check", CLASS_B, steps)
+        assert service.requests("outage") == service.requests("check")
+        assert not (tmp_path / "spool.jsonl.windows.jsonl").exists() and not (tmp_path / "spool.jsonl.windows.replaying").exists()
+    finally:
+        service.close()
