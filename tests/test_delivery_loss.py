@@ -1,10 +1,12 @@
 """The engine side loses no step on the paths that used to lose them, each with a real delivery process and a
 real `llmvisor serve`: bytes left in the relay when the pipe was full and the engine then idled and was
 SIGKILLed; steps in the pipe when the delivery process died; steps the pusher could not spool (a directory
-it cannot write to); and the recorder's flush thread at shutdown."""
+it cannot write to); and the recorder's flush thread at shutdown. The relay tests run in both delivery modes:
+every step, and window aggregates (``LLMVISOR_STORE_STEPS=0``, the engine class's model active in the registry)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -16,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from _service_fixtures import make_steps, model_path  # noqa: F401
+from _service_fixtures import class_model, make_steps, model_path  # noqa: F401
 from llmvisor.client import StepPusher, process_running, wait_for_delivery
 from llmvisor.ledger import Ledger
 from llmvisor.service.process import ServerProcess, free_loopback_port
@@ -25,21 +27,28 @@ from test_service_client import ThreadServer
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.fixture
-def service(model_path, tmp_path):  # noqa: F811
+ENGINE_CLASS = "eeeeeeeeeeeeeeee"
+
+
+@pytest.fixture(params=["steps", "windows"])
+def service(model_path, tmp_path, request):  # noqa: F811
     db_url = f"sqlite:///{tmp_path}/ledger.db"
     ledger = Ledger(db_url)
     key = ledger.create_key(is_admin=True)
+    if request.param == "windows":
+        ledger.add_model(ENGINE_CLASS, json.dumps(class_model(ENGINE_CLASS).to_dict()), "test", activate=True)
     server = ServerProcess(model_path, db_url, log_path=tmp_path / "service.log").start()
+    server.mode = request.param
     yield server, ledger, key
     server.stop()
     ledger.close()
 
 
 class RelayEngine:
-    """`tests/_relay_engine.py` in a child process: the engine side of the relay, driven line by line."""
+    """`tests/_relay_engine.py` in a child process: the engine side of the relay, driven line by line; ``mode``
+    "windows": its steps carry an engine class and the delivery process sends window aggregates."""
 
-    def __init__(self, tmp_path: Path, url: str, key: str, run_id: str):
+    def __init__(self, tmp_path: Path, url: str, key: str, run_id: str, mode: str = "steps"):
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]),
@@ -47,6 +56,8 @@ class RelayEngine:
             "LLMVISOR_SERVICE_KEY": key,
             "LLMVISOR_SPOOL": str(tmp_path / "spool.jsonl"),
         }
+        if mode == "windows":
+            env.update(LLMVISOR_STORE_STEPS="0", LLMVISOR_TEST_ENGINE_CLASS=ENGINE_CLASS)
         self.log_path = tmp_path / f"{run_id}.log"
         self.log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
@@ -94,18 +105,37 @@ def wait_for_steps(ledger: Ledger, expected: int, timeout_s: float = 60.0, settl
     return count
 
 
+def assert_stored_as_the_mode_says(server, ledger: Ledger, run_id: str, n_steps: int, tmp_path: Path) -> None:
+    """Every step once, attributed to the nanosecond; in window mode as windows (no step row), none refused."""
+    from sqlalchemy import func, select
+
+    from llmvisor.ledger.schema import steps as steps_table
+    from llmvisor.ledger.schema import windows as windows_table
+
+    totals = ledger.totals()
+    assert totals.num_steps == n_steps and totals.attributed_ns == totals.measured_ns and totals.pending_steps == 0
+    gaps = ledger.run_gaps(run_id)
+    assert gaps.num_missing == 0 and gaps.num_received == n_steps
+    with ledger._read_engine.connect() as conn:
+        step_rows = conn.execute(select(func.count()).select_from(steps_table).where(steps_table.c.run_id == run_id)).scalar()
+        window_steps = conn.execute(select(func.coalesce(func.sum(windows_table.c.num_steps), 0)).where(windows_table.c.run_id == run_id)).scalar()
+    assert (step_rows, window_steps) == ((0, n_steps) if server.mode == "windows" else (n_steps, 0))
+    assert not list(tmp_path.glob("spool.jsonl*rejected*"))
+
+
 def test_sigkill_of_an_idle_engine_with_steps_waiting_for_a_full_pipe_loses_none(service, tmp_path):
     server, ledger, key = service
-    engine = RelayEngine(tmp_path, server.url, key, "idle-kill")
+    engine = RelayEngine(tmp_path, server.url, key, "idle-kill", server.mode)
     delivery_pid = engine.delivery_pid
     try:
         os.kill(delivery_pid, signal.SIGSTOP)  # the delivery process falls behind: the 1 MiB pipe fills
         assert engine.ask("send 1500", "sent") == ["sent", "1500"]  # about 2.5 MB: the rest waits in the engine
         os.kill(delivery_pid, signal.SIGCONT)
-        wait_for_steps(ledger, 1500)  # the engine is idle now: nothing calls send() again
+        wait_for_steps(ledger, 1500, settle_s=10.0)  # the engine is idle now: nothing calls send() again (10 s: a busy machine)
         engine.kill()  # as vLLM's shutdown kills the engine core
         assert wait_for_delivery(delivery_pid, timeout_s=60)
         assert stored_steps(ledger) == 1500
+        assert_stored_as_the_mode_says(server, ledger, "idle-kill", 1500, tmp_path)
     finally:
         if process_running(delivery_pid):
             os.kill(delivery_pid, signal.SIGCONT)
@@ -114,7 +144,7 @@ def test_sigkill_of_an_idle_engine_with_steps_waiting_for_a_full_pipe_loses_none
 
 def test_steps_in_the_pipe_when_the_delivery_process_dies_are_delivered(service, tmp_path):
     server, ledger, key = service
-    engine = RelayEngine(tmp_path, server.url, key, "delivery-death")
+    engine = RelayEngine(tmp_path, server.url, key, "delivery-death", server.mode)
     first_pid = engine.delivery_pid
     try:
         os.kill(first_pid, signal.SIGSTOP)
@@ -132,6 +162,39 @@ def test_steps_in_the_pipe_when_the_delivery_process_dies_are_delivered(service,
         assert wait_for_delivery(last_pid, timeout_s=60)
         assert stored_steps(ledger) == 400
         assert last_pid != first_pid
+        assert_stored_as_the_mode_says(server, ledger, "delivery-death", 400, tmp_path)
+    finally:
+        engine.stop()
+
+
+def test_a_delivery_process_killed_after_it_sent_some_is_replaced_and_nothing_is_sent_twice(service, tmp_path, request):
+    """The replacement is sent every step not reported safe, some of them already stored: per step they are
+    duplicates; in windows it resumes at the first window the service does not have, so no window is sent twice
+    with other content (a 409, refused and lost)."""
+    server, ledger, key = service
+    request.applymarker(pytest.mark.xfail(
+        server.mode == "windows", strict=False,
+        reason="known gap: the replacement resumes from the last report (every 0.1 s); a window acknowledged after it "
+               "and closed by the clock (these steps are dated in the past, so every window is) is rebuilt with the "
+               "later steps dated in it, a 409 (rejected, logged, counted). Fix: resume from the service's stored "
+               "step ranges and last window end of the run, and the spool's windows"))
+    engine = RelayEngine(tmp_path, server.url, key, "sent-then-killed", server.mode)
+    try:
+        assert engine.ask("send 250", "sent") == ["sent", "250"]
+        wait_for_steps(ledger, 200, settle_s=5.0)
+        os.kill(engine.delivery_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while process_running(engine.delivery_pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        while int(engine.ask("pid", "pid")[1]) == engine.delivery_pid and time.monotonic() < deadline:
+            time.sleep(0.05)  # the engine replaces it by itself (a death at close is not this test's subject)
+        assert engine.ask("send 150", "sent") == ["sent", "400"]
+        last_pid = int(engine.ask("close", "closed")[1])
+        engine.command("exit")
+        assert engine.process.wait(30) == 0
+        assert wait_for_delivery(last_pid, timeout_s=60)
+        assert stored_steps(ledger) == 400
+        assert_stored_as_the_mode_says(server, ledger, "sent-then-killed", 400, tmp_path)
     finally:
         engine.stop()
 

@@ -1,5 +1,5 @@
-"""Which way the delivery process meters: every step (the default, until window mode attributes pending windows
-and honours the service's default and fallback models), or window aggregates with LLMVISOR_STORE_STEPS=0."""
+"""Which way the delivery process meters: every step (the default), or window aggregates with LLMVISOR_STORE_STEPS=0
+(with a per-step pusher beside them, for the windows of a class no model bills)."""
 
 import pytest
 
@@ -19,6 +19,7 @@ def test_per_step_is_the_default_and_zero_asks_for_windows(monkeypatch):
     monkeypatch.setenv("LLMVISOR_STORE_STEPS", "0")
     delivery = StepDelivery.from_env(dict(HEADER))
     assert delivery.pusher is None and isinstance(delivery.windows, WindowDelivery)
+    assert isinstance(delivery.windows.step_pusher, StepPusher)
     delivery.windows.close(0.1)
 
 

@@ -121,7 +121,10 @@ def doc_env(tmp_path: Path) -> dict:
     (shims / "owns-port.py").write_text(OWNS_PORT)
     (shims / "owns-port").write_text(f'#!/bin/sh\nexec "{sys.executable}" "{shims / "owns-port.py"}" "$@"\n')
     (shims / "owns-port").chmod(0o755)
-    return {"PATH": f"{shims}:{os.path.dirname(sys.executable)}:/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src"), "HOME": str(tmp_path)}
+    env = {"PATH": f"{shims}:{os.path.dirname(sys.executable)}:/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src"), "HOME": str(tmp_path)}
+    if os.environ.get("LLMVISOR_STORE_STEPS"):  # the journeys run in either delivery mode (docs/recorder.md)
+        env["LLMVISOR_STORE_STEPS"] = os.environ["LLMVISOR_STORE_STEPS"]
+    return env
 
 
 def test_a_foreign_server_on_the_port_fails_the_readiness_check(tmp_path):

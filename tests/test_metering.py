@@ -126,6 +126,35 @@ def test_resent_steps_are_skipped_and_windows_close_when_due(model):
     assert sum(w.num_steps for w in out) == 5
 
 
+def test_a_step_of_a_window_closed_already_goes_to_the_next_window_never_a_second_one_of_the_same_start(model):
+    """close_due closed the window while a step dated in it was still running (a long prefill): that step is counted
+    in the next window, so no (run, window start) is sent twice with different content."""
+    relayed, _ = build([(0.1, 0.01, 0, [(0, 0, False, 1, 10)])] * 3)
+    agg = WindowAggregator("run-a", "class-x", lambda: (model, 1))
+    out = []
+    for step in relayed[:2]:
+        out += agg.add(*step)
+    out += agg.close_due(relayed[0][1] + 5.0)
+    out += agg.add(*relayed[2])  # dated in the window just closed
+    out += agg.close()
+    starts = [w.window_start_us for w in out]
+    assert len(starts) == 2 and len(set(starts)) == 2 and starts[1] == starts[0] + agg.window_us
+    assert [w.num_steps for w in out] == [2, 1]
+    assert out[1].requests[0].first_timestamp_us == starts[1]  # dated at the start of the window it is counted in
+
+
+def test_a_resumed_aggregator_starts_at_the_first_unsent_step_and_no_earlier_window(model):
+    relayed, _ = build([(0.3, 0.01, 0, [(0, 0, False, 1, 10)])] * 12)
+    whole = aggregate(model, relayed)
+    second = whole[1]
+    agg = WindowAggregator("run-a", "class-x", lambda: (model, 3), first_step_id=second.step_ranges[0][0], floor_us=second.window_start_us)
+    resumed = []
+    for step in relayed:  # the relay sends again every step it kept, some in windows already sent
+        resumed += agg.add(*step)
+    resumed += agg.close()
+    assert [w.to_json() for w in resumed] == [w.to_json() for w in whole[1:]]  # identical re-sends: duplicates, not 409s
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [

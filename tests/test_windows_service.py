@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -164,3 +166,25 @@ def test_the_model_versions_that_billed_a_tenant_include_those_of_its_windows(cl
         assert ledger.billing_versions(tenant="nobody") == []
     finally:
         ledger.close()
+
+
+def test_a_window_of_a_busy_engine_may_be_as_large_as_a_steps_body_and_a_tenant_key_is_refused(client, admin, db_url):
+    """A window lists every request of its steps: a busy engine's is hundreds of kilobytes, past the 64 KiB other
+    routes take; POST /v1/windows is ingest and takes what POST /v1/steps takes (and needs an admin key)."""
+    groups = steps_of("run-big", 200)
+    for group in groups:
+        for k, row in enumerate(group):
+            row["request_id"] = f"request-{row['step_id']}-{k}-" + "x" * 60
+    windows = windows_of(client, admin, "run-big", groups)
+    body = json.dumps({"windows": windows}).encode()
+    assert len(body) > 64 * 1024
+    answer = client.post("/v1/windows", headers={**bearer(admin), "Content-Type": "application/json"}, content=body)
+    assert answer.status_code == 200, answer.text[:300]
+    assert answer.json()["steps_covered"] == 200
+    ledger = Ledger(db_url)
+    try:
+        tenant_key = ledger.create_key("tenant-0")
+    finally:
+        ledger.close()
+    refused = client.post("/v1/windows", headers={**bearer(tenant_key), "Content-Type": "application/json"}, content=body)
+    assert refused.status_code == 403

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -701,9 +702,11 @@ class StepDelivery:
         if self.windows is not None:
             self.windows.tick()
 
-    def safe_from(self) -> tuple[int, int] | None:
+    def safe_from(self) -> tuple[int, ...] | None:
         """(first step id not yet flushed to the trace, first step id the pusher has not settled): every step
-        before both is safe from this process's death. None before the first step. Call after `flush`."""
+        before both is safe from this process's death; in window mode a third number, the start (µs) of the
+        window that step is in (a replacement delivery process starts no window before it). None before the
+        first step. Call after `flush`."""
         if self.next_step_id is None:
             return None
         push_next = self.next_step_id
@@ -715,7 +718,8 @@ class StepDelivery:
             if self._pushed_ids:
                 push_next = self._pushed_ids[0]
         if self.windows is not None:
-            push_next = self.windows.push_next(self.next_step_id)
+            push_next, floor_us = self.windows.push_next(self.next_step_id)
+            return self.next_step_id, push_next, floor_us
         return self.next_step_id, push_next
 
     def close(self, timeout_s: float = DELIVERY_CLOSE_TIMEOUT_S) -> bool:
@@ -731,11 +735,12 @@ class StepDelivery:
     @classmethod
     def from_env(cls, header: dict, *, trace_from: int | None = None) -> StepDelivery:
         """Every step to the service (default, ``LLMVISOR_STORE_STEPS=1``), or window aggregates with
-        ``LLMVISOR_STORE_STEPS=0``; neither without ``LLMVISOR_SERVICE_URL``."""
+        ``LLMVISOR_STORE_STEPS=0`` (and per step the windows of a class without a model); neither without
+        ``LLMVISOR_SERVICE_URL``."""
         if store_steps_from_env():
             return cls(header, StepPusher.from_env(), trace_from=trace_from)
         pusher = WindowPusher.from_env()
-        windows = None if pusher is None else WindowDelivery(header, pusher, window_s=window_s_from_env())
+        windows = None if pusher is None else WindowDelivery(header, pusher, window_s=window_s_from_env(), step_pusher=StepPusher.from_env())
         return cls(header, None, trace_from=trace_from, windows=windows)
 
 
@@ -806,6 +811,7 @@ class StepRelay:
         self._written = 0
         self._partial = 0
         self._trace_next: int | None = None
+        self._windows_resume: dict = {}  # window mode: where a replacement delivery process resumes the windows
         self._ack_buffer = b""
         self._dead = False
         self._fd = -1
@@ -933,8 +939,9 @@ class StepRelay:
         *lines, self._ack_buffer = self._ack_buffer.split(b"\n")
         if not lines:
             return
-        trace_next, push_next = (int(x) for x in lines[-1].split())
+        trace_next, push_next, *window = (int(x) for x in lines[-1].split())
         self._trace_next = trace_next
+        self._windows_resume = {"push_next": push_next, "window_floor_us": window[0]} if window else {}
         safe_before = min(trace_next, push_next)
         while self._retained and self._written > 0 and self._retained[0][0] < safe_before:
             self._forget_first()
@@ -976,7 +983,7 @@ class StepRelay:
             self._take_over(f"{len(self._restarts)} delivery processes died within {DELIVERY_RESTART_WINDOW_S:g} s")
             return
         try:
-            self._start_delivery({"trace_next": self._trace_next})
+            self._start_delivery({"trace_next": self._trace_next, **self._windows_resume})
         except (OSError, ValueError) as error:
             self._take_over(f"a new delivery process could not be started ({error})")
             return
@@ -996,7 +1003,8 @@ class StepRelay:
             "llmvisor: %s; delivering the steps of run %s from the engine process from now on (%d waiting)",
             reason, self.header["columns"]["run_id"], len(self._retained),
         )
-        self._fallback = StepDelivery.from_env(self.header, trace_from=self._trace_next)
+        header = dict(self.header, resume=self._windows_resume) if self._windows_resume else self.header
+        self._fallback = StepDelivery.from_env(header, trace_from=self._trace_next)
         for _step_id, data in self._retained:
             self._fallback.add(json.loads(data))
         self.counts.resent += len(self._retained)
@@ -1076,7 +1084,7 @@ def wait_for_delivery(pid: int, timeout_s: float = DELIVERY_CLOSE_TIMEOUT_S + 10
 
 def deliver(read_fd: int = 0, ack_fd: int | None = None) -> int:
     """The delivery process: read the relay's header and steps from ``read_fd`` until it closes, reporting on
-    ``ack_fd`` (``"<trace_next> <push_next>"`` lines, `StepDelivery.safe_from`) what is safe so far."""
+    ``ack_fd`` (``"<trace_next> <push_next>[ <window_floor_us>]"`` lines, `StepDelivery.safe_from`) what is safe so far."""
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(
@@ -1124,7 +1132,7 @@ def deliver(read_fd: int = 0, ack_fd: int | None = None) -> int:
             safe = delivery.safe_from() if due else None
             if safe is not None and safe != reported:
                 try:
-                    os.write(ack_fd, f"{safe[0]} {safe[1]}\n".encode())
+                    os.write(ack_fd, (" ".join(map(str, safe)) + "\n").encode())
                     reported, reported_at_s = safe, time.monotonic()
                 except (BlockingIOError, BrokenPipeError):
                     pass
@@ -1134,10 +1142,15 @@ def deliver(read_fd: int = 0, ack_fd: int | None = None) -> int:
     pusher = delivery.pusher if delivery.windows is None else delivery.windows.pusher
     stats = pusher.stats if pusher is not None else None
     if delivery.windows is not None:
+        windows = delivery.windows
+        per_step = windows.step_pusher.stats if windows.step_pusher is not None else None
         log.info(
-            "llmvisor: run %s metered in %d windows of engine class %s (model version %s); aggregation %.2f µs per step",
-            delivery.header["columns"]["run_id"], delivery.windows.windows_sent, delivery.windows.engine_class,
-            delivery.windows.models.version, 1e6 * delivery.windows.aggregation_s / max(delivery.num_steps, 1),
+            "llmvisor: run %s metered in %d windows of engine class %s (model version %s, %s)%s; aggregation %.2f µs per step",
+            delivery.header["columns"]["run_id"], windows.windows_sent, windows.engine_class, windows.models.version,
+            windows.models.role or "none", "" if per_step is None else
+            f", {windows.steps_sent_per_step} steps per step while the class had no model (service: {per_step.acknowledged} "
+            f"acknowledged, {per_step.spooled} spooled, {per_step.replayed} replayed, {per_step.rejected} rejected)",
+            1e6 * windows.aggregation_s / max(delivery.num_steps, 1),
         )
     log.info(
         "llmvisor: the engine closed the step relay; delivered %d steps of run %s%s%s%s",
@@ -1158,11 +1171,11 @@ def _main(argv: list[str]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Window aggregates (issue #22): with ``LLMVISOR_STORE_STEPS=0`` the delivery process attributes the steps with its
-# class's active model and sends one aggregate per window (`llmvisor.metering`) instead of every step. Not yet the
-# default: a class without an active model sends pending windows that nothing attributes later, and the service's
-# own default or fallback model (`serve --model`, `--fallback-model`) plays no part at the edge, so such a
-# deployment would bill 0 ns where per-step ingest bills with those models.
+# Window aggregates (issue #22): with ``LLMVISOR_STORE_STEPS=0`` the delivery process attributes the steps with the
+# model that bills its class (the class's active version, else the service's `serve --model` or `--fallback-model`
+# where those bill it: `ActiveModelCache`) and sends one aggregate per window (`llmvisor.metering`) instead of every
+# step. A window closed while the class has no model goes per step, so the service stores those steps pending
+# (measured time kept, shown in totals and gaps) and attributes them, exactly, when a model is activated.
 
 ENV_STORE_STEPS = "LLMVISOR_STORE_STEPS"
 ENV_WINDOW_S = "LLMVISOR_WINDOW_S"
@@ -1190,13 +1203,16 @@ def window_s_from_env() -> float:
 
 
 class ActiveModelCache:
-    """The active model of one engine class from the service's registry (``GET /v1/models``), cached: the list
-    is read at most every ``refresh_interval_s`` and the model fetched again only when the active version
-    changes. While the service cannot be asked, the cached model stays in use; with none, windows are pending."""
+    """The model that bills one engine class, from the service's registry (``GET /v1/models/{class}/active``: its
+    active version, else the service's ``--model`` or ``--fallback-model`` where those bill it), cached: asked at
+    most every ``refresh_interval_s``, the model read again only when the version changes. While the service
+    cannot be asked, the cached model stays in use; with none (the class has no model, or the service was never
+    reached), the steps are sent per step and the service attributes them or stores them pending."""
 
     def __init__(self, client: httpx.Client, engine_class: str, *, refresh_interval_s: float = MODEL_REFRESH_INTERVAL_S):
         self.client, self.engine_class, self.refresh_interval_s = client, engine_class, refresh_interval_s
         self.version: int | None = None
+        self.role: str | None = None
         self.model: StepLatencyModel | None = None
         self._checked_s = -1e18
 
@@ -1208,42 +1224,47 @@ class ActiveModelCache:
         return None if self.model is None else (self.model, self.version)
 
     def _refresh(self) -> None:
+        if not self.engine_class:
+            return  # steps without a fingerprint: per step, the service bills them with its --model
         try:
-            listed = self.client.get("/v1/models")
-            if listed.status_code != 200:
+            answer = self.client.get(f"/v1/models/{urllib.parse.quote(self.engine_class, safe='')}/active")
+            if answer.status_code == 404:
+                if self.model is not None:
+                    log.warning("llmvisor: engine class %s has no model any more; its steps go per step", self.engine_class)
+                self.model = self.version = self.role = None
                 return
-            active = [m["version"] for m in listed.json() if m["engine_class"] == self.engine_class and m["active"]]
-            if not active:
-                self.model = self.version = None
-                return
-            if active[0] == self.version:
-                return
-            answer = self.client.get(f"/v1/models/{self.engine_class}/active")
             if answer.status_code != 200:
                 return
             data = answer.json()
-            self.model, self.version = StepLatencyModel.from_dict(data["model"], source="/v1/models"), int(data["version"])
-            log.info("llmvisor: attributing engine class %s with model version %d at the edge", self.engine_class, self.version)
-        except (httpx.HTTPError, ValueError, KeyError, LlmvisorError) as problem:
-            log.warning("llmvisor: cannot read the active model of engine class %s (%s); keeping version %s",
+            version, role = int(data["version"]), str(data.get("role", "active"))
+            if version == self.version and self.model is not None:
+                return
+            self.model, self.version, self.role = StepLatencyModel.from_dict(data["model"], source="/v1/models"), version, role
+            log.info("llmvisor: attributing engine class %s at the edge with model version %d (%s)", self.engine_class, version, role)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, LlmvisorError) as problem:
+            log.warning("llmvisor: cannot read the model of engine class %s (%s); keeping version %s",
                         self.engine_class, problem, self.version)
 
 
 class WindowPusher:
     """Send window aggregates to ``POST /v1/windows`` in the background; spool them to ``<spool>.windows.jsonl``
     while the service cannot take them, replayed when it answers (ingest is idempotent per window). A window the
-    service refuses for its content (409, 422) goes to ``<spool>.windows.rejected.jsonl``, logged and counted."""
+    service refuses for its content (409, 413, 422) goes to ``<spool>.windows.rejected.jsonl``, logged and
+    counted. A POST carries at most ``max_batch_windows`` windows and, beyond its first, ``max_batch_bytes``
+    (a window lists every request of its steps: a busy engine's can take hundreds of kilobytes)."""
 
     def __init__(self, url: str, api_key: str, spool_path: str | os.PathLike = DEFAULT_SPOOL, *, max_batch_windows: int = 200,
-                 flush_interval_s: float = 0.1, request_timeout_s: float = 10.0, retry_interval_s: float = 2.0):
+                 max_batch_bytes: int = 4 << 20, flush_interval_s: float = 0.1, request_timeout_s: float = 10.0,
+                 retry_interval_s: float = 2.0):
         self.client = httpx.Client(base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {api_key}"}, timeout=request_timeout_s)
         self.spool_path = Path(f"{spool_path}.windows.jsonl")
         self.replay_path = Path(f"{spool_path}.windows.replaying")
         self.rejected_path = Path(f"{spool_path}.windows.rejected.jsonl")
-        self.max_batch_windows, self.flush_interval_s, self.retry_interval_s = max_batch_windows, flush_interval_s, retry_interval_s
+        self.max_batch_windows, self.max_batch_bytes = max_batch_windows, max_batch_bytes
+        self.flush_interval_s, self.retry_interval_s = flush_interval_s, retry_interval_s
         self.stats = PusherStats()
         self._lock = threading.Lock()
-        self._queue: deque[tuple[int, dict]] = deque()
+        self._queue: deque[tuple[int, str]] = deque()  # (seq, the window's JSON)
         self._next_seq = 0
         self._unsettled: set[int] = set()
         self._next_try_s = 0.0
@@ -1258,11 +1279,12 @@ class WindowPusher:
         return cls(url, os.environ[ENV_KEY], os.environ.get(ENV_SPOOL, DEFAULT_SPOOL)) if url else None
 
     def push(self, window: WindowAggregate) -> int:
+        text = json.dumps(window.to_json())
         with self._lock:
             seq = self._next_seq
             self._next_seq += 1
             self._unsettled.add(seq)
-            self._queue.append((seq, window.to_json()))
+            self._queue.append((seq, text))
         self.stats.add(pushed=1)
         return seq
 
@@ -1271,39 +1293,51 @@ class WindowPusher:
         with self._lock:
             return min(self._unsettled) if self._unsettled else self._next_seq
 
-    def _settle(self, batch: list[tuple[int, dict]]) -> None:
+    def _settle(self, batch: list[tuple[int, str]]) -> None:
         with self._lock:
             self._unsettled.difference_update(seq for seq, _ in batch)
+
+    def _batches(self, windows: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
+        out: list[list[tuple[int, str]]] = []
+        size = 0
+        for item in windows:
+            if not out or len(out[-1]) >= self.max_batch_windows or size + len(item[1]) > self.max_batch_bytes:
+                out.append([])
+                size = 0
+            out[-1].append(item)
+            size += len(item[1]) + 1
+        return out
 
     def _run(self) -> None:
         while True:
             stopping = self._stop.is_set()
             with self._lock:
-                batch = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch_windows))]
-            if batch:
+                taken = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch_windows))]
+            for batch in self._batches(taken):
                 self._send_or_spool(batch)
             if time.monotonic() >= self._next_try_s and not self._out_of_time():
                 self._replay()
             if stopping and not self._queue:
                 return
-            if not batch:
+            if not taken:
                 time.sleep(self.flush_interval_s)
 
     def _out_of_time(self) -> bool:
         return self._deadline is not None and time.monotonic() >= self._deadline
 
-    def _send_or_spool(self, batch: list[tuple[int, dict]]) -> None:
+    def _send_or_spool(self, batch: list[tuple[int, str]]) -> None:
         if time.monotonic() < self._next_try_s or self._out_of_time() or not self._deliver(batch):
             self._write(self.spool_path, [w for _, w in batch])
             self.stats.add(spooled=len(batch))
         self._settle(batch)
 
-    def _deliver(self, batch: list[tuple[int, dict]]) -> bool:
+    def _deliver(self, batch: list[tuple[int, str]]) -> bool:
         """POST the batch; False when the service cannot take it now (spool it). Refused windows are rejected."""
+        body = ('{"windows":[' + ",".join(w for _, w in batch) + "]}").encode()
         delay_s = 0.1
         for attempt in range(4):
             try:
-                response = self.client.post(WINDOWS_PATH, json={"windows": [w for _, w in batch]})
+                response = self.client.post(WINDOWS_PATH, content=body, headers={"Content-Type": "application/json"})
                 if response.status_code < 500 and response.status_code not in (401, 403, 429):
                     break
                 reason = f"HTTP {response.status_code}"
@@ -1326,13 +1360,14 @@ class WindowPusher:
         self._write(self.rejected_path, [w for _, w in batch])
         self.stats.add(rejected=len(batch))
         self.stats.last_error = _detail(response)
-        log.error("llmvisor service rejected window %s of run %s: HTTP %d %s; kept in %s", batch[0][1]["window_start_us"],
-                  batch[0][1]["run_id"], response.status_code, _detail(response), self.rejected_path)
+        first = json.loads(batch[0][1])
+        log.error("llmvisor service rejected window %s of run %s: HTTP %d %s; kept in %s", first.get("window_start_us"),
+                  first.get("run_id"), response.status_code, _detail(response), self.rejected_path)
         return True
 
-    def _write(self, path: Path, windows: list[dict]) -> None:
+    def _write(self, path: Path, windows: list[str]) -> None:
         with open(path, "a", encoding="utf-8") as handle:
-            handle.write("".join(json.dumps(w) + "\n" for w in windows))
+            handle.write("".join(w + "\n" for w in windows))
             handle.flush()
             os.fsync(handle.fileno())
 
@@ -1344,11 +1379,13 @@ class WindowPusher:
         windows = []
         for line in self.replay_path.read_text(encoding="utf-8").splitlines():
             try:
-                windows.append((-1, json.loads(line)))
+                json.loads(line)
             except ValueError:
                 log.error("llmvisor window spool %s: an unreadable line skipped (a torn write?)", self.replay_path)
-        for i in range(0, len(windows), self.max_batch_windows):
-            if not self._deliver(windows[i : i + self.max_batch_windows]):
+                continue
+            windows.append((-1, line))
+        for batch in self._batches(windows):
+            if not self._deliver(batch):
                 return
         self.replay_path.unlink()
         self.stats.add(replayed=len(windows))
@@ -1369,18 +1406,30 @@ class WindowPusher:
 
 
 class WindowDelivery:
-    """The delivery process's window mode: steps into a `WindowAggregator`, closed windows to a `WindowPusher`.
-    ``safe_from`` reports the first step whose window the service does not have (acknowledged or spooled) yet."""
+    """The delivery process's window mode: steps into a `WindowAggregator`, closed windows to a `WindowPusher`;
+    a window closed while its class has no model at the edge goes per step to ``step_pusher`` (the service then
+    attributes those steps with the model it picks, or stores them pending until a model is activated; see
+    `ActiveModelCache`). ``push_next`` reports the first step the service does not have (acknowledged or
+    spooled) yet, whichever way it went."""
 
-    def __init__(self, header: dict, pusher: WindowPusher, *, window_s: float):
+    def __init__(self, header: dict, pusher: WindowPusher, *, window_s: float, step_pusher: StepPusher | None = None):
         columns = header["columns"]
+        resume = header.get("resume") or {}  # a delivery process that died sent the windows before these
         fingerprint = header.get("engine_fingerprint") or {}
+        self.header = header
         self.engine_class = str(columns.get(FINGERPRINT_COLUMN) or fingerprint.get("id") or "")
         self.models = ActiveModelCache(pusher.client, self.engine_class)
-        self.aggregator = WindowAggregator(columns["run_id"], self.engine_class, self.models, window_s=window_s)
+        self.aggregator = WindowAggregator(columns["run_id"], self.engine_class, self.models, window_s=window_s,
+                                           unattributed_steps=step_pusher is not None, first_step_id=resume.get("push_next"),
+                                           floor_us=resume.get("window_floor_us") or 0)
         self.pusher = pusher
-        self._pushed: deque[tuple[int, int]] = deque()  # (seq, first step id) of windows pushed, unsettled ones first
+        self.step_pusher = step_pusher
+        # what was pushed, oldest first, until settled: (0 window | 1 per step, the count of its pusher's first
+        # pushes that must be settled for it to be, its first step id, its window's start)
+        self._pushed: deque[tuple[int, int, int, int]] = deque()
+        self._steps_pushed = 0
         self.windows_sent = 0
+        self.steps_sent_per_step = 0
         self.aggregation_s = 0.0
 
     def add(self, step: list) -> None:
@@ -1395,23 +1444,38 @@ class WindowDelivery:
 
     def _push(self, closed: list) -> None:
         for window in closed:
-            self._pushed.append((self.pusher.push(window), window.step_ranges[0][0]))
-            self.windows_sent += 1
+            if isinstance(window, WindowAggregate):
+                self._pushed.append((0, self.pusher.push(window) + 1, window.step_ranges[0][0], window.window_start_us))
+                self.windows_sent += 1
+                continue
+            for step in window.steps:
+                self.step_pusher.push_step(step_rows(self.header, step))
+            self._steps_pushed += len(window.steps)
+            self._pushed.append((1, self._steps_pushed, window.steps[0][0], window.window_start_us))
+            self.steps_sent_per_step += len(window.steps)
 
-    def push_next(self, next_step_id: int) -> int:
-        settled = self.pusher.settled_windows()
-        while self._pushed and self._pushed[0][0] < settled:
+    def push_next(self, next_step_id: int) -> tuple[int, int]:
+        """(the first step the service does not have yet, the start of its window): a replacement delivery
+        process resumes there (`WindowAggregator`'s ``first_step_id`` and ``floor_us``)."""
+        settled = (self.pusher.settled_windows(), self.step_pusher.settled_steps() if self.step_pusher is not None else 0)
+        while self._pushed and settled[self._pushed[0][0]] >= self._pushed[0][1]:
             self._pushed.popleft()
         if self._pushed:
-            return self._pushed[0][1]
+            return self._pushed[0][2], self._pushed[0][3]
         first_open = self.aggregator.first_open_step_id()
-        return next_step_id if first_open is None else first_open
+        if first_open is None:
+            return next_step_id, self.aggregator.closed_until_us
+        return first_open, self.aggregator.open_window_start_us
 
     def close(self, timeout_s: float) -> bool:
         started = time.perf_counter()
         self._push(self.aggregator.close())
         self.aggregation_s += time.perf_counter() - started
-        return self.pusher.close(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        complete = self.pusher.close(timeout_s)
+        if self.step_pusher is not None:
+            complete = self.step_pusher.close(max(deadline - time.monotonic(), 1.0)) and complete
+        return complete
 
 
 if __name__ == "__main__":

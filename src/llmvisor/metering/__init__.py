@@ -7,9 +7,10 @@ generator and the service share it. See `llmvisor.metering.windows`.
 from llmvisor.metering.windows import (
     DEFAULT_WINDOW_S,
     RequestWindow,
+    UnattributedWindow,
     WindowAggregate,
     WindowAggregator,
     WindowError,
 )
 
-__all__ = ["DEFAULT_WINDOW_S", "RequestWindow", "WindowAggregate", "WindowAggregator", "WindowError"]
+__all__ = ["DEFAULT_WINDOW_S", "RequestWindow", "UnattributedWindow", "WindowAggregate", "WindowAggregator", "WindowError"]

@@ -8,8 +8,11 @@ step's shares to integer nanoseconds with `llmvisor.core.rounding.apportion_ns`,
 window's Σ attributed equals its Σ measured to the nanosecond, and a tenant's total over windows equals the
 total per-step ingest would store for the same steps, exactly.
 
-A window whose class has no active model is *pending*: measured time and tokens kept, nothing attributed
-(``attributed_ns`` 0), ``model_version`` None.
+A window whose class has no model is *pending*: measured time and tokens kept, nothing attributed
+(``attributed_ns`` 0), ``model_version`` None. The delivery process sends no pending window: with
+``unattributed_steps=True`` the aggregator hands such a window back as its raw steps (`UnattributedWindow`),
+which the delivery process sends per step, so the service attributes them with the model it picks, or stores
+them pending and attributes them, exactly, when a model of the class is activated.
 """
 
 from __future__ import annotations
@@ -227,6 +230,18 @@ def _residual_from_json(data: dict, where: str) -> ResidualStats:
     return out
 
 
+@dataclass
+class UnattributedWindow:
+    """A window closed while its class had no model at the edge: its relayed steps
+    (``[step_id, timestamp_s, step_latency_s, slices]``) as they came, to be sent per step."""
+
+    run_id: str
+    engine_class: str
+    window_start_us: int
+    window_end_us: int
+    steps: list[list]
+
+
 class WindowAggregator:
     """Steps of one run instance in, closed `WindowAggregate` s out.
 
@@ -235,19 +250,28 @@ class WindowAggregator:
     returns the windows it closed (a step of a later window closes the earlier ones; ``close_due`` closes a window
     once the clock is past its end by ``grace_s``, for an idle engine; ``close`` closes the last). Step ids at or
     below the last one added are re-sends and skipped; a step dated before the open window (clocks are not
-    monotonic) is counted in the open window, so no window is sent twice with different content.
+    monotonic), or in a window already closed (a step that arrived after `close_due` closed its window), is
+    counted in the open window or the next one, so no window is sent twice with different content.
+    ``first_step_id`` and ``floor_us`` resume a run another aggregator began (a delivery process replacing one
+    that died): steps below ``first_step_id`` are in windows already sent, and no window starts before ``floor_us``.
+
+    ``unattributed_steps``: a window closed while ``model_source`` has no model comes back as an
+    `UnattributedWindow` (its raw steps) instead of a pending `WindowAggregate`.
     """
 
     def __init__(self, run_id: str, engine_class: str, model_source: ModelSource, *, window_s: float = DEFAULT_WINDOW_S,
-                 grace_s: float = 0.5):
+                 grace_s: float = 0.5, unattributed_steps: bool = False, first_step_id: int | None = None, floor_us: int = 0):
         if not window_s > 0 or not math.isfinite(window_s):
             raise LlmvisorError(f"window_s: must be a positive number of seconds, not {window_s!r}")
         self.run_id, self.engine_class, self.model_source = run_id, engine_class, model_source
+        self.unattributed_steps = unattributed_steps
         self.window_us = max(int(round(window_s * 1e6)), 1)
         self.grace_us = int(round(grace_s * 1e6))
-        self.last_step_id: int | None = None
+        self.last_step_id: int | None = None if first_step_id is None else first_step_id - 1
+        self.closed_until_us = int(floor_us)
+        """No window starts before this: the end of the last window closed (or the resumed floor)."""
         self._start_us: int | None = None
-        self._steps: list[tuple[int, int, float, list]] = []
+        self._steps: list[tuple[int, int, float, list, float]] = []  # (id, window-clamped start µs, latency, slices, timestamp_s)
 
     @property
     def open_window_start_us(self) -> int | None:
@@ -260,32 +284,37 @@ class WindowAggregator:
     def first_open_step_id(self) -> int | None:
         return self._steps[0][0] if self._steps else None
 
-    def add(self, step_id: int, timestamp_s: float, step_latency_s: float, slices: list) -> list[WindowAggregate]:
+    def add(self, step_id: int, timestamp_s: float, step_latency_s: float, slices: list) -> list[WindowAggregate | UnattributedWindow]:
         if self.last_step_id is not None and step_id <= self.last_step_id:
             return []
         self.last_step_id = step_id
         timestamp_us = int(round(timestamp_s * 1e6))
-        start_us = timestamp_us // self.window_us * self.window_us
+        start_us = max(timestamp_us // self.window_us * self.window_us, self.closed_until_us)
         closed = []
         if self._start_us is not None and start_us > self._start_us:
             closed.append(self._close())
         if self._start_us is None:
             self._start_us = start_us
-        self._steps.append((step_id, max(timestamp_us, self._start_us), float(step_latency_s), slices))
+        self._steps.append((step_id, max(timestamp_us, self._start_us), float(step_latency_s), slices, timestamp_s))
         return closed
 
-    def close_due(self, now_s: float) -> list[WindowAggregate]:
+    def close_due(self, now_s: float) -> list[WindowAggregate | UnattributedWindow]:
         if self._start_us is not None and now_s * 1e6 >= self._start_us + self.window_us + self.grace_us:
             return [self._close()]
         return []
 
-    def close(self) -> list[WindowAggregate]:
+    def close(self) -> list[WindowAggregate | UnattributedWindow]:
         return [self._close()] if self._steps else []
 
-    def _close(self) -> WindowAggregate:
+    def _close(self) -> WindowAggregate | UnattributedWindow:
         steps, start_us = self._steps, self._start_us
         self._steps, self._start_us = [], None
-        return aggregate_window(self.run_id, self.engine_class, start_us, start_us + self.window_us, steps, self.model_source())
+        self.closed_until_us = start_us + self.window_us
+        model = self.model_source()
+        if model is None and self.unattributed_steps:
+            return UnattributedWindow(self.run_id, self.engine_class, start_us, start_us + self.window_us,
+                                      [[s[0], s[4], s[2], s[3]] for s in steps])
+        return aggregate_window(self.run_id, self.engine_class, start_us, start_us + self.window_us, steps, model)
 
 
 def aggregate_window(run_id: str, engine_class: str, start_us: int, end_us: int, steps: list[tuple[int, int, float, list]],

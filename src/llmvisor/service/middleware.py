@@ -9,8 +9,8 @@ middleware in front of the app:
 - on the routes that need a key, a missing or invalid bearer key is a 401 before the body is read, and on
   the routes that take a body and need an admin key (ingest, key creation) a tenant key is a 403.
 
-POST /v1/steps and POST /v1/windows may carry ``max_body_bytes`` (an engine's pusher sends up to 200 windows at
-once after an outage, ~10 kB each at B = 32); every other route ``max_small_body_bytes``. The principal found
+POST /v1/steps and POST /v1/windows (ingest) may carry ``max_body_bytes`` (an engine's pusher sends many windows at
+once after an outage); every other route ``max_small_body_bytes``. The principal found
 is handed to the route's key dependency in the ASGI scope.
 """
 
@@ -37,6 +37,7 @@ from llmvisor.service.routes.windows import WINDOWS_PATH
 OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}) | PAGE_PATHS
 ADMIN_BODY_ROUTES = {
     ("POST", INGEST_PATH): INGEST_FORBIDDEN_DETAIL,
+    ("POST", WINDOWS_PATH): INGEST_FORBIDDEN_DETAIL,
     ("POST", KEYS_PATH): "this needs an admin key",
     ("POST", MODELS_PATH): "this needs an admin key",
 }
@@ -67,9 +68,8 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         method, path = scope["method"], scope["path"]
-        is_ingest = method == "POST" and path == INGEST_PATH
-        is_bulk = is_ingest or (method == "POST" and path == WINDOWS_PATH)
-        limit_bytes = self.settings.max_body_bytes if is_bulk else self.settings.max_small_body_bytes
+        is_ingest = method == "POST" and path in (INGEST_PATH, WINDOWS_PATH)
+        limit_bytes = self.settings.max_body_bytes if is_ingest else self.settings.max_small_body_bytes
 
         def refuse(reason: str, response) -> ASGIApp:
             if is_ingest:

@@ -14,6 +14,12 @@ unless the operator says so:
    attributed, once, when a version of its class is activated.
 
 Bills already written are never rewritten: activation attributes only pending steps.
+
+Engines that attribute at the edge (window aggregates, `llmvisor.metering`) ask `ModelRegistry.edge_model` for
+the model this order picks for their class (``GET /v1/models/{class}/active``), so a window is billed with the
+model per-step ingest would use. A window names the registry version that attributed it; for the service's
+``--model`` and ``--fallback-model`` that is a version of the class stored on the first such request (not
+activated, its source naming the role), so every window's model can be read back and audited.
 """
 
 from __future__ import annotations
@@ -41,6 +47,24 @@ PENDING_CHUNK_STEPS = 5000
 
 class RegistryError(LlmvisorError):
     """A model that cannot be registered or activated as asked."""
+
+
+@dataclass(frozen=True)
+class EdgeModel:
+    """The model an engine attributes its class's steps with at the edge: registry ``version`` (stored),
+    ``role`` ``"active"`` (the class's active version), ``"default"`` (``serve --model``) or ``"fallback"``
+    (``serve --fallback-model``), and the model's JSON."""
+
+    engine_class: str
+    version: int
+    role: str
+    model_json: str
+
+
+EDGE_ROLE_SOURCES = {
+    "default": "llmvisor serve --model, billing this class while it has no active version (stored for edge attribution)",
+    "fallback": "llmvisor serve --fallback-model, billing this class while it has no model of its own (stored for edge attribution)",
+}
 
 
 @dataclass(frozen=True)
@@ -133,6 +157,7 @@ class ModelRegistry:
         self._refreshed_at = -float("inf")
         self._lock = threading.Lock()
         self._fallback_warned: set[str] = set()
+        self._edge_versions: dict[tuple[str, str], int] = {}
 
     def refresh(self, *, force: bool = False) -> None:
         """Re-read the active versions; attribute pending steps of classes that have one (activated elsewhere,
@@ -171,6 +196,38 @@ class ModelRegistry:
                 )
             return self.fallback
         return ModelChoice(None)
+
+    def edge_model(self, engine_class: str) -> EdgeModel | None:
+        """The model `choose` picks for ``engine_class``, with a stored version, for attribution at the edge;
+        None where its steps would be stored pending (the engine then sends them per step)."""
+        self.refresh()
+        choice = self.choose(engine_class)
+        if choice.pending:
+            return None
+        if choice.version is not None:
+            text = self.ledger.model_json(engine_class, choice.version)
+            if text is not None:
+                return EdgeModel(engine_class, choice.version, "active", text)
+        role = "fallback" if self.fallback is not None and choice is self.fallback else "default"
+        text = json.dumps(choice.model.to_dict(), sort_keys=True)
+        return EdgeModel(engine_class, self._edge_version(engine_class, role, text), role, text)
+
+    def _edge_version(self, engine_class: str, role: str, text: str) -> int:
+        """The stored version of this class holding ``text`` (stored now, not activated, if none does)."""
+        with self._lock:
+            version = self._edge_versions.get((engine_class, role))
+            if version is not None:
+                return version
+            for item in self.ledger.list_models(engine_class):
+                if self.ledger.model_json(engine_class, item.version) == text:
+                    version = item.version
+                    break
+            else:
+                version = self.ledger.add_model(engine_class, text, EDGE_ROLE_SOURCES[role])
+                log.info("llmvisor: stored the %s model as version %d of engine class %s, for attribution at the edge",
+                         role, version, engine_class)
+            self._edge_versions[(engine_class, role)] = version
+            return version
 
     def model_for(self, engine_class: str) -> StepLatencyModel | None:
         return self.choose(engine_class).model

@@ -40,16 +40,24 @@ def list_models(_principal: AdminKey, ledger: LedgerDep):
 
 @router.get(
     MODELS_PATH + "/{engine_class}/active",
-    summary="The active model of an engine class, for engines that attribute at the edge (admin)",
-    responses={404: {"description": "the class has no active model (its steps are pending)"}},
+    summary="The model that bills an engine class, for engines that attribute at the edge (admin)",
+    description=(
+        "The class's active version (`role` \"active\"), else the service's `--model` for the class it was fitted on "
+        "(`role` \"default\") or its `--fallback-model` (`role` \"fallback\"): the model per-step ingest would bill the "
+        "class's steps with. `version` is a stored version of the class in every case (the default and fallback models are "
+        "stored, not activated, on the first request), so a window names the model that attributed it. `active` is true "
+        "only for the class's active version."
+    ),
+    responses={404: {"description": "no model bills the class (its steps are stored pending until one is activated)"}},
 )
-def active_model(engine_class: Annotated[str, Path(max_length=MAX_STRING_CHARS)], _principal: AdminKey, ledger: LedgerDep):
+def active_model(engine_class: Annotated[str, Path(max_length=MAX_STRING_CHARS)], _principal: AdminKey, registry: RegistryDep):
     check_name("engine_class", engine_class)
-    version = ledger.active_versions().get(engine_class)
-    text = None if version is None else ledger.model_json(engine_class, version)
-    if text is None:
-        raise HTTPException(404, f"engine class {engine_class!r} has no active model")
-    return {"engine_class": engine_class, "version": version, "model": json.loads(text)}
+    found = registry.edge_model(engine_class)
+    if found is None:
+        raise HTTPException(404, f"engine class {engine_class!r} has no model: no active version, and neither --model nor "
+                                 "--fallback-model bills it (its steps are stored pending)")
+    return {"engine_class": engine_class, "version": found.version, "role": found.role, "active": found.role == "active",
+            "model": json.loads(found.model_json)}
 
 
 @router.post(MODELS_PATH, response_model=ModelVersionOut, status_code=201, summary="Add a model version (admin)")
