@@ -264,7 +264,8 @@ def test_steps_beyond_the_memory_bound_are_dropped_counted_logged_and_shown_as_a
         while pusher.stats.dropped < 100 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert pusher.stats.dropped == 100 and pusher.stats.held >= 200
-        assert any("dropped 100 step(s)" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        # logged as dropped (in one message, or several when the pushes reach the bound in pieces on a busy machine)
+        assert any("; 100 dropped in all" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
     server.start()
     for group in groups[300:]:  # the engine runs on: later steps arrive, so the lost ones are a gap
         pusher.push_step(group)
