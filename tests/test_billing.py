@@ -7,7 +7,6 @@ made by `adjust_period` with a second model version, as `llmvisor adjust` does.
 
 from __future__ import annotations
 
-import csv
 import http.server
 import json
 import subprocess
@@ -16,7 +15,6 @@ import threading
 from collections import defaultdict
 from decimal import Decimal
 from fractions import Fraction
-from pathlib import Path
 from urllib.parse import parse_qs
 
 import jsonschema
@@ -24,6 +22,8 @@ import pyarrow.parquet as pq
 import pytest
 from fastapi.testclient import TestClient
 
+from _billing_checks import DATA, ROOT, VALIDATOR, check_exports_tie_to_the_ledger, run_cli, run_validator
+from _billing_checks import read_csv as _read_csv
 from _service_fixtures import T0_S, bearer, class_body, class_model, db_url, model_path  # noqa: F401
 from llmvisor.billing import PriceBook, cost_of, list_prices, tenant_cost, usage_charges
 from llmvisor.billing.charges import charges
@@ -35,9 +35,6 @@ from llmvisor.ledger import Ledger
 from llmvisor.service.adjust import adjust_period
 from llmvisor.service.app import create_app
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).parent / "data" / "billing"
-VALIDATOR = ROOT / ".venv-focus" / "bin" / "focus-validator"
 CLASS_A, CLASS_B = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"
 HOUR0 = int(T0_S) // 3600 * 3600
 PERIOD = (HOUR0, HOUR0 + 2 * 3600)
@@ -62,10 +59,6 @@ prompt_token_price = "0.000001"
 cached_token_discount = "0.5"
 valid_from = "{__import__('datetime').datetime.fromtimestamp(HOUR0, tz=__import__('datetime').UTC).isoformat()}"
 """
-
-
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "llmvisor.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture
@@ -111,6 +104,15 @@ def test_cost_is_exact_and_rounds_half_to_even_per_charge():
     assert str(cost_of(ns, odd)) == "107.73"
 
 
+def test_every_export_ties_to_the_ledger(served, tmp_path):
+    """The checks the real served run passes too (tests/test_vllm_usage.py), here with two classes, a price change
+    and an adjustment (a credit Stripe leaves out)."""
+    summary = check_exports_tie_to_the_ledger(served, PERIOD, tmp_path)
+    assert summary["tenants"] and summary["rows"] > len(summary["tenants"])
+    if not summary["focus_validated"]:
+        pytest.skip(f"no FOCUS validator at {VALIDATOR.relative_to(ROOT)} (scripts/install-test.sh creates it)")
+
+
 def test_prices_are_versioned_and_in_force_from_their_hour(served, tmp_path):
     ledger = Ledger(served)
     stored = list_prices(ledger)
@@ -139,11 +141,6 @@ def test_prices_are_versioned_and_in_force_from_their_hour(served, tmp_path):
     result = run_cli("prices", "add", str(other_currency), "--db", served)
     assert result.returncode == 2 and "priced in USD" in result.stderr
     assert len(list_prices(Ledger(served))) == 3
-
-
-def _read_csv(path: Path) -> list[dict]:
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def test_focus_export_passes_the_validator_and_sums_to_the_ledger(served, tmp_path):
@@ -203,14 +200,6 @@ def test_focus_export_passes_the_validator_and_sums_to_the_ledger(served, tmp_pa
     broken = tmp_path / "broken.csv"  # the same check fails a file that breaks a rule
     broken.write_text(out.read_text().replace("Usage-Based", "Sometimes"))
     assert "ChargeFrequency_Enum failed" in run_validator(broken).stdout
-
-
-def run_validator(path: Path) -> subprocess.CompletedProcess:
-    """focus-validator on a CSV, from its site-packages folder (1.0.0 reads its currency-code list by a path relative
-    to the working directory), skipping the rule tests/data/billing/focus-validator-overrides.yaml explains."""
-    [packages] = VALIDATOR.resolve().parent.parent.glob("lib/python*/site-packages")
-    return subprocess.run([str(VALIDATOR), "--data-file", str(path.resolve()), "--validate-version", "1.0", "--override-file",
-                           str(DATA / "focus-validator-overrides.yaml")], capture_output=True, text=True, timeout=600, cwd=packages)
 
 
 def test_focus_columns_follow_the_spec_definitions(served, tmp_path):
