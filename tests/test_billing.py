@@ -55,8 +55,6 @@ valid_from = {HOUR0 + 3600}
 engine_class = "{CLASS_B}"
 currency = "USD"
 engine_hour_price = "12"
-prompt_token_price = "0.000001"
-cached_token_discount = "0.5"
 valid_from = "{__import__('datetime').datetime.fromtimestamp(HOUR0, tz=__import__('datetime').UTC).isoformat()}"
 """
 
@@ -123,7 +121,7 @@ def test_prices_are_versioned_and_in_force_from_their_hour(served, tmp_path):
     assert book.price_at(CLASS_A, HOUR0 * 1_000_000 - 1) is None
     assert book.price_at(CLASS_A, (HOUR0 + 3599) * 1_000_000).version == 1
     assert book.price_at(CLASS_A, (HOUR0 + 3600) * 1_000_000).version == 2
-    assert stored[2].prompt_token_price == Decimal("0.000001") and stored[2].cached_token_discount == Decimal("0.5")
+    assert all(p.prompt_token_price is None and p.output_token_price is None and p.cached_token_discount is None for p in stored)
     listed = run_cli("prices", "list", "--db", served)
     assert listed.returncode == 0 and "4.75 USD/engine-hour" in listed.stdout
     bad = tmp_path / "bad.toml"
@@ -312,6 +310,46 @@ def test_an_unpriced_class_is_refused_for_focus_in_one_line(served, tmp_path):
     assert bad.returncode == 2 and "whole UTC hour" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("field, value", [("prompt_token_price", "0.000001"), ("output_token_price", "0.000002"),
+                                          ("cached_token_discount", "0.5")])
+def test_token_prices_are_refused_in_one_line_and_nothing_is_stored(served, tmp_path, field, value):
+    """The ledger keeps new tokens per request and second, not prompt, cached and output tokens apart, so a token
+    price could not be charged: `prices add` refuses it rather than store a price the bill would leave out."""
+    price_file = tmp_path / "tokens.toml"
+    price_file.write_text(f'[[price]]\nengine_class = "{CLASS_A}"\ncurrency = "USD"\nengine_hour_price = "1"\n'
+                          f'valid_from = {HOUR0}\n{field} = "{value}"\n')
+    result = run_cli("prices", "add", str(price_file), "--db", served)
+    assert result.returncode == 2, result.stderr
+    assert f"price 1: {field} cannot be charged" in result.stderr and "nothing was stored" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    ledger = Ledger(served)
+    assert len(list_prices(ledger)) == 3
+    ledger.close()
+
+
+def test_a_stored_token_price_is_refused_at_export_not_ignored(served, tmp_path, model_path):
+    """A price version stored with a token price (as an earlier llmvisor accepted) is refused where it is in force;
+    an entry correcting it (same valid_from, no token price) makes the export work again."""
+    from sqlalchemy import update
+
+    from llmvisor.ledger.schema import prices
+
+    ledger = Ledger(served)
+    with ledger.write_transaction() as conn:
+        conn.execute(update(prices).where(prices.c.engine_class == CLASS_B).values(output_token_price="0.000002"))
+    ledger.close()
+    result = run_cli("export", "--format", "lago", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
+                     "-o", str(tmp_path / "x.json"))
+    assert result.returncode == 2 and f"price v1 of engine class '{CLASS_B}'" in result.stderr, result.stderr
+    assert "output_token_price, which cannot be charged" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "x.json").exists()
+    fix = tmp_path / "fix.json"
+    fix.write_text(json.dumps({"prices": [{"engine_class": CLASS_B, "currency": "USD", "engine_hour_price": "12", "valid_from": HOUR0}]}))
+    assert run_cli("prices", "add", str(fix), "--db", served).returncode == 0
+    assert run_cli("export", "--format", "lago", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
+                   "-o", str(tmp_path / "x.json")).returncode == 0
+
+
 class _Flaky(http.server.BaseHTTPRequestHandler):
     """Answers 503 to the first two requests, then 200; records the bodies."""
 
@@ -375,6 +413,8 @@ def test_prices_api_reads_with_any_key_and_adds_with_an_admin_key(model_path, db
         assert [(p["version"], p["engine_hour_price"]) for p in added.json()] == [(1, "2.50"), (2, "2.50")]
         bad = client.post("/v1/prices", json={"prices": [{**entry, "engine_hour_price": 2.5}]}, headers=bearer(admin))
         assert bad.status_code == 422 and "body price 1" in bad.text and "not a float" in bad.text
+        tokens = client.post("/v1/prices", json={"prices": [{**entry, "prompt_token_price": "0.1"}]}, headers=bearer(admin))
+        assert tokens.status_code == 422 and "body price 1: prompt_token_price cannot be charged" in tokens.text
         listed = client.get("/v1/prices", headers=bearer(tenant_key))
         assert listed.status_code == 200 and [p["version"] for p in listed.json()] == [1, 2]
         assert client.get("/v1/prices").status_code == 401

@@ -16,7 +16,7 @@ from decimal import Decimal
 
 from sqlalchemy import and_, func, select
 
-from llmvisor.billing.prices import US_PER_HOUR, Price, PriceBook, PriceError, cost_of
+from llmvisor.billing.prices import US_PER_HOUR, Price, PriceBook, PriceError, check_chargeable, cost_of
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
 from llmvisor.ledger.schema import steps, usage_per_second, window_tenant_usage, windows
@@ -119,6 +119,8 @@ def usage_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str]
         if wanted is not None and t not in wanted:
             continue
         price = book.price_at(c, h)
+        if price is not None:
+            check_chargeable(price)
         charges.append(Charge("usage", t, c, v, h, h + US_PER_HOUR, ns, tok, price,
                               None if price is None else cost_of(ns, price), ratios.get(k)))
     return charges
@@ -138,6 +140,8 @@ def adjustment_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list
             raise PriceError(f"adjustment of engine class {row.engine_class!r} for [{row.period_start_us / 1e6:.0f}, "
                              f"{row.period_end_us / 1e6:.0f}) spans a price change; it cannot be priced")
         price = book.price_at(row.engine_class, row.period_start_us)
+        if price is not None:
+            check_chargeable(price)
         charges.append(Charge("adjustment", row.tenant, row.engine_class, row.to_version, row.period_start_us,
                               row.period_end_us, row.delta_ns, 0, price, None if price is None else cost_of(row.delta_ns, price),
                               from_versions=row.from_versions))
