@@ -154,11 +154,17 @@ def charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str] | Non
     return usage_charges(ledger, start_us, end_us, tenants, book) + adjustment_charges(ledger, start_us, end_us, tenants, book)
 
 
-def tenant_cost(ledger: Ledger, tenant: str, start_us: int, end_us: int) -> dict[str, Decimal]:
-    """What one tenant owes for a period, per currency: the sum of its charges' costs (usage and adjustments, each
-    rounded by ``cost_of``). Unpriced charges add nothing; for a usage page or a caller's own bill."""
-    owed: dict[str, Decimal] = {}
-    for charge in charges(ledger, start_us, end_us, [tenant]):
+def tenant_costs(ledger: Ledger, start_us: int, end_us: int, tenants: list[str] | None = None) -> dict[str, dict[str, Decimal]]:
+    """What each tenant owes for a period, per currency: the sum of its charges' costs (usage and adjustments, each
+    rounded by ``cost_of``). Unpriced charges add nothing; a tenant with no priced charge is absent."""
+    owed: dict[str, dict[str, Decimal]] = {}
+    for charge in charges(ledger, start_us, end_us, tenants):
         if charge.cost is not None:
-            owed[charge.price.currency] = owed.get(charge.price.currency, Decimal(0)) + charge.cost
+            mine = owed.setdefault(charge.tenant, {})
+            mine[charge.price.currency] = mine.get(charge.price.currency, Decimal(0)) + charge.cost
     return owed
+
+
+def tenant_cost(ledger: Ledger, tenant: str, start_us: int, end_us: int) -> dict[str, Decimal]:
+    """One tenant's ``tenant_costs``; for a usage page or a caller's own bill."""
+    return tenant_costs(ledger, start_us, end_us, [tenant]).get(tenant, {})
