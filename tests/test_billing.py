@@ -503,6 +503,13 @@ def test_export_input_errors_are_one_line(served, tmp_path, args, reason):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_prices_list_refuses_a_ledger_file_that_does_not_exist_and_creates_none(tmp_path):
+    missing = tmp_path / "typo.db"
+    result = run_cli("prices", "list", "--db", f"sqlite:///{missing}", cwd=tmp_path)
+    assert result.returncode == 2 and f"--db sqlite:///{missing}: no such ledger file" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not missing.exists()
+
+
 def test_export_refuses_a_ledger_file_that_does_not_exist_and_creates_none(tmp_path):
     missing = tmp_path / "typo.db"
     result = subprocess.run([sys.executable, "-m", "llmvisor.cli", "export", "--db", f"sqlite:///{missing}", "--start", str(PERIOD[0]),
