@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -173,7 +174,7 @@ def test_focus_export_passes_the_validator_and_sums_to_the_ledger(served, tmp_pa
     for r in rows:
         if r["ChargeCategory"] == "Usage":
             assert r["AllocatedMethodId"]
-            [element] = json.loads(r["AllocatedMethodDetails"])["Elements"]
+            [element] = json.loads(r["AllocatedMethodDetails"], parse_float=Decimal)["Elements"]
             ratios[(r["x_EngineClass"], r["ChargePeriodStart"])] += Decimal(element["AllocatedRatio"])
     assert len(ratios) == 3 and set(ratios.values()) == {Decimal(1)}
 
@@ -200,41 +201,97 @@ def test_focus_export_passes_the_validator_and_sums_to_the_ledger(served, tmp_pa
     assert "ChargeFrequency_Enum failed" in run_validator(broken).stdout
 
 
+NUMERIC = re.compile(r"^-?[0-9]+(\.[0-9]+)?(E-?[0-9]+)?$")  # FOCUS NumericFormat: no '+', no separators
+DATETIME = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z$")  # FOCUS DateTimeFormat
+
+
+def focus_rule_violations(rows: list[dict]) -> list[str]:
+    """Each row's values against the column definitions of tests/data/billing (sources cited there)."""
+    spec = json.loads((DATA / "focus-1.2-1.3-columns.json").read_text())
+    details_schema = json.loads((DATA / "focus-1.3-allocated-method-details.schema.json").read_text())
+    unit = re.compile(spec["unit_format"]["pattern"])
+    found = []
+
+    def holds(condition: dict, row: dict) -> bool:
+        return all(row[column] in values for column, values in condition.items())
+
+    for k, row in enumerate(rows):
+        for name, rule in spec["columns"].items():
+            value = row.get(name)
+            if value is None:
+                found.append(f"row {k}: no column {name}")
+                continue
+            if value == "":
+                if not rule["nullable"] or ("not_null_when" in rule and holds(rule["not_null_when"], row)):
+                    found.append(f"row {k}: {name} is null")
+                continue
+            if "null_when" in rule and holds(rule["null_when"], row):
+                found.append(f"row {k}: {name} must be null ({rule['null_when']})")
+            kind = rule["type"]
+            if kind == "Decimal" and (not NUMERIC.match(value) or (rule.get("non_negative") and Decimal(value) < 0)):
+                found.append(f"row {k}: {name} {value!r} is not a FOCUS decimal")
+            elif kind == "DateTime" and not DATETIME.match(value):
+                found.append(f"row {k}: {name} {value!r} is not YYYY-MM-DDTHH:mm:ssZ")
+            elif kind == "JSON" and not isinstance(json.loads(value), dict):
+                found.append(f"row {k}: {name} is not a JSON object")
+            elif kind == "CurrencyCode" and not re.fullmatch("[A-Z]{3}", value):
+                found.append(f"row {k}: {name} {value!r} is not an ISO 4217 code")
+            elif kind == "Unit" and not unit.match(value):
+                found.append(f"row {k}: {name} {value!r} breaks the UnitFormat")
+            if "allowed" in rule and value not in rule["allowed"]:
+                found.append(f"row {k}: {name} {value!r} is not an allowed value")
+        for quantity, unit_column in (("ConsumedQuantity", "ConsumedUnit"), ("PricingQuantity", "PricingUnit")):
+            if (row[quantity] == "") != (row[unit_column] == ""):
+                found.append(f"row {k}: {unit_column} must be null exactly when {quantity} is")
+        if (row["AllocatedMethodId"] == "") != (row["AllocatedMethodDetails"] == ""):
+            found.append(f"row {k}: AllocatedMethodId and AllocatedMethodDetails must be set together")
+        if row["AllocatedMethodDetails"]:
+            try:
+                jsonschema.validate(json.loads(row["AllocatedMethodDetails"]), details_schema)
+            except jsonschema.ValidationError as error:
+                found.append(f"row {k}: AllocatedMethodDetails: {error.message}")
+        if row["ChargeClass"] != "Correction" and row["PricingQuantity"]:  # the deviation the contract file states:
+            for price, cost in (("ListUnitPrice", "ListCost"), ("ContractedUnitPrice", "ContractedCost")):  # within half a cent
+                if abs(Decimal(row["PricingQuantity"]) * Decimal(row[price]) - Decimal(row[cost])) > Decimal("0.005"):
+                    found.append(f"row {k}: PricingQuantity x {price} is more than half a cent from {cost}")
+    return found
+
+
 def test_focus_columns_follow_the_spec_definitions(served, tmp_path):
     spec = json.loads((DATA / "focus-1.2-1.3-columns.json").read_text())
     out = tmp_path / "focus.csv"
     assert run_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
                    "-o", str(out)).returncode == 0
     rows = _read_csv(out)
-    from datetime import datetime
-
-    for name, rule in spec["columns"].items():
-        for row in rows:
-            assert name in row, name
-            value = row[name]
-            if value == "":
-                assert rule["nullable"], f"{name} is null"
-                continue
-            if rule["type"] == "Decimal":
-                Decimal(value)
-            elif rule["type"] == "DateTime":
-                assert value.endswith("Z") and datetime.fromisoformat(value).utcoffset().total_seconds() == 0
-            elif rule["type"] == "JSON":
-                assert isinstance(json.loads(value), dict)
-            elif rule["type"] == "CurrencyCode":
-                assert len(value) == 3 and value.isupper()
-            if "allowed" in rule:
-                assert value in rule["allowed"], (name, value)
-        if name == "ConsumedQuantity":
-            assert all(r[name] for r in rows if r["ChargeCategory"] == "Usage")
-    for row in rows:
-        if row["AllocatedMethodDetails"]:
-            assert row["AllocatedMethodId"]
-            assert all(0 <= Decimal(e["AllocatedRatio"]) <= 1 for e in json.loads(row["AllocatedMethodDetails"])["Elements"])
+    assert {r["ChargeCategory"] for r in rows} == {"Usage", "Adjustment"}
+    assert focus_rule_violations(rows) == []
     assert all(row["ServiceCategory"] == "AI and Machine Learning" for row in rows)
     assert all(row["SkuPriceId"] for row in rows if row["ChargeCategory"] == "Usage")  # the intent of a skipped 1.0 rule
     custom = [name for name in rows[0] if name not in spec["columns"] and name.startswith("x_")]
     assert custom and all(name.startswith(spec["custom_column_prefix"]) for name in custom)
+    # the checks can fail: the previous export's spellings break them
+    broken = [{**rows[0], "AllocatedMethodDetails": json.dumps({"Elements": [{"AllocatedRatio": "0.5", "SubAccountId": "t"}]}),
+               "BilledCost": "1E+2", "ChargeClass": "Correction" if rows[0]["ChargeCategory"] == "Adjustment" else "",
+               "ConsumedUnit": "engine seconds"}]
+    assert len(focus_rule_violations(broken)) == 3
+
+
+def test_an_adjustment_is_billed_in_the_month_it_was_made_and_corrects_only_an_earlier_one():
+    """FOCUS 1.2 ChargeClass: 'Correction' for a correction of a previously invoiced billing period, null for one
+    within the current billing period; the row sits in the billing period it was made in."""
+    from llmvisor.billing.charges import Charge
+    from llmvisor.billing.formats import focus_rows
+
+    price = Price(engine_class="c", version=1, valid_from_us=0, currency="USD", engine_hour_price=Decimal("36"))
+    june, july = 1_749_340_800_000_000, 1_751_932_800_000_000  # 2025-06-08, 2025-07-08 00:00 UTC
+    made = {"same month": june + 86_400_000_000, "next month": july}
+    rows = {name: focus_rows([Charge("adjustment", "t", "c", 2, june, june + 3_600_000_000, -1_500_000_000, 0, price,
+                                     cost_of(-1_500_000_000, price), from_versions="1", made_at_us=at)])[0]
+            for name, at in made.items()}
+    assert rows["same month"]["ChargeClass"] is None and rows["same month"]["BillingPeriodStart"] == "2025-06-01T00:00:00Z"
+    assert rows["next month"]["ChargeClass"] == "Correction" and rows["next month"]["BillingPeriodStart"] == "2025-07-01T00:00:00Z"
+    assert {r["ChargePeriodStart"] for r in rows.values()} == {"2025-06-08T00:00:00Z"} and rows["same month"]["BilledCost"] == "-0.02"
+    assert focus_rule_violations([{k: "" if v is None else str(v) for k, v in r.items()} for r in rows.values()]) == []
 
 
 def test_metering_events_validate_and_sum_to_the_ledger(served, tmp_path):

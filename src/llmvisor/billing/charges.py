@@ -43,6 +43,7 @@ class Charge:
     cost: Decimal | None
     allocated_ratio: Decimal | None = None  # usage: this tenant's share of the class's time in the period
     from_versions: str = ""  # adjustment: the versions that billed the period
+    made_at_us: int | None = None  # adjustment: when it was made (``llmvisor adjust``); not part of the id
 
     @property
     def idempotency_id(self) -> str:
@@ -144,7 +145,7 @@ def adjustment_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list
             check_chargeable(price)
         charges.append(Charge("adjustment", row.tenant, row.engine_class, row.to_version, row.period_start_us,
                               row.period_end_us, row.delta_ns, 0, price, None if price is None else cost_of(row.delta_ns, price),
-                              from_versions=row.from_versions))
+                              from_versions=row.from_versions, made_at_us=row.created_at_us))
     return charges
 
 
