@@ -7,16 +7,15 @@ made by `adjust_period` with a second model version, as `llmvisor adjust` does.
 
 from __future__ import annotations
 
-import csv
 import http.server
 import json
+import re
 import subprocess
 import sys
 import threading
 from collections import defaultdict
 from decimal import Decimal
 from fractions import Fraction
-from pathlib import Path
 from urllib.parse import parse_qs
 
 import jsonschema
@@ -24,6 +23,8 @@ import pyarrow.parquet as pq
 import pytest
 from fastapi.testclient import TestClient
 
+from _billing_checks import DATA, ROOT, VALIDATOR, check_exports_tie_to_the_ledger, run_cli, run_validator
+from _billing_checks import read_csv as _read_csv
 from _service_fixtures import T0_S, bearer, class_body, class_model, db_url, model_path  # noqa: F401
 from llmvisor.billing import PriceBook, cost_of, list_prices, tenant_cost, usage_charges
 from llmvisor.billing.charges import charges
@@ -35,9 +36,6 @@ from llmvisor.ledger import Ledger
 from llmvisor.service.adjust import adjust_period
 from llmvisor.service.app import create_app
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).parent / "data" / "billing"
-VALIDATOR = ROOT / ".venv-focus" / "bin" / "focus-validator"
 CLASS_A, CLASS_B = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"
 HOUR0 = int(T0_S) // 3600 * 3600
 PERIOD = (HOUR0, HOUR0 + 2 * 3600)
@@ -58,14 +56,8 @@ valid_from = {HOUR0 + 3600}
 engine_class = "{CLASS_B}"
 currency = "USD"
 engine_hour_price = "12"
-prompt_token_price = "0.000001"
-cached_token_discount = "0.5"
 valid_from = "{__import__('datetime').datetime.fromtimestamp(HOUR0, tz=__import__('datetime').UTC).isoformat()}"
 """
-
-
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "llmvisor.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture
@@ -111,6 +103,15 @@ def test_cost_is_exact_and_rounds_half_to_even_per_charge():
     assert str(cost_of(ns, odd)) == "107.73"
 
 
+def test_every_export_ties_to_the_ledger(served, tmp_path):
+    """The checks the real served run passes too (tests/test_vllm_usage.py), here with two classes, a price change
+    and an adjustment (a credit Stripe leaves out)."""
+    summary = check_exports_tie_to_the_ledger(served, PERIOD, tmp_path)
+    assert summary["tenants"] and summary["rows"] > len(summary["tenants"])
+    if not summary["focus_validated"]:
+        pytest.skip(f"no FOCUS validator at {VALIDATOR.relative_to(ROOT)} (scripts/install-test.sh creates it)")
+
+
 def test_prices_are_versioned_and_in_force_from_their_hour(served, tmp_path):
     ledger = Ledger(served)
     stored = list_prices(ledger)
@@ -121,7 +122,7 @@ def test_prices_are_versioned_and_in_force_from_their_hour(served, tmp_path):
     assert book.price_at(CLASS_A, HOUR0 * 1_000_000 - 1) is None
     assert book.price_at(CLASS_A, (HOUR0 + 3599) * 1_000_000).version == 1
     assert book.price_at(CLASS_A, (HOUR0 + 3600) * 1_000_000).version == 2
-    assert stored[2].prompt_token_price == Decimal("0.000001") and stored[2].cached_token_discount == Decimal("0.5")
+    assert all(p.prompt_token_price is None and p.output_token_price is None and p.cached_token_discount is None for p in stored)
     listed = run_cli("prices", "list", "--db", served)
     assert listed.returncode == 0 and "4.75 USD/engine-hour" in listed.stdout
     bad = tmp_path / "bad.toml"
@@ -139,11 +140,6 @@ def test_prices_are_versioned_and_in_force_from_their_hour(served, tmp_path):
     result = run_cli("prices", "add", str(other_currency), "--db", served)
     assert result.returncode == 2 and "priced in USD" in result.stderr
     assert len(list_prices(Ledger(served))) == 3
-
-
-def _read_csv(path: Path) -> list[dict]:
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def test_focus_export_passes_the_validator_and_sums_to_the_ledger(served, tmp_path):
@@ -178,7 +174,7 @@ def test_focus_export_passes_the_validator_and_sums_to_the_ledger(served, tmp_pa
     for r in rows:
         if r["ChargeCategory"] == "Usage":
             assert r["AllocatedMethodId"]
-            [element] = json.loads(r["AllocatedMethodDetails"])["Elements"]
+            [element] = json.loads(r["AllocatedMethodDetails"], parse_float=Decimal)["Elements"]
             ratios[(r["x_EngineClass"], r["ChargePeriodStart"])] += Decimal(element["AllocatedRatio"])
     assert len(ratios) == 3 and set(ratios.values()) == {Decimal(1)}
 
@@ -205,12 +201,60 @@ def test_focus_export_passes_the_validator_and_sums_to_the_ledger(served, tmp_pa
     assert "ChargeFrequency_Enum failed" in run_validator(broken).stdout
 
 
-def run_validator(path: Path) -> subprocess.CompletedProcess:
-    """focus-validator on a CSV, from its site-packages folder (1.0.0 reads its currency-code list by a path relative
-    to the working directory), skipping the rule tests/data/billing/focus-validator-overrides.yaml explains."""
-    [packages] = VALIDATOR.resolve().parent.parent.glob("lib/python*/site-packages")
-    return subprocess.run([str(VALIDATOR), "--data-file", str(path.resolve()), "--validate-version", "1.0", "--override-file",
-                           str(DATA / "focus-validator-overrides.yaml")], capture_output=True, text=True, timeout=600, cwd=packages)
+NUMERIC = re.compile(r"^-?[0-9]+(\.[0-9]+)?(E-?[0-9]+)?$")  # FOCUS NumericFormat: no '+', no separators
+DATETIME = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z$")  # FOCUS DateTimeFormat
+
+
+def focus_rule_violations(rows: list[dict]) -> list[str]:
+    """Each row's values against the column definitions of tests/data/billing (sources cited there)."""
+    spec = json.loads((DATA / "focus-1.2-1.3-columns.json").read_text())
+    details_schema = json.loads((DATA / "focus-1.3-allocated-method-details.schema.json").read_text())
+    unit = re.compile(spec["unit_format"]["pattern"])
+    found = []
+
+    def holds(condition: dict, row: dict) -> bool:
+        return all(row[column] in values for column, values in condition.items())
+
+    for k, row in enumerate(rows):
+        for name, rule in spec["columns"].items():
+            value = row.get(name)
+            if value is None:
+                found.append(f"row {k}: no column {name}")
+                continue
+            if value == "":
+                if not rule["nullable"] or ("not_null_when" in rule and holds(rule["not_null_when"], row)):
+                    found.append(f"row {k}: {name} is null")
+                continue
+            if "null_when" in rule and holds(rule["null_when"], row):
+                found.append(f"row {k}: {name} must be null ({rule['null_when']})")
+            kind = rule["type"]
+            if kind == "Decimal" and (not NUMERIC.match(value) or (rule.get("non_negative") and Decimal(value) < 0)):
+                found.append(f"row {k}: {name} {value!r} is not a FOCUS decimal")
+            elif kind == "DateTime" and not DATETIME.match(value):
+                found.append(f"row {k}: {name} {value!r} is not YYYY-MM-DDTHH:mm:ssZ")
+            elif kind == "JSON" and not isinstance(json.loads(value), dict):
+                found.append(f"row {k}: {name} is not a JSON object")
+            elif kind == "CurrencyCode" and not re.fullmatch("[A-Z]{3}", value):
+                found.append(f"row {k}: {name} {value!r} is not an ISO 4217 code")
+            elif kind == "Unit" and not unit.match(value):
+                found.append(f"row {k}: {name} {value!r} breaks the UnitFormat")
+            if "allowed" in rule and value not in rule["allowed"]:
+                found.append(f"row {k}: {name} {value!r} is not an allowed value")
+        for quantity, unit_column in (("ConsumedQuantity", "ConsumedUnit"), ("PricingQuantity", "PricingUnit")):
+            if (row[quantity] == "") != (row[unit_column] == ""):
+                found.append(f"row {k}: {unit_column} must be null exactly when {quantity} is")
+        if (row["AllocatedMethodId"] == "") != (row["AllocatedMethodDetails"] == ""):
+            found.append(f"row {k}: AllocatedMethodId and AllocatedMethodDetails must be set together")
+        if row["AllocatedMethodDetails"]:
+            try:
+                jsonschema.validate(json.loads(row["AllocatedMethodDetails"]), details_schema)
+            except jsonschema.ValidationError as error:
+                found.append(f"row {k}: AllocatedMethodDetails: {error.message}")
+        if row["ChargeClass"] != "Correction" and row["PricingQuantity"]:  # the deviation the contract file states:
+            for price, cost in (("ListUnitPrice", "ListCost"), ("ContractedUnitPrice", "ContractedCost")):  # within half a cent
+                if abs(Decimal(row["PricingQuantity"]) * Decimal(row[price]) - Decimal(row[cost])) > Decimal("0.005"):
+                    found.append(f"row {k}: PricingQuantity x {price} is more than half a cent from {cost}")
+    return found
 
 
 def test_focus_columns_follow_the_spec_definitions(served, tmp_path):
@@ -219,35 +263,35 @@ def test_focus_columns_follow_the_spec_definitions(served, tmp_path):
     assert run_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
                    "-o", str(out)).returncode == 0
     rows = _read_csv(out)
-    from datetime import datetime
-
-    for name, rule in spec["columns"].items():
-        for row in rows:
-            assert name in row, name
-            value = row[name]
-            if value == "":
-                assert rule["nullable"], f"{name} is null"
-                continue
-            if rule["type"] == "Decimal":
-                Decimal(value)
-            elif rule["type"] == "DateTime":
-                assert value.endswith("Z") and datetime.fromisoformat(value).utcoffset().total_seconds() == 0
-            elif rule["type"] == "JSON":
-                assert isinstance(json.loads(value), dict)
-            elif rule["type"] == "CurrencyCode":
-                assert len(value) == 3 and value.isupper()
-            if "allowed" in rule:
-                assert value in rule["allowed"], (name, value)
-        if name == "ConsumedQuantity":
-            assert all(r[name] for r in rows if r["ChargeCategory"] == "Usage")
-    for row in rows:
-        if row["AllocatedMethodDetails"]:
-            assert row["AllocatedMethodId"]
-            assert all(0 <= Decimal(e["AllocatedRatio"]) <= 1 for e in json.loads(row["AllocatedMethodDetails"])["Elements"])
+    assert {r["ChargeCategory"] for r in rows} == {"Usage", "Adjustment"}
+    assert focus_rule_violations(rows) == []
     assert all(row["ServiceCategory"] == "AI and Machine Learning" for row in rows)
     assert all(row["SkuPriceId"] for row in rows if row["ChargeCategory"] == "Usage")  # the intent of a skipped 1.0 rule
     custom = [name for name in rows[0] if name not in spec["columns"] and name.startswith("x_")]
     assert custom and all(name.startswith(spec["custom_column_prefix"]) for name in custom)
+    # the checks can fail: the previous export's spellings break them
+    broken = [{**rows[0], "AllocatedMethodDetails": json.dumps({"Elements": [{"AllocatedRatio": "0.5", "SubAccountId": "t"}]}),
+               "BilledCost": "1E+2", "ChargeClass": "Correction" if rows[0]["ChargeCategory"] == "Adjustment" else "",
+               "ConsumedUnit": "engine seconds"}]
+    assert len(focus_rule_violations(broken)) == 3
+
+
+def test_an_adjustment_is_billed_in_the_month_it_was_made_and_corrects_only_an_earlier_one():
+    """FOCUS 1.2 ChargeClass: 'Correction' for a correction of a previously invoiced billing period, null for one
+    within the current billing period; the row sits in the billing period it was made in."""
+    from llmvisor.billing.charges import Charge
+    from llmvisor.billing.formats import focus_rows
+
+    price = Price(engine_class="c", version=1, valid_from_us=0, currency="USD", engine_hour_price=Decimal("36"))
+    june, july = 1_749_340_800_000_000, 1_751_932_800_000_000  # 2025-06-08, 2025-07-08 00:00 UTC
+    made = {"same month": june + 86_400_000_000, "next month": july}
+    rows = {name: focus_rows([Charge("adjustment", "t", "c", 2, june, june + 3_600_000_000, -1_500_000_000, 0, price,
+                                     cost_of(-1_500_000_000, price), from_versions="1", made_at_us=at)])[0]
+            for name, at in made.items()}
+    assert rows["same month"]["ChargeClass"] is None and rows["same month"]["BillingPeriodStart"] == "2025-06-01T00:00:00Z"
+    assert rows["next month"]["ChargeClass"] == "Correction" and rows["next month"]["BillingPeriodStart"] == "2025-07-01T00:00:00Z"
+    assert {r["ChargePeriodStart"] for r in rows.values()} == {"2025-06-08T00:00:00Z"} and rows["same month"]["BilledCost"] == "-0.02"
+    assert focus_rule_violations([{k: "" if v is None else str(v) for k, v in r.items()} for r in rows.values()]) == []
 
 
 def test_metering_events_validate_and_sum_to_the_ledger(served, tmp_path):
@@ -323,6 +367,46 @@ def test_an_unpriced_class_is_refused_for_focus_in_one_line(served, tmp_path):
     assert bad.returncode == 2 and "whole UTC hour" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("field, value", [("prompt_token_price", "0.000001"), ("output_token_price", "0.000002"),
+                                          ("cached_token_discount", "0.5")])
+def test_token_prices_are_refused_in_one_line_and_nothing_is_stored(served, tmp_path, field, value):
+    """The ledger keeps new tokens per request and second, not prompt, cached and output tokens apart, so a token
+    price could not be charged: `prices add` refuses it rather than store a price the bill would leave out."""
+    price_file = tmp_path / "tokens.toml"
+    price_file.write_text(f'[[price]]\nengine_class = "{CLASS_A}"\ncurrency = "USD"\nengine_hour_price = "1"\n'
+                          f'valid_from = {HOUR0}\n{field} = "{value}"\n')
+    result = run_cli("prices", "add", str(price_file), "--db", served)
+    assert result.returncode == 2, result.stderr
+    assert f"price 1: {field} cannot be charged" in result.stderr and "nothing was stored" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    ledger = Ledger(served)
+    assert len(list_prices(ledger)) == 3
+    ledger.close()
+
+
+def test_a_stored_token_price_is_refused_at_export_not_ignored(served, tmp_path, model_path):
+    """A price version stored with a token price (as an earlier llmvisor accepted) is refused where it is in force;
+    an entry correcting it (same valid_from, no token price) makes the export work again."""
+    from sqlalchemy import update
+
+    from llmvisor.ledger.schema import prices
+
+    ledger = Ledger(served)
+    with ledger.write_transaction() as conn:
+        conn.execute(update(prices).where(prices.c.engine_class == CLASS_B).values(output_token_price="0.000002"))
+    ledger.close()
+    result = run_cli("export", "--format", "lago", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
+                     "-o", str(tmp_path / "x.json"))
+    assert result.returncode == 2 and f"price v1 of engine class '{CLASS_B}'" in result.stderr, result.stderr
+    assert "output_token_price, which cannot be charged" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "x.json").exists()
+    fix = tmp_path / "fix.json"
+    fix.write_text(json.dumps({"prices": [{"engine_class": CLASS_B, "currency": "USD", "engine_hour_price": "12", "valid_from": HOUR0}]}))
+    assert run_cli("prices", "add", str(fix), "--db", served).returncode == 0
+    assert run_cli("export", "--format", "lago", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
+                   "-o", str(tmp_path / "x.json")).returncode == 0
+
+
 class _Flaky(http.server.BaseHTTPRequestHandler):
     """Answers 503 to the first two requests, then 200; records the bodies."""
 
@@ -386,6 +470,8 @@ def test_prices_api_reads_with_any_key_and_adds_with_an_admin_key(model_path, db
         assert [(p["version"], p["engine_hour_price"]) for p in added.json()] == [(1, "2.50"), (2, "2.50")]
         bad = client.post("/v1/prices", json={"prices": [{**entry, "engine_hour_price": 2.5}]}, headers=bearer(admin))
         assert bad.status_code == 422 and "body price 1" in bad.text and "not a float" in bad.text
+        tokens = client.post("/v1/prices", json={"prices": [{**entry, "prompt_token_price": "0.1"}]}, headers=bearer(admin))
+        assert tokens.status_code == 422 and "body price 1: prompt_token_price cannot be charged" in tokens.text
         listed = client.get("/v1/prices", headers=bearer(tenant_key))
         assert listed.status_code == 200 and [p["version"] for p in listed.json()] == [1, 2]
         assert client.get("/v1/prices").status_code == 401
@@ -472,6 +558,13 @@ def test_export_input_errors_are_one_line(served, tmp_path, args, reason):
                              "--end", str(PERIOD[1]), *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 2 and reason in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_prices_list_refuses_a_ledger_file_that_does_not_exist_and_creates_none(tmp_path):
+    missing = tmp_path / "typo.db"
+    result = run_cli("prices", "list", "--db", f"sqlite:///{missing}", cwd=tmp_path)
+    assert result.returncode == 2 and f"--db sqlite:///{missing}: no such ledger file" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not missing.exists()
 
 
 def test_export_refuses_a_ledger_file_that_does_not_exist_and_creates_none(tmp_path):

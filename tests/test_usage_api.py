@@ -83,3 +83,39 @@ def test_the_usage_page_is_open_and_served_with_a_strict_policy(served):
         assert response.headers["x-content-type-options"] == "nosniff"
     page = client.get("/usage").text
     assert "<script src=\"/usage/app.js\"" in page and "http" not in page.replace("http-equiv", "")  # nothing from elsewhere
+
+
+def test_tenant_usage_carries_its_cost_per_currency_once_priced(served, db_url):  # noqa: F811
+    """Two classes priced in two currencies: each tenant's cost is its per-class, per-hour usage × price, rounded
+    half to even per charge (computed here from /v1/usage/classes with exact fractions), per currency; a tenant key
+    reads only its own; unpriced or not on whole hours, no cost."""
+    from decimal import Decimal
+    from fractions import Fraction
+
+    from llmvisor.billing import tenant_cost
+    from llmvisor.service.routes.usage import COST_END_US
+
+    client, keys = served
+    assert all(t["cost"] is None for t in client.get("/v1/usage/tenants", headers=keys["admin"]).json()["tenants"])
+    prices = {"": ("EUR", "987654.25"), "cpu-test-class": ("USD", "123456.7")}
+    body = {"prices": [{"engine_class": c, "currency": cur, "engine_hour_price": p, "valid_from": 0} for c, (cur, p) in prices.items()]}
+    assert client.post("/v1/prices", json=body, headers=keys["admin"]).status_code == 201
+    everyone = {t["tenant"]: t for t in client.get("/v1/usage/tenants", headers=keys["admin"]).json()["tenants"]}
+    assert set(everyone) == {"acme", "globex"}
+    for tenant in ("acme", "globex"):
+        expected: dict[str, Decimal] = {}
+        for b in client.get("/v1/usage/classes", params={"bucket": "hour"}, headers=keys[tenant]).json()["buckets"]:
+            currency, price = prices[b["engine_class"]]
+            cents = round(Fraction(b["attributed_ns"]) * Fraction(price) * 100 / 3_600_000_000_000)
+            expected[currency] = expected.get(currency, Decimal("0.00")) + Decimal(cents).scaleb(-2)
+        [own] = client.get("/v1/usage/tenants", headers=keys[tenant]).json()["tenants"]
+        assert own["cost"] == everyone[tenant]["cost"] == {c: str(v) for c, v in sorted(expected.items())}
+        assert set(own["cost"]) == {"EUR", "USD"} and all(Decimal(v) > 0 for v in own["cost"].values())
+        ledger = Ledger(db_url)
+        assert own["cost"] == {c: str(v) for c, v in tenant_cost(ledger, tenant, 0, COST_END_US).items()}
+        ledger.close()
+        bucketed = client.get("/v1/usage/tenants", params={"bucket": "hour"}, headers=keys[tenant]).json()["tenants"][0]
+        assert bucketed["cost"] == own["cost"]
+    assert client.get("/v1/usage/tenants", params={"tenant": "globex"}, headers=keys["acme"]).status_code == 403
+    partial = client.get("/v1/usage/tenants", params={"start": "2000-01-01T00:00:30Z"}, headers=keys["acme"]).json()["tenants"]
+    assert partial and partial[0]["cost"] is None  # not a whole hour: no hourly charge is inside it exactly

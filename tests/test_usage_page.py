@@ -1,6 +1,6 @@
 """The tenant usage page in a real headless browser (Debian's chromium driven by Selenium) against a real
 `llmvisor serve` over a SQLite ledger filled by ingest of two tenants' steps: the page loads under its CSP, a bad
-key is an error, the totals shown equal the API's, the CSV holds the API's requests, and tenant A's page and CSV
+key is an error, the totals shown (time and cost per currency) equal the API's, the CSV holds the API's requests, and tenant A's page and CSV
 never show tenant B's requests or name.
 
 ``LLMVISOR_USAGE_SCREENSHOT=PATH`` saves the logged-in page there (``scripts/usage-page-screenshot.sh``).
@@ -19,6 +19,7 @@ import pytest
 
 from _service_fixtures import bearer, model_path  # noqa: F401
 from _usage_data import ENGINE_IDS, GLOBEX_CHAT, T0_S, usage_steps
+from llmvisor.billing.prices import add_prices, parse_prices
 from llmvisor.ledger import Ledger
 from llmvisor.ledger.store import AdjustmentRow
 from llmvisor.service.process import ServerProcess
@@ -50,6 +51,9 @@ def served(tmp_path_factory, model_path):  # noqa: F811
                       delta_ns, 15, int(time.time() * 1e6))
         for tenant, delta_ns in (("acme", -12_345_678), ("globex", 98_765))
     ])
+    add_prices(ledger, parse_prices([{"engine_class": c, "currency": currency, "engine_hour_price": price, "valid_from": 0}
+                                     for c, currency, price in (("", "EUR", "987654.25"), ("cpu-test-class", "USD", "123456.7"))],
+                                    "test", source="test"))
     ledger.close()
     server = ServerProcess(model_path, db_url, log_path=folder / "service.log", extra_args=("--fallback-model", str(model_path))).start()
     try:
@@ -117,6 +121,9 @@ def test_a_bad_key_is_an_error_and_a_tenant_sees_its_own_usage_only(served, brow
     assert browser.find_element(By.ID, "total-attributed-ns").text == f"{usage[0]['attributed_ns']} ns"
     assert browser.find_element(By.ID, "total-adjustments-ns").text == f"{usage[0]['adjustments_ns']} ns" == "-12345678 ns"
     assert browser.find_element(By.ID, "total-adjusted-ns").text == f"{usage[0]['adjusted_ns']} ns"
+    cost = usage[0]["cost"]  # per currency, as the API gives it (the ledger's two classes are priced in two)
+    assert sorted(cost) == ["EUR", "USD"]
+    assert browser.find_element(By.ID, "total-cost").text == f"{cost['EUR']} EUR, {cost['USD']} USD"
 
     classes = api(served, "/v1/usage/classes?bucket=hour", "acme")
     class_rows = browser.find_elements(By.CSS_SELECTOR, "#classes tbody tr")

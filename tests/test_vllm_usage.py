@@ -2,6 +2,10 @@
 on the real server (vLLM CPU build) with the recorder pushing to a real `llmvisor serve`, each completion's
 ``GET /v1/usage/requests/{id}`` answers once its steps are delivered, holds all its tokens, equals the attribution
 of the run's trace for that request to the nanosecond, and is a 404 to another tenant's key.
+
+The same served run's ledger is then priced and exported in every billing format (`_billing_checks`): FOCUS passes
+the FOCUS validator, its per-tenant costs equal the ledger's seconds × price, a re-export gives the same ids, and the
+CloudEvents, Stripe and Lago exports validate and sum to the same totals.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
 
+from _billing_checks import check_exports_tie_to_the_ledger, price_every_class
 from _processes import stop_process
 from _tiny_llama import write_tiny_llama
 from llmvisor.core.attribution import attribute
@@ -68,6 +73,7 @@ def test_a_caller_reads_its_completions_attributed_seconds_right_after_it_finish
     ledger = Ledger(service["db_url"])
     keys = {tenant: ledger.create_key(tenant) for tenant in ("caller-a", "caller-b")}
     ledger.close()
+    started_s = time.time()
     server = ApiServer(service, tmp_path, "usage")
     answers: dict[str, dict] = {}
     try:
@@ -116,3 +122,17 @@ def test_a_caller_reads_its_completions_attributed_seconds_right_after_it_finish
     for tenant, usage in readable.items():
         engine_id = usage["parts"][0]["request_id"]
         assert usage["attributed_ns"] == offline[engine_id] > 0, (tenant, usage, offline)
+
+    # The served run's ledger, billed: every export format of the hours the run spans (the price is high so that
+    # a few seconds of engine time cost more than a cent and the rounding is exercised).
+    period_s = (int(started_s) // 3600 * 3600, int(time.time()) // 3600 * 3600 + 3600)
+    price_every_class(service["db_url"], period_s, tmp_path, engine_hour_price="1234567.89")
+    billing = tmp_path / "billing"
+    billing.mkdir()
+    summary = check_exports_tie_to_the_ledger(service["db_url"], period_s, billing)
+    print(f"billing exports of the served run: {summary}")
+    assert {"caller-a", "caller-b"} <= set(summary["tenants"])
+    for tenant, usage in readable.items():  # the callers' own requests are all they ran
+        assert summary["owed_ns"][tenant] == usage["attributed_ns"]
+    if not summary["focus_validated"]:
+        pytest.skip("no FOCUS validator at .venv-focus/bin/focus-validator (scripts/install-test.sh creates it); every other check passed")

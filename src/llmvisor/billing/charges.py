@@ -16,7 +16,7 @@ from decimal import Decimal
 
 from sqlalchemy import and_, func, select
 
-from llmvisor.billing.prices import US_PER_HOUR, Price, PriceBook, PriceError, cost_of
+from llmvisor.billing.prices import US_PER_HOUR, Price, PriceBook, PriceError, check_chargeable, cost_of
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
 from llmvisor.ledger.schema import steps, usage_per_second, window_tenant_usage, windows
@@ -43,6 +43,7 @@ class Charge:
     cost: Decimal | None
     allocated_ratio: Decimal | None = None  # usage: this tenant's share of the class's time in the period
     from_versions: str = ""  # adjustment: the versions that billed the period
+    made_at_us: int | None = None  # adjustment: when it was made (``llmvisor adjust``); not part of the id
 
     @property
     def idempotency_id(self) -> str:
@@ -119,6 +120,8 @@ def usage_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str]
         if wanted is not None and t not in wanted:
             continue
         price = book.price_at(c, h)
+        if price is not None:
+            check_chargeable(price)
         charges.append(Charge("usage", t, c, v, h, h + US_PER_HOUR, ns, tok, price,
                               None if price is None else cost_of(ns, price), ratios.get(k)))
     return charges
@@ -138,9 +141,11 @@ def adjustment_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list
             raise PriceError(f"adjustment of engine class {row.engine_class!r} for [{row.period_start_us / 1e6:.0f}, "
                              f"{row.period_end_us / 1e6:.0f}) spans a price change; it cannot be priced")
         price = book.price_at(row.engine_class, row.period_start_us)
+        if price is not None:
+            check_chargeable(price)
         charges.append(Charge("adjustment", row.tenant, row.engine_class, row.to_version, row.period_start_us,
                               row.period_end_us, row.delta_ns, 0, price, None if price is None else cost_of(row.delta_ns, price),
-                              from_versions=row.from_versions))
+                              from_versions=row.from_versions, made_at_us=row.created_at_us))
     return charges
 
 
@@ -150,11 +155,17 @@ def charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str] | Non
     return usage_charges(ledger, start_us, end_us, tenants, book) + adjustment_charges(ledger, start_us, end_us, tenants, book)
 
 
-def tenant_cost(ledger: Ledger, tenant: str, start_us: int, end_us: int) -> dict[str, Decimal]:
-    """What one tenant owes for a period, per currency: the sum of its charges' costs (usage and adjustments, each
-    rounded by ``cost_of``). Unpriced charges add nothing; for a usage page or a caller's own bill."""
-    owed: dict[str, Decimal] = {}
-    for charge in charges(ledger, start_us, end_us, [tenant]):
+def tenant_costs(ledger: Ledger, start_us: int, end_us: int, tenants: list[str] | None = None) -> dict[str, dict[str, Decimal]]:
+    """What each tenant owes for a period, per currency: the sum of its charges' costs (usage and adjustments, each
+    rounded by ``cost_of``). Unpriced charges add nothing; a tenant with no priced charge is absent."""
+    owed: dict[str, dict[str, Decimal]] = {}
+    for charge in charges(ledger, start_us, end_us, tenants):
         if charge.cost is not None:
-            owed[charge.price.currency] = owed.get(charge.price.currency, Decimal(0)) + charge.cost
+            mine = owed.setdefault(charge.tenant, {})
+            mine[charge.price.currency] = mine.get(charge.price.currency, Decimal(0)) + charge.cost
     return owed
+
+
+def tenant_cost(ledger: Ledger, tenant: str, start_us: int, end_us: int) -> dict[str, Decimal]:
+    """One tenant's ``tenant_costs``; for a usage page or a caller's own bill."""
+    return tenant_costs(ledger, start_us, end_us, [tenant]).get(tenant, {})

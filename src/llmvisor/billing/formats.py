@@ -36,13 +36,36 @@ def _month_bounds(us: int) -> tuple[str, str]:
     return start.strftime("%Y-%m-%dT%H:%M:%SZ"), end.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _number(value: Decimal) -> str:
+    """A decimal in FOCUS's NumericFormat: plain notation (never an exponent, so never its '+' sign), '-' only for
+    a negative value."""
+    return format(value, "f")
+
+
 def _seconds(ns: int) -> str:
     """Nanoseconds as exact decimal seconds."""
-    return str(Decimal(int(ns)).scaleb(-9))
+    return _number(Decimal(int(ns)).scaleb(-9))
 
 
 def _hours(ns: int) -> str:
-    return str(Decimal(int(ns)) / Decimal(3_600_000_000_000))
+    """Nanoseconds as engine-hours, to Decimal's 28 significant digits (ns / 3.6·10¹² rarely ends)."""
+    return _number(Decimal(int(ns)) / Decimal(3_600_000_000_000))
+
+
+def _allocation_details(c: Charge) -> str:
+    """FOCUS 1.3's AllocatedMethodDetails object: ``Elements`` of one entry with ``AllocatedRatio`` (a JSON
+    number in [0, 1]), ``UsageUnit`` and ``UsageQuantity`` (a number) and the tenant as a custom ``x_`` key (the
+    object admits no other keys). The numbers are written as exact decimals, not through a float."""
+    return (f'{{"Elements":[{{"AllocatedRatio":{_number(c.allocated_ratio)},"UsageUnit":"Engine-Seconds",'
+            f'"UsageQuantity":{_seconds(c.attributed_ns)},"x_SubAccountId":{json.dumps(c.tenant)}}}]}}')
+
+
+def _adjustment_billing(c: Charge) -> tuple[str, str, str | None]:
+    """(BillingPeriodStart, BillingPeriodEnd, ChargeClass) of an adjustment: billed in the month it was made; a
+    correction of an earlier month is ChargeClass "Correction", one within its own month is not (FOCUS 1.2,
+    ChargeClass: null for a correction within the current billing period)."""
+    made = _month_bounds(c.made_at_us if c.made_at_us is not None else c.period_start_us)
+    return made[0], made[1], None if made == _month_bounds(c.period_start_us) else "Correction"
 
 
 def read_customer_map(path: Path | None) -> dict[str, str]:
@@ -90,24 +113,22 @@ def focus_rows(charges: list[Charge], *, billing_account: str = "llmvisor") -> l
                             f"(llmvisor prices add FILE) before a FOCUS export ({len(unpriced)} charges unpriced)")
     rows = []
     for c in charges:
-        billing_start, billing_end = _month_bounds(c.period_start_us)
         usage = c.kind == "usage"
+        billing_start, billing_end, charge_class = (*_month_bounds(c.period_start_us), None) if usage else _adjustment_billing(c)
         version = "default model" if c.model_version == 0 else f"model v{c.model_version}"
-        details = None
-        if usage and c.allocated_ratio is not None:
-            details = json.dumps({"Elements": [{"AllocatedRatio": str(c.allocated_ratio), "UsageQuantity": _seconds(c.attributed_ns),
-                                                "UsageUnit": "Engine-Seconds", "SubAccountId": c.tenant}]}, separators=(",", ":"))
+        details = _allocation_details(c) if usage and c.allocated_ratio is not None else None
+        cost = _number(c.cost)
         resource = f"llmvisor/engine-class/{c.engine_class or 'none'}"
         rows.append({
             "AvailabilityZone": None,
-            "BilledCost": str(c.cost),
+            "BilledCost": cost,
             "BillingAccountId": billing_account,
             "BillingAccountName": billing_account,
             "BillingCurrency": c.price.currency,
             "BillingPeriodEnd": billing_end,
             "BillingPeriodStart": billing_start,
             "ChargeCategory": "Usage" if usage else "Adjustment",
-            "ChargeClass": None if usage else "Correction",
+            "ChargeClass": charge_class,
             "ChargeDescription": (f"engine time on engine class {c.engine_class or '(none)'}, attributed by the {version}"
                                   if usage else f"correction of the bill by model v{c.model_version} (billed by {c.from_versions})"),
             "ChargeFrequency": "Usage-Based",
@@ -120,12 +141,12 @@ def focus_rows(charges: list[Charge], *, billing_account: str = "llmvisor") -> l
             "CommitmentDiscountType": None,
             "ConsumedQuantity": _seconds(c.attributed_ns) if usage else None,
             "ConsumedUnit": "Engine-Seconds" if usage else None,
-            "ContractedCost": str(c.cost),
-            "ContractedUnitPrice": str(c.price.engine_hour_price),
-            "EffectiveCost": str(c.cost),
+            "ContractedCost": cost,
+            "ContractedUnitPrice": _number(c.price.engine_hour_price),
+            "EffectiveCost": cost,
             "InvoiceIssuer": billing_account,
-            "ListCost": str(c.cost),
-            "ListUnitPrice": str(c.price.engine_hour_price),
+            "ListCost": cost,
+            "ListUnitPrice": _number(c.price.engine_hour_price),
             "PricingCategory": "Standard",
             "PricingQuantity": _hours(c.attributed_ns),
             "PricingUnit": "Engine-Hours",

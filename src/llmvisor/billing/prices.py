@@ -1,5 +1,11 @@
-"""The price book: per engine class, a price per engine-hour (and optional per-token prices), versioned in the
-ledger with a time from which each version is in force, so usage becomes cost with the price of its time.
+"""The price book: per engine class, a price per engine-hour, versioned in the ledger with a time from which each
+version is in force, so usage becomes cost with the price of its time.
+
+Token prices (``prompt_token_price``, ``output_token_price``, ``cached_token_discount``) are refused
+(`TOKEN_PRICE_FIELDS`): the ledger keeps a request's new tokens per second (a prefill chunk's tokens, one per
+decode step), not its prompt, cached (prefix-cache hit) and output tokens apart, so such a price would have
+nothing exact to multiply. The ledger's price table keeps the columns; a version stored with them by an earlier
+llmvisor is refused when it is in force for a charge (`check_chargeable`), never silently ignored.
 
 Money is exact: prices are kept as decimal strings and costs are computed as exact fractions, then rounded once
 per charge (one tenant, one engine class, one model version, one charge period) half-to-even to the currency's
@@ -26,6 +32,11 @@ NS_PER_HOUR = 3_600_000_000_000
 US_PER_HOUR = 3_600_000_000
 MINOR_UNIT_DIGITS = 2
 """Costs are rounded to the cent (2 decimals), half to even, once per charge."""
+
+
+TOKEN_PRICE_FIELDS = ("prompt_token_price", "output_token_price", "cached_token_discount")
+TOKEN_PRICE_REASON = ("the ledger keeps each request's new tokens per second, not its prompt, cached and output tokens "
+                      "apart, so only engine-hours can be priced (docs/billing.md)")
 
 
 class PriceError(LlmvisorError):
@@ -67,7 +78,7 @@ def cost_of(attributed_ns: int, price: Price) -> Decimal:
     return Decimal(minor).scaleb(-MINOR_UNIT_DIGITS)
 
 
-def _decimal(source: str, field: str, value, *, required: bool, at_most_one: bool = False) -> Decimal | None:
+def _decimal(source: str, field: str, value, *, required: bool) -> Decimal | None:
     if value is None:
         if required:
             raise PriceError(f"{source}: {field} is required")
@@ -79,9 +90,8 @@ def _decimal(source: str, field: str, value, *, required: bool, at_most_one: boo
         number = Decimal(str(value).strip())
     except InvalidOperation:
         raise PriceError(f"{source}: {field} must be a decimal number, got {value!r}") from None
-    if not number.is_finite() or number < 0 or (at_most_one and number > 1):
-        raise PriceError(f"{source}: {field} must be a finite number at least 0{' and at most 1' if at_most_one else ''}, "
-                         f"got {value!r}")
+    if not number.is_finite() or number < 0:
+        raise PriceError(f"{source}: {field} must be a finite number at least 0, got {value!r}")
     return number
 
 
@@ -108,8 +118,8 @@ def _valid_from_us(source: str, value) -> int:
 
 def read_price_file(path: Path) -> list[Price]:
     """Entries of a TOML or JSON price file: ``[[price]]`` tables (TOML) or ``{"prices": [...]}`` (JSON), each with
-    ``engine_class``, ``currency``, ``engine_hour_price``, ``valid_from`` and optional ``prompt_token_price``,
-    ``output_token_price``, ``cached_token_discount``. Versions are given when stored."""
+    ``engine_class``, ``currency``, ``engine_hour_price`` and ``valid_from`` (token prices are refused, module
+    note). Versions are given when stored."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -148,15 +158,14 @@ def parse_prices(entries: list, where_prefix: str, *, source: str) -> list[Price
         currency = entry.get("currency")
         if not isinstance(currency, str) or len(currency) != 3 or not currency.isalpha() or not currency.isupper():
             raise PriceError(f"{where}: currency must be a three-letter ISO 4217 code such as \"USD\", got {currency!r}")
+        token_fields = [name for name in TOKEN_PRICE_FIELDS if entry.get(name) is not None]
+        if token_fields:
+            raise PriceError(f"{where}: {token_fields[0]} cannot be charged: {TOKEN_PRICE_REASON}; nothing was stored")
         if "valid_from" not in entry:
             raise PriceError(f"{where}: valid_from is required (the whole UTC hour the price is in force from)")
         out.append(Price(
             engine_class=engine_class, version=0, valid_from_us=_valid_from_us(where, entry["valid_from"]), currency=currency,
             engine_hour_price=_decimal(where, "engine_hour_price", entry.get("engine_hour_price"), required=True),
-            prompt_token_price=_decimal(where, "prompt_token_price", entry.get("prompt_token_price"), required=False),
-            output_token_price=_decimal(where, "output_token_price", entry.get("output_token_price"), required=False),
-            cached_token_discount=_decimal(where, "cached_token_discount", entry.get("cached_token_discount"), required=False,
-                                           at_most_one=True),
             source=source,
         ))
     return out
@@ -204,6 +213,15 @@ def list_prices(ledger: Ledger, engine_class: str | None = None) -> list[Price]:
                   engine_hour_price=Decimal(r.engine_hour_price), prompt_token_price=number(r.prompt_token_price),
                   output_token_price=number(r.output_token_price), cached_token_discount=number(r.cached_token_discount),
                   source=r.source, created_at_us=r.created_at_us) for r in rows]
+
+
+def check_chargeable(price: Price) -> None:
+    """Refuse a stored version with token prices (an earlier llmvisor accepted them): its cost would leave them out."""
+    token_fields = [name for name in TOKEN_PRICE_FIELDS if getattr(price, name) is not None]
+    if token_fields:
+        raise PriceError(f"price v{price.version} of engine class {price.engine_class!r} (from {price.source}) has "
+                         f"{token_fields[0]}, which cannot be charged: {TOKEN_PRICE_REASON}; add an entry with the same "
+                         "valid_from and no token prices to correct it")
 
 
 class PriceBook:

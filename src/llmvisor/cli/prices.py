@@ -38,8 +38,10 @@ def prices_add(
 def prices_list(db: DbOption = DEFAULT_DB_URL, json_output: JsonOption = False) -> None:
     """List the stored price versions per engine class and when each is in force from."""
     from llmvisor.billing.prices import list_prices
+    from llmvisor.cli.params import check_ledger_exists
     from llmvisor.ledger import Ledger
 
+    check_ledger_exists(db)
     ledger = Ledger(db)
     try:
         stored = list_prices(ledger)

@@ -97,6 +97,11 @@ class TenantUsage(BaseModel):
     buckets: list[BucketUsage] | None = None
     adjustments_ns: int = Field(0, description="Σ delta_ns of the adjustments whose whole period lies in the range (/v1/adjustments)")
     adjusted_ns: int = Field(0, description="attributed_ns + adjustments_ns: what the tenant owes after corrections")
+    cost: dict[str, str] | None = Field(None, description=(
+        "what the tenant owes, per currency (ISO 4217 code to an exact decimal string), when a price is in force: the "
+        "costs of its hourly charges in the range and of the adjustments whose period starts in it, each rounded half "
+        "to even to the cent (docs/billing.md). Null when nothing is priced, or when a bound of the range is not a "
+        "whole UTC hour (charges are hourly)"))
 
 
 class AdjustmentOut(BaseModel):

@@ -50,8 +50,9 @@ function showError(message) {
 }
 
 function costText(item) {
+  // The API's cost per currency (ISO 4217 code to an exact decimal string), shown as written, never as a float.
   if (item.cost === undefined || item.cost === null) return null;
-  return String(item.cost) + (item.currency ? " " + item.currency : "");
+  return Object.keys(item.cost).sort().map((currency) => item.cost[currency] + " " + currency).join(", ");
 }
 
 function csvField(value) {

@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, HTTPException, Path, Query
 from pydantic import BaseModel
 
+from llmvisor.billing.prices import US_PER_HOUR
 from llmvisor.service.deps import (
     AdminKey,
     AnyKey,
@@ -78,7 +79,30 @@ def usage_tenants(
     rows = ledger.tenant_usage(span.start_us, span.end_us, bucket, scoped)
     tenants = tenant_usage(rows) if bucket is None else tenant_buckets(rows)
     with_adjustments(tenants, ledger.adjustment_rows(tenant=scoped), span.start_us, span.end_us)
+    with_costs(tenants, ledger, span.start_us, span.end_us, scoped)
     return TenantUsageResponse(start=span.start, end=span.end, bucket=bucket, tenants=tenants)
+
+
+COST_END_US = (2**62 // US_PER_HOUR) * US_PER_HOUR
+"""The end of an open range for costs: a whole hour far beyond any usage (charges need whole-hour bounds)."""
+
+
+def with_costs(tenants: list[TenantUsage], ledger, start_us: int | None, end_us: int | None, tenant: str | None) -> None:
+    """Each tenant's cost per currency (`llmvisor.billing.tenant_costs`) when the ledger has prices and the range's
+    bounds are whole hours; a stored price the bill cannot use is the ledger's one-line refusal (409)."""
+    from llmvisor.billing import PriceError, list_prices, tenant_costs
+
+    if any(bound is not None and bound % US_PER_HOUR for bound in (start_us, end_us)) or not list_prices(ledger):
+        return
+    if start_us is not None and end_us is not None and end_us <= start_us:
+        return
+    try:
+        owed = tenant_costs(ledger, start_us or 0, COST_END_US if end_us is None else end_us, None if tenant is None else [tenant])
+    except PriceError as error:
+        raise HTTPException(409, str(error)) from None
+    for usage in tenants:
+        if usage.tenant in owed:
+            usage.cost = {currency: str(amount) for currency, amount in sorted(owed[usage.tenant].items())}
 
 
 def with_adjustments(tenants: list[TenantUsage], adjustments, start_us: int | None, end_us: int | None) -> None:

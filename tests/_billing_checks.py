@@ -1,0 +1,199 @@
+"""The checks every export must pass on a ledger, whoever filled it: the service fed synthetic steps
+(tests/test_billing.py) or a real served run, vLLM's OpenAI server with the recorder pushing to `llmvisor serve`
+(tests/test_vllm_usage.py). One function, `check_exports_tie_to_the_ledger`, so both ledgers are held to the same
+contracts:
+
+- FOCUS (CSV, by the CLI as an operator runs it) passes ``focus-validator --validate-version 1.0``;
+- its per-tenant ``BilledCost`` sums equal the ledger's seconds × price, computed here from the ledger's own usage
+  query (`Ledger.class_usage`, per engine class and hour) with exact fractions, rounded half to even per charge;
+- a re-export gives identical ids;
+- CloudEvents, Stripe and Lago exports of the same ledger validate (the SDK, the JSON Schemas in tests/data/billing)
+  and sum to the same nanoseconds and the same money per tenant.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from decimal import Decimal
+from fractions import Fraction
+from pathlib import Path
+
+import jsonschema
+
+from llmvisor.billing import PriceBook
+from llmvisor.billing.formats import lago_batches
+from llmvisor.ledger import Ledger
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).parent / "data" / "billing"
+VALIDATOR = ROOT / ".venv-focus" / "bin" / "focus-validator"
+US_PER_HOUR = 3_600_000_000
+NS_PER_HOUR = 3_600_000_000_000
+
+
+def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmvisor.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def run_validator(path: Path) -> subprocess.CompletedProcess:
+    """focus-validator on a CSV, from its site-packages folder (1.0.0 reads its currency-code list by a path relative
+    to the working directory), skipping the rule tests/data/billing/focus-validator-overrides.yaml explains."""
+    [packages] = VALIDATOR.resolve().parent.parent.glob("lib/python*/site-packages")
+    return subprocess.run([str(VALIDATOR), "--data-file", str(path.resolve()), "--validate-version", "1.0", "--override-file",
+                           str(DATA / "focus-validator-overrides.yaml")], capture_output=True, text=True, timeout=600, cwd=packages)
+
+
+def read_csv(path: Path) -> list[dict]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def export(db_url: str, format_: str, period_s: tuple[int, int], output: Path, *extra: str) -> subprocess.CompletedProcess:
+    result = run_cli("export", "--format", format_, "--db", db_url, "--start", str(period_s[0]), "--end", str(period_s[1]),
+                     "-o", str(output), *extra)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def price_every_class(db_url: str, period_s: tuple[int, int], folder: Path, engine_hour_price: str) -> list[str]:
+    """Price each engine class that has usage in the period (from its start hour on) with ``llmvisor prices add``,
+    as an operator does; returns the classes."""
+    from llmvisor.billing import usage_charges
+
+    ledger = Ledger(db_url)
+    try:
+        classes = sorted({c.engine_class for c in usage_charges(ledger, period_s[0] * 1_000_000, period_s[1] * 1_000_000)})
+    finally:
+        ledger.close()
+    assert classes, "no usage in the period"
+    price_file = folder / "prices.toml"
+    price_file.write_text("".join(f'[[price]]\nengine_class = "{c}"\ncurrency = "USD"\nengine_hour_price = "{engine_hour_price}"\n'
+                                  f"valid_from = {period_s[0]}\n\n" for c in classes))
+    added = run_cli("prices", "add", str(price_file), "--db", db_url)
+    assert added.returncode == 0, added.stderr
+    return classes
+
+
+def exact_cost(ns: int, engine_hour_price: Decimal) -> Decimal:
+    """ns × price per hour, exactly, rounded half to even to the cent (written out here, not taken from llmvisor)."""
+    return Decimal(round(Fraction(ns) * Fraction(engine_hour_price) * 100 / NS_PER_HOUR)) / 100
+
+
+def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
+    """Every export of the period, checked against the published contracts and the ledger (module note). Returns
+    the per-tenant figures: ledger nanoseconds (usage plus adjustments) and money."""
+    start_us, end_us = period_s[0] * 1_000_000, period_s[1] * 1_000_000
+    ledger = Ledger(db_url)
+    try:
+        book = PriceBook.load(ledger)
+        tenants = sorted({r.tenant for r in ledger.tenant_usage(start_us, end_us)})
+        usage_ns = {r.tenant: r.attributed_ns for r in ledger.tenant_usage(start_us, end_us)}
+        expected_cost: dict[str, Decimal] = defaultdict(Decimal)
+        cells: dict[str, set] = defaultdict(set)
+        for tenant in tenants:  # the ledger's own per-class, per-hour usage, priced here
+            for engine_class, hour_us, ns, _slices, _tokens in ledger.class_usage(start_us, end_us, "hour", tenant):
+                expected_cost[tenant] += exact_cost(ns, book.price_at(engine_class, hour_us).engine_hour_price)
+                cells[tenant].add((engine_class, hour_us))
+        adjustments = [a for a in ledger.adjustment_rows() if start_us <= a.period_start_us < end_us]
+    finally:
+        ledger.close()
+    owed_ns = dict(usage_ns)
+    for a in adjustments:
+        owed_ns[a.tenant] = owed_ns.get(a.tenant, 0) + a.delta_ns
+        expected_cost[a.tenant] += exact_cost(a.delta_ns, book.price_at(a.engine_class, a.period_start_us).engine_hour_price)
+
+    focus = folder / "focus.csv"
+    ids = json.loads(export(db_url, "focus", period_s, focus, "--json").stdout)["ids"]
+    rows = read_csv(focus)
+    assert ids == [r["x_IdempotencyId"] for r in rows] and len(set(ids)) == len(ids)
+    billed: dict[str, Decimal] = defaultdict(Decimal)
+    consumed: dict[str, Decimal] = defaultdict(Decimal)
+    usage_cells: dict[str, list] = defaultdict(list)
+    ratios: dict[tuple[str, str], Decimal] = defaultdict(Decimal)
+    for r in rows:
+        billed[r["SubAccountId"]] += Decimal(r["BilledCost"])
+        assert r["BillingCurrency"] == "USD" and Decimal(r["BilledCost"]) == Decimal(r["EffectiveCost"])
+        if r["ChargeCategory"] == "Usage":
+            consumed[r["SubAccountId"]] += Decimal(r["ConsumedQuantity"])
+            usage_cells[r["SubAccountId"]].append((r["x_EngineClass"], r["ChargePeriodStart"]))
+            [element] = json.loads(r["AllocatedMethodDetails"], parse_float=Decimal)["Elements"]
+            ratios[(r["x_EngineClass"], r["ChargePeriodStart"])] += Decimal(element["AllocatedRatio"])
+    # one usage charge per tenant, class and hour (one model version each here), so the per-cell pricing above applies
+    assert {t: len(c) for t, c in usage_cells.items()} == {t: len(c) for t, c in cells.items()}
+    assert dict(billed) == dict(expected_cost), (dict(billed), dict(expected_cost))  # to the cent, per tenant
+    assert {t: q * 10**9 for t, q in consumed.items()} == {t: Decimal(ns) for t, ns in usage_ns.items()}  # to the ns
+    assert set(ratios.values()) == {Decimal(1)}
+    again = folder / "again.csv"
+    assert json.loads(export(db_url, "focus", period_s, again, "--json").stdout)["ids"] == ids  # a re-export: same ids
+    assert [r["x_IdempotencyId"] for r in read_csv(again)] == ids
+
+    events = _cloudevents(db_url, period_s, folder)
+    stripe = _stripe(db_url, period_s, folder)
+    lago = _lago(db_url, period_s, folder)
+    positive_ns = dict(usage_ns)
+    for a in adjustments:  # Stripe takes no negative values: credits are left out (and warned about)
+        if a.delta_ns > 0:
+            positive_ns[a.tenant] = positive_ns.get(a.tenant, 0) + a.delta_ns
+    assert events["ns"] == lago["ns"] == owed_ns, (events["ns"], lago["ns"], owed_ns)
+    assert events["cost"] == lago["cost"] == dict(billed)
+    assert stripe["ns"] == {t: ns for t, ns in positive_ns.items() if ns}
+
+    validated = None
+    if VALIDATOR.exists():
+        check = run_validator(focus)
+        assert check.returncode == 0 and "Validation succeeded." in check.stdout, check.stdout[-3000:] + check.stderr[-2000:]
+        validated = True
+    return {"tenants": tenants, "owed_ns": owed_ns, "billed": {t: str(c) for t, c in billed.items()}, "rows": len(rows),
+            "focus_validated": validated}
+
+
+def _cloudevents(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
+    from cloudevents.core.formats.json import JSONFormat
+
+    out = folder / "events.json"
+    export(db_url, "cloudevents", period_s, out)
+    bodies = json.loads(out.read_text())
+    schema = json.loads((DATA / "openmeter-event.schema.json").read_text())
+    ns: dict[str, int] = defaultdict(int)
+    cost: dict[str, Decimal] = defaultdict(Decimal)
+    for body in bodies:
+        jsonschema.validate(body, schema)
+        event = JSONFormat().read(None, json.dumps(body))  # parsed back with the SDK (it checks the attributes)
+        assert event.get_specversion() == "1.0" and event.get_time().utcoffset().total_seconds() == 0
+        ns[event.get_subject()] += event.get_data()["engine_ns"]
+        cost[event.get_subject()] += Decimal(event.get_data()["cost"])
+    assert len({b["id"] for b in bodies}) == len(bodies)
+    return {"ns": dict(ns), "cost": dict(cost)}
+
+
+def _stripe(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
+    out = folder / "stripe.json"
+    export(db_url, "stripe", period_s, out)
+    events = json.loads(out.read_text())
+    schema = json.loads((DATA / "stripe-meter-event.schema.json").read_text())
+    ns: dict[str, int] = defaultdict(int)
+    for event in events:
+        jsonschema.validate(event, schema)
+        ns[event["payload"]["stripe_customer_id"]] += int(event["payload"]["value"])
+    assert len({e["identifier"] for e in events}) == len(events)
+    return {"ns": dict(ns)}
+
+
+def _lago(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
+    out = folder / "lago.json"
+    export(db_url, "lago", period_s, out)
+    events = json.loads(out.read_text())
+    schema = json.loads((DATA / "lago-event-batch.schema.json").read_text())
+    for batch in lago_batches(events):  # the bodies --push sends
+        jsonschema.validate(batch, schema)
+    ns: dict[str, int] = defaultdict(int)
+    cost: dict[str, Decimal] = defaultdict(Decimal)
+    for event in events:
+        ns[event["external_subscription_id"]] += event["properties"]["engine_ns"]
+        cost[event["external_subscription_id"]] += Decimal(event["properties"]["cost"])
+    assert len({e["transaction_id"] for e in events}) == len(events)
+    return {"ns": dict(ns), "cost": dict(cost)}
