@@ -1,4 +1,4 @@
-"""`llmvisor experiment calibration` for real, briefly: two served sessions of vLLM's OpenAI server (shipped
+"""`llmvisor experiment calibration` for real, briefly: two served sessions of vLLM's OpenAI server (the suite's
 engine model, dummy weights, the recorder pushing to an accounting service), a few seconds of traffic each, the
 canary before each phase and after the last, a live calibration scored on the held-out session. Four phases, up
 to 6 clients, so the calibration session's decode steps span the 4 batch sizes the live coverage rule asks for
@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
 
 from _processes import START_TIMEOUT_S, run_process  # noqa: E402
+from _tiny_llama import write_suite_engine  # noqa: E402
 from llmvisor.core.model import StepLatencyModel  # noqa: E402
 from llmvisor.core.trace import read_trace  # noqa: E402
 from llmvisor.profile.calibration_experiment import canary_mask  # noqa: E402
@@ -26,7 +27,8 @@ def test_two_served_sessions_calibrate_and_score_on_the_held_out_one(tmp_path):
     out = tmp_path / "experiment"
     done = run_process(
         [sys.executable, "-m", "llmvisor.cli", "experiment", "calibration", "-o", str(out), "--phases", "1,2,4,6", "--phase-s", "4",
-         "--canary", "64x4", "--max-prompt-tokens", "256", "--max-output-tokens", "8", "--no-profile", "--json"],
+         "--canary", "64x4", "--max-prompt-tokens", "256", "--max-output-tokens", "8", "--no-profile", "--json",
+         "--engine-model", str(write_suite_engine(tmp_path / "suite-engine"))],
         timeout_s=2 * START_TIMEOUT_S + 900, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from _processes import START_TIMEOUT_S, run_process, running
+from _tiny_llama import write_suite_engine
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import read_trace
 from llmvisor.net import free_loopback_port
@@ -146,7 +147,8 @@ def test_a_foreign_server_on_the_port_fails_the_readiness_check(tmp_path):
 def run_doc(doc: Path, tmp_path: Path, timeout_s: float) -> tuple[subprocess.CompletedProcess, Path]:
     """Run a doc's operator blocks in an empty folder, with `llmvisor` and this Python on the PATH, on free ports;
     the script's process group is stopped when it ends or times out."""
-    env = {**doc_env(tmp_path), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CACHE_ROOT": vllm_cache_root(), **DOC_VLLM_ENV}
+    env = {**doc_env(tmp_path), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CACHE_ROOT": vllm_cache_root(), **DOC_VLLM_ENV,
+           "ENGINE_MODEL": str(write_suite_engine(tmp_path / "suite-engine"))}  # the docs' override (see _tiny_llama)
     work = tmp_path / "work"
     work.mkdir()
     script = operator_script(doc.read_text(encoding="utf-8"), ports={port: free_loopback_port() for port in DOC_PORTS})

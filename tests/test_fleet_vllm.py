@@ -1,4 +1,4 @@
-"""The fleet experiment for real, briefly: two vLLM OpenAI API servers (shipped engine model, dummy weights)
+"""The fleet experiment for real, briefly: two vLLM OpenAI API servers (the suite's engine model, dummy weights)
 with Redis-shared attributed VTC behind vllm-router, a few seconds of light load. Every replica writes its
 trace, the router keeps the sticky tenant on one replica and spreads the others, every request is answered, and
 the pool's Redis counters hold at least every charge the replicas' traces show (charges plus VTC's lifts)."""
@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
 pytest.importorskip("redis", reason="needs redis-py, part of the [vllm] extra (pip install -e '.[vllm]')")
 
-from llmvisor import shipped  # noqa: E402
+from _tiny_llama import write_suite_engine  # noqa: E402
 from llmvisor.fairness.fleet_experiment import fleet_tenants, run_fleet_experiment  # noqa: E402
 
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
@@ -34,7 +34,7 @@ def test_two_replicas_behind_the_router_share_their_counters_through_redis(tmp_p
     }
     engine = {"max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 256, "kv_cache_gib": 1, "seed": 0}
     result = run_fleet_experiment(
-        tmp_path, latency_model_path=None, engine_dir=shipped.engine_model_dir(), engine=engine, replicas=2,
+        tmp_path, latency_model_path=None, engine_dir=write_suite_engine(tmp_path / "suite-engine"), engine=engine, replicas=2,
         workload=workload, warmup_s=1.0, policies=["shared"], drain_s=3.0,
     )  # fmt: skip
     run = result["runs"]["shared"]
