@@ -54,6 +54,7 @@ from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import REQUIRED_COLUMNS, TraceWriter
 from llmvisor.errors import LlmvisorError
 from llmvisor.metering import DEFAULT_WINDOW_S, WindowAggregate, WindowAggregator
+from llmvisor.metering.prometheus import edge_metrics
 
 log = logging.getLogger("llmvisor.pusher")
 
@@ -1377,7 +1378,10 @@ class WindowDelivery:
         fingerprint = header.get("engine_fingerprint") or {}
         self.engine_class = str(columns.get(FINGERPRINT_COLUMN) or fingerprint.get("id") or "")
         self.models = ActiveModelCache(pusher.client, self.engine_class)
-        self.aggregator = WindowAggregator(columns["run_id"], self.engine_class, self.models, window_s=window_s)
+        # Each window is counted on this process's metrics as it closes (llmvisor.metering.prometheus: they reach
+        # vLLM's /metrics through PROMETHEUS_MULTIPROC_DIR).
+        self.aggregator = WindowAggregator(columns["run_id"], self.engine_class, self.models, window_s=window_s,
+                                           on_close=edge_metrics().record_window)
         self.pusher = pusher
         self._pushed: deque[tuple[int, int]] = deque()  # (seq, first step id) of windows pushed, unsettled ones first
         self.windows_sent = 0
