@@ -93,6 +93,10 @@ class EdgeMetrics:
             f"{PREFIX}_measured_seconds", "Measured engine seconds of the steps in the windows closed (equals the sum of "
             "attributed seconds over tenants, except pending windows).", class_labels, registry=registry,
         )
+        self.pending_measured_seconds = Counter(
+            f"{PREFIX}_pending_measured_seconds", "Measured seconds of the steps in pending windows (their class had no "
+            "active model at the edge: nothing attributed).", ["engine_class"], registry=registry,
+        )
         self.windows = Counter(f"{PREFIX}_windows", "Window aggregates closed (each sent to the service once).", class_labels,
                                registry=registry)
         self.relative_residual = Histogram(
@@ -126,6 +130,8 @@ class EdgeMetrics:
             self.new_tokens.labels(*labels).inc(totals["num_new_tokens"])
         self.steps.labels(engine_class, version).inc(window.num_steps)
         self.measured_seconds.labels(engine_class, version).inc(window.measured_ns / 1e9)
+        if window.pending:
+            self.pending_measured_seconds.labels(engine_class).inc(window.measured_ns / 1e9)
         residuals = self.relative_residual.labels(engine_class, version)
         for value in np.asarray(relative_residuals, dtype=np.float64).tolist():
             if value == value and abs(value) != float("inf"):
