@@ -1,6 +1,6 @@
 """The documented operator commands run as written: the ```bash operator``` blocks of a doc, in order, in one
 shell, in an empty folder. docs/recorder.md: service, keys, vLLM's OpenAI server with the recorder pushing, a
-completion stored pending (no model of the engine yet), traffic, calibration, the calibrated model activated and
+completion stored pending (no model of the engine yet), the engine's /metrics counting the steps acknowledged, traffic, calibration, the calibrated model activated and
 the tenant's usage billed with it. docs/service.md: fit, keys,
 serve, both JSON ingest forms, every usage query.
 
@@ -176,6 +176,9 @@ def test_the_documented_operator_commands_run(tmp_path):
     done, work = run_doc(OPERATOR_DOC, tmp_path, timeout_s=START_TIMEOUT_S + 900)
     held = json.loads(next(line for line in done.stdout.splitlines() if '"pending_steps"' in line))
     assert held["num_steps"] == 0 and held["attributed_ns"] == 0 and held["pending_steps"] > 0  # no model of this engine yet
+    # the delivery process's counters reach vLLM's /metrics (PROMETHEUS_MULTIPROC_DIR, set by the wrapper)
+    acknowledged = re.search(r"^llmvisor_pusher_steps_acknowledged_total (\S+)$", done.stdout, re.M)
+    assert acknowledged and float(acknowledged.group(1)) == held["pending_steps"], done.stdout[-2000:]
     assert re.search(r"v1 active; \d+ pending steps attributed", done.stdout)
     usage = json.loads(next(line for line in done.stdout.splitlines() if '"tenants"' in line))
     assert [t["tenant"] for t in usage["tenants"]] == ["team-a"] and usage["tenants"][0]["attributed_ns"] > 0

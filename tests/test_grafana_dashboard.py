@@ -1,6 +1,8 @@
-"""The shipped Grafana dashboard: a valid dashboard shape, every metric it queries exported by the service, and
-every panel query, run against a real Prometheus scraping a real `llmvisor serve`, answering with data (the
-per-tenant total equal to the ledger's)."""
+"""The shipped Grafana dashboard: a valid dashboard shape, every metric it queries exported by the service or by
+the engines (the ``source`` variable picks ``llmvisor_`` or ``llmvisor_engine_`` names; the per-tenant panels work
+from both), and every panel query of the service's metrics, run against a real Prometheus scraping a real
+`llmvisor serve`, answering with data (the per-tenant total equal to the ledger's). The engine source against a
+real Prometheus scraping a real vLLM server: tests/test_vllm_edge_metrics.py."""
 
 from __future__ import annotations
 
@@ -13,19 +15,24 @@ import time
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from _prometheus import PROMETHEUS_BINARY, PrometheusServer
 from _service_fixtures import T0_S, bearer, class_body, class_model, make_steps, model_path  # noqa: F401
 from llmvisor import shipped
 from llmvisor.ledger import Ledger
+from llmvisor.metering import WindowAggregator
+from llmvisor.metering.prometheus import EdgeMetrics
 from llmvisor.service.app import create_app
 from llmvisor.service.process import ServerProcess
 
 CLASS_MODELLED = "aaaaaaaaaaaaaaaa"
 CLASS_PENDING = "bbbbbbbbbbbbbbbb"
 METRIC_NAME = re.compile(r"\bllmvisor_[a-z0-9_]+")
-LABEL_VALUES = re.compile(r"^label_values\((\w+),\s*(\w+)\)$")
+LABEL_VALUES = re.compile(r"^label_values\((.+),\s*(\w+)\)$")
+SOURCES = ("llmvisor", "llmvisor_engine")
+"""The ``source`` variable's values: the service's metric names, the engines' (llmvisor.metering.prometheus)."""
 GRID_COLUMNS = 24
 NO_FINGERPRINT = "(no fingerprint)"
 
@@ -54,9 +61,10 @@ def variable_queries(board: dict) -> dict[str, tuple[str, str]]:
     return found
 
 
-def substitute(expr: str, *, tenant: str = ".*", engine_class: str = ".*", rate_interval: str = "1m", range_: str = "10m") -> str:
+def substitute(expr: str, *, tenant: str = ".*", engine_class: str = ".*", rate_interval: str = "1m", range_: str = "10m",
+               source: str = "llmvisor") -> str:
     """The expr as Grafana sends it, with the variables' values (".*" is their "All" value)."""
-    text = (expr.replace("$__rate_interval", rate_interval).replace("$__range", range_)
+    text = (expr.replace("$__rate_interval", rate_interval).replace("$__range", range_).replace("${source}", source)
             .replace("$tenant", tenant).replace("$engine_class", engine_class))
     assert "$" not in text, f"unknown variable left in {text!r}"
     return text
@@ -68,6 +76,9 @@ def test_the_dashboard_is_a_grafana_dashboard_with_its_variables():
     variables = {v["name"]: v for v in board["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     assert set(variable_queries(board)) == {"tenant", "engine_class"}
+    assert variables["source"]["type"] == "custom" and [o["value"] for o in variables["source"]["options"]] == list(SOURCES)
+    assert variables["source"]["query"] == ",".join(f"{o['text']} : {o['value']}" for o in variables["source"]["options"])
+    assert variables["source"]["current"]["value"] == "llmvisor"
     for name in ("tenant", "engine_class"):
         assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
         assert variables[name]["datasource"]["uid"] == "${datasource}"
@@ -100,8 +111,23 @@ def test_the_dashboard_is_a_grafana_dashboard_with_its_variables():
             assert '{engine_class=~"$engine_class"}' in expr, f"{title}: per-class query ignores $engine_class"
 
 
-def test_every_metric_the_dashboard_queries_is_exported_by_the_service(model_path, tmp_path):  # noqa: F811
-    """A renamed metric breaks this test: each name in a panel or variable query must be a sample of /metrics."""
+def exported_names(text: str) -> set[str]:
+    return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def engine_exported(model) -> set[str]:
+    """What an engine's /metrics carries in window mode: llmvisor.metering.prometheus after attributed and pending windows."""
+    registry = CollectorRegistry()
+    metrics = EdgeMetrics(registry)
+    for source, run in (((lambda: (model, 1)), "a"), ((lambda: None), "b")):
+        aggregator = WindowAggregator(run, CLASS_MODELLED, source, on_close=metrics.record_window)
+        for step_id in range(40):
+            aggregator.add(step_id, T0_S + 0.05 * step_id, 0.02, [[f"r{step_id % 3}", f"tenant-{step_id % 2}", 1, 100, False, 0, None]])
+        aggregator.close()
+    return exported_names(generate_latest(registry).decode())
+
+
+def service_exported(model_path, tmp_path) -> set[str]:  # noqa: F811
     url = f"sqlite:///{tmp_path}/ledger.db"
     ledger = Ledger(url)
     admin = bearer(ledger.create_key(is_admin=True))
@@ -113,13 +139,48 @@ def test_every_metric_the_dashboard_queries_is_exported_by_the_service(model_pat
         assert client.post("/v1/steps", json=class_body(CLASS_PENDING, 20, run_id="b", seed=2), headers=admin).json()["steps_pending"] == 20
         assert client.post("/v1/steps", json={"steps": make_steps("plain", 30)}, headers=admin).status_code == 200
         assert client.post("/v1/steps", json={"steps": make_steps("gappy", 30)[5:]}, headers=admin).status_code == 200
-        text = client.get("/metrics", headers=admin).text
-    exported = {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
+        return exported_names(client.get("/metrics", headers=admin).text)
+
+
+def unexported(board: dict, exported: dict[str, set[str]]) -> list[str]:
+    """What the dashboard asks for that its source does not export: a query naming ``${source}`` must be answered by
+    each source's own metrics; any other query (and each alternative of a variable's selector) by one source's."""
+    problems = []
+    queries = [(title, expr) for title, expr in panel_exprs(board)]
+    queries += [(f"variable {name}", metric) for name, (metric, _) in variable_queries(board).items()]
+    for title, expr in queries:
+        if "$source" in expr.replace("${source}", "$source"):
+            for source in SOURCES:
+                missing = set(METRIC_NAME.findall(substitute(expr, source=source))) - exported[source]
+                if missing:
+                    problems.append(f"{title} (source {source}): {sorted(missing)}")
+        elif expr.startswith("{__name__=~"):
+            names = METRIC_NAME.findall(expr)
+            if any(not any(n in e for e in exported.values()) for n in names) or any(not set(names) & e for e in exported.values()):
+                problems.append(f"{title}: {names} (each name exported by a source, each source exporting one)")
+        else:
+            names = set(METRIC_NAME.findall(substitute(expr)))
+            if not any(names <= e for e in exported.values()):
+                problems.append(f"{title}: {sorted(names)} exported by neither source alone")
+    return problems
+
+
+def test_every_metric_the_dashboard_queries_is_exported_by_the_service_or_the_engines(model_path, tmp_path):  # noqa: F811
+    """A renamed metric breaks this test: each name in a panel or variable query must be a sample of the service's
+    /metrics or of an engine's (window mode); the per-tenant panels name ``${source}``, so work from both."""
+    exported = {"llmvisor": service_exported(model_path, tmp_path), "llmvisor_engine": engine_exported(class_model(CLASS_MODELLED))}
+    assert all(name.startswith("llmvisor_engine_") for name in exported["llmvisor_engine"])
     board = dashboard()
-    referenced = {name for _, expr in panel_exprs(board) for name in METRIC_NAME.findall(expr)}
-    referenced |= {metric for metric, _ in variable_queries(board).values()}
-    assert len(referenced) >= 15
-    assert referenced <= exported, f"not exported by the service: {sorted(referenced - exported)}"
+    referenced = {name for _, expr in panel_exprs(board) for source in SOURCES for name in METRIC_NAME.findall(substitute(expr, source=source))}
+    assert len(referenced) >= 20
+    assert unexported(board, exported) == []
+    tenant_panels = [expr for title, expr in panel_exprs(board) if "by (tenant)" in expr]
+    assert len(tenant_panels) == 4 and all("${source}_attributed_seconds_total" in expr for expr in tenant_panels)
+    # the check can fail: a panel naming a metric neither source exports, or a ${source} one only the service has
+    broken = copy.deepcopy(board)
+    broken["panels"][1]["targets"][0]["expr"] = "sum(rate(llmvisor_attributed_secs_total[1m]))"
+    broken["panels"][2]["targets"][0]["expr"] = "sum(${source}_tenants_folded)"
+    assert len(unexported(broken, exported)) == 2
 
 
 def finite_values(result: list[dict]) -> list[float]:
@@ -163,8 +224,10 @@ def test_every_panel_query_answers_from_a_real_prometheus_and_the_total_equals_t
         ledger_seconds = {t["tenant"]: t["attributed_s"] for t in client.get("/v1/usage/tenants").json()["tenants"]}
         drift = {c["engine_class"]: c for c in client.get("/v1/models/drift").json()["classes"]}
         board = dashboard()
+        service_names = exported_names(client.get("/metrics").text)
 
         for name, (metric, label) in variable_queries(board).items():
+            metric = substitute(metric)
             # As Grafana asks: the label's values on the metric's series over the dashboard's time range.
             now_s = time.time()
             response = httpx.get(f"{prometheus.url}/api/v1/label/{label}/values",
@@ -174,6 +237,8 @@ def test_every_panel_query_answers_from_a_real_prometheus_and_the_total_equals_t
 
         empty = []
         for title, expr in panel_exprs(board):
+            if not set(METRIC_NAME.findall(substitute(expr))) <= service_names:
+                continue  # the engines' (window mode): tests/test_vllm_edge_metrics.py
             for tenant, engine_class in ((".*", ".*"), ("tenant-1", CLASS_MODELLED)):
                 result = prometheus.query(substitute(expr, tenant=tenant, engine_class=engine_class))
                 if not finite_values(result):

@@ -188,3 +188,23 @@ def test_a_window_of_a_busy_engine_may_be_as_large_as_a_steps_body_and_a_tenant_
         ledger.close()
     refused = client.post("/v1/windows", headers={**bearer(tenant_key), "Content-Type": "application/json"}, content=body)
     assert refused.status_code == 403
+
+
+def test_the_services_metrics_count_each_stored_window_once(client, admin):
+    """The service's /metrics count what window ingest stored, as they count stored steps: per tenant the windows'
+    attributed seconds (the dashboard's service source works in window mode too), a re-send not again."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def attributed_seconds() -> dict[str, float]:
+        text = client.get("/metrics", headers=bearer(admin)).text
+        return {s.labels["tenant"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "llmvisor_attributed_seconds_total"}
+
+    windows = windows_of(client, admin, "run-m", steps_of("run-m"))
+    for _ in range(2):
+        assert client.post("/v1/windows", headers=bearer(admin), json={"windows": windows}).status_code == 200
+    billed = tenants(client, admin)
+    counted = attributed_seconds()
+    assert billed and set(counted) == set(billed)
+    for tenant, ns in billed.items():
+        assert counted[tenant] == pytest.approx(ns / 1e9, rel=1e-12), tenant

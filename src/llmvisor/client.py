@@ -55,6 +55,7 @@ from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import REQUIRED_COLUMNS, TraceWriter
 from llmvisor.errors import LlmvisorError
 from llmvisor.metering import DEFAULT_WINDOW_S, WindowAggregate, WindowAggregator
+from llmvisor.metering.prometheus import edge_metrics
 
 log = logging.getLogger("llmvisor.pusher")
 
@@ -1419,9 +1420,11 @@ class WindowDelivery:
         self.header = header
         self.engine_class = str(columns.get(FINGERPRINT_COLUMN) or fingerprint.get("id") or "")
         self.models = ActiveModelCache(pusher.client, self.engine_class)
+        # Each window is counted on this process's metrics as it closes (llmvisor.metering.prometheus: they reach
+        # vLLM's /metrics through PROMETHEUS_MULTIPROC_DIR).
         self.aggregator = WindowAggregator(columns["run_id"], self.engine_class, self.models, window_s=window_s,
                                            unattributed_steps=step_pusher is not None, first_step_id=resume.get("push_next"),
-                                           floor_us=resume.get("window_floor_us") or 0)
+                                           floor_us=resume.get("window_floor_us") or 0, on_close=edge_metrics().record_window)
         self.pusher = pusher
         self.step_pusher = step_pusher
         # what was pushed, oldest first, until settled: (0 window | 1 per step, the count of its pusher's first

@@ -113,6 +113,8 @@ class WindowOutcome:
 
     inserted: int
     duplicate: int
+    stored: tuple = ()
+    """The aggregates stored now (the service counts them on its metrics)."""
 
 
 @dataclass
@@ -721,7 +723,7 @@ class Ledger:
                     new = [w for w in unique if (w.run_id, w.window_start_us) not in stored]
                     if new:
                         self._insert_windows(conn, new, digests)
-                return WindowOutcome(inserted=len(new), duplicate=len(aggregates) - len(new))
+                return WindowOutcome(inserted=len(new), duplicate=len(aggregates) - len(new), stored=tuple(new))
             except (IntegrityError, OperationalError):
                 if attempt == _WRITE_ATTEMPTS - 1:  # a concurrent writer stored some: the next look sees them
                     raise

@@ -36,6 +36,9 @@ MAX_NAME_CHARS = 512
 
 ModelSource = Callable[[], "tuple[StepLatencyModel, int] | None"]
 """Returns the active (model, registry version) of the run's engine class, or None (the window is pending)."""
+OnClose = Callable[["WindowAggregate", np.ndarray], None]
+"""Called with each window as it closes and its steps' relative residuals (measured − predicted) / predicted
+(none for a pending window), e.g. `llmvisor.metering.prometheus.EdgeMetrics.record_window`."""
 
 
 class WindowError(LlmvisorError):
@@ -256,14 +259,16 @@ class WindowAggregator:
     that died): steps below ``first_step_id`` are in windows already sent, and no window starts before ``floor_us``.
 
     ``unattributed_steps``: a window closed while ``model_source`` has no model comes back as an
-    `UnattributedWindow` (its raw steps) instead of a pending `WindowAggregate`.
+    `UnattributedWindow` (its raw steps) instead of a pending `WindowAggregate`. ``on_close`` (optional,
+    `OnClose`) sees each attributed or pending window as it closes.
     """
 
     def __init__(self, run_id: str, engine_class: str, model_source: ModelSource, *, window_s: float = DEFAULT_WINDOW_S,
-                 grace_s: float = 0.5, unattributed_steps: bool = False, first_step_id: int | None = None, floor_us: int = 0):
+                 grace_s: float = 0.5, unattributed_steps: bool = False, first_step_id: int | None = None, floor_us: int = 0,
+                 on_close: OnClose | None = None):
         if not window_s > 0 or not math.isfinite(window_s):
             raise LlmvisorError(f"window_s: must be a positive number of seconds, not {window_s!r}")
-        self.run_id, self.engine_class, self.model_source = run_id, engine_class, model_source
+        self.run_id, self.engine_class, self.model_source, self.on_close = run_id, engine_class, model_source, on_close
         self.unattributed_steps = unattributed_steps
         self.window_us = max(int(round(window_s * 1e6)), 1)
         self.grace_us = int(round(grace_s * 1e6))
@@ -314,12 +319,21 @@ class WindowAggregator:
         if model is None and self.unattributed_steps:
             return UnattributedWindow(self.run_id, self.engine_class, start_us, start_us + self.window_us,
                                       [[s[0], s[4], s[2], s[3]] for s in steps])
-        return aggregate_window(self.run_id, self.engine_class, start_us, start_us + self.window_us, steps, model)
+        window, relative = _aggregate(self.run_id, self.engine_class, start_us, start_us + self.window_us, steps, model)
+        if self.on_close is not None:
+            self.on_close(window, relative)
+        return window
 
 
 def aggregate_window(run_id: str, engine_class: str, start_us: int, end_us: int, steps: list[tuple[int, int, float, list]],
                      model: tuple[StepLatencyModel, int] | None) -> WindowAggregate:
     """One window of ``(step_id, timestamp_us, step_latency_s, slices)`` attributed with ``model`` (None: pending)."""
+    return _aggregate(run_id, engine_class, start_us, end_us, steps, model)[0]
+
+
+def _aggregate(run_id: str, engine_class: str, start_us: int, end_us: int, steps: list[tuple[int, int, float, list]],
+               model: tuple[StepLatencyModel, int] | None) -> tuple[WindowAggregate, np.ndarray]:
+    """`aggregate_window`, and its steps' relative residuals (measured − predicted) / predicted (empty: pending)."""
     sizes = np.fromiter((len(s[3]) for s in steps), dtype=np.int64, count=len(steps))
     offsets = np.concatenate(([0], np.cumsum(sizes)))
     slices = [x for s in steps for x in s[3]]
@@ -335,6 +349,7 @@ def aggregate_window(run_id: str, engine_class: str, start_us: int, end_us: int,
     timestamp_us = np.fromiter((s[1] for s in steps), dtype=np.int64, count=len(steps))
     measured_ns = np.rint(latency_s * 1e9).astype(np.int64)
     residual = ResidualStats()
+    relative = np.zeros(0, dtype=np.float64)
     if model is None:
         attributed_ns = np.zeros(len(slices), dtype=np.int64)
     else:
@@ -342,6 +357,8 @@ def aggregate_window(run_id: str, engine_class: str, start_us: int, end_us: int,
         attributed_ns = apportion_ns(attribution.share_s, offsets, measured_ns)
         r = latency_s - attribution.predicted_step_s
         residual = ResidualStats(int(r.size), float(r.sum()), float((r * r).sum()), float(r.min()), float(r.max()))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            relative = r / attribution.predicted_step_s
     slice_measured = np.repeat(measured_ns, sizes)
     slice_ts = np.repeat(timestamp_us, sizes)
     by_request: dict[tuple[str, str], list[int]] = {}
@@ -363,10 +380,11 @@ def aggregate_window(run_id: str, engine_class: str, start_us: int, end_us: int,
         else:
             ranges.append([step_id, step_id])
     total_measured = int(measured_ns.sum())
-    return WindowAggregate(
+    window = WindowAggregate(
         run_id=run_id, engine_class=engine_class, window_start_us=start_us, window_end_us=end_us,
         model_version=None if model is None else int(model[1]), pending=model is None, num_steps=len(steps),
         measured_ns=total_measured, attributed_ns=0 if model is None else int(attributed_ns.sum()), step_ranges=ranges,
         requests=[RequestWindow(q, t, *acc[:4], acc[4], max(acc[4], acc[5])) for (q, t), acc in sorted(by_request.items())],
         residual=residual,
     )
+    return window, relative

@@ -20,9 +20,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
+from llmvisor.metering.prometheus import OTHER_TENANT_LABEL, RELATIVE_RESIDUAL_BUCKETS, TenantLabels
+
 log = logging.getLogger("llmvisor.service")
 
-OTHER_TENANT_LABEL = "other"
 RUN_RESIDUAL_QUANTILES = (0.1, 0.5, 0.9)
 MAX_RUNS_WITH_RESIDUALS = 20
 RUN_RESIDUAL_WINDOW_STEPS = 2000
@@ -31,7 +32,6 @@ MAX_CLASSES_WITH_RESIDUALS = 100
 INGEST_ERROR_REASONS = ("unauthorized", "forbidden", "too_large", "bad_json", "bad_parquet", "bad_shape", "invalid_trace", "conflict", "database")
 _RESIDUAL_BOUNDS_S = (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0)
 RESIDUAL_BUCKETS_S = tuple(sorted(-b for b in _RESIDUAL_BOUNDS_S)) + (0.0,) + _RESIDUAL_BOUNDS_S
-RELATIVE_RESIDUAL_BUCKETS = (-0.5, -0.2, -0.1, -0.05, -0.02, -0.01, 0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 class BatchHistogram(Collector):
@@ -264,9 +264,7 @@ class ClassDrift(ResidualWindows):
 class ServiceMetrics:
     def __init__(self, *, max_tenant_labels: int = 1000, drift: DriftSettings | None = None):
         self.max_tenant_labels = max_tenant_labels
-        self._tenants_labelled: set[str] = set()
-        self._tenants_folded: set[str] = set()
-        self._tenant_lock = threading.Lock()
+        self._tenant_labels = TenantLabels(max_tenant_labels)
         self.registry = CollectorRegistry(auto_describe=True)
         self.attributed_seconds = Counter(
             "llmvisor_attributed_seconds", "Engine seconds attributed to each tenant (steps ingested by this process).",
@@ -344,6 +342,10 @@ class ServiceMetrics:
             "Pending steps this process attributed once their class had a model (their seconds then join the tenants').",
             registry=self.registry,
         )
+        self.windows_ingested = Counter("llmvisor_windows_ingested", "Window aggregates stored (POST /v1/windows).", registry=self.registry)
+        self.window_steps_ingested = Counter(
+            "llmvisor_window_steps_ingested", "Steps covered by the window aggregates stored.", registry=self.registry
+        )
         self._mismatched_runs: OrderedDict[str, None] = OrderedDict()
         self._mismatch_lock = threading.Lock()
         self._n_mismatched_runs = 0
@@ -359,16 +361,10 @@ class ServiceMetrics:
 
     def tenant_label(self, tenant: str) -> str:
         """The tenant's own label while fewer than ``max_tenant_labels`` tenants are named, else "other"."""
-        with self._tenant_lock:
-            if tenant in self._tenants_labelled:
-                return tenant
-            if len(self._tenants_labelled) < self.max_tenant_labels:
-                self._tenants_labelled.add(tenant)
-                return tenant
-            if tenant not in self._tenants_folded:
-                self._tenants_folded.add(tenant)
-                self.tenants_folded.set(len(self._tenants_folded))
-            return OTHER_TENANT_LABEL
+        label = self._tenant_labels(tenant)
+        if label == OTHER_TENANT_LABEL:
+            self.tenants_folded.set(self._tenant_labels.folded)
+        return label
 
     def record_ingest(
         self,
@@ -398,6 +394,21 @@ class ServiceMetrics:
         with np.errstate(divide="ignore", invalid="ignore"):
             self.abs_relative_residual.observe_many(np.abs(residual_s) / measured_s)
             self.relative_residual_distribution.observe_many(residual_s / predicted_s)
+
+    def record_windows(self, windows) -> None:
+        """Count window aggregates (`llmvisor.metering.WindowAggregate`) newly stored: their tenants' attributed
+        seconds and their measured seconds, as `record_ingest` counts steps; a pending window's measured seconds
+        and steps as pending."""
+        for window in windows:
+            for tenant, totals in window.tenant_totals().items():
+                self.attributed_seconds.labels(self.tenant_label(tenant)).inc(totals["attributed_ns"] / 1e9)
+            if window.pending:
+                self.pending_steps.inc(window.num_steps)
+                self.pending_measured_seconds.inc(window.measured_ns / 1e9)
+            else:
+                self.measured_seconds.inc(window.measured_ns / 1e9)
+            self.windows_ingested.inc()
+            self.window_steps_ingested.inc(window.num_steps)
 
     def record_attributed_pending(self, prepared, resolved: np.ndarray, engine_class: str) -> None:
         """Count pending steps this process attributed: their seconds join the tenants' and the measured total,

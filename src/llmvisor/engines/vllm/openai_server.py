@@ -11,6 +11,11 @@ is SIGKILLed, and a second SIGINT is ignored. This runs vLLM's own entry point w
 ``LLMVISOR_HTTP_SHUTDOWN_GRACE_S`` seconds (default 5) to close before uvicorn cancels them and the process
 exits. The engine has stopped by then, and every step it ran has left it (the recorder's delivery process), so
 stopping this way bills every step the engine ran (docs/recorder.md, "Stopping the server").
+
+It also runs vLLM's metrics in prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, a fresh
+temporary directory removed at exit, unless one is set), as vLLM does by itself with ``--api-server-count`` > 1:
+so the values the recorder's delivery process (or engine-core process) counts, the engine-side window metrics
+(`llmvisor.metering.prometheus`), reach the server's own ``/metrics`` (docs/recorder.md, "Live metrics at the edge").
 """
 
 from __future__ import annotations
@@ -18,12 +23,15 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import tempfile
 
 from llmvisor.errors import LlmvisorError
 
 ENV_HTTP_SHUTDOWN_GRACE_S = "LLMVISOR_HTTP_SHUTDOWN_GRACE_S"
 DEFAULT_HTTP_SHUTDOWN_GRACE_S = 5.0
 VLLM_ENTRY_POINT = "vllm.entrypoints.openai.api_server"
+ENV_PROMETHEUS_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
+_metrics_dir: tempfile.TemporaryDirectory | None = None
 
 
 def http_shutdown_grace_s(environ=os.environ) -> float:
@@ -61,12 +69,24 @@ def bound_http_shutdown(grace_s: float) -> None:
     uvicorn.Config = BoundedShutdownConfig
 
 
+def share_metrics_across_processes(environ=os.environ) -> str:
+    """Set ``PROMETHEUS_MULTIPROC_DIR`` to a fresh directory, removed when this process exits, unless it is set;
+    returns it. Call before prometheus_client is imported: its mode is fixed at import."""
+    global _metrics_dir
+    if environ.get(ENV_PROMETHEUS_MULTIPROC_DIR):
+        return environ[ENV_PROMETHEUS_MULTIPROC_DIR]
+    _metrics_dir = tempfile.TemporaryDirectory(prefix="llmvisor-metrics-")
+    environ[ENV_PROMETHEUS_MULTIPROC_DIR] = _metrics_dir.name
+    return _metrics_dir.name
+
+
 def main() -> None:
     try:
         grace_s = http_shutdown_grace_s()
     except LlmvisorError as error:
         print(f"llmvisor: {error}", file=sys.stderr)
         sys.exit(2)
+    share_metrics_across_processes()
     bound_http_shutdown(grace_s)
     sys.argv[0] = VLLM_ENTRY_POINT
     runpy.run_module(VLLM_ENTRY_POINT, run_name="__main__", alter_sys=True)

@@ -17,6 +17,7 @@ from llmvisor.metering import WindowAggregate, WindowError
 from llmvisor.service.config import ServiceSettings
 from llmvisor.service.deps import IngestKey, LedgerDep, MetricsDep, SettingsDep
 from llmvisor.service.gaps import GapMonitor
+from llmvisor.service.metrics import ServiceMetrics
 from llmvisor.service.responses import database_unavailable, error
 from llmvisor.service.routes.steps import MAX_CONFLICTS_LISTED, is_database_outage
 
@@ -48,12 +49,15 @@ def read_windows(body: bytes, *, max_windows: int) -> list[WindowAggregate]:
     return [WindowAggregate.from_json(item, where=f"windows[{k}]") for k, item in enumerate(items)]
 
 
-def ingest_windows(body: bytes, *, ledger: Ledger, settings: ServiceSettings, gaps: GapMonitor | None) -> WindowIngestResponse:
+def ingest_windows(body: bytes, *, ledger: Ledger, settings: ServiceSettings, gaps: GapMonitor | None,
+                   metrics: ServiceMetrics | None = None) -> WindowIngestResponse:
     aggregates = read_windows(body, max_windows=settings.max_steps_per_request)
     for k, w in enumerate(aggregates):
         if not w.pending and ledger.model_json(w.engine_class, w.model_version) is None:
             raise WindowError(f"windows[{k}].model_version: no version {w.model_version} of engine class {w.engine_class!r} is registered")
     outcome = ledger.ingest_windows(aggregates)
+    if metrics is not None:
+        metrics.record_windows(outcome.stored)
     if gaps is not None and outcome.inserted:
         try:
             gaps.observe_runs(sorted({w.run_id for w in aggregates}))
@@ -83,7 +87,8 @@ async def post_windows(request: Request, _principal: IngestKey, ledger: LedgerDe
     try:
         body = await request.body()
         async with request.app.state.ingest_slots:
-            return await run_in_threadpool(ingest_windows, body, ledger=ledger, settings=settings, gaps=request.app.state.gaps)
+            return await run_in_threadpool(ingest_windows, body, ledger=ledger, settings=settings, gaps=request.app.state.gaps,
+                                           metrics=metrics)
     except WindowError as bad:
         metrics.count_ingest_error("bad_shape")
         return error(422, str(bad))
