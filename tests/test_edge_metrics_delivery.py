@@ -11,6 +11,7 @@ import signal
 import time
 from collections import defaultdict
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
@@ -49,6 +50,7 @@ def wait_for_window_steps(db_url: str, expected: int, timeout_s: float = 60.0) -
         time.sleep(0.1)
 
 
+@pytest.mark.parametrize("service", ["windows"], indirect=True)  # the service with the relay's class model active
 def test_windows_counted_by_the_delivery_process_and_then_the_engine_process_add_up_to_the_ledger(service, tmp_path, monkeypatch):  # noqa: F811
     server, ledger, key = service
     folder = tmp_path / "metrics"
@@ -58,7 +60,7 @@ def test_windows_counted_by_the_delivery_process_and_then_the_engine_process_add
     # 10 steps of 16 requests each a window: a 1 s window of this stand-in (100 steps, 1,600 requests) is a body
     # larger than the service takes (413)
     monkeypatch.setenv("LLMVISOR_WINDOW_S", "0.1")
-    engine = RelayEngine(tmp_path, server.url, key, RUN)
+    engine = RelayEngine(tmp_path, server.url, key, RUN, mode="windows")
     try:
         assert engine.ask("send 300", "sent") == ["sent", "300"]
         wait_for_window_steps(ledger.url, 300)  # counted and delivered by the first delivery process
