@@ -296,6 +296,43 @@ async def sample_load(end_s: float, out: list[float]) -> None:
         await asyncio.sleep(min(1.0, max(0.0, end_s - time.time())))
 
 
+async def probe_staleness(engines: list, clients: list[httpx.AsyncClient], *, request_id: str, start_s: float, end_s: float,
+                          interval_s: float, clock_s: float, staleness: list[float], counts: dict) -> None:
+    """Every ``interval_s`` from ``start_s`` to ``end_s``, the latest ended step of one engine (its ``request_id``):
+    how long until the usage API of another process than the engine's counts it, appended to ``staleness``
+    (``counts["probe_timeouts"]`` when it never does). Probes overlap, so a slow one does not thin the samples.
+    The engines' ``ended_by`` and ``step_end_s`` count seconds from ``clock_s`` (0: wall-clock times)."""
+
+    async def probe_once(engine, client: httpx.AsyncClient, step: int) -> None:
+        params = {"run_id": engine.run_id, "request_id": request_id}
+        deadline = time.monotonic() + PROBE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                response = await client.get("/v1/usage/requests", params=params)
+                requests = response.json()["requests"] if response.status_code == 200 else []
+                if requests and requests[0]["num_steps"] >= step + 1:
+                    staleness.append(time.time() - (clock_s + engine.step_end_s(step)))
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(PROBE_POLL_S)
+        counts["probe_timeouts"] += 1
+
+    probes = []
+    next_probe_s = start_s
+    while time.time() < end_s:
+        await asyncio.sleep(max(0.0, next_probe_s - time.time()))
+        now = time.time()
+        index = len(probes)
+        next_probe_s += interval_s
+        engine = engines[index % len(engines)]
+        step = engine.ended_by(now - clock_s) - 1
+        if step >= 0 and now < end_s:
+            client = clients[(index % len(engines) + 1) % len(clients)]
+            probes.append(asyncio.create_task(probe_once(engine, client, step)))
+    await asyncio.gather(*probes)
+
+
 async def run_fleet(urls: list[str], api_key: str, settings: FleetSettings) -> dict:
     """Drive the engines against the service processes at ``urls``; the raw figures of one run."""
     headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
@@ -358,40 +395,12 @@ async def run_fleet(urls: list[str], api_key: str, settings: FleetSettings) -> d
                 counts["in_window"] += count
                 latencies.append(time.perf_counter() - started)
 
-    async def probe_once(engine: SimulatedEngine, client: httpx.AsyncClient, step: int) -> None:
-        params = {"run_id": engine.run_id, "request_id": "long"}
-        deadline = time.monotonic() + PROBE_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                response = await client.get("/v1/usage/requests", params=params)
-                if response.status_code == 200 and response.json()["requests"][0]["num_steps"] >= step + 1:
-                    staleness.append(time.time() - engine.step_end_s(step))
-                    return
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(PROBE_POLL_S)
-        counts["probe_timeouts"] += 1
-
-    async def probe() -> None:
-        """Every probe interval, the latest ended step of one engine: how long until the usage API (of another
-        process than the engine's) counts it. Probes overlap, so a slow one does not thin the samples."""
-        probes = []
-        next_probe_s = window_start_s
-        while time.time() < end_s:
-            await asyncio.sleep(max(0.0, next_probe_s - time.time()))
-            now = time.time()
-            index = len(probes)
-            next_probe_s += settings.probe_interval_s
-            engine = engines[index % len(engines)]
-            step = engine.ended_by(now) - 1
-            if step >= 0 and now < end_s:
-                client = clients[(index % len(engines) + 1) % len(clients)]
-                probes.append(asyncio.create_task(probe_once(engine, client, step)))
-        await asyncio.gather(*probes)
-
     loads: list[float] = []
     try:
-        await asyncio.gather(probe(), sample_load(end_s, loads), *(push(engine, urls[e % len(urls)]) for e, engine in enumerate(engines)))
+        await asyncio.gather(
+            probe_staleness(engines, clients, request_id="long", start_s=window_start_s, end_s=end_s, interval_s=settings.probe_interval_s,
+                            clock_s=0.0, staleness=staleness, counts=counts),
+            sample_load(end_s, loads), *(push(engine, urls[e % len(urls)]) for e, engine in enumerate(engines)))
     finally:
         for client in clients:
             await client.aclose()
@@ -476,40 +485,12 @@ async def run_fleet_windows(urls: list[str], api_key: str, settings: FleetSettin
                 latencies.append(time.perf_counter() - started)
         await connection.close()
 
-    async def probe_once(engine: EdgeEngine, client: httpx.AsyncClient, step: int) -> None:
-        params = {"run_id": engine.run_id, "request_id": LONG_REQUEST}
-        deadline = time.monotonic() + PROBE_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                response = await client.get("/v1/usage/requests", params=params)
-                if response.status_code == 200 and response.json()["requests"] and response.json()["requests"][0]["num_steps"] >= step + 1:
-                    staleness.append(time.time() - (t0 + engine.step_end_s(step)))
-                    return
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(PROBE_POLL_S)
-        counts["probe_timeouts"] += 1
-
-    async def probe() -> None:
-        """As in steps mode: the latest ended step of one engine, until the usage API of another process counts it."""
-        probes = []
-        next_probe_s = window_start_s
-        while time.time() < end_s:
-            await asyncio.sleep(max(0.0, next_probe_s - time.time()))
-            now = time.time()
-            index = len(probes)
-            next_probe_s += settings.probe_interval_s
-            engine = engines[index % len(engines)]
-            step = engine.ended_by(now - t0) - 1
-            if step >= 0 and now < end_s:
-                client = clients[(index % len(engines) + 1) % len(clients)]
-                probes.append(asyncio.create_task(probe_once(engine, client, step)))
-        await asyncio.gather(*probes)
-
     loads: list[float] = []
     try:
-        await asyncio.gather(probe(), sample_load(end_s, loads),
-                             *(push(e, engine, urls[e % len(urls)]) for e, engine in enumerate(engines)))
+        await asyncio.gather(
+            probe_staleness(engines, clients, request_id=LONG_REQUEST, start_s=window_start_s, end_s=end_s,
+                            interval_s=settings.probe_interval_s, clock_s=t0, staleness=staleness, counts=counts),
+            sample_load(end_s, loads), *(push(e, engine, urls[e % len(urls)]) for e, engine in enumerate(engines)))
     finally:
         for client in clients:
             await client.aclose()
