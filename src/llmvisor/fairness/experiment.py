@@ -569,6 +569,15 @@ def _load_run(out_dir: Path, name: str) -> dict:
     return json.loads((out_dir / "result.json").read_text())
 
 
+def charge_model_path(latency_model_path: Path | None) -> str:
+    """The latency model an experiment charges and predicts with (``--model``; None: the shipped one), refused in
+    one line when the file is missing."""
+    model_path = str(latency_model_path if latency_model_path is not None else shipped.latency_model_path())
+    if not os.path.exists(model_path):
+        raise LlmvisorError(f"--model: {model_path} not found; fit one with `llmvisor fit TRACE -o model.json`")
+    return model_path
+
+
 def run_experiment(
     output: Path,
     *,
@@ -600,9 +609,7 @@ def run_experiment(
         raise LlmvisorError(f"--tpot-slo-s: must be a positive number of seconds (got {tpot_slo_s})")
     if tpot_slo_s is not None and "attributed" not in policies:
         raise LlmvisorError("--tpot-slo-s: the admission comparison needs the attributed policy (add --policy attributed)")
-    model_path = str(latency_model_path if latency_model_path is not None else shipped.latency_model_path())
-    if not os.path.exists(model_path):
-        raise LlmvisorError(f"--model: {model_path} not found; fit one with `llmvisor fit TRACE -o model.json`")
+    model_path = charge_model_path(latency_model_path)
     charge_model = StepLatencyModel.from_json(model_path)
     output.mkdir(parents=True, exist_ok=True)
     plan: list[tuple[str, str, dict, float | None]] = [(name, name, workload, None) for name in policies]
@@ -827,9 +834,7 @@ def run_admission_experiment(
         raise LlmvisorError(f"--tpot-slo-s: must be a positive number of seconds (got {tpot_slo_s})")
     if tpot_prediction_factor is not None and not (math.isfinite(tpot_prediction_factor) and tpot_prediction_factor > 0):
         raise LlmvisorError(f"--tpot-prediction-factor: must be a positive number (got {tpot_prediction_factor})")
-    model_path = str(latency_model_path if latency_model_path is not None else shipped.latency_model_path())
-    if not os.path.exists(model_path):
-        raise LlmvisorError(f"--model: {model_path} not found; fit one with `llmvisor fit TRACE -o model.json`")
+    model_path = charge_model_path(latency_model_path)
     charge_model = StepLatencyModel.from_json(model_path)
     output.mkdir(parents=True, exist_ok=True)
     per_seed: dict[int, dict] = {}

@@ -29,12 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from llmvisor import shipped
 from llmvisor.core.attribution import attribute
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import read_trace
 from llmvisor.engine_process import run_engine_module
 from llmvisor.errors import LlmvisorError
+from llmvisor.fairness.experiment import charge_model_path
 from llmvisor.fairness.policy import jain_index, max_min_ratio
 
 FLEET_POLICIES = ("fcfs", "local", "shared")
@@ -275,9 +275,7 @@ def run_fleet_experiment(
         raise LlmvisorError(f"--replicas must be >= 2 (got {replicas})")
     if not 0 <= warmup_s < workload["duration_s"]:
         raise LlmvisorError(f"--warmup-s must be >= 0 and below --duration-s (got {warmup_s} and {workload['duration_s']})")
-    model_path = str(latency_model_path if latency_model_path is not None else shipped.latency_model_path())
-    if not os.path.exists(model_path):
-        raise LlmvisorError(f"--model: {model_path} not found; fit one with `llmvisor fit TRACE -o model.json`")
+    model_path = charge_model_path(latency_model_path)
     model = StepLatencyModel.from_json(model_path)
     output.mkdir(parents=True, exist_ok=True)
     runs = {}
