@@ -215,6 +215,23 @@ def test_pools_add_batches_that_share_one_prefill_and_leave_the_rest_of_the_plan
             assert m.step_latency_s == pytest.approx(n.step_latency_s, rel=1e-12)
 
 
+def test_a_pool_chunk_lengthens_only_the_pools_batch_rounds_and_keeps_every_key():
+    """--pool-chunk: the pools' coalitions go in rounds of that many (in plan order, every coalition once), the other
+    batches keep theirs, and no batch's key or coalitions change (a journal measured before stays valid)."""
+    before, after = plan(pools=2), plan(pools=2, pool_chunk=96)
+    assert [b.key for b in before] == [b.key for b in after]
+    assert [b.coalitions for b in before] == [b.coalitions for b in after]
+    for b, a in zip(before, after, strict=True):
+        if not b.pool_index:
+            assert a.chunks(0) == b.chunks(0)
+            continue
+        chunks = a.chunks(0)
+        assert [m for c in chunks for m in c] == list(a.coalitions)
+        assert all(len(c) == 96 for c in chunks[:-1]) and len(chunks) < len(b.chunks(0))
+    with pytest.raises(LlmvisorError, match="--pool-chunk: at least 2"):
+        plan(pools=1, pool_chunk=1)
+
+
 def test_a_journal_refuses_steps_from_a_machine_whose_canary_runs_many_times_slower(tmp_path):
     """Resuming on a host where the canary runs ~90× slower (no bf16 vector units) must not add its steps to batches
     measured elsewhere: the run stops before measuring or journaling anything; a like machine resumes."""

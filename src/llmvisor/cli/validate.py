@@ -117,6 +117,7 @@ RESUMED_OPTIONS = {
     "exact_sharing_batches": ("sampled", "exact_sharing_batches"),
     "pools": ("sampled", "pools"),
     "pool_coalitions_per_request": ("sampled", "pool_coalitions_per_request"),
+    "pool_chunk": ("sampled", "pool_chunk"),
 }
 """Options a re-run takes from the existing result's settings when not given: `validate -o RESULT` re-analyses (or
 resumes) the plan RESULT was measured with, instead of drawing another plan from the defaults."""
@@ -176,6 +177,7 @@ def validate(
     exact_sharing_batches: Annotated[int, typer.Option(help="With --design coalitions: mixed-sharing decode batches of 6–7 requests (2 prefix groups and own contexts) with every subset measured twice.", min=0)] = 0,
     pools: Annotated[int, typer.Option(help="With --design coalitions: pools of batches sharing one prefill (a batch of the largest size, then largest ÷ s batches of each smaller size s drawn from its requests), after the other batches.", min=0)] = 0,
     pool_coalitions_per_request: Annotated[float | None, typer.Option(help="With --pools: coalitions per request of a pooled batch (default: --coalitions-per-request).", min=1)] = None,
+    pool_chunk: Annotated[int | None, typer.Option(help="With --pools: coalitions per guarded batch-round of a pooled batch (default: 32, as the other batches); the held contexts are prepared once per round, and each grows by the steps it runs in it.", min=2)] = None,
     guard_max_redos: Annotated[int, typer.Option(help="Times a batch-round the interference guard flags is measured again before it is kept, flagged.", min=0)] = 4,
     guard_max_wait_s: Annotated[float, typer.Option(help="Longest wait for the machine to quieten between redos, in seconds.", min=0)] = 600.0,
     time_limit_s: Annotated[float | None, typer.Option(help="Stop measuring after this many seconds (the batch-round under way is dropped) and write the result of what the journal holds; a re-run resumes.", min=1)] = None,
@@ -206,6 +208,7 @@ def validate(
         "orders": orders, "sampled_repeat": sampled_repeat, "sampled_sizes": sampled_sizes, "sampled_kinds": sampled_kinds,
         "design": design, "coalitions_per_request": coalitions_per_request, "replicate_share": replicate_share,
         "exact_sharing_batches": exact_sharing_batches, "pools": pools, "pool_coalitions_per_request": pool_coalitions_per_request,
+        "pool_chunk": pool_chunk,
     })
     batches, max_batch, repeat, replicate_every = options["batches"], options["max_batch"], options["repeat"], options["replicate_every"]
     adversarial_fraction, max_prefill_tokens = options["adversarial_fraction"], options["max_prefill_tokens"]
@@ -215,7 +218,7 @@ def validate(
     sampled_sizes, sampled_kinds = options["sampled_sizes"], options["sampled_kinds"]
     design, coalitions_per_request = options["design"], options["coalitions_per_request"]
     replicate_share, exact_sharing_batches = options["replicate_share"], options["exact_sharing_batches"]
-    pools, pool_coalitions_per_request = options["pools"], options["pool_coalitions_per_request"]
+    pools, pool_coalitions_per_request, pool_chunk = options["pools"], options["pool_coalitions_per_request"], options["pool_chunk"]
     if pools and design != Design.COALITIONS:
         raise LlmvisorError("--pools: only with --design coalitions")
     if design not in tuple(Design):
@@ -264,6 +267,8 @@ def validate(
                              "exact_sharing_batches": exact_sharing_batches, "exact_sharing_sizes": [6, 7], "chunk": 32}
         if pools:
             sampled_settings |= {"pools": pools, "pool_coalitions_per_request": pool_coalitions_per_request}
+            if pool_chunk is not None:
+                sampled_settings["pool_chunk"] = pool_chunk
     if sampled_batches or (design == Design.COALITIONS and exact_sharing_batches):
         sampled_specs = sampled_plan(mixes, envelope, sampled_settings, seed=seed)
 

@@ -427,6 +427,7 @@ def draw_coalition_batches(
     decode_headroom: int = 256,
     pools: int = 0,
     pool_coalitions_per_request: float | None = None,
+    pool_chunk: int | None = None,
     seed: int = 0,
 ) -> list[SampledBatchSpec]:
     """Serving-size batches measured on random complementary coalitions (``coalitions_per_request`` × n + 1 of them,
@@ -434,11 +435,15 @@ def draw_coalition_batches(
     first ``replicate_share`` of its coalitions (whole chunks' worth, pairs together) again in round 1, so each size and
     kind has its replicate noise. Mixed-sharing decode batches hold 2–3 prefix groups (`draw_prefix_groups`), each
     group's prefix 0.1–0.3 of the model's length, different per group. ``exact_sharing_batches`` more mixed-sharing
-    batches of ``exact_sharing_sizes`` (cycled) measure every subset, twice: their Shapley values are exact."""
+    batches of ``exact_sharing_sizes`` (cycled) measure every subset, twice: their Shapley values are exact.
+    ``pool_chunk`` (default ``chunk``): coalitions per batch-round of the pools' batches; a longer round spends one
+    preparation of the held contexts on more steps, and each context grows by the steps it runs in the round."""
     if n_batches < 0 or exact_sharing_batches < 0:
         raise LlmvisorError("--sampled-batches / --exact-sharing-batches: 0 or more")
     if coalitions_per_request < 1:
         raise LlmvisorError(f"--coalitions-per-request: at least 1 (got {coalitions_per_request})")
+    if pool_chunk is not None and pool_chunk < 2:
+        raise LlmvisorError(f"--pool-chunk: at least 2 (got {pool_chunk})")
     if not 0 <= replicate_share <= 1:
         raise LlmvisorError(f"--replicate-share: in [0, 1] (got {replicate_share})")
     too_big = [s for s in (*sizes, *exact_sharing_sizes) if s > envelope.max_num_seqs]
@@ -485,8 +490,8 @@ def draw_coalition_batches(
              for j in range(exact_sharing_batches)]
     pooled = draw_coalition_pools(mixes, envelope, n_pools=pools, first_index=n_batches + exact_sharing_batches,
                                   coalitions_per_request=pool_coalitions_per_request or coalitions_per_request, sizes=sizes,
-                                  kinds=kinds, replicate_share=replicate_share, chunk=chunk, decode_headroom=decode_headroom,
-                                  seed=seed, sharing_batch=sharing_batch) if pools else []
+                                  kinds=kinds, replicate_share=replicate_share, chunk=pool_chunk or chunk,
+                                  decode_headroom=decode_headroom, seed=seed, sharing_batch=sharing_batch) if pools else []
     return exact + out + pooled  # the exact ones first: cheap, and what the sharing check needs
 
 
@@ -584,6 +589,7 @@ def sampled_plan(mixes: list[LengthMix], envelope: Envelope, sampled: dict, *, s
             mixes, envelope, n_batches=sampled["batches"], coalitions_per_request=sampled["coalitions_per_request"], sizes=sizes,
             kinds=kinds, replicate_share=sampled["replicate_share"], exact_sharing_batches=sampled.get("exact_sharing_batches", 0),
             exact_sharing_sizes=tuple(sampled.get("exact_sharing_sizes", (6, 7))), chunk=sampled.get("chunk", 32),
-            pools=sampled.get("pools", 0), pool_coalitions_per_request=sampled.get("pool_coalitions_per_request"), seed=seed)
+            pools=sampled.get("pools", 0), pool_coalitions_per_request=sampled.get("pool_coalitions_per_request"),
+            pool_chunk=sampled.get("pool_chunk"), seed=seed)
     return draw_sampled_batches(mixes, envelope, n_batches=sampled["batches"], n_orders=sampled["orders"], sizes=sizes, kinds=kinds,
                                 antithetic=sampled.get("antithetic", True), seed=seed)
