@@ -18,8 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from _relay_engine import relay_header, relay_step
 from _service_fixtures import class_model, make_steps, model_path  # noqa: F401
-from llmvisor.client import StepPusher, process_running, wait_for_delivery
+from llmvisor.client import StepPusher, WindowDelivery, WindowPusher, process_running, step_rows, wait_for_delivery
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.trace import TraceWriter
+from llmvisor.metering import WindowAggregate, WindowAggregator
 from llmvisor.ledger import Ledger
 from llmvisor.service.process import ServerProcess, free_loopback_port
 from test_service_client import ThreadServer
@@ -169,14 +173,10 @@ def test_steps_in_the_pipe_when_the_delivery_process_dies_are_delivered(service,
 
 def test_a_delivery_process_killed_after_it_sent_some_is_replaced_and_nothing_is_sent_twice(service, tmp_path):
     """The replacement is sent every step not reported safe, some of them already stored: per step they are
-    duplicates; in windows it resumes at the first window the service does not have, so no window is sent twice
-    with other content (a 409, refused and lost)."""
+    duplicates; in windows it asks the service what it holds of the run and skips those steps, starting its
+    windows after the last one stored, so no window is sent twice with other content (a 409, refused and lost)
+    and no step is counted twice, however the kill falls between reports (every 0.1 s)."""
     server, ledger, key = service
-    if server.mode == "windows":
-        pytest.skip("known gap, not yet passing in window mode: the replacement resumes from the last report (every 0.1 s); "
-                    "a window acknowledged after it and closed by the clock (these steps are dated in the past, so every "
-                    "window is) is rebuilt with the later steps dated in it, a 409 (rejected, logged, counted). Fix: resume "
-                    "from the service's stored step ranges and last window end of the run, and the spool's windows")
     engine = RelayEngine(tmp_path, server.url, key, "sent-then-killed", server.mode)
     try:
         assert engine.ask("send 250", "sent") == ["sent", "250"]
@@ -303,3 +303,142 @@ def test_an_outage_is_logged_in_true_counts(down_service, tmp_path, caplog):
     replayed = [m for m in messages if "replayed" in m and "from the spool" in m]
     assert sum(int(m.split("replayed ")[1].split()[0]) for m in replayed) == pusher.stats.replayed == pusher.stats.spooled
     assert stored_steps(ledger) == 120
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The race above, set up exactly: a dead delivery process's windows stored (or spooled) after its last report,
+# and a replacement that, resuming from that report alone, would rebuild one of them with other steps.
+
+
+@pytest.fixture
+def window_service(model_path, tmp_path):  # noqa: F811
+    db_url = f"sqlite:///{tmp_path}/ledger.db"
+    ledger = Ledger(db_url)
+    key = ledger.create_key(is_admin=True)
+    ledger.add_model(ENGINE_CLASS, json.dumps(class_model(ENGINE_CLASS).to_dict()), "test", activate=True)
+    port = free_loopback_port()
+    server = ThreadServer(model_path, db_url, port)
+    yield server, ledger, key, f"http://127.0.0.1:{port}"
+    server.stop()
+    ledger.close()
+
+
+def predecessor_windows(ledger: Ledger, run_id: str) -> list[WindowAggregate]:
+    """The windows a dead delivery process closed from steps 0-249: 0-99, 100-199, and 200-249 by the clock
+    (the steps are dated in the past)."""
+    model = StepLatencyModel.from_dict(json.loads(ledger.model_json(ENGINE_CLASS, 1)))
+    aggregator = WindowAggregator(run_id, ENGINE_CLASS, lambda: (model, 1))
+    windows = [w for k in range(250) for w in aggregator.add(*relay_step(k))] + aggregator.close_due(time.time())
+    assert [w.step_ranges for w in windows] == [[[0, 99]], [[100, 199]], [[200, 249]]]
+    return windows
+
+
+def rebuilt_from_the_report(ledger: Ledger, run_id: str, report: dict) -> WindowAggregate:
+    """What a replacement resuming from the report alone (before this fix) sent first for steps 200-399
+    arriving before its clock closed a window."""
+    model = StepLatencyModel.from_dict(json.loads(ledger.model_json(ENGINE_CLASS, 1)))
+    aggregator = WindowAggregator(run_id, ENGINE_CLASS, lambda: (model, 1), first_step_id=report["push_next"],
+                                  floor_us=report["window_floor_us"])
+    return [w for k in range(report["push_next"], 400) for w in aggregator.add(*relay_step(k))][0]
+
+
+def replacement(url: str, key: str, tmp_path: Path, run_id: str, report: dict) -> WindowDelivery:
+    """A replacement delivery process's window mode, as `StepDelivery.from_env` builds it, resuming from ``report``."""
+    spool = tmp_path / "spool.jsonl"
+    return WindowDelivery(dict(relay_header(run_id, ENGINE_CLASS), resume={"trace_next": 250, **report}),
+                          WindowPusher(url, key, spool, retry_interval_s=0.2), window_s=1.0,
+                          step_pusher=fast_pusher(url, key, spool))
+
+
+def stored_windows(ledger: Ledger, run_id: str) -> dict[int, tuple[int, bytes]]:
+    from sqlalchemy import select
+
+    from llmvisor.ledger.schema import windows as windows_table
+
+    with ledger._read_engine.connect() as conn:
+        rows = conn.execute(select(windows_table.c.window_start_us, windows_table.c.num_steps, windows_table.c.content_sha256)
+                            .where(windows_table.c.run_id == run_id)).all()
+    return {int(start): (int(n), bytes(digest)) for start, n, digest in rows}
+
+
+def assert_every_step_once(ledger: Ledger, run_id: str, n_steps: int, delivery: WindowDelivery, tmp_path: Path) -> None:
+    totals = ledger.totals()
+    assert totals.num_steps == n_steps and totals.attributed_ns == totals.measured_ns and totals.pending_steps == 0
+    gaps = ledger.run_gaps(run_id)
+    assert gaps.num_missing == 0 and gaps.num_received == n_steps
+    assert delivery.pusher.stats.rejected == 0 and delivery.step_pusher.stats.rejected == 0
+    assert not list(tmp_path.glob("spool.jsonl*rejected*")) and not list(tmp_path.glob("spool.jsonl*"))
+
+
+def test_a_replacement_skips_the_steps_of_windows_stored_after_the_last_report(window_service, tmp_path):
+    server, ledger, key, url = window_service
+    server.start()
+    w0, w1, w2 = predecessor_windows(ledger, "stored-after-report")
+    ledger.ingest_windows([w0, w1, w2])  # acknowledged after its last report, which said window 200-249 was not
+    report = {"push_next": 200, "window_floor_us": w2.window_start_us}
+    stale = rebuilt_from_the_report(ledger, "stored-after-report", report)
+    assert stale.window_start_us == w2.window_start_us and stale.step_ranges == [[200, 299]]  # rebuilt from the report alone: a 409
+    before = stored_windows(ledger, "stored-after-report")
+
+    delivery = replacement(url, key, tmp_path, "stored-after-report", report)
+    for k in range(200, 400):  # sent again from the report on, then the engine's later steps, no clock tick between
+        delivery.add(relay_step(k))
+    assert delivery.close(30)
+
+    after = stored_windows(ledger, "stored-after-report")
+    assert {start: after[start] for start in before} == before  # the stored windows untouched
+    assert min(set(after) - set(before)) >= w2.window_end_us  # the new ones after the last stored window
+    assert sum(n for n, _ in after.values()) == 400 and delivery.aggregator.skipped_held == 50
+    assert_every_step_once(ledger, "stored-after-report", 400, delivery, tmp_path)
+
+
+def test_spooled_windows_and_steps_are_replayed_as_written_not_rebuilt(window_service, tmp_path):
+    """The dead process had sent window 0-99, sent 100-199 per step (its class had no model then) and spooled
+    them, and spooled window 200-249: the replacement aggregates none of those steps again; the spools go as
+    written (the window byte for byte)."""
+    server, ledger, key, url = window_service
+    w0, w1, w2 = predecessor_windows(ledger, "spooled")
+    ledger.ingest_windows([w0])
+    spool = tmp_path / "spool.jsonl"
+    writer = TraceWriter(spool, flush_every_steps=1000)
+    header = relay_header("spooled", ENGINE_CLASS)
+    for k in range(100, 200):
+        writer.write_step(step_rows(header, relay_step(k)))
+    writer.close()
+    (tmp_path / "spool.jsonl.windows.jsonl").write_text(json.dumps(w2.to_json()) + "\n")
+    report = {"push_next": 100, "window_floor_us": w1.window_start_us}
+    server.start()
+
+    delivery = replacement(url, key, tmp_path, "spooled", report)
+    for k in range(100, 400):
+        delivery.add(relay_step(k))
+    assert delivery.close(30)
+
+    after = stored_windows(ledger, "spooled")
+    assert after[w2.window_start_us] == (50, w2.content_sha256()) and w1.window_start_us not in after
+    assert min(set(after) - {w0.window_start_us, w2.window_start_us}) >= w2.window_end_us
+    assert delivery.aggregator.skipped_held == 150 and delivery.pusher.stats.replayed == 1
+    assert all(ledger.step_detail("spooled", k) is not None for k in (100, 199))  # per step, as spooled
+    assert_every_step_once(ledger, "spooled", 400, delivery, tmp_path)
+
+
+def test_a_replacement_waits_for_the_service_to_say_what_it_holds(window_service, tmp_path):
+    server, ledger, key, url = window_service
+    w0, w1, w2 = predecessor_windows(ledger, "asked-later")
+    ledger.ingest_windows([w0, w1, w2])
+    report = {"push_next": 200, "window_floor_us": w2.window_start_us}
+    delivery = replacement(url, key, tmp_path, "asked-later", report)  # the service is away: nothing sent yet
+    for k in range(200, 400):
+        delivery.add(relay_step(k))
+    delivery.tick()
+    assert delivery.push_next(400) == (200, w2.window_start_us)  # nothing newer is safe: the relay keeps the steps
+    assert delivery.pusher.stats.pushed == 0
+    server.start()
+    deadline = time.monotonic() + 20
+    while delivery.pusher.stats.pushed == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        delivery.tick()
+    assert delivery.close(30)
+    assert delivery.aggregator.skipped_held == 50
+    assert min(set(stored_windows(ledger, "asked-later")) - {w.window_start_us for w in (w0, w1, w2)}) >= w2.window_end_us
+    assert_every_step_once(ledger, "asked-later", 400, delivery, tmp_path)

@@ -264,6 +264,7 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
         ("GET", "/v1/models"), ("POST", "/v1/models"), ("POST", "/v1/models/{engine_class}/{version}/activate"),
         ("GET", "/v1/models/drift"), ("GET", "/v1/adjustments"), ("GET", "/v1/runs/{run_id}/gaps"),
         ("GET", "/v1/usage/requests/{request_id}"), ("GET", "/v1/usage/classes"), ("GET", "/v1/prices"), ("POST", "/v1/prices"), ("POST", "/v1/windows"), ("GET", "/v1/models/{engine_class}/active"),
+        ("GET", "/v1/windows/held"),
         ("GET", "/usage"), ("GET", "/usage/app.js"), ("GET", "/usage/style.css"),  # the page's static files: no data
     }
     forbidden = [
@@ -288,6 +289,7 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
         ("POST", "/v1/prices"),
         ("POST", "/v1/windows"),
         ("GET", "/v1/models/abc/active"),
+        ("GET", "/v1/windows/held?run_id=run-a"),
     ]
     for method, path in forbidden:
         kwargs = {"json": {"tenant": "tenant-0"}} if path == "/v1/keys" and method == "POST" else {}

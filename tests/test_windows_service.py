@@ -135,6 +135,34 @@ def test_gaps_show_from_window_step_ranges(client, admin):
     assert [(g["first_step_id"], g["last_step_id"]) for g in gaps["gaps"]] == [(7, 8), (30, 30)]
 
 
+def test_what_the_ledger_holds_of_a_run_is_its_step_ranges_and_last_window_end(client, admin, db_url):
+    """GET /v1/windows/held, where a replacement delivery process resumes: the step ids stored (in windows and
+    one by one) from ``from_step_id`` on and where the last window ends; admin only, a named 422 for bad input."""
+    groups = steps_of("run-h", skip=(7, 8, 30))
+    windows = windows_of(client, admin, "run-h", groups[:40])
+    assert client.post("/v1/windows", headers=bearer(admin), json={"windows": windows}).status_code == 200
+    assert client.post("/v1/steps", headers=bearer(admin), json={"steps": groups[45:]}).status_code == 200
+    first_after, last = groups[45][0]["step_id"], groups[-1][0]["step_id"]
+    held = client.get("/v1/windows/held", params={"run_id": "run-h"}, headers=bearer(admin))
+    assert held.status_code == 200, held.text
+    covered = sorted({i for w in windows for a, b in w["step_ranges"] for i in range(a, b + 1)})
+    assert held.json()["step_ranges"] == [[0, 6], [9, 29], [31, covered[-1]], [first_after, last]]
+    assert held.json()["num_windows"] == len(windows)
+    assert held.json()["last_window_end_us"] == max(w["window_end_us"] for w in windows)
+    later = client.get("/v1/windows/held", params={"run_id": "run-h", "from_step_id": 20}, headers=bearer(admin)).json()
+    assert later["step_ranges"] == [[20, 29], [31, covered[-1]], [first_after, last]] and later["from_step_id"] == 20
+    nothing = client.get("/v1/windows/held", params={"run_id": "run-none"}, headers=bearer(admin)).json()
+    assert (nothing["step_ranges"], nothing["num_windows"], nothing["last_window_end_us"]) == ([], 0, None)
+    bad = client.get("/v1/windows/held", params={"run_id": "run-h", "from_step_id": -1}, headers=bearer(admin))
+    assert bad.status_code == 422 and "from_step_id" in bad.text
+    assert client.get("/v1/windows/held", headers=bearer(admin)).status_code == 422  # no run_id
+    ledger = Ledger(db_url)
+    tenant_key = ledger.create_key("tenant-0")
+    ledger.close()
+    refused = client.get("/v1/windows/held", params={"run_id": "run-h"}, headers=bearer(tenant_key))
+    assert refused.status_code == 403 and "run-h" not in refused.text
+
+
 def test_exported_charges_count_window_usage_like_per_step_usage(client, admin, db_url):
     from llmvisor.billing.charges import usage_charges
 

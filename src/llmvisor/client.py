@@ -54,7 +54,7 @@ from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import REQUIRED_COLUMNS, TraceWriter
 from llmvisor.errors import LlmvisorError
-from llmvisor.metering import DEFAULT_WINDOW_S, WindowAggregate, WindowAggregator
+from llmvisor.metering import DEFAULT_WINDOW_S, WindowAggregate, WindowAggregator, union_ranges
 from llmvisor.metering.prometheus import edge_metrics
 
 log = logging.getLogger("llmvisor.pusher")
@@ -285,6 +285,14 @@ class StepPusher:
                     self.stats.rejected, self.stats.pushed, self.rejected_path,
                 )
         return self.pending_steps() == 0
+
+    def spooled_step_ids(self, run_id: str) -> list[int]:
+        """Ids of the steps of ``run_id`` in the spool files (to be replayed as they are), read while no replay
+        moves them."""
+        with self._spool_lock:
+            steps = [step for path in (self.replay_path, self.spool_path) for step in _read_spool(path)[0]]
+        ids = (step[0].get("step_id") for step in steps if step and step[0].get("run_id") == run_id)
+        return [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
 
     def pending_steps(self) -> int:
         """Steps not yet acknowledged: queued or being sent, or in the spool files."""
@@ -1004,7 +1012,7 @@ class StepRelay:
             "llmvisor: %s; delivering the steps of run %s from the engine process from now on (%d waiting)",
             reason, self.header["columns"]["run_id"], len(self._retained),
         )
-        header = dict(self.header, resume=self._windows_resume) if self._windows_resume else self.header
+        header = dict(self.header, resume={"trace_next": self._trace_next, **self._windows_resume})
         self._fallback = StepDelivery.from_env(header, trace_from=self._trace_next)
         for _step_id, data in self._retained:
             self._fallback.add(json.loads(data))
@@ -1182,6 +1190,10 @@ ENV_STORE_STEPS = "LLMVISOR_STORE_STEPS"
 ENV_WINDOW_S = "LLMVISOR_WINDOW_S"
 MODEL_REFRESH_INTERVAL_S = 5.0
 WINDOWS_PATH = "/v1/windows"
+HELD_PATH = "/v1/windows/held"
+MAX_STEPS_WAITING_FOR_HELD = 20_000
+"""Steps a replacement delivery process keeps while the service cannot say what it holds of the run; beyond
+that it resumes from its predecessor's last report and the spool alone."""
 
 
 def store_steps_from_env() -> bool:
@@ -1269,6 +1281,7 @@ class WindowPusher:
         self._next_seq = 0
         self._unsettled: set[int] = set()
         self._next_try_s = 0.0
+        self._spool_lock = threading.Lock()  # the spool files are read whole (`spooled_windows`) between renames
         self._stop = threading.Event()
         self._deadline: float | None = None
         self._thread = threading.Thread(target=self._run, name="llmvisor-window-pusher", daemon=True)
@@ -1367,16 +1380,19 @@ class WindowPusher:
         return True
 
     def _write(self, path: Path, windows: list[str]) -> None:
-        with open(path, "a", encoding="utf-8") as handle:
+        with self._spool_lock, open(path, "a", encoding="utf-8") as handle:
             handle.write("".join(w + "\n" for w in windows))
             handle.flush()
             os.fsync(handle.fileno())
 
     def _replay(self) -> None:
-        if not self.replay_path.exists():
-            if not self.spool_path.exists():
-                return
-            os.replace(self.spool_path, self.replay_path)
+        """Send the spooled windows again as they were written (byte for byte: a window the service has is a
+        duplicate); the file is renamed first and removed once the service has them all."""
+        with self._spool_lock:
+            if not self.replay_path.exists():
+                if not self.spool_path.exists():
+                    return
+                os.replace(self.spool_path, self.replay_path)
         windows = []
         for line in self.replay_path.read_text(encoding="utf-8").splitlines():
             try:
@@ -1391,6 +1407,32 @@ class WindowPusher:
         self.replay_path.unlink()
         self.stats.add(replayed=len(windows))
         log.warning("llmvisor: replayed %d windows from the spool", len(windows))
+
+    def spooled_windows(self, run_id: str) -> list[dict]:
+        """The windows of ``run_id`` in the spool files (each is replayed as it is, never rebuilt), read while
+        no replay moves them; a torn line is skipped."""
+        out = []
+        with self._spool_lock:
+            for path in (self.replay_path, self.spool_path):
+                try:
+                    lines = path.read_text(encoding="utf-8").splitlines()
+                except FileNotFoundError:
+                    continue
+                for line in lines:
+                    try:
+                        window = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(window, dict) and window.get("run_id") == run_id:
+                        out.append(window)
+        return out
+
+    def ask_held(self, run_id: str, from_step_id: int) -> dict:
+        """``GET /v1/windows/held``: what the service holds of ``run_id`` from step ``from_step_id`` on (its step
+        ranges, its last window's end); an `httpx.HTTPError` when it cannot say."""
+        response = self.client.get(HELD_PATH, params={"run_id": run_id, "from_step_id": from_step_id})
+        response.raise_for_status()
+        return response.json()
 
     def pending_windows(self) -> int:
         spooled = sum(len(p.read_text(encoding="utf-8").splitlines()) for p in (self.spool_path, self.replay_path) if p.exists())
@@ -1411,7 +1453,17 @@ class WindowDelivery:
     a window closed while its class has no model at the edge goes per step to ``step_pusher`` (the service then
     attributes those steps with the model it picks, or stores them pending until a model is activated; see
     `ActiveModelCache`). ``push_next`` reports the first step the service does not have (acknowledged or
-    spooled) yet, whichever way it went."""
+    spooled) yet, whichever way it went.
+
+    A delivery process that replaces one that died (the header has ``resume``) is sent again every step its
+    predecessor had not reported safe, some of them in windows the service stored or the spool holds since
+    (reports lag, and a window closed by the clock would be rebuilt with other steps: a 409). So before it
+    aggregates, it reads the spool files' windows and steps of the run, then asks the service what it holds
+    (``GET /v1/windows/held``; in that order, so a spooled window replayed meanwhile is in the service's answer):
+    those steps are skipped, and its first window starts at or after the last window held ends
+    (`WindowAggregator.resume_after`). A spooled window is replayed as written, never rebuilt. While the service
+    cannot answer, the steps wait (at most `MAX_STEPS_WAITING_FOR_HELD`, then, or at close, it resumes from the
+    report and the spool alone and logs it)."""
 
     def __init__(self, header: dict, pusher: WindowPusher, *, window_s: float, step_pusher: StepPusher | None = None):
         columns = header["columns"]
@@ -1434,8 +1486,20 @@ class WindowDelivery:
         self.windows_sent = 0
         self.steps_sent_per_step = 0
         self.aggregation_s = 0.0
+        self._resume_from = int(resume.get("push_next") or 0)
+        self._held_known = header.get("resume") is None  # a first delivery process: its run has nothing stored
+        self._waiting: list[list] = []  # steps received before the service said what it holds
+        self._next_ask_s = 0.0
+        self._asked = 0
+        if not self._held_known:
+            self._resume_after_held()
 
     def add(self, step: list) -> None:
+        if not self._held_known:
+            self._waiting.append(step)
+            if len(self._waiting) >= MAX_STEPS_WAITING_FOR_HELD:
+                self._resume_after_held(final=True)
+            return
         started = time.perf_counter()
         closed = self.aggregator.add(step[0], step[1], step[2], step[3])
         self.aggregation_s += time.perf_counter() - started
@@ -1443,7 +1507,52 @@ class WindowDelivery:
 
     def tick(self) -> None:
         """Close a window the clock has passed (an idle engine sends no step that would)."""
+        if not self._held_known:
+            if time.monotonic() < self._next_ask_s:
+                return
+            self._resume_after_held()
+            if not self._held_known:
+                return
         self._push(self.aggregator.close_due(time.time()))
+
+    def _resume_after_held(self, *, final: bool = False) -> None:
+        """Resume after what the spool and the service hold of the run (see the class); with ``final``, from
+        the predecessor's report and the spool alone if the service cannot say."""
+        run_id = self.aggregator.run_id
+        held: list = []
+        floor_us = 0
+        for window in self.pusher.spooled_windows(run_id):  # the spool first: see the class
+            try:
+                held += union_ranges(window.get("step_ranges") or [])
+                floor_us = max(floor_us, int(window.get("window_end_us") or 0))
+            except (LlmvisorError, TypeError, ValueError):
+                continue  # not a window this llmvisor wrote: the service refuses it on replay, and says so
+        if self.step_pusher is not None:
+            held += [[i, i] for i in self.step_pusher.spooled_step_ids(run_id)]
+        self._asked += 1
+        try:
+            answer = self.pusher.ask_held(run_id, self._resume_from)
+            service_ranges, last_end = answer["step_ranges"], answer["last_window_end_us"]
+            self.aggregator.resume_after([*held, *service_ranges], max(floor_us, int(last_end or 0)))
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, LlmvisorError) as problem:
+            if not final:
+                if self._asked == 1:
+                    log.warning("llmvisor: cannot ask the service what it holds of run %s (%s); its steps wait until it "
+                                "answers (at most %d)", run_id, problem, MAX_STEPS_WAITING_FOR_HELD)
+                self._next_ask_s = time.monotonic() + self.pusher.retry_interval_s
+                return
+            log.error("llmvisor: the service cannot say what it holds of run %s (%s); resuming from the dead delivery "
+                      "process's last report and the spool alone: a window it sent after that report may be refused (409)",
+                      run_id, problem)
+            self.aggregator.resume_after(held, floor_us)
+            service_ranges, last_end = [], None
+        self._held_known = True
+        log.info("llmvisor: run %s resumes after what the service and the spool hold: %d step ranges from step %d on "
+                 "skipped, windows from %d µs on", run_id, len(union_ranges([*held, *service_ranges])), self._resume_from,
+                 self.aggregator.closed_until_us)
+        waiting, self._waiting = self._waiting, []
+        for step in waiting:
+            self.add(step)
 
     def _push(self, closed: list) -> None:
         for window in closed:
@@ -1460,6 +1569,8 @@ class WindowDelivery:
     def push_next(self, next_step_id: int) -> tuple[int, int]:
         """(the first step the service does not have yet, the start of its window): a replacement delivery
         process resumes there (`WindowAggregator`'s ``first_step_id`` and ``floor_us``)."""
+        if not self._held_known:  # nothing sent yet
+            return (self._waiting[0][0] if self._waiting else next_step_id), self.aggregator.closed_until_us
         settled = (self.pusher.settled_windows(), self.step_pusher.settled_steps() if self.step_pusher is not None else 0)
         while self._pushed and settled[self._pushed[0][0]] >= self._pushed[0][1]:
             self._pushed.popleft()
@@ -1471,6 +1582,8 @@ class WindowDelivery:
         return first_open, self.aggregator.open_window_start_us
 
     def close(self, timeout_s: float) -> bool:
+        if not self._held_known:
+            self._resume_after_held(final=True)
         started = time.perf_counter()
         self._push(self.aggregator.close())
         self.aggregation_s += time.perf_counter() - started

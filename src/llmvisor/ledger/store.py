@@ -471,6 +471,20 @@ def gaps_of_ranges(run_id: str, ranges: Sequence[tuple[int, int, str, int]]) -> 
     )
 
 
+@dataclass(frozen=True)
+class RunHoldings:
+    """What the ledger holds of one run instance, for a delivery process that replaces one that died
+    (``GET /v1/windows/held``): the step ids received at or after ``from_step_id`` (stored one by one and in
+    window aggregates alike), as sorted, disjoint ranges ``(first, last)``, and the run's windows: how many and
+    where the last one ends (a window the run starts later must start at or after it, so its key is new)."""
+
+    run_id: str
+    from_step_id: int
+    step_ranges: list[tuple[int, int]]
+    num_windows: int
+    last_window_end_us: int | None
+
+
 def merge_ranges(ranges: Sequence[tuple[int, int, str, int]]) -> list[tuple[int, int, str, int]]:
     """Overlapping or adjacent ranges joined; a joined range keeps the earliest receipt and that range's class."""
     merged: list[list] = []
@@ -1171,6 +1185,24 @@ class Ledger:
                 .where(table.c.run_id == run_id)
             ).all()
         return gaps_of_ranges(run_id, [tuple(r) for r in rows]) if rows else None
+
+    def run_holdings(self, run_id: str, from_step_id: int = 0) -> RunHoldings:
+        """`RunHoldings` of ``run_id``: the one read a replacement delivery process resumes from (read-only; the
+        step ranges and the windows read in one transaction)."""
+        table = step_ranges
+        with self._read() as conn:
+            rows = conn.execute(
+                select(table.c.first_step_id, table.c.last_step_id)
+                .where(table.c.run_id == run_id, table.c.last_step_id >= from_step_id)
+                .order_by(table.c.first_step_id)
+            ).all()
+            num_windows, last_end = conn.execute(
+                select(func.count(), func.max(windows.c.window_end_us)).where(windows.c.run_id == run_id)
+            ).one()
+        return RunHoldings(
+            run_id=run_id, from_step_id=from_step_id, step_ranges=[(max(int(a), from_step_id), int(b)) for a, b in rows],
+            num_windows=int(num_windows), last_window_end_us=None if last_end is None else int(last_end),
+        )
 
     def runs_with_gaps(self, limit: int = 1000) -> list[RunGaps]:
         """Runs missing steps (by most recent gap first, at most ``limit``), with their gaps."""

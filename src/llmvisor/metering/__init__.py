@@ -11,6 +11,7 @@ from llmvisor.metering.windows import (
     WindowAggregate,
     WindowAggregator,
     WindowError,
+    union_ranges,
 )
 
-__all__ = ["DEFAULT_WINDOW_S", "RequestWindow", "UnattributedWindow", "WindowAggregate", "WindowAggregator", "WindowError"]
+__all__ = ["DEFAULT_WINDOW_S", "RequestWindow", "UnattributedWindow", "WindowAggregate", "WindowAggregator", "WindowError", "union_ranges"]

@@ -17,10 +17,11 @@ them pending and attributes them, exactly, when a model of the class is activate
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -256,7 +257,8 @@ class WindowAggregator:
     monotonic), or in a window already closed (a step that arrived after `close_due` closed its window), is
     counted in the open window or the next one, so no window is sent twice with different content.
     ``first_step_id`` and ``floor_us`` resume a run another aggregator began (a delivery process replacing one
-    that died): steps below ``first_step_id`` are in windows already sent, and no window starts before ``floor_us``.
+    that died): steps below ``first_step_id`` are in windows already sent, and no window starts before ``floor_us``;
+    `resume_after` adds what the service and the spool hold (steps skipped, a floor past their last window).
 
     ``unattributed_steps``: a window closed while ``model_source`` has no model comes back as an
     `UnattributedWindow` (its raw steps) instead of a pending `WindowAggregate`. ``on_close`` (optional,
@@ -277,6 +279,25 @@ class WindowAggregator:
         """No window starts before this: the end of the last window closed (or the resumed floor)."""
         self._start_us: int | None = None
         self._steps: list[tuple[int, int, float, list, float]] = []  # (id, window-clamped start µs, latency, slices, timestamp_s)
+        self._held: list[list[int]] = []
+        self._held_firsts: list[int] = []
+        self.skipped_held = 0
+        """Steps skipped because `resume_after` said they are held already."""
+
+    def resume_after(self, held: Iterable[Sequence[int]], floor_us: int) -> None:
+        """Resume a run whose steps in the ``held`` ranges ``[first, last]`` are stored or spooled already (by a
+        delivery process that died): those steps are skipped, never aggregated again, and no window starts
+        before ``floor_us`` (where the last window held ends), so every window from here has a key nobody sent
+        and holds only steps nobody sent. Call before the first `add`."""
+        if self._steps:
+            raise LlmvisorError("resume_after: call it before the first step")
+        self._held = union_ranges(held)
+        self._held_firsts = [a for a, _ in self._held]
+        self.closed_until_us = max(self.closed_until_us, int(floor_us))
+
+    def _is_held(self, step_id: int) -> bool:
+        k = bisect.bisect_right(self._held_firsts, step_id) - 1
+        return k >= 0 and step_id <= self._held[k][1]
 
     @property
     def open_window_start_us(self) -> int | None:
@@ -293,6 +314,9 @@ class WindowAggregator:
         if self.last_step_id is not None and step_id <= self.last_step_id:
             return []
         self.last_step_id = step_id
+        if self._held and self._is_held(step_id):
+            self.skipped_held += 1
+            return []
         timestamp_us = int(round(timestamp_s * 1e6))
         start_us = max(timestamp_us // self.window_us * self.window_us, self.closed_until_us)
         closed = []
@@ -323,6 +347,23 @@ class WindowAggregator:
         if self.on_close is not None:
             self.on_close(window, relative)
         return window
+
+
+def union_ranges(ranges: Iterable[Sequence[int]]) -> list[list[int]]:
+    """Step-id ranges ``[first, last]`` (inclusive, in any order, overlapping or not) as sorted, disjoint ranges
+    with no two adjacent; a `LlmvisorError` for one that is not two integers ``first <= last``."""
+    out: list[list[int]] = []
+    checked = []
+    for item in ranges:
+        if (len(item) != 2 or any(isinstance(v, bool) or not isinstance(v, int) for v in item) or item[1] < item[0]):
+            raise LlmvisorError(f"step range {list(item)!r:.80}: must be [first, last] step ids, first <= last")
+        checked.append((int(item[0]), int(item[1])))
+    for first, last in sorted(checked):
+        if out and first <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], last)
+        else:
+            out.append([first, last])
+    return out
 
 
 def aggregate_window(run_id: str, engine_class: str, start_us: int, end_us: int, steps: list[tuple[int, int, float, list]],

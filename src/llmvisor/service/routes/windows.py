@@ -1,12 +1,14 @@
 """``POST /v1/windows``: window aggregates attributed at the edge (`llmvisor.metering`), stored per tenant and
-request rather than per step."""
+request rather than per step; ``GET /v1/windows/held``: what the ledger holds of a run instance, where a delivery
+process that replaces one that died resumes."""
 
 from __future__ import annotations
 
 import json
 import logging
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
@@ -15,13 +17,15 @@ from sqlalchemy.exc import DBAPIError
 from llmvisor.ledger import Ledger, WindowConflictError
 from llmvisor.metering import WindowAggregate, WindowError
 from llmvisor.service.config import ServiceSettings
-from llmvisor.service.deps import IngestKey, LedgerDep, MetricsDep, SettingsDep
+from llmvisor.service.deps import AdminKey, IngestKey, LedgerDep, MetricsDep, SettingsDep, check_name
+from llmvisor.service.ingest import MAX_STRING_CHARS
 from llmvisor.service.gaps import GapMonitor
 from llmvisor.service.metrics import ServiceMetrics
 from llmvisor.service.responses import database_unavailable, error
 from llmvisor.service.routes.steps import MAX_CONFLICTS_LISTED, is_database_outage
 
 WINDOWS_PATH = "/v1/windows"
+HELD_PATH = "/v1/windows/held"
 
 router = APIRouter(tags=["windows"])
 log = logging.getLogger("llmvisor.service")
@@ -33,6 +37,16 @@ class WindowIngestResponse(BaseModel):
     windows_duplicate: int
     steps_covered: int
     attributed_ns: int
+
+
+class WindowHoldingsResponse(BaseModel):
+    run_id: str
+    from_step_id: int
+    step_ranges: list[tuple[int, int]]
+    """Step ids received at or after ``from_step_id``, one by one or in windows: sorted, disjoint ``[first, last]``."""
+    num_windows: int
+    last_window_end_us: int | None
+    """Where the run's last stored window ends (null: none); a later window of the run starts at or after it."""
 
 
 def read_windows(body: bytes, *, max_windows: int) -> list[WindowAggregate]:
@@ -101,3 +115,26 @@ async def post_windows(request: Request, _principal: IngestKey, ledger: LedgerDe
             raise
         metrics.count_ingest_error("database")
         return database_unavailable()
+
+
+@router.get(
+    HELD_PATH,
+    response_model=WindowHoldingsResponse,
+    summary="What the ledger holds of a run instance (admin): where a replacement delivery process resumes",
+    description=(
+        "The run's step ids received at or after `from_step_id` (stored one by one or covered by a window) as "
+        "sorted, disjoint ranges, its number of windows and where the last one ends. A delivery process that "
+        "replaces one that died asks this before it aggregates: it skips the steps listed and starts its first "
+        "window at or after `last_window_end_us`, so it never sends a window key the ledger holds with other "
+        "content nor a step twice. A run with nothing stored answers empty ranges, 0 windows, null."
+    ),
+)
+def get_held(
+    run_id: Annotated[str, Query(min_length=1, max_length=MAX_STRING_CHARS)],
+    _principal: AdminKey,
+    ledger: LedgerDep,
+    from_step_id: Annotated[int, Query(ge=0, lt=2**63)] = 0,
+):
+    held = ledger.run_holdings(check_name("run_id", run_id), from_step_id)
+    return WindowHoldingsResponse(run_id=held.run_id, from_step_id=held.from_step_id, step_ranges=held.step_ranges,
+                                  num_windows=held.num_windows, last_window_end_us=held.last_window_end_us)
