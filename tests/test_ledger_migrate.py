@@ -371,9 +371,10 @@ def test_a_schema_5_ledger_is_copied_whole_its_token_split_unknown(tmp_path, mod
     """Schema 5 → 6: every table copied (windows and prices too), the totals equal; the usage rows' token split is
     NULL (unknown), and stays NULL where later steps add to a copied row, while new rows get their split; a token
     price in force over the copied usage is refused in one line instead of charging it 0 tokens."""
+    from decimal import Decimal
+
     from llmvisor.billing import add_prices, charges, list_prices
     from llmvisor.billing.prices import Price, PriceError
-    from decimal import Decimal
 
     model = StepLatencyModel.from_json(model_path)
     run_a = make_steps("run-a", 30, batch_size=5, seed=1)
