@@ -4,11 +4,13 @@
 contracts:
 
 - FOCUS (CSV, by the CLI as an operator runs it) passes ``focus-validator --validate-version 1.0``;
-- its per-tenant ``BilledCost`` sums equal the ledger's seconds × price, computed here from the ledger's own usage
-  query (`Ledger.class_usage`, per engine class and hour) with exact fractions, rounded half to even per charge;
+- its per-tenant ``BilledCost`` sums equal the ledger's seconds × price plus its tokens × token prices, computed here
+  from the ledger's own usage query (`Ledger.class_usage`, per engine class and hour: engine time and the token
+  split) with exact fractions, rounded half to even per charge (one per kind of token);
+- its token rows' quantities per tenant and kind equal the ledger's token split, and so do the ``x_`` token columns;
 - a re-export gives identical ids;
 - CloudEvents, Stripe and Lago exports of the same ledger validate (the SDK, the JSON Schemas in tests/data/billing)
-  and sum to the same nanoseconds and the same money per tenant.
+  and sum to the same nanoseconds, the same tokens of each priced kind and the same money per tenant.
 """
 
 from __future__ import annotations
@@ -83,6 +85,26 @@ def exact_cost(ns: int, engine_hour_price: Decimal) -> Decimal:
     return Decimal(round(Fraction(ns) * Fraction(engine_hour_price) * 100 / NS_PER_HOUR)) / 100
 
 
+TOKEN_KINDS = ("uncached_prompt_tokens", "cached_prompt_tokens", "output_tokens")
+TOKEN_SKU_KIND = {"prompt-token": "uncached_prompt_tokens", "cached-prompt-token": "cached_prompt_tokens",
+                  "output-token": "output_tokens"}
+
+
+def exact_token_costs(split, price) -> dict[str, Decimal]:
+    """Per priced kind of token, tokens × its price (cached: prompt price × (1 − discount)), exactly, rounded half to
+    even to the cent (written out here); kinds without a price or without tokens are absent."""
+    prompt, output = price.prompt_token_price, price.output_token_price
+    discount = Fraction(price.cached_token_discount or 0)
+    unit = {"uncached_prompt_tokens": None if prompt is None else Fraction(prompt),
+            "cached_prompt_tokens": None if prompt is None else Fraction(prompt) * (1 - discount),
+            "output_tokens": None if output is None else Fraction(output)}
+    out = {}
+    for kind, count in zip(TOKEN_KINDS, split):
+        if unit[kind] is not None and count:
+            out[kind] = Decimal(round(Fraction(count) * unit[kind] * 100)) / 100
+    return out
+
+
 def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
     """Every export of the period, checked against the published contracts and the ledger (module note). Returns
     the per-tenant figures: ledger nanoseconds (usage plus adjustments) and money."""
@@ -93,11 +115,18 @@ def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], fold
         tenants = sorted({r.tenant for r in ledger.tenant_usage(start_us, end_us)})
         usage_ns = {r.tenant: r.attributed_ns for r in ledger.tenant_usage(start_us, end_us)}
         expected_cost: dict[str, Decimal] = defaultdict(Decimal)
+        expected_tokens: dict[tuple[str, str], int] = defaultdict(int)  # (tenant, kind) → priced tokens
         cells: dict[str, set] = defaultdict(set)
         for tenant in tenants:  # the ledger's own per-class, per-hour usage, priced here
-            for engine_class, hour_us, ns, _slices, _tokens in ledger.class_usage(start_us, end_us, "hour", tenant):
-                expected_cost[tenant] += exact_cost(ns, book.price_at(engine_class, hour_us).engine_hour_price)
+            for engine_class, hour_us, ns, _slices, _tokens, *split in ledger.class_usage(start_us, end_us, "hour", tenant):
+                price = book.price_at(engine_class, hour_us)
+                expected_cost[tenant] += exact_cost(ns, price.engine_hour_price)
+                for kind, cost in exact_token_costs(split, price).items():
+                    expected_cost[tenant] += cost
+                    expected_tokens[(tenant, kind)] += split[TOKEN_KINDS.index(kind)]
                 cells[tenant].add((engine_class, hour_us))
+        split_per_tenant = {r.tenant: (r.num_uncached_prompt_tokens, r.num_cached_prompt_tokens, r.num_output_tokens)
+                            for r in ledger.tenant_usage(start_us, end_us)}
         adjustments = [a for a in ledger.adjustment_rows() if start_us <= a.period_start_us < end_us]
     finally:
         ledger.close()
@@ -114,10 +143,18 @@ def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], fold
     consumed: dict[str, Decimal] = defaultdict(Decimal)
     usage_cells: dict[str, list] = defaultdict(list)
     ratios: dict[tuple[str, str], Decimal] = defaultdict(Decimal)
+    focus_tokens: dict[tuple[str, str], int] = defaultdict(int)
+    x_split: dict[str, list] = defaultdict(lambda: [0, 0, 0])
     for r in rows:
         billed[r["SubAccountId"]] += Decimal(r["BilledCost"])
         assert r["BillingCurrency"] == "USD" and Decimal(r["BilledCost"]) == Decimal(r["EffectiveCost"])
-        if r["ChargeCategory"] == "Usage":
+        if r["ChargeCategory"] == "Usage" and r["ConsumedUnit"] == "Tokens":  # a token charge: no allocation
+            assert r["PricingQuantity"] == r["ConsumedQuantity"] and not r["AllocatedMethodDetails"]
+            kind = TOKEN_SKU_KIND[r["SkuId"].split("/")[0]]
+            focus_tokens[(r["SubAccountId"], kind)] += int(r["ConsumedQuantity"])
+        elif r["ChargeCategory"] == "Usage":
+            for k, name in enumerate(("x_UncachedPromptTokens", "x_CachedPromptTokens", "x_OutputTokens")):
+                x_split[r["SubAccountId"]][k] += int(r[name])
             consumed[r["SubAccountId"]] += Decimal(r["ConsumedQuantity"])
             usage_cells[r["SubAccountId"]].append((r["x_EngineClass"], r["ChargePeriodStart"]))
             [element] = json.loads(r["AllocatedMethodDetails"], parse_float=Decimal)["Elements"]
@@ -127,6 +164,8 @@ def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], fold
     assert dict(billed) == dict(expected_cost), (dict(billed), dict(expected_cost))  # to the cent, per tenant
     assert {t: q * 10**9 for t, q in consumed.items()} == {t: Decimal(ns) for t, ns in usage_ns.items()}  # to the ns
     assert set(ratios.values()) == {Decimal(1)}
+    assert dict(focus_tokens) == dict(expected_tokens)  # every priced token, once
+    assert {t: tuple(v) for t, v in x_split.items()} == split_per_tenant  # the x_ columns: the ledger's split
     again = folder / "again.csv"
     assert json.loads(export(db_url, "focus", period_s, again, "--json").stdout)["ids"] == ids  # a re-export: same ids
     assert [r["x_IdempotencyId"] for r in read_csv(again)] == ids
@@ -141,6 +180,7 @@ def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], fold
     assert events["ns"] == lago["ns"] == owed_ns, (events["ns"], lago["ns"], owed_ns)
     assert events["cost"] == lago["cost"] == dict(billed)
     assert stripe["ns"] == {t: ns for t, ns in positive_ns.items() if ns}
+    assert events["tokens"] == lago["tokens"] == stripe["tokens"] == dict(expected_tokens)
 
     validated = None
     if VALIDATOR.exists():
@@ -148,7 +188,8 @@ def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], fold
         assert check.returncode == 0 and "Validation succeeded." in check.stdout, check.stdout[-3000:] + check.stderr[-2000:]
         validated = True
     return {"tenants": tenants, "owed_ns": owed_ns, "billed": {t: str(c) for t, c in billed.items()}, "rows": len(rows),
-            "focus_validated": validated}
+            "token_rows": sum(r["ConsumedUnit"] == "Tokens" for r in rows),
+            "tokens": {f"{t}/{k}": n for (t, k), n in sorted(expected_tokens.items())}, "focus_validated": validated}
 
 
 def _cloudevents(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
@@ -160,14 +201,20 @@ def _cloudevents(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
     schema = json.loads((DATA / "openmeter-event.schema.json").read_text())
     ns: dict[str, int] = defaultdict(int)
     cost: dict[str, Decimal] = defaultdict(Decimal)
+    tokens: dict[tuple[str, str], int] = defaultdict(int)
     for body in bodies:
         jsonschema.validate(body, schema)
         event = JSONFormat().read(None, json.dumps(body))  # parsed back with the SDK (it checks the attributes)
         assert event.get_specversion() == "1.0" and event.get_time().utcoffset().total_seconds() == 0
-        ns[event.get_subject()] += event.get_data()["engine_ns"]
-        cost[event.get_subject()] += Decimal(event.get_data()["cost"])
+        data = event.get_data()
+        if event.get_type() == "llmvisor.tokens":
+            tokens[(event.get_subject(), data["token_kind"])] += data["tokens"]
+        else:
+            assert event.get_type() == "llmvisor.engine_time"
+            ns[event.get_subject()] += data["engine_ns"]
+        cost[event.get_subject()] += Decimal(data["cost"])
     assert len({b["id"] for b in bodies}) == len(bodies)
-    return {"ns": dict(ns), "cost": dict(cost)}
+    return {"ns": dict(ns), "cost": dict(cost), "tokens": dict(tokens)}
 
 
 def _stripe(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
@@ -176,11 +223,16 @@ def _stripe(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
     events = json.loads(out.read_text())
     schema = json.loads((DATA / "stripe-meter-event.schema.json").read_text())
     ns: dict[str, int] = defaultdict(int)
+    tokens: dict[tuple[str, str], int] = defaultdict(int)
     for event in events:
         jsonschema.validate(event, schema)
-        ns[event["payload"]["stripe_customer_id"]] += int(event["payload"]["value"])
+        customer, value = event["payload"]["stripe_customer_id"], int(event["payload"]["value"])
+        if event["event_name"] == "llmvisor_engine_ns":
+            ns[customer] += value
+        else:  # one meter per kind of token: llmvisor_<kind>
+            tokens[(customer, event["event_name"].removeprefix("llmvisor_"))] += value
     assert len({e["identifier"] for e in events}) == len(events)
-    return {"ns": dict(ns)}
+    return {"ns": dict(ns), "tokens": dict(tokens)}
 
 
 def _lago(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
@@ -192,8 +244,13 @@ def _lago(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
         jsonschema.validate(batch, schema)
     ns: dict[str, int] = defaultdict(int)
     cost: dict[str, Decimal] = defaultdict(Decimal)
+    tokens: dict[tuple[str, str], int] = defaultdict(int)
     for event in events:
-        ns[event["external_subscription_id"]] += event["properties"]["engine_ns"]
+        if event["code"] == "llmvisor_engine_ns":
+            ns[event["external_subscription_id"]] += event["properties"]["engine_ns"]
+        else:
+            assert event["code"] == f"llmvisor_{event['properties']['token_kind']}"
+            tokens[(event["external_subscription_id"], event["properties"]["token_kind"])] += event["properties"]["tokens"]
         cost[event["external_subscription_id"]] += Decimal(event["properties"]["cost"])
     assert len({e["transaction_id"] for e in events}) == len(events)
-    return {"ns": dict(ns), "cost": dict(cost)}
+    return {"ns": dict(ns), "cost": dict(cost), "tokens": dict(tokens)}

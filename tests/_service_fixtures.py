@@ -128,9 +128,12 @@ def class_model(engine_class: str, *, coef_s: dict | None = None, seed: int = 0)
 
 
 def class_body(engine_class: str, n_steps: int, *, run_id: str, seed: int, slowdown: float = 1.0,
-               first_timestamp_s: float = T0_S, coef_s: dict | None = None, shared_prefix_fraction: float = 0.0) -> dict:
+               first_timestamp_s: float = T0_S, coef_s: dict | None = None, shared_prefix_fraction: float = 0.0,
+               cached_prompt: bool = False) -> dict:
     """Synthetic steps of a known engine (``coef_s``) of ``engine_class`` as a POST /v1/steps body (columns), times
-    scaled by ``slowdown``; with ``shared_prefix_fraction`` > 0 they carry the sharing columns (format v2)."""
+    scaled by ``slowdown``; with ``shared_prefix_fraction`` > 0 they carry the sharing columns (format v2); with
+    ``cached_prompt`` the ``num_cached_prompt_tokens`` fact as the recorder writes it: a request's first slice's
+    context (what it found in the KV cache when first scheduled), 0 on its other slices."""
     trace = synthetic_trace(n_steps, coef_s=coef_s, seed=seed, run_id=run_id, max_batch_size=16, shared_prefix_fraction=shared_prefix_fraction)
     columns = trace.to_arrow().to_pydict()
     names = ["run_id", "step_id", "request_id", "tenant", "num_new_tokens", "num_context_tokens", "phase"]
@@ -140,4 +143,11 @@ def class_body(engine_class: str, n_steps: int, *, run_id: str, seed: int, slowd
     kept["step_latency_s"] = [float(t) * slowdown for t in trace.step_latency_s]
     kept["engine_fingerprint"] = [engine_class] * trace.n_slices
     kept["timestamp_s"] = [first_timestamp_s + 0.05 * int(s) for s in trace.step_id]
+    if cached_prompt:
+        seen: set[str] = set()
+        cached = []
+        for request_id, context, phase in zip(kept["request_id"], kept["num_context_tokens"], kept["phase"]):
+            cached.append(int(context) if request_id not in seen and phase == "prefill" else 0)
+            seen.add(request_id)
+        kept["num_cached_prompt_tokens"] = cached
     return {"columns": kept}

@@ -68,7 +68,7 @@ def served(model_path, db_url, tmp_path):  # noqa: F811
     admin = ledger.create_key(is_admin=True)
     ledger.close()
     bodies = [class_body(CLASS_A, 120, run_id="a0", seed=1, first_timestamp_s=T0_S),
-              class_body(CLASS_A, 120, run_id="a1", seed=2, first_timestamp_s=HOUR0 + 3600 + 30),
+              class_body(CLASS_A, 120, run_id="a1", seed=2, first_timestamp_s=HOUR0 + 3600 + 30, cached_prompt=True),
               class_body(CLASS_B, 120, run_id="b0", seed=3, first_timestamp_s=T0_S + 10)]
     app = create_app(model_path, db_url, registry_refresh_s=0.0)
     with TestClient(app) as client:
@@ -122,7 +122,7 @@ def test_prices_are_versioned_and_in_force_from_their_hour(served, tmp_path):
     assert book.price_at(CLASS_A, HOUR0 * 1_000_000 - 1) is None
     assert book.price_at(CLASS_A, (HOUR0 + 3599) * 1_000_000).version == 1
     assert book.price_at(CLASS_A, (HOUR0 + 3600) * 1_000_000).version == 2
-    assert all(p.prompt_token_price is None and p.output_token_price is None and p.cached_token_discount is None for p in stored)
+    assert all(p.prompt_token_price is None and p.output_token_price is None and p.cached_token_discount is None for p in stored)  # none given
     listed = run_cli("prices", "list", "--db", served)
     assert listed.returncode == 0 and "4.75 USD/engine-hour" in listed.stdout
     bad = tmp_path / "bad.toml"
@@ -367,26 +367,108 @@ def test_an_unpriced_class_is_refused_for_focus_in_one_line(served, tmp_path):
     assert bad.returncode == 2 and "whole UTC hour" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("field, value", [("prompt_token_price", "0.000001"), ("output_token_price", "0.000002"),
-                                          ("cached_token_discount", "0.5")])
-def test_token_prices_are_refused_in_one_line_and_nothing_is_stored(served, tmp_path, field, value):
-    """The ledger keeps new tokens per request and second, not prompt, cached and output tokens apart, so a token
-    price could not be charged: `prices add` refuses it rather than store a price the bill would leave out."""
+TOKEN_PRICES_TOML = f"""
+[[price]]
+engine_class = "{CLASS_A}"
+currency = "USD"
+engine_hour_price = "4.75"
+valid_from = {HOUR0 + 3600}
+prompt_token_price = "0.0000031"
+output_token_price = "0.0000157"
+cached_token_discount = "0.75"
+
+[[price]]
+engine_class = "{CLASS_B}"
+currency = "USD"
+engine_hour_price = "12"
+valid_from = {HOUR0}
+output_token_price = "0.00002"
+"""
+"""Token prices beside the engine-hour ones: class A's second hour gets all three (a correction of its v2, same
+valid_from), class B output tokens only; class A's first hour stays priced by engine-hours alone."""
+
+
+@pytest.fixture
+def token_priced(served, tmp_path):
+    price_file = tmp_path / "token-prices.toml"
+    price_file.write_text(TOKEN_PRICES_TOML)
+    result = run_cli("prices", "add", str(price_file), "--db", served)
+    assert result.returncode == 0, result.stderr
+    return served
+
+
+def test_token_prices_are_charged_with_the_version_in_force_and_every_export_ties(token_priced, tmp_path):
+    """Tokens × token prices in every export, tied to the ledger's token split (tests/_billing_checks.py): class A's
+    first hour has no token charge (its price has none), its second hour all three kinds (its cached tokens at a 75%
+    discount), class B output tokens only."""
+    ledger = Ledger(token_priced)
+    found = charges(ledger, PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000)
+    split = {r.tenant: r for r in ledger.tenant_usage(PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000)}
+    ledger.close()
+    items = {(c.engine_class, c.period_start_us // 1_000_000, c.item) for c in found}
+    assert not {i for i in items if i[:2] == (CLASS_A, HOUR0) and i[2] != "engine_time"}
+    assert {i[2] for i in items if i[:2] == (CLASS_A, HOUR0 + 3600)} == {"engine_time", "uncached_prompt_tokens",
+                                                                         "cached_prompt_tokens", "output_tokens"}
+    assert {i[2] for i in items if i[0] == CLASS_B} == {"engine_time", "output_tokens"}
+    cached = [c for c in found if c.item == "cached_prompt_tokens"]
+    assert cached and all(c.unit_price == Decimal("0.000000775") for c in cached)  # 0.0000031 × (1 − 0.75), exact
+    assert all(r.num_uncached_prompt_tokens + r.num_output_tokens == r.num_new_tokens for r in split.values())
+    assert sum(r.num_cached_prompt_tokens for r in split.values()) > 0  # run a1 carried the prefix-cache fact
+    summary = check_exports_tie_to_the_ledger(token_priced, PERIOD, tmp_path)
+    assert summary["token_rows"] == len([c for c in found if c.item != "engine_time"]) > 0
+    assert len({c.idempotency_id for c in found}) == len(found)  # a token kind's id differs from its usage's
+    rows = _read_csv(tmp_path / "focus.csv")
+    assert focus_rule_violations(rows) == []
+    tokens = [r for r in rows if r["ConsumedUnit"] == "Tokens"]
+    assert {r["SkuId"].split("/")[0] for r in tokens} == {"prompt-token", "cached-prompt-token", "output-token"}
+    assert all(r["SkuPriceId"].endswith("/v3") for r in tokens if r["x_EngineClass"] == CLASS_A)
+    if not summary["focus_validated"]:
+        pytest.skip(f"no FOCUS validator at {VALIDATOR.relative_to(ROOT)} (scripts/install-test.sh creates it)")
+
+
+def test_usage_api_cost_includes_the_token_cost(token_priced, model_path):
+    """/v1/usage/tenants ``cost`` is `tenant_costs`: engine time and tokens, per currency."""
+    from llmvisor.billing import tenant_costs
+    from llmvisor.service.routes.usage import COST_END_US
+
+    ledger = Ledger(token_priced)
+    admin = ledger.create_key(is_admin=True)
+    owed = tenant_costs(ledger, 0, COST_END_US)  # an open range, as the route reads one
+    engine_only = defaultdict(Decimal)
+    for c in charges(ledger, PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000):
+        if c.item == "engine_time":
+            engine_only[c.tenant] += c.cost
+    ledger.close()
+    assert all(owed[t]["USD"] > engine_only[t] for t in owed)  # the tokens cost something on top
+    with TestClient(create_app(model_path, token_priced, registry_refresh_s=0.0)) as client:
+        response = client.get("/v1/usage/tenants", headers=bearer(admin))
+    assert response.status_code == 200, response.text
+    assert {t["tenant"]: t["cost"] for t in response.json()["tenants"]} == {t: {"USD": str(c["USD"])} for t, c in owed.items()}
+
+
+@pytest.mark.parametrize("field, value, reason", [
+    ("prompt_token_price", '"-0.000001"', "prompt_token_price must be a finite number at least 0"),
+    ("output_token_price", "0.000002", "output_token_price must be written as a string or an integer"),
+    ("output_token_price", '"cheap"', "output_token_price must be a decimal number"),
+    ("cached_token_discount", '"1.5"', "cached_token_discount must be a fraction from 0 to 1"),
+    ("cached_token_discount", '"0.5"', "cached_token_discount needs a prompt_token_price"),
+])
+def test_a_bad_token_price_is_refused_in_one_line_and_nothing_is_stored(served, tmp_path, field, value, reason):
     price_file = tmp_path / "tokens.toml"
     price_file.write_text(f'[[price]]\nengine_class = "{CLASS_A}"\ncurrency = "USD"\nengine_hour_price = "1"\n'
-                          f'valid_from = {HOUR0}\n{field} = "{value}"\n')
+                          f'valid_from = {HOUR0}\n{field} = {value}\n')
     result = run_cli("prices", "add", str(price_file), "--db", served)
     assert result.returncode == 2, result.stderr
-    assert f"price 1: {field} cannot be charged" in result.stderr and "nothing was stored" in result.stderr
+    assert f"{price_file} price 1: {reason}" in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     ledger = Ledger(served)
     assert len(list_prices(ledger)) == 3
     ledger.close()
 
 
-def test_a_stored_token_price_is_refused_at_export_not_ignored(served, tmp_path, model_path):
-    """A price version stored with a token price (as an earlier llmvisor accepted) is refused where it is in force;
-    an entry correcting it (same valid_from, no token price) makes the export work again."""
+def test_a_price_version_stored_with_a_token_price_is_charged_not_refused(served, tmp_path):
+    """A version an earlier llmvisor stored with a token price (it refused them on input, but its table had the
+    columns) is now charged with it, like any version."""
     from sqlalchemy import update
 
     from llmvisor.ledger.schema import prices
@@ -394,17 +476,11 @@ def test_a_stored_token_price_is_refused_at_export_not_ignored(served, tmp_path,
     ledger = Ledger(served)
     with ledger.write_transaction() as conn:
         conn.execute(update(prices).where(prices.c.engine_class == CLASS_B).values(output_token_price="0.000002"))
+    found = [c for c in charges(ledger, PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000) if c.engine_class == CLASS_B]
     ledger.close()
-    result = run_cli("export", "--format", "lago", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
-                     "-o", str(tmp_path / "x.json"))
-    assert result.returncode == 2 and f"price v1 of engine class '{CLASS_B}'" in result.stderr, result.stderr
-    assert "output_token_price, which cannot be charged" in result.stderr and len(result.stderr.strip().splitlines()) == 1
-    assert not (tmp_path / "x.json").exists()
-    fix = tmp_path / "fix.json"
-    fix.write_text(json.dumps({"prices": [{"engine_class": CLASS_B, "currency": "USD", "engine_hour_price": "12", "valid_from": HOUR0}]}))
-    assert run_cli("prices", "add", str(fix), "--db", served).returncode == 0
-    assert run_cli("export", "--format", "lago", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
-                   "-o", str(tmp_path / "x.json")).returncode == 0
+    assert {c.item for c in found} == {"engine_time", "output_tokens"}
+    assert all(c.cost == Decimal(round(Fraction(c.quantity) * Fraction("0.000002") * 100)) / 100
+               for c in found if c.item == "output_tokens")
 
 
 class _Flaky(http.server.BaseHTTPRequestHandler):
@@ -470,8 +546,8 @@ def test_prices_api_reads_with_any_key_and_adds_with_an_admin_key(model_path, db
         assert [(p["version"], p["engine_hour_price"]) for p in added.json()] == [(1, "2.50"), (2, "2.50")]
         bad = client.post("/v1/prices", json={"prices": [{**entry, "engine_hour_price": 2.5}]}, headers=bearer(admin))
         assert bad.status_code == 422 and "body price 1" in bad.text and "not a float" in bad.text
-        tokens = client.post("/v1/prices", json={"prices": [{**entry, "prompt_token_price": "0.1"}]}, headers=bearer(admin))
-        assert tokens.status_code == 422 and "body price 1: prompt_token_price cannot be charged" in tokens.text
+        tokens = client.post("/v1/prices", json={"prices": [{**entry, "cached_token_discount": "2"}]}, headers=bearer(admin))
+        assert tokens.status_code == 422 and "body price 1: cached_token_discount must be a fraction from 0 to 1" in tokens.text
         listed = client.get("/v1/prices", headers=bearer(tenant_key))
         assert listed.status_code == 200 and [p["version"] for p in listed.json()] == [1, 2]
         assert client.get("/v1/prices").status_code == 401
@@ -490,7 +566,7 @@ def test_a_schema_4_ledger_migrates_to_schema_5_with_its_totals(served, tmp_path
         conn.execute(text("DROP TABLE prices"))
         conn.execute(text("UPDATE ledger_info SET value = '4' WHERE name = 'schema_version'"))
     engine.dispose()
-    with pytest.raises(Exception, match="schema version 4, this llmvisor reads 5"):
+    with pytest.raises(Exception, match="schema version 4, this llmvisor reads 6"):
         Ledger(served)
     from _service_fixtures import POSTGRES_URL, empty_postgres
 

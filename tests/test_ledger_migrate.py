@@ -3,6 +3,7 @@ the source untouched."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,9 +22,22 @@ from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger, LedgerError, StepConflictError
 from llmvisor.ledger import keys as keys_module
 from llmvisor.ledger.migrate import SCHEMA_1_TABLES, SCHEMA_3_STEP_COLUMNS, migrate, migrate_schema_1
+from llmvisor.ledger.schema import TOKEN_SPLIT_COLUMNS
 from llmvisor.service.ingest import prepare_batch, validate_trace
 
 ledger_info_1, steps_1, slices_1, api_keys_1 = SCHEMA_1_TABLES
+
+
+def _drop_token_split(conn, tables=("usage_per_second",)) -> None:
+    """Take schema 6's token split columns away, as every ledger before it was stored."""
+    for table in tables:
+        for column in TOKEN_SPLIT_COLUMNS:
+            conn.execute(text(f"ALTER TABLE {table} DROP COLUMN {column}"))
+
+
+def _without_split(rows):
+    """Usage rows with their token split unknown (None), what a copy of a ledger before schema 6 holds."""
+    return [dataclasses.replace(row, **dict.fromkeys(TOKEN_SPLIT_COLUMNS)) for row in rows]
 
 
 def _schema_1_ledger(path, model, groups) -> tuple[str, str, list[tuple]]:
@@ -125,7 +139,7 @@ def test_the_migrate_command_reports_what_it_copied(tmp_path, model_path, capsys
     ledger_migrate(source=source_url, target=f"sqlite:///{tmp_path}/schema2.db")
     out = capsys.readouterr().out
     assert f"copied 30 steps, {len(slice_rows)} slices, 1 keys" in out and "The source was not changed." in out
-    with pytest.raises(LlmvisorError, match="ledger schema version 5; versions 1, 2, 3 and 4 are migrated"):
+    with pytest.raises(LlmvisorError, match="ledger schema version 6; versions 1 to 5 are migrated"):
         ledger_migrate(source=f"sqlite:///{tmp_path}/schema2.db", target=f"sqlite:///{tmp_path}/third.db")
 
 
@@ -153,6 +167,7 @@ def _schema_2_ledger(path, model, groups) -> str:
         conn.execute(text("DROP TABLE engine_models"))
         conn.execute(text("DROP TABLE active_models"))
         conn.execute(text("DROP TABLE step_ranges"))
+        _drop_token_split(conn)
         conn.execute(text("UPDATE ledger_info SET value = '2' WHERE name = 'schema_version'"))
     engine.dispose()
     return url
@@ -163,7 +178,7 @@ def test_a_schema_2_ledger_is_copied_table_by_table(tmp_path, model_path, db_url
     groups = make_steps("run-a", 80, batch_size=9, step_interval_s=0.3, seed=1) + make_steps("run-b", 40, n_tenants=4, seed=2)
     source_path = tmp_path / "schema2.db"
     source_url = _schema_2_ledger(source_path, model, groups)
-    with pytest.raises(LedgerError, match="schema version 2, this llmvisor reads 5"):
+    with pytest.raises(LedgerError, match="schema version 2, this llmvisor reads 6"):
         Ledger(source_url)
     source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
     reference = Ledger(f"sqlite:///{tmp_path}/reference.db")
@@ -175,7 +190,9 @@ def test_a_schema_2_ledger_is_copied_table_by_table(tmp_path, model_path, db_url
     ledger = Ledger(db_url)
     try:
         assert ledger.totals() == reference.totals()
-        assert ledger.request_usage(limit=10_000) == reference.request_usage(limit=10_000)
+        # the usage as it was, its token split unknown (NULL), never guessed
+        assert ledger.request_usage(limit=10_000) == _without_split(reference.request_usage(limit=10_000))
+        assert all(row.num_output_tokens is None for row in ledger.tenant_usage())
         step = ledger.step_detail("run-b", 9)
         assert step.slices == reference.step_detail("run-b", 9).slices
         assert (step.engine_class, step.model_version, step.pending) == ("", None, False)
@@ -226,6 +243,7 @@ def _schema_3_ledger(path, model, groups) -> str:
     engine = create_engine(url)
     with engine.begin() as conn:
         conn.execute(text("DROP TABLE step_ranges"))
+        _drop_token_split(conn)
         conn.execute(text("UPDATE ledger_info SET value = '3' WHERE name = 'schema_version'"))
     engine.dispose()
     return url
@@ -237,7 +255,7 @@ def test_a_schema_3_ledger_is_copied_with_its_models_and_its_gaps_show(tmp_path,
     groups = run_a[:10] + run_a[14:40] + run_a[45:] + make_steps("run-b", 20, n_tenants=4, seed=2)
     source_path = tmp_path / "schema3.db"
     source_url = _schema_3_ledger(source_path, model, groups)
-    with pytest.raises(LedgerError, match="schema version 3, this llmvisor reads 5"):
+    with pytest.raises(LedgerError, match="schema version 3, this llmvisor reads 6"):
         Ledger(source_url)
     source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
     report = migrate(source_url, db_url)
@@ -277,6 +295,7 @@ def _schema_4_ledger(path, model, groups) -> str:
     with engine.begin() as conn:
         for table in ("windows", "window_tenant_usage", "request_totals"):
             conn.execute(text(f"DROP TABLE {table}"))
+        _drop_token_split(conn)
         conn.execute(text("UPDATE ledger_info SET value = '4' WHERE name = 'schema_version'"))
     engine.dispose()
     return url
@@ -290,7 +309,7 @@ def test_a_schema_4_ledger_is_copied_whole_and_takes_windows_after(tmp_path, mod
     groups = run_a[:10] + run_a[14:] + make_steps("run-b", 20, n_tenants=4, seed=2)
     source_path = tmp_path / "schema4.db"
     source_url = _schema_4_ledger(source_path, model, groups)
-    with pytest.raises(LedgerError, match="schema version 4, this llmvisor reads 5"):
+    with pytest.raises(LedgerError, match="schema version 4, this llmvisor reads 6"):
         Ledger(source_url)
     source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
     report = migrate(source_url, db_url)
@@ -313,5 +332,81 @@ def test_a_schema_4_ledger_is_copied_whole_and_takes_windows_after(tmp_path, mod
         assert ledger.ingest_windows(closed + agg.close()).inserted == 4  # make_steps: one step per second
         assert ledger.run_gaps("run-a").num_missing == 0
         assert ledger.totals().num_steps == len(groups) + 4
+    finally:
+        ledger.close()
+
+
+def _schema_5_ledger(path, model, per_step, windowed) -> str:
+    """A schema-5 ledger: ``per_step`` groups stored step by step, ``windowed`` groups as window aggregates, a price
+    stored; a current one without schema 6's token split columns."""
+    from llmvisor.billing import add_prices
+    from llmvisor.billing.prices import Price
+    from llmvisor.metering import WindowAggregator
+
+    url = f"sqlite:///{path}"
+    ledger = Ledger(url)
+    records = prepare_batch(model, validate_trace(per_step), received_at_us=0).records
+    records.engine_class = np.full(records.n_steps, "class-x", dtype=object)
+    ledger.ingest(records)
+    ledger.add_model("class-x", json.dumps(model.to_dict()), "test", activate=True)
+    agg = WindowAggregator("run-w", "class-x", lambda: (model, 1))
+    closed = []
+    for g in windowed:
+        closed += agg.add(g[0]["step_id"], g[0]["timestamp_s"], g[0]["step_latency_s"],
+                          [[r["request_id"], r["tenant"], r["num_new_tokens"], r["num_context_tokens"], r["phase"] == "prefill", 0, None]
+                           for r in g])
+    assert ledger.ingest_windows(closed + agg.close()).inserted
+    add_prices(ledger, [Price("class-x", 0, int(T0_S) // 3600 * 3600 * 1_000_000, "USD", __import__("decimal").Decimal("2"))])
+    ledger.create_key("tenant-1")
+    ledger.close()
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        _drop_token_split(conn, ("usage_per_second", "window_tenant_usage", "request_totals"))
+        conn.execute(text("UPDATE ledger_info SET value = '5' WHERE name = 'schema_version'"))
+    engine.dispose()
+    return url
+
+
+def test_a_schema_5_ledger_is_copied_whole_its_token_split_unknown(tmp_path, model_path, db_url):
+    """Schema 5 → 6: every table copied (windows and prices too), the totals equal; the usage rows' token split is
+    NULL (unknown), and stays NULL where later steps add to a copied row, while new rows get their split; a token
+    price in force over the copied usage is refused in one line instead of charging it 0 tokens."""
+    from decimal import Decimal
+
+    from llmvisor.billing import add_prices, charges, list_prices
+    from llmvisor.billing.prices import Price, PriceError
+
+    model = StepLatencyModel.from_json(model_path)
+    run_a = make_steps("run-a", 30, batch_size=5, seed=1)
+    windowed = make_steps("run-w", 20, n_tenants=2, seed=3)
+    source_path = tmp_path / "schema5.db"
+    source_url = _schema_5_ledger(source_path, model, run_a[:20], windowed)
+    with pytest.raises(LedgerError, match="schema version 5, this llmvisor reads 6"):
+        Ledger(source_url)
+    source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
+    report = migrate(source_url, db_url)
+    assert hashlib.sha256(source_path.read_bytes()).hexdigest() == source_digest
+    assert report.num_steps == 40 and report.num_keys == 1
+    ledger = Ledger(db_url)
+    try:
+        totals = ledger.totals()
+        assert totals.num_steps == 40 and totals.measured_ns == totals.attributed_ns == report.measured_ns
+        assert {r.tenant: r.attributed_ns for r in ledger.tenant_usage()} == report.attributed_ns_per_tenant
+        assert all(r.num_uncached_prompt_tokens is None and r.num_output_tokens is None for r in ledger.tenant_usage())
+        assert all(r.num_cached_prompt_tokens is None for r in ledger.request_usage(limit=10_000))
+        assert [p.engine_hour_price for p in list_prices(ledger)] == [Decimal("2")]
+        assert ledger.run_gaps("run-w").num_received == 20
+        # later steps: a request-second copied before stays unknown, a new run's rows are split
+        records = prepare_batch(model, validate_trace(run_a[20:] + make_steps("run-new", 10, seed=5)), received_at_us=0).records
+        records.engine_class = np.full(records.n_steps, "class-x", dtype=object)
+        ledger.ingest(records)
+        new = ledger.request_usage(run_id="run-new", limit=10_000)
+        assert new and all(r.num_uncached_prompt_tokens + r.num_output_tokens == r.num_new_tokens for r in new)
+        assert all(r.num_cached_prompt_tokens == 0 for r in new)
+        hour = int(T0_S) // 3600 * 3600 * 1_000_000
+        assert charges(ledger, hour, hour + 2 * 3_600_000_000)  # engine-hour prices charge the copied usage
+        add_prices(ledger, [Price("class-x", 0, hour, "USD", Decimal("2"), output_token_price=Decimal("0.001"))])
+        with pytest.raises(PriceError, match=r"has no token split \(it was stored before ledger schema 6\)"):
+            charges(ledger, hour, hour + 2 * 3_600_000_000)
     finally:
         ledger.close()

@@ -6,25 +6,34 @@ of a run's second come from its steps. Should one second of a run have steps bil
 activation inside that second), its usage is charged under the higher version; the time is the same either way.
 Usage metered in window aggregates (``window_tenant_usage``) takes the class and version its window recorded, and is
 charged in the hour its window starts in; pending windows (nothing attributed yet) are not charged.
+
+Tokens: where the price in force has token prices, a usage charge of engine time is followed by one charge per priced
+kind of token (`TOKEN_ITEMS`) with tokens of that kind, over the same tenant, class, version and hour, each rounded
+once (`token_cost`). Their counts are the ledger's token split; usage whose split is unknown (rows copied from a
+ledger before schema 6) cannot be priced per token and is refused in one line, never counted as 0 tokens.
+Adjustments re-attribute engine time only: tokens do not change with a model.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 
 from sqlalchemy import and_, func, select
 
-from llmvisor.billing.prices import US_PER_HOUR, Price, PriceBook, PriceError, check_chargeable, cost_of
+from llmvisor.billing.prices import TOKEN_ITEMS, US_PER_HOUR, Price, PriceBook, PriceError, cost_of, token_cost, token_unit_price
+from llmvisor.core.tokens import TOKEN_SPLIT, add_counts
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
 from llmvisor.ledger.schema import steps, usage_per_second, window_tenant_usage, windows
+from llmvisor.ledger.store import split_sums
 
 ID_NAMESPACE = uuid.UUID("5b0e7a52-3c1d-4e2a-9f47-6c6c6d766973")
 """Namespace of the idempotency ids (uuid5): fixed, so the same charge gets the same id on every export."""
 DEFAULT_MODEL_VERSION = 0
 """Model version of steps billed by the service's default model (NULL in the ledger)."""
+ENGINE_TIME = "engine_time"
 
 
 @dataclass(frozen=True)
@@ -44,12 +53,24 @@ class Charge:
     allocated_ratio: Decimal | None = None  # usage: this tenant's share of the class's time in the period
     from_versions: str = ""  # adjustment: the versions that billed the period
     made_at_us: int | None = None  # adjustment: when it was made (``llmvisor adjust``); not part of the id
+    item: str = ENGINE_TIME  # what is charged: engine time, or one of `TOKEN_ITEMS`
+    tokens: tuple[int | None, int | None, int | None] = (None, None, None)
+    """The usage's (uncached prompt, cached prompt, output) tokens (`TOKEN_SPLIT`), None where unknown; a token
+    charge's quantity is its own kind's count."""
+    unit_price: Decimal | None = None  # a token charge: the price of one token of its kind
+
+    @property
+    def quantity(self) -> int:
+        """A token charge's tokens; engine time's nanoseconds."""
+        return self.attributed_ns if self.item == ENGINE_TIME else self.tokens[TOKEN_ITEMS.index(self.item)]
 
     @property
     def idempotency_id(self) -> str:
-        """Stable id of (kind, tenant, period, engine class, model version): a re-export gives the same id."""
-        key = "|".join((self.kind, self.tenant, str(self.period_start_us), str(self.period_end_us), self.engine_class,
-                        str(self.model_version), self.from_versions))
+        """Stable id of (kind, tenant, period, engine class, model version[, token kind]): a re-export gives the same
+        id (engine time's ids are those of the releases before token prices)."""
+        parts = (self.kind, self.tenant, str(self.period_start_us), str(self.period_end_us), self.engine_class,
+                 str(self.model_version), self.from_versions)
+        key = "|".join(parts if self.item == ENGINE_TIME else (*parts, self.item))
         return str(uuid.uuid5(ID_NAMESPACE, key))
 
 
@@ -84,7 +105,7 @@ def usage_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str]
     hour = ((u.c.second_us // US_PER_HOUR) * US_PER_HOUR).label("hour_us")
     query = (
         select(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant, func.sum(u.c.attributed_ns),
-               func.sum(u.c.num_new_tokens))
+               func.sum(u.c.num_new_tokens), *split_sums(u))
         .join(run_second, and_(run_second.c.run_id == u.c.run_id, run_second.c.second_us == u.c.second_us))
         .where(and_(u.c.second_us >= start_us, u.c.second_us < end_us))
         .group_by(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant)
@@ -94,20 +115,23 @@ def usage_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str]
     window_hour = ((w.c.second_us // US_PER_HOUR) * US_PER_HOUR).label("hour_us")
     window_version = func.coalesce(win.c.model_version, DEFAULT_MODEL_VERSION)
     window_query = (
-        select(window_hour, win.c.engine_class, window_version, w.c.tenant, func.sum(w.c.attributed_ns), func.sum(w.c.num_new_tokens))
+        select(window_hour, win.c.engine_class, window_version, w.c.tenant, func.sum(w.c.attributed_ns), func.sum(w.c.num_new_tokens),
+               *split_sums(w))
         .join(win, and_(win.c.run_id == w.c.run_id, win.c.window_start_us == w.c.window_start_us))
         .where(and_(w.c.second_us >= start_us, w.c.second_us < end_us, win.c.pending.is_(False)))
         .group_by(window_hour, win.c.engine_class, window_version, w.c.tenant)
     )
-    summed: dict[tuple[int, str, int, str], list[int]] = {}
+    summed: dict[tuple[int, str, int, str], list] = {}
     with ledger.read_transaction() as conn:  # one snapshot: per-step and window usage read together
-        for h, c, v, t, ns, tok in [*conn.execute(query), *conn.execute(window_query)]:
-            total = summed.setdefault((int(h), c, int(v), t), [0, 0])
+        for h, c, v, t, ns, tok, *split in [*conn.execute(query), *conn.execute(window_query)]:
+            total = summed.setdefault((int(h), c, int(v), t), [0, 0, *[0] * len(TOKEN_SPLIT)])
             total[0] += int(ns)
             total[1] += int(tok)
-    rows = [(h, c, v, t, ns, tok) for (h, c, v, t), (ns, tok) in sorted(summed.items())]
+            for j, count in enumerate(split):
+                total[2 + j] = add_counts(total[2 + j], None if count is None else int(count))
+    rows = [(h, c, v, t, ns, tok, tuple(split)) for (h, c, v, t), (ns, tok, *split) in sorted(summed.items())]
     groups: dict[tuple[int, str], list[int]] = {}
-    for k, (h, c, _v, _t, _ns, _tok) in enumerate(rows):
+    for k, (h, c, *_rest) in enumerate(rows):
         groups.setdefault((h, c), []).append(k)
     ratios: dict[int, Decimal] = {}
     for members in groups.values():
@@ -116,15 +140,36 @@ def usage_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str]
             ratios.update(zip(members, _apportion(parts)))
     wanted = None if tenants is None else set(tenants)
     charges = []
-    for k, (h, c, v, t, ns, tok) in enumerate(rows):
+    for k, (h, c, v, t, ns, tok, split) in enumerate(rows):
         if wanted is not None and t not in wanted:
             continue
         price = book.price_at(c, h)
+        usage = Charge("usage", t, c, v, h, h + US_PER_HOUR, ns, tok, price, None if price is None else cost_of(ns, price),
+                       ratios.get(k), tokens=split)
+        charges.append(usage)
         if price is not None:
-            check_chargeable(price)
-        charges.append(Charge("usage", t, c, v, h, h + US_PER_HOUR, ns, tok, price,
-                              None if price is None else cost_of(ns, price), ratios.get(k)))
+            charges.extend(token_charges(usage))
     return charges
+
+
+def token_charges(usage: Charge) -> list[Charge]:
+    """The token charges beside a usage charge of engine time: one per kind of token its price prices and the usage
+    has (none of zero tokens); refused where its token split is unknown (module note)."""
+    out = []
+    for item, count in zip(TOKEN_ITEMS, usage.tokens):
+        unit = token_unit_price(usage.price, item)
+        if unit is None:
+            continue
+        if count is None:
+            raise PriceError(
+                f"price v{usage.price.version} of engine class {usage.engine_class!r} prices {item.replace('_', ' ')}, but "
+                f"the usage of tenant {usage.tenant!r} in the hour from {usage.period_start_us // 1_000_000} (Unix seconds) has no token "
+                "split (it was stored before ledger schema 6); give that period a price without token prices "
+                "(llmvisor prices add, same valid_from) or start the token prices after it")
+        if count:
+            out.append(replace(usage, item=item, attributed_ns=0, num_new_tokens=0, unit_price=unit,
+                               cost=token_cost(count, unit), allocated_ratio=None))
+    return out
 
 
 def adjustment_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str] | None = None,
@@ -141,8 +186,6 @@ def adjustment_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list
             raise PriceError(f"adjustment of engine class {row.engine_class!r} for [{row.period_start_us / 1e6:.0f}, "
                              f"{row.period_end_us / 1e6:.0f}) spans a price change; it cannot be priced")
         price = book.price_at(row.engine_class, row.period_start_us)
-        if price is not None:
-            check_chargeable(price)
         charges.append(Charge("adjustment", row.tenant, row.engine_class, row.to_version, row.period_start_us,
                               row.period_end_us, row.delta_ns, 0, price, None if price is None else cost_of(row.delta_ns, price),
                               from_versions=row.from_versions, made_at_us=row.created_at_us))

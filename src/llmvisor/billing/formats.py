@@ -1,6 +1,12 @@
 """Charges in the records billing and FinOps tools read: FOCUS rows (CSV, Parquet), CloudEvents for OpenMeter,
 Stripe meter events and Lago events. Each record carries its charge's idempotency id, so a re-export never
-double-bills. Metering events carry engine time in integer nanoseconds (``engine_ns``), exact."""
+double-bills. Metering events carry engine time in integer nanoseconds (``engine_ns``), exact.
+
+Token charges (a price with token prices, `llmvisor.billing.charges`) are records of their own: a FOCUS Usage row per
+kind of token (ConsumedUnit and PricingUnit ``Tokens``, a SkuId per kind, `TOKEN_SKUS`), and a metering event per kind
+(CloudEvents type ``llmvisor.tokens``, Stripe event name / Lago code `TOKEN_EVENT_NAMES`) whose value is the token
+count. Engine time's rows and events carry the usage's token split as well (FOCUS ``x_UncachedPromptTokens``,
+``x_CachedPromptTokens``, ``x_OutputTokens``; event data ``uncached_prompt_tokens``, ...; null where unknown)."""
 
 from __future__ import annotations
 
@@ -11,7 +17,8 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 
-from llmvisor.billing.charges import Charge
+from llmvisor.billing.charges import ENGINE_TIME, Charge
+from llmvisor.billing.prices import TOKEN_ITEMS
 from llmvisor.errors import LlmvisorError
 
 SERVICE_NAME = "llmvisor"
@@ -23,6 +30,14 @@ LAGO_BATCH = 100
 """Lago's batch endpoint takes at most 100 events per request."""
 ALLOCATION_METHOD_ID = "llmvisor-step-latency-split"
 FORMATS = ("focus", "cloudevents", "stripe", "lago")
+TOKEN_EVENT_TYPE = "llmvisor.tokens"
+TOKEN_SKUS = {"uncached_prompt_tokens": "prompt-token", "cached_prompt_tokens": "cached-prompt-token",
+              "output_tokens": "output-token"}
+"""SkuId stem of each kind of token (``<stem>/<engine class>``; SkuPriceId adds ``/v<price version>``)."""
+TOKEN_EVENT_NAMES = {item: f"llmvisor_{item}" for item in TOKEN_SKUS}
+"""Stripe meter event name and Lago billable metric code of each kind of token (one meter per kind)."""
+TOKEN_COLUMNS = {"x_UncachedPromptTokens": 0, "x_CachedPromptTokens": 1, "x_OutputTokens": 2}
+"""FOCUS ``x_`` columns of engine time's usage rows: the usage's token split (`Charge.tokens` index)."""
 
 
 def _iso(us: int) -> str:
@@ -99,6 +114,7 @@ FOCUS_COLUMNS = (
     "ResourceType", "ServiceCategory", "ServiceName", "SkuId", "SkuPriceId", "SubAccountId", "SubAccountName", "Tags",
     "AllocatedMethodId", "AllocatedMethodDetails",
     "x_IdempotencyId", "x_EngineClass", "x_ModelVersion", "x_AttributedNs", "x_NewTokens", "x_AdjustedFromVersions",
+    *TOKEN_COLUMNS,
 )
 """FOCUS 1.0's columns, the 1.3 split-cost allocation columns, and llmvisor's own (``x_``). ``ResourceId`` is the
 spec's spelling; the 1.0 validator checks ``ResourceID``, which the CSV carries as well (same value)."""
@@ -113,6 +129,9 @@ def focus_rows(charges: list[Charge], *, billing_account: str = "llmvisor") -> l
                             f"(llmvisor prices add FILE) before a FOCUS export ({len(unpriced)} charges unpriced)")
     rows = []
     for c in charges:
+        if c.item != ENGINE_TIME:
+            rows.append(_focus_token_row(c, billing_account))
+            continue
         usage = c.kind == "usage"
         billing_start, billing_end, charge_class = (*_month_bounds(c.period_start_us), None) if usage else _adjustment_billing(c)
         version = "default model" if c.model_version == 0 else f"model v{c.model_version}"
@@ -173,8 +192,39 @@ def focus_rows(charges: list[Charge], *, billing_account: str = "llmvisor") -> l
             "x_AttributedNs": c.attributed_ns,
             "x_NewTokens": c.num_new_tokens,
             "x_AdjustedFromVersions": c.from_versions or None,
+            **{name: c.tokens[k] if usage else None for name, k in TOKEN_COLUMNS.items()},
         })
     return rows
+
+
+def _focus_token_row(c: Charge, billing_account: str) -> dict:
+    """A token charge's FOCUS Usage row: the tokens of one kind as ConsumedQuantity and PricingQuantity (``Tokens``),
+    the unit price as ListUnitPrice and ContractedUnitPrice (cached prompt tokens: the prompt price less the cached
+    discount), a SkuId of its own; no split-cost allocation (a tenant's tokens are its own, not a share)."""
+    billing_start, billing_end = _month_bounds(c.period_start_us)
+    version = "default model" if c.model_version == 0 else f"model v{c.model_version}"
+    cost, quantity, sku = _number(c.cost), str(c.quantity), f"{TOKEN_SKUS[c.item]}/{c.engine_class or 'none'}"
+    return {
+        "AvailabilityZone": None, "BilledCost": cost, "BillingAccountId": billing_account, "BillingAccountName": billing_account,
+        "BillingCurrency": c.price.currency, "BillingPeriodEnd": billing_end, "BillingPeriodStart": billing_start,
+        "ChargeCategory": "Usage", "ChargeClass": None,
+        "ChargeDescription": f"{c.item.replace('_', ' ')} on engine class {c.engine_class or '(none)'}, usage attributed by the {version}",
+        "ChargeFrequency": "Usage-Based", "ChargePeriodEnd": _iso(c.period_end_us), "ChargePeriodStart": _iso(c.period_start_us),
+        "CommitmentDiscountCategory": None, "CommitmentDiscountId": None, "CommitmentDiscountName": None,
+        "CommitmentDiscountStatus": None, "CommitmentDiscountType": None,
+        "ConsumedQuantity": quantity, "ConsumedUnit": "Tokens", "ContractedCost": cost,
+        "ContractedUnitPrice": _number(c.unit_price), "EffectiveCost": cost, "InvoiceIssuer": billing_account, "ListCost": cost,
+        "ListUnitPrice": _number(c.unit_price), "PricingCategory": "Standard", "PricingQuantity": quantity, "PricingUnit": "Tokens",
+        "Provider": billing_account, "Publisher": billing_account, "RegionId": None, "RegionName": None,
+        "ResourceId": f"llmvisor/engine-class/{c.engine_class or 'none'}", "ResourceName": f"engine class {c.engine_class or '(none)'}",
+        "ResourceType": "LLM engine class", "ServiceCategory": "AI and Machine Learning", "ServiceName": SERVICE_NAME,
+        "SkuId": sku, "SkuPriceId": f"{sku}/v{c.price.version}", "SubAccountId": c.tenant, "SubAccountName": c.tenant,
+        "Tags": json.dumps({"llmvisor/engine_class": c.engine_class, "llmvisor/model_version": str(c.model_version)},
+                           separators=(",", ":")),
+        "AllocatedMethodId": None, "AllocatedMethodDetails": None,
+        "x_IdempotencyId": c.idempotency_id, "x_EngineClass": c.engine_class, "x_ModelVersion": c.model_version,
+        "x_AttributedNs": None, "x_NewTokens": None, "x_AdjustedFromVersions": None, **dict.fromkeys(TOKEN_COLUMNS),
+    }
 
 
 def write_focus(rows: list[dict], path: Path) -> None:
@@ -186,8 +236,9 @@ def write_focus(rows: list[dict], path: Path) -> None:
         import pyarrow.parquet as pq
 
         columns = {name: [row[name] for row in rows] for name in FOCUS_COLUMNS}
-        table = pa.table({name: pa.array(values, type=pa.int64() if name in ("x_ModelVersion", "x_AttributedNs", "x_NewTokens")
-                                          else pa.string()) for name, values in columns.items()})
+        integers = ("x_ModelVersion", "x_AttributedNs", "x_NewTokens", *TOKEN_COLUMNS)
+        table = pa.table({name: pa.array(values, type=pa.int64() if name in integers else pa.string())
+                          for name, values in columns.items()})
         pq.write_table(table, path)
         return
     if path.suffix.lower() != ".csv":
@@ -205,8 +256,16 @@ def write_focus(rows: list[dict], path: Path) -> None:
 # Metering events ----------------------------------------------------------------------------------------------------
 
 def _data(c: Charge) -> dict:
+    if c.item != ENGINE_TIME:  # a token charge: its kind and count
+        data = {"token_kind": c.item, "tokens": c.quantity, "engine_class": c.engine_class, "model_version": c.model_version,
+                "kind": c.kind, "period_start": _iso(c.period_start_us), "period_end": _iso(c.period_end_us),
+                "unit_price": str(c.unit_price)}
+        data.update(cost=str(c.cost), currency=c.price.currency)
+        return data
     data = {"engine_ns": c.attributed_ns, "engine_class": c.engine_class, "model_version": c.model_version, "kind": c.kind,
             "period_start": _iso(c.period_start_us), "period_end": _iso(c.period_end_us), "new_tokens": c.num_new_tokens}
+    if c.kind == "usage":
+        data.update(zip(TOKEN_ITEMS, c.tokens))
     if c.cost is not None:
         data.update(cost=str(c.cost), currency=c.price.currency)
     if c.kind == "adjustment":
@@ -216,10 +275,11 @@ def _data(c: Charge) -> dict:
 
 def cloudevents(charges: list[Charge], customers: dict[str, str]) -> list:
     """CloudEvents 1.0 (OpenMeter's ingest format), built with the ``cloudevents`` SDK (its v1 event class, which
-    validates the attributes)."""
+    validates the attributes). Token charges are of type ``llmvisor.tokens``."""
     from cloudevents.core.v1.event import CloudEvent
 
-    return [CloudEvent({"id": c.idempotency_id, "type": EVENT_TYPE, "source": EVENT_SOURCE, "subject": _customer(c, customers),
+    return [CloudEvent({"id": c.idempotency_id, "type": EVENT_TYPE if c.item == ENGINE_TIME else TOKEN_EVENT_TYPE,
+                        "source": EVENT_SOURCE, "subject": _customer(c, customers),
                         "time": datetime.fromtimestamp(c.period_start_us / 1e6, tz=UTC), "datacontenttype": "application/json",
                         "specversion": "1.0"}, _data(c))
             for c in charges]
@@ -235,22 +295,24 @@ def cloudevents_json(events: list) -> list[dict]:
 
 def stripe_events(charges: list[Charge], customers: dict[str, str], *, event_name: str = "llmvisor_engine_ns",
                   now_s: float | None = None, warn=None) -> list[dict]:
-    """Stripe meter events: ``value`` is engine nanoseconds as a whole-number string. Stripe takes no negative values,
-    so a credit (an adjustment below 0) is left out with one warning line (issue a credit note for it); events more
-    than 35 days old are warned about in one line (Stripe refuses them)."""
+    """Stripe meter events: ``value`` is engine nanoseconds as a whole-number string (a token charge: its tokens, under
+    its kind's event name, `TOKEN_EVENT_NAMES`). Stripe takes no negative values, so a credit (an adjustment below 0)
+    is left out with one warning line (issue a credit note for it); events more than 35 days old are warned about in
+    one line (Stripe refuses them)."""
     warn = warn or (lambda line: print(line, file=sys.stderr))
     now_s = time.time() if now_s is None else now_s
     events, credits, old = [], [], 0
     for c in charges:
-        if c.attributed_ns < 0:
+        if c.quantity < 0:
             credits.append(c)
             continue
-        if c.attributed_ns == 0:
+        if c.quantity == 0:
             continue
         timestamp = c.period_start_us // 1_000_000
         old += now_s - timestamp > STRIPE_MAX_AGE_S
-        events.append({"event_name": event_name, "identifier": c.idempotency_id, "timestamp": timestamp,
-                       "payload": {"stripe_customer_id": _customer(c, customers), "value": str(c.attributed_ns)}})
+        name = event_name if c.item == ENGINE_TIME else TOKEN_EVENT_NAMES[c.item]
+        events.append({"event_name": name, "identifier": c.idempotency_id, "timestamp": timestamp,
+                       "payload": {"stripe_customer_id": _customer(c, customers), "value": str(c.quantity)}})
     if credits:
         warn(f"stripe: {len(credits)} credits ({sum(c.attributed_ns for c in credits)} ns) left out: meter events take no "
              "negative values; issue them as credit notes")
@@ -260,9 +322,11 @@ def stripe_events(charges: list[Charge], customers: dict[str, str], *, event_nam
 
 
 def lago_events(charges: list[Charge], customers: dict[str, str], *, code: str = "llmvisor_engine_ns") -> list[dict]:
-    """Lago events (``transaction_id`` is Lago's idempotency key), one per charge, credits as negative values."""
-    return [{"transaction_id": c.idempotency_id, "external_subscription_id": _customer(c, customers), "code": code,
-             "timestamp": c.period_start_us // 1_000_000, "properties": {**_data(c), "engine_ns": c.attributed_ns}}
+    """Lago events (``transaction_id`` is Lago's idempotency key), one per charge, credits as negative values; a token
+    charge under its kind's code (`TOKEN_EVENT_NAMES`), its tokens in ``properties.tokens``."""
+    return [{"transaction_id": c.idempotency_id, "external_subscription_id": _customer(c, customers),
+             "code": code if c.item == ENGINE_TIME else TOKEN_EVENT_NAMES[c.item], "timestamp": c.period_start_us // 1_000_000,
+             "properties": _data(c)}
             for c in charges]
 
 

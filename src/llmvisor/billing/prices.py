@@ -1,15 +1,16 @@
-"""The price book: per engine class, a price per engine-hour, versioned in the ledger with a time from which each
-version is in force, so usage becomes cost with the price of its time.
+"""The price book: per engine class, a price per engine-hour and optional prices per token, versioned in the ledger
+with a time from which each version is in force, so usage becomes cost with the price of its time.
 
-Token prices (``prompt_token_price``, ``output_token_price``, ``cached_token_discount``) are refused
-(`TOKEN_PRICE_FIELDS`): the ledger keeps a request's new tokens per second (a prefill chunk's tokens, one per
-decode step), not its prompt, cached (prefix-cache hit) and output tokens apart, so such a price would have
-nothing exact to multiply. The ledger's price table keeps the columns; a version stored with them by an earlier
-llmvisor is refused when it is in force for a charge (`check_chargeable`), never silently ignored.
+Token prices (`TOKEN_PRICE_FIELDS`, all optional): ``prompt_token_price`` per prompt token, ``output_token_price`` per
+output token, and ``cached_token_discount``, the fraction in [0, 1] taken off the prompt price for prompt tokens found
+in the prefix cache (it needs a prompt price; absent: 0, cached tokens cost the prompt price). They multiply the
+ledger's token split (schema 6, `llmvisor.core.tokens`): uncached prompt tokens × prompt price, cached prompt tokens
+× prompt price × (1 − discount), output tokens × output price (`token_unit_price`).
 
 Money is exact: prices are kept as decimal strings and costs are computed as exact fractions, then rounded once
-per charge (one tenant, one engine class, one model version, one charge period) half-to-even to the currency's
-minor unit (the cent: 2 decimals). ``cost_of`` is that rule, written once.
+per charge (one tenant, one engine class, one model version, one charge period and one item: engine time or one
+kind of token) half-to-even to the currency's minor unit (the cent: 2 decimals). ``rounded_cost`` is that rule,
+written once; ``cost_of`` applies it to engine time, ``token_cost`` to tokens.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import json
 import tomllib
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, InvalidOperation, localcontext
 from fractions import Fraction
 from pathlib import Path
 
@@ -32,11 +33,14 @@ NS_PER_HOUR = 3_600_000_000_000
 US_PER_HOUR = 3_600_000_000
 MINOR_UNIT_DIGITS = 2
 """Costs are rounded to the cent (2 decimals), half to even, once per charge."""
+MAX_PRICE_DIGITS = 28
+"""Significant digits a price may have (Decimal's default precision: what it keeps exactly)."""
 
 
 TOKEN_PRICE_FIELDS = ("prompt_token_price", "output_token_price", "cached_token_discount")
-TOKEN_PRICE_REASON = ("the ledger keeps each request's new tokens per second, not its prompt, cached and output tokens "
-                      "apart, so only engine-hours can be priced (docs/billing.md)")
+TOKEN_ITEMS = ("uncached_prompt_tokens", "cached_prompt_tokens", "output_tokens")
+"""The priced kinds of token, each the charge item of its own charges; their counts are the ledger's split
+(`llmvisor.core.tokens.TOKEN_SPLIT`, in this order)."""
 
 
 class PriceError(LlmvisorError):
@@ -69,13 +73,40 @@ class Price:
                 "created_at_us": self.created_at_us}
 
 
+def rounded_cost(exact: Fraction) -> Decimal:
+    """An exact amount rounded half to even to the cent (``MINOR_UNIT_DIGITS``), once per charge."""
+    minor = round(exact * 10**MINOR_UNIT_DIGITS)  # round() of a Fraction is exact and half to even
+    return Decimal(minor).scaleb(-MINOR_UNIT_DIGITS)
+
+
 def cost_of(attributed_ns: int, price: Price) -> Decimal:
     """Engine time's cost at ``price``: ``attributed_ns / NS_PER_HOUR × engine_hour_price``, computed exactly and
     rounded half to even to the cent (``MINOR_UNIT_DIGITS``). Negative time (an adjustment's credit) gives a
     negative cost, rounded the same way."""
-    exact = Fraction(int(attributed_ns)) * Fraction(price.engine_hour_price) / NS_PER_HOUR
-    minor = round(exact * 10**MINOR_UNIT_DIGITS)  # round() of a Fraction is exact and half to even
-    return Decimal(minor).scaleb(-MINOR_UNIT_DIGITS)
+    return rounded_cost(Fraction(int(attributed_ns)) * Fraction(price.engine_hour_price) / NS_PER_HOUR)
+
+
+def token_unit_price(price: Price, item: str) -> Decimal | None:
+    """The exact price of one token of ``item`` (`TOKEN_ITEMS`) at ``price``, None where it has no such price: the
+    prompt price for uncached prompt tokens, prompt price × (1 − cached_token_discount) for cached ones, the output
+    price for output tokens."""
+    if item == "output_tokens":
+        return price.output_token_price
+    if price.prompt_token_price is None:
+        return None
+    if item == "uncached_prompt_tokens":
+        return price.prompt_token_price
+    discount = price.cached_token_discount or Decimal(0)
+    exact = Fraction(price.prompt_token_price) * (1 - Fraction(discount))
+    with localcontext(prec=MAX_PRICE_DIGITS * 2 + 2):  # a product of two such decimals is exact at this precision
+        unit = Decimal(exact.numerator) / Decimal(exact.denominator)
+    assert Fraction(unit) == exact
+    return unit
+
+
+def token_cost(tokens: int, unit_price: Decimal) -> Decimal:
+    """Tokens' cost at a unit price (`token_unit_price`), exact, rounded once like engine time's."""
+    return rounded_cost(Fraction(int(tokens)) * Fraction(unit_price))
 
 
 def _decimal(source: str, field: str, value, *, required: bool) -> Decimal | None:
@@ -92,6 +123,8 @@ def _decimal(source: str, field: str, value, *, required: bool) -> Decimal | Non
         raise PriceError(f"{source}: {field} must be a decimal number, got {value!r}") from None
     if not number.is_finite() or number < 0:
         raise PriceError(f"{source}: {field} must be a finite number at least 0, got {value!r}")
+    if len(number.as_tuple().digits) > MAX_PRICE_DIGITS:
+        raise PriceError(f"{source}: {field} has more than {MAX_PRICE_DIGITS} significant digits, got {value!r}")
     return number
 
 
@@ -118,7 +151,7 @@ def _valid_from_us(source: str, value) -> int:
 
 def read_price_file(path: Path) -> list[Price]:
     """Entries of a TOML or JSON price file: ``[[price]]`` tables (TOML) or ``{"prices": [...]}`` (JSON), each with
-    ``engine_class``, ``currency``, ``engine_hour_price`` and ``valid_from`` (token prices are refused, module
+    ``engine_class``, ``currency``, ``engine_hour_price`` and ``valid_from``, optionally the token prices (module
     note). Versions are given when stored."""
     path = Path(path)
     try:
@@ -158,15 +191,19 @@ def parse_prices(entries: list, where_prefix: str, *, source: str) -> list[Price
         currency = entry.get("currency")
         if not isinstance(currency, str) or len(currency) != 3 or not currency.isalpha() or not currency.isupper():
             raise PriceError(f"{where}: currency must be a three-letter ISO 4217 code such as \"USD\", got {currency!r}")
-        token_fields = [name for name in TOKEN_PRICE_FIELDS if entry.get(name) is not None]
-        if token_fields:
-            raise PriceError(f"{where}: {token_fields[0]} cannot be charged: {TOKEN_PRICE_REASON}; nothing was stored")
         if "valid_from" not in entry:
             raise PriceError(f"{where}: valid_from is required (the whole UTC hour the price is in force from)")
+        tokens = {name: _decimal(where, name, entry.get(name), required=False) for name in TOKEN_PRICE_FIELDS}
+        discount = tokens["cached_token_discount"]
+        if discount is not None and discount > 1:
+            raise PriceError(f"{where}: cached_token_discount must be a fraction from 0 to 1 (0.5: cached prompt tokens "
+                             f"cost half the prompt price), got {entry['cached_token_discount']!r}")
+        if discount is not None and tokens["prompt_token_price"] is None:
+            raise PriceError(f"{where}: cached_token_discount needs a prompt_token_price (it is taken off that price)")
         out.append(Price(
             engine_class=engine_class, version=0, valid_from_us=_valid_from_us(where, entry["valid_from"]), currency=currency,
             engine_hour_price=_decimal(where, "engine_hour_price", entry.get("engine_hour_price"), required=True),
-            source=source,
+            **tokens, source=source,
         ))
     return out
 
@@ -213,15 +250,6 @@ def list_prices(ledger: Ledger, engine_class: str | None = None) -> list[Price]:
                   engine_hour_price=Decimal(r.engine_hour_price), prompt_token_price=number(r.prompt_token_price),
                   output_token_price=number(r.output_token_price), cached_token_discount=number(r.cached_token_discount),
                   source=r.source, created_at_us=r.created_at_us) for r in rows]
-
-
-def check_chargeable(price: Price) -> None:
-    """Refuse a stored version with token prices (an earlier llmvisor accepted them): its cost would leave them out."""
-    token_fields = [name for name in TOKEN_PRICE_FIELDS if getattr(price, name) is not None]
-    if token_fields:
-        raise PriceError(f"price v{price.version} of engine class {price.engine_class!r} (from {price.source}) has "
-                         f"{token_fields[0]}, which cannot be charged: {TOKEN_PRICE_REASON}; add an entry with the same "
-                         "valid_from and no token prices to correct it")
 
 
 class PriceBook:

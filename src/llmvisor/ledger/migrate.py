@@ -4,7 +4,14 @@ Schema 1 (a row per slice) is re-ingested step by step; schema 2 (no engine clas
 its steps marked as attributed by the default model of no class; schema 3 is copied table by table as it is.
 Schema 4's received step-id ranges (``step_ranges``) are built from the copied steps of schemas 2 and 3, and
 copied as stored (with the adjustments) from schema 4; schema 5's tables (window aggregates, billing's ``prices``)
-start empty.
+start empty from schemas 1 to 4 and are copied as stored from schema 5.
+
+Schema 6's token split (``num_uncached_prompt_tokens``, ``num_cached_prompt_tokens``, ``num_output_tokens`` of
+``usage_per_second``, ``window_tenant_usage`` and ``request_totals``) is NULL on every copied usage row: an older
+ledger kept a request's new tokens per second, not which were prompt and which output, so the split is unknown,
+never guessed (not even 0: a token price refuses such a row, `llmvisor.billing.charges`). Schema 1's re-ingest is
+the exception: its slices carry their phase, so its rows get the split as any new ingest does (cached 0: schema 1
+never had the fact).
 
 A copy rather than an upgrade in place: nothing already stored can be damaged by a migration that stops
 half way, the two can be compared afterwards, and the copy may go to another database (SQLite to
@@ -40,15 +47,20 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DatabaseError
 
 from llmvisor.ledger.schema import (
+    TOKEN_SPLIT_COLUMNS,
     active_models,
     adjustments,
     api_keys,
     engine_models,
     ledger_info,
+    prices,
+    request_totals,
     slice_batches,
     step_ranges,
     steps,
     usage_per_second,
+    window_tenant_usage,
+    windows,
 )
 from llmvisor.ledger.store import Ledger, LedgerError, StepRecords, normalize_url
 
@@ -211,7 +223,15 @@ _steps_2 = Table(
     *(Column(c.name, c.type, primary_key=c.primary_key) for c in steps.columns if c.name not in SCHEMA_3_STEP_COLUMNS),
 )
 _slice_batches_2 = slice_batches.to_metadata(_schema_2)
-_usage_2 = usage_per_second.to_metadata(_schema_2)
+
+
+def _before_split(table: Table, schema: MetaData) -> Table:
+    """``table`` as schemas 2 to 5 stored it: without schema 6's token split columns."""
+    return Table(table.name, schema, *(Column(c.name, c.type, primary_key=c.primary_key) for c in table.columns
+                                       if c.name not in TOKEN_SPLIT_COLUMNS))
+
+
+_usage_2 = _before_split(usage_per_second, _schema_2)
 _api_keys_2 = api_keys.to_metadata(_schema_2)
 _ledger_info_2 = ledger_info.to_metadata(_schema_2)
 
@@ -238,14 +258,14 @@ def _read_version(source_url: str):
 
 
 def migrate(source_url: str, target_url: str, **kwargs) -> MigrationReport:
-    """Copy a ledger of an older schema (1 to 4) into an empty ledger of the current schema."""
+    """Copy a ledger of an older schema (1 to 5) into an empty ledger of the current schema."""
     source, source_name, version = _read_version(source_url)
     source.dispose()
     if version == "1":
         return migrate_schema_1(source_url, target_url, **kwargs)
-    if version in ("2", "3", "4"):
+    if version in ("2", "3", "4", "5"):
         return migrate_schema_2(source_url, target_url, progress=kwargs.get("progress"))
-    raise LedgerError(f"{source_name}: ledger schema version {version}; versions 1, 2, 3 and 4 are migrated")
+    raise LedgerError(f"{source_name}: ledger schema version {version}; versions 1 to 5 are migrated")
 
 
 _schema_3 = MetaData()
@@ -288,15 +308,15 @@ def migrate_schema_2(source_url: str, target_url: str, *, progress: Callable[[in
     received step-id ranges built from the steps; then check steps, slices, measured and attributed ns and
     every tenant's total."""
     source, source_name, version = _read_version(source_url)
-    if version not in ("2", "3", "4"):
+    if version not in ("2", "3", "4", "5"):
         source.dispose()
-        raise LedgerError(f"{source_name}: ledger schema version {version}; expected version 2, 3 or 4")
-    source_steps = _steps_3 if version in ("3", "4") else _steps_2
+        raise LedgerError(f"{source_name}: ledger schema version {version}; expected version 2, 3, 4 or 5")
+    source_steps = _steps_3 if version in ("3", "4", "5") else _steps_2
     target = Ledger(target_url)
     target_name = target.safe_url
     try:
         with source.connect() as conn:
-            billed = _steps_3.c.pending.is_(False) if version in ("3", "4") else True  # pending steps are not in the totals
+            billed = _steps_3.c.pending.is_(False) if version in ("3", "4", "5") else True  # pending steps are not in the totals
             n_steps, measured = conn.execute(
                 select(func.count(), func.coalesce(func.sum(source_steps.c.measured_ns), 0)).where(billed)
             ).one()
@@ -305,6 +325,16 @@ def migrate_schema_2(source_url: str, target_url: str, *, progress: Callable[[in
             ).one()
             per_tenant = {t: int(ns) for t, ns in conn.execute(
                 select(_usage_2.c.tenant, func.sum(_usage_2.c.attributed_ns)).group_by(_usage_2.c.tenant))}
+            if version == "5":  # what was metered in window aggregates counts in the totals too
+                (_, _), (win, _), (tenant_win, _), _ = _SCHEMA_5_TABLES
+                more_steps, more_measured = conn.execute(select(
+                    func.coalesce(func.sum(win.c.num_steps), 0), func.coalesce(func.sum(win.c.measured_ns), 0)).where(win.c.pending.is_(False))).one()
+                more_slices, more_attributed = conn.execute(select(
+                    func.coalesce(func.sum(tenant_win.c.num_slices), 0), func.coalesce(func.sum(tenant_win.c.attributed_ns), 0))).one()
+                n_steps, measured = int(n_steps) + int(more_steps), int(measured) + int(more_measured)
+                n_slices, attributed = int(n_slices) + int(more_slices), int(attributed) + int(more_attributed)
+                for t, ns in conn.execute(select(tenant_win.c.tenant, func.sum(tenant_win.c.attributed_ns)).group_by(tenant_win.c.tenant)):
+                    per_tenant[t] = per_tenant.get(t, 0) + int(ns)
             keys = [dict(row._mapping) for row in conn.execute(select(_api_keys_2))]
         expected = MigrationReport(int(n_steps), int(n_slices), int(measured), int(attributed), len(keys), per_tenant)
         before = target.totals()
@@ -335,15 +365,18 @@ def migrate_schema_2(source_url: str, target_url: str, *, progress: Callable[[in
                 if progress is not None:
                     progress(copied_steps, expected.num_steps)
             _copy_rows(read, write, _usage_2, usage_per_second)
-            if version in ("3", "4"):
+            if version in ("3", "4", "5"):
                 for table in (_engine_models_3, _active_models_3):
                     rows = [dict(row._mapping) for row in read.execute(select(table))]
                     if rows:
                         write.execute(insert(engine_models if table is _engine_models_3 else active_models), rows)
-            if version == "4":
+            if version in ("4", "5"):
                 _copy_schema_4_tables(read, write)
             else:
                 _copy_step_ranges(read, write)
+            if version == "5":
+                for source_table, target_table in _SCHEMA_5_TABLES:
+                    _copy_rows(read, write, source_table, target_table)
         _check_copy(target, expected, target_name)
     finally:
         target.close()
@@ -358,6 +391,13 @@ def migrate_schema_2(source_url: str, target_url: str, *, progress: Callable[[in
 _schema_4 = MetaData()
 _step_ranges_4 = step_ranges.to_metadata(_schema_4)
 _adjustments_4 = adjustments.to_metadata(_schema_4)
+
+
+_schema_5 = MetaData()
+_SCHEMA_5_TABLES = ((prices.to_metadata(_schema_5), prices), (windows.to_metadata(_schema_5), windows),
+                    (_before_split(window_tenant_usage, _schema_5), window_tenant_usage),
+                    (_before_split(request_totals, _schema_5), request_totals))
+"""Schema 5's own tables as it stored them, copied as they are (the token split NULL: module note)."""
 
 
 def _copy_schema_4_tables(read, write) -> None:

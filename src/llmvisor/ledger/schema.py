@@ -32,6 +32,14 @@ version is in force from ``valid_from_us`` on (until a later one of the class st
 price of its time; prices are exact decimal strings, never floats.
 Schema 5 (window aggregates, `llmvisor.metering`) adds ``windows``, ``window_tenant_usage`` and
 ``request_totals``; see their block at the end of this module.
+
+Schema 6 (token prices) splits the new tokens of every usage row (``usage_per_second``, ``window_tenant_usage``,
+``request_totals``) into ``num_uncached_prompt_tokens`` (prefill slices' new tokens: prompt tokens the engine
+computed), ``num_cached_prompt_tokens`` (prompt tokens found in the prefix cache when the request was first
+scheduled, where the step said so; 0 where it did not) and ``num_output_tokens`` (decode slices' new tokens), so a
+price per prompt and output token has exact counts to multiply (`TOKEN_SPLIT_COLUMNS`). NULL: a row stored before
+schema 6 (a migrated one), whose split is unknown; a sum onto such a row stays NULL (an unknown part keeps the
+whole unknown), and a token price refuses to price it (`llmvisor.billing.charges`) instead of reading it as 0.
 """
 
 from __future__ import annotations
@@ -51,7 +59,11 @@ from sqlalchemy import (
     Text,
 )
 
-SCHEMA_VERSION = 5
+from llmvisor.core.tokens import TOKEN_SPLIT
+
+SCHEMA_VERSION = 6
+TOKEN_SPLIT_COLUMNS = TOKEN_SPLIT
+"""Schema 6's token split of a usage row's tokens (module note); NULL where stored before schema 6."""
 USAGE_RESOLUTION_US = 1_000_000
 """Usage is kept per second of step start, so usage queries take time ranges in whole seconds."""
 
@@ -108,6 +120,7 @@ usage_per_second = Table(
     Column("num_new_tokens", BigInteger, nullable=False),
     Column("first_timestamp_us", BigInteger, nullable=False),
     Column("last_timestamp_us", BigInteger, nullable=False),
+    *(Column(name, BigInteger, nullable=True, doc="schema 6 token split; NULL: stored before it") for name in TOKEN_SPLIT_COLUMNS),
     Index("ix_usage_per_second_tenant_second_us", "tenant", "second_us"),
     Index("ix_usage_per_second_second_us", "second_us"),
 )
@@ -179,9 +192,9 @@ prices = Table(
     Column("valid_from_us", BigInteger, nullable=False, doc="in force for usage at or after this (a whole hour)"),
     Column("currency", String(3), nullable=False, doc="ISO 4217 code"),
     Column("engine_hour_price", Text, nullable=False, doc="price per engine-hour, an exact decimal string"),
-    Column("prompt_token_price", Text, nullable=True, doc="refused on input (llmvisor.billing.prices); NULL"),
-    Column("output_token_price", Text, nullable=True, doc="refused on input; NULL"),
-    Column("cached_token_discount", Text, nullable=True, doc="refused on input; NULL"),
+    Column("prompt_token_price", Text, nullable=True, doc="price per prompt token, an exact decimal string; NULL: none"),
+    Column("output_token_price", Text, nullable=True, doc="price per output token; NULL: none"),
+    Column("cached_token_discount", Text, nullable=True, doc="fraction in [0, 1] off the prompt price for cached prompt tokens; NULL: 0"),
     Column("source", Text, nullable=False, doc="the price file it came from"),
     Column("created_at_us", BigInteger, nullable=False),
     Index("ix_prices_class_valid_from", "engine_class", "valid_from_us"),
@@ -228,6 +241,7 @@ window_tenant_usage = Table(
     Column("measured_ns", BigInteger, nullable=False, doc="Σ over the tenant's requests of their steps' measured time"),
     Column("num_slices", BigInteger, nullable=False),
     Column("num_new_tokens", BigInteger, nullable=False),
+    *(Column(name, BigInteger, nullable=True, doc="schema 6 token split; NULL: stored before it") for name in TOKEN_SPLIT_COLUMNS),
     Index("ix_window_tenant_usage_tenant_second_us", "tenant", "second_us"),
     Index("ix_window_tenant_usage_second_us", "second_us"),
 )
@@ -245,6 +259,7 @@ request_totals = Table(
     Column("num_new_tokens", BigInteger, nullable=False),
     Column("first_timestamp_us", BigInteger, nullable=False),
     Column("last_timestamp_us", BigInteger, nullable=False),
+    *(Column(name, BigInteger, nullable=True, doc="schema 6 token split; NULL: stored before it") for name in TOKEN_SPLIT_COLUMNS),
     Index("ix_request_totals_tenant", "tenant"),
 )
 """One row per request, summed over its windows as they arrive (each window is stored once, so adding is safe)."""

@@ -25,6 +25,7 @@ from sqlalchemy import (
     Engine,
     and_,
     bindparam,
+    case,
     create_engine,
     delete,
     event,
@@ -40,11 +41,13 @@ from sqlalchemy.exc import ArgumentError, DatabaseError, DBAPIError, IntegrityEr
 from sqlalchemy.pool import StaticPool
 
 from llmvisor import extras
+from llmvisor.core.tokens import CACHED_PROMPT_COLUMN, add_counts, token_split
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import keys as keys_module
 from llmvisor.ledger.keys import Principal
 from llmvisor.ledger.schema import (
     SCHEMA_VERSION,
+    TOKEN_SPLIT_COLUMNS,
     USAGE_RESOLUTION_US,
     active_models,
     adjustments,
@@ -74,7 +77,8 @@ assert [c.name for c in steps.columns] == [
     "run_id", "step_id", "measured_ns", "predicted_s", "batch_size", "timestamp_us", "ingested_at_us", "content_sha256",
     "slice_batch_id", "engine_class", "model_version", "pending",
 ]
-assert [c.name for c in usage_per_second.columns] == [*_USAGE_KEY, *_USAGE_SUMS, "first_timestamp_us", "last_timestamp_us"]
+assert [c.name for c in usage_per_second.columns] == [*_USAGE_KEY, *_USAGE_SUMS, "first_timestamp_us", "last_timestamp_us",
+                                                     *TOKEN_SPLIT_COLUMNS]
 
 
 class LedgerError(LlmvisorError):
@@ -152,6 +156,9 @@ class StepRecords:
     effective_context_tokens: np.ndarray | None = None
     """Per slice, the sharing columns (trace format v2), kept in the blob: pending steps are priced from them
     later, and a refit from the ledger (`llmvisor refit`) fits the shared-KV term on them."""
+    num_cached_prompt_tokens: np.ndarray | None = None
+    """Per slice, the prompt tokens its request found in the prefix cache, counted on the request's first slice
+    only (`llmvisor.core.tokens`); None: 0 for every slice (the step did not say). Kept in the blob."""
 
     def per_step(self, name: str, default) -> np.ndarray:
         """A per-step column, or ``default`` for every step where it is None."""
@@ -225,6 +232,9 @@ class _StoredBatch:
         if records.effective_context_tokens is not None:
             for name in SHARING_BLOB_COLUMNS:
                 table = table.append_column(name, pa.array(getattr(records, name)))
+        if records.num_cached_prompt_tokens is not None:
+            table = table.append_column(CACHED_PROMPT_COLUMN, pa.array(records.num_cached_prompt_tokens, pa.int64()))
+        uncached, cached, output = token_split(records.num_new_tokens, records.is_prefill, records.num_cached_prompt_tokens)
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, compression=_PARQUET_COMPRESSION)
         self.slices_parquet = sink.getvalue().to_pybytes()
@@ -239,6 +249,7 @@ class _StoredBatch:
                 "attributed_ns": records.attributed_ns,
                 "num_new_tokens": records.num_new_tokens,
                 "timestamp_us": timestamp_us,
+                **dict(zip(TOKEN_SPLIT_COLUMNS, (uncached, cached, output))),
             }
         )
         if pending.any():  # pending slices add to usage only once attributed
@@ -253,12 +264,14 @@ class _StoredBatch:
                     ("num_new_tokens", "sum"),
                     ("timestamp_us", "min"),
                     ("timestamp_us", "max"),
+                    *((name, "sum") for name in TOKEN_SPLIT_COLUMNS),
                 ]
             )
         )
         usage = usage.set_column(usage.schema.get_field_index("run_id"), "run_id", pc.cast(usage["run_id"], pa.string()))
         usage = usage.sort_by([(name, "ascending") for name in _USAGE_KEY])
-        names = [*_USAGE_KEY, "attributed_ns_sum", "attributed_ns_count", "num_new_tokens_sum", "timestamp_us_min", "timestamp_us_max"]
+        names = [*_USAGE_KEY, "attributed_ns_sum", "attributed_ns_count", "num_new_tokens_sum", "timestamp_us_min", "timestamp_us_max",
+                 *(f"{name}_sum" for name in TOKEN_SPLIT_COLUMNS)]
         self.usage_columns = [usage[name].to_pylist() for name in names]
         self.records = records
 
@@ -308,6 +321,10 @@ class UsageRow:
     attributed_ns: int
     num_slices: int
     num_new_tokens: int
+    num_uncached_prompt_tokens: int | None = None
+    """The token split (`llmvisor.core.tokens`); None where some of the rows summed were stored before schema 6."""
+    num_cached_prompt_tokens: int | None = None
+    num_output_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -320,6 +337,9 @@ class RequestUsageRow:
     num_new_tokens: int
     first_timestamp_us: int
     last_timestamp_us: int
+    num_uncached_prompt_tokens: int | None = None
+    num_cached_prompt_tokens: int | None = None
+    num_output_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -519,14 +539,18 @@ class KeyInfo:
     revoked_at_us: int | None
 
 
-def _tenant_usage_rows():
-    """Per-second usage of stored steps and per-window usage of aggregates as one relation (tenant, second_us,
-    attributed_ns, num_slices, num_new_tokens), so a tenant's total is the same whichever way it was metered."""
+def _tenant_usage_rows(*, with_run: bool = False):
+    """Per-second usage of stored steps and per-window usage of aggregates as one relation ([run_id,] tenant,
+    second_us, attributed_ns, num_slices, num_new_tokens and the token split), so a tenant's total is the same
+    whichever way it was metered."""
     w = window_tenant_usage
     u = usage_per_second
-    return select(u.c.tenant, u.c.second_us, u.c.attributed_ns, u.c.num_slices, u.c.num_new_tokens).union_all(
-        select(w.c.tenant, w.c.second_us, w.c.attributed_ns, w.c.num_slices, w.c.num_new_tokens)
-    ).subquery("usage")
+
+    def columns(table):
+        return [*([table.c.run_id] if with_run else []), table.c.tenant, table.c.second_us, table.c.attributed_ns,
+                table.c.num_slices, table.c.num_new_tokens, *(table.c[name] for name in TOKEN_SPLIT_COLUMNS)]
+
+    return select(*columns(u)).union_all(select(*columns(w))).subquery("usage")
 
 
 def _request_usage_rows():
@@ -534,10 +558,21 @@ def _request_usage_rows():
     u = usage_per_second
     r = request_totals
     return select(u.c.run_id, u.c.request_id, u.c.tenant, u.c.second_us, u.c.attributed_ns, u.c.num_slices, u.c.num_new_tokens,
-                  u.c.first_timestamp_us, u.c.last_timestamp_us).union_all(
+                  u.c.first_timestamp_us, u.c.last_timestamp_us, *(u.c[name] for name in TOKEN_SPLIT_COLUMNS)).union_all(
         select(r.c.run_id, r.c.request_id, r.c.tenant, r.c.first_second_us, r.c.attributed_ns, r.c.num_slices, r.c.num_new_tokens,
-               r.c.first_timestamp_us, r.c.last_timestamp_us)
+               r.c.first_timestamp_us, r.c.last_timestamp_us, *(r.c[name] for name in TOKEN_SPLIT_COLUMNS))
     ).subquery("usage")
+
+
+def split_sums(table) -> list:
+    """SQL sums of the token split over a group: NULL where any row of the group has its split NULL (stored before
+    schema 6), so an unknown part is never read as 0."""
+    return [case((func.count(table.c[name]) == func.count(), func.coalesce(func.sum(table.c[name]), 0)), else_=None)
+            for name in TOKEN_SPLIT_COLUMNS]
+
+
+def _counts(values) -> dict:
+    return {name: None if value is None else int(value) for name, value in zip(TOKEN_SPLIT_COLUMNS, values)}
 
 
 def now_us() -> int:
@@ -779,11 +814,14 @@ class Ledger:
                     request_rows[key] = {"run_id": w.run_id, "request_id": q.request_id, "tenant": q.tenant, "first_second_us": second_us,
                                          "attributed_ns": q.attributed_ns, "measured_ns": q.measured_ns, "num_slices": q.num_steps,
                                          "num_new_tokens": q.num_new_tokens, "first_timestamp_us": q.first_timestamp_us,
-                                         "last_timestamp_us": q.last_timestamp_us}
+                                         "last_timestamp_us": q.last_timestamp_us,
+                                         **{name: getattr(q, name) for name in TOKEN_SPLIT_COLUMNS}}
                 else:
                     for name, value in (("attributed_ns", q.attributed_ns), ("measured_ns", q.measured_ns),
                                         ("num_slices", q.num_steps), ("num_new_tokens", q.num_new_tokens)):
                         row[name] += value
+                    for name in TOKEN_SPLIT_COLUMNS:  # an unknown part keeps the sum unknown, as NULL + x in SQL
+                        row[name] = add_counts(row[name], getattr(q, name))
                     row["first_second_us"] = min(row["first_second_us"], second_us)
                     row["first_timestamp_us"] = min(row["first_timestamp_us"], q.first_timestamp_us)
                     row["last_timestamp_us"] = max(row["last_timestamp_us"], q.last_timestamp_us)
@@ -799,7 +837,8 @@ class Ledger:
             statement = statement.on_conflict_do_update(
                 index_elements=["run_id", "request_id", "tenant"],
                 set_={
-                    **{name: table.c[name] + statement.excluded[name] for name in ("attributed_ns", "measured_ns", "num_slices", "num_new_tokens")},
+                    **{name: table.c[name] + statement.excluded[name]
+                       for name in ("attributed_ns", "measured_ns", "num_slices", "num_new_tokens", *TOKEN_SPLIT_COLUMNS)},
                     "first_second_us": func.least(table.c.first_second_us, statement.excluded.first_second_us)
                     if self.backend == "postgresql" else func.min(table.c.first_second_us, statement.excluded.first_second_us),
                     "first_timestamp_us": func.least(table.c.first_timestamp_us, statement.excluded.first_timestamp_us)
@@ -914,12 +953,12 @@ class Ledger:
         usage_columns = ", ".join(column.name for column in usage_per_second.columns)
         key = ", ".join(_USAGE_KEY)
         if self.backend == "postgresql":
-            types = ["text", "text", "text", "bigint", "bigint", "bigint", "bigint", "bigint", "bigint"]
+            types = ["text", "text", "text", *["bigint"] * (len(usage_per_second.columns) - 3)]
             upsert = (
                 f"INSERT INTO usage_per_second ({usage_columns}) "
                 f"SELECT * FROM unnest({', '.join(f'%s::{t}[]' for t in types)}) "
                 f"ON CONFLICT ({key}) DO UPDATE SET "
-                + ", ".join(f"{name} = usage_per_second.{name} + excluded.{name}" for name in _USAGE_SUMS)
+                + ", ".join(f"{name} = usage_per_second.{name} + excluded.{name}" for name in (*_USAGE_SUMS, *TOKEN_SPLIT_COLUMNS))
                 + ", first_timestamp_us = LEAST(usage_per_second.first_timestamp_us, excluded.first_timestamp_us)"
                 + ", last_timestamp_us = GREATEST(usage_per_second.last_timestamp_us, excluded.last_timestamp_us)"
             )
@@ -929,7 +968,7 @@ class Ledger:
             upsert = (
                 f"INSERT INTO usage_per_second ({usage_columns}) VALUES ({', '.join(['?'] * len(usage_per_second.columns))}) "
                 f"ON CONFLICT ({key}) DO UPDATE SET "
-                + ", ".join(f"{name} = {name} + excluded.{name}" for name in _USAGE_SUMS)
+                + ", ".join(f"{name} = {name} + excluded.{name}" for name in (*_USAGE_SUMS, *TOKEN_SPLIT_COLUMNS))
                 + ", first_timestamp_us = min(first_timestamp_us, excluded.first_timestamp_us)"
                 + ", last_timestamp_us = max(last_timestamp_us, excluded.last_timestamp_us)"
             )
@@ -971,7 +1010,8 @@ class Ledger:
             size = BUCKET_US[bucket]
             columns.append(((usage.c.second_us // size) * size).label("bucket_start_us"))
         query = (
-            select(*columns, func.sum(usage.c.attributed_ns), func.sum(usage.c.num_slices), func.sum(usage.c.num_new_tokens))
+            select(*columns, func.sum(usage.c.attributed_ns), func.sum(usage.c.num_slices), func.sum(usage.c.num_new_tokens),
+                   *split_sums(usage))
             .where(and_(True, *conditions))
             .group_by(*columns)
             .order_by(*columns)
@@ -982,24 +1022,24 @@ class Ledger:
             UsageRow(
                 tenant=row[0],
                 bucket_start_us=int(row[1]) if bucket is not None else None,
-                attributed_ns=int(row[-3]),
-                num_slices=int(row[-2]),
-                num_new_tokens=int(row[-1]),
+                attributed_ns=int(row[-6]),
+                num_slices=int(row[-5]),
+                num_new_tokens=int(row[-4]),
+                **_counts(row[-3:]),
             )
             for row in rows
         ]
 
     def class_usage(
         self, start_us: int | None = None, end_us: int | None = None, bucket: str = "hour", tenant: str | None = None
-    ) -> list[tuple[str, int, int, int, int]]:
-        """(engine_class, bucket_start_us, attributed_ns, num_slices, num_new_tokens) per engine class and UTC
-        bucket, a tenant's if given. A request's class is its run's (a run is one engine instance; its first
+    ) -> list[tuple]:
+        """(engine_class, bucket_start_us, attributed_ns, num_slices, num_new_tokens, num_uncached_prompt_tokens,
+        num_cached_prompt_tokens, num_output_tokens) per engine class and UTC bucket, a tenant's if given (the split
+        None where unknown, `split_sums`). A request's class is its run's (a run is one engine instance; its first
         class seen in `step_ranges`), so this reads the per-second usage, not the steps."""
         if bucket not in BUCKET_US:
             raise LedgerError(f"unknown bucket {bucket!r}; choose one of {', '.join(BUCKET_US)}")
-        u, w = usage_per_second, window_tenant_usage  # steps stored one by one, and window aggregates
-        usage = select(u.c.run_id, u.c.tenant, u.c.second_us, u.c.attributed_ns, u.c.num_slices, u.c.num_new_tokens).union_all(
-            select(w.c.run_id, w.c.tenant, w.c.second_us, w.c.attributed_ns, w.c.num_slices, w.c.num_new_tokens)).subquery("usage")
+        usage = _tenant_usage_rows(with_run=True)  # steps stored one by one, and window aggregates
         size = BUCKET_US[bucket]
         run_class = select(step_ranges.c.run_id, func.min(step_ranges.c.engine_class).label("engine_class")).group_by(step_ranges.c.run_id).subquery()
         conditions = self._range(usage.c.second_us, start_us, end_us)
@@ -1007,14 +1047,16 @@ class Ledger:
             conditions.append(usage.c.tenant == tenant)
         columns = [func.coalesce(run_class.c.engine_class, "").label("engine_class"), ((usage.c.second_us // size) * size).label("bucket_start_us")]
         query = (
-            select(*columns, func.sum(usage.c.attributed_ns), func.sum(usage.c.num_slices), func.sum(usage.c.num_new_tokens))
+            select(*columns, func.sum(usage.c.attributed_ns), func.sum(usage.c.num_slices), func.sum(usage.c.num_new_tokens),
+                   *split_sums(usage))
             .select_from(usage.outerjoin(run_class, run_class.c.run_id == usage.c.run_id))
             .where(and_(True, *conditions))
             .group_by(*columns)
             .order_by(*columns)
         )
         with self._read() as conn:
-            return [(str(r[0]), int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in conn.execute(query).all()]
+            return [(str(r[0]), int(r[1]), int(r[2]), int(r[3]), int(r[4]), *_counts(r[5:]).values())
+                    for r in conn.execute(query).all()]
 
     def billing_versions(self, start_us: int | None = None, end_us: int | None = None, tenant: str | None = None) -> list[tuple[str, int | None]]:
         """(engine_class, model_version) of the attributed steps of the runs a tenant (if given) had usage in, in
@@ -1083,6 +1125,7 @@ class Ledger:
                 func.sum(usage.c.num_new_tokens),
                 func.min(usage.c.first_timestamp_us),
                 func.max(usage.c.last_timestamp_us),
+                *split_sums(usage),
             )
             .where(and_(True, *conditions))
             .group_by(usage.c.run_id, usage.c.request_id, usage.c.tenant)
@@ -1092,7 +1135,8 @@ class Ledger:
         )
         with self._read() as conn:
             rows = conn.execute(query).all()
-        return [RequestUsageRow(r[0], r[1], r[2], int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7])) for r in rows]
+        return [RequestUsageRow(r[0], r[1], r[2], int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7]), **_counts(r[8:]))
+                for r in rows]
 
     def top_tenants(self, n: int, start_us: int | None = None, end_us: int | None = None) -> list[UsageRow]:
         """The ``n`` tenants with the most attributed time, largest first."""

@@ -29,6 +29,7 @@ import numpy as np
 from llmvisor.core.attribution import attribute_arrays
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.rounding import apportion_ns
+from llmvisor.core.tokens import TOKEN_SPLIT, add_counts, token_split
 from llmvisor.errors import LlmvisorError
 
 DEFAULT_WINDOW_S = 1.0
@@ -58,6 +59,12 @@ class RequestWindow:
     num_steps: int
     first_timestamp_us: int
     last_timestamp_us: int
+    num_uncached_prompt_tokens: int | None = None
+    """The split of ``num_new_tokens`` (ledger schema 6, `llmvisor.ledger.schema.TOKEN_SPLIT_COLUMNS`): prefill
+    slices' tokens, the prefix-cache hit (the ``num_cached_prompt_tokens`` slice fact, 0 where absent) and decode
+    slices' tokens. None: an edge that did not send the split (stored as unknown, NULL)."""
+    num_cached_prompt_tokens: int | None = None
+    num_output_tokens: int | None = None
 
 
 @dataclass
@@ -94,11 +101,14 @@ class WindowAggregate:
         """Per tenant: attributed and measured ns, slices (a request's steps) and new tokens."""
         out: dict[str, dict[str, int]] = {}
         for r in self.requests:
-            t = out.setdefault(r.tenant, {"attributed_ns": 0, "measured_ns": 0, "num_slices": 0, "num_new_tokens": 0})
+            t = out.setdefault(r.tenant, {"attributed_ns": 0, "measured_ns": 0, "num_slices": 0, "num_new_tokens": 0,
+                                          **dict.fromkeys(TOKEN_SPLIT, 0)})
             t["attributed_ns"] += r.attributed_ns
             t["measured_ns"] += r.measured_ns
             t["num_slices"] += r.num_steps
             t["num_new_tokens"] += r.num_new_tokens
+            for name in TOKEN_SPLIT:
+                t[name] = add_counts(t[name], getattr(r, name))
         return out
 
     def step_ids(self) -> np.ndarray:
@@ -213,10 +223,19 @@ def _request_from_json(data: object, where: str) -> RequestWindow:
     first, last = r.integer("first_timestamp_us", low=0), r.integer("last_timestamp_us", low=0)
     if last < first:
         raise WindowError(f"{where}.last_timestamp_us: before first_timestamp_us")
+    split = {name: r.integer(name, low=0, optional=True) for name in TOKEN_SPLIT}
+    given = [name for name, value in split.items() if value is not None]
+    if given and len(given) != len(TOKEN_SPLIT):
+        missing = next(name for name in TOKEN_SPLIT if split[name] is None)
+        raise WindowError(f"{where}.{missing}: missing (the token split is given whole or not at all)")
+    new_tokens = r.integer("num_new_tokens", low=0)
+    if given and split["num_uncached_prompt_tokens"] + split["num_output_tokens"] != new_tokens:
+        raise WindowError(f"{where}.num_output_tokens: num_uncached_prompt_tokens + num_output_tokens must equal "
+                          f"num_new_tokens ({new_tokens})")
     return RequestWindow(
         request_id=r.name("request_id"), tenant=r.name("tenant"), attributed_ns=r.integer("attributed_ns", low=0),
-        measured_ns=r.integer("measured_ns", low=0), num_new_tokens=r.integer("num_new_tokens", low=0),
-        num_steps=r.integer("num_steps", low=1), first_timestamp_us=first, last_timestamp_us=last,
+        measured_ns=r.integer("measured_ns", low=0), num_new_tokens=new_tokens,
+        num_steps=r.integer("num_steps", low=1), first_timestamp_us=first, last_timestamp_us=last, **split,
     )
 
 
@@ -250,7 +269,8 @@ class WindowAggregator:
     """Steps of one run instance in, closed `WindowAggregate` s out.
 
     ``add`` takes a relayed step (``step_id, timestamp_s, step_latency_s`` and slices ``[request_id, tenant,
-    num_new_tokens, num_context_tokens, is_prefill, num_shared_context_tokens, effective_context_tokens]``) and
+    num_new_tokens, num_context_tokens, is_prefill, num_shared_context_tokens, effective_context_tokens]``, and an
+    optional eighth item, ``num_cached_prompt_tokens``: 0 where absent) and
     returns the windows it closed (a step of a later window closes the earlier ones; ``close_due`` closes a window
     once the clock is past its end by ``grace_s``, for an idle engine; ``close`` closes the last). Step ids at or
     below the last one added are re-sends and skipped; a step dated before the open window (clocks are not
@@ -400,19 +420,25 @@ def _aggregate(run_id: str, engine_class: str, start_us: int, end_us: int, steps
         residual = ResidualStats(int(r.size), float(r.sum()), float((r * r).sum()), float(r.min()), float(r.max()))
         with np.errstate(divide="ignore", invalid="ignore"):
             relative = r / attribution.predicted_step_s
+    cached = np.fromiter((int(x[7] or 0) if len(x) > 7 else 0 for x in slices), dtype=np.int64, count=len(slices))
+    uncached, cached, output = token_split(new.astype(np.int64), prefill, cached)
     slice_measured = np.repeat(measured_ns, sizes)
     slice_ts = np.repeat(timestamp_us, sizes)
     by_request: dict[tuple[str, str], list[int]] = {}
     for k, key in enumerate(zip(request, tenant)):
         acc = by_request.get(key)
         if acc is None:
-            by_request[key] = [int(attributed_ns[k]), int(slice_measured[k]), int(new[k]), 1, int(slice_ts[k]), int(slice_ts[k])]
+            by_request[key] = [int(attributed_ns[k]), int(slice_measured[k]), int(new[k]), 1, int(slice_ts[k]), int(slice_ts[k]),
+                               int(uncached[k]), int(cached[k]), int(output[k])]
         else:
             acc[0] += int(attributed_ns[k])
             acc[1] += int(slice_measured[k])
             acc[2] += int(new[k])
             acc[3] += 1
             acc[5] = int(slice_ts[k])
+            acc[6] += int(uncached[k])
+            acc[7] += int(cached[k])
+            acc[8] += int(output[k])
     step_ids = [s[0] for s in steps]
     ranges: list[list[int]] = []
     for step_id in step_ids:
@@ -425,7 +451,7 @@ def _aggregate(run_id: str, engine_class: str, start_us: int, end_us: int, steps
         run_id=run_id, engine_class=engine_class, window_start_us=start_us, window_end_us=end_us,
         model_version=None if model is None else int(model[1]), pending=model is None, num_steps=len(steps),
         measured_ns=total_measured, attributed_ns=0 if model is None else int(attributed_ns.sum()), step_ranges=ranges,
-        requests=[RequestWindow(q, t, *acc[:4], acc[4], max(acc[4], acc[5])) for (q, t), acc in sorted(by_request.items())],
+        requests=[RequestWindow(q, t, *acc[:4], acc[4], max(acc[4], acc[5]), *acc[6:]) for (q, t), acc in sorted(by_request.items())],
         residual=residual,
     )
     return window, relative

@@ -32,6 +32,7 @@ from llmvisor.core.attribution import attribute
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.rounding import apportion_ns
+from llmvisor.core.tokens import CACHED_PROMPT_COLUMN
 from llmvisor.core.trace import (
     REQUIRED_COLUMNS,
     SHARING_COLUMNS,
@@ -115,6 +116,9 @@ def _step_groups(groups, *, max_steps: int, max_rows: int) -> list[list[dict]]:
 
 
 STORED_OPTIONAL_COLUMNS = ("timestamp_s",)
+TOKEN_COLUMNS = (CACHED_PROMPT_COLUMN,)
+"""Kept in the slices' blob and metered (the prefix-cache hit, `llmvisor.core.tokens`), not in the content hash:
+a v1 trace without it counts 0 cached prompt tokens."""
 RUN_COLUMNS = (FINGERPRINT_COLUMN,)
 """Read, not stored and not in a step's content hash (the idempotency key): the engine fingerprint id the
 service compares with its model's (`step_fingerprint_ids`)."""
@@ -128,7 +132,7 @@ def _trace_from_columns(columns, *, max_rows: int) -> StepTrace:
     reader's Arrow validator. Columns that are not stored are not read."""
     if not isinstance(columns, dict):
         raise PayloadError(422, "bad_shape", f'{BODY_PATH}: "columns" must map column names to lists of values')
-    used = [name for name in (*CHECKED_COLUMNS, *STORED_OPTIONAL_COLUMNS, *RUN_COLUMNS) if name in columns]
+    used = [name for name in (*CHECKED_COLUMNS, *STORED_OPTIONAL_COLUMNS, *RUN_COLUMNS, *TOKEN_COLUMNS) if name in columns]
     for name in used:
         if not isinstance(columns[name], list):
             raise PayloadError(422, "bad_shape", f"{BODY_PATH}: column {name}: expected a list of values")
@@ -348,6 +352,31 @@ def _check_storage_limits(trace: StepTrace) -> None:
         )
 
 
+def cached_prompt_tokens(trace: StepTrace) -> np.ndarray | None:
+    """Per slice the ``num_cached_prompt_tokens`` fact (a missing value: 0), or None where no row has it; a value
+    that is not an integer in [0, num_context_tokens] is refused naming its step (the prefix-cache hit is context the
+    request found cached)."""
+    values = trace.extra.get(CACHED_PROMPT_COLUMN)
+    if values is None:
+        return None
+    out = np.zeros(trace.n_slices, dtype=np.int64)
+    context = trace.num_context_tokens
+    for k, value in enumerate(np.asarray(values, dtype=object).tolist()):
+        if value is None:
+            continue
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= context[k]:
+            step = int(trace.slice_step_index[k])
+            raise PayloadError(
+                422, "invalid_trace",
+                f"{BODY_PATH}: step {trace.step_id_per_step[step]} of run {trace.run_id_per_step[step]!r}: {CACHED_PROMPT_COLUMN}: "
+                f"expected an integer from 0 to the slice's num_context_tokens ({int(context[k])}), got {value!r}",
+            )
+        out[k] = int(value)
+    return out
+
+
 def _step_timestamps(trace: StepTrace) -> list[float | None]:
     """Each step's ``timestamp_s`` (Unix seconds) or None; rows of a step must agree."""
     values = trace.extra.get("timestamp_s")
@@ -497,6 +526,7 @@ def prepare_batch(
         pending=pending,
         num_shared_context_tokens=trace.num_shared_context_tokens if sharing else None,
         effective_context_tokens=trace.effective_context_tokens if sharing else None,
+        num_cached_prompt_tokens=cached_prompt_tokens(trace),
     )
     return PreparedBatch(records=records, residual_s=measured_s - predicted_s, predicted_step_s=predicted_s)
 
@@ -518,6 +548,8 @@ def trace_from_stored(stored: StoredSteps, engine_class: str) -> StepTrace:
         columns["phase"] = pc.cast(phase, pa.string())
     typed, row_numbers = trace_columns_from_arrow("ledger", pa.table(columns))
     typed[FINGERPRINT_COLUMN] = np.full(table.num_rows, engine_class, dtype=object)
+    if CACHED_PROMPT_COLUMN in table.column_names:
+        typed[CACHED_PROMPT_COLUMN] = np.asarray(pc.fill_null(table[CACHED_PROMPT_COLUMN], 0).to_pylist(), dtype=object)
     return build_trace(typed, path="ledger", row_numbers=row_numbers)
 
 

@@ -273,6 +273,6 @@ def usage_classes(
     return ClassUsageResponse(
         start=span.start, end=span.end, bucket=bucket, tenant=scoped,
         buckets=[ClassBucket(engine_class=c, start=to_datetime(b), attributed_s=ns / 1e9, attributed_ns=ns, num_slices=n, num_new_tokens=t)
-                 for c, b, ns, n, t in rows],
+                 for c, b, ns, n, t, *_split in rows],
         model_versions=[BillingVersion(engine_class=c, model_version=v) for c, v in ledger.billing_versions(span.start_us, span.end_us, scoped)],
     )
