@@ -84,8 +84,8 @@ def served(model_path, db_url, tmp_path):  # noqa: F811
     assert result.returncode == 0, result.stderr
     ledger = Ledger(db_url)
     coef = {**DEFAULT_COEF_S, "decode_context_tokens": DEFAULT_COEF_S["decode_context_tokens"] * 5}  # another split
-    ledger.add_model(CLASS_A, json.dumps(class_model(CLASS_A, coef_s=coef, seed=7).to_dict()), "second.json")
-    adjust_period(ledger, CLASS_A, HOUR0 * 1_000_000, (HOUR0 + 3600) * 1_000_000, to_version=2)
+    second = ledger.add_model(CLASS_A, json.dumps(class_model(CLASS_A, coef_s=coef, seed=7).to_dict()), "second.json")
+    adjust_period(ledger, CLASS_A, HOUR0 * 1_000_000, (HOUR0 + 3600) * 1_000_000, to_version=second)
     ledger.close()
     return db_url
 
