@@ -229,15 +229,22 @@ def test_the_documented_migrate_command_runs_as_written(tmp_path, model_path):
         reference.close()
 
 
-def _schema_3_ledger(path, model, groups) -> str:
-    """A schema-3 ledger holding ``groups`` (of an engine class, one model version stored and active): a current
-    one without the step ranges of schema 4."""
+def _current_ledger(path, model, groups) -> tuple[str, Ledger]:
+    """A current SQLite ledger at ``path`` holding ``groups`` as engine class ``class-x``, ``model`` stored and active;
+    left open for the caller to add to and close."""
     url = f"sqlite:///{path}"
     ledger = Ledger(url)
     records = prepare_batch(model, validate_trace(groups), received_at_us=0).records
     records.engine_class = np.full(records.n_steps, "class-x", dtype=object)
     ledger.ingest(records)
     ledger.add_model("class-x", json.dumps(model.to_dict()), "test", activate=True)
+    return url, ledger
+
+
+def _schema_3_ledger(path, model, groups) -> str:
+    """A schema-3 ledger holding ``groups`` (of an engine class, one model version stored and active): a current
+    one without the step ranges of schema 4."""
+    url, ledger = _current_ledger(path, model, groups)
     ledger.create_key("tenant-1")
     ledger.close()
     engine = create_engine(url)
@@ -282,12 +289,7 @@ def _schema_4_ledger(path, model, groups) -> str:
     schema 5's window tables."""
     from llmvisor.ledger import AdjustmentRow
 
-    url = f"sqlite:///{path}"
-    ledger = Ledger(url)
-    records = prepare_batch(model, validate_trace(groups), received_at_us=0).records
-    records.engine_class = np.full(records.n_steps, "class-x", dtype=object)
-    ledger.ingest(records)
-    ledger.add_model("class-x", json.dumps(model.to_dict()), "test", activate=True)
+    url, ledger = _current_ledger(path, model, groups)
     ledger.add_adjustments([AdjustmentRow("class-x", 0, 10**15, 1, "tenant-0", "default", 10, 7, -3, 2, 5)])
     ledger.create_key("tenant-1")
     ledger.close()
@@ -339,16 +341,13 @@ def test_a_schema_4_ledger_is_copied_whole_and_takes_windows_after(tmp_path, mod
 def _schema_5_ledger(path, model, per_step, windowed) -> str:
     """A schema-5 ledger: ``per_step`` groups stored step by step, ``windowed`` groups as window aggregates, a price
     stored; a current one without schema 6's token split columns."""
+    from decimal import Decimal
+
     from llmvisor.billing import add_prices
     from llmvisor.billing.prices import Price
     from llmvisor.metering import WindowAggregator
 
-    url = f"sqlite:///{path}"
-    ledger = Ledger(url)
-    records = prepare_batch(model, validate_trace(per_step), received_at_us=0).records
-    records.engine_class = np.full(records.n_steps, "class-x", dtype=object)
-    ledger.ingest(records)
-    ledger.add_model("class-x", json.dumps(model.to_dict()), "test", activate=True)
+    url, ledger = _current_ledger(path, model, per_step)
     agg = WindowAggregator("run-w", "class-x", lambda: (model, 1))
     closed = []
     for g in windowed:
@@ -356,7 +355,7 @@ def _schema_5_ledger(path, model, per_step, windowed) -> str:
                           [[r["request_id"], r["tenant"], r["num_new_tokens"], r["num_context_tokens"], r["phase"] == "prefill", 0, None]
                            for r in g])
     assert ledger.ingest_windows(closed + agg.close()).inserted
-    add_prices(ledger, [Price("class-x", 0, int(T0_S) // 3600 * 3600 * 1_000_000, "USD", __import__("decimal").Decimal("2"))])
+    add_prices(ledger, [Price("class-x", 0, int(T0_S) // 3600 * 3600 * 1_000_000, "USD", Decimal("2"))])
     ledger.create_key("tenant-1")
     ledger.close()
     engine = create_engine(url)
