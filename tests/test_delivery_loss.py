@@ -23,8 +23,8 @@ from _service_fixtures import class_model, make_steps, model_path  # noqa: F401
 from llmvisor.client import StepPusher, WindowDelivery, WindowPusher, process_running, step_rows, wait_for_delivery
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import TraceWriter
-from llmvisor.metering import WindowAggregate, WindowAggregator
 from llmvisor.ledger import Ledger
+from llmvisor.metering import WindowAggregate, WindowAggregator
 from llmvisor.service.process import ServerProcess, free_loopback_port
 from test_service_client import ThreadServer
 

@@ -18,8 +18,8 @@ from llmvisor.ledger import Ledger, WindowConflictError
 from llmvisor.metering import WindowAggregate, WindowError
 from llmvisor.service.config import ServiceSettings
 from llmvisor.service.deps import AdminKey, IngestKey, LedgerDep, MetricsDep, SettingsDep, check_name
-from llmvisor.service.ingest import MAX_STRING_CHARS
 from llmvisor.service.gaps import GapMonitor
+from llmvisor.service.ingest import MAX_STRING_CHARS
 from llmvisor.service.metrics import ServiceMetrics
 from llmvisor.service.responses import database_unavailable, error
 from llmvisor.service.routes.steps import MAX_CONFLICTS_LISTED, is_database_outage
