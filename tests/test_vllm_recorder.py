@@ -152,7 +152,8 @@ def test_offline_rows_match_what_was_scheduled(tiny_model, tmp_path, monkeypatch
             step_has_decode[step_id] |= not is_prefill
     assert any(step_has_prefill[s] and step_has_decode[s] for s in step_has_prefill)
     assert 0 <= overhead.fraction < 0.5
-    # prefix caching off: no slice shares a KV block
+    # prefix caching off: no slice shares a KV block, no prompt token is found cached
+    assert (trace.extra["num_cached_prompt_tokens"].astype(int) == 0).all()
     assert (trace.extra["num_shared_context_tokens"].astype(int) == 0).all()
     assert np.allclose(trace.extra["effective_context_tokens"].astype(float), trace.num_context_tokens)
 
@@ -288,7 +289,8 @@ def test_scheduler_classes_take_async_scheduler_as_base_when_the_config_says_so(
 def run_shared_prefix_workload(model: str, trace_path, monkeypatch, *, async_scheduling: bool = False):
     """A (96-token prefix + own tail) prefilled first; then B and C with the same prefix and D with none.
 
-    Returns (prompts by request id, the scheduler's block ids of A, B, C while all decode, the engine core)."""
+    Returns (prompts by request id, the scheduler's block ids of A, B, C while all decode, the engine core,
+    vLLM's own ``num_cached_tokens`` of each finished request)."""
     from vllm import LLM, SamplingParams
 
     from llmvisor.engines.vllm.recorder import RecordingScheduler
@@ -315,6 +317,7 @@ def run_shared_prefix_workload(model: str, trace_path, monkeypatch, *, async_sch
     engine.add_request("A", {"prompt_token_ids": prompts["A"]}, params["A"])
     added = False
     block_ids = None
+    vllm_cached = {}
     for _ in range(200):
         if not added and any(r.num_computed_tokens >= len(prompts["A"]) for r in core.scheduler.requests.values()):
             for name in "BCD":
@@ -323,11 +326,13 @@ def run_shared_prefix_workload(model: str, trace_path, monkeypatch, *, async_sch
         internal = {r.request_id.split("-")[0]: r for r in core.scheduler.requests.values()}
         if block_ids is None and set(internal) == set("ABCD") and all(not r.is_prefill_chunk and r.num_output_tokens for r in internal.values()):
             block_ids = {name: core.scheduler.kv_cache_manager.get_block_ids(internal[name].request_id)[0] for name in "ABC"}
-        engine.step()
+        for output in engine.step():
+            if output.finished:
+                vllm_cached[output.request_id.split("-")[0]] = output.num_cached_tokens
         if not engine.has_unfinished_requests():
             break
     core.scheduler.flush_trace()
-    return prompts, block_ids, core
+    return prompts, block_ids, core, vllm_cached
 
 
 def expected_sharing(step_rows: list[dict], prompts: dict[str, str], block_size: int) -> dict[str, tuple[int, float]]:
@@ -386,9 +391,26 @@ def check_shared_prefix_trace(trace_path, prompts) -> int:
     return all_decoding
 
 
+def check_cached_prompt_tokens(trace_path, vllm_cached: dict[str, int]) -> None:
+    """Each request's first recorded slice carries the prompt tokens vLLM found in its prefix cache (the count vLLM
+    reports itself), its other slices 0; B and C found A's three 32-token prefix blocks, A and D nothing."""
+    rows_by_request = defaultdict(list)
+    for line in open(trace_path, encoding="utf-8"):
+        row = json.loads(line)
+        rows_by_request[row["request_id"].split("-")[0]].append((row["step_id"], row["num_cached_prompt_tokens"]))
+    assert set(rows_by_request) == set(vllm_cached) == set("ABCD")
+    recorded = {}
+    for name, rows in rows_by_request.items():
+        rows.sort()
+        recorded[name] = rows[0][1]
+        assert all(cached == 0 for _, cached in rows[1:]), (name, rows)
+    assert recorded == vllm_cached
+    assert recorded == {"A": 0, "B": 96, "C": 96, "D": 0}
+
+
 def test_shared_prefix_columns_match_the_kv_cache_managers_blocks(tiny_model, tmp_path, monkeypatch):
     trace_path = tmp_path / "shared.jsonl"
-    prompts, block_ids, core = run_shared_prefix_workload(tiny_model, trace_path, monkeypatch)
+    prompts, block_ids, core, vllm_cached = run_shared_prefix_workload(tiny_model, trace_path, monkeypatch)
     overhead = core.scheduler.recorder_overhead()
     core.shutdown()
     # the premise: vLLM's KV cache manager gave A, B and C the same three prefix blocks, and nothing else
@@ -396,6 +418,7 @@ def test_shared_prefix_columns_match_the_kv_cache_managers_blocks(tiny_model, tm
     assert block_ids["A"][:3] == block_ids["B"][:3] == block_ids["C"][:3]
     assert len({block_ids[name][3] for name in "ABC"}) == 3
     assert check_shared_prefix_trace(trace_path, prompts) >= 5
+    check_cached_prompt_tokens(trace_path, vllm_cached)
     assert overhead.n_steps > 0
 
 
@@ -407,7 +430,7 @@ def test_async_scheduling_on_the_cpu_engine_records_the_same_rows(tiny_model, tm
 
     lift_cpu_async_override(monkeypatch)
     trace_path = tmp_path / "async.jsonl"
-    prompts, block_ids, core = run_shared_prefix_workload(tiny_model, trace_path, monkeypatch, async_scheduling=True)
+    prompts, block_ids, core, vllm_cached = run_shared_prefix_workload(tiny_model, trace_path, monkeypatch, async_scheduling=True)
     scheduler = core.scheduler
     mro = type(scheduler).__mro__
     assert core.vllm_config.scheduler_config.async_scheduling is True and core.batch_queue_size == 2
@@ -418,6 +441,7 @@ def test_async_scheduling_on_the_cpu_engine_records_the_same_rows(tiny_model, tm
     core.shutdown()
     assert block_ids["A"][:3] == block_ids["B"][:3] == block_ids["C"][:3]
     assert check_shared_prefix_trace(trace_path, prompts) >= 5
+    check_cached_prompt_tokens(trace_path, vllm_cached)
     trace = read_trace(trace_path)
     assert trace.n_steps == overhead.n_steps and (trace.step_latency_s > 0).all()
     output_lens = {"A": 30, "B": 12, "C": 12, "D": 12}

@@ -52,6 +52,7 @@ import prometheus_client
 
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
 from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.tokens import CACHED_PROMPT_COLUMN
 from llmvisor.core.trace import REQUIRED_COLUMNS, TraceWriter
 from llmvisor.errors import LlmvisorError
 from llmvisor.metering import DEFAULT_WINDOW_S, WindowAggregate, WindowAggregator, union_ranges
@@ -642,27 +643,32 @@ DELIVERY_CLOSE_TIMEOUT_S = 30.0
 def step_rows(header: dict, step: list) -> list[dict]:
     """Trace rows of one relayed step ``[step_id, timestamp_s, step_latency_s, slices]``; each slice is
     ``[request_id, tenant, num_new_tokens, num_context_tokens, is_prefill, num_shared_context_tokens,
-    effective_context_tokens]``, the header holds the rest."""
+    effective_context_tokens]``, optionally followed by ``num_cached_prompt_tokens`` (written as that column when
+    every slice has it); the header holds the rest."""
     step_id, timestamp_s, latency_s, slices = step
     constant = header["columns"]
     is_warmup = step_id < header["warmup_steps"]
-    return [
+    rows = [
         {
             "step_id": step_id,
             "step_latency_s": latency_s,
-            "request_id": request_id,
-            "tenant": str(tenant),
-            "num_new_tokens": num_new,
-            "num_context_tokens": num_context,
-            "num_shared_context_tokens": num_shared,
-            "effective_context_tokens": num_effective,
-            "phase": "prefill" if is_prefill else "decode",
+            "request_id": s[0],
+            "tenant": str(s[1]),
+            "num_new_tokens": s[2],
+            "num_context_tokens": s[3],
+            "num_shared_context_tokens": s[5],
+            "effective_context_tokens": s[6],
+            "phase": "prefill" if s[4] else "decode",
             "timestamp_s": timestamp_s,
             **constant,
             "is_warmup": is_warmup,
         }
-        for request_id, tenant, num_new, num_context, is_prefill, num_shared, num_effective in slices
+        for s in slices
     ]
+    if slices and all(len(s) > 7 for s in slices):
+        for row, s in zip(rows, slices):
+            row[CACHED_PROMPT_COLUMN] = s[7]
+    return rows
 
 
 class StepDelivery:

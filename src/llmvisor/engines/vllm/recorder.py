@@ -304,20 +304,26 @@ class RecordingScheduler(Scheduler):
 
     def _slices(self, scheduler_output) -> list[tuple]:
         """(request_id, tenant, num_new_tokens, num_context_tokens, is_prefill, num_shared_context_tokens,
-        effective_context_tokens) for each scheduled request."""
+        effective_context_tokens, num_cached_prompt_tokens) for each scheduled request.
+
+        A newly scheduled request's computed tokens are its prefix-cache hits (vLLM counts the same number as the
+        request's ``num_cached_tokens``); a request scheduled before (running, or resumed after preemption)
+        records 0, so each request's cached prompt tokens are counted once."""
         num_scheduled = scheduler_output.num_scheduled_tokens
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         cached = scheduler_output.scheduled_cached_reqs
         contexts = [(new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs]
+        num_first = len(contexts)
         contexts.extend(zip(cached.req_ids, cached.num_computed_tokens))
         shared, effective = self._shared_context_columns(contexts)
         slices = []
-        for (request_id, num_context), num_shared, num_effective in zip(contexts, shared, effective):
+        for index, ((request_id, num_context), num_shared, num_effective) in enumerate(zip(contexts, shared, effective)):
             request = self.requests[request_id]
             num_new = num_scheduled[request_id]
             tenant = self.tenant_of(request)
             is_prefill = num_context < request.num_prompt_tokens or (num_new > 1 and request_id not in spec_tokens)
-            slices.append((request_id, tenant, num_new, num_context, is_prefill, num_shared, num_effective))
+            num_cached_prompt = num_context if index < num_first else 0
+            slices.append((request_id, tenant, num_new, num_context, is_prefill, num_shared, num_effective, num_cached_prompt))
         return slices
 
     def tenant_of(self, request) -> str:
