@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from collections import defaultdict
 
 import numpy as np
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from _service_fixtures import model_path  # noqa: F401
 from llmvisor.core.model import StepLatencyModel
+from llmvisor.ledger import Ledger
 from llmvisor.metering import WindowAggregate, WindowAggregator, WindowError
 from llmvisor.service.ingest import prepare_batch, validate_trace
 
@@ -175,3 +177,52 @@ def test_bad_windows_name_the_field(model, change, field):
     change(data)
     with pytest.raises(WindowError, match=field.replace("[", r"\[").replace("]", r"\]")):
         WindowAggregate.from_json(data)
+
+
+def with_cached_prompt_tokens(relayed, groups, fractions):
+    """The same steps with the ``num_cached_prompt_tokens`` fact: on each request's first slice a drawn fraction of
+    its context (prefix-cache hits; 0 ≤ cached ≤ context), 0 on its other slices; in both forms of the steps."""
+    seen, k = set(), 0
+    for step, rows in zip(relayed, groups):
+        for i, (slice_, row) in enumerate(zip(step[3], rows)):
+            cached = 0
+            if slice_[0] not in seen:
+                seen.add(slice_[0])
+                cached = int(slice_[3] * fractions[k % len(fractions)])
+                k += 1
+            step[3][i] = [*slice_, cached]
+            row["num_cached_prompt_tokens"] = cached
+    return relayed, groups
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(step_strategy, min_size=1, max_size=40), st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8),
+       st.sampled_from([0.25, 1.0]))
+def test_token_split_through_windows_and_per_step_ledgers_equals_an_independent_count(model, steps, fractions, window_s):
+    """Stranger traces with prefix-cache facts: the ledger's (uncached prompt, cached prompt, output) split per tenant is
+    the same whether steps are stored one by one or as window aggregates, and equals counting the slices directly."""
+    relayed, groups = with_cached_prompt_tokens(*build(steps), fractions)
+    expected = defaultdict(lambda: [0, 0, 0])
+    for step in relayed:
+        for _request, tenant, new, _context, prefill, _shared, _effective, cached in step[3]:
+            expected[tenant][0 if prefill else 2] += new
+            expected[tenant][1] += cached
+    windows = aggregate(model, relayed, window_s)
+    from_windows = defaultdict(lambda: [0, 0, 0])
+    for w in windows:
+        for q in w.requests:
+            for k, value in enumerate((q.num_uncached_prompt_tokens, q.num_cached_prompt_tokens, q.num_output_tokens)):
+                from_windows[q.tenant][k] += value
+    assert dict(from_windows) == dict(expected)
+    with tempfile.TemporaryDirectory() as folder:
+        per_step, windowed = Ledger(f"sqlite:///{folder}/steps.db"), Ledger(f"sqlite:///{folder}/windows.db")
+        try:
+            per_step.ingest(prepare_batch(model, validate_trace(groups), received_at_us=0).records)
+            windowed.ingest_windows(windows)
+            for ledger in (per_step, windowed):
+                split = {r.tenant: [r.num_uncached_prompt_tokens, r.num_cached_prompt_tokens, r.num_output_tokens]
+                         for r in ledger.tenant_usage()}
+                assert split == dict(expected)
+        finally:
+            per_step.close()
+            windowed.close()
