@@ -65,7 +65,7 @@ def billed_and_archived(model_path, db_url, tmp_path):  # noqa: F811
         assert response.status_code in (200, 201), response.text
         for k, body in enumerate(bodies):
             sent = body
-            if k == 2:  # sent without the sharing columns (as `client.columns_body` sends steps), archived with them
+            if k == 2:  # sent without the sharing columns (as a format-v1 client sends steps), archived with them
                 sent = {"columns": {n: v for n, v in body["columns"].items() if n not in SHARING_COLUMNS}}
             assert client.post("/v1/steps", json=sent, headers=bearer(admin)).status_code == 200
             for step in steps_of(body):

@@ -169,3 +169,30 @@ def test_from_env(monkeypatch, tmp_path):
     pusher = StepPusher.from_env()
     assert pusher.url == "http://127.0.0.1:9" and str(pusher.spool_path) == str(tmp_path / "s.jsonl")
     assert pusher.close(timeout_s=1)
+
+
+def test_pushed_steps_carry_the_shared_kv_and_prefix_cache_columns_the_service_reads(setup):
+    """The recorder's rows have the sharing columns (priced) and the prefix-cache hits (metered): the pusher sends
+    them, so the ledger stores the slices' sharing and meters the cached prompt tokens, as a trace upload would."""
+    server, ledger, key, url, spool = setup
+    groups = make_steps(n_steps=40, batch_size=6)
+    cached_sum = 0
+    for group in groups:
+        common = min(r["num_context_tokens"] for r in group) if len(group) > 1 else 0  # a prefix all its slices read
+        for k, row in enumerate(group):
+            row["num_shared_context_tokens"] = common
+            row["effective_context_tokens"] = row["num_context_tokens"] - common / len(group) * (len(group) - 1)
+            row["num_cached_prompt_tokens"] = row["num_context_tokens"] if k == 0 and row["phase"] == "prefill" else 0
+            cached_sum += row["num_cached_prompt_tokens"]
+    assert cached_sum > 0
+    server.start()
+    pusher = fast_pusher(url, key, spool)
+    for group in groups:
+        pusher.push_step(group)
+    assert pusher.close(timeout_s=30), pusher.stats
+    assert ledger.totals().num_steps == 40
+    assert sum(r.num_cached_prompt_tokens for r in ledger.tenant_usage()) == cached_sum
+    stored = ledger.billed_steps("", 0, 4_000_000_000 * 10**6).slices
+    shared = dict(zip(zip(stored["run_id"].to_pylist(), stored["step_id"].to_pylist(), stored["request_id"].to_pylist()),
+                      stored["num_shared_context_tokens"].to_pylist()))
+    assert shared == {(r["run_id"], r["step_id"], r["request_id"]): r["num_shared_context_tokens"] for g in groups for r in g}

@@ -53,7 +53,7 @@ import prometheus_client
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.tokens import CACHED_PROMPT_COLUMN
-from llmvisor.core.trace import REQUIRED_COLUMNS, TraceWriter
+from llmvisor.core.trace import REQUIRED_COLUMNS, SHARING_COLUMNS, TraceWriter
 from llmvisor.errors import LlmvisorError
 from llmvisor.metering import DEFAULT_WINDOW_S, WindowAggregate, WindowAggregator, union_ranges
 from llmvisor.metering.prometheus import edge_metrics
@@ -575,14 +575,19 @@ class StepPusher:
         )
 
 
+PUSHED_OPTIONAL_COLUMNS = ("timestamp_s", *SHARING_COLUMNS, CACHED_PROMPT_COLUMN, FINGERPRINT_COLUMN)
+"""Optional trace columns the service reads (`llmvisor.service.ingest`), sent when the rows carry them."""
+
+
 def columns_body(steps: list[list[dict]]) -> bytes:
     """A POST /v1/steps body in the column form (several times cheaper to validate than one object per row).
 
-    Only the columns the service stores are sent, and the engine fingerprint id (checked against the service's
-    model, not stored, not part of a step's idempotency key); a row missing a stored column is sent as null,
-    which the service reports by row like any other bad value."""
+    Only the columns the service reads are sent: those it stores, the shared-KV columns it prices with, the
+    prefix-cache hits it meters (`PUSHED_OPTIONAL_COLUMNS`) and the engine fingerprint id (checked against the
+    service's model, not stored, not part of a step's idempotency key); a row missing a stored column is sent as
+    null, which the service reports by row like any other bad value."""
     rows = [row for step in steps for row in step]
-    names = [*REQUIRED_COLUMNS, *(name for name in ("timestamp_s", FINGERPRINT_COLUMN) if any(name in row for row in rows))]
+    names = [*REQUIRED_COLUMNS, *(name for name in PUSHED_OPTIONAL_COLUMNS if any(name in row for row in rows))]
     # One json.dumps per column rather than one for the body: each C call holds the GIL, and this runs in a
     # thread of the engine's process, whose step times are being measured.
     parts = [f"{json.dumps(name)}:{json.dumps([row.get(name) for row in rows])}" for name in names]
