@@ -1,7 +1,7 @@
 """The documented operator commands run as written: the ```bash operator``` blocks of a doc, in order, in one
 shell, in an empty folder. docs/recorder.md: service, keys, vLLM's OpenAI server with the recorder pushing, a
-completion stored pending (no model of the engine yet), the engine's /metrics counting the steps acknowledged, traffic, calibration, the calibrated model activated and
-the tenant's usage billed with it. docs/service.md: fit, keys,
+completion stored pending (no model of the engine yet), the engine's /metrics counting the steps acknowledged, traffic, calibration, the calibrated model activated,
+the tenant's usage billed with it, a price and the period's FOCUS bill. docs/service.md: fit, keys,
 serve, both JSON ingest forms, every usage query.
 
 The docs say ports 8080 (the service) and 8000 (vLLM), as a user types them; the tests run them on free ports
@@ -21,10 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from _billing_checks import check_exports_tie_to_the_ledger, read_csv
 from _processes import START_TIMEOUT_S, run_process, running
 from _tiny_llama import write_suite_engine
+from llmvisor.billing import list_prices
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import read_trace
+from llmvisor.ledger import Ledger
 from llmvisor.net import free_loopback_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +95,8 @@ def test_the_operator_blocks_are_the_whole_journey():
     blocks = operator_blocks(OPERATOR_DOC.read_text(encoding="utf-8"))
     joined = "\n".join(blocks)
     for step in ("llmvisor keys create --admin", "llmvisor serve", "--scheduler-cls llmvisor.engines.vllm.recorder.RecordingScheduler",
-                 '"vllm_xargs": {"tenant": "team-a"}', "/v1/usage/tenants", "llmvisor calibrate"):
+                 '"vllm_xargs": {"tenant": "team-a"}', "/v1/usage/tenants", "llmvisor calibrate", "llmvisor prices add",
+                 "llmvisor export --format focus"):
         assert step in joined, step
     assert "--load-format dummy --skip-tokenizer-init" in joined
     assert not re.search(r"127\.0\.0\.1:8000|LLMVISOR_SERVICE_URL=\S*:8000|serve .*--port 8000", joined)
@@ -193,6 +197,27 @@ def test_the_documented_operator_commands_run(tmp_path):
     assert StepLatencyModel.from_json(work / "calibrated.json").engine_fingerprint_["id"] == served_id
     figures = calibration["evaluation"]["models"]
     assert figures["calibrated"]["n_steps"] == figures["baseline"]["n_steps"] > 100
+    # the bill: the documented FOCUS file is the one every contract check passes on this served ledger (cost =
+    # ledger × price to the cent, tokens, ids, the metering formats, focus-validator), and vLLM's prefix cache found
+    # some of the traffic's shared first prompt tokens, billed at the cached price
+    db_url = f"sqlite:///{work / 'ledger.db'}"
+    ledger = Ledger(db_url)
+    try:
+        [price] = [p for p in list_prices(ledger) if p.engine_class == served_id]
+        split = {r.tenant: r for r in ledger.tenant_usage()}
+    finally:
+        ledger.close()
+    period_s = (price.valid_from_us // 1_000_000, price.valid_from_us // 1_000_000 + 3 * 3600)
+    checks = tmp_path / "bill-checks"
+    checks.mkdir()
+    summary = check_exports_tie_to_the_ledger(db_url, period_s, checks)
+    assert set(summary["tenants"]) == {"team-a", "team-0", "team-1", "team-2"}
+    bill = read_csv(work / "bill.csv")
+    assert [r["x_IdempotencyId"] for r in bill] == [r["x_IdempotencyId"] for r in read_csv(checks / "focus.csv")]
+    assert sum(r.num_cached_prompt_tokens for r in split.values()) > 0
+    assert any(r["SkuId"].startswith("cached-prompt-token/") for r in bill)
+    if not summary["focus_validated"]:
+        pytest.skip("no FOCUS validator at .venv-focus/bin/focus-validator (scripts/install-test.sh creates it); every other check passed")
 
 
 @pytest.mark.vllm
