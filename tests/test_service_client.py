@@ -10,8 +10,10 @@ import pytest
 import uvicorn
 
 from _service_fixtures import bearer, make_steps, measured_ns, model_path  # noqa: F401
-from llmvisor.client import REJECTED_STEPS, StepPusher, _read_spool
+from llmvisor.client import PUSHED_OPTIONAL_COLUMNS, REJECTED_STEPS, StepPusher, _read_spool
+from llmvisor.core.trace import REQUIRED_COLUMNS
 from llmvisor.ledger import Ledger
+from llmvisor.service import ingest
 from llmvisor.service.app import create_app
 from llmvisor.service.process import ServerProcess, free_loopback_port
 
@@ -196,3 +198,10 @@ def test_pushed_steps_carry_the_shared_kv_and_prefix_cache_columns_the_service_r
     shared = dict(zip(zip(stored["run_id"].to_pylist(), stored["step_id"].to_pylist(), stored["request_id"].to_pylist()),
                       stored["num_shared_context_tokens"].to_pylist()))
     assert shared == {(r["run_id"], r["step_id"], r["request_id"]): r["num_shared_context_tokens"] for g in groups for r in g}
+
+
+def test_the_pusher_sends_every_optional_column_the_service_reads():
+    """The two lists are kept apart (the engine's process does not import the service): a column the service starts
+    reading must be pushed too, or per-step ingest silently bills without it."""
+    read = {*ingest.CHECKED_COLUMNS, *ingest.STORED_OPTIONAL_COLUMNS, *ingest.RUN_COLUMNS, *ingest.TOKEN_COLUMNS}
+    assert set(PUSHED_OPTIONAL_COLUMNS) == read - set(REQUIRED_COLUMNS)

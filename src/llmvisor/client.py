@@ -657,18 +657,18 @@ def step_rows(header: dict, step: list) -> list[dict]:
         {
             "step_id": step_id,
             "step_latency_s": latency_s,
-            "request_id": s[0],
-            "tenant": str(s[1]),
-            "num_new_tokens": s[2],
-            "num_context_tokens": s[3],
-            "num_shared_context_tokens": s[5],
-            "effective_context_tokens": s[6],
-            "phase": "prefill" if s[4] else "decode",
+            "request_id": request_id,
+            "tenant": str(tenant),
+            "num_new_tokens": num_new,
+            "num_context_tokens": num_context,
+            "num_shared_context_tokens": num_shared,
+            "effective_context_tokens": num_effective,
+            "phase": "prefill" if is_prefill else "decode",
             "timestamp_s": timestamp_s,
             **constant,
             "is_warmup": is_warmup,
         }
-        for s in slices
+        for request_id, tenant, num_new, num_context, is_prefill, num_shared, num_effective, *_ in slices
     ]
     if slices and all(len(s) > 7 for s in slices):
         for row, s in zip(rows, slices):
