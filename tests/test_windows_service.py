@@ -48,12 +48,12 @@ def relayed(groups):
             for g in groups]
 
 
-def windows_of(client, admin, run_id, groups):
+def windows_of(client, admin, run_id, groups, *, window_s: float = 1.0):
     active = client.get(f"/v1/models/{CLASS_W}/active", headers=bearer(admin))
     assert active.status_code == 200, active.text
     model = StepLatencyModel.from_dict(active.json()["model"])
     version = active.json()["version"]
-    agg = WindowAggregator(run_id, CLASS_W, lambda: (model, version))
+    agg = WindowAggregator(run_id, CLASS_W, lambda: (model, version), window_s=window_s)
     out = []
     for step in relayed(groups):
         out += agg.add(*step)
@@ -100,6 +100,54 @@ def test_resends_are_duplicates_and_different_content_is_409(client, admin):
     assert conflict.status_code == 409, conflict.text
     assert conflict.json()["conflicting_windows"] == [{"run_id": "run-w", "window_start_us": windows[1]["window_start_us"]}]
     assert tenants(client, admin) == before
+
+
+def test_a_step_is_billed_once_whatever_key_it_comes_under(client, admin):
+    """A window whose steps the ledger already holds under another key is a 409 naming it, and nothing of its
+    batch is stored: a delivery process restarted with another window length (or one that re-aggregated steps whose
+    window was still on its way when it asked what is held), or a run switched between per-step and window
+    mode. Before, only a window's own key was checked and such steps were billed twice."""
+    def held():
+        return client.get("/v1/windows/held", params={"run_id": "run-w"}, headers=bearer(admin)).json()
+
+    one_s = windows_of(client, admin, "run-w", steps_of("run-w")[:30])
+    assert client.post("/v1/windows", headers=bearer(admin), json={"windows": one_s}).status_code == 200
+    before, held_before = tenants(client, admin), held()
+    # 0.7 s windows of the same steps: only those whose keys the ledger does not hold (the others are the older
+    # "different content" 409)
+    keys = {w["window_start_us"] for w in one_s}
+    shifted = [w for w in windows_of(client, admin, "run-w", steps_of("run-w"), window_s=0.7) if w["window_start_us"] not in keys]
+    overlapping = [{"run_id": "run-w", "window_start_us": w["window_start_us"]} for w in shifted
+                   if any(a <= 29 for a, _ in w["step_ranges"])]
+    assert len(overlapping) >= 5 and len(overlapping) < len(shifted)
+    refused = client.post("/v1/windows", headers=bearer(admin), json={"windows": shifted})
+    assert refused.status_code == 409, refused.text
+    assert "already holds" in refused.json()["detail"]
+    assert refused.json()["conflicting_windows"] == overlapping
+    assert tenants(client, admin) == before and held() == held_before  # the batch is stored whole or not at all
+    # the steps after those held go through on their own, once
+    rest = [w for w in shifted if {"run_id": "run-w", "window_start_us": w["window_start_us"]} not in overlapping]
+    assert client.post("/v1/windows", headers=bearer(admin), json={"windows": rest}).status_code == 200
+    assert client.post("/v1/windows", headers=bearer(admin), json={"windows": one_s}).json()["windows_duplicate"] == len(one_s)
+    run_w_steps = sum(b - a + 1 for a, b in held()["step_ranges"])
+    assert run_w_steps == 30 + sum(w["num_steps"] for w in rest)
+    # per-step ingest of steps a window holds is refused too, and a window over steps stored one by one
+    again = client.post("/v1/steps", headers=bearer(admin), json={"steps": steps_of("run-w")[3:5]})
+    assert again.status_code == 409 and again.json()["conflicting_steps"][0] == {"run_id": "run-w", "step_id": 3}, again.text
+    assert client.post("/v1/steps", headers=bearer(admin), json={"steps": steps_of("run-p")[:20]}).status_code == 200
+    over_steps = client.post("/v1/windows", headers=bearer(admin), json={"windows": windows_of(client, admin, "run-p", steps_of("run-p"))})
+    assert over_steps.status_code == 409, over_steps.text
+    assert "already held" in over_steps.json()["detail"] or "already holds" in over_steps.json()["detail"]
+    # two windows of one batch, with other keys, sharing steps: refused whole
+    later = steps_of("run-b")
+    pair = [windows_of(client, admin, "run-b", later[4:8])[0], windows_of(client, admin, "run-b", later[4:8], window_s=0.7)[-1]]
+    assert pair[0]["window_start_us"] != pair[1]["window_start_us"]
+    assert set(range(pair[0]["step_ranges"][0][0], pair[0]["step_ranges"][-1][1] + 1)) & set(range(pair[1]["step_ranges"][0][0], pair[1]["step_ranges"][-1][1] + 1))
+    both = client.post("/v1/windows", headers=bearer(admin), json={"windows": pair})
+    assert both.status_code == 409 and "already holds" in both.json()["detail"], both.text
+    assert client.get("/v1/windows/held", params={"run_id": "run-b"}, headers=bearer(admin)).json()["step_ranges"] == []
+    totals = client.get("/v1/usage/totals", headers=bearer(admin)).json()
+    assert totals["num_steps"] == run_w_steps + 20  # run-w's steps and run-p's 20, each once
 
 
 def test_bad_windows_are_422_naming_the_field_and_store_nothing(client, admin):

@@ -85,30 +85,54 @@ class LedgerError(LlmvisorError):
     """The ledger cannot be opened or used as asked (bad URL, unreachable database, other schema)."""
 
 
-class StepConflictError(LlmvisorError):
-    """Steps re-sent with a (run_id, step_id) already stored under different content."""
+HELD_ELSEWHERE = "covers steps the ledger already holds under another key (another window, or stored one by one)"
 
-    def __init__(self, conflicts: Sequence[tuple[str, int]]):
+
+class StepConflictError(LlmvisorError):
+    """Steps re-sent with a (run_id, step_id) already stored under different content, or steps a stored window
+    already covers (``reason`` says which)."""
+
+    def __init__(self, conflicts: Sequence[tuple[str, int]], reason: str = "is already stored with different content"):
         self.conflicts = list(conflicts)
         run_id, step_id = self.conflicts[0]
         more = f" (and {len(self.conflicts) - 1} more)" if len(self.conflicts) > 1 else ""
         super().__init__(
-            f"step {step_id} of run {run_id!r}{more} is already stored with different content; "
+            f"step {step_id} of run {run_id!r}{more} {reason}; "
             "a (run_id, step_id) can be ingested once, re-sends must be identical"
         )
 
 
 class WindowConflictError(LlmvisorError):
-    """Window aggregates re-sent with a (run_id, window_start_us) already stored under different content."""
+    """Window aggregates re-sent with a (run_id, window_start_us) already stored under different content, or
+    windows covering steps the ledger already holds in another window or one by one (``reason`` says which)."""
 
-    def __init__(self, conflicts: Sequence[tuple[str, int]]):
+    def __init__(self, conflicts: Sequence[tuple[str, int]], reason: str = "is already stored with different content"):
         self.conflicts = list(conflicts)
         run_id, start_us = self.conflicts[0]
         more = f" (and {len(self.conflicts) - 1} more)" if len(self.conflicts) > 1 else ""
         super().__init__(
-            f"window {start_us} of run {run_id!r}{more} is already stored with different content; "
-            "a (run_id, window_start_us) can be ingested once, re-sends must be identical"
+            f"window {start_us} of run {run_id!r}{more} {reason}; "
+            "a (run_id, window_start_us) can be ingested once, re-sends must be identical, and a step is billed once"
         )
+
+
+class HeldStepsError(LlmvisorError):
+    """New step ids of ``run_id`` that the ledger already holds (or that one batch holds twice): ``overlaps`` as
+    ``(first, last)`` ranges. Raised inside the write transaction, so nothing of the batch is stored; the ingest
+    methods answer it as a conflict of the steps or windows concerned."""
+
+    def __init__(self, run_id: str, overlaps: Sequence[tuple[int, int]]):
+        self.run_id = run_id
+        self.overlaps = list(overlaps)
+        first, last = self.overlaps[0]
+        super().__init__(f"steps {first}-{last} of run {run_id!r} are already held")
+
+    def covers(self, run_id: str, step_ids: np.ndarray) -> bool:
+        """Whether any of ``step_ids`` of ``run_id`` lies in an overlap."""
+        if run_id != self.run_id:
+            return False
+        ids = np.asarray(step_ids, dtype=np.int64)
+        return any(bool(np.any((ids >= first) & (ids <= last))) for first, last in self.overlaps)
 
 
 @dataclass(frozen=True)
@@ -519,6 +543,20 @@ def merge_ranges(ranges: Sequence[tuple[int, int, str, int]]) -> list[tuple[int,
     return [tuple(item) for item in merged]
 
 
+def range_overlaps(ours: Sequence[tuple[int, int]], theirs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ids two lists of sorted, disjoint ``(first, last)`` ranges share, as ranges (one sweep)."""
+    out, i, j = [], 0, 0
+    while i < len(ours) and j < len(theirs):
+        first, last = max(ours[i][0], theirs[j][0]), min(ours[i][1], theirs[j][1])
+        if first <= last:
+            out.append((first, last))
+        if ours[i][1] < theirs[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
 def step_id_ranges(step_ids: np.ndarray) -> list[tuple[int, int]]:
     """Sorted, distinct step ids as runs of consecutive ids ``(first, last)``."""
     ids = np.unique(np.asarray(step_ids, dtype=np.int64))
@@ -734,6 +772,10 @@ class Ledger:
                     if batch is not None:
                         self._insert(conn, batch)
                 return IngestOutcome(inserted)
+            except HeldStepsError as held:  # rolled back: nothing of the batch is stored
+                covered = [k for k, new in zip(keys, inserted) if new and held.covers(k[0], np.asarray([k[1]]))]
+                raise StepConflictError(covered or [(held.run_id, held.overlaps[0][0])],
+                                        "is already held in a stored window (or twice in this batch)") from None
             except (IntegrityError, OperationalError):
                 # A concurrent writer (another thread, or another service process on the same PostgreSQL)
                 # stored some of these keys after this transaction looked them up: its insert waits for that
@@ -773,6 +815,9 @@ class Ledger:
                     if new:
                         self._insert_windows(conn, new, digests)
                 return WindowOutcome(inserted=len(new), duplicate=len(aggregates) - len(new), stored=tuple(new))
+            except HeldStepsError as held:  # rolled back: nothing of the batch is stored
+                covered = [(w.run_id, w.window_start_us) for w in new if held.covers(w.run_id, w.step_ids())]
+                raise WindowConflictError(covered or [(held.run_id, new[0].window_start_us)], HELD_ELSEWHERE) from None
             except (IntegrityError, OperationalError):
                 if attempt == _WRITE_ATTEMPTS - 1:  # a concurrent writer stored some: the next look sees them
                     raise
@@ -916,7 +961,10 @@ class Ledger:
 
     def add_step_ranges(self, conn: Connection, run_id: np.ndarray, step_id: np.ndarray, engine_class: np.ndarray,
                         received_us: np.ndarray) -> None:
-        """Merge newly stored steps' ids into their runs' ranges (`step_ranges`), run by run in name order.
+        """Merge newly stored steps' ids into their runs' ranges (`step_ranges`), run by run in name order;
+        `HeldStepsError` if a step id is held already (in a stored window, or stored one by one) or twice in
+        this batch, so a step is billed once whatever key it came under: a delivery process that replaced a
+        dead one and aggregated steps whose window was still on its way is refused, not counted twice.
 
         Last in the transaction, after every row lock it takes: on PostgreSQL a transaction-scoped advisory
         lock per run makes concurrent writers of one run take turns on its ranges, and taking those locks in
@@ -924,7 +972,10 @@ class Ledger:
         run_id = np.asarray(run_id, dtype=object).astype(str)
         for run in sorted(set(run_id.tolist())):
             mine = run_id == run
-            islands = step_id_ranges(step_id[mine])
+            ids, counts = np.unique(np.asarray(step_id[mine], dtype=np.int64), return_counts=True)
+            if np.any(counts > 1):
+                raise HeldStepsError(run, step_id_ranges(ids[counts > 1]))
+            islands = step_id_ranges(ids)
             engine_class_of_run = str(np.asarray(engine_class, dtype=object)[mine][0])
             received = int(np.min(np.asarray(received_us)[mine]))
             if self.backend == "postgresql":
@@ -936,6 +987,9 @@ class Ledger:
                     table.c.run_id == run, table.c.last_step_id >= low - 1, table.c.first_step_id <= high + 1
                 )
             ).all()
+            overlaps = range_overlaps(islands, sorted((int(row[0]), int(row[1])) for row in existing))
+            if overlaps:
+                raise HeldStepsError(run, overlaps)
             merged = merge_ranges([*((a, b, engine_class_of_run, received) for a, b in islands), *map(tuple, existing)])
             if existing:
                 conn.execute(
