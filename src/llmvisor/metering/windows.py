@@ -22,7 +22,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -115,7 +115,19 @@ class WindowAggregate:
         return np.concatenate([np.arange(a, b + 1, dtype=np.int64) for a, b in self.step_ranges]) if self.step_ranges else np.zeros(0, np.int64)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """What `dataclasses.asdict` gives (the same keys, order and values: the stored idempotency digests
+        depend on it), built directly: asdict's recursive deep copy was a fifth of the service's time per window."""
+        out = {}
+        for name in _WINDOW_FIELDS:
+            value = getattr(self, name)
+            if name == "step_ranges":
+                value = [list(r) for r in value]
+            elif name == "requests":
+                value = [{f: getattr(q, f) for f in _REQUEST_FIELDS} for q in value]
+            elif name == "residual":
+                value = {f: getattr(value, f) for f in _RESIDUAL_FIELDS}
+            out[name] = value
+        return out
 
     def canonical_bytes(self) -> bytes:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
@@ -168,6 +180,11 @@ class WindowAggregate:
             model_version=version, pending=pending, num_steps=num_steps, measured_ns=measured, attributed_ns=attributed,
             step_ranges=ranges, requests=requests, residual=residual, format=fmt,
         )
+
+
+_WINDOW_FIELDS = tuple(f.name for f in fields(WindowAggregate))
+_REQUEST_FIELDS = tuple(f.name for f in fields(RequestWindow))
+_RESIDUAL_FIELDS = tuple(f.name for f in fields(ResidualStats))
 
 
 class _Reader:
