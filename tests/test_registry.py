@@ -272,3 +272,17 @@ def test_a_refit_from_the_ledger_fits_the_shared_kv_term_of_attributed_steps(mod
         ledger.close()
     assert model.identified_[Coef.E]
     assert model.coef_[:, Coef.E] == pytest.approx(4e-7, rel=0.2)
+
+
+def test_a_model_version_is_known_once_stored_and_an_unknown_one_is_asked_again(db_url):  # noqa: F811
+    """`Ledger.has_model_version` (the windows route's check of every window's version) remembers versions it
+    found, never ones it did not: a version added later, by this process or another, is then found."""
+    asker, writer = Ledger(db_url), Ledger(db_url)
+    try:
+        assert not asker.has_model_version(CLASS_A, 1)
+        version = writer.add_model(CLASS_A, json.dumps(class_model(CLASS_A).to_dict()), "test")
+        assert asker.has_model_version(CLASS_A, version) and asker.has_model_version(CLASS_A, version)
+        assert not asker.has_model_version(CLASS_A, version + 1) and not asker.has_model_version("bbbbbbbbbbbbbbbb", version)
+    finally:
+        asker.close()
+        writer.close()

@@ -685,6 +685,7 @@ class Ledger:
             raise LedgerError(f"cannot use database {self.safe_url}: {error}") from None
         # SQLite allows one writer; waiting here is cheaper than SQLite's sleep-and-retry busy handler.
         self._write_lock = threading.Lock() if self.backend == "sqlite" else None
+        self._known_versions: set[tuple[str, int]] = set()  # stored model versions are never changed nor removed
         self._create_schema()
 
     @property
@@ -1426,6 +1427,20 @@ class Ledger:
                     engine_models.c.engine_class == engine_class, engine_models.c.version == version
                 )
             ).scalar()
+
+    def has_model_version(self, engine_class: str, version: int) -> bool:
+        """Whether version ``version`` of ``engine_class`` is registered; a version found is remembered (the
+        windows route asks this of every window)."""
+        key = (engine_class, int(version))
+        if key in self._known_versions:
+            return True
+        with self._read() as conn:
+            found = conn.execute(
+                select(engine_models.c.version).where(engine_models.c.engine_class == engine_class, engine_models.c.version == version)
+            ).first() is not None
+        if found:
+            self._known_versions.add(key)
+        return found
 
     def activate_model(self, engine_class: str, version: int) -> None:
         """Make a stored version the one attributing its class (its pending steps are attributed separately:

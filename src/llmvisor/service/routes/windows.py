@@ -67,7 +67,7 @@ def ingest_windows(body: bytes, *, ledger: Ledger, settings: ServiceSettings, ga
                    metrics: ServiceMetrics | None = None) -> WindowIngestResponse:
     aggregates = read_windows(body, max_windows=settings.max_steps_per_request)
     for k, w in enumerate(aggregates):
-        if not w.pending and ledger.model_json(w.engine_class, w.model_version) is None:
+        if not w.pending and not ledger.has_model_version(w.engine_class, w.model_version):
             raise WindowError(f"windows[{k}].model_version: no version {w.model_version} of engine class {w.engine_class!r} is registered")
     outcome = ledger.ingest_windows(aggregates)
     if metrics is not None:
