@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmvisor.cli.calibrate import profile_command, profile_environment
+from llmvisor.cli.calibrate import combine_profiles, profile_command, profile_environment
 from llmvisor.core.fingerprint import fingerprint_sidecar
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import synthetic_trace
@@ -28,7 +28,15 @@ from llmvisor.profile.calibration import (
     residual_quantiles,
     step_kinds,
 )
-from llmvisor.profile.drift import CANARY_INDEX_BASE, canary_drift, canary_episode, is_canary_episode, with_canaries
+from llmvisor.profile.drift import (
+    CANARY_INDEX_BASE,
+    canary_drift,
+    canary_episode,
+    is_canary_episode,
+    mark_drifted,
+    profile_level_drift,
+    with_canaries,
+)
 from llmvisor.profile.eta import SweepClock, SweepProgress, episode_work
 from llmvisor.profile.plans import Envelope, sweep_episodes
 from test_fingerprint import SERVED, fingerprinted_trace
@@ -115,20 +123,22 @@ def test_canaries_bracket_the_sweep():
     assert with_canaries(episodes, envelope, 0) == episodes
 
 
-def canary_trace(slowdown: dict[int, float], n_canaries: int = 5, steps_per_canary: int = 6, sweep_steps: int = 10):
-    """Canary runs (request ids as the profile names them) between sweep episodes; canary k slowed by slowdown[k]."""
-    rng = np.random.default_rng(0)
+def canary_trace(slowdown: dict[int, float], n_canaries: int = 5, steps_per_canary: int = 6, sweep_steps: int = 10,
+                 run_id: str = "p", level: float = 0.0, seed: int = 0):
+    """Canary runs (request ids as the profile names them) between sweep episodes; canary k slowed by slowdown[k],
+    every step of the profile by ``level``."""
+    rng = np.random.default_rng(seed)
     rows, step = [], 0
     base = 0.01 * (1 + np.arange(steps_per_canary))
     for k in range(n_canaries):
         for position in range(steps_per_canary):
-            latency = base[position] * (1 + slowdown.get(k, 0.0)) * (1 + 0.01 * rng.standard_normal())
-            rows.append({"run_id": "p", "step_id": step, "step_latency_s": latency, "request_id": f"sweep-e{CANARY_INDEX_BASE + k:04d}-r0-000",
+            latency = base[position] * (1 + level) * (1 + slowdown.get(k, 0.0)) * (1 + 0.01 * rng.standard_normal())
+            rows.append({"run_id": run_id, "step_id": step, "step_latency_s": latency, "request_id": f"sweep-e{CANARY_INDEX_BASE + k:04d}-r0-000",
                          "tenant": "sweep", "num_new_tokens": 1, "num_context_tokens": 64 + position, "phase": "decode"})
             step += 1
         if k < n_canaries - 1:
             for _ in range(sweep_steps):
-                rows.append({"run_id": "p", "step_id": step, "step_latency_s": 0.02, "request_id": f"sweep-e{k:04d}-r0-000",
+                rows.append({"run_id": run_id, "step_id": step, "step_latency_s": 0.02 * (1 + level), "request_id": f"sweep-e{k:04d}-r0-000",
                              "tenant": "sweep", "num_new_tokens": 1, "num_context_tokens": 10, "phase": "decode"})
                 step += 1
     return trace_from_rows(rows)
@@ -144,6 +154,91 @@ def test_a_drifted_canary_flags_the_steps_around_it():
     assert not drifted[:22].any() and drifted[22:48].all() and not drifted[48:].any()
     quiet, quiet_summary = canary_drift(canary_trace({}), 0.1)
     assert not quiet.any() and quiet_summary["max_abs_drift"] < 0.05
+
+
+def test_on_a_machine_that_swings_all_the_time_only_a_canary_out_of_line_with_the_swing_drifts():
+    """Canary runs up to 20% either side, in no order (the machine's speed swinging throughout): none is out of
+    line with the rest, so none drifts (at a flat 10% cut four would, and most of the profile's steps with
+    them); one run slowed 80% on top stands out of the swing and drifts."""
+    levels = [0.05, -0.2, 0.15, 0.0, -0.1, 0.2, -0.05, 0.1, -0.15]
+    swing = dict(enumerate(levels))
+    drifted, summary = canary_drift(canary_trace(swing, n_canaries=9), 0.1)
+    assert not drifted.any() and summary["n_drifted_canaries"] == 0
+    assert summary["cut"] > 0.3 and summary["cut"] == pytest.approx(3 * summary["spread"])
+    assert sum(abs(c["drift"]) > 0.1 for c in summary["canaries"]) >= 4  # what a flat cut would have dropped
+    drifted, summary = canary_drift(canary_trace({**swing, 4: 0.8}, n_canaries=9), 0.1)
+    assert [c["drifted"] for c in summary["canaries"]] == [k == 4 for k in range(9)]
+    steady = canary_drift(canary_trace({2: 0.3}), 0.1)[1]
+    assert steady["cut"] == 0.1  # a steady machine: the flat threshold holds
+
+
+def test_a_profile_whose_machine_level_differs_from_the_median_profile_drifts_whole():
+    """Separate engine starts: each profile's canaries only see changes within it, so the profiles' median
+    canary runs are compared with each other; with two that disagree no majority says which was right."""
+    quiet = [canary_trace({}, run_id=f"p{k}", seed=k) for k in range(2)]
+    slow = canary_trace({1: 0.3}, run_id="slow", level=0.3, seed=7)  # slower throughout, one canary more so
+    drifted, summary = profile_level_drift([quiet[0], slow, quiet[1]], 0.1)
+    assert drifted == [False, True, False] == summary["drifted"]
+    assert summary["levels"][1] == pytest.approx(0.3, abs=0.03) and abs(summary["levels"][0]) < 0.03
+    assert profile_level_drift([quiet[0], slow], 0.1)[0] == [True, True]
+    assert profile_level_drift(quiet, 0.1)[0] == [False, False]
+    assert profile_level_drift(quiet[:1], 0.1)[0] == [False]
+
+    mark_drifted(slow, canary_drift(slow, 0.1)[0])  # its own canary 1 drifted; the others see no drift within it
+    own = slow.is_drifted_per_step.copy()
+    assert 0 < own.sum() < slow.n_steps and "is_drifted" not in quiet[0].extra
+    combined, _ = combine_profiles([quiet[0], slow, quiet[1]])
+    n = [quiet[0].n_steps, slow.n_steps, quiet[1].n_steps]
+    flags = combined.is_drifted_per_step
+    assert flags[n[0]:n[0] + n[1]].all() and not flags[:n[0]].any() and not flags[n[0] + n[1]:].any()
+    assert (slow.is_drifted_per_step == own).all()  # the profile read stays as it was
+    kept, _ = combine_profiles([quiet[0], slow, canary_trace({}, run_id="p2", seed=2), canary_trace({}, run_id="p3", seed=3)])
+    assert kept.is_drifted_per_step.sum() == slow.n_steps  # a profile without its own flags is still held to the level rule
+    _, level = combine_profiles([quiet[0], quiet[1].select_steps(np.ones(quiet[1].n_steps, dtype=bool))])
+    assert level["drifted"] == [False, False]
+
+
+def test_calibrate_profiles_again_and_fits_on_the_steady_steps_of_all_profiles(tmp_path, monkeypatch):
+    """The retry loop, with the profiles' traces given (the journey in docs/recorder.md runs it on vLLM): the
+    first profile drifted too much to fit on, the second's steady steps with the first's are enough."""
+    import llmvisor.cli.calibrate as calibrate_cli
+
+    first = fingerprinted_trace(SERVED, 400, seed=5)
+    second = fingerprinted_trace(SERVED, 400, seed=6)
+    second.run_id[:] = "second"
+    for trace, n_drifted in ((first, 330), (second, 250)):
+        flags = np.zeros(trace.n_steps, dtype=bool)
+        flags[:n_drifted] = True
+        mark_drifted(trace, flags)
+    profiles = iter([first, second])
+    calls = []
+
+    def profile(served, path, **options):
+        calls.append(Path(path).name)
+        write_trace(next(profiles), path)
+        return {"n_steps": 400}
+
+    monkeypatch.setattr(calibrate_cli, "run_profile", profile)
+    alone = StepLatencyModel().fit(first)
+    assert fit_usable(alone, first)["short"]  # the first profile alone is refused
+    fingerprint = tmp_path / "served.engine.json"
+    fingerprint.write_text(json.dumps(SERVED.to_dict()))
+    calibrate_cli.calibrate(output=tmp_path / "m.json", fingerprint=fingerprint, from_trace=None, engine_model=None,
+                            points=12, max_decode_steps=16, max_episode_tokens=16384, canary_every=2, attempts=3,
+                            kv_cache_gib=2, trace_output=None, evaluate_on=None, baseline_model=None,
+                            allow_few_steps=False, json_output=False)
+    assert calls == ["m.profile.parquet", "m.profile.attempt-2.parquet"]  # stopped once enough steps were kept
+    model = StepLatencyModel.from_json(tmp_path / "m.json")
+    assert model.fit_info_["n_drifted_dropped"] == 580 and model.fit_info_["n_steps_total"] == 800
+
+    calls.clear()
+    profiles = iter([first, first.select_steps(np.ones(first.n_steps, dtype=bool))])
+    with pytest.raises(LlmvisorError, match="the fit kept"):
+        calibrate_cli.calibrate(output=tmp_path / "n.json", fingerprint=fingerprint, from_trace=None, engine_model=None,
+                                points=12, max_decode_steps=16, max_episode_tokens=16384, canary_every=2, attempts=1,
+                                kv_cache_gib=2, trace_output=None, evaluate_on=None, baseline_model=None,
+                                allow_few_steps=False, json_output=False)
+    assert calls == ["n.profile.parquet"] and not (tmp_path / "n.json").exists()
 
 
 def test_residual_quantiles_are_of_measured_minus_predicted_over_measured():

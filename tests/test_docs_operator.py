@@ -194,6 +194,10 @@ def test_the_documented_operator_commands_run(tmp_path):
     assert set(served.tenant) == {"team-a", "team-0", "team-1", "team-2"}
     calibration = json.loads((work / "calibration.json").read_text())
     assert calibration["fingerprint_matches"] is True
+    profiles = calibration["profiles"]  # one, or more when drift left too few steps (each a trace beside the first)
+    assert 1 <= len(profiles) <= 3 and all((work / Path(p["trace"]).name).exists() for p in profiles)
+    assert len(calibration["level_drift"]["drifted"]) == len(profiles)
+    assert calibration["fit"]["n_steps_total"] == sum(p["n_steps"] for p in profiles)
     assert StepLatencyModel.from_json(work / "calibrated.json").engine_fingerprint_["id"] == served_id
     figures = calibration["evaluation"]["models"]
     assert figures["calibrated"]["n_steps"] == figures["baseline"]["n_steps"] > 100

@@ -6,7 +6,9 @@ Two ways, one output (a model file whose ``engine_fingerprint`` is the served en
   it, or a Parquet trace): run ``llmvisor profile --plan sweep`` with the served engine's settings (batch
   limits, prefix caching, eager mode, the executor: a worker process bound to the served worker's cores,
   or this process pinned to them with its thread count), with drift canaries; fit on the sweep (drifted
-  steps left out); check the profile's fingerprint id is the served one.
+  steps left out); check the profile's fingerprint id is the served one. When drift leaves too few steps,
+  profile again (``--attempts``, a new engine start each) and fit on the steady steps of all the profiles,
+  less any profile whose machine level differs from the median profile's (`profile_level_drift`).
 - ``--from-trace``: fit on the live steps the recorder collected, once they meet the coverage rule
   (`llmvisor.profile.calibration`).
 
@@ -27,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
+import numpy as np
 import typer
 
 from llmvisor import shipped
@@ -34,9 +37,10 @@ from llmvisor.cli.console import stderr
 from llmvisor.cli.params import check_output_file
 from llmvisor.core.fingerprint import EngineFingerprint, describe_mismatch
 from llmvisor.core.model import StepLatencyModel
-from llmvisor.core.trace import read_trace, read_traces
+from llmvisor.core.trace import concat_traces, read_trace, read_traces
 from llmvisor.errors import LlmvisorError
 from llmvisor.profile.calibration import describe_short_fit, fit_usable, live_coverage, read_fingerprint, residual_quantiles
+from llmvisor.profile.drift import mark_drifted, profile_level_drift
 
 
 def calibrate(
@@ -48,6 +52,8 @@ def calibrate(
     max_decode_steps: Annotated[int, typer.Option(help="Profile: most decode steps of an episode.", min=1)] = 24,
     max_episode_tokens: Annotated[int, typer.Option(help="Profile: most prompt tokens of an episode (keeps episodes short; the engine's own limits stay the served ones).", min=1)] = 16384,
     canary_every: Annotated[int, typer.Option(help="Profile: a drift canary after every this many episodes.", min=0)] = 2,
+    attempts: Annotated[int, typer.Option(help="Profile: when drift leaves too few steps to fit, profile again (a new engine start) "
+                                          "up to this many profiles in all, and fit on the steady steps of all of them.", min=1)] = 3,
     kv_cache_gib: Annotated[int, typer.Option(help="Profile: KV cache GiB (vLLM CPU build).", min=1)] = 2,
     trace_output: Annotated[Path | None, typer.Option(help="Profile: where to keep the sweep trace. Default: beside the model, .profile.parquet.", dir_okay=False, metavar="FILE")] = None,
     evaluate_on: Annotated[Path | None, typer.Option(help="A served run's trace: report residuals of the baseline and the calibrated model on it.", dir_okay=False, metavar="TRACE")] = None,
@@ -64,13 +70,30 @@ def calibrate(
     if fingerprint is not None:
         served = read_fingerprint(fingerprint)
         trace_path = check_output_file(trace_output or output.with_suffix(".profile.parquet"), "--trace-output")
+        paths = [trace_path] + [check_output_file(attempt_path(trace_path, k), "--trace-output") for k in range(2, attempts + 1)]
         result["served_fingerprint"] = served.to_dict()
-        result["profile"] = run_profile(served, trace_path, engine_model=engine_model, points=points,
-                                        max_decode_steps=max_decode_steps, max_episode_tokens=max_episode_tokens,
-                                        canary_every=canary_every, kv_cache_gib=kv_cache_gib)
-        trace = read_trace(trace_path)
         result["mode"] = "profile"
-        result["profile_trace"] = str(trace_path)
+        result["profiles"], traces = [], []
+        for k, path in enumerate(paths, start=1):
+            summary = run_profile(served, path, engine_model=engine_model, points=points, max_decode_steps=max_decode_steps,
+                                  max_episode_tokens=max_episode_tokens, canary_every=canary_every, kv_cache_gib=kv_cache_gib)
+            result["profiles"].append({"trace": str(path), **summary})
+            traces.append(read_trace(path))
+            trace, result["level_drift"] = combine_profiles(traces)
+            try:
+                model = StepLatencyModel().fit(trace)
+            except LlmvisorError as error:  # e.g. every step drifted
+                if k == len(paths):
+                    raise LlmvisorError(f"calibrate: {error}; no model written: profile again while nothing else runs") from None
+                why = str(error)
+            else:
+                usable = fit_usable(model, trace)
+                if not usable["short"] or k == len(paths):
+                    break
+                why = describe_short_fit(usable)
+            stderr.print(f"calibrate: profile {k} of at most {len(paths)}: {why}; profiling again "
+                         "(the steady steps of every profile are fitted together)", highlight=False)
+        result["profile"], result["profile_trace"] = result["profiles"][0], str(trace_path)
     else:
         trace = read_traces(from_trace)
         coverage = live_coverage(trace)
@@ -82,8 +105,8 @@ def calibrate(
                 f"{'; '.join(coverage['missing'])}; profile instead (--fingerprint)"
             )
         served = None
-    model = StepLatencyModel().fit(trace)
-    usable = fit_usable(model, trace)
+        model = StepLatencyModel().fit(trace)
+        usable = fit_usable(model, trace)
     result["usable"] = usable
     if usable["short"] and not allow_few_steps:
         raise LlmvisorError(f"calibrate: {describe_short_fit(usable)}; no model written: profile again while nothing else "
@@ -160,6 +183,24 @@ def run_profile(served: EngineFingerprint, trace_path: Path, **options) -> dict:
         raise LlmvisorError(f"calibrate: the profile failed (exit {done.returncode}); its messages are above")
     summary = json.loads(done.stdout)
     return {key: summary.get(key) for key in ("n_steps", "n_warmup_steps", "drift", "wall_time_s", "coverage")}
+
+
+def attempt_path(trace_path: Path, attempt: int) -> Path:
+    """Where profile ``attempt`` (2, 3, ...) keeps its trace: beside the first, ``.attempt-<k>`` before the suffix."""
+    return trace_path.with_name(f"{trace_path.stem}.attempt-{attempt}{trace_path.suffix}")
+
+
+def combine_profiles(traces: list) -> tuple:
+    """The profiles as one trace to fit on, and the level-drift summary: a profile whose machine level differs
+    from the median profile's (`llmvisor.profile.drift.profile_level_drift`) has all its steps flagged
+    ``is_drifted``; each profile's own canary flags stay."""
+    drifted, summary = profile_level_drift(traces)
+    flagged = []
+    for trace, whole in zip(traces, drifted):
+        copy = trace.select_steps(np.ones(trace.n_steps, dtype=bool))  # the profile read stays as it was
+        mark_drifted(copy, trace.is_drifted_per_step | whole)  # every profile has the column, or concat drops it
+        flagged.append(copy)
+    return concat_traces(flagged), summary
 
 
 def evaluate(served_trace: Path, baseline_model: Path | None, calibrated: StepLatencyModel) -> dict:

@@ -59,7 +59,7 @@ def profile(
     keep_jsonl: Annotated[bool, typer.Option(help="Keep the JSONL the recorder wrote, beside the output.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print a JSON summary (run, steps, coverage, noise floor, overhead) to stdout; progress stays on stderr.")] = False,
     canary_every: Annotated[int, typer.Option(help="sweep: run the fixed canary episode before the sweep, after every this many episodes and at the end, to measure drift (0: no canaries).", min=0)] = 8,
-    drift_threshold: Annotated[float, typer.Option(help="A canary run whose steps are slower or faster than the median run by more than this fraction drifts; the steps around it are flagged is_drifted.", min=0)] = DEFAULT_DRIFT_THRESHOLD,
+    drift_threshold: Annotated[float, typer.Option(help="A canary run whose steps are slower or faster than the median run by more than this fraction (or three robust standard deviations of the runs' drifts, if larger) drifts; the steps around it are flagged is_drifted.", min=0)] = DEFAULT_DRIFT_THRESHOLD,
     prefix_caching: Annotated[bool, typer.Option(help="Prefix caching, on by default as in vLLM (the sweep's shared-prefix episodes and --shared-documents need it); --no-prefix-caching computes every context.")] = True,
     cores: Annotated[str | None, typer.Option(help="Pin the engine to these CPU cores (e.g. '0' or '0-3,6'), as the served engine is pinned; sets the thread count to their number unless --threads is given.", metavar="CORES")] = None,
 ) -> None:
@@ -192,6 +192,14 @@ def profile(
 
     print_coverage(console, summary)
     print_noise_floor(console, floor)
+    if drift and drift.get("canaries"):
+        console.print(
+            f"drift: {drift['n_drifted_canaries']} of {drift['n_canary_runs']} canary runs drifted (cut {100 * drift['cut']:.0f}%), "
+            f"{drift['n_drifted_steps']} steps flagged"
+            + (f"; the machine's speed swings by {100 * drift['spread']:.0f}% (robust sd of the canary runs) all through the "
+               "profile, more than the drift threshold: the fit carries that noise, profile on a quieter machine for a tighter model"
+               if drift["spread"] > drift["threshold"] else "")
+        )
     overhead = result["overhead"]
     console.print(
         f"recorder overhead: {100 * overhead['fraction_of_step_time']:.3f}% of step time over {overhead['n_steps']} steps "
