@@ -183,6 +183,41 @@ def test_gaps_show_from_window_step_ranges(client, admin):
     assert [(g["first_step_id"], g["last_step_id"]) for g in gaps["gaps"]] == [(7, 8), (30, 30)]
 
 
+def missing_gauge(client, admin_key: str, run_id: str) -> float:
+    for line in client.get("/metrics", headers=bearer(admin_key)).text.splitlines():
+        if line.startswith("llmvisor_steps_missing_total{") and f'run="{run_id}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_the_missing_steps_gauge_follows_holes_as_windows_arrive_one_by_one(client, admin):
+    """Windows posted one per request, as a delivery process sends them: the gauge shows a hole as soon as a
+    window past it is stored, keeps it while later windows only grow the range beyond it (the ledger then
+    skips re-reading the run's gaps), and drops it when the hole's own steps arrive."""
+    groups = steps_of("run-g", 90)
+    by_id = {g[0]["step_id"]: g for g in groups}
+    first, hole, after = [by_id[i] for i in range(0, 20)], [by_id[i] for i in range(20, 30)], [by_id[i] for i in range(30, 90)]
+    windows = windows_of(client, admin, "run-g", first + after)
+    refill = windows_of(client, admin, "run-g-fill", hole)  # the hole's steps in windows of their own
+    assert len(windows) >= 4
+
+    def post(window):
+        answer = client.post("/v1/windows", headers=bearer(admin), json={"windows": [window]})
+        assert answer.status_code == 200, answer.text
+
+    seen = []
+    for window in windows:
+        post(window)
+        seen.append(missing_gauge(client, admin, "run-g"))
+    past_hole = next(k for k, w in enumerate(windows) if w["step_ranges"][-1][1] >= 30)
+    assert seen[:past_hole] == [0.0] * past_hole and seen[past_hole:] == [10.0] * (len(windows) - past_hole)
+    for window in refill:
+        post({**window, "run_id": "run-g", "window_start_us": window["window_start_us"] + 1})
+    assert missing_gauge(client, admin, "run-g") == 0.0
+    gaps = client.get("/v1/runs/run-g/gaps", headers=bearer(admin)).json()
+    assert gaps["gaps"] == []
+
+
 def test_what_the_ledger_holds_of_a_run_is_its_step_ranges_and_last_window_end(client, admin, db_url):
     """GET /v1/windows/held, where a replacement delivery process resumes: the step ids stored (in windows and
     one by one) from ``from_step_id`` on and where the last window ends; admin only, a named 422 for bad input."""

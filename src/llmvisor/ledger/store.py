@@ -143,6 +143,8 @@ class WindowOutcome:
     duplicate: int
     stored: tuple = ()
     """The aggregates stored now (the service counts them on its metrics)."""
+    reshaped_runs: tuple = ()
+    """Runs whose held ranges changed other than by one range growing: only their gaps can have changed."""
 
 
 @dataclass
@@ -686,6 +688,7 @@ class Ledger:
         # SQLite allows one writer; waiting here is cheaper than SQLite's sleep-and-retry busy handler.
         self._write_lock = threading.Lock() if self.backend == "sqlite" else None
         self._known_versions: set[tuple[str, int]] = set()  # stored model versions are never changed nor removed
+        self._request_totals_statement = None  # built on first use (`_request_totals_upsert`)
         self._create_schema()
 
     @property
@@ -813,9 +816,9 @@ class Ledger:
                     if conflicts:
                         raise WindowConflictError(conflicts)
                     new = [w for w in unique if (w.run_id, w.window_start_us) not in stored]
-                    if new:
-                        self._insert_windows(conn, new, digests)
-                return WindowOutcome(inserted=len(new), duplicate=len(aggregates) - len(new), stored=tuple(new))
+                    reshaped = self._insert_windows(conn, new, digests) if new else []
+                return WindowOutcome(inserted=len(new), duplicate=len(aggregates) - len(new), stored=tuple(new),
+                                     reshaped_runs=tuple(reshaped))
             except HeldStepsError as held:  # rolled back: nothing of the batch is stored
                 covered = [(w.run_id, w.window_start_us) for w in new if held.covers(w.run_id, w.step_ids())]
                 raise WindowConflictError(covered or [(held.run_id, new[0].window_start_us)], HELD_ELSEWHERE) from None
@@ -838,7 +841,7 @@ class Ledger:
                 out.update({(run, int(start)): bytes(digest) for start, digest in rows})
         return out
 
-    def _insert_windows(self, conn: Connection, new: Sequence, digests: dict) -> None:
+    def _insert_windows(self, conn: Connection, new: Sequence, digests: dict) -> list[str]:
         received_us = now_us()
         conn.execute(insert(windows), [
             {"run_id": w.run_id, "window_start_us": w.window_start_us, "window_end_us": w.window_end_us,
@@ -874,31 +877,36 @@ class Ledger:
         if tenant_rows:
             conn.execute(insert(window_tenant_usage), tenant_rows)
         if request_rows:
+            statement = self._request_totals_upsert()
+            # in key order, so concurrent writers lock the rows in one order
+            conn.execute(statement, [request_rows[k] for k in sorted(request_rows)])
+        run_ids = np.asarray([w.run_id for w in new for _ in range(w.num_steps)], dtype=object)
+        step_ids = np.concatenate([w.step_ids() for w in new])
+        classes = np.asarray([w.engine_class for w in new for _ in range(w.num_steps)], dtype=object)
+        return self.add_step_ranges(conn, run_ids, step_ids, classes, np.full(step_ids.size, received_us))
+
+    def _request_totals_upsert(self):
+        """The windows' request-totals upsert (sums add, first/last times widen), built once per ledger: the
+        statement is the same for every batch, and building its expressions cost a tenth of a window's ingest."""
+        if self._request_totals_statement is None:
             if self.backend == "postgresql":
                 from sqlalchemy.dialects.postgresql import insert as upsert
             else:
                 from sqlalchemy.dialects.sqlite import insert as upsert
             statement = upsert(request_totals)
             table = request_totals
-            statement = statement.on_conflict_do_update(
+            least, greatest = (func.least, func.greatest) if self.backend == "postgresql" else (func.min, func.max)
+            self._request_totals_statement = statement.on_conflict_do_update(
                 index_elements=["run_id", "request_id", "tenant"],
                 set_={
                     **{name: table.c[name] + statement.excluded[name]
                        for name in ("attributed_ns", "measured_ns", "num_slices", "num_new_tokens", *TOKEN_SPLIT_COLUMNS)},
-                    "first_second_us": func.least(table.c.first_second_us, statement.excluded.first_second_us)
-                    if self.backend == "postgresql" else func.min(table.c.first_second_us, statement.excluded.first_second_us),
-                    "first_timestamp_us": func.least(table.c.first_timestamp_us, statement.excluded.first_timestamp_us)
-                    if self.backend == "postgresql" else func.min(table.c.first_timestamp_us, statement.excluded.first_timestamp_us),
-                    "last_timestamp_us": func.greatest(table.c.last_timestamp_us, statement.excluded.last_timestamp_us)
-                    if self.backend == "postgresql" else func.max(table.c.last_timestamp_us, statement.excluded.last_timestamp_us),
+                    "first_second_us": least(table.c.first_second_us, statement.excluded.first_second_us),
+                    "first_timestamp_us": least(table.c.first_timestamp_us, statement.excluded.first_timestamp_us),
+                    "last_timestamp_us": greatest(table.c.last_timestamp_us, statement.excluded.last_timestamp_us),
                 },
             )
-            # in key order, so concurrent writers lock the rows in one order
-            conn.execute(statement, [request_rows[k] for k in sorted(request_rows)])
-        run_ids = np.asarray([w.run_id for w in new for _ in range(w.num_steps)], dtype=object)
-        step_ids = np.concatenate([w.step_ids() for w in new])
-        classes = np.asarray([w.engine_class for w in new for _ in range(w.num_steps)], dtype=object)
-        self.add_step_ranges(conn, run_ids, step_ids, classes, np.full(step_ids.size, received_us))
+        return self._request_totals_statement
 
     def _stored_hashes(self, conn: Connection, keys: list[tuple[str, int]]) -> dict[tuple[str, int], bytes]:
         by_run: dict[str, list[int]] = {}
@@ -961,7 +969,7 @@ class Ledger:
         self.add_step_ranges(conn, records.run_id, records.step_id, records.per_step("engine_class", ""), received_us)
 
     def add_step_ranges(self, conn: Connection, run_id: np.ndarray, step_id: np.ndarray, engine_class: np.ndarray,
-                        received_us: np.ndarray) -> None:
+                        received_us: np.ndarray) -> list[str]:
         """Merge newly stored steps' ids into their runs' ranges (`step_ranges`), run by run in name order;
         `HeldStepsError` if a step id is held already (in a stored window, or stored one by one) or twice in
         this batch, so a step is billed once whatever key it came under: a delivery process that replaced a
@@ -969,8 +977,12 @@ class Ledger:
 
         Last in the transaction, after every row lock it takes: on PostgreSQL a transaction-scoped advisory
         lock per run makes concurrent writers of one run take turns on its ranges, and taking those locks in
-        one order while waiting on nothing else cannot deadlock. SQLite has one writer at a time anyway."""
+        one order while waiting on nothing else cannot deadlock. SQLite has one writer at a time anyway.
+
+        Returns the runs whose ranges changed other than by their one range next to the new steps growing
+        over them: a run's gaps (the holes between its ranges) are unchanged in that usual case."""
         run_id = np.asarray(run_id, dtype=object).astype(str)
+        reshaped = []
         for run in sorted(set(run_id.tolist())):
             mine = run_id == run
             ids, counts = np.unique(np.asarray(step_id[mine], dtype=np.int64), return_counts=True)
@@ -992,6 +1004,14 @@ class Ledger:
             if overlaps:
                 raise HeldStepsError(run, overlaps)
             merged = merge_ranges([*((a, b, engine_class_of_run, received) for a, b in islands), *map(tuple, existing)])
+            if len(existing) == 1 and len(merged) == 1:  # the usual case: the new steps extend the run's one range
+                a, b, c, r = merged[0]
+                conn.execute(
+                    update(table).where(table.c.run_id == run, table.c.first_step_id == existing[0][0])
+                    .values(first_step_id=a, last_step_id=b, engine_class=c, first_received_us=r)
+                )
+                continue
+            reshaped.append(run)
             if existing:
                 conn.execute(
                     delete(table).where(table.c.run_id == run, table.c.first_step_id.in_([row[0] for row in existing]))
@@ -1001,6 +1021,7 @@ class Ledger:
                 [{"run_id": run, "first_step_id": a, "last_step_id": b, "engine_class": c, "first_received_us": r}
                  for a, b, c, r in merged],
             )
+        return reshaped
 
     def _upsert_usage(self, conn: Connection, batch: _StoredBatch) -> None:
         if not batch.usage_columns[0]:

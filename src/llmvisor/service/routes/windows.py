@@ -72,9 +72,9 @@ def ingest_windows(body: bytes, *, ledger: Ledger, settings: ServiceSettings, ga
     outcome = ledger.ingest_windows(aggregates)
     if metrics is not None:
         metrics.record_windows(outcome.stored)
-    if gaps is not None and outcome.inserted:
+    if gaps is not None and outcome.reshaped_runs:  # a run whose one range just grew has the gaps it had
         try:
-            gaps.observe_runs(sorted({w.run_id for w in aggregates}))
+            gaps.observe_runs(outcome.reshaped_runs)
         except DBAPIError:
             log.warning("llmvisor: cannot read the gaps of the runs just stored; the periodic check will", exc_info=True)
     return WindowIngestResponse(
