@@ -321,9 +321,6 @@ class _StoredBatch:
             )
         )
 
-    def usage_rows(self) -> list[tuple]:
-        return list(zip(*self.usage_columns))
-
 
 @dataclass(frozen=True)
 class IngestOutcome:
@@ -688,7 +685,6 @@ class Ledger:
         # SQLite allows one writer; waiting here is cheaper than SQLite's sleep-and-retry busy handler.
         self._write_lock = threading.Lock() if self.backend == "sqlite" else None
         self._known_versions: set[tuple[str, int]] = set()  # stored model versions are never changed nor removed
-        self._request_totals_statement = None  # built on first use (`_request_totals_upsert`)
         self._create_schema()
 
     @property
@@ -875,38 +871,17 @@ class Ledger:
                     row["first_timestamp_us"] = min(row["first_timestamp_us"], q.first_timestamp_us)
                     row["last_timestamp_us"] = max(row["last_timestamp_us"], q.last_timestamp_us)
         if tenant_rows:
-            conn.execute(insert(window_tenant_usage), tenant_rows)
+            self._add_rows(conn, window_tenant_usage, tenant_rows)
         if request_rows:
-            statement = self._request_totals_upsert()
             # in key order, so concurrent writers lock the rows in one order
-            conn.execute(statement, [request_rows[k] for k in sorted(request_rows)])
+            self._add_rows(conn, request_totals, [request_rows[k] for k in sorted(request_rows)],
+                           key=("run_id", "request_id", "tenant"),
+                           sums=("attributed_ns", "measured_ns", "num_slices", "num_new_tokens", *TOKEN_SPLIT_COLUMNS),
+                           least=("first_second_us", "first_timestamp_us"), greatest=("last_timestamp_us",))
         run_ids = np.asarray([w.run_id for w in new for _ in range(w.num_steps)], dtype=object)
         step_ids = np.concatenate([w.step_ids() for w in new])
         classes = np.asarray([w.engine_class for w in new for _ in range(w.num_steps)], dtype=object)
         return self.add_step_ranges(conn, run_ids, step_ids, classes, np.full(step_ids.size, received_us))
-
-    def _request_totals_upsert(self):
-        """The windows' request-totals upsert (sums add, first/last times widen), built once per ledger: the
-        statement is the same for every batch, and building its expressions cost a tenth of a window's ingest."""
-        if self._request_totals_statement is None:
-            if self.backend == "postgresql":
-                from sqlalchemy.dialects.postgresql import insert as upsert
-            else:
-                from sqlalchemy.dialects.sqlite import insert as upsert
-            statement = upsert(request_totals)
-            table = request_totals
-            least, greatest = (func.least, func.greatest) if self.backend == "postgresql" else (func.min, func.max)
-            self._request_totals_statement = statement.on_conflict_do_update(
-                index_elements=["run_id", "request_id", "tenant"],
-                set_={
-                    **{name: table.c[name] + statement.excluded[name]
-                       for name in ("attributed_ns", "measured_ns", "num_slices", "num_new_tokens", *TOKEN_SPLIT_COLUMNS)},
-                    "first_second_us": least(table.c.first_second_us, statement.excluded.first_second_us),
-                    "first_timestamp_us": least(table.c.first_timestamp_us, statement.excluded.first_timestamp_us),
-                    "last_timestamp_us": greatest(table.c.last_timestamp_us, statement.excluded.last_timestamp_us),
-                },
-            )
-        return self._request_totals_statement
 
     def _stored_hashes(self, conn: Connection, keys: list[tuple[str, int]]) -> dict[tuple[str, int], bytes]:
         by_run: dict[str, list[int]] = {}
@@ -1026,29 +1001,33 @@ class Ledger:
     def _upsert_usage(self, conn: Connection, batch: _StoredBatch) -> None:
         if not batch.usage_columns[0]:
             return
-        usage_columns = ", ".join(column.name for column in usage_per_second.columns)
-        key = ", ".join(_USAGE_KEY)
+        self._add_rows(conn, usage_per_second, batch.usage_columns, key=_USAGE_KEY, sums=(*_USAGE_SUMS, *TOKEN_SPLIT_COLUMNS),
+                       least=("first_timestamp_us",), greatest=("last_timestamp_us",))
+
+    def _add_rows(self, conn: Connection, table, rows: list, *, key: Sequence[str] = (), sums: Sequence[str] = (),
+                  least: Sequence[str] = (), greatest: Sequence[str] = ()) -> None:
+        """Insert ``rows`` (dicts by column name, or lists of values column by column in the table's order) in one
+        statement; with a ``key``, a row already there instead adds ``sums`` and widens ``least``/``greatest``.
+        On PostgreSQL the columns go as arrays through unnest: one round trip, where an executemany costs a
+        pipelined statement per row (a fifth of a window's ingest)."""
+        names = [column.name for column in table.columns]
+        columns = [[row[name] for row in rows] for name in names] if isinstance(rows[0], dict) else rows
+        conflict = ""
+        if key:
+            lowest, highest = ("LEAST", "GREATEST") if self.backend == "postgresql" else ("min", "max")
+            sets = [*(f"{n} = {table.name}.{n} + excluded.{n}" for n in sums),
+                    *(f"{n} = {lowest}({table.name}.{n}, excluded.{n})" for n in least),
+                    *(f"{n} = {highest}({table.name}.{n}, excluded.{n})" for n in greatest)]
+            conflict = f" ON CONFLICT ({', '.join(key)}) DO UPDATE SET {', '.join(sets)}"
         if self.backend == "postgresql":
-            types = ["text", "text", "text", *["bigint"] * (len(usage_per_second.columns) - 3)]
-            upsert = (
-                f"INSERT INTO usage_per_second ({usage_columns}) "
-                f"SELECT * FROM unnest({', '.join(f'%s::{t}[]' for t in types)}) "
-                f"ON CONFLICT ({key}) DO UPDATE SET "
-                + ", ".join(f"{name} = usage_per_second.{name} + excluded.{name}" for name in (*_USAGE_SUMS, *TOKEN_SPLIT_COLUMNS))
-                + ", first_timestamp_us = LEAST(usage_per_second.first_timestamp_us, excluded.first_timestamp_us)"
-                + ", last_timestamp_us = GREATEST(usage_per_second.last_timestamp_us, excluded.last_timestamp_us)"
-            )
-            with self._raw_cursor(conn, upsert) as cursor:
-                cursor.execute(upsert, batch.usage_columns)
+            types = [column.type.compile(dialect=conn.dialect) for column in table.columns]
+            statement = (f"INSERT INTO {table.name} ({', '.join(names)}) "
+                         f"SELECT * FROM unnest({', '.join(f'%s::{t}[]' for t in types)}){conflict}")
+            with self._raw_cursor(conn, statement) as cursor:
+                cursor.execute(statement, columns)
         else:
-            upsert = (
-                f"INSERT INTO usage_per_second ({usage_columns}) VALUES ({', '.join(['?'] * len(usage_per_second.columns))}) "
-                f"ON CONFLICT ({key}) DO UPDATE SET "
-                + ", ".join(f"{name} = {name} + excluded.{name}" for name in (*_USAGE_SUMS, *TOKEN_SPLIT_COLUMNS))
-                + ", first_timestamp_us = min(first_timestamp_us, excluded.first_timestamp_us)"
-                + ", last_timestamp_us = max(last_timestamp_us, excluded.last_timestamp_us)"
-            )
-            conn.exec_driver_sql(upsert, batch.usage_rows())
+            statement = f"INSERT INTO {table.name} ({', '.join(names)}) VALUES ({', '.join(['?'] * len(names))}){conflict}"
+            conn.exec_driver_sql(statement, list(zip(*columns)))
 
     # -----------------------------------------------------------------------------------------------------
     # Queries; time ranges are [start_us, end_us) on the step's timestamp, None meaning unbounded, in whole
