@@ -399,11 +399,15 @@ def test_scale_goals_and_audit_follow_the_runs():
     assert goals["staleness_met"] == (p99_s is not None and p99_s <= goals["staleness_goal_s"] and run["staleness_probes_timed_out"] == 0)
     assert goals["every_step_covered_in_time"] == (run["aggregate"]["steps_uncovered_at_end"] == 0 == run["aggregate"]["steps_late"])
     assert scale["audit"]["engines"] == 1000 and scale["audit"]["tenants"]
-    # the doc's words: served in full at 10, covered by the end but nearly all late at 100, no probe answered at 1,000
+    # the doc's words: served in full at 10; at 100 every step covered, a few late (the figures quoted), staleness
+    # p99 within window + 1 s; at 1,000 most staleness probes timed out
     small, middle = (next(r for r in scale["runs"] if r["settings"]["mode"] == "aggregate" and r["settings"]["engines"] == n) for n in (10, 100))
     assert small["aggregate"]["steps_uncovered_at_end"] == small["aggregate"]["steps_late"] == 0
-    assert middle["aggregate"]["steps_uncovered_at_end"] == 0 and middle["aggregate"]["steps_late"] > 0.9 * middle["aggregate"]["steps_offered"]
-    assert run["staleness_s"]["n"] == 0
+    assert middle["aggregate"]["steps_uncovered_at_end"] == 0 and 0 < middle["aggregate"]["steps_late"] < 0.05 * middle["aggregate"]["steps_offered"]
+    doc = " ".join((REPO / "docs" / "scale.md").read_text(encoding="utf-8").split())
+    assert f"({thousands(middle['aggregate']['steps_late'])} of the {thousands(middle['aggregate']['steps_offered'])} steps)" in doc
+    assert middle["staleness_s"]["p99"] <= middle["settings"]["window_s"] + 1 and middle["staleness_probes_timed_out"] == 0
+    assert run["staleness_probes_timed_out"] > run["staleness_s"]["n"]
     steps_pg = [r for r in scale["runs"] if r["settings"]["mode"] == "steps"][-1]["postgres_per_step"]
     assert 0.2 < pg["wal_bytes"] / steps_pg["wal_bytes"] < 0.34 and 0.2 < pg["table_bytes"] / steps_pg["table_bytes"] < 0.34  # "about a quarter"
     assert 2 < (steps_pg["wal_bytes"] + steps_pg["table_bytes"]) / goals["postgres_bytes_per_step"] < 50  # "a few times less, not fifty"
