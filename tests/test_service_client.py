@@ -205,3 +205,17 @@ def test_the_pusher_sends_every_optional_column_the_service_reads():
     reading must be pushed too, or per-step ingest silently bills without it."""
     read = {*ingest.CHECKED_COLUMNS, *ingest.STORED_OPTIONAL_COLUMNS, *ingest.RUN_COLUMNS, *ingest.TOKEN_COLUMNS}
     assert set(PUSHED_OPTIONAL_COLUMNS) == read - set(REQUIRED_COLUMNS)
+
+
+def test_the_window_pushers_batches_fit_what_the_service_takes_by_default():
+    """The pusher's per-POST bounds and the service's limits are set apart (the engine side does not import the
+    service's settings): a default POST of the pusher, or of `llmvisor load`'s simulated engines, must not be a 413."""
+    import inspect
+
+    from llmvisor.client import WindowPusher
+    from llmvisor.service import config, fleet
+
+    defaults = {name: p.default for name, p in inspect.signature(WindowPusher).parameters.items()}
+    assert defaults["max_batch_windows"] <= config.DEFAULT_MAX_STEPS_PER_REQUEST  # the windows route's per-POST cap
+    assert defaults["max_batch_bytes"] < config.DEFAULT_MAX_BODY_BYTES
+    assert fleet.MAX_WINDOWS_PER_POST == defaults["max_batch_windows"]  # the load test sends as the pusher does
