@@ -232,7 +232,7 @@ def test_calibrate_profiles_again_and_fits_on_the_steady_steps_of_all_profiles(t
     assert model.fit_info_["n_drifted_dropped"] == 580 and model.fit_info_["n_steps_total"] == 800
 
     calls.clear()
-    profiles = iter([first, first.select_steps(np.ones(first.n_steps, dtype=bool))])
+    profiles = iter([first])
     with pytest.raises(LlmvisorError, match="the fit kept"):
         calibrate_cli.calibrate(output=tmp_path / "n.json", fingerprint=fingerprint, from_trace=None, engine_model=None,
                                 points=12, max_decode_steps=16, max_episode_tokens=16384, canary_every=2, attempts=1,

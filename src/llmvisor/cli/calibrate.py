@@ -22,6 +22,7 @@ one) and of the calibrated model on it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -29,7 +30,6 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-import numpy as np
 import typer
 
 from llmvisor import shipped
@@ -197,7 +197,7 @@ def combine_profiles(traces: list) -> tuple:
     drifted, summary = profile_level_drift(traces)
     flagged = []
     for trace, whole in zip(traces, drifted):
-        copy = trace.select_steps(np.ones(trace.n_steps, dtype=bool))  # the profile read stays as it was
+        copy = dataclasses.replace(trace, extra=dict(trace.extra))  # the profile read keeps its own flags
         mark_drifted(copy, trace.is_drifted_per_step | whole)  # every profile has the column, or concat drops it
         flagged.append(copy)
     return concat_traces(flagged), summary

@@ -87,6 +87,12 @@ def canary_matrix(trace: StepTrace) -> tuple[np.ndarray, list[int], np.ndarray]:
     return runs, order, np.vstack([s[:length] for s in series]) if series else np.zeros((0, 0))
 
 
+def median_ratio_drift(matrix: np.ndarray) -> np.ndarray:
+    """Per row (a run of the canary, or a profile's median run), the median over step positions of its time over
+    the median row's, less 1: how much slower (> 0) or faster the machine ran it."""
+    return np.median(matrix / np.median(matrix, axis=0), axis=1) - 1.0
+
+
 def canary_drift(trace: StepTrace, threshold: float = DEFAULT_DRIFT_THRESHOLD) -> tuple[np.ndarray, dict]:
     """(is_drifted per step, a summary for the trace metadata) by the rule in the module docstring."""
     runs, order, matrix = canary_matrix(trace)
@@ -102,8 +108,7 @@ def canary_drift(trace: StepTrace, threshold: float = DEFAULT_DRIFT_THRESHOLD) -
         summary.update({"canaries": [], "n_drifted_canaries": 0, "n_drifted_steps": 0, "max_abs_drift": None})
         return drifted, summary
     length = matrix.shape[1]
-    baseline = np.median(matrix, axis=0)
-    drift = np.median(matrix / baseline, axis=1) - 1.0
+    drift = median_ratio_drift(matrix)
     spread = float(1.4826 * np.median(np.abs(drift - np.median(drift))))
     cut = max(threshold, SPREAD_FACTOR * spread)
     first_step = [int(np.flatnonzero(runs == key)[0]) for key in order]
@@ -156,7 +161,7 @@ def profile_level_drift(traces: list[StepTrace], threshold: float = DEFAULT_DRIF
         return [False] * len(traces), summary
     length = min(len(p) for p in profiles)
     matrix = np.vstack([p[:length] for p in profiles])
-    levels = np.median(matrix / np.median(matrix, axis=0), axis=1) - 1.0
+    levels = median_ratio_drift(matrix)
     drifted = [bool(abs(level) > threshold) for level in levels]
     summary.update({"levels": [float(level) for level in levels], "drifted": drifted})
     return drifted, summary
