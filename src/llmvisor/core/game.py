@@ -285,11 +285,18 @@ class SubsetGame:
 # The Shapley value
 
 
-def _log_binomial(n, k):
-    return gammaln(np.asarray(n) + 1.0) - gammaln(np.asarray(k) + 1.0) - gammaln(np.asarray(n) - np.asarray(k) + 1.0)
+def _log_factorials(n: int) -> np.ndarray:
+    """log m! for m = 0..n (``gammaln(m + 1)``), looked up by `_log_binomial` instead of evaluated per cell: the
+    same values (the same function at the same points), at a fraction of the cost in a straddling step."""
+    return gammaln(np.arange(n + 1, dtype=np.float64) + 1.0)
 
 
-def _pivot_sums(sizes, loads, means, own: int, cap: int, pivotal_from: int) -> tuple[float, float, float, float]:
+def _log_binomial(log_factorial: np.ndarray, n, k):
+    return log_factorial[n] - log_factorial[k] - log_factorial[np.asarray(n) - np.asarray(k)]
+
+
+def _pivot_sums(sizes, loads, means, own: int, cap: int, pivotal_from: int,
+                log_factorial: np.ndarray | None = None) -> tuple[float, float, float, float]:
     """Sums over k of four expectations for a uniformly drawn k-subset S of the other players, who come in
     groups (``sizes[g]`` players of load ``loads[g]`` each; ``means[g]`` the mean of Δf over the group):
     Pr(L ≥ pivotal_from), Pr(pivotal_from ≤ L < cap), E[Σ Δf over members outside group ``own``; same window]
@@ -300,6 +307,9 @@ def _pivot_sums(sizes, loads, means, own: int, cap: int, pivotal_from: int) -> t
     prefills are few, and the largest group (typically the decodes) is summed over without being stored.
     """
     groups = [g for g in np.argsort(np.asarray(sizes), kind="stable") if sizes[g] > 0]
+    if log_factorial is None:
+        log_factorial = _log_factorials(int(np.sum(sizes)))
+    lf = log_factorial
     k = np.zeros(1, dtype=np.int64)
     load = np.zeros(1, dtype=np.int64)
     prob, other, own_count = np.ones(1), np.zeros(1), np.zeros(1)
@@ -307,7 +317,7 @@ def _pivot_sums(sizes, loads, means, own: int, cap: int, pivotal_from: int) -> t
     for index, g in enumerate(groups):
         m = int(sizes[g])
         c = np.arange(m + 1)[None, :]
-        weight = np.exp(_log_binomial(merged, k[:, None]) + _log_binomial(m, c) - _log_binomial(merged + m, k[:, None] + c))
+        weight = np.exp(_log_binomial(lf, merged, k[:, None]) + _log_binomial(lf, m, c) - _log_binomial(lf, merged + m, k[:, None] + c))
         new_load = np.minimum(load[:, None] + c * int(loads[g]), cap)
         new_prob = prob[:, None] * weight
         if g == own:
@@ -358,11 +368,12 @@ def step_shapley_s(
     totals = np.bincount(group, weights=delta_f, minlength=loads.size)
     means = totals / sizes
     phi = segments[0] + coef[0, Coef.B] / n
+    log_factorial = _log_factorials(n)
     for g in range(loads.size):
         available = sizes.copy()
         available[g] -= 1
         pivotal_from = max(cap - int(loads[g]), 0)
-        sums = _pivot_sums(available, loads, means, g, cap, pivotal_from)
+        sums = _pivot_sums(available, loads, means, g, cap, pivotal_from, log_factorial)
         crosses, pivotal, pivotal_other, pivotal_own = (value / n for value in sums)
         members = np.flatnonzero(group == g)
         own_mean = (totals[g] - delta_f[members]) / max(available[g], 1)
