@@ -296,7 +296,7 @@ def _log_binomial(log_factorial: np.ndarray, n, k):
 
 
 def _pivot_sums(sizes, loads, means, own: int, cap: int, pivotal_from: int,
-                log_factorial: np.ndarray | None = None) -> tuple[float, float, float, float]:
+                log_factorial: np.ndarray) -> tuple[float, float, float, float]:
     """Sums over k of four expectations for a uniformly drawn k-subset S of the other players, who come in
     groups (``sizes[g]`` players of load ``loads[g]`` each; ``means[g]`` the mean of Δf over the group):
     Pr(L ≥ pivotal_from), Pr(pivotal_from ≤ L < cap), E[Σ Δf over members outside group ``own``; same window]
@@ -307,9 +307,6 @@ def _pivot_sums(sizes, loads, means, own: int, cap: int, pivotal_from: int,
     prefills are few, and the largest group (typically the decodes) is summed over without being stored.
     """
     groups = [g for g in np.argsort(np.asarray(sizes), kind="stable") if sizes[g] > 0]
-    if log_factorial is None:
-        log_factorial = _log_factorials(int(np.sum(sizes)))
-    lf = log_factorial
     k = np.zeros(1, dtype=np.int64)
     load = np.zeros(1, dtype=np.int64)
     prob, other, own_count = np.ones(1), np.zeros(1), np.zeros(1)
@@ -317,7 +314,8 @@ def _pivot_sums(sizes, loads, means, own: int, cap: int, pivotal_from: int,
     for index, g in enumerate(groups):
         m = int(sizes[g])
         c = np.arange(m + 1)[None, :]
-        weight = np.exp(_log_binomial(lf, merged, k[:, None]) + _log_binomial(lf, m, c) - _log_binomial(lf, merged + m, k[:, None] + c))
+        weight = np.exp(_log_binomial(log_factorial, merged, k[:, None]) + _log_binomial(log_factorial, m, c)
+                        - _log_binomial(log_factorial, merged + m, k[:, None] + c))
         new_load = np.minimum(load[:, None] + c * int(loads[g]), cap)
         new_prob = prob[:, None] * weight
         if g == own:

@@ -454,10 +454,12 @@ def _aggregate(run_id: str, engine_class: str, start_us: int, end_us: int, steps
     def by_group(values: np.ndarray) -> list[int]:
         return np.add.reduceat(values.astype(np.int64)[order], firsts).tolist() if keys else []
 
-    sums = [by_group(v) for v in (attributed_ns, slice_measured, new, np.ones(len(slices), np.int64), uncached, cached, output)]
+    sums = [by_group(v) for v in (attributed_ns, slice_measured, new)]
+    split = [by_group(v) for v in (uncached, cached, output)]
     sorted_ts = slice_ts[order]
     first_ts = sorted_ts[firsts].tolist() if keys else []
     last_ts = sorted_ts[firsts + counts - 1].tolist() if keys else []
+    num_steps = counts.tolist()
     step_ids = [s[0] for s in steps]
     ranges: list[list[int]] = []
     for step_id in step_ids:
@@ -470,8 +472,8 @@ def _aggregate(run_id: str, engine_class: str, start_us: int, end_us: int, steps
         run_id=run_id, engine_class=engine_class, window_start_us=start_us, window_end_us=end_us,
         model_version=None if model is None else int(model[1]), pending=model is None, num_steps=len(steps),
         measured_ns=total_measured, attributed_ns=0 if model is None else int(attributed_ns.sum()), step_ranges=ranges,
-        requests=[RequestWindow(q, t, sums[0][g], sums[1][g], sums[2][g], sums[3][g], first_ts[g], max(first_ts[g], last_ts[g]),
-                                sums[4][g], sums[5][g], sums[6][g])
+        requests=[RequestWindow(q, t, sums[0][g], sums[1][g], sums[2][g], num_steps[g], first_ts[g], max(first_ts[g], last_ts[g]),
+                                split[0][g], split[1][g], split[2][g])
                   for g, (q, t) in sorted(enumerate(keys), key=lambda item: item[1])],
         residual=residual,
     )
