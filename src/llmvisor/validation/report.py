@@ -376,8 +376,8 @@ def coalitions_markdown_summary(result: dict) -> str:
     for label, entry in summary["sharing"].items():
         lines += [
             "",
-            f"Sharing, {'exact' if label == 'exact' else 'serving-size'} mixed-sharing batches ({entry['n_batches']}, "
-            f"{', '.join(map(str, entry['sizes']))} requests): class bias of the `shapley` shares, Σ shares ÷ Σ values − 1 [95%].",
+            f"Sharing, {'exact' if label == 'exact' else 'serving-size'} mixed-sharing batches ({entry['n_batches']} "
+            f"batches of {', '.join(map(str, entry['sizes']))} requests): class bias of the `shapley` shares, Σ shares ÷ Σ values − 1 [95%].",
             "",
             "| sharing rule | " + " | ".join(CLASS_LABELS[c] for c in CLASS_LABELS if c in entry["rules"][next(iter(entry["rules"]))]["class_bias"])
             + " | flagged |",
