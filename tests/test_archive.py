@@ -237,5 +237,7 @@ def test_recorder_doc_quotes_the_archive_figures():
     for figure in (f"{b8['archive_bytes_per_step']} bytes per step at B = {b8['batch_size']}",
                    f"{b32['archive_bytes_per_step']} bytes per step at B = {b32['batch_size']}",
                    f"{b32['archive_bytes_per_slice']} bytes per slice",
-                   f"{b8['writer_cpu_us_per_step']} / {b32['writer_cpu_us_per_step']} µs"):
+                   f"{b8['writer_cpu_us_per_step']} / {b32['writer_cpu_us_per_step']} µs",
+                   f"{b8['rows_path_cpu_us_per_step']} / {b32['rows_path_cpu_us_per_step']} µs per step in the same run"):
         assert figure in doc, figure
+    assert ("wrote the same files byte for byte" in doc) == (b8["same_files"] and b32["same_files"])

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from llmvisor.archive import archive_files, read_archive
-from llmvisor.client import step_rows
+from llmvisor.core.relayed import step_rows
 from llmvisor.core.trace import trace_from_rows
 
 

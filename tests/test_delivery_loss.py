@@ -20,8 +20,9 @@ import pytest
 
 from _relay_engine import relay_header, relay_step
 from _service_fixtures import class_model, make_steps, model_path  # noqa: F401
-from llmvisor.client import StepPusher, WindowDelivery, WindowPusher, process_running, step_rows, wait_for_delivery
+from llmvisor.client import StepPusher, WindowDelivery, WindowPusher, process_running, wait_for_delivery
 from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.relayed import step_rows
 from llmvisor.core.trace import TraceWriter
 from llmvisor.ledger import Ledger
 from llmvisor.metering import WindowAggregate, WindowAggregator

@@ -366,6 +366,17 @@ def test_scale_doc_quotes_the_scale_result():
     assert missing_from((REPO / "docs" / "scale.md").read_text(encoding="utf-8"), scale_figures(load(RESULTS / "scale.json"))) == []
 
 
+def test_scale_doc_quotes_the_current_edge_cost_from_its_files():
+    """docs/scale.md's note on the archive's columns path quotes archive.json and edge-windows.json as they are."""
+    archive = load(RESULTS / "archive.json")["runs"][1]
+    edge = load(RESULTS / "edge-windows.json")["runs"][1]
+    assert archive["batch_size"] == edge["batch_size"] == 32 and archive["same_files"]
+    doc = " ".join((REPO / "docs" / "scale.md").read_text(encoding="utf-8").split())
+    assert (f"at B = 32 its CPU went from {archive['rows_path_cpu_us_per_step']} to {archive['writer_cpu_us_per_step']} µs per step "
+            "in one run") in doc
+    assert f"is {edge['edge_cpu_us_per_step']} µs per step, {edge['fraction_of_step_time_percent']}% of step time" in doc
+
+
 def test_scale_extrapolation_is_the_measured_costs_scaled():
     scale = load(RESULTS / "scale.json")
     for mode, plans in scale["extrapolation"].items():

@@ -14,8 +14,9 @@ import pytest
 from sqlalchemy import create_engine, select
 
 from _service_fixtures import class_model, make_steps
-from llmvisor.client import StepPusher, WindowDelivery, WindowPusher, step_rows
+from llmvisor.client import StepPusher, WindowDelivery, WindowPusher
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
+from llmvisor.core.relayed import step_rows
 from llmvisor.ledger import Ledger
 from llmvisor.ledger.schema import windows as windows_table
 from llmvisor.metering import WindowAggregator
@@ -232,5 +233,8 @@ def test_the_recorder_doc_quotes_the_edge_cost_figures_and_their_bar():
     quoted = (f"{b8['edge_cpu_us_per_step']} µs of the delivery process's CPU per step at B = 8 ({b8['fraction_of_step_time_percent']}% of step "
               f"time) and {b32['edge_cpu_us_per_step']} µs at B = 32 ({b32['fraction_of_step_time_percent']}%)")
     assert quoted in doc
+    split = (f"is {b8['aggregation_us_per_step']} / {b32['aggregation_us_per_step']} µs and the archive "
+             f"{b8['archive_us_per_step']} / {b32['archive_us_per_step']} µs")
+    assert split in doc
     worst = max(b8["fraction_of_step_time_percent"], b32["fraction_of_step_time_percent"])
     assert ("at or under the issue's 1% bar" in doc) == (worst <= 1.0)

@@ -52,6 +52,7 @@ import prometheus_client
 
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
 from llmvisor.core.model import StepLatencyModel
+from llmvisor.core.relayed import step_rows
 from llmvisor.core.tokens import CACHED_PROMPT_COLUMN
 from llmvisor.core.trace import REQUIRED_COLUMNS, SHARING_COLUMNS, TraceWriter
 from llmvisor.errors import LlmvisorError
@@ -645,37 +646,6 @@ RELAY_PIPE_BYTES = 1 << 20
 DELIVERY_CLOSE_TIMEOUT_S = 30.0
 
 
-def step_rows(header: dict, step: list) -> list[dict]:
-    """Trace rows of one relayed step ``[step_id, timestamp_s, step_latency_s, slices]``; each slice is
-    ``[request_id, tenant, num_new_tokens, num_context_tokens, is_prefill, num_shared_context_tokens,
-    effective_context_tokens]``, optionally followed by ``num_cached_prompt_tokens`` (written as that column when
-    every slice has it); the header holds the rest."""
-    step_id, timestamp_s, latency_s, slices = step
-    constant = header["columns"]
-    is_warmup = step_id < header["warmup_steps"]
-    rows = [
-        {
-            "step_id": step_id,
-            "step_latency_s": latency_s,
-            "request_id": request_id,
-            "tenant": str(tenant),
-            "num_new_tokens": num_new,
-            "num_context_tokens": num_context,
-            "num_shared_context_tokens": num_shared,
-            "effective_context_tokens": num_effective,
-            "phase": "prefill" if is_prefill else "decode",
-            "timestamp_s": timestamp_s,
-            **constant,
-            "is_warmup": is_warmup,
-        }
-        for request_id, tenant, num_new, num_context, is_prefill, num_shared, num_effective, *_ in slices
-    ]
-    if slices and all(len(s) > 7 for s in slices):
-        for row, s in zip(rows, slices):
-            row[CACHED_PROMPT_COLUMN] = s[7]
-    return rows
-
-
 class StepDelivery:
     """Relayed steps to the trace file and the service: the delivery process's work (also the relay's
     fallback in the engine's own process if delivery processes keep dying).
@@ -700,11 +670,12 @@ class StepDelivery:
         self.archive = _archive_from_env(metadata)
 
     def add(self, step: list) -> None:
-        rows = step_rows(self.header, step)
         step_id = step[0]
         if self.archive is not None:
-            self.archive.add_step(rows)
-        if self.writer is not None and (self.trace_from is None or step_id >= self.trace_from):
+            self.archive.add_relayed(self.header, step)  # kept as columns: no row dicts for it
+        to_trace = self.writer is not None and (self.trace_from is None or step_id >= self.trace_from)
+        rows = step_rows(self.header, step) if to_trace or self.pusher is not None else None
+        if to_trace:
             self.writer.write_step(rows)
         if self.pusher is not None:
             self.pusher.push_step(rows)

@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from llmvisor.core.relayed import StepColumns
 from llmvisor.core.trace import ARROW_SCHEMA, METADATA_KEY, SHARING_ARROW_FIELDS, format_version
 
 log = logging.getLogger("llmvisor.archive")
@@ -95,18 +96,35 @@ class ArchiveStats:
     steps_dropped: int = 0
 
 
-def rows_table(rows: Sequence[dict], metadata: dict) -> pa.Table:
-    """Trace rows (dicts, `llmvisor.client.step_rows`) as an Arrow table of the trace format's types."""
+def rows_columns(rows: Sequence[dict]) -> dict[str, list]:
+    """Trace rows (dicts, `llmvisor.core.relayed.step_rows`) as columns: every name any row has, in the order
+    they first appear, None where a row lacks it."""
     names = list(dict.fromkeys(name for row in rows[:1] for name in row))
     expected = set(names)
-    for row in rows:
-        if row.keys() != expected:
-            names = list(dict.fromkeys(name for r in rows for name in r))
-            break
-    columns = {name: pa.array([row.get(name) for row in rows], _TYPES.get(name)) for name in names}
-    table = pa.table(columns)
-    trace_metadata = {"format_version": format_version(names), **metadata}
+    if any(row.keys() != expected for row in rows):
+        names = list(dict.fromkeys(name for r in rows for name in r))
+    return {name: [row.get(name) for row in rows] for name in names}
+
+
+def columns_table(columns: dict[str, list], metadata: dict) -> pa.Table:
+    """Trace columns (name → values, as `rows_columns` gathers them or `StepColumns.columns` gives them) as an Arrow
+    table of the trace format's types, the trace metadata beside ``metadata``."""
+    table = pa.table({name: pa.array(values, _TYPES.get(name)) for name, values in columns.items()})
+    trace_metadata = {"format_version": format_version(list(columns)), **metadata}
     return table.replace_schema_metadata({METADATA_KEY: json.dumps(trace_metadata).encode()})
+
+
+class _Buffer:
+    """One (run, window)'s steps until written: trace rows (`ArchiveWriter.add_step`) or relayed steps kept as
+    columns (`ArchiveWriter.add_relayed`), not both."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+        self.relayed: StepColumns | None = None
+        self.num_steps = 0
+
+    def columns(self) -> dict[str, list]:
+        return self.relayed.columns() if self.relayed is not None else rows_columns(self.rows)
 
 
 class ArchiveWriter:
@@ -129,9 +147,8 @@ class ArchiveWriter:
         self.metadata = dict(metadata or {})
         self.clock = clock
         self.stats = ArchiveStats()
-        self._open: dict[tuple[str, int], list[dict]] = {}
-        self._open_steps: dict[tuple[str, int], int] = {}
-        self._failed: list[tuple[str, int, list[dict], int]] = []
+        self._open: dict[tuple[str, int], _Buffer] = {}
+        self._failed: list[tuple[str, int, _Buffer]] = []
         self._next_part: dict[tuple[str, int], int] = {}
         self._latest: dict[str, int] = {}
         self._listed_runs: set[str] = set()
@@ -152,12 +169,38 @@ class ArchiveWriter:
         if not rows:
             return
         first = rows[0]
-        timestamp_s = first.get("timestamp_s")
+        buffer, run_id, window = self._buffer(first["run_id"], first.get("timestamp_s"))
+        if buffer.relayed is not None:
+            raise ValueError(f"run {run_id}: an archive window takes trace rows or relayed steps, not both")
+        buffer.rows.extend(rows)
+        buffer.num_steps += 1
+        self._closes_older(run_id, window)
+
+    def add_relayed(self, header: dict, step: list) -> None:
+        """Buffer one relayed step (`llmvisor.core.relayed`: what the recorder hands its delivery process) as
+        columns, the same file its trace rows would make without a dict per slice; otherwise as `add_step`."""
+        if not step[3]:
+            return
+        buffer, run_id, window = self._buffer(header["columns"]["run_id"], step[1])
+        if buffer.relayed is None:
+            if buffer.rows:
+                raise ValueError(f"run {run_id}: an archive window takes trace rows or relayed steps, not both")
+            buffer.relayed = StepColumns(header)
+        elif buffer.relayed.header is not header and buffer.relayed.header != header:
+            raise ValueError(f"run {run_id}: relayed steps of one archive window must share their header")
+        buffer.relayed.add(step)
+        buffer.num_steps += 1
+        self._closes_older(run_id, window)
+
+    def _buffer(self, run_id, timestamp_s) -> tuple[_Buffer, str, int]:
         window = window_start_ms(self.clock() if timestamp_s is None else float(timestamp_s), self.window_s)
-        run_id = str(first["run_id"])
-        key = (run_id, window)
-        self._open.setdefault(key, []).extend(rows)
-        self._open_steps[key] = self._open_steps.get(key, 0) + 1
+        run_id = str(run_id)
+        buffer = self._open.get((run_id, window))
+        if buffer is None:
+            buffer = self._open[(run_id, window)] = _Buffer()
+        return buffer, run_id, window
+
+    def _closes_older(self, run_id: str, window: int) -> None:
         if window > self._latest.get(run_id, window - 1):
             self._latest[run_id] = window
             older = [k for k in self._open if k[0] == run_id and k[1] < window]
@@ -176,7 +219,7 @@ class ArchiveWriter:
         """Write everything buffered; True when every step handed over is in the archive."""
         self._write_windows(list(self._open))
         if self._failed:
-            held = sum(n for *_, n in self._failed)
+            held = sum(b.num_steps for *_, b in self._failed)
             log.error("llmvisor: %d steps could not be archived to %s (%d write errors); they are not in the archive",
                       held, self.url, self.stats.errors)
             return False
@@ -185,35 +228,37 @@ class ArchiveWriter:
     def _write_windows(self, keys: list[tuple[str, int]]) -> None:
         self._retry_at_s = self.clock() + self.window_s
         retry, self._failed = self._failed, []
-        for run_id, window, rows, n_steps in retry:
-            self._write(run_id, window, rows, n_steps)
+        for run_id, window, buffer in retry:
+            self._write(run_id, window, buffer)
         for key in keys:
-            rows, n_steps = self._open.pop(key), self._open_steps.pop(key)
-            self._write(key[0], key[1], rows, n_steps)
-        self.stats.steps_held = sum(n for *_, n in self._failed)
+            self._write(key[0], key[1], self._open.pop(key))
+        self.stats.steps_held = sum(b.num_steps for *_, b in self._failed)
         while self.stats.steps_held > self.max_held_steps and len(self._failed) > 1:
-            run_id, window, _rows, n_steps = self._failed.pop(0)
+            run_id, window, buffer = self._failed.pop(0)
+            n_steps = buffer.num_steps
             self.stats.steps_held -= n_steps
             self.stats.steps_dropped += n_steps
             log.error("llmvisor: dropped %d steps of run %s (window at %d ms) from the archive queue: the archive %s has "
                       "failed for more than %d held steps; they are not in the archive", n_steps, run_id, window, self.url,
                       self.max_held_steps)
 
-    def _write(self, run_id: str, window: int, rows: list[dict], n_steps: int) -> None:
+    def _write(self, run_id: str, window: int, buffer: _Buffer) -> None:
+        n_steps = buffer.num_steps
         try:
             part = self._part(run_id, window)
             name = file_name(run_id, window, part)
-            versions = sorted({row["model_version"] for row in rows if row.get("model_version") is not None})
+            columns = buffer.columns()
+            versions = sorted({v for v in columns.get("model_version", ()) if v is not None})
             facts = {"run_id": run_id, "window_start_ms": window, "window_s": self.window_s, "part": part,
                      "num_steps": n_steps, "model_versions": versions}
-            table = rows_table(rows, {**self.metadata, ARCHIVE_METADATA: facts})
-            buffer = io.BytesIO()
-            pq.write_table(table, buffer, compression=COMPRESSION)
-            data = buffer.getvalue()
+            table = columns_table(columns, {**self.metadata, ARCHIVE_METADATA: facts})
+            out = io.BytesIO()
+            pq.write_table(table, out, compression=COMPRESSION)
+            data = out.getvalue()
             self._put(f"{self.root.rstrip('/')}/{name}", data)
         except Exception as error:  # noqa: BLE001 - any storage error: keep the steps, report, retry
             self.stats.errors += 1
-            self._failed.append((run_id, window, rows, n_steps))
+            self._failed.append((run_id, window, buffer))
             log.error("llmvisor: cannot write %d steps of run %s to the archive %s (%s: %s); kept for a retry at the next rotation",
                       n_steps, run_id, self.url, type(error).__name__, error)
             return

@@ -6,7 +6,7 @@ one decode step per further output token, then the next request; slot 0 holds on
 (the staleness probe counts its steps). Every step goes through the engine-side code a delivery process runs:
 the real `llmvisor.metering.WindowAggregator` (attributed with a model version registered in the ledger, closing a
 window when a step of the next one arrives, the last one at the run's end) and the real
-`llmvisor.archive.ArchiveWriter`, fed `llmvisor.client.step_rows` as `StepDelivery` feeds it.
+`llmvisor.archive.ArchiveWriter`, fed the relayed steps as `StepDelivery` feeds it.
 
 That code costs far more CPU per step than this machine has for a thousand engines in real time, so the engines
 are built before the timed run (`build_engine`, in worker processes), and the run replays each window's POST at
@@ -28,7 +28,6 @@ import numpy as np
 
 from llmvisor import shipped
 from llmvisor.archive import ArchiveWriter
-from llmvisor.client import step_rows
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.workloads import read_workload_csv
@@ -172,7 +171,7 @@ def build_engine(spec: EdgeSpec) -> EdgeEngine:
         keep(closed, end_s)
         if archive is not None:
             started = time.process_time()
-            archive.add_step(step_rows(header, step))
+            archive.add_relayed(header, step)
             archive_cpu += time.process_time() - started
     started = time.process_time()
     closed = aggregator.close()

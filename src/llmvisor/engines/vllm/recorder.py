@@ -44,8 +44,9 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from llmvisor.client import StepPusher, StepRelay, service_url_from_env, step_rows
+from llmvisor.client import StepPusher, StepRelay, service_url_from_env
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN, EngineFingerprint, fingerprint_sidecar
+from llmvisor.core.relayed import step_rows
 from llmvisor.core.trace import TraceWriter
 from llmvisor.engines.vllm.fingerprint import engine_fingerprint
 from llmvisor.engines.vllm.kv_sharing import shared_context_tokens

@@ -1,0 +1,120 @@
+"""A relayed step as trace rows, or many of them as trace columns: one definition of the mapping.
+
+The recorder hands each step to its delivery process in a compact form, ``[step_id, timestamp_s,
+step_latency_s, slices]``, each slice ``[request_id, tenant, num_new_tokens, num_context_tokens, is_prefill,
+num_shared_context_tokens, effective_context_tokens]``, optionally followed by ``num_cached_prompt_tokens``;
+a header holds what every row shares (``columns``: run id, engine fingerprint...; ``warmup_steps``).
+
+The trace file and the pusher take one row dict per slice (`step_rows`). The archive takes thousands of steps at
+a time as an Arrow table, and building a dict per slice for it cost more than the rest of its work: `StepColumns`
+keeps the slices as columns instead, and gives the same columns, in the same order, with the same values, as the
+rows of those steps would (`tests/test_relayed.py` checks it on generated steps).
+"""
+
+from __future__ import annotations
+
+from llmvisor.core.tokens import CACHED_PROMPT_COLUMN
+
+SLICE_FIELDS = ("request_id", "tenant", "num_new_tokens", "num_context_tokens", "is_prefill",
+                "num_shared_context_tokens", "effective_context_tokens")
+"""A relayed slice's first seven fields, in order; an eighth, when present, is ``num_cached_prompt_tokens``."""
+
+
+_NO_CACHED = object()
+
+
+def phase_of(is_prefill) -> str:
+    return "prefill" if is_prefill else "decode"
+
+
+def step_rows(header: dict, step: list) -> list[dict]:
+    """Trace rows of one relayed step (module docstring); ``num_cached_prompt_tokens`` is written when every
+    slice of the step has it."""
+    step_id, timestamp_s, latency_s, slices = step
+    constant = header["columns"]
+    is_warmup = step_id < header["warmup_steps"]
+    rows = [
+        {
+            "step_id": step_id,
+            "step_latency_s": latency_s,
+            "request_id": request_id,
+            "tenant": str(tenant),
+            "num_new_tokens": num_new,
+            "num_context_tokens": num_context,
+            "num_shared_context_tokens": num_shared,
+            "effective_context_tokens": num_effective,
+            "phase": phase_of(is_prefill),
+            "timestamp_s": timestamp_s,
+            **constant,
+            "is_warmup": is_warmup,
+        }
+        for request_id, tenant, num_new, num_context, is_prefill, num_shared, num_effective, *_ in slices
+    ]
+    if slices and all(len(s) > 7 for s in slices):
+        for row, s in zip(rows, slices):
+            row[CACHED_PROMPT_COLUMN] = s[7]
+    return rows
+
+
+class StepColumns:
+    """Relayed steps of one header kept as columns: `columns` is what the rows of the same steps (`step_rows`)
+    hold, column by column, missing values None (as a column the rows of only some steps have)."""
+
+    def __init__(self, header: dict):
+        self.header = header
+        self.num_steps = 0
+        self.num_rows = 0
+        self._step_id: list = []
+        self._latency_s: list = []
+        self._timestamp_s: list = []
+        self._is_warmup: list = []
+        self._fields: list[list] = [[] for _ in SLICE_FIELDS]
+        self._cached: list = []
+        self._any_cached = False
+
+    def add(self, step: list) -> None:
+        """One relayed step; a step without slices has no rows (as in `step_rows`) and is not counted."""
+        step_id, timestamp_s, latency_s, slices = step
+        n = len(slices)
+        if not n:
+            return
+        if min(map(len, slices)) < len(SLICE_FIELDS):
+            raise ValueError(f"step {step_id}: a slice has fewer than {len(SLICE_FIELDS)} fields")
+        for column, values in zip(self._fields, zip(*slices)):
+            column.extend(values)
+        self._step_id.extend([step_id] * n)
+        self._latency_s.extend([latency_s] * n)
+        self._timestamp_s.extend([timestamp_s] * n)
+        self._is_warmup.extend([step_id < self.header["warmup_steps"]] * n)
+        if all(len(s) > 7 for s in slices):
+            self._cached.extend([s[7] for s in slices])
+            self._any_cached = True
+        else:
+            self._cached.extend([_NO_CACHED] * n)
+        self.num_steps += 1
+        self.num_rows += n
+
+    def columns(self) -> dict[str, list]:
+        """Column name → values, in the order of `step_rows`' keys (a header column named like a computed one
+        takes its place and values, as in the rows); none without rows."""
+        if not self.num_rows:
+            return {}
+        request_id, tenant, num_new, num_context, is_prefill, num_shared, num_effective = self._fields
+        out = {
+            "step_id": self._step_id,
+            "step_latency_s": self._latency_s,
+            "request_id": request_id,
+            "tenant": [str(t) for t in tenant],
+            "num_new_tokens": num_new,
+            "num_context_tokens": num_context,
+            "num_shared_context_tokens": num_shared,
+            "effective_context_tokens": num_effective,
+            "phase": [phase_of(p) for p in is_prefill],
+            "timestamp_s": self._timestamp_s,
+        }
+        out.update({name: [value] * self.num_rows for name, value in self.header["columns"].items()})
+        out["is_warmup"] = self._is_warmup
+        if self._any_cached:  # rows of a step without it keep the header's value, if any, as in the rows
+            absent = self.header["columns"].get(CACHED_PROMPT_COLUMN)
+            out[CACHED_PROMPT_COLUMN] = [absent if c is _NO_CACHED else c for c in self._cached]
+        return out
