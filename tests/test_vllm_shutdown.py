@@ -67,11 +67,11 @@ class Clients:
             k += 1
             tenant = f"{self.server.run_id}-c{seed}-{k}"
             prompt_len = int(rng.integers(8, 64))
-            record = {"tenant": tenant, "prompt_len": prompt_len, "start_s": time.monotonic(), "end_s": None, "status": None}
+            max_tokens = self.max_tokens + 40 * seed  # clients out of step: some request is always mid-answer
+            record = {"tenant": tenant, "prompt_len": prompt_len, "max_tokens": max_tokens, "start_s": time.monotonic(), "end_s": None,
+                      "status": None}  # fmt: skip
             with self.lock:
                 self.records.append(record)
-            max_tokens = self.max_tokens + 40 * seed  # clients out of step: some request is always mid-answer
-            record["max_tokens"] = max_tokens
             body = {"model": self.server.model, "prompt": rng.integers(10, 1000, prompt_len).tolist(), "max_tokens": max_tokens,
                     "ignore_eos": True, "vllm_xargs": {"tenant": tenant}}  # fmt: skip
             try:
@@ -88,15 +88,24 @@ class Clients:
                     with self.server._lock:
                         self.server.completed[tenant] = (prompt_len, record["completion_tokens"])
 
-    def wait_mid_answer(self, running_s: float, timeout_s: float) -> None:
-        """Until some request has been in flight for ``running_s`` (so the engine is running it, not just receiving it)."""
+    def wait_mid_answer(self, db_url: str, timeout_s: float) -> None:
+        """Until some request has been answered in full and the ledger holds steps of a request still in flight with
+        less than half its answer billed: the engine is running that one and will be at a signal sent now. (Time in
+        flight alone says nothing on a loaded machine: a request can wait seconds in the API server before its first
+        step.)"""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            now = time.monotonic()
+            with self.server._lock:
+                answered = bool(self.server.completed)
             with self.lock:
-                if any(r["end_s"] is None and now - r["start_s"] >= running_s for r in self.records):
+                waiting = {r["tenant"]: r for r in self.records if r["end_s"] is None}
+            billed = request_rows(db_url, self.server.run_id) if waiting and answered else {}
+            for tenant, rows in billed.items():
+                record = waiting.get(tenant)
+                if record is not None and rows and sum(row.num_new_tokens for row in rows) < record["prompt_len"] + record["max_tokens"] // 2:
                     return
-            time.sleep(0.05)
+            time.sleep(0.25)
+        pytest.fail(f"no request answered in full and another billed mid-answer within {timeout_s:.0f} s")
 
     def in_flight(self, at_s: float) -> list[dict]:
         with self.lock:
@@ -123,8 +132,7 @@ def test_sigint_with_requests_in_flight_ends_within_the_stated_time_and_bills_ev
     try:
         engine_pid = server.engine_pid()
         clients = Clients(server, n_clients=4, max_tokens=200)
-        time.sleep(4)
-        clients.wait_mid_answer(running_s=1.5, timeout_s=60)
+        clients.wait_mid_answer(service["db_url"], timeout_s=120)
         sigint_s = time.monotonic()
         server.process.send_signal(signal.SIGINT)
         bound_s = shutdown_timeout_s + DEFAULT_HTTP_SHUTDOWN_GRACE_S + ENGINE_TEARDOWN_S
