@@ -39,11 +39,34 @@ def model_path(tmp_path_factory):
     return path
 
 
+def worker_database(url: str) -> str:
+    """The database of this pytest-xdist worker on the server ``url`` names (created on first use), so that workers
+    running at once never wipe each other's tables; ``url`` itself outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return url
+    parsed = make_url(url)
+    name = f"{parsed.database}_{worker}"
+    if name not in _WORKER_DATABASES:
+        import psycopg
+
+        with psycopg.connect(parsed.set(drivername="postgresql").render_as_string(hide_password=False), autocommit=True) as conn:
+            if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is None:
+                conn.execute(f'CREATE DATABASE "{name}"')
+        _WORKER_DATABASES.add(name)
+    return parsed.set(database=name).render_as_string(hide_password=False)
+
+
+_WORKER_DATABASES: set[str] = set()
+
+
 def empty_postgres(url: str) -> str:
-    """Drop the ledger's tables: only in a database whose name says it is for tests."""
+    """Drop the ledger's tables (in this xdist worker's own database): only in a database whose name says it is for
+    tests. Returns the URL the test is to use."""
     database = make_url(url).database or ""
     if "test" not in database:
         pytest.fail(f"LLMVISOR_TEST_POSTGRES_URL names database {database!r}; the tests wipe it, so its name must contain 'test'")
+    url = worker_database(url)
     ledger = Ledger(url)
     metadata.drop_all(ledger._write_engine)
     ledger.close()

@@ -11,6 +11,7 @@ a grace for the recorder's delivery processes to finish) is listed, killed, and 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import time
 import uuid
@@ -53,6 +54,53 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 LEFTOVER_KEY = pytest.StashKey[list]()
+
+HEAVY_MARKERS = ("vllm", "slow", "packaging")
+"""Modules with a test of these markers start an engine or build a wheel (tens of seconds to minutes each)."""
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Order modules, each kept whole: those with a ``measures`` test first, each followed by a light one, then half
+    the other light ones, the other heavy ones, and the rest of the light ones. pytest-xdist's ``--dist loadfile``
+    (scripts/test.sh) hands the first modules out in turn, so one worker runs the measuring modules while the other
+    works through light modules (not waiting on the lock below); the heavy ones follow, and light ones even out the
+    end."""
+
+    def module(item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    def marked(*names):
+        return {module(item) for item in items if any(item.get_closest_marker(m) for m in names)}
+
+    modules = list(dict.fromkeys(module(item) for item in items))
+    measures, heavy = marked("measures"), marked(*HEAVY_MARKERS)
+    first = [m for m in modules if m in measures]
+    light = [m for m in modules if m not in heavy and m not in measures]
+    interleaved = [m for pair in zip(first, light[: len(first)]) for m in pair]
+    light = light[len(first):]
+    order = interleaved + light[: len(light) // 2] + [m for m in modules if m in heavy and m not in measures] + light[len(light) // 2:]
+    rank = {name: k for k, name in enumerate(order)}
+    items.sort(key=lambda item: rank[module(item)])
+
+
+@pytest.fixture(autouse=True)
+def _engine_lock(request, tmp_path_factory):
+    """A test that ``measures`` step times runs with no other real-engine test at once (an exclusive lock), and a
+    ``vllm`` test shares the lock with the others: under pytest-xdist a second engine on the same cores makes the
+    measured steps drift and the calibration rules refuse them, as they should on a machine that busy."""
+    exclusive = request.node.get_closest_marker("measures") is not None
+    if not exclusive and request.node.get_closest_marker("vllm") is None:
+        yield
+        return
+    # Beside the base temps: under xdist the folder of this run's workers; without it, the user's folder of runs
+    # (a measuring test then also waits for another run's engines on the machine, which is as it should be).
+    path = tmp_path_factory.getbasetemp().parent / "llmvisor-engine.lock"
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

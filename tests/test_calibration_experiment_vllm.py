@@ -20,7 +20,7 @@ from llmvisor.core.model import StepLatencyModel  # noqa: E402
 from llmvisor.core.trace import read_trace  # noqa: E402
 from llmvisor.profile.calibration_experiment import canary_mask  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # two served sessions and a calibration
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.measures]  # two served sessions and a calibration
 
 
 def test_two_served_sessions_calibrate_and_score_on_the_held_out_one(tmp_path):

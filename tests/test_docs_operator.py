@@ -175,6 +175,7 @@ def test_the_documented_service_commands_run(tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.measures  # its `llmvisor calibrate` profiles the served engine
 @pytest.mark.slow  # the whole journey: a served engine, traffic, then a profile for the calibration (about 4 minutes)
 def test_the_documented_operator_commands_run(tmp_path):
     done, work = run_doc(OPERATOR_DOC, tmp_path, timeout_s=START_TIMEOUT_S + 900)
