@@ -39,6 +39,10 @@ def model_path(tmp_path_factory):
     return path
 
 
+_WORKER_DATABASES: set[str] = set()
+"""This worker's databases already created."""
+
+
 def worker_database(url: str) -> str:
     """The database of this pytest-xdist worker on the server ``url`` names (created on first use), so that workers
     running at once never wipe each other's tables; ``url`` itself outside xdist."""
@@ -55,9 +59,6 @@ def worker_database(url: str) -> str:
                 conn.execute(f'CREATE DATABASE "{name}"')
         _WORKER_DATABASES.add(name)
     return parsed.set(database=name).render_as_string(hide_password=False)
-
-
-_WORKER_DATABASES: set[str] = set()
 
 
 def empty_postgres(url: str) -> str:

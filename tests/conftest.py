@@ -83,17 +83,19 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: rank[module(item)])
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _engine_lock(request, tmp_path_factory):
-    """A test that ``measures`` step times runs with no other real-engine test at once (an exclusive lock), and a
-    ``vllm`` test shares the lock with the others: under pytest-xdist a second engine on the same cores makes the
-    measured steps drift and the calibration rules refuse them, as they should on a machine that busy."""
-    exclusive = request.node.get_closest_marker("measures") is not None
-    if not exclusive and request.node.get_closest_marker("vllm") is None:
+    """A module with a test that ``measures`` step times runs with no other real-engine module at once (an exclusive
+    lock), and a module with a ``vllm`` test shares the lock with the others: under pytest-xdist a second engine on
+    the same cores makes the measured steps drift and the calibration rules refuse them, as they should on a machine
+    that busy. Held for the whole module, since a module's fixtures may start its engines before its first test."""
+    tests = [item for item in request.session.items if item.nodeid.split("::", 1)[0] == request.node.nodeid]
+    exclusive = any(item.get_closest_marker("measures") for item in tests)
+    if not exclusive and not any(item.get_closest_marker("vllm") for item in tests):
         yield
         return
     # Beside the base temps: under xdist the folder of this run's workers; without it, the user's folder of runs
-    # (a measuring test then also waits for another run's engines on the machine, which is as it should be).
+    # (a measuring module then also waits for another run's engines on the machine, which is as it should be).
     path = tmp_path_factory.getbasetemp().parent / "llmvisor-engine.lock"
     with open(path, "a+") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)

@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
 
@@ -102,7 +103,8 @@ class Clients:
                     metrics = httpx.get(f"{self.server.base}/metrics", timeout=10).text
                 except httpx.HTTPError:
                     metrics = ""
-                running = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("vllm:num_requests_running")]
+                running = [sample.value for family in text_string_to_metric_families(metrics) for sample in family.samples
+                           if sample.name == "vllm:num_requests_running"]  # fmt: skip
                 if running and sum(running) >= 2:
                     return
             time.sleep(0.05)
