@@ -19,7 +19,7 @@ from sqlalchemy import create_engine, func, select
 
 from _service_fixtures import model_path  # noqa: F401
 from llmvisor.client import MAX_DELIVERY_RESTARTS, process_running
-from llmvisor.ledger.schema import window_tenant_usage, windows
+from llmvisor.ledger.schema import tenant_seconds, windows
 from test_delivery_loss import RelayEngine, service  # noqa: F401
 
 RUN = "edge-fallback"
@@ -31,9 +31,11 @@ def ledger_windows(db_url: str) -> tuple[int, int, dict[str, dict[str, int]]]:
         with engine.connect() as conn:
             n, steps = conn.execute(select(func.count(), func.coalesce(func.sum(windows.c.num_steps), 0))
                                     .where(windows.c.run_id.like(f"{RUN}%"))).one()
-            t = window_tenant_usage.c
+            # window usage is kept per tenant and second (schema 7), not per run: every window here is the run's
+            assert conn.execute(select(func.count()).select_from(windows)).scalar() == n
+            t = tenant_seconds.c
             rows = conn.execute(select(t.tenant, func.sum(t.measured_ns), func.sum(t.num_slices), func.sum(t.num_new_tokens))
-                                .where(t.run_id.like(f"{RUN}%")).group_by(t.tenant)).all()
+                                .group_by(t.tenant)).all()
     finally:
         engine.dispose()
     return int(n), int(steps), {r[0]: {"measured_ns": int(r[1]), "num_slices": int(r[2]), "num_new_tokens": int(r[3])} for r in rows}

@@ -27,10 +27,10 @@ def value_at(run: dict, dotted: str):
     return value
 
 
-def audit(db_url: str, archive: str, tenant: str, start_s: int, end_s: int, model_path) -> tuple[int, dict]:
+def audit(db_url: str, archive: str, tenant: str, start_s: int, end_s: int, model_path, *more: str) -> tuple[int, dict]:
     completed = run_process(
         [sys.executable, "-m", "llmvisor.cli", "audit", "--archive", archive, "--tenant", tenant, "--start", str(start_s),
-         "--end", str(end_s), "--db", db_url, "--model", str(model_path), "--json"],
+         "--end", str(end_s), "--db", db_url, "--model", str(model_path), "--json", *more],
         timeout_s=300,
     )
     return completed.returncode, json.loads(completed.stdout)
@@ -82,10 +82,23 @@ def test_an_aggregate_fleet_on_sqlite_is_covered_and_audits_exactly(model_path, 
     assert code == 0 and result["ok"], result
     assert result["window_steps"] == result["audited_steps"] > 0 and result["windows_checked"] > 0
     assert result["reattributed_ns"] == result["usage_ns"] == result["billed_windows_ns"] > 0
+    # the tenant's requests re-attributed from the archive are the ledger's request rows (kept by default), exactly
+    code, listed = audit(db_url, archive, "tenant-1", start_s, end_s, model_path, "--requests", "100000")
+    assert code == 0 and sum(r["attributed_ns"] for r in listed["requests"]) == result["reattributed_ns"]
+    from llmvisor.ledger import Ledger
 
-    with sqlite3.connect(tmp_path / "ledger.db") as conn:  # one window's stored share of the tenant, off by 1 ns
-        changed = conn.execute("UPDATE window_tenant_usage SET attributed_ns = attributed_ns + 1 WHERE rowid = (SELECT min(rowid) "
-                               "FROM window_tenant_usage WHERE tenant = 'tenant-1' AND second_us >= ?)", (start_s * 1_000_000,)).rowcount
+    ledger = Ledger(db_url)
+    try:
+        runs = {r["run_id"] for r in listed["requests"]}
+        stored = {(r.run_id, r.request_id): (r.attributed_ns, r.num_steps)
+                  for r in ledger.request_usage(tenant="tenant-1", limit=100_000) if r.run_id in runs}
+    finally:
+        ledger.close()
+    assert {(r["run_id"], r["request_id"]): (r["attributed_ns"], r["num_steps"]) for r in listed["requests"]} == stored
+
+    with sqlite3.connect(tmp_path / "ledger.db") as conn:  # one second's stored window usage of the tenant, off by 1 ns
+        changed = conn.execute("UPDATE tenant_seconds SET attributed_ns = attributed_ns + 1 WHERE rowid = (SELECT min(rowid) "
+                               "FROM tenant_seconds WHERE tenant = 'tenant-1' AND second_us >= ?)", (start_s * 1_000_000,)).rowcount
     assert changed == 1
     code, result = audit(db_url, archive, "tenant-1", start_s, end_s, model_path)
     assert code == 1 and not result["ok"] and result["num_mismatched_windows"] == 1

@@ -139,7 +139,7 @@ def test_the_migrate_command_reports_what_it_copied(tmp_path, model_path, capsys
     ledger_migrate(source=source_url, target=f"sqlite:///{tmp_path}/schema2.db")
     out = capsys.readouterr().out
     assert f"copied 30 steps, {len(slice_rows)} slices, 1 keys" in out and "The source was not changed." in out
-    with pytest.raises(LlmvisorError, match="ledger schema version 6; versions 1 to 5 are migrated"):
+    with pytest.raises(LlmvisorError, match="ledger schema version 7; versions 1 to 6 are migrated"):
         ledger_migrate(source=f"sqlite:///{tmp_path}/schema2.db", target=f"sqlite:///{tmp_path}/third.db")
 
 
@@ -178,7 +178,7 @@ def test_a_schema_2_ledger_is_copied_table_by_table(tmp_path, model_path, db_url
     groups = make_steps("run-a", 80, batch_size=9, step_interval_s=0.3, seed=1) + make_steps("run-b", 40, n_tenants=4, seed=2)
     source_path = tmp_path / "schema2.db"
     source_url = _schema_2_ledger(source_path, model, groups)
-    with pytest.raises(LedgerError, match="schema version 2, this llmvisor reads 6"):
+    with pytest.raises(LedgerError, match="schema version 2, this llmvisor reads 7"):
         Ledger(source_url)
     source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
     reference = Ledger(f"sqlite:///{tmp_path}/reference.db")
@@ -262,7 +262,7 @@ def test_a_schema_3_ledger_is_copied_with_its_models_and_its_gaps_show(tmp_path,
     groups = run_a[:10] + run_a[14:40] + run_a[45:] + make_steps("run-b", 20, n_tenants=4, seed=2)
     source_path = tmp_path / "schema3.db"
     source_url = _schema_3_ledger(source_path, model, groups)
-    with pytest.raises(LedgerError, match="schema version 3, this llmvisor reads 6"):
+    with pytest.raises(LedgerError, match="schema version 3, this llmvisor reads 7"):
         Ledger(source_url)
     source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
     report = migrate(source_url, db_url)
@@ -295,7 +295,7 @@ def _schema_4_ledger(path, model, groups) -> str:
     ledger.close()
     engine = create_engine(url)
     with engine.begin() as conn:
-        for table in ("windows", "window_tenant_usage", "request_totals"):
+        for table in ("windows", "tenant_seconds", "request_totals"):
             conn.execute(text(f"DROP TABLE {table}"))
         _drop_token_split(conn)
         conn.execute(text("UPDATE ledger_info SET value = '4' WHERE name = 'schema_version'"))
@@ -311,7 +311,7 @@ def test_a_schema_4_ledger_is_copied_whole_and_takes_windows_after(tmp_path, mod
     groups = run_a[:10] + run_a[14:] + make_steps("run-b", 20, n_tenants=4, seed=2)
     source_path = tmp_path / "schema4.db"
     source_url = _schema_4_ledger(source_path, model, groups)
-    with pytest.raises(LedgerError, match="schema version 4, this llmvisor reads 6"):
+    with pytest.raises(LedgerError, match="schema version 4, this llmvisor reads 7"):
         Ledger(source_url)
     source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
     report = migrate(source_url, db_url)
@@ -338,9 +338,10 @@ def test_a_schema_4_ledger_is_copied_whole_and_takes_windows_after(tmp_path, mod
         ledger.close()
 
 
-def _schema_5_ledger(path, model, per_step, windowed) -> str:
+def _schema_5_ledger(path, model, per_step, windowed, version: int = 5, runs=("run-w",)) -> str:
     """A schema-5 ledger: ``per_step`` groups stored step by step, ``windowed`` groups as window aggregates, a price
-    stored; a current one without schema 6's token split columns."""
+    stored; a current one with schema 6's window usage (a row per window and tenant), without schema 6's token split
+    columns (with them: ``version`` 6)."""
     from decimal import Decimal
 
     from llmvisor.billing import add_prices
@@ -348,22 +349,38 @@ def _schema_5_ledger(path, model, per_step, windowed) -> str:
     from llmvisor.metering import WindowAggregator
 
     url, ledger = _current_ledger(path, model, per_step)
-    agg = WindowAggregator("run-w", "class-x", lambda: (model, 1))
     closed = []
-    for g in windowed:
-        closed += agg.add(g[0]["step_id"], g[0]["timestamp_s"], g[0]["step_latency_s"],
-                          [[r["request_id"], r["tenant"], r["num_new_tokens"], r["num_context_tokens"], r["phase"] == "prefill", 0, None]
-                           for r in g])
-    assert ledger.ingest_windows(closed + agg.close()).inserted
+    for run in runs:
+        agg = WindowAggregator(run, "class-x", lambda: (model, 1))
+        for g in windowed:
+            closed += agg.add(g[0]["step_id"], g[0]["timestamp_s"], g[0]["step_latency_s"],
+                              [[r["request_id"], r["tenant"], r["num_new_tokens"], r["num_context_tokens"], r["phase"] == "prefill", 0, None]
+                               for r in g])
+        closed += agg.close()
+    assert ledger.ingest_windows(closed).inserted
     add_prices(ledger, [Price("class-x", 0, int(T0_S) // 3600 * 3600 * 1_000_000, "USD", Decimal("2"))])
     ledger.create_key("tenant-1")
     ledger.close()
     engine = create_engine(url)
     with engine.begin() as conn:
-        _drop_token_split(conn, ("usage_per_second", "window_tenant_usage", "request_totals"))
-        conn.execute(text("UPDATE ledger_info SET value = '5' WHERE name = 'schema_version'"))
+        _as_schema_6(conn, closed)
+        if version == 5:
+            _drop_token_split(conn, ("usage_per_second", "window_tenant_usage", "request_totals"))
+        conn.execute(text(f"UPDATE ledger_info SET value = '{version}' WHERE name = 'schema_version'"))
     engine.dispose()
     return url
+
+
+def _as_schema_6(conn, closed) -> None:
+    """Schema 7's per-second window usage (``tenant_seconds``) back to schemas 5 and 6's row per window and tenant."""
+    from llmvisor.ledger.migrate import _window_tenant_usage_6
+
+    _window_tenant_usage_6.create(conn)
+    rows = [{"run_id": w.run_id, "window_start_us": w.window_start_us, "tenant": tenant,
+             "second_us": w.window_start_us // 1_000_000 * 1_000_000, **t}
+            for w in closed for tenant, t in w.tenant_totals().items()]
+    conn.execute(_window_tenant_usage_6.insert(), rows)
+    conn.execute(text("DROP TABLE tenant_seconds"))
 
 
 def test_a_schema_5_ledger_is_copied_whole_its_token_split_unknown(tmp_path, model_path, db_url):
@@ -380,7 +397,7 @@ def test_a_schema_5_ledger_is_copied_whole_its_token_split_unknown(tmp_path, mod
     windowed = make_steps("run-w", 20, n_tenants=2, seed=3)
     source_path = tmp_path / "schema5.db"
     source_url = _schema_5_ledger(source_path, model, run_a[:20], windowed)
-    with pytest.raises(LedgerError, match="schema version 5, this llmvisor reads 6"):
+    with pytest.raises(LedgerError, match="schema version 5, this llmvisor reads 7"):
         Ledger(source_url)
     source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
     report = migrate(source_url, db_url)
@@ -407,5 +424,51 @@ def test_a_schema_5_ledger_is_copied_whole_its_token_split_unknown(tmp_path, mod
         add_prices(ledger, [Price("class-x", 0, hour, "USD", Decimal("2"), output_token_price=Decimal("0.001"))])
         with pytest.raises(PriceError, match=r"has no token split \(it was stored before ledger schema 6\)"):
             charges(ledger, hour, hour + 2 * 3_600_000_000)
+    finally:
+        ledger.close()
+
+
+def test_a_schema_6_ledger_sums_its_window_rows_per_second_keeping_the_split(tmp_path, model_path, db_url):
+    """Schema 6 → 7: the rows per window and tenant are summed per tenant, class, version and second; every tenant's
+    total, the token split and the charges are those of the source, and a window re-sent after the copy is a
+    duplicate (its key and digest came along)."""
+    from llmvisor.billing import charges
+    from llmvisor.metering import WindowAggregator
+
+    model = StepLatencyModel.from_json(model_path)
+    run_a = make_steps("run-a", 20, batch_size=5, seed=1)
+    windowed = make_steps("run-w", 40, n_tenants=3, seed=4)
+    source_path = tmp_path / "schema6.db"
+    source_url = _schema_5_ledger(source_path, model, run_a, windowed, version=6, runs=("run-w", "run-v"))
+    engine = create_engine(source_url)
+    with engine.connect() as conn:
+        source_rows = conn.execute(text("SELECT tenant, second_us, attributed_ns, num_output_tokens FROM window_tenant_usage")).all()
+    engine.dispose()
+    assert len({(t, s) for t, s, _, _ in source_rows}) < len(source_rows)  # two runs' windows share a tenant and second
+    report = migrate(source_url, db_url)
+    ledger = Ledger(db_url)
+    try:
+        assert {r.tenant: r.attributed_ns for r in ledger.tenant_usage()} == report.attributed_ns_per_tenant
+        by_second: dict = {}
+        for t, s, ns, out in source_rows:
+            have = by_second.setdefault((t, s), [0, 0])
+            have[0] += ns
+            have[1] += out
+        with ledger.read_transaction() as conn:
+            copied = {(t, s): [ns, out] for t, s, ns, out in conn.execute(
+                text("SELECT tenant, second_us, attributed_ns, num_output_tokens FROM tenant_seconds")).all()}
+        assert copied == by_second  # one row per tenant and second here (one class and version), the split kept
+        for (t, s), (ns, _out) in by_second.items():
+            assert ledger.tenant_window_seconds(t, s, s + 1_000_000) == {(s, "class-x", 1): ns}
+        hour = int(T0_S) // 3600 * 3600 * 1_000_000
+        assert charges(ledger, hour, hour + 2 * 3_600_000_000)
+        agg = WindowAggregator("run-w", "class-x", lambda: (model, 1))
+        again = []
+        for g in windowed:
+            again += agg.add(g[0]["step_id"], g[0]["timestamp_s"], g[0]["step_latency_s"],
+                             [[r["request_id"], r["tenant"], r["num_new_tokens"], r["num_context_tokens"], r["phase"] == "prefill", 0, None]
+                              for r in g])
+        outcome = ledger.ingest_windows(again + agg.close())
+        assert outcome.inserted == 0 and outcome.duplicate == len(again) + 1
     finally:
         ledger.close()

@@ -30,7 +30,7 @@ from _tiny_llama import write_tiny_llama
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import synthetic_trace
 from llmvisor.ledger import Ledger
-from llmvisor.ledger.schema import window_tenant_usage, windows
+from llmvisor.ledger.schema import tenant_seconds, windows
 from llmvisor.service.process import ServerProcess
 from test_grafana_dashboard import METRIC_NAME, dashboard, finite_values, panel_exprs, substitute, variable_queries
 from test_vllm_delivery import ApiServer
@@ -58,9 +58,11 @@ def ledger_windows(db_url: str, run_id: str) -> tuple[int, int, dict[str, dict[s
         with engine.connect() as conn:
             n_windows, n_steps = conn.execute(select(func.count(), func.coalesce(func.sum(windows.c.num_steps), 0))
                                               .where(windows.c.run_id == run_id)).one()
-            t = window_tenant_usage.c
+            # window usage is kept per tenant and second (schema 7), not per run: every window here is the run's
+            assert conn.execute(select(func.count()).select_from(windows)).scalar() == n_windows
+            t = tenant_seconds.c
             rows = conn.execute(select(t.tenant, func.sum(t.attributed_ns), func.sum(t.measured_ns), func.sum(t.num_slices),
-                                       func.sum(t.num_new_tokens)).where(t.run_id == run_id).group_by(t.tenant)).all()
+                                       func.sum(t.num_new_tokens)).group_by(t.tenant)).all()
     finally:
         engine.dispose()
     names = ("attributed_ns", "measured_ns", "num_slices", "num_new_tokens")

@@ -4,7 +4,7 @@ and adjustments as charges of their own. What every export format writes, so all
 Usage stored step by step is kept per request per second (``usage_per_second``); the engine class and model version
 of a run's second come from its steps. Should one second of a run have steps billed by two model versions (an
 activation inside that second), its usage is charged under the higher version; the time is the same either way.
-Usage metered in window aggregates (``window_tenant_usage``) takes the class and version its window recorded, and is
+Usage metered in window aggregates (``tenant_seconds``) takes the class and version its window recorded, and is
 charged in the hour its window starts in; pending windows (nothing attributed yet) are not charged.
 
 Tokens: where the price in force has token prices, a usage charge of engine time is followed by one charge per priced
@@ -26,7 +26,7 @@ from llmvisor.billing.prices import TOKEN_ITEMS, US_PER_HOUR, Price, PriceBook, 
 from llmvisor.core.tokens import TOKEN_SPLIT, add_counts
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
-from llmvisor.ledger.schema import steps, usage_per_second, window_tenant_usage, windows
+from llmvisor.ledger.schema import steps, tenant_seconds, usage_per_second
 from llmvisor.ledger.store import split_sums
 
 ID_NAMESPACE = uuid.UUID("5b0e7a52-3c1d-4e2a-9f47-6c6c6d766973")
@@ -111,15 +111,13 @@ def usage_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str]
         .group_by(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant)
         .order_by(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant)
     )
-    w, win = window_tenant_usage, windows
+    w = tenant_seconds
     window_hour = ((w.c.second_us // US_PER_HOUR) * US_PER_HOUR).label("hour_us")
-    window_version = func.coalesce(win.c.model_version, DEFAULT_MODEL_VERSION)
     window_query = (
-        select(window_hour, win.c.engine_class, window_version, w.c.tenant, func.sum(w.c.attributed_ns), func.sum(w.c.num_new_tokens),
+        select(window_hour, w.c.engine_class, w.c.model_version, w.c.tenant, func.sum(w.c.attributed_ns), func.sum(w.c.num_new_tokens),
                *split_sums(w))
-        .join(win, and_(win.c.run_id == w.c.run_id, win.c.window_start_us == w.c.window_start_us))
-        .where(and_(w.c.second_us >= start_us, w.c.second_us < end_us, win.c.pending.is_(False)))
-        .group_by(window_hour, win.c.engine_class, window_version, w.c.tenant)
+        .where(and_(w.c.second_us >= start_us, w.c.second_us < end_us, w.c.model_version != 0))  # 0: pending windows
+        .group_by(window_hour, w.c.engine_class, w.c.model_version, w.c.tenant)
     )
     summed: dict[tuple[int, str, int, str], list] = {}
     with ledger.read_transaction() as conn:  # one snapshot: per-step and window usage read together

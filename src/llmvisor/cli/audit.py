@@ -25,6 +25,8 @@ def audit(
     start: Annotated[str, typer.Option(help="Period start (steps starting at or after it): ISO 8601 or Unix seconds.", metavar="TIME")],
     end: Annotated[str, typer.Option(help="Period end (steps starting before it): ISO 8601 or Unix seconds.", metavar="TIME")],
     model: Annotated[Path | None, typer.Option("--model", help="The service's --model, for steps it billed with it (default: the shipped latency model).", dir_okay=False, metavar="MODEL")] = None,
+    requests: Annotated[int, typer.Option(help="Also list the tenant's N largest requests of the period, re-attributed as billed "
+                                          "(a request's usage where the service keeps no row per request).", min=0, metavar="N")] = 0,
     db: DbOption = DEFAULT_DB_URL,
     json_output: JsonOption = False,
 ) -> None:
@@ -39,7 +41,7 @@ def audit(
     default_model = StepLatencyModel.from_json(model or shipped.latency_model_path())
     ledger = Ledger(db)
     try:
-        result = audit_tenant(ledger, archive, tenant, start_us, end_us, default_model)
+        result = audit_tenant(ledger, archive, tenant, start_us, end_us, default_model, requests=requests)
     finally:
         ledger.close()
     if json_output:
@@ -70,6 +72,13 @@ def audit(
             stdout.print(f"adjustment of {item['engine_class']} [{item['period_start_us'] / 1e6:.0f}, {item['period_end_us'] / 1e6:.0f}) "
                          f"to v{item['to_version']}: adjusted to {item['adjusted_to_ns']} ns, archive re-attributes "
                          f"{item['reattributed_ns']} ns", highlight=False)
+        if result.requests:
+            listed = Table(title=f"The tenant's {len(result.requests)} largest requests, re-attributed")
+            for name, justify in (("run", "left"), ("request", "left"), ("seconds", "right"), ("steps", "right")):
+                listed.add_column(name, justify=justify)
+            for item in result.requests:
+                listed.add_row(item["run_id"], item["request_id"], _seconds(item["attributed_ns"]), str(item["num_steps"]))
+            print_table(listed)
         for step in result.mismatched_steps:
             stdout.print(f"step {step['step_id']} of run {step['run_id']}: billed {step['billed_ns']} ns, "
                          f"re-attributed {step['reattributed_ns']} ns", highlight=False)

@@ -53,6 +53,10 @@ def load(
         str | None, typer.Option(help="With --mode aggregate: where the engines archive their raw steps (directory or fsspec URL); "
                                  "default: a temporary directory, removed after the run.", metavar="URL")
     ] = None,
+    request_totals: Annotated[
+        bool, typer.Option(help="With --mode aggregate: the service processes keep a row per request (LLMVISOR_REQUEST_TOTALS); "
+                           "--no-request-totals leaves a request's usage to the archive, as a large fleet does.")
+    ] = True,
     json_output: Annotated[bool, typer.Option("--json", help="Print only JSON to stdout: the settings and each target's figures.")] = False,
 ) -> None:
     """Measure sustained ingest throughput (steps/s) on loopback, or with --engines a fleet's accepted rate,
@@ -69,7 +73,8 @@ def load(
             raise LlmvisorError("--archive: give one --db with it (each run archives its own steps)")
         settings = FleetSettings(engines=engines, processes=processes, steps_per_s_per_engine=engine_steps_per_s,
                                  batch_size=batch_size, flush_interval_s=flush_ms / 1e3, duration_s=max_seconds,
-                                 warmup_s=min(5.0, max_seconds / 4), mode=mode, window_s=window_s if mode == "aggregate" else None)
+                                 warmup_s=min(5.0, max_seconds / 4), mode=mode, window_s=window_s if mode == "aggregate" else None,
+                                 request_totals=request_totals)
         results = [load_fleet(target, settings, model_path=model, archive_url=archive) for target in (db or ["sqlite"])]
         if json_output:
             typer.echo(json.dumps({"runs": [result.to_json() for result in results]}, indent=2))

@@ -11,7 +11,11 @@ Schema 6's token split (``num_uncached_prompt_tokens``, ``num_cached_prompt_toke
 ledger kept a request's new tokens per second, not which were prompt and which output, so the split is unknown,
 never guessed (not even 0: a token price refuses such a row, `llmvisor.billing.charges`). Schema 1's re-ingest is
 the exception: its slices carry their phase, so its rows get the split as any new ingest does (cached 0: schema 1
-never had the fact).
+never had the fact). Schema 6 is copied with its split as stored.
+
+Schema 7 keeps window usage per tenant, class, model version and second (``tenant_seconds``) instead of per window
+and tenant (``window_tenant_usage`` of schemas 5 and 6): the old rows are summed into that key, each with its
+window's class and version (0: pending); ``windows`` and ``request_totals`` are copied as stored.
 
 A copy rather than an upgrade in place: nothing already stored can be damaged by a migration that stops
 half way, the two can be compared afterwards, and the copy may go to another database (SQLite to
@@ -36,6 +40,8 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    and_,
+    case,
     create_engine,
     func,
     insert,
@@ -58,11 +64,11 @@ from llmvisor.ledger.schema import (
     slice_batches,
     step_ranges,
     steps,
+    tenant_seconds,
     usage_per_second,
-    window_tenant_usage,
     windows,
 )
-from llmvisor.ledger.store import Ledger, LedgerError, StepRecords, normalize_url
+from llmvisor.ledger.store import Ledger, LedgerError, StepRecords, normalize_url, split_sums
 
 _schema_1 = MetaData()
 _steps_1 = Table(
@@ -258,14 +264,14 @@ def _read_version(source_url: str):
 
 
 def migrate(source_url: str, target_url: str, **kwargs) -> MigrationReport:
-    """Copy a ledger of an older schema (1 to 5) into an empty ledger of the current schema."""
+    """Copy a ledger of an older schema (1 to 6) into an empty ledger of the current schema."""
     source, source_name, version = _read_version(source_url)
     source.dispose()
     if version == "1":
         return migrate_schema_1(source_url, target_url, **kwargs)
-    if version in ("2", "3", "4", "5"):
+    if version in ("2", "3", "4", "5", "6"):
         return migrate_schema_2(source_url, target_url, progress=kwargs.get("progress"))
-    raise LedgerError(f"{source_name}: ledger schema version {version}; versions 1 to 5 are migrated")
+    raise LedgerError(f"{source_name}: ledger schema version {version}; versions 1 to 6 are migrated")
 
 
 _schema_3 = MetaData()
@@ -308,25 +314,27 @@ def migrate_schema_2(source_url: str, target_url: str, *, progress: Callable[[in
     received step-id ranges built from the steps; then check steps, slices, measured and attributed ns and
     every tenant's total."""
     source, source_name, version = _read_version(source_url)
-    if version not in ("2", "3", "4", "5"):
+    if version not in ("2", "3", "4", "5", "6"):
         source.dispose()
-        raise LedgerError(f"{source_name}: ledger schema version {version}; expected version 2, 3, 4 or 5")
-    source_steps = _steps_3 if version in ("3", "4", "5") else _steps_2
+        raise LedgerError(f"{source_name}: ledger schema version {version}; expected version 2 to 6")
+    source_steps = _steps_3 if version in ("3", "4", "5", "6") else _steps_2
+    source_usage = _usage_6 if version == "6" else _usage_2
+    window_tables = _SCHEMA_6_TABLES if version == "6" else _SCHEMA_5_TABLES
     target = Ledger(target_url)
     target_name = target.safe_url
     try:
         with source.connect() as conn:
-            billed = _steps_3.c.pending.is_(False) if version in ("3", "4", "5") else True  # pending steps are not in the totals
+            billed = _steps_3.c.pending.is_(False) if version in ("3", "4", "5", "6") else True  # pending steps are not in the totals
             n_steps, measured = conn.execute(
                 select(func.count(), func.coalesce(func.sum(source_steps.c.measured_ns), 0)).where(billed)
             ).one()
             n_slices, attributed = conn.execute(
-                select(func.coalesce(func.sum(_usage_2.c.num_slices), 0), func.coalesce(func.sum(_usage_2.c.attributed_ns), 0))
+                select(func.coalesce(func.sum(source_usage.c.num_slices), 0), func.coalesce(func.sum(source_usage.c.attributed_ns), 0))
             ).one()
             per_tenant = {t: int(ns) for t, ns in conn.execute(
-                select(_usage_2.c.tenant, func.sum(_usage_2.c.attributed_ns)).group_by(_usage_2.c.tenant))}
-            if version == "5":  # what was metered in window aggregates counts in the totals too
-                (_, _), (win, _), (tenant_win, _), _ = _SCHEMA_5_TABLES
+                select(source_usage.c.tenant, func.sum(source_usage.c.attributed_ns)).group_by(source_usage.c.tenant))}
+            if version in ("5", "6"):  # what was metered in window aggregates counts in the totals too
+                (_, _), (win, _), (tenant_win, _), _ = window_tables
                 more_steps, more_measured = conn.execute(select(
                     func.coalesce(func.sum(win.c.num_steps), 0), func.coalesce(func.sum(win.c.measured_ns), 0)).where(win.c.pending.is_(False))).one()
                 more_slices, more_attributed = conn.execute(select(
@@ -364,19 +372,21 @@ def migrate_schema_2(source_url: str, target_url: str, *, progress: Callable[[in
                 copied_steps += len(rows)
                 if progress is not None:
                     progress(copied_steps, expected.num_steps)
-            _copy_rows(read, write, _usage_2, usage_per_second)
-            if version in ("3", "4", "5"):
+            _copy_rows(read, write, source_usage, usage_per_second)
+            if version in ("3", "4", "5", "6"):
                 for table in (_engine_models_3, _active_models_3):
                     rows = [dict(row._mapping) for row in read.execute(select(table))]
                     if rows:
                         write.execute(insert(engine_models if table is _engine_models_3 else active_models), rows)
-            if version in ("4", "5"):
+            if version in ("4", "5", "6"):
                 _copy_schema_4_tables(read, write)
             else:
                 _copy_step_ranges(read, write)
-            if version == "5":
-                for source_table, target_table in _SCHEMA_5_TABLES:
+            if version in ("5", "6"):
+                (source_prices, _), (win, _), (tenant_win, _), (source_requests, _) = window_tables
+                for source_table, target_table in ((source_prices, prices), (win, windows), (source_requests, request_totals)):
                     _copy_rows(read, write, source_table, target_table)
+                _sum_window_tenant_usage(read, write, tenant_win, win)
         _check_copy(target, expected, target_name)
     finally:
         target.close()
@@ -393,11 +403,48 @@ _step_ranges_4 = step_ranges.to_metadata(_schema_4)
 _adjustments_4 = adjustments.to_metadata(_schema_4)
 
 
+_schema_6 = MetaData()
+_window_tenant_usage_6 = Table(
+    "window_tenant_usage", _schema_6,
+    Column("run_id", Text, primary_key=True), Column("window_start_us", BigInteger, primary_key=True),
+    Column("tenant", Text, primary_key=True), Column("second_us", BigInteger), Column("attributed_ns", BigInteger),
+    Column("measured_ns", BigInteger), Column("num_slices", BigInteger), Column("num_new_tokens", BigInteger),
+    *(Column(name, BigInteger) for name in TOKEN_SPLIT_COLUMNS),
+)
+"""Schemas 5 and 6's window usage: a row per window and tenant (schema 7 sums it into ``tenant_seconds``)."""
+_usage_6 = usage_per_second.to_metadata(_schema_6)
+_SCHEMA_6_TABLES = ((prices.to_metadata(_schema_6), prices), (windows.to_metadata(_schema_6), windows),
+                    (_window_tenant_usage_6, tenant_seconds), (request_totals.to_metadata(_schema_6), request_totals))
+
 _schema_5 = MetaData()
 _SCHEMA_5_TABLES = ((prices.to_metadata(_schema_5), prices), (windows.to_metadata(_schema_5), windows),
-                    (_before_split(window_tenant_usage, _schema_5), window_tenant_usage),
+                    (_before_split(_window_tenant_usage_6, _schema_5), tenant_seconds),
                     (_before_split(request_totals, _schema_5), request_totals))
 """Schema 5's own tables as it stored them, copied as they are (the token split NULL: module note)."""
+
+
+def _sum_window_tenant_usage(read, write, tenant_win: Table, win: Table, chunk_rows: int = 10_000) -> None:
+    """Schema 5/6's per-window tenant rows summed into schema 7's ``tenant_seconds`` (module note)."""
+    w = tenant_win
+    version = case((win.c.pending.is_(True), 0), else_=func.coalesce(win.c.model_version, 0)).label("model_version")
+    has_split = all(name in w.c for name in TOKEN_SPLIT_COLUMNS)
+    split = split_sums(w) if has_split else [literal(None, BigInteger) for _ in TOKEN_SPLIT_COLUMNS]
+    key = (w.c.tenant, win.c.engine_class, version, w.c.second_us)
+    query = (
+        select(*key, func.sum(w.c.attributed_ns), func.sum(w.c.measured_ns), func.sum(w.c.num_slices), func.sum(w.c.num_new_tokens), *split)
+        .join(win, and_(win.c.run_id == w.c.run_id, win.c.window_start_us == w.c.window_start_us))
+        .group_by(*key)
+    )
+    names = ["tenant", "engine_class", "model_version", "second_us", "attributed_ns", "measured_ns", "num_slices", "num_new_tokens",
+             *TOKEN_SPLIT_COLUMNS]
+    chunk: list[dict] = []
+    for row in read.execute(query):
+        chunk.append({name: (None if value is None else (value if k < 2 else int(value))) for k, (name, value) in enumerate(zip(names, row))})
+        if len(chunk) >= chunk_rows:
+            write.execute(insert(tenant_seconds), chunk)
+            chunk = []
+    if chunk:
+        write.execute(insert(tenant_seconds), chunk)
 
 
 def _copy_schema_4_tables(read, write) -> None:

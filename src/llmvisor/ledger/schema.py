@@ -40,6 +40,13 @@ scheduled, where the step said so; 0 where it did not) and ``num_output_tokens``
 price per prompt and output token has exact counts to multiply (`TOKEN_SPLIT_COLUMNS`). NULL: a row stored before
 schema 6 (a migrated one), whose split is unknown; a sum onto such a row stays NULL (an unknown part keeps the
 whole unknown), and a token price refuses to price it (`llmvisor.billing.charges`) instead of reading it as 0.
+
+Schema 7 (fleet scale, issue #22) replaces schema 5's ``window_tenant_usage`` (a row per engine window and tenant:
+79 bytes of table per step at 1,000 engines) with ``tenant_seconds``: per write transaction, one row per tenant,
+engine class, model version and second, summed over every window that transaction stores (a service process
+commits the windows of concurrent POSTs together, `Ledger.ingest_windows`), so its rows grow with tenants and
+seconds, not with engines. ``request_totals`` is kept only where the service is asked to
+(``LLMVISOR_REQUEST_TOTALS``, on by default): at fleet scale a request's usage comes from the raw-step archive.
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ from sqlalchemy import (
 
 from llmvisor.core.tokens import TOKEN_SPLIT
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 TOKEN_SPLIT_COLUMNS = TOKEN_SPLIT
 """Schema 6's token split of a usage row's tokens (module note); NULL where stored before schema 6."""
 USAGE_RESOLUTION_US = 1_000_000
@@ -204,8 +211,9 @@ prices = Table(
 # ---------------------------------------------------------------------------------------------------------
 # Schema 5: window aggregates (issue #22). Engines attribute at the edge and send one aggregate per run
 # instance and window (`llmvisor.metering.WindowAggregate`, POST /v1/windows) instead of every step: the
-# ledger keeps a row per window (the idempotency key, measured time, residual statistics for drift), a row per
-# tenant and window (what bills read) and a row per request (accumulated over its windows), not a row per step.
+# ledger keeps a row per window (the idempotency key, measured time, residual statistics for drift), per commit a
+# row per tenant, class, version and second (what bills read; schema 7, ``tenant_seconds``) and, where kept, a row per
+# request (accumulated over its windows), not a row per step.
 # The windows' step-id ranges go to ``step_ranges`` like stored steps', so gaps show the same either way.
 
 windows = Table(
@@ -227,24 +235,26 @@ windows = Table(
     Column("residual_max_s", Float, nullable=True),
     Column("content_sha256", LargeBinary(32), nullable=False, doc="canonical JSON of the aggregate, for idempotent re-sends"),
     Column("ingested_at_us", BigInteger, nullable=False),
-    Index("ix_windows_window_start_us", "window_start_us"),
 )
+"""Read by run (its key) only: schema 7 dropped schema 5's index on ``window_start_us``, which no query used."""
 
-window_tenant_usage = Table(
-    "window_tenant_usage",
+tenant_seconds = Table(
+    "tenant_seconds",
     metadata,
-    Column("run_id", Text, primary_key=True),
-    Column("window_start_us", BigInteger, primary_key=True, autoincrement=False),
-    Column("tenant", Text, primary_key=True),
-    Column("second_us", BigInteger, nullable=False, doc="the second the window starts in: usage queries' time key"),
+    Column("tenant", Text, nullable=False),
+    Column("engine_class", Text, nullable=False),
+    Column("model_version", Integer, nullable=False, doc="registry version that attributed it at the edge; 0: pending windows"),
+    Column("second_us", BigInteger, nullable=False, doc="the second its windows start in: usage queries' time key"),
     Column("attributed_ns", BigInteger, nullable=False),
     Column("measured_ns", BigInteger, nullable=False, doc="Σ over the tenant's requests of their steps' measured time"),
     Column("num_slices", BigInteger, nullable=False),
     Column("num_new_tokens", BigInteger, nullable=False),
-    *(Column(name, BigInteger, nullable=True, doc="schema 6 token split; NULL: stored before it") for name in TOKEN_SPLIT_COLUMNS),
-    Index("ix_window_tenant_usage_tenant_second_us", "tenant", "second_us"),
-    Index("ix_window_tenant_usage_second_us", "second_us"),
+    *(Column(name, BigInteger, nullable=True, doc="schema 6 token split; NULL: unknown") for name in TOKEN_SPLIT_COLUMNS),
+    Index("ix_tenant_seconds_tenant_second_us", "tenant", "second_us"),
+    Index("ix_tenant_seconds_second_us", "second_us"),
 )
+"""Insert-only (schema 7): each write transaction of windows adds its own rows, summed over its windows; readers sum
+the rows of a key. No row is updated, so concurrent service processes never wait on one another's rows."""
 
 request_totals = Table(
     "request_totals",

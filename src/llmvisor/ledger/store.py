@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import pyarrow as pa
@@ -59,8 +59,8 @@ from llmvisor.ledger.schema import (
     slice_batches,
     step_ranges,
     steps,
+    tenant_seconds,
     usage_per_second,
-    window_tenant_usage,
     windows,
 )
 
@@ -417,8 +417,8 @@ class ModelVersion:
 
 
 @dataclass(frozen=True)
-class TenantWindow:
-    """A window aggregate a tenant had usage in: the window's facts and the tenant's attributed time in it."""
+class StoredWindow:
+    """A stored window aggregate's facts: where it is and the model version that attributed it."""
 
     run_id: str
     window_start_us: int
@@ -426,7 +426,6 @@ class TenantWindow:
     engine_class: str
     model_version: int | None
     pending: bool
-    attributed_ns: int
 
 
 @dataclass(frozen=True)
@@ -576,18 +575,24 @@ class KeyInfo:
     revoked_at_us: int | None
 
 
-def _tenant_usage_rows(*, with_run: bool = False):
-    """Per-second usage of stored steps and per-window usage of aggregates as one relation ([run_id,] tenant,
-    second_us, attributed_ns, num_slices, num_new_tokens and the token split), so a tenant's total is the same
-    whichever way it was metered."""
-    w = window_tenant_usage
+def _tenant_usage_rows(*, with_class: bool = False):
+    """Per-second usage of stored steps and the per-second tenant rows of window aggregates as one relation
+    ([engine_class,] tenant, second_us, attributed_ns, num_slices, num_new_tokens and the token split), so a tenant's
+    total is the same whichever way it was metered. A stored step's class is its run's (a run is one engine
+    instance: its first class seen in `step_ranges`); a window's is its own."""
+    w = tenant_seconds
     u = usage_per_second
 
-    def columns(table):
-        return [*([table.c.run_id] if with_run else []), table.c.tenant, table.c.second_us, table.c.attributed_ns,
-                table.c.num_slices, table.c.num_new_tokens, *(table.c[name] for name in TOKEN_SPLIT_COLUMNS)]
+    def sums(table):
+        return [table.c.tenant, table.c.second_us, table.c.attributed_ns, table.c.num_slices, table.c.num_new_tokens,
+                *(table.c[name] for name in TOKEN_SPLIT_COLUMNS)]
 
-    return select(*columns(u)).union_all(select(*columns(w))).subquery("usage")
+    if not with_class:
+        return select(*sums(u)).union_all(select(*sums(w))).subquery("usage")
+    run_class = select(step_ranges.c.run_id, func.min(step_ranges.c.engine_class).label("engine_class")).group_by(step_ranges.c.run_id).subquery()
+    per_step = select(func.coalesce(run_class.c.engine_class, "").label("engine_class"), *sums(u)).select_from(
+        u.outerjoin(run_class, run_class.c.run_id == u.c.run_id))
+    return per_step.union_all(select(w.c.engine_class, *sums(w))).subquery("usage")
 
 
 def _request_usage_rows():
@@ -661,6 +666,65 @@ def _sqlite_engine(url: str, *, immediate: bool) -> Engine:
     return engine
 
 
+def _add_usage(row: dict, more: dict) -> None:
+    """Add a usage row's sums (``more``) onto ``row``; an unknown token-split part keeps the sum unknown, as NULL + x
+    in SQL."""
+    for name in ("attributed_ns", "measured_ns", "num_slices", "num_new_tokens"):
+        row[name] += more[name]
+    for name in TOKEN_SPLIT_COLUMNS:
+        row[name] = add_counts(row[name], more[name])
+
+
+@dataclass(eq=False)
+class _WindowBatch:
+    """One caller's windows waiting for a group commit, and what came of them."""
+
+    unique: list
+    digests: dict
+    received: int
+    new: list = field(default_factory=list)
+    outcome: WindowOutcome | None = None
+    error: BaseException | None = None
+
+
+class _GroupCommit:
+    """Leader/follower group commit: a caller whose batch is queued while another caller's commit runs waits;
+    when that commit ends, one waiting caller commits every queued batch in one go. Under load the transactions
+    grow and their number stays about one at a time; alone, a caller commits at once."""
+
+    MAX_BATCHES = 512
+
+    def __init__(self):
+        self._lock = threading.Condition()
+        self._queue: list[_WindowBatch] = []
+        self._busy = False
+
+    def submit(self, batch: _WindowBatch, commit) -> WindowOutcome:
+        with self._lock:
+            self._queue.append(batch)
+            while batch.outcome is None and batch.error is None and (self._busy or batch not in self._queue):
+                self._lock.wait()
+            if batch.outcome is None and batch.error is None:
+                self._busy = True
+                taken, self._queue = self._queue[: self.MAX_BATCHES], self._queue[self.MAX_BATCHES :]
+            else:
+                taken = []
+        if taken:
+            try:
+                commit(taken)
+            except BaseException as error:  # noqa: BLE001 - handed to every caller of the commit
+                for other in taken:
+                    if other.outcome is None and other.error is None:
+                        other.error = error
+            finally:
+                with self._lock:
+                    self._busy = False
+                    self._lock.notify_all()
+        if batch.error is not None:
+            raise batch.error
+        return batch.outcome
+
+
 class Ledger:
     """Durable record of attributed time (per step, per slice, per request per second), with usage queries
     and API keys.
@@ -670,8 +734,11 @@ class Ledger:
     url : SQLAlchemy database URL: ``sqlite:///PATH`` (WAL mode) or ``postgresql+psycopg://USER@HOST/DB``.
     """
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, *, request_totals: bool = True):
         self.url = normalize_url(url)
+        self.request_totals = request_totals
+        """Keep a row per request of window aggregates (``request_totals``); off at fleet scale, where a request's
+        usage is read from the raw-step archive (schema 7 note in `llmvisor.ledger.schema`)."""
         self.backend = make_url(self.url).get_backend_name()
         try:
             if self.backend == "sqlite":
@@ -685,6 +752,7 @@ class Ledger:
         # SQLite allows one writer; waiting here is cheaper than SQLite's sleep-and-retry busy handler.
         self._write_lock = threading.Lock() if self.backend == "sqlite" else None
         self._known_versions: set[tuple[str, int]] = set()  # stored model versions are never changed nor removed
+        self._commit = _GroupCommit()
         self._create_schema()
 
     @property
@@ -787,10 +855,14 @@ class Ledger:
         raise AssertionError("unreachable")
 
     def ingest_windows(self, aggregates: Sequence) -> WindowOutcome:
-        """Store the window aggregates (`llmvisor.metering.WindowAggregate`) not yet stored, in one transaction:
-        per window its row, its tenants' rows, its requests added to their totals and its step ids merged into
-        the run's ranges. An identical re-send is a duplicate; `WindowConflictError` (nothing stored) if one
-        differs, also from another in the same batch."""
+        """Store the window aggregates (`llmvisor.metering.WindowAggregate`) not yet stored: per window its row, its
+        tenants' usage added to the per-second rows, its requests to their totals (if kept) and its step ids merged
+        into the run's ranges. An identical re-send is a duplicate; `WindowConflictError` (nothing of the batch
+        stored) if one differs, also from another in the same batch.
+
+        Group commit: the batches of concurrent callers (a service process's concurrent POSTs) are stored in one
+        transaction, each caller answered for its own batch, so a fleet's windows cost one transaction, and one
+        row per tenant and second, per commit instead of per window (schema 7 note)."""
         digests: dict[tuple[str, int], bytes] = {}
         unique = []
         conflicts: list[tuple[str, int]] = []
@@ -804,25 +876,51 @@ class Ledger:
             unique.append(w)
         if conflicts:
             raise WindowConflictError(conflicts)
+        return self._commit.submit(_WindowBatch(unique, digests, len(aggregates)), self._commit_window_batches)
+
+    def _commit_window_batches(self, batches: list[_WindowBatch]) -> None:
+        """Store ``batches`` in one transaction, setting each one's ``outcome`` or ``error``; a batch that covers
+        steps held under another key makes the others go one by one, so only it is refused."""
         for attempt in range(_WRITE_ATTEMPTS):
             try:
                 with self.write_transaction() as conn:
-                    stored = self._stored_window_hashes(conn, list(digests))
-                    conflicts = [k for k in digests if k in stored and stored[k] != digests[k]]
-                    if conflicts:
-                        raise WindowConflictError(conflicts)
-                    new = [w for w in unique if (w.run_id, w.window_start_us) not in stored]
-                    reshaped = self._insert_windows(conn, new, digests) if new else []
-                return WindowOutcome(inserted=len(new), duplicate=len(aggregates) - len(new), stored=tuple(new),
-                                     reshaped_runs=tuple(reshaped))
-            except HeldStepsError as held:  # rolled back: nothing of the batch is stored
-                covered = [(w.run_id, w.window_start_us) for w in new if held.covers(w.run_id, w.step_ids())]
-                raise WindowConflictError(covered or [(held.run_id, new[0].window_start_us)], HELD_ELSEWHERE) from None
-            except (IntegrityError, OperationalError):
+                    for batch in batches:
+                        batch.outcome = batch.error = None
+                    keys = list(dict.fromkeys(k for batch in batches for k in batch.digests))
+                    stored = self._stored_window_hashes(conn, keys)
+                    taken: dict[tuple[str, int], bytes] = {}  # stored before, or by an earlier batch of this commit
+                    new = []
+                    for batch in batches:
+                        mine = {**stored, **taken}
+                        conflicts = [k for k, d in batch.digests.items() if k in mine and mine[k] != d]
+                        if conflicts:
+                            batch.error = WindowConflictError(conflicts)
+                            continue
+                        batch.new = [w for w in batch.unique if (w.run_id, w.window_start_us) not in mine]
+                        taken.update({(w.run_id, w.window_start_us): batch.digests[w.run_id, w.window_start_us] for w in batch.new})
+                        new.extend(batch.new)
+                    reshaped = self._insert_windows(conn, new, taken) if new else []
+                for batch in batches:
+                    if batch.error is None:
+                        runs = {w.run_id for w in batch.unique}
+                        batch.outcome = WindowOutcome(inserted=len(batch.new), duplicate=batch.received - len(batch.new),
+                                                      stored=tuple(batch.new), reshaped_runs=tuple(r for r in reshaped if r in runs))
+                return
+            except HeldStepsError as held:  # rolled back: nothing of the commit is stored
+                if len(batches) > 1:
+                    for batch in batches:
+                        self._commit_window_batches([batch])
+                    return
+                batch = batches[0]
+                covered = [(w.run_id, w.window_start_us) for w in batch.new if held.covers(w.run_id, w.step_ids())]
+                batch.outcome, batch.error = None, WindowConflictError(covered or [(held.run_id, batch.new[0].window_start_us)], HELD_ELSEWHERE)
+                return
+            except (IntegrityError, OperationalError) as error:
                 if attempt == _WRITE_ATTEMPTS - 1:  # a concurrent writer stored some: the next look sees them
-                    raise
+                    for batch in batches:
+                        batch.outcome, batch.error = None, error
+                    return
                 time.sleep(0.01 * 2**attempt)
-        raise AssertionError("unreachable")
 
     def _stored_window_hashes(self, conn: Connection, keys: list[tuple[str, int]]) -> dict[tuple[str, int], bytes]:
         out: dict[tuple[str, int], bytes] = {}
@@ -847,11 +945,19 @@ class Ledger:
              "residual_max_s": w.residual.max_s, "content_sha256": digests[w.run_id, w.window_start_us], "ingested_at_us": received_us}
             for w in new
         ])
-        tenant_rows, request_rows = [], {}
+        tenant_rows: dict[tuple, dict] = {}
+        request_rows: dict[tuple, dict] = {}
         for w in new:
             second_us = w.window_start_us // USAGE_RESOLUTION_US * USAGE_RESOLUTION_US
             for tenant, t in w.tenant_totals().items():
-                tenant_rows.append({"run_id": w.run_id, "window_start_us": w.window_start_us, "tenant": tenant, "second_us": second_us, **t})
+                key = (tenant, w.engine_class, 0 if w.pending else w.model_version, second_us)
+                row = tenant_rows.get(key)
+                if row is None:
+                    tenant_rows[key] = {"tenant": tenant, "engine_class": key[1], "model_version": key[2], "second_us": second_us, **t}
+                else:
+                    _add_usage(row, t)
+            if not self.request_totals:
+                continue
             for q in w.requests:
                 key = (w.run_id, q.request_id, q.tenant)
                 row = request_rows.get(key)
@@ -862,16 +968,13 @@ class Ledger:
                                          "last_timestamp_us": q.last_timestamp_us,
                                          **{name: getattr(q, name) for name in TOKEN_SPLIT_COLUMNS}}
                 else:
-                    for name, value in (("attributed_ns", q.attributed_ns), ("measured_ns", q.measured_ns),
-                                        ("num_slices", q.num_steps), ("num_new_tokens", q.num_new_tokens)):
-                        row[name] += value
-                    for name in TOKEN_SPLIT_COLUMNS:  # an unknown part keeps the sum unknown, as NULL + x in SQL
-                        row[name] = add_counts(row[name], getattr(q, name))
+                    _add_usage(row, {"attributed_ns": q.attributed_ns, "measured_ns": q.measured_ns, "num_slices": q.num_steps,
+                                     "num_new_tokens": q.num_new_tokens, **{name: getattr(q, name) for name in TOKEN_SPLIT_COLUMNS}})
                     row["first_second_us"] = min(row["first_second_us"], second_us)
                     row["first_timestamp_us"] = min(row["first_timestamp_us"], q.first_timestamp_us)
                     row["last_timestamp_us"] = max(row["last_timestamp_us"], q.last_timestamp_us)
         if tenant_rows:
-            self._add_rows(conn, window_tenant_usage, tenant_rows)
+            self._add_rows(conn, tenant_seconds, [tenant_rows[k] for k in sorted(tenant_rows)])
         if request_rows:
             # in key order, so concurrent writers lock the rows in one order
             self._add_rows(conn, request_totals, [request_rows[k] for k in sorted(request_rows)],
@@ -1094,17 +1197,15 @@ class Ledger:
         class seen in `step_ranges`), so this reads the per-second usage, not the steps."""
         if bucket not in BUCKET_US:
             raise LedgerError(f"unknown bucket {bucket!r}; choose one of {', '.join(BUCKET_US)}")
-        usage = _tenant_usage_rows(with_run=True)  # steps stored one by one, and window aggregates
+        usage = _tenant_usage_rows(with_class=True)  # steps stored one by one, and window aggregates
         size = BUCKET_US[bucket]
-        run_class = select(step_ranges.c.run_id, func.min(step_ranges.c.engine_class).label("engine_class")).group_by(step_ranges.c.run_id).subquery()
         conditions = self._range(usage.c.second_us, start_us, end_us)
         if tenant is not None:
             conditions.append(usage.c.tenant == tenant)
-        columns = [func.coalesce(run_class.c.engine_class, "").label("engine_class"), ((usage.c.second_us // size) * size).label("bucket_start_us")]
+        columns = [usage.c.engine_class, ((usage.c.second_us // size) * size).label("bucket_start_us")]
         query = (
             select(*columns, func.sum(usage.c.attributed_ns), func.sum(usage.c.num_slices), func.sum(usage.c.num_new_tokens),
                    *split_sums(usage))
-            .select_from(usage.outerjoin(run_class, run_class.c.run_id == usage.c.run_id))
             .where(and_(True, *conditions))
             .group_by(*columns)
             .order_by(*columns)
@@ -1133,15 +1234,12 @@ class Ledger:
             .distinct()
             .order_by(steps.c.engine_class, steps.c.model_version)
         )
-        w, win = window_tenant_usage, windows
+        w = tenant_seconds
         window_conditions = self._range(w.c.second_us, start_us, end_us)
         if tenant is not None:
             window_conditions.append(w.c.tenant == tenant)
-        window_query = (  # metered in windows: the versions of the windows the tenant had usage in
-            select(win.c.engine_class, win.c.model_version)
-            .join(w, and_(w.c.run_id == win.c.run_id, w.c.window_start_us == win.c.window_start_us))
-            .where(and_(win.c.pending.is_(False), *window_conditions))
-            .distinct()
+        window_query = (  # metered in windows: the versions of the windows the tenant had usage in (0: pending)
+            select(w.c.engine_class, w.c.model_version).where(and_(w.c.model_version != 0, *window_conditions)).distinct()
         )
         with self._read() as conn:
             found = {(str(r[0]), None if r[1] is None else int(r[1])) for r in [*conn.execute(query).all(), *conn.execute(window_query).all()]}
@@ -1489,19 +1587,34 @@ class Ledger:
             rows = conn.execute(query).all()
             return self._with_slices(conn, rows)
 
-    def tenant_windows(self, tenant: str, start_us: int, end_us: int) -> list[TenantWindow]:
-        """The windows ``tenant`` had usage in whose second (of their start) is in [start_us, end_us), by run and start."""
-        w, win = window_tenant_usage, windows
+    def run_windows(self, run_ids: Sequence[str], start_us: int, end_us: int) -> list[StoredWindow]:
+        """The stored windows of ``run_ids`` whose second (of their start) is in [start_us, end_us), by run and start."""
+        win = windows
+        out: list[StoredWindow] = []
+        runs = sorted(set(run_ids))
+        with self._read() as conn:
+            for i in range(0, len(runs), _LOOKUP_CHUNK):
+                query = (
+                    select(win.c.run_id, win.c.window_start_us, win.c.window_end_us, win.c.engine_class, win.c.model_version, win.c.pending)
+                    .where(win.c.run_id.in_(runs[i : i + _LOOKUP_CHUNK]),
+                           *self._range(win.c.window_start_us // USAGE_RESOLUTION_US * USAGE_RESOLUTION_US, start_us, end_us))
+                    .order_by(win.c.run_id, win.c.window_start_us)
+                )
+                out += [StoredWindow(str(r[0]), int(r[1]), int(r[2]), str(r[3]), None if r[4] is None else int(r[4]), bool(r[5]))
+                        for r in conn.execute(query)]
+        return out
+
+    def tenant_window_seconds(self, tenant: str, start_us: int, end_us: int) -> dict[tuple[int, str, int], int]:
+        """``tenant``'s attributed time metered in (attributed, not pending) windows, per (second, engine class, model
+        version), for the seconds in [start_us, end_us)."""
+        w = tenant_seconds
         query = (
-            select(win.c.run_id, win.c.window_start_us, win.c.window_end_us, win.c.engine_class, win.c.model_version, win.c.pending,
-                   w.c.attributed_ns)
-            .join(w, and_(w.c.run_id == win.c.run_id, w.c.window_start_us == win.c.window_start_us))
-            .where(w.c.tenant == tenant, *self._range(w.c.second_us, start_us, end_us))
-            .order_by(win.c.run_id, win.c.window_start_us)
+            select(w.c.second_us, w.c.engine_class, w.c.model_version, func.sum(w.c.attributed_ns))
+            .where(w.c.tenant == tenant, w.c.model_version != 0, *self._range(w.c.second_us, start_us, end_us))
+            .group_by(w.c.second_us, w.c.engine_class, w.c.model_version)
         )
         with self._read() as conn:
-            return [TenantWindow(str(r[0]), int(r[1]), int(r[2]), str(r[3]), None if r[4] is None else int(r[4]), bool(r[5]), int(r[6]))
-                    for r in conn.execute(query)]
+            return {(int(r[0]), str(r[1]), int(r[2])): int(r[3]) for r in conn.execute(query)}
 
     def billed_steps(self, engine_class: str, start_us: int, end_us: int) -> StoredSteps:
         """The attributed (not pending) steps of a class starting in [start_us, end_us), with their slices as

@@ -32,6 +32,7 @@ from llmvisor.service.config import (
     DEFAULT_MAX_SMALL_BODY_BYTES,
     DEFAULT_MAX_STEPS_PER_REQUEST,
     DEFAULT_MAX_TENANT_LABELS,
+    ENV_REQUEST_TOTALS,
     ServiceSettings,
 )
 from llmvisor.service.gaps import DEFAULT_GAP_ALERT_AFTER_S, DEFAULT_GAP_CHECK_INTERVAL_S, GapMonitor
@@ -54,6 +55,15 @@ async def validation_error(_request: Request, error: RequestValidationError) -> 
 monitor_log = logging.getLogger("llmvisor.service")
 ENV_GAP_ALERT_AFTER_S = "LLMVISOR_GAP_ALERT_AFTER_S"
 ENV_GAP_CHECK_INTERVAL_S = "LLMVISOR_GAP_CHECK_INTERVAL_S"
+
+
+def request_totals_setting() -> bool:
+    """``LLMVISOR_REQUEST_TOTALS``: keep a row per request of window aggregates (1, the default) or not (0: at fleet
+    scale, where a request's usage is read from the raw-step archive; docs/scale.md)."""
+    value = os.environ.get(ENV_REQUEST_TOTALS, "1").strip().lower()
+    if value not in ("1", "0"):
+        raise LlmvisorError(f"{ENV_REQUEST_TOTALS}={value!r}: give 1 or 0")
+    return value == "1"
 
 
 def seconds_setting(value: float | None, env: str, default: float) -> float:
@@ -127,7 +137,7 @@ def create_app(
         max_concurrent_ingest=max_concurrent_ingest,
     )
     model = StepLatencyModel.from_json(model_path)
-    ledger = Ledger(db_url)
+    ledger = Ledger(db_url, request_totals=request_totals_setting())
     metrics = ServiceMetrics(max_tenant_labels=max_tenant_labels, drift=drift)
     fallback = StepLatencyModel.from_json(fallback_model_path) if fallback_model_path is not None else None
     registry = ModelRegistry(ledger, model, fallback_model=fallback, refresh_s=registry_refresh_s, metrics=metrics)

@@ -65,10 +65,14 @@ class AuditResult:
     window_steps: int = 0
     """Archived steps the ledger billed in window aggregates (the edge attributed them)."""
     windows_checked: int = 0
+    """Windows holding the tenant's archived steps."""
     billed_windows_ns: int = 0
-    """Σ of the tenant's attributed time in those windows, as the ledger stored it."""
+    """Σ of the tenant's attributed time metered in windows in the period, as the ledger stored it (per second)."""
     mismatched_windows: list[dict] = field(default_factory=list)
     num_mismatched_windows: int = 0
+    requests: list[dict] = field(default_factory=list)
+    """With ``requests=N``: the tenant's N largest requests of the period, re-attributed as billed (run_id, request_id,
+    attributed_ns, num_steps): a request's usage where the ledger keeps no row per request (``LLMVISOR_REQUEST_TOTALS=0``)."""
 
     @property
     def ok(self) -> bool:
@@ -85,9 +89,10 @@ class AuditResult:
 
 
 def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, end_us: int,
-                 default_model: StepLatencyModel) -> AuditResult:
+                 default_model: StepLatencyModel, *, requests: int = 0) -> AuditResult:
     """Re-attribute ``tenant``'s archived steps starting in [start_us, end_us) and check them against ``ledger``
-    (module docstring). ``default_model``: the service's ``--model``, for steps it billed (version 'default')."""
+    (module docstring). ``default_model``: the service's ``--model``, for steps it billed (version 'default');
+    ``requests``: list the tenant's largest requests of the period as re-attributed."""
     if end_us <= start_us:
         raise AuditError(f"the period must end after it starts (start {start_us / 1e6:.0f}, end {end_us / 1e6:.0f})")
     trace = read_archive(archive_url, start_us, end_us, tenant=tenant)
@@ -117,12 +122,13 @@ def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, e
             version[k] = by_key.get(keys[k], -2)
             shared_stored[k] = keys[k] in shared_keys
     when_us = np.rint(trace.extra["timestamp_s"][trace.step_starts].astype(np.float64) * 1e6)
-    window_rows = ledger.tenant_windows(tenant, start_us, end_us)
+    window_rows = ledger.run_windows(trace.run_id_per_step.tolist(), start_us, end_us)
     window_of = _match_windows(trace, keys, classes, when_us, version, window_rows)
     in_window = window_of >= 0
     version[in_window] = [window_rows[i].model_version for i in window_of[in_window].tolist()]
     shared_stored[in_window] = _priced_with_sharing(trace)[in_window]
     reattributed: dict[tuple[str, int], int] = {}
+    per_request: dict[tuple[str, str], list[int]] = {}
     versions: dict[str, int] = {}
     groups = {(c, int(v), bool(s)) for c, v, s in zip(classes.tolist(), version.tolist(), shared_stored.tolist()) if v != -2}
     for engine_class, v, with_sharing in sorted(groups):
@@ -131,6 +137,7 @@ def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, e
         model = default_model if v < 0 else load_version(ledger, engine_class, v)
         records = prepare_batch(model, part, received_at_us=0, choose=lambda _c, m=model, v=v: ModelChoice(m, None if v < 0 else v)).records
         _add_tenant_shares(reattributed, part, records.attributed_ns, tenant)
+        _add_request_shares(per_request, part, records.attributed_ns, tenant)
         label = f"{engine_class or '(no fingerprint)'} {version_names(np.array([v]))}"
         versions[label] = versions.get(label, 0) + int(mask.sum())
     archived = set(keys)
@@ -140,13 +147,19 @@ def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, e
         {"run_id": run, "step_id": step, "billed_ns": billed_ns.get((run, step), 0), "reattributed_ns": ns}
         for (run, step), ns in sorted(reattributed.items()) if (run, step) not in window_keys and billed_ns.get((run, step), 0) != ns
     ]
-    per_window = [0] * len(window_rows)
+    # The ledger keeps window usage per tenant, class, version and second of window start (schema 7), so the
+    # archive's re-attribution is compared per that key.
+    per_second: dict[tuple[int, str, int], int] = {}
     for key, i in window_keys.items():
-        per_window[i] += reattributed.get(key, 0)
-    billed_windows = [row for row in window_rows if not row.pending]
+        row = window_rows[i]
+        second_key = (row.window_start_us // 1_000_000 * 1_000_000, row.engine_class, row.model_version)
+        per_second[second_key] = per_second.get(second_key, 0) + reattributed.get(key, 0)
+    billed_seconds = ledger.tenant_window_seconds(tenant, start_us, end_us)
     mismatched_windows = [
-        {"run_id": row.run_id, "window_start_us": row.window_start_us, "billed_ns": row.attributed_ns, "reattributed_ns": per_window[i]}
-        for i, row in enumerate(window_rows) if not row.pending and per_window[i] != row.attributed_ns
+        {"second_us": second_us, "engine_class": engine_class, "model_version": v,
+         "billed_ns": billed_seconds.get((second_us, engine_class, v), 0), "reattributed_ns": per_second.get((second_us, engine_class, v), 0)}
+        for second_us, engine_class, v in sorted(set(per_second) | set(billed_seconds))
+        if billed_seconds.get((second_us, engine_class, v), 0) != per_second.get((second_us, engine_class, v), 0)
     ]
     usage = ledger.tenant_usage(start_us, end_us, tenant=tenant)
     adjusted_ns, partial = 0, 0
@@ -181,9 +194,11 @@ def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, e
         usage_ns=sum(row.attributed_ns for row in usage), adjusted_ns=adjusted_ns, partial_adjustments=partial,
         versions=versions, mismatched_steps=mismatched[:MAX_LISTED_STEPS], num_mismatched_steps=len(mismatched),
         adjustments_checked=len(newest), adjustment_mismatches=adjustment_mismatches,
-        window_steps=int(in_window.sum()), windows_checked=len(billed_windows),
-        billed_windows_ns=sum(row.attributed_ns for row in billed_windows),
+        window_steps=int(in_window.sum()), windows_checked=len(set(window_keys.values())),
+        billed_windows_ns=sum(billed_seconds.values()),
         mismatched_windows=mismatched_windows[:MAX_LISTED_STEPS], num_mismatched_windows=len(mismatched_windows),
+        requests=[{"run_id": run, "request_id": request, "attributed_ns": ns, "num_steps": n}
+                  for (run, request), (ns, n) in sorted(per_request.items(), key=lambda kv: (-kv[1][0], kv[0]))[:requests]],
     )
 
 
@@ -228,6 +243,16 @@ def _as_billed(part: StepTrace, with_sharing: bool) -> StepTrace:
     if with_sharing:
         return part
     return dataclasses.replace(part, extra={k: val for k, val in part.extra.items() if k not in SHARING_COLUMNS})
+
+
+def _add_request_shares(out: dict, part: StepTrace, attributed_ns: np.ndarray, tenant: str) -> None:
+    """Per (run, request) of the tenant: attributed nanoseconds and steps (a request has one slice per step)."""
+    mine = np.flatnonzero(part.tenant == tenant)
+    runs = part.run_id_per_step[part.slice_step_index[mine]].tolist()
+    for run, request, ns in zip(runs, part.request_id[mine].tolist(), attributed_ns[mine].tolist()):
+        have = out.setdefault((run, request), [0, 0])
+        have[0] += int(ns)
+        have[1] += 1
 
 
 def _add_tenant_shares(out: dict, part: StepTrace, attributed_ns: np.ndarray, tenant: str) -> None:

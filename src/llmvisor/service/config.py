@@ -10,6 +10,8 @@ DEFAULT_MAX_STEPS_PER_REQUEST = 20_000
 DEFAULT_MAX_ROWS_PER_REQUEST = 1_000_000
 DEFAULT_MAX_TENANT_LABELS = 1000
 DEFAULT_MAX_CONCURRENT_INGEST = 8
+ENV_REQUEST_TOTALS = "LLMVISOR_REQUEST_TOTALS"
+"""1 (default): the ledger keeps a row per request of window aggregates; 0: not (`llmvisor.ledger.schema`, schema 7)."""
 
 
 @dataclass(frozen=True)

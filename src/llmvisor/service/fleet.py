@@ -42,9 +42,10 @@ from llmvisor.core.stats import quantile_summary
 from llmvisor.core.synthetic import synthetic_trace
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
-from llmvisor.service.fleet_edge import DEFAULT_WORKLOAD, ENGINE_CLASS, LONG_REQUEST, EdgeEngine, EdgeSpec, build_engines
+from llmvisor.service.config import ENV_REQUEST_TOTALS
+from llmvisor.service.fleet_edge import DEFAULT_WORKLOAD, ENGINE_CLASS, EdgeEngine, EdgeSpec, build_engines
 from llmvisor.service.process import ServerProcess
-from llmvisor.service.routes.windows import WINDOWS_PATH
+from llmvisor.service.routes.windows import HELD_PATH, WINDOWS_PATH
 
 MAX_ENGINES = 5000
 MAX_PROCESSES = 16
@@ -54,7 +55,7 @@ STEPS_PER_REQUEST = 200
 PROBE_POLL_S = 0.02
 PROBE_TIMEOUT_S = 30.0
 POST_TIMEOUT_S = 60.0
-LEDGER_TABLES = ("steps", "slice_batches", "usage_per_second", "windows", "window_tenant_usage", "request_totals", "step_ranges")
+LEDGER_TABLES = ("steps", "slice_batches", "usage_per_second", "windows", "tenant_seconds", "request_totals", "step_ranges")
 MODES = ("steps", "aggregate")
 MAX_WINDOWS_PER_POST = 200
 """At most this many windows in one POST, as the engines' `llmvisor.client.WindowPusher` sends (max_batch_windows)."""
@@ -78,6 +79,8 @@ class FleetSettings:
     mode: str = "steps"
     """'steps' (every step POSTed to /v1/steps) or 'aggregate' (one window aggregate per window_s, /v1/windows)."""
     window_s: float | None = None
+    request_totals: bool = True
+    """Whether the service processes keep a row per request of window aggregates (``LLMVISOR_REQUEST_TOTALS``)."""
     """Aggregate mode's window (default 1 s, as the engines' delivery uses); None in steps mode."""
 
 
@@ -296,21 +299,28 @@ async def sample_load(end_s: float, out: list[float]) -> None:
         await asyncio.sleep(min(1.0, max(0.0, end_s - time.time())))
 
 
-async def probe_staleness(engines: list, clients: list[httpx.AsyncClient], *, request_id: str, start_s: float, end_s: float,
+async def probe_staleness(engines: list, clients: list[httpx.AsyncClient], *, request_id: str | None, start_s: float, end_s: float,
                           interval_s: float, clock_s: float, staleness: list[float], counts: dict) -> None:
-    """Every ``interval_s`` from ``start_s`` to ``end_s``, the latest ended step of one engine (its ``request_id``):
-    how long until the usage API of another process than the engine's counts it, appended to ``staleness``
+    """Every ``interval_s`` from ``start_s`` to ``end_s``, the latest ended step of one engine (its ``request_id``; None:
+    of the run): how long until the usage API of another process than the engine's counts it (for a run's step: until
+    the run's held ranges, stored with the window's tenant usage, list it), appended to ``staleness``
     (``counts["probe_timeouts"]`` when it never does). Probes overlap, so a slow one does not thin the samples.
     The engines' ``ended_by`` and ``step_end_s`` count seconds from ``clock_s`` (0: wall-clock times)."""
 
     async def probe_once(engine, client: httpx.AsyncClient, step: int) -> None:
-        params = {"run_id": engine.run_id, "request_id": request_id}
+        params = {"run_id": engine.run_id, "request_id": request_id} if request_id else {"run_id": engine.run_id, "from_step_id": step}
         deadline = time.monotonic() + PROBE_TIMEOUT_S
         while time.monotonic() < deadline:
             try:
-                response = await client.get("/v1/usage/requests", params=params)
-                requests = response.json()["requests"] if response.status_code == 200 else []
-                if requests and requests[0]["num_steps"] >= step + 1:
+                if request_id:
+                    response = await client.get("/v1/usage/requests", params=params)
+                    requests = response.json()["requests"] if response.status_code == 200 else []
+                    counted = bool(requests) and requests[0]["num_steps"] >= step + 1
+                else:  # the run's held step ids: a window is held in the transaction that stores its tenants' usage
+                    response = await client.get(HELD_PATH, params=params)
+                    ranges = response.json()["step_ranges"] if response.status_code == 200 else []
+                    counted = bool(ranges) and ranges[0][0] == step
+                if counted:
                     staleness.append(time.time() - (clock_s + engine.step_end_s(step)))
                     return
             except httpx.HTTPError:
@@ -488,7 +498,7 @@ async def run_fleet_windows(urls: list[str], api_key: str, settings: FleetSettin
     loads: list[float] = []
     try:
         await asyncio.gather(
-            probe_staleness(engines, clients, request_id=LONG_REQUEST, start_s=window_start_s, end_s=end_s,
+            probe_staleness(engines, clients, request_id=None, start_s=window_start_s, end_s=end_s,
                             interval_s=settings.probe_interval_s, clock_s=t0, staleness=staleness, counts=counts),
             sample_load(end_s, loads), *(push(e, engine, urls[e % len(urls)]) for e, engine in enumerate(engines)))
     finally:
@@ -528,7 +538,8 @@ def load_fleet(db_target: str, settings: FleetSettings, *, model_path: Path | No
             StepLatencyModel().fit(synthetic_trace(2000)).to_json(model_path)
         db_url = f"sqlite:///{scratch}/ledger.db" if db_target == "sqlite" else db_target
         ledger = Ledger(db_url)
-        servers = [ServerProcess(model_path, db_url, log_path=Path(scratch) / f"server-{i}.log") for i in range(settings.processes)]
+        servers = [ServerProcess(model_path, db_url, log_path=Path(scratch) / f"server-{i}.log",
+                                 env={ENV_REQUEST_TOTALS: "1" if settings.request_totals else "0"}) for i in range(settings.processes)]
         edge = None
         try:
             key = ledger.create_key(is_admin=True)

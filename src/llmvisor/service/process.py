@@ -22,13 +22,14 @@ class ServerProcess:
     """
 
     def __init__(self, model_path: str | Path, db_url: str, *, port: int | None = None, log_path: str | Path | None = None,
-                 extra_args: tuple[str, ...] = ()):
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
         self.model_path = str(model_path)
         self.db_url = db_url
         self.port = port or free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.extra_args = extra_args
+        self.env = env or {}
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 30.0) -> ServerProcess:
@@ -39,7 +40,7 @@ class ServerProcess:
         ]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
-            self.process = subprocess.Popen(command, stdout=log, stderr=log, env=dict(os.environ))
+            self.process = subprocess.Popen(command, stdout=log, stderr=log, env={**os.environ, **self.env})
         finally:
             if self.log_path:
                 log.close()

@@ -63,12 +63,18 @@ def read_windows(body: bytes, *, max_windows: int) -> list[WindowAggregate]:
     return [WindowAggregate.from_json(item, where=f"windows[{k}]") for k, item in enumerate(items)]
 
 
-def ingest_windows(body: bytes, *, ledger: Ledger, settings: ServiceSettings, gaps: GapMonitor | None,
-                   metrics: ServiceMetrics | None = None) -> WindowIngestResponse:
+def checked_windows(body: bytes, *, ledger: Ledger, settings: ServiceSettings) -> list[WindowAggregate]:
+    """The body's aggregates, each attributed one by a registered model version; a `WindowError` names the field."""
     aggregates = read_windows(body, max_windows=settings.max_steps_per_request)
     for k, w in enumerate(aggregates):
         if not w.pending and not ledger.has_model_version(w.engine_class, w.model_version):
             raise WindowError(f"windows[{k}].model_version: no version {w.model_version} of engine class {w.engine_class!r} is registered")
+    return aggregates
+
+
+def store_windows(aggregates: list[WindowAggregate], *, ledger: Ledger, gaps: GapMonitor | None,
+                  metrics: ServiceMetrics | None = None) -> WindowIngestResponse:
+    """Store checked aggregates (group commit with the process's other POSTs: `Ledger.ingest_windows`)."""
     outcome = ledger.ingest_windows(aggregates)
     if metrics is not None:
         metrics.record_windows(outcome.stored)
@@ -100,9 +106,11 @@ def ingest_windows(body: bytes, *, ledger: Ledger, settings: ServiceSettings, ga
 async def post_windows(request: Request, _principal: IngestKey, ledger: LedgerDep, metrics: MetricsDep, settings: SettingsDep):
     try:
         body = await request.body()
-        async with request.app.state.ingest_slots:
-            return await run_in_threadpool(ingest_windows, body, ledger=ledger, settings=settings, gaps=request.app.state.gaps,
-                                           metrics=metrics)
+        async with request.app.state.ingest_slots:  # parsing and checking: CPU and memory, at most so many at once
+            aggregates = await run_in_threadpool(checked_windows, body, ledger=ledger, settings=settings)
+        # Storing waits outside the slots: the POSTs that arrive while one commits are stored together in the next
+        # commit (one database connection for all of them), so the more wait, the fewer and larger the commits.
+        return await run_in_threadpool(store_windows, aggregates, ledger=ledger, gaps=request.app.state.gaps, metrics=metrics)
     except WindowError as bad:
         metrics.count_ingest_error("bad_shape")
         return error(422, str(bad))
