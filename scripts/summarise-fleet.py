@@ -3,7 +3,8 @@
 steps-mode runs (measured again, or kept from the file being replaced), the goals at 1,000 engines, the per-step
 costs, and those costs scaled to fleets of 1,000 and 10,000 replicas.
 
-    python scripts/summarise-fleet.py OUTPUT --audit-engines N --audits AUDIT.json ... --steps-runs [RUN.json ...] -- RUN.json ...
+    python scripts/summarise-fleet.py OUTPUT --audit-engines N --audits AUDIT.json ... --steps-runs [RUN.json ...] \
+        --compare-runs [RUN.json ...] -- RUN.json ...
 """
 
 import argparse
@@ -97,6 +98,8 @@ def main() -> None:
     parser.add_argument("--audit-engines", type=int, required=True)
     parser.add_argument("--audits", type=Path, nargs="*", default=[])
     parser.add_argument("--steps-runs", type=Path, nargs="*", default=[])
+    parser.add_argument("--compare-runs", type=Path, nargs="*", default=[],
+                        help="aggregate runs of another service configuration (request totals kept), kept beside the runs")
     args = parser.parse_args()
     aggregate = [json.loads(path.read_text())["runs"][0] for path in args.runs]
     if args.steps_runs:
@@ -137,6 +140,7 @@ def main() -> None:
         "command": "bash scripts/measure-fleet.sh",
         "machine": {"cpus": os.cpu_count()},
         "runs": aggregate + steps,
+        "comparison_runs": [json.loads(path.read_text())["runs"][0] for path in args.compare_runs],
         "steps_runs_measured": steps_measured,
         "audit": {
             "engines": args.audit_engines,

@@ -282,15 +282,19 @@ def scale_figures(scale: dict) -> list[str]:
     figures += [
         f"{agg['tenants_per_window']:.1f} tenants and {agg['requests_per_window']:.1f} requests per window of "
         f"{steps_per_window:.0f} steps, {agg['finished_requests_per_step']:.2f} finished requests per step",
-        f"windows {pg['windows_bytes']:.1f}, window_tenant_usage {pg['window_tenant_usage_bytes']:.1f}, request_totals "
-        f"{pg['request_totals_bytes']:.1f}, step_ranges {pg['step_ranges_bytes']:.1f} bytes of tables per step, "
-        f"{pg['wal_bytes']:.0f} bytes of WAL",
-        f"about {pg['window_tenant_usage_bytes'] * steps_per_window / agg['tenants_per_window']:.0f} bytes of table per tenant row",
+        f"windows {pg['windows_bytes']:.1f}, tenant_seconds {pg['tenant_seconds_bytes']:.1f}, step_ranges "
+        f"{pg['step_ranges_bytes']:.1f} bytes of tables per step, {pg['wal_bytes']:.1f} bytes of WAL",
         f"{1e6 * agg['engine_cpu_s_per_step']['total']:.0f} µs of engine CPU per step "
         f"({1e6 * agg['engine_cpu_s_per_step']['aggregation']:.0f} µs aggregation, {1e6 * agg['engine_cpu_s_per_step']['archive_write']:.0f} µs "
         f"archive write), {pct(scale['per_step']['aggregate']['engine_cpu_share_of_step'])} of a step's time",
         f"built in {agg['build_s']:.0f} s",
     ]
+    for run in scale["comparison_runs"]:  # the same fleet, request totals kept
+        cpg = run["postgres_per_step"]
+        figures.append(
+            f"{thousands(run['settings']['engines'])} engines with request totals kept: {thousands(run['steps_covered_per_s'])} steps/s covered, "
+            f"{1e6 * run['service_cpu_s_per_step']:.0f} µs of service CPU and {cpg['wal_bytes']:.0f} + {cpg['table_bytes']:.0f} bytes "
+            f"per step ({cpg['request_totals_bytes']:.1f} bytes of it request_totals' table)")
     goals = scale["goals"]
     figures += [
         f"Every offered step covered by an accepted window, none late: **{met(goals['every_step_covered_in_time'])}** "
@@ -308,13 +312,15 @@ def scale_figures(scale: dict) -> list[str]:
     figures += [  # the prose's repeats of table figures
         f"need {1e6 * middle['service_cpu_s_per_step']:.0f} µs of CPU per step there",
         f"accepted {agg['accepted_windows_per_s']:.0f} windows a second of the {thousands(large['settings']['engines'])} offered",
-        f"{thousands(large['offered_steps_per_s'])} steps a second at {1e6 * large['service_cpu_s_per_step']:.0f} µs of service CPU per step",
+        f"{thousands(large['offered_steps_per_s'])} steps a second at {1e6 * large['service_cpu_s_per_step']:.0f} µs of service CPU per step "
+        f"is {large['offered_steps_per_s'] * large['service_cpu_s_per_step']:.1f} cores",
         f"The figure at {small['settings']['engines']} engines ({1e6 * small['service_cpu_s_per_step']:.0f} µs)",
-        f"Against per-step delivery ({steps[-1]['postgres_per_step']['wal_bytes']:,.0f} + {steps[-1]['postgres_per_step']['table_bytes']:,.0f} bytes",
+        f"against per-step delivery's {steps[-1]['postgres_per_step']['wal_bytes']:,.0f} + {steps[-1]['postgres_per_step']['table_bytes']:,.0f} bytes",
         f"({plan_1000['archive_gb_per_day']:,.0f} GB a day at 1,000 replicas, {plan_10000['archive_gb_per_day']:,.0f} at 10,000",
         f"({plan_1000['service_cores_large_fleet']:.0f} cores, {plan_1000['service_processes_large_fleet']} processes)",
         f"{plan_10000['service_processes_large_fleet']} to {plan_10000['service_processes_small_fleet']} processes",
         f"for the CPU ({plan_1000['postgres_cores']:.1f} cores)",
+        f"covers the CPU ({plan_10000['postgres_cores']:.1f} cores) and the WAL ({plan_10000['wal_mb_per_s']:.1f} MB/s)",
         f"table growth ({plan_1000['tables_gb_per_day']:,.0f} GB a day",
     ]
     audit = scale["audit"]
@@ -410,18 +416,22 @@ def test_scale_goals_and_audit_follow_the_runs():
     assert goals["staleness_met"] == (p99_s is not None and p99_s <= goals["staleness_goal_s"] and run["staleness_probes_timed_out"] == 0)
     assert goals["every_step_covered_in_time"] == (run["aggregate"]["steps_uncovered_at_end"] == 0 == run["aggregate"]["steps_late"])
     assert scale["audit"]["engines"] == 1000 and scale["audit"]["tenants"]
-    # the doc's words: served in full at 10; at 100 every step covered, a few late (the figures quoted), staleness
-    # p99 within window + 1 s; at 1,000 most staleness probes timed out
+    # the doc's words: served in full and on time at 10 and 100 (staleness p99 within window + 1 s); at 1,000 every
+    # step covered by the end, most late, no probe timed out; with request totals kept the bytes goal is missed
     small, middle = (next(r for r in scale["runs"] if r["settings"]["mode"] == "aggregate" and r["settings"]["engines"] == n) for n in (10, 100))
-    assert small["aggregate"]["steps_uncovered_at_end"] == small["aggregate"]["steps_late"] == 0
-    assert middle["aggregate"]["steps_uncovered_at_end"] == 0 and 0 < middle["aggregate"]["steps_late"] < 0.05 * middle["aggregate"]["steps_offered"]
-    doc = " ".join((REPO / "docs" / "scale.md").read_text(encoding="utf-8").split())
-    assert f"({thousands(middle['aggregate']['steps_late'])} of the {thousands(middle['aggregate']['steps_offered'])} steps)" in doc
-    assert middle["staleness_s"]["p99"] <= middle["settings"]["window_s"] + 1 and middle["staleness_probes_timed_out"] == 0
-    assert run["staleness_probes_timed_out"] > run["staleness_s"]["n"]
+    for fleet in (small, middle):
+        assert fleet["aggregate"]["steps_uncovered_at_end"] == fleet["aggregate"]["steps_late"] == 0
+        assert fleet["staleness_s"]["p99"] <= fleet["settings"]["window_s"] + 1 and fleet["staleness_probes_timed_out"] == 0
+    assert run["aggregate"]["steps_uncovered_at_end"] == 0 and run["aggregate"]["steps_late"] > 0.5 * run["aggregate"]["steps_offered"]
+    assert run["staleness_probes_timed_out"] == 0
+    assert all(not r["settings"]["request_totals"] for r in scale["runs"] if r["settings"]["mode"] == "aggregate")
+    # "One primary suffices ... at 1,000 replicas", "One primary still covers ... at 10,000"
+    assert scale["extrapolation"]["aggregate"]["1000"]["postgres_servers"] == scale["extrapolation"]["aggregate"]["10000"]["postgres_servers"] == 1
+    [kept] = scale["comparison_runs"]
+    assert kept["settings"]["request_totals"] and kept["settings"]["engines"] == 1000
+    assert kept["postgres_per_step"]["wal_bytes"] + kept["postgres_per_step"]["table_bytes"] > 30
     steps_pg = [r for r in scale["runs"] if r["settings"]["mode"] == "steps"][-1]["postgres_per_step"]
-    assert 0.2 < pg["wal_bytes"] / steps_pg["wal_bytes"] < 0.34 and 0.2 < pg["table_bytes"] / steps_pg["table_bytes"] < 0.34  # "about a quarter"
-    assert 2 < (steps_pg["wal_bytes"] + steps_pg["table_bytes"]) / goals["postgres_bytes_per_step"] < 50  # "a few times less, not fifty"
+    assert (steps_pg["wal_bytes"] + steps_pg["table_bytes"]) / goals["postgres_bytes_per_step"] > 50  # "more than fifty times less"
     assert goals["audit_exact"] == all(t["ok"] and t["difference_ns"] == 0 and t["audited_steps"] > 0 for t in scale["audit"]["tenants"])
 
 
