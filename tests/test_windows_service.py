@@ -319,3 +319,27 @@ def test_the_services_metrics_count_each_stored_window_once(client, admin):
     assert billed and set(counted) == set(billed)
     for tenant, ns in billed.items():
         assert counted[tenant] == pytest.approx(ns / 1e9, rel=1e-12), tenant
+
+
+def test_a_service_keeping_no_request_rows_bills_the_same_tenants_and_lists_no_window_requests(model_path, db_url, admin, monkeypatch):
+    """LLMVISOR_REQUEST_TOTALS=0: tenant usage and totals as with the rows kept, GET /v1/usage/requests lists no request
+    of window-metered runs (their usage is in the archive); a value other than 1 or 0 is refused at start."""
+    answers = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("LLMVISOR_REQUEST_TOTALS", setting)
+        with TestClient(create_app(model_path, db_url)) as c:
+            if setting == "1":
+                assert c.post("/v1/models", headers=bearer(admin), json={"model": class_model(CLASS_W).to_dict(),
+                              "engine_class": CLASS_W, "activate": True}).status_code == 201
+            run = f"run-{setting}"
+            before = tenants(c, admin)
+            assert c.post("/v1/windows", headers=bearer(admin), json={"windows": windows_of(c, admin, run, steps_of(run))}).status_code == 200
+            after = tenants(c, admin)
+            answers[setting] = ({t: ns - before.get(t, 0) for t, ns in after.items()},
+                                c.get("/v1/usage/requests", headers=bearer(admin), params={"run_id": run}).json()["requests"])
+    (kept_tenants, kept_requests), (left_tenants, left_requests) = answers["1"], answers["0"]
+    assert kept_tenants == left_tenants and sum(kept_tenants.values()) > 0
+    assert sum(r["attributed_ns"] for r in kept_requests) == sum(kept_tenants.values()) and left_requests == []
+    monkeypatch.setenv("LLMVISOR_REQUEST_TOTALS", "maybe")
+    with pytest.raises(Exception, match=r"LLMVISOR_REQUEST_TOTALS='maybe': give 1 or 0"):
+        create_app(model_path, db_url)
