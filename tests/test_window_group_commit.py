@@ -164,3 +164,25 @@ def test_without_request_totals_tenant_usage_is_the_same_and_no_request_row_is_w
     finally:
         kept.close()
         left.close()
+
+
+def test_a_caller_behind_a_full_commit_is_still_answered(model, db_url):  # noqa: F811
+    """With commits capped at 2 callers and 12 threads sending at once, every call comes back with its own outcome
+    (a caller that leads a commit takes its own batch first, whatever its place in the queue)."""
+    relayed = build([(0.2, 0.02, 0, [(k, k % 3, k == 0, 30, 10 * k) for k in range(3)])] * 12)[0]
+    per_run = {f"run-{k}": windows_of(model, f"run-{k}", relayed) for k in range(12)}
+    ledger = Ledger(db_url)
+    ledger._commit.MAX_BATCHES = 2
+    start = threading.Barrier(12)
+
+    def send(run: str) -> list[int]:
+        start.wait()
+        return [ledger.ingest_windows([w]).inserted for w in per_run[run]]
+
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(send, per_run))
+        assert answers == [[1] * len(per_run[run]) for run in per_run]
+        assert ledger.totals().num_steps == 12 * len(relayed)
+    finally:
+        ledger.close()

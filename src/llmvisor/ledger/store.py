@@ -700,13 +700,15 @@ class _GroupCommit:
         self._busy = False
 
     def submit(self, batch: _WindowBatch, commit) -> WindowOutcome:
+        """Commit ``batch`` (with ``commit(batches)``, which sets each one's outcome or error), alone or with others."""
         with self._lock:
             self._queue.append(batch)
-            while batch.outcome is None and batch.error is None and (self._busy or batch not in self._queue):
+            while batch.outcome is None and batch.error is None and self._busy:
                 self._lock.wait()
-            if batch.outcome is None and batch.error is None:
+            if batch.outcome is None and batch.error is None:  # no commit runs, and none took this batch: lead one
                 self._busy = True
-                taken, self._queue = self._queue[: self.MAX_BATCHES], self._queue[self.MAX_BATCHES :]
+                rest = [other for other in self._queue if other is not batch]
+                taken, self._queue = [batch, *rest[: self.MAX_BATCHES - 1]], rest[self.MAX_BATCHES - 1 :]
             else:
                 taken = []
         if taken:
