@@ -337,6 +337,9 @@ def test_a_service_keeping_no_request_rows_bills_the_same_tenants_and_lists_no_w
             after = tenants(c, admin)
             answers[setting] = ({t: ns - before.get(t, 0) for t, ns in after.items()},
                                 c.get("/v1/usage/requests", headers=bearer(admin), params={"run_id": run}).json()["requests"])
+            one = c.get("/v1/usage/requests", headers=bearer(admin), params={"run_id": run, "request_id": steps_of(run)[0][0]["request_id"]})
+            assert one.status_code == (200 if setting == "1" else 404), one.text
+            assert ("LLMVISOR_REQUEST_TOTALS=0" in one.text) == (setting == "0")
     (kept_tenants, kept_requests), (left_tenants, left_requests) = answers["1"], answers["0"]
     assert kept_tenants == left_tenants and sum(kept_tenants.values()) > 0
     assert sum(r["attributed_ns"] for r in kept_requests) == sum(kept_tenants.values()) and left_requests == []

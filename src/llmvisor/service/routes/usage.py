@@ -123,6 +123,11 @@ def with_adjustments(tenants: list[TenantUsage], adjustments, start_us: int | No
     "/requests",
     response_model=RequestUsageResponse,
     summary="Attributed time per request, largest first",
+    description=(
+        "Requests stored one by one, and requests metered in window aggregates where the service keeps a row per request "
+        "(`LLMVISOR_REQUEST_TOTALS=1`, the default; with 0, a large fleet's setting, their usage is read from the archive: "
+        "`llmvisor audit --requests N`)."
+    ),
     responses={404: {"description": "the request named by run_id and request_id has no usage this key may read"}},
 )
 def usage_requests(
@@ -140,7 +145,10 @@ def usage_requests(
         span.start_us, span.end_us, scoped, check_name("run_id", run_id), check_name("request_id", request_id), limit, offset
     )
     if not rows and request_id is not None and offset == 0:
-        raise HTTPException(404, f"no usage of request {request_id!r} visible to this key in this range")
+        unkept = "" if ledger.request_totals else (
+            "; this service keeps no row per request metered in window aggregates (LLMVISOR_REQUEST_TOTALS=0): "
+            "read those from the archive (llmvisor audit --requests N)")
+        raise HTTPException(404, f"no usage of request {request_id!r} visible to this key in this range{unkept}")
     return RequestUsageResponse(
         start=span.start,
         end=span.end,
