@@ -109,7 +109,9 @@ async def post_windows(request: Request, _principal: IngestKey, ledger: LedgerDe
         async with request.app.state.ingest_slots:  # parsing and checking: CPU and memory, at most so many at once
             aggregates = await run_in_threadpool(checked_windows, body, ledger=ledger, settings=settings)
         # Storing waits outside the slots: the POSTs that arrive while one commits are stored together in the next
-        # commit (one database connection for all of them), so the more wait, the fewer and larger the commits.
+        # commit (one database connection for all of them), so the more wait, the fewer and larger the commits. Parsed
+        # windows stay bounded by the worker threads (anyio's limiter): parsing needs one as storing does. A further
+        # bound of 32 parsed POSTs cut the 1,000-engine fleet's covered steps from about 30,000 to 18,000 a second.
         return await run_in_threadpool(store_windows, aggregates, ledger=ledger, gaps=request.app.state.gaps, metrics=metrics)
     except WindowError as bad:
         metrics.count_ingest_error("bad_shape")
