@@ -42,6 +42,7 @@ from sqlalchemy import (
     Text,
     and_,
     case,
+    cast,
     create_engine,
     func,
     insert,
@@ -428,23 +429,15 @@ def _sum_window_tenant_usage(read, write, tenant_win: Table, win: Table, chunk_r
     w = tenant_win
     version = case((win.c.pending.is_(True), 0), else_=func.coalesce(win.c.model_version, 0)).label("model_version")
     has_split = all(name in w.c for name in TOKEN_SPLIT_COLUMNS)
-    split = split_sums(w) if has_split else [literal(None, BigInteger) for _ in TOKEN_SPLIT_COLUMNS]
+    split = [cast(c, BigInteger) for c in split_sums(w)] if has_split else [literal(None, BigInteger) for _ in TOKEN_SPLIT_COLUMNS]
     key = (w.c.tenant, win.c.engine_class, version, w.c.second_us)
+    sums = [cast(func.sum(w.c[name]), BigInteger).label(name) for name in ("attributed_ns", "measured_ns", "num_slices", "num_new_tokens")]
     query = (
-        select(*key, func.sum(w.c.attributed_ns), func.sum(w.c.measured_ns), func.sum(w.c.num_slices), func.sum(w.c.num_new_tokens), *split)
+        select(*key, *sums, *(column.label(name) for column, name in zip(split, TOKEN_SPLIT_COLUMNS)))
         .join(win, and_(win.c.run_id == w.c.run_id, win.c.window_start_us == w.c.window_start_us))
         .group_by(*key)
     )
-    names = ["tenant", "engine_class", "model_version", "second_us", "attributed_ns", "measured_ns", "num_slices", "num_new_tokens",
-             *TOKEN_SPLIT_COLUMNS]
-    chunk: list[dict] = []
-    for row in read.execute(query):
-        chunk.append({name: (None if value is None else (value if k < 2 else int(value))) for k, (name, value) in enumerate(zip(names, row))})
-        if len(chunk) >= chunk_rows:
-            write.execute(insert(tenant_seconds), chunk)
-            chunk = []
-    if chunk:
-        write.execute(insert(tenant_seconds), chunk)
+    _copy_rows(read, write, query, tenant_seconds, chunk_rows)
 
 
 def _copy_schema_4_tables(read, write) -> None:
@@ -452,9 +445,11 @@ def _copy_schema_4_tables(read, write) -> None:
         _copy_rows(read, write, source_table, target_table)
 
 
-def _copy_rows(read, write, source_table, target_table, chunk_rows: int = 10_000) -> None:
-    """Every row of ``source_table`` into ``target_table`` as it is, streamed ``chunk_rows`` at a time."""
-    rows = read.execution_options(stream_results=True, yield_per=chunk_rows).execute(select(source_table))
+def _copy_rows(read, write, source, target_table, chunk_rows: int = 10_000) -> None:
+    """Every row of ``source`` (a table, or a query whose columns are named as the target's) into ``target_table`` as
+    it is, streamed ``chunk_rows`` at a time."""
+    rows = read.execution_options(stream_results=True, yield_per=chunk_rows).execute(
+        select(source) if isinstance(source, Table) else source)
     chunk: list[dict] = []
     for row in rows:
         chunk.append(dict(row._mapping))

@@ -893,12 +893,13 @@ class Ledger:
                     taken: dict[tuple[str, int], bytes] = {}  # stored before, or by an earlier batch of this commit
                     new = []
                     for batch in batches:
-                        mine = {**stored, **taken}
-                        conflicts = [k for k, d in batch.digests.items() if k in mine and mine[k] != d]
+                        held = [(k, stored.get(k, taken.get(k)), d) for k, d in batch.digests.items()]
+                        conflicts = [k for k, had, d in held if had is not None and had != d]
                         if conflicts:
                             batch.error = WindowConflictError(conflicts)
                             continue
-                        batch.new = [w for w in batch.unique if (w.run_id, w.window_start_us) not in mine]
+                        batch.new = [w for w in batch.unique if (w.run_id, w.window_start_us) not in stored
+                                     and (w.run_id, w.window_start_us) not in taken]
                         taken.update({(w.run_id, w.window_start_us): batch.digests[w.run_id, w.window_start_us] for w in batch.new})
                         new.extend(batch.new)
                     reshaped = self._insert_windows(conn, new, taken) if new else []

@@ -137,7 +137,8 @@ def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, e
         model = default_model if v < 0 else load_version(ledger, engine_class, v)
         records = prepare_batch(model, part, received_at_us=0, choose=lambda _c, m=model, v=v: ModelChoice(m, None if v < 0 else v)).records
         _add_tenant_shares(reattributed, part, records.attributed_ns, tenant)
-        _add_request_shares(per_request, part, records.attributed_ns, tenant)
+        if requests:
+            _add_request_shares(per_request, part, records.attributed_ns, tenant)
         label = f"{engine_class or '(no fingerprint)'} {version_names(np.array([v]))}"
         versions[label] = versions.get(label, 0) + int(mask.sum())
     archived = set(keys)
