@@ -1,16 +1,25 @@
-"""Send export bodies to a billing system's ingest URL, retrying what may succeed later (5xx, connection errors)
-and never what the receiver refused (4xx). Bodies carry idempotency ids, so a retried send cannot double-bill."""
+"""Send export bodies to a billing system's ingest URL, retrying what may succeed later (429, 5xx, connection errors)
+and never what the receiver refused (any other 4xx). Bodies carry idempotency ids, so a retried or resumed send
+cannot double-bill at a receiver that deduplicates by id; an optional progress file also keeps a resumed push from
+re-sending the bodies already acknowledged."""
 
 from __future__ import annotations
 
+import email.utils
+import hashlib
 import json
+import os
+import time
+from pathlib import Path
 
 import httpx
-from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from llmvisor.errors import LlmvisorError
 
 ATTEMPTS = 5
+MAX_WAIT_S = 60.0  # the longest one Retry-After is obeyed for: a hostile or mistaken header cannot stall a push
+BODY_QUOTE_CHARS = 300  # how much of a refusal's body the error line quotes
 
 
 class PushError(LlmvisorError):
@@ -18,13 +27,57 @@ class PushError(LlmvisorError):
 
 
 class _Retryable(Exception):
-    def __init__(self, detail: str):
+    """An answer that may succeed later (429, 5xx), with the receiver's Retry-After in seconds when it gave one."""
+
+    def __init__(self, detail: str, retry_after_s: float | None):
         super().__init__(detail)
-        self.detail = detail
+        self.detail, self.retry_after_s = detail, retry_after_s
+
+
+def retry_after_s(value: str | None, now_s: float | None = None) -> float | None:
+    """Retry-After as seconds from now: delay-seconds or an HTTP-date (RFC 9110 10.2.3); None when absent or unreadable
+    (then the backoff applies). A date in the past is 0."""
+    if value is None or not value.strip():
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now_s is None else now_s))
+
+
+class _WaitRetryAfter:
+    """Tenacity wait: the receiver's Retry-After when it gave one, else exponential backoff; never above max_wait_s."""
+
+    def __init__(self, wait_s: float, max_wait_s: float):
+        self.backoff = wait_exponential(multiplier=wait_s, max=min(10 * wait_s, max_wait_s))
+        self.max_wait_s = max_wait_s
+
+    def __call__(self, retry_state) -> float:
+        error = retry_state.outcome.exception()
+        asked = error.retry_after_s if isinstance(error, _Retryable) else None
+        return min(self.max_wait_s, asked if asked is not None else self.backoff(retry_state))
 
 
 def _should_retry(error: BaseException) -> bool:
     return isinstance(error, _Retryable | httpx.TransportError)
+
+
+def retry_policy(attempts: int, wait_s: float, max_wait_s: float) -> Retrying:
+    """The one retry policy of a push: what to retry, how long to wait, when to give up."""
+    return Retrying(retry=retry_if_exception(_should_retry), stop=stop_after_attempt(attempts),
+                    wait=_WaitRetryAfter(wait_s, max_wait_s), reraise=True)
+
+
+def quote_body(text: str) -> str:
+    """A receiver's answer on one line, cut to BODY_QUOTE_CHARS."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= BODY_QUOTE_CHARS else flat[:BODY_QUOTE_CHARS] + f"... ({len(flat)} characters)"
 
 
 def stripe_form(event: dict) -> bytes:
@@ -36,31 +89,80 @@ def stripe_form(event: dict) -> bytes:
     return urlencode(fields).encode()
 
 
+class Progress:
+    """The bodies a receiver acknowledged (2xx), one digest of URL and bytes a line, appended and flushed to disk after
+    each acknowledgement. A resumed push skips them, so a receiver that does not deduplicate is not sent them twice and
+    one that does is spared the requests (a Stripe export is one request per event). The digest covers the bytes, so a
+    body whose content changed is sent again. A kill while writing leaves at most a partial last line, which is
+    ignored: that body is sent again, which a deduplicating receiver drops by its id."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.done: set[str] = set()
+        try:
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            lines = []
+        except (OSError, UnicodeDecodeError) as error:
+            raise PushError(f"{self.path}: cannot read the push progress file ({error.__class__.__name__})") from None
+        self.done = {line for line in lines if len(line) == 64 and all(c in "0123456789abcdef" for c in line)}
+        try:
+            self._file = self.path.open("a", encoding="utf-8")
+        except OSError as error:
+            raise PushError(f"{self.path}: cannot write the push progress file ({error.strerror})") from None
+
+    @staticmethod
+    def digest(url: str, content: bytes) -> str:
+        return hashlib.sha256(url.encode() + b"\n" + content).hexdigest()
+
+    def record(self, digest: str) -> None:
+        self._file.write(digest + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self.done.add(digest)
+
+    def close(self) -> None:
+        self._file.close()
+
+
 def push(url: str, bodies: list, *, content_type: str = "application/json", headers: dict[str, str] | None = None,
-         attempts: int = ATTEMPTS, wait_s: float = 0.5, timeout_s: float = 30.0, encode=None) -> int:
-    """POST each body (JSON, or ``encode(body)`` bytes); returns the number of requests made (retries included)."""
+         attempts: int = ATTEMPTS, wait_s: float = 0.5, max_wait_s: float = MAX_WAIT_S, timeout_s: float = 30.0,
+         encode=None, progress: Path | None = None) -> int:
+    """POST each body (JSON, or ``encode(body)`` bytes) in order; returns the number of requests made (retries
+    included). With ``progress``, bodies that file records as acknowledged are skipped and each new acknowledgement is
+    recorded."""
     requests = 0
+    record = Progress(progress) if progress is not None else None
 
-    with httpx.Client(timeout=timeout_s) as client:
+    def send(client: httpx.Client, content: bytes) -> None:
+        nonlocal requests
+        requests += 1
+        response = client.post(url, content=content, headers={"content-type": content_type, **(headers or {})})
+        status = response.status_code
+        if status == 429 or status >= 500:
+            raise _Retryable(f"HTTP {status}", retry_after_s(response.headers.get("retry-after")))
+        if status >= 400:
+            raise PushError(f"{url}: the receiver refused the body with HTTP {status}: {quote_body(response.text)}")
 
-        @retry(retry=retry_if_exception(_should_retry), stop=stop_after_attempt(attempts),
-               wait=wait_exponential(multiplier=wait_s, max=10 * wait_s), reraise=True)
-        def send(body) -> None:
-            nonlocal requests
-            requests += 1
-            content = encode(body) if encode is not None else json.dumps(body).encode()
-            response = client.post(url, content=content, headers={"content-type": content_type, **(headers or {})})
-            if response.status_code >= 500:
-                raise _Retryable(f"HTTP {response.status_code}")
-            if response.status_code >= 400:
-                raise PushError(f"{url}: the receiver refused the body with HTTP {response.status_code}: "
-                                f"{' '.join(response.text.split())[:200]}")
-
-        for body in bodies:
-            try:
-                send(body)
-            except _Retryable as error:
-                raise PushError(f"{url}: {error.detail} after {attempts} attempts; nothing more was sent") from None
-            except httpx.TransportError as error:
-                raise PushError(f"{url}: cannot connect ({error.__class__.__name__}) after {attempts} attempts") from None
+    try:
+        with httpx.Client(timeout=timeout_s) as client:
+            for number, body in enumerate(bodies, 1):
+                content = encode(body) if encode is not None else json.dumps(body).encode()
+                digest = Progress.digest(url, content)
+                if record is not None and digest in record.done:
+                    continue
+                left = f"; {number - 1} of {len(bodies)} bodies were acknowledged, nothing more was sent"
+                try:
+                    retry_policy(attempts, wait_s, max_wait_s)(send, client, content)
+                except _Retryable as error:
+                    raise PushError(f"{url}: {error.detail} after {attempts} attempts{left}") from None
+                except httpx.TransportError as error:
+                    raise PushError(f"{url}: cannot connect ({error.__class__.__name__}) after {attempts} attempts{left}") from None
+                except PushError as error:
+                    raise PushError(f"{error} (body {number} of {len(bodies)}{left.replace('; ', ', ', 1)})") from None
+                if record is not None:
+                    record.record(digest)
+    finally:
+        if record is not None:
+            record.close()
     return requests

@@ -23,8 +23,11 @@ def export(
     tenant: Annotated[list[str] | None, typer.Option("--tenant", help="Only this tenant (repeatable).", metavar="NAME")] = None,
     customers: Annotated[Path | None, typer.Option("--customers", help="JSON object of tenant name to customer id (events).",
                                                    dir_okay=False, metavar="FILE")] = None,
-    push_url: Annotated[str | None, typer.Option("--push", help="POST the events to this ingest URL, retrying 5xx and "
-                                                 "connection errors.", metavar="URL")] = None,
+    push_url: Annotated[str | None, typer.Option("--push", help="POST the events to this ingest URL, retrying 429, "
+                                                 "5xx and connection errors.", metavar="URL")] = None,
+    progress: Annotated[Path | None, typer.Option("--progress", help="With --push: record each body the receiver "
+                                                  "acknowledged in this file; a rerun with it resumes, skipping them.",
+                                                  dir_okay=False, metavar="FILE")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be written or sent; write and send nothing.")] = False,
     auth_env: Annotated[str | None, typer.Option("--auth-env", help="Send 'Authorization: Bearer $VAR' with --push (the "
                                                  "receiver's API key, read from this environment variable).",
@@ -46,6 +49,8 @@ def export(
         raise LlmvisorError("name a file (-o FILE), an ingest URL (--push URL) or --dry-run")
     if format_ == "focus" and push_url is not None:
         raise LlmvisorError("--push sends metering events; a FOCUS export is a file (-o FILE.csv or FILE.parquet)")
+    if progress is not None and push_url is None:
+        raise LlmvisorError("--progress records what a push sent; name the ingest URL (--push URL)")
     start_us, end_us = period_bound_us("--start", start, WHOLE_HOUR), period_bound_us("--end", end, WHOLE_HOUR)
     headers = {}
     if auth_env is not None:
@@ -97,7 +102,7 @@ def export(
         from llmvisor.billing.push import push, stripe_form
 
         requests = push(push_url, sends, content_type=content_type, headers=headers,
-                        encode=stripe_form if format_ == "stripe" else None)
+                        encode=stripe_form if format_ == "stripe" else None, progress=progress)
         say(f"{push_url}: {len(bodies)} events sent in {len(sends)} bodies ({requests} requests with retries)")
     if json_output:
         echo_json({"format": format_, "file": None if output is None else str(output), "records": len(bodies),
