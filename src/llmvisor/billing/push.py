@@ -98,14 +98,13 @@ class Progress:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.done: set[str] = set()
         try:
             lines = self.path.read_text(encoding="utf-8").splitlines()
         except FileNotFoundError:
             lines = []
         except (OSError, UnicodeDecodeError) as error:
             raise PushError(f"{self.path}: cannot read the push progress file ({error.__class__.__name__})") from None
-        self.done = {line for line in lines if len(line) == 64 and all(c in "0123456789abcdef" for c in line)}
+        self.done: set[str] = {line for line in lines if len(line) == 64 and all(c in "0123456789abcdef" for c in line)}
         try:
             self._file = self.path.open("a", encoding="utf-8")
         except OSError as error:
@@ -144,6 +143,11 @@ def push(url: str, bodies: list, *, content_type: str = "application/json", head
         if status >= 400:
             raise PushError(f"{url}: the receiver refused the body with HTTP {status}: {quote_body(response.text)}")
 
+    policy = retry_policy(attempts, wait_s, max_wait_s)
+
+    def sent(number: int) -> str:
+        return f"{number - 1} of {len(bodies)} bodies were acknowledged, nothing more was sent"
+
     try:
         with httpx.Client(timeout=timeout_s) as client:
             for number, body in enumerate(bodies, 1):
@@ -151,15 +155,15 @@ def push(url: str, bodies: list, *, content_type: str = "application/json", head
                 digest = Progress.digest(url, content)
                 if record is not None and digest in record.done:
                     continue
-                left = f"; {number - 1} of {len(bodies)} bodies were acknowledged, nothing more was sent"
                 try:
-                    retry_policy(attempts, wait_s, max_wait_s)(send, client, content)
+                    policy(send, client, content)
                 except _Retryable as error:
-                    raise PushError(f"{url}: {error.detail} after {attempts} attempts{left}") from None
+                    raise PushError(f"{url}: {error.detail} after {attempts} attempts; {sent(number)}") from None
                 except httpx.TransportError as error:
-                    raise PushError(f"{url}: cannot connect ({error.__class__.__name__}) after {attempts} attempts{left}") from None
+                    raise PushError(f"{url}: cannot connect ({error.__class__.__name__}) after {attempts} attempts; "
+                                    f"{sent(number)}") from None
                 except PushError as error:
-                    raise PushError(f"{error} (body {number} of {len(bodies)}{left.replace('; ', ', ', 1)})") from None
+                    raise PushError(f"{error} (body {number} of {len(bodies)}, {sent(number)})") from None
                 if record is not None:
                     record.record(digest)
     finally:
