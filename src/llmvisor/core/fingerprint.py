@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -31,6 +32,7 @@ FINGERPRINT_COLUMN = "engine_fingerprint"
 METADATA_KEY = "engine_fingerprint"
 """Trace metadata key (and model file key) holding the fingerprint as a dict (`EngineFingerprint.to_dict`)."""
 ID_HEX_DIGITS = 16
+ID_PATTERN = re.compile(f"[0-9a-f]{{{ID_HEX_DIGITS}}}")
 SIDECAR_SUFFIX = ".engine.json"
 """The recorder writes the engine's fingerprint record beside a trace it records: ``<trace path><suffix>``."""
 INFORMATIONAL_FIELDS = ("model", "max_model_len", "core_ids", "executor_backend")
@@ -176,6 +178,11 @@ class EngineFingerprint:
         mine, theirs = self.identity(), other.identity()
         names = [*mine, *(name for name in theirs if name not in mine)]
         return {name: (mine.get(name), theirs.get(name)) for name in names if mine.get(name) != theirs.get(name)}
+
+
+def is_fingerprint_id(value) -> bool:
+    """Whether ``value`` has the form of an id (`EngineFingerprint.id`): a malformed one is refused, not blanked."""
+    return isinstance(value, str) and ID_PATTERN.fullmatch(value) is not None
 
 
 def fingerprint_id(value) -> str | None:

@@ -31,7 +31,9 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
 from llmvisor.core.files import replaced_atomically
-from llmvisor.errors import TraceError, plain
+from llmvisor.core.fingerprint import FINGERPRINT_COLUMN, is_fingerprint_id
+from llmvisor.core.tokens import CACHED_PROMPT_COLUMN
+from llmvisor.errors import TraceError, plain, unknown_name
 
 FORMAT_VERSION = 2
 """The newest format version; files without the sharing columns are written as version 1."""
@@ -57,9 +59,14 @@ REQUIRED_COLUMNS = (
     "phase",
 )
 OPTIONAL_COLUMNS = (
-    "timestamp_s", "engine", "engine_version", "model", "hardware", "tensor_parallel_size", "engine_fingerprint",
-    "is_drifted", *SHARING_COLUMNS,
+    "timestamp_s", "is_warmup", "engine", "engine_version", "model", "hardware", "tensor_parallel_size",
+    FINGERPRINT_COLUMN, "is_drifted", CACHED_PROMPT_COLUMN, "model_version", *SHARING_COLUMNS,
 )
+"""Every optional column of the format (v1's, and v2's sharing columns): what any llmvisor writer emits."""
+KNOWN_COLUMNS = (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS)
+"""The columns a trace may have. Any other is refused, naming the closest known one: a misspelled optional
+column dropped in silence would bill wrongly (``engine_fingerprint_id``: billed as class ""), so a future
+optional column comes with a new format version rather than by tolerance."""
 CHECKED_COLUMNS = (*REQUIRED_COLUMNS, *SHARING_COLUMNS)
 """Columns whose values the reader type-checks (the optional ones only when present)."""
 PHASES = ("prefill", "decode")
@@ -377,9 +384,18 @@ def _fail(path: str, where: str, reason: str) -> TraceError:
 
 
 def _check_required(path: str, names: Sequence[str]) -> None:
+    """The header holds every required column and no column the format does not know."""
     missing = [name for name in REQUIRED_COLUMNS if name not in names]
     if missing:
         raise _fail(path, "header", f"missing column(s) {', '.join(missing)}")
+    check_known_columns(path, names)
+
+
+def check_known_columns(path: str, names: Sequence[str]) -> None:
+    """Refuse a column not in `KNOWN_COLUMNS`, naming it and the closest known name."""
+    unknown = unknown_name(names, KNOWN_COLUMNS, kind="column")
+    if unknown:
+        raise _fail(path, "header", unknown)
 
 
 def build_trace(
@@ -426,6 +442,10 @@ def build_trace(
     if len(sharing) == 1:
         (other,) = set(SHARING_COLUMNS) - set(sharing)
         raise _fail(path, "header", f"column {sharing[0]} without {other}: the sharing columns come together (format version 2)")
+    if FINGERPRINT_COLUMN in columns:
+        fingerprints = np.asarray(columns[FINGERPRINT_COLUMN], dtype=object)
+        malformed = np.fromiter((not (v is None or v == "" or is_fingerprint_id(v)) for v in fingerprints), bool, n)
+        first_bad(malformed, FINGERPRINT_COLUMN, "expected an engine fingerprint id (16 lowercase hex digits) or nothing")
     shared_tokens = None
     if sharing:
         columns = dict(columns)

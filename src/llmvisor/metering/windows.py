@@ -30,7 +30,7 @@ from llmvisor.core.attribution import attribute_arrays
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.rounding import apportion_ns
 from llmvisor.core.tokens import TOKEN_SPLIT, add_counts, token_split
-from llmvisor.errors import LlmvisorError
+from llmvisor.errors import LlmvisorError, unknown_name
 
 DEFAULT_WINDOW_S = 1.0
 WINDOW_FORMAT = 1
@@ -141,7 +141,7 @@ class WindowAggregate:
         """Read and check one aggregate; a `WindowError` names the field (``where.field``) and the reason."""
         if not isinstance(data, dict):
             raise WindowError(f"{where}: must be an object")
-        r = _Reader(data, where)
+        r = _Reader(data, where, known=_WINDOW_KEYS)
         fmt = r.integer("format", low=1, default=WINDOW_FORMAT)
         if fmt != WINDOW_FORMAT:
             raise WindowError(f"{where}.format: unknown window format {fmt}; this llmvisor reads {WINDOW_FORMAT}")
@@ -185,11 +185,16 @@ class WindowAggregate:
 _WINDOW_FIELDS = tuple(f.name for f in fields(WindowAggregate))
 _REQUEST_FIELDS = tuple(f.name for f in fields(RequestWindow))
 _RESIDUAL_FIELDS = tuple(f.name for f in fields(ResidualStats))
+_WINDOW_KEYS, _REQUEST_KEYS, _RESIDUAL_KEYS = frozenset(_WINDOW_FIELDS), frozenset(_REQUEST_FIELDS), frozenset(_RESIDUAL_FIELDS)
 
 
 class _Reader:
-    def __init__(self, data: dict, where: str):
+    def __init__(self, data: dict, where: str, *, known: frozenset[str]):
+        """Refuses a key not in ``known`` (naming the closest known one): a misspelled optional field read as absent
+        would bill wrongly without a word."""
         self.data, self.where = data, where
+        if not data.keys() <= known:
+            raise WindowError(f"{where}: {unknown_name(data, sorted(known))}")
 
     def get(self, name: str, kind: type, *, optional: bool = False, default=None):
         if name not in self.data or self.data[name] is None:
@@ -236,7 +241,7 @@ class _Reader:
 def _request_from_json(data: object, where: str) -> RequestWindow:
     if not isinstance(data, dict):
         raise WindowError(f"{where}: must be an object")
-    r = _Reader(data, where)
+    r = _Reader(data, where, known=_REQUEST_KEYS)
     first, last = r.integer("first_timestamp_us", low=0), r.integer("last_timestamp_us", low=0)
     if last < first:
         raise WindowError(f"{where}.last_timestamp_us: before first_timestamp_us")
@@ -257,7 +262,7 @@ def _request_from_json(data: object, where: str) -> RequestWindow:
 
 
 def _residual_from_json(data: dict, where: str) -> ResidualStats:
-    out = ResidualStats(count=_Reader(data, where).integer("count", low=0, default=0))
+    out = ResidualStats(count=_Reader(data, where, known=_RESIDUAL_KEYS).integer("count", low=0, default=0))
     for name in ("sum_s", "sum_sq_s2", "min_s", "max_s"):
         value = data.get(name)
         if value is None:

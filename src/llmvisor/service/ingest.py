@@ -38,10 +38,11 @@ from llmvisor.core.trace import (
     SHARING_COLUMNS,
     StepTrace,
     build_trace,
+    check_known_columns,
     trace_columns_from_arrow,
     trace_from_rows,
 )
-from llmvisor.errors import LlmvisorError, TraceError
+from llmvisor.errors import LlmvisorError, TraceError, unknown_name
 from llmvisor.ledger import StepRecords, StoredSteps
 
 BODY_PATH = "request body"
@@ -84,6 +85,9 @@ def read_batch(
         payload = json.loads(body)
     except (ValueError, RecursionError) as error:
         raise PayloadError(400, "bad_json", f"{BODY_PATH}: not valid JSON ({error})") from None
+    if isinstance(payload, dict) and len(payload) > 1 and ("steps" in payload or "columns" in payload):
+        extra = unknown_name(payload, ("steps",) if "steps" in payload else ("columns",))
+        raise PayloadError(422, "bad_shape", f"{BODY_PATH}: {extra}")
     if isinstance(payload, dict) and "steps" in payload:
         trace = validate_trace(_step_groups(payload["steps"], max_steps=max_steps, max_rows=max_rows))
     elif isinstance(payload, dict) and "columns" in payload:
@@ -132,6 +136,7 @@ def _trace_from_columns(columns, *, max_rows: int) -> StepTrace:
     reader's Arrow validator. Columns that are not stored are not read."""
     if not isinstance(columns, dict):
         raise PayloadError(422, "bad_shape", f'{BODY_PATH}: "columns" must map column names to lists of values')
+    _check_known(list(columns))
     used = [name for name in (*CHECKED_COLUMNS, *STORED_OPTIONAL_COLUMNS, *RUN_COLUMNS, *TOKEN_COLUMNS) if name in columns]
     for name in used:
         if not isinstance(columns[name], list):
@@ -165,6 +170,15 @@ def _trace_from_columns(columns, *, max_rows: int) -> StepTrace:
         raise PayloadError(422, "invalid_trace", str(error)) from None
     _check_storage_limits(trace)
     return trace
+
+
+def _check_known(names: list) -> None:
+    """Refuse a column the trace format does not know (422 naming it and the closest known name), before the
+    columns the service reads are picked out: an unknown one would otherwise be dropped in silence."""
+    try:
+        check_known_columns(BODY_PATH, names)
+    except TraceError as error:
+        raise PayloadError(422, "invalid_trace", str(error)) from None
 
 
 def _optional_numbers(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
@@ -233,6 +247,7 @@ def _trace_from_parquet(body: bytes, *, max_rows: int, max_decoded_bytes: int) -
         if n_rows > max_rows:
             raise PayloadError(413, "too_large", f"{BODY_PATH}: {n_rows} rows, at most {max_rows} per request")
         names = parquet.schema_arrow.names
+        _check_known(names)
         columns = [n for n in (*CHECKED_COLUMNS, *STORED_OPTIONAL_COLUMNS, *RUN_COLUMNS) if n in names]
         check_parquet_footer(parquet, columns, body_bytes=len(body), max_decoded_bytes=max_decoded_bytes)
         physical = {parquet.schema.column(i).path: parquet.schema.column(i).physical_type for i in range(len(parquet.schema))}

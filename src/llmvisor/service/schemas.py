@@ -17,8 +17,17 @@ from llmvisor.service.ingest import MAX_STRING_CHARS
 # Ingest
 
 
-class TraceRow(BaseModel):
-    """One request slice of one step, as in the step-trace format v1 (`docs/trace-format.md`)."""
+class StrictBody(BaseModel):
+    """A write body: an unknown field is a 422 naming it and the closest known name (`llmvisor.service.app`
+    renders pydantic's ``extra_forbidden``), since a misspelled optional field ignored would change what is
+    billed or done without a word."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class TraceRow(StrictBody):
+    """One request slice of one step, as in the step-trace format (`docs/trace-format.md`); the optional columns
+    of the format are accepted too (the documented schema lists the checked ones)."""
 
     model_config = ConfigDict(extra="allow")
     run_id: str
@@ -200,8 +209,7 @@ class StepOut(BaseModel):
 # Keys
 
 
-class KeyCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class KeyCreate(StrictBody):
     tenant: str | None = Field(None, min_length=1, max_length=MAX_STRING_CHARS)
     admin: bool = False
 
@@ -231,7 +239,7 @@ class WhoAmI(BaseModel):
 # Model registry and drift
 
 
-class ModelAdd(BaseModel):
+class ModelAdd(StrictBody):
     model: dict = Field(description="a fitted model file's JSON (`llmvisor fit -o`)")
     engine_class: str | None = Field(None, max_length=512, description="fingerprint id; default: the one the model was fitted on")
     activate: bool = False

@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 
 from llmvisor.billing.prices import PriceError, add_prices, list_prices, parse_prices
 from llmvisor.service.deps import AdminKey, AnyKey, LedgerDep, to_datetime
+from llmvisor.service.schemas import StrictBody
 
 router = APIRouter(prefix="/v1/prices", tags=["billing"])
 
@@ -27,7 +28,7 @@ class PriceOut(BaseModel):
     created_at: datetime
 
 
-class PricesIn(BaseModel):
+class PricesIn(StrictBody):
     prices: list[dict] = Field(description="entries as in a JSON price file (`llmvisor prices add`)", min_length=1, max_length=1000)
 
 

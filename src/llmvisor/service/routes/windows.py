@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from sqlalchemy.exc import DBAPIError
 
+from llmvisor.errors import unknown_name
 from llmvisor.ledger import Ledger, WindowConflictError
 from llmvisor.metering import WindowAggregate, WindowError
 from llmvisor.service.config import ServiceSettings
@@ -58,6 +59,9 @@ def read_windows(body: bytes, *, max_windows: int) -> list[WindowAggregate]:
     items = data.get("windows") if isinstance(data, dict) else None
     if not isinstance(items, list):
         raise WindowError('request body: must be {"windows": [...]}')
+    extra = unknown_name(data, ("windows",))
+    if extra:
+        raise WindowError(f"request body: {extra}")
     if len(items) > max_windows:
         raise WindowError(f"request body: {len(items)} windows, at most {max_windows} per request")
     return [WindowAggregate.from_json(item, where=f"windows[{k}]") for k, item in enumerate(items)]
