@@ -211,7 +211,7 @@ def _run_columns(choices: TraceChoices, rng: np.random.Generator, k: int, n_step
         columns["timestamp_s"] = (start_s + np.cumsum(latency) - latency)[step_of_slice]
         columns["engine"] = np.full(n, "vllm", dtype=object)
         columns["engine_fingerprint"] = np.full(n, "0123456789abcdef", dtype=object)
-        columns["note"] = np.full(n, "kept and ignored", dtype=object)
+        columns["hardware"] = np.full(n, "generated", dtype=object)
     return columns
 
 

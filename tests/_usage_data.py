@@ -17,7 +17,7 @@ ENGINE_IDS = {
     "acme": [f"{ACME_COMPLETION}-0-1a2b3c4d", f"{ACME_COMPLETION}-1-9f8e7d6c", f"{ACME_OTHER}-0-0badc0de"],
     "globex": [f"{GLOBEX_CHAT}-5e6f7a8b"],
 }
-CLASSES = ("", "cpu-test-class")
+CLASSES = ("", "00000000c0ffee01")
 
 
 def usage_steps(n_steps: int = 60, seed: int = 0) -> list[list[dict]]:

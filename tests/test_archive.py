@@ -21,7 +21,7 @@ W0_S = 1_750_000_020.0
 """A multiple of 60 s: a window boundary."""
 
 
-def make_step(run_id: str, step_id: int, timestamp_s: float, slices: list[tuple], *, fingerprint: str = "fp0",
+def make_step(run_id: str, step_id: int, timestamp_s: float, slices: list[tuple], *, fingerprint: str = "00000000000000f0",
               sharing: bool = True) -> list[dict]:
     latency_s = 0.001 + (step_id % 97) * 1.37e-4
     rows = []
@@ -60,7 +60,7 @@ step_strategy = st.tuples(
        sharing=st.booleans())
 def test_steps_read_back_from_the_archive_equal_what_was_written(steps, window_s, sharing):
     url = f"memory://archive-{os.urandom(6).hex()}"
-    writer = ArchiveWriter(url, window_s=window_s, metadata={"engine_fingerprint": {"id": "fp0"}})
+    writer = ArchiveWriter(url, window_s=window_s, metadata={"engine_fingerprint": {"id": "00000000000000f0"}})
     rows_in = []
     for step_id, (run_id, offset_s, slices) in enumerate(steps):
         rows = make_step(run_id, step_id, T0_S + offset_s, slices, sharing=sharing)
@@ -76,7 +76,7 @@ def test_steps_read_back_from_the_archive_equal_what_was_written(steps, window_s
     assert set(got.extra) == set(expected.extra)
     for name, values in expected.extra.items():
         assert np.asarray(got.extra[name]).tolist() == np.asarray(values).tolist(), name
-    assert got.metadata["engine_fingerprint"] == {"id": "fp0"}
+    assert got.metadata["engine_fingerprint"] == {"id": "00000000000000f0"}
     # a period and a tenant: exactly the steps starting in it that ran a slice of the tenant, each whole
     start_us, end_us = int((T0_S + 50) * 1e6), int((T0_S + 200) * 1e6)
     part = read_archive(url, start_us, end_us, tenant="t1")
@@ -124,7 +124,7 @@ def test_model_versions_and_fingerprint_travel_in_the_file_metadata():
     import json
 
     url = f"memory://archive-{os.urandom(6).hex()}"
-    writer = ArchiveWriter(url, metadata={"engine_fingerprint": {"id": "fp0", "dtype": "bf16"}})
+    writer = ArchiveWriter(url, metadata={"engine_fingerprint": {"id": "00000000000000f0", "dtype": "bf16"}})
     for step_id, version in enumerate([3, 3, 4]):
         rows = make_step("run-a", step_id, T0_S + step_id, [("q0", "t0", 5, 10, True, 0)])
         for row in rows:
@@ -134,7 +134,7 @@ def test_model_versions_and_fingerprint_travel_in_the_file_metadata():
     (path,) = archive_files(url)
     with fsspec.open(path, "rb") as handle:
         meta = json.loads(pq.read_schema(handle).metadata[b"llmvisor.trace"])
-    assert meta["engine_fingerprint"] == {"id": "fp0", "dtype": "bf16"}
+    assert meta["engine_fingerprint"] == {"id": "00000000000000f0", "dtype": "bf16"}
     assert meta["archive"]["model_versions"] == [3, 4] and meta["archive"]["num_steps"] == 3
     assert meta["archive"]["run_id"] == "run-a" and meta["format_version"] == 2
 

@@ -17,8 +17,8 @@ from llmvisor.core.trace import trace_from_rows
 
 
 def test_the_delivery_process_archives_every_relayed_step(tmp_path):
-    header = {"columns": {"run_id": "run-d", "engine": "vllm", "engine_fingerprint": "fp-d"}, "warmup_steps": 2,
-              "trace_path": None, "engine_fingerprint": {"id": "fp-d"}}
+    header = {"columns": {"run_id": "run-d", "engine": "vllm", "engine_fingerprint": "00000000000000fd"}, "warmup_steps": 2,
+              "trace_path": None, "engine_fingerprint": {"id": "00000000000000fd"}}
     rng = np.random.default_rng(3)
     t0_s = float(int(time.time()))  # now: windows of past steps would be written as soon as the process looks
     steps = []
@@ -40,4 +40,4 @@ def test_the_delivery_process_archives_every_relayed_step(tmp_path):
     for name in ("step_latency_s", "request_id", "tenant", "num_new_tokens", "num_context_tokens", "is_prefill"):
         assert np.array_equal(getattr(got, name), getattr(expected, name)), name
     assert got.extra["is_warmup"].tolist() == expected.extra["is_warmup"].tolist()
-    assert got.metadata["engine_fingerprint"] == {"id": "fp-d"}
+    assert got.metadata["engine_fingerprint"] == {"id": "00000000000000fd"}

@@ -43,8 +43,8 @@ def relayed_steps(draw):
 headers = st.fixed_dictionaries({
     "columns": st.sampled_from([
         {"run_id": "run-a"},
-        {"run_id": "run b/ü", "engine_fingerprint": "fp0"},
-        {"run_id": "r%3", "engine_fingerprint": "fp1", "is_warmup": "header's", "num_cached_prompt_tokens": 7},
+        {"run_id": "run b/ü", "engine_fingerprint": "00000000000000f0"},
+        {"run_id": "r%3", "engine_fingerprint": "00000000000000f1", "is_warmup": "header's", "num_cached_prompt_tokens": 7},
     ]),
     "warmup_steps": st.integers(0, 5),
 })
@@ -67,8 +67,8 @@ def test_columns_are_the_rows_of_the_same_steps(header, steps):
 @given(header=headers, steps=relayed_steps(), window_s=st.sampled_from([0.5, 7.0, 60.0]))
 def test_the_archive_writes_the_same_files_from_relayed_steps_as_from_rows(header, steps, window_s):
     urls = [f"memory://relayed-{os.urandom(6).hex()}" for _ in range(2)]
-    by_rows = ArchiveWriter(urls[0], window_s=window_s, metadata={"engine_fingerprint": {"id": "fp0"}}, clock=lambda: T0_S)
-    relayed = ArchiveWriter(urls[1], window_s=window_s, metadata={"engine_fingerprint": {"id": "fp0"}}, clock=lambda: T0_S)
+    by_rows = ArchiveWriter(urls[0], window_s=window_s, metadata={"engine_fingerprint": {"id": "00000000000000f0"}}, clock=lambda: T0_S)
+    relayed = ArchiveWriter(urls[1], window_s=window_s, metadata={"engine_fingerprint": {"id": "00000000000000f0"}}, clock=lambda: T0_S)
     for step in steps:
         by_rows.add_step(step_rows(header, step))
         relayed.add_relayed(header, step)

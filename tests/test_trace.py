@@ -108,13 +108,49 @@ def test_steps_are_grouped_and_ordered_whatever_the_row_order(tmp_path):
     assert list(trace.batch_size_per_step) == [2, 2]
 
 
-def test_optional_and_unknown_columns_are_kept(tmp_path):
-    rows = [row(0, "a", timestamp_s=1.5, engine="vllm", my_column="x"), row(0, "b", timestamp_s=1.5, engine="vllm", my_column="y")]
+def test_optional_columns_are_kept_and_written_back(tmp_path):
+    rows = [row(0, "a", timestamp_s=1.5, engine="vllm", hardware="h1"), row(0, "b", timestamp_s=1.5, engine="vllm", hardware="h2")]
     for suffix in SUFFIXES:
         trace = read_trace(write_rows(tmp_path / f"t{suffix}", rows, suffix))
-        assert "my_column" in trace.extra and "engine" in trace.extra
+        assert "hardware" in trace.extra and "engine" in trace.extra
         write_trace(trace, tmp_path / f"again{suffix}")
-        assert sorted(map(str, read_trace(tmp_path / f"again{suffix}").extra["my_column"])) == ["x", "y"]
+        assert sorted(map(str, read_trace(tmp_path / f"again{suffix}").extra["hardware"])) == ["h1", "h2"]
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+@pytest.mark.parametrize(
+    "name, suggestion",
+    [("engine_fingerprint_id", "engine_fingerprint"), ("num_shared_context_tokenz", "num_shared_context_tokens"),
+     ("tenat", "tenant"), ("my_column", None)],
+)
+def test_an_unknown_column_is_refused_naming_it_and_the_closest_known_one(tmp_path, suffix, name, suggestion):
+    """A misspelled optional column read as absent would bill wrongly (class "", sharing not priced): refused in
+    every format, in the file's own terms (the header of a CSV or Parquet file, the first row having it in JSONL)."""
+    good = row(0, "a", engine_fingerprint="0123456789abcdef")
+    rows = [good, {**row(0, "b"), name: 3}] if suffix == ".jsonl" else [{**good, name: 3}, {**row(0, "b"), name: 3}]
+    if name == "tenat":
+        rows = [{("tenat" if k == "tenant" else k): v for k, v in r.items()} for r in rows]
+    path = write_rows(tmp_path / f"t{suffix}", rows, suffix)
+    where = ("row 1" if name == "tenat" else "row 2") if suffix == ".jsonl" else "header"
+    kind = "field" if suffix == ".jsonl" else "column"
+    message = f"{path}: {where}: unknown {kind} {name}" + (f"; did you mean {suggestion}?" if suggestion else "")
+    with pytest.raises(TraceError) as refused:
+        read_trace(path)
+    assert str(refused.value) == message
+    if name != "tenat":
+        assert read_trace(write_rows(tmp_path / f"fixed{suffix}", [good, row(0, "b")], suffix)).n_steps == 1
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+@pytest.mark.parametrize("fingerprint", ["fp0", "0123456789ABCDEF", "0123456789abcde", "0123456789abcdef0", " 0123456789abcdef"])
+def test_a_malformed_fingerprint_is_refused_not_blanked(tmp_path, suffix, fingerprint):
+    rows = [row(0, "a", engine_fingerprint="0123456789abcdef"), row(0, "b", engine_fingerprint=fingerprint)]
+    path = write_rows(tmp_path / f"t{suffix}", rows, suffix)
+    with pytest.raises(TraceError, match="row [23]: engine_fingerprint: expected an engine fingerprint id"):
+        read_trace(path)
+    blank = [row(0, "a", engine_fingerprint="0123456789abcdef"), row(0, "b", engine_fingerprint=None)]
+    ids = read_trace(write_rows(tmp_path / f"blank{suffix}", blank, suffix)).extra["engine_fingerprint"]
+    assert "0123456789abcdef" in list(ids)
 
 
 def test_parquet_keeps_trace_metadata(tmp_path):

@@ -67,9 +67,9 @@ def test_class_usage_per_tenant_sums_to_its_usage_and_names_the_billing_versions
         usage = client.get("/v1/usage/tenants", headers=keys[tenant]).json()["tenants"]
         assert classes["tenant"] == tenant and [u["tenant"] for u in usage] == [tenant]
         assert sum(b["attributed_ns"] for b in classes["buckets"]) == usage[0]["attributed_ns"]
-        assert {b["engine_class"] for b in classes["buckets"]} == {"", "cpu-test-class"}
+        assert {b["engine_class"] for b in classes["buckets"]} == {"", "00000000c0ffee01"}
         assert len({b["start"] for b in classes["buckets"]}) >= 2  # two hours of steps
-        assert {(v["engine_class"], v["model_version"]) for v in classes["model_versions"]} == {("", None), ("cpu-test-class", None)}
+        assert {(v["engine_class"], v["model_version"]) for v in classes["model_versions"]} == {("", None), ("00000000c0ffee01", None)}
     assert client.get("/v1/usage/classes", params={"tenant": "globex"}, headers=keys["acme"]).status_code == 403
 
 
@@ -97,7 +97,7 @@ def test_tenant_usage_carries_its_cost_per_currency_once_priced(served, db_url):
 
     client, keys = served
     assert all(t["cost"] is None for t in client.get("/v1/usage/tenants", headers=keys["admin"]).json()["tenants"])
-    prices = {"": ("EUR", "987654.25"), "cpu-test-class": ("USD", "123456.7")}
+    prices = {"": ("EUR", "987654.25"), "00000000c0ffee01": ("USD", "123456.7")}
     body = {"prices": [{"engine_class": c, "currency": cur, "engine_hour_price": p, "valid_from": 0} for c, (cur, p) in prices.items()]}
     assert client.post("/v1/prices", json=body, headers=keys["admin"]).status_code == 201
     everyone = {t["tenant"]: t for t in client.get("/v1/usage/tenants", headers=keys["admin"]).json()["tenants"]}

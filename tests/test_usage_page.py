@@ -47,12 +47,12 @@ def served(tmp_path_factory, model_path):  # noqa: F811
     hour_us = 3_600_000_000
     start_us = int(T0_S * 1e6)
     ledger.add_adjustments([
-        AdjustmentRow("cpu-test-class", start_us, start_us + hour_us, 2, tenant, "default", 1_000_000_000, 1_000_000_000 + delta_ns,
+        AdjustmentRow("00000000c0ffee01", start_us, start_us + hour_us, 2, tenant, "default", 1_000_000_000, 1_000_000_000 + delta_ns,
                       delta_ns, 15, int(time.time() * 1e6))
         for tenant, delta_ns in (("acme", -12_345_678), ("globex", 98_765))
     ])
     add_prices(ledger, parse_prices([{"engine_class": c, "currency": currency, "engine_hour_price": price, "valid_from": 0}
-                                     for c, currency, price in (("", "EUR", "987654.25"), ("cpu-test-class", "USD", "123456.7"))],
+                                     for c, currency, price in (("", "EUR", "987654.25"), ("00000000c0ffee01", "USD", "123456.7"))],
                                     "test", source="test"))
     ledger.close()
     server = ServerProcess(model_path, db_url, log_path=folder / "service.log", extra_args=("--fallback-model", str(model_path))).start()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from sqlalchemy import func, insert, select
 
-from llmvisor.errors import LlmvisorError
+from llmvisor.errors import LlmvisorError, unknown_name
 from llmvisor.ledger import Ledger
 from llmvisor.ledger.schema import prices
 from llmvisor.ledger.store import now_us
@@ -170,6 +170,9 @@ def read_price_file(path: Path) -> list[Price]:
     key = "[[price]] tables" if path.suffix.lower() == ".toml" else 'a "prices" list'
     if not isinstance(entries, list) or not entries:
         raise PriceError(f"{path}: expected {key}, one per engine class and start time")
+    unknown = unknown_name(data, ("price",) if path.suffix.lower() == ".toml" else ("prices",), kind="key")
+    if unknown:
+        raise PriceError(f"{path}: {unknown}")
     return parse_prices(entries, str(path), source=path.name)
 
 
@@ -182,9 +185,9 @@ def parse_prices(entries: list, where_prefix: str, *, source: str) -> list[Price
         where = f"{where_prefix} price {k}"
         if not isinstance(entry, dict):
             raise PriceError(f"{where}: expected a table of fields")
-        unknown = sorted(set(entry) - known)
+        unknown = unknown_name(entry, sorted(known))
         if unknown:
-            raise PriceError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
+            raise PriceError(f"{where}: {unknown}")
         engine_class = entry.get("engine_class")
         if not isinstance(engine_class, str):
             raise PriceError(f"{where}: engine_class must be a string (an engine fingerprint id; '' for steps without one)")

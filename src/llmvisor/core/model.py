@@ -27,13 +27,16 @@ from llmvisor.core.features import (
 from llmvisor.core.files import replaced_atomically
 from llmvisor.core.fingerprint import METADATA_KEY as FINGERPRINT_METADATA_KEY
 from llmvisor.core.trace import StepTrace
-from llmvisor.errors import LlmvisorError, ModelError, NotFittedError
+from llmvisor.errors import LlmvisorError, ModelError, NotFittedError, unknown_name
 
 MODEL_FORMAT = "llmvisor.step_latency_model"
 MODEL_FORMAT_VERSION = 2
 """Version 2 added the feature ``effective_context_tokens``; version-1 files are read with it held at 0 (not
 identified), which predicts what they always did."""
 READABLE_FORMAT_VERSIONS = {1: FEATURE_NAMES_V1, 2: FEATURE_NAMES}
+MODEL_FILE_KEYS = ("format", "format_version", "params", "feature_names", "boundary_new_tokens", "segments",
+                   "identified_features", "rank", "engine_fingerprint", "fit_info")
+"""The keys of a model file (`StepLatencyModel.to_dict`); any other is refused, naming the closest one."""
 """Each model file version this llmvisor reads, with its feature list."""
 SEGMENT_NAMES = ("memory_bound", "compute_bound")
 EPISODE_COLUMN = "episode"
@@ -577,8 +580,17 @@ class StepLatencyModel:
         if version not in READABLE_FORMAT_VERSIONS or isinstance(version, bool):
             readable = ", ".join(map(str, READABLE_FORMAT_VERSIONS))
             raise ModelError(f"{source}: model format version {version!r} is not supported (this llmvisor reads {readable})")
+        unknown = unknown_name(data, MODEL_FILE_KEYS, kind="key")
+        if unknown:
+            raise ModelError(f"{source}: {unknown}")
         try:
             names = data["feature_names"]
+            for k, segment in enumerate(data["segments"]):
+                unknown = unknown_name(segment, ("name", "coef_s"), kind="key") if isinstance(segment, dict) else None
+                unknown = unknown or (unknown_name(segment["coef_s"], names, kind="feature")
+                                      if isinstance(segment, dict) and isinstance(segment.get("coef_s"), dict) else None)
+                if unknown:
+                    raise ModelError(f"{source}: segments[{k}]: {unknown}")
             if list(names) not in (list(v) for v in READABLE_FORMAT_VERSIONS.values()):
                 raise ModelError(f"{source}: feature_names {names} differ from this version's {list(FEATURE_NAMES)}")
             model = cls(**data.get("params", {}))

@@ -60,13 +60,15 @@ REQUIRED_COLUMNS = (
 )
 OPTIONAL_COLUMNS = (
     "timestamp_s", "is_warmup", "engine", "engine_version", "model", "hardware", "tensor_parallel_size",
-    FINGERPRINT_COLUMN, "is_drifted", CACHED_PROMPT_COLUMN, "model_version", *SHARING_COLUMNS,
+    FINGERPRINT_COLUMN, "is_drifted", CACHED_PROMPT_COLUMN, "model_version", "episode", *SHARING_COLUMNS,
 )
-"""Every optional column of the format (v1's, and v2's sharing columns): what any llmvisor writer emits."""
+"""Every optional column of the format (v1's, and v2's sharing columns): what any llmvisor writer emits or reader
+uses (``episode``: the fit's folds, `llmvisor.core.model.EPISODE_COLUMN`; ``model_version``: the raw-step archive)."""
 KNOWN_COLUMNS = (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS)
 """The columns a trace may have. Any other is refused, naming the closest known one: a misspelled optional
 column dropped in silence would bill wrongly (``engine_fingerprint_id``: billed as class ""), so a future
 optional column comes with a new format version rather than by tolerance."""
+KNOWN_SET = frozenset(KNOWN_COLUMNS)
 CHECKED_COLUMNS = (*REQUIRED_COLUMNS, *SHARING_COLUMNS)
 """Columns whose values the reader type-checks (the optional ones only when present)."""
 PHASES = ("prefill", "decode")
@@ -384,18 +386,19 @@ def _fail(path: str, where: str, reason: str) -> TraceError:
 
 
 def _check_required(path: str, names: Sequence[str]) -> None:
-    """The header holds every required column and no column the format does not know."""
+    """The header holds no column the format does not know and every required column. Unknown names are checked
+    first: a misspelled required column (``tenat``) is better named with its suggestion than reported missing."""
+    check_known_columns(path, names)
     missing = [name for name in REQUIRED_COLUMNS if name not in names]
     if missing:
         raise _fail(path, "header", f"missing column(s) {', '.join(missing)}")
-    check_known_columns(path, names)
 
 
-def check_known_columns(path: str, names: Sequence[str]) -> None:
+def check_known_columns(path: str, names: Sequence[str], *, where: str = "header", kind: str = "column") -> None:
     """Refuse a column not in `KNOWN_COLUMNS`, naming it and the closest known name."""
-    unknown = unknown_name(names, KNOWN_COLUMNS, kind="column")
+    unknown = unknown_name(names, KNOWN_COLUMNS, kind=kind)
     if unknown:
-        raise _fail(path, "header", unknown)
+        raise _fail(path, where, unknown)
 
 
 def build_trace(
@@ -444,7 +447,7 @@ def build_trace(
         raise _fail(path, "header", f"column {sharing[0]} without {other}: the sharing columns come together (format version 2)")
     if FINGERPRINT_COLUMN in columns:
         fingerprints = np.asarray(columns[FINGERPRINT_COLUMN], dtype=object)
-        malformed = np.fromiter((not (v is None or v == "" or is_fingerprint_id(v)) for v in fingerprints), bool, n)
+        malformed = np.fromiter((not (v is None or v == "" or v != v or is_fingerprint_id(v)) for v in fingerprints), bool, n)
         first_bad(malformed, FINGERPRINT_COLUMN, "expected an engine fingerprint id (16 lowercase hex digits) or nothing")
     shared_tokens = None
     if sharing:
@@ -605,6 +608,9 @@ def _values_are_valid(name: str, values: list) -> bool:
 def _columns_from_records(path: str, records: list[dict], row_numbers: list[int]) -> dict[str, np.ndarray]:
     names = dict.fromkeys(itertools.chain.from_iterable(records))
     if records:
+        if not names.keys() <= KNOWN_SET:
+            k = next(k for k, record in enumerate(records) if not record.keys() <= KNOWN_SET)
+            check_known_columns(path, list(records[k]), where=f"row {row_numbers[k]}", kind="field")
         _check_required(path, list(names))
     columns: dict[str, np.ndarray] = {}
     for name in names:
@@ -768,6 +774,8 @@ def read_trace(path: str | os.PathLike, *, speculative_decoding: bool = False) -
         try:
             table = pq.read_table(path)
             _check_required(path, table.column_names)  # decoding the names is where bad UTF-8 fails
+        except TraceError:
+            raise
         except _PARQUET_ERRORS as error:
             raise _fail(path, "file", f"not a readable Parquet file ({error})") from None
         metadata = _trace_metadata(table.schema.metadata)

@@ -47,6 +47,9 @@ async def validation_error(_request: Request, error: RequestValidationError) -> 
     """FastAPI's 422 as one line: ``query parameter 'limit': ...``."""
     parts = []
     for item in error.errors():
+        if item.get("type") == "unknown_field":  # StrictBody's: the message names the field and the closest known one
+            parts.append(f"request body: {item.get('msg')}")
+            continue
         where = ".".join(str(p) for p in item.get("loc", ()) if p not in ("query", "body", "path"))
         parts.append(f"{item.get('loc', ('',))[0]} parameter {where!r}: {item.get('msg')}" if where else item.get("msg"))
     return JSONResponse(status_code=422, content={"detail": "; ".join(parts)})

@@ -9,7 +9,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from llmvisor.errors import unknown_name
 
 from llmvisor.service.ingest import MAX_STRING_CHARS
 
@@ -18,18 +21,26 @@ from llmvisor.service.ingest import MAX_STRING_CHARS
 
 
 class StrictBody(BaseModel):
-    """A write body: an unknown field is a 422 naming it and the closest known name (`llmvisor.service.app`
-    renders pydantic's ``extra_forbidden``), since a misspelled optional field ignored would change what is
-    billed or done without a word."""
+    """A write body: an unknown field is a 422 naming it and the closest known name (``unknown field activte; did
+    you mean activate?``), since a misspelled optional field ignored would change what is billed or done without a
+    word. The check runs before the fields' own (``extra="forbid"`` stays as the schema's ``additionalProperties``)."""
 
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_only(cls, data):
+        if isinstance(data, dict):
+            unknown = unknown_name(data, cls.model_fields)
+            if unknown:
+                raise PydanticCustomError("unknown_field", unknown)
+        return data
+
 
 class TraceRow(StrictBody):
-    """One request slice of one step, as in the step-trace format (`docs/trace-format.md`); the optional columns
-    of the format are accepted too (the documented schema lists the checked ones)."""
+    """One request slice of one step, as in the step-trace format (`docs/trace-format.md`): the OpenAPI schema of a
+    row (`llmvisor.service.ingest` parses the bodies). Its fields are the format's known columns, no more."""
 
-    model_config = ConfigDict(extra="allow")
     run_id: str
     step_id: int
     step_latency_s: float = Field(gt=0)
@@ -39,6 +50,19 @@ class TraceRow(StrictBody):
     num_context_tokens: int = Field(ge=0)
     phase: Literal["prefill", "decode"]
     timestamp_s: float | None = Field(None, ge=0, description="step start, Unix seconds; else the time received")
+    engine_fingerprint: str | None = Field(None, pattern="^[0-9a-f]{16}$", description="the engine class: its fingerprint id")
+    num_cached_prompt_tokens: int | None = Field(None, ge=0, description="prompt tokens the prefix cache served")
+    num_shared_context_tokens: int | None = Field(None, ge=0, description="format v2: context tokens in KV blocks other slices read")
+    effective_context_tokens: float | None = Field(None, ge=0, description="format v2: context with each block divided among its readers")
+    is_warmup: bool | None = None
+    is_drifted: bool | None = None
+    engine: str | None = None
+    engine_version: str | None = None
+    model: str | None = None
+    hardware: str | None = None
+    tensor_parallel_size: int | None = Field(None, ge=1)
+    model_version: int | None = Field(None, ge=1)
+    episode: str | None = None
 
 
 _ROW_SCHEMA = TraceRow.model_json_schema()
