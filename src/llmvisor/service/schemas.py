@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from llmvisor.errors import unknown_name
-
 from llmvisor.service.ingest import MAX_STRING_CHARS
 
 # ---------------------------------------------------------------------------------------------------------
