@@ -131,18 +131,21 @@ def adjust(
     end: Annotated[str, typer.Option(help="Period end (steps starting before it): ISO 8601 or Unix seconds.", metavar="TIME")],
     to_version: Annotated[int | None, typer.Option(help="Model version to re-attribute with (default: the class's active one).", min=1, metavar="N")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the entries without writing them.")] = False,
+    archive: Annotated[str | None, typer.Option("--archive", help="The raw-step archive (a directory or an fsspec URL): needed "
+                                                "where the period was billed in window aggregates (window mode).", metavar="URL")] = None,
     db: DbOption = DEFAULT_DB_URL,
     json_output: JsonOption = False,
 ) -> None:
-    """Correct a period's bills after a refit: re-attribute the class's billed steps with a newer model version
-    and write one adjustment entry per tenant (re-attributed minus billed, summing to 0). Bills are never rewritten."""
+    """Correct a period's bills after a refit: re-attribute the class's billed steps (in window mode, the archived steps
+    of its windows) with a newer model version and write one adjustment entry per tenant (re-attributed minus billed,
+    summing to 0). Bills are never rewritten."""
     from llmvisor.ledger import Ledger
     from llmvisor.service.adjust import adjust_period
 
     start_us, end_us = period_bound_us("--start", start), period_bound_us("--end", end)
     ledger = Ledger(db)
     try:
-        result = adjust_period(ledger, engine_class, start_us, end_us, to_version=to_version, dry_run=dry_run)
+        result = adjust_period(ledger, engine_class, start_us, end_us, to_version=to_version, dry_run=dry_run, archive_url=archive)
     finally:
         ledger.close()
     if json_output:
@@ -150,7 +153,8 @@ def adjust(
         return
     verb = "would write" if dry_run else "wrote"
     billed_by = ", ".join("the default model" if v == "default" else f"v{v}" for v in result.from_versions.split(","))
-    typer.echo(f"{engine_class}: {result.num_steps} steps ({result.measured_ns / 1e9:.3f} s measured) billed by {billed_by}, "
+    windows = f" ({result.window_steps} of them in {result.num_windows} windows, from the archive)" if result.num_windows else ""
+    typer.echo(f"{engine_class}: {result.num_steps} steps{windows} ({result.measured_ns / 1e9:.3f} s measured) billed by {billed_by}, "
                f"re-attributed with v{result.to_version}; {verb} {len(result.entries)} entries")
     for entry in result.entries:
         typer.echo(f"  {entry.tenant}\tbilled {entry.billed_ns / 1e9:.6f} s\tnow {entry.reattributed_ns / 1e9:.6f} s\t"

@@ -426,6 +426,8 @@ class StoredWindow:
     engine_class: str
     model_version: int | None
     pending: bool
+    num_steps: int = 0
+    measured_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -1598,12 +1600,34 @@ class Ledger:
         with self._read() as conn:
             for i in range(0, len(runs), _LOOKUP_CHUNK):
                 query = (
-                    select(win.c.run_id, win.c.window_start_us, win.c.window_end_us, win.c.engine_class, win.c.model_version, win.c.pending)
+                    select(win.c.run_id, win.c.window_start_us, win.c.window_end_us, win.c.engine_class, win.c.model_version, win.c.pending,
+                           win.c.num_steps, win.c.measured_ns)
                     .where(win.c.run_id.in_(runs[i : i + _LOOKUP_CHUNK]),
                            *self._range(win.c.window_start_us // USAGE_RESOLUTION_US * USAGE_RESOLUTION_US, start_us, end_us))
                     .order_by(win.c.run_id, win.c.window_start_us)
                 )
-                out += [StoredWindow(str(r[0]), int(r[1]), int(r[2]), str(r[3]), None if r[4] is None else int(r[4]), bool(r[5]))
+                out += [StoredWindow(str(r[0]), int(r[1]), int(r[2]), str(r[3]), None if r[4] is None else int(r[4]), bool(r[5]),
+                                     int(r[6]), int(r[7]))
+                        for r in conn.execute(query)]
+        return out
+
+    def windows_crossing(self, run_ids: Sequence[str], at_us: int, *, max_window_us: int = 86_400_000_000) -> list[StoredWindow]:
+        """The stored windows of ``run_ids`` that start before ``at_us`` and end after it (a period bound that cuts
+        them); windows are assumed no longer than ``max_window_us`` (a day, as the archive reader assumes)."""
+        win = windows
+        out: list[StoredWindow] = []
+        runs = sorted(set(run_ids))
+        with self._read() as conn:
+            for i in range(0, len(runs), _LOOKUP_CHUNK):
+                query = (
+                    select(win.c.run_id, win.c.window_start_us, win.c.window_end_us, win.c.engine_class, win.c.model_version, win.c.pending,
+                           win.c.num_steps, win.c.measured_ns)
+                    .where(win.c.run_id.in_(runs[i : i + _LOOKUP_CHUNK]), win.c.window_start_us >= at_us - max_window_us,
+                           win.c.window_start_us < at_us, win.c.window_end_us > at_us)
+                    .order_by(win.c.run_id, win.c.window_start_us)
+                )
+                out += [StoredWindow(str(r[0]), int(r[1]), int(r[2]), str(r[3]), None if r[4] is None else int(r[4]), bool(r[5]),
+                                     int(r[6]), int(r[7]))
                         for r in conn.execute(query)]
         return out
 
@@ -1618,6 +1642,18 @@ class Ledger:
         )
         with self._read() as conn:
             return {(int(r[0]), str(r[1]), int(r[2])): int(r[3]) for r in conn.execute(query)}
+
+    def class_window_usage(self, engine_class: str, start_us: int, end_us: int) -> dict[tuple[str, int], int]:
+        """One class's attributed time metered in (attributed, not pending) windows whose second is in [start_us,
+        end_us), per (tenant, model version): what window mode billed the class's period."""
+        w = tenant_seconds
+        query = (
+            select(w.c.tenant, w.c.model_version, func.sum(w.c.attributed_ns))
+            .where(w.c.engine_class == engine_class, w.c.model_version != 0, *self._range(w.c.second_us, start_us, end_us))
+            .group_by(w.c.tenant, w.c.model_version)
+        )
+        with self._read() as conn:
+            return {(str(r[0]), int(r[1])): int(r[2]) for r in conn.execute(query) if int(r[2])}
 
     def billed_steps(self, engine_class: str, start_us: int, end_us: int) -> StoredSteps:
         """The attributed (not pending) steps of a class starting in [start_us, end_us), with their slices as

@@ -31,6 +31,7 @@ from llmvisor.core.trace import SHARING_COLUMNS, StepTrace
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
 from llmvisor.service.adjust import version_names
+from llmvisor.service.archived import as_billed, match_windows, priced_with_sharing
 from llmvisor.service.ingest import ModelChoice, prepare_batch, step_fingerprint_ids
 from llmvisor.service.registry import load_version
 
@@ -123,17 +124,17 @@ def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, e
             shared_stored[k] = keys[k] in shared_keys
     when_us = np.rint(trace.extra["timestamp_s"][trace.step_starts].astype(np.float64) * 1e6)
     window_rows = ledger.run_windows(trace.run_id_per_step.tolist(), start_us, end_us)
-    window_of = _match_windows(trace, keys, classes, when_us, version, window_rows)
+    window_of = match_windows(trace, keys, classes, when_us, version, window_rows)
     in_window = window_of >= 0
     version[in_window] = [window_rows[i].model_version for i in window_of[in_window].tolist()]
-    shared_stored[in_window] = _priced_with_sharing(trace)[in_window]
+    shared_stored[in_window] = priced_with_sharing(trace)[in_window]
     reattributed: dict[tuple[str, int], int] = {}
     per_request: dict[tuple[str, str], list[int]] = {}
     versions: dict[str, int] = {}
     groups = {(c, int(v), bool(s)) for c, v, s in zip(classes.tolist(), version.tolist(), shared_stored.tolist()) if v != -2}
     for engine_class, v, with_sharing in sorted(groups):
         mask = (classes == engine_class) & (version == v) & (shared_stored == with_sharing)
-        part = _as_billed(trace.select_steps(mask), with_sharing)
+        part = as_billed(trace.select_steps(mask), with_sharing)
         model = default_model if v < 0 else load_version(ledger, engine_class, v)
         records = prepare_batch(model, part, received_at_us=0, choose=lambda _c, m=model, v=v: ModelChoice(m, None if v < 0 else v)).records
         _add_tenant_shares(reattributed, part, records.attributed_ns, tenant)
@@ -181,7 +182,7 @@ def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, e
         for with_sharing in (False, True):
             mask = in_period & (shared_stored == with_sharing)
             if mask.any():
-                part = _as_billed(trace.select_steps(mask), with_sharing)
+                part = as_billed(trace.select_steps(mask), with_sharing)
                 records = prepare_batch(model, part, received_at_us=0, choose=lambda _c, m=model, v=row.to_version: ModelChoice(m, v)).records
                 _add_tenant_shares(ns, part, records.attributed_ns, tenant)
         if sum(ns.values()) != row.reattributed_ns:
@@ -201,49 +202,6 @@ def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, e
         requests=[{"run_id": run, "request_id": request, "attributed_ns": ns, "num_steps": n}
                   for (run, request), (ns, n) in sorted(per_request.items(), key=lambda kv: (-kv[1][0], kv[0]))[:requests]],
     )
-
-
-def _match_windows(trace: StepTrace, keys: list, classes: np.ndarray, when_us: np.ndarray, version: np.ndarray,
-                   window_rows: list) -> np.ndarray:
-    """Per archived step the ledger did not bill per step, the index in ``window_rows`` of the attributed window of
-    its run and class that holds its start (-1: none)."""
-    out = np.full(trace.n_steps, -1, dtype=np.int64)
-    by_run: dict[str, list[int]] = {}
-    for i, row in enumerate(window_rows):
-        by_run.setdefault(row.run_id, []).append(i)
-    starts = {run: np.asarray([window_rows[i].window_start_us for i in idx], dtype=np.int64) for run, idx in by_run.items()}
-    for k in np.flatnonzero(version == -2).tolist():
-        run = keys[k][0]
-        if run not in by_run:
-            continue
-        j = int(np.searchsorted(starts[run], when_us[k], side="right")) - 1
-        if j < 0:
-            continue
-        i = by_run[run][j]
-        row = window_rows[i]
-        if when_us[k] < row.window_end_us and not row.pending and row.engine_class == classes[k]:
-            out[k] = i
-    return out
-
-
-def _priced_with_sharing(trace: StepTrace) -> np.ndarray:
-    """Per step, whether its archived slices carry shared context (the edge priced it with the sharing columns);
-    steps archived with none shared are priced without them, as a window of them is (`WindowAggregator`)."""
-    if trace.n_steps == 0 or not all(name in trace.extra for name in SHARING_COLUMNS):
-        return np.zeros(trace.n_steps, dtype=bool)
-    shared = np.asarray(trace.extra["num_shared_context_tokens"], dtype=np.float64) > 0
-    differs = np.asarray(trace.extra["effective_context_tokens"], dtype=np.float64) != np.asarray(trace.num_context_tokens, dtype=np.float64)
-    flags = np.zeros(trace.n_steps, dtype=np.int64)
-    np.add.at(flags, trace.slice_step_index, (shared | differs).astype(np.int64))
-    return flags > 0
-
-
-def _as_billed(part: StepTrace, with_sharing: bool) -> StepTrace:
-    """Steps as the ledger billed them: without the sharing columns where it stored none (a pusher that did not
-    send them), so the model prices them as the service did."""
-    if with_sharing:
-        return part
-    return dataclasses.replace(part, extra={k: val for k, val in part.extra.items() if k not in SHARING_COLUMNS})
 
 
 def _add_request_shares(out: dict, part: StepTrace, attributed_ns: np.ndarray, tenant: str) -> None:
