@@ -141,7 +141,9 @@ def test_sigkill_of_an_idle_engine_with_steps_waiting_for_a_full_pipe_loses_none
         assert wait_for_delivery(delivery_pid, timeout_s=60)
         assert stored_steps(ledger) == 1500
         assert_stored_as_the_mode_says(server, ledger, "idle-kill", 1500, tmp_path)
-        assert not ledger.run_gaps("idle-kill").ended  # killed, not shut down cleanly: no end record, the run is open
+        # killed: no record from the engine; the delivery process sends its own, the last step it received
+        end = ledger.run_gaps("idle-kill").end
+        assert end is not None and (end.last_step_id, end.num_steps) == (1499, 1500)
     finally:
         if process_running(delivery_pid):
             os.kill(delivery_pid, signal.SIGCONT)

@@ -1208,6 +1208,11 @@ def deliver(read_fd: int = 0, ack_fd: int | None = None) -> int:
                     pass
     if delivery is None:
         return 0
+    if delivery.end is None and delivery.next_step_id is not None:
+        # The pipe closed without the engine's record: vLLM's default shutdown kills the engine core before the
+        # recorder's shutdown runs (as does a crash). What is known then is the last step received here: steps
+        # lost after this process had them (dropped, rejected) still show as a lost tail.
+        delivery.end_run({"last_step_id": delivery.next_step_id - 1, "num_steps": delivery.next_step_id})
     complete = delivery.close()
     pusher = delivery.pusher if delivery.windows is None else delivery.windows.pusher
     stats = pusher.stats if pusher is not None else None
