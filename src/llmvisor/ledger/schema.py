@@ -286,8 +286,8 @@ request_totals = Table(
 # Runs (issue #36): ``run_digests`` keeps, per run, a content digest of its first step (step 0, or the window that
 # covers it) with the run id left out, so a run re-sent under a new run id is refused instead of billed twice
 # (``duplicate_runs`` remembers the refusal, so the rest of such a run is refused too);
-# ``run_ends`` keeps the end-of-run record a recorder sends at a clean engine shutdown (its last step id and how many
-# steps it recorded), so steps lost after the last one stored show as a gap.
+# ``run_ends`` keeps the end-of-run record a recorder's delivery process sends when the engine stops (its last step id
+# and how many steps it recorded), so steps lost after the last one stored show as a gap.
 
 run_digests = Table(
     "run_digests",

@@ -8,7 +8,7 @@ ledger is read at each batch for its runs and every ``check_interval_s`` for all
 sharing a database exports the same counts, and a run that stopped sending is checked too.
 
 A run's lost tail (steps after the last one stored that never arrived) counts once its end-of-run record is stored
-(``POST /v1/runs/{run_id}/end``, sent by the recorder at a clean engine shutdown): the ids up to the record's last
+(``POST /v1/runs/{run_id}/end``, sent by the recorder's delivery process when the engine stops): the ids up to the record's last
 step are missing, as old as the record. A run without one is open, and its tail is not counted.
 
 Bounded cardinality, like the tenant labels: the ``max_runs`` runs with the most recent gaps are named; the

@@ -1,6 +1,6 @@
 """``GET /v1/runs/{run_id}/gaps``: the step ids of a run the ledger never received (admin); ``POST
-/v1/runs/{run_id}/end``: the end-of-run record a recorder sends at a clean engine shutdown, so a lost tail shows as a
-gap."""
+/v1/runs/{run_id}/end``: the end-of-run record a recorder's delivery process sends when the engine stops, so a lost
+tail shows as a gap."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ class RunEndOut(BaseModel):
         "A run instance numbers its steps 0, 1, 2, ...; the ledger keeps the ids it received. A gap is a range of "
         "ids below the highest one received that is not stored: lost, or still in an engine's spool (it fills "
         "when the spool is replayed). Steps after the highest id received are known missing only once the run's "
-        "end-of-run record (POST /v1/runs/{run_id}/end, sent by the recorder at a clean engine shutdown) is stored: "
+        "end-of-run record (POST /v1/runs/{run_id}/end, sent by the recorder's delivery process when the engine stops) is stored: "
         "`state` is then \"ended\", else \"open\"."
     ),
     responses={404: {"description": "neither a step of the run nor its end-of-run record is stored"}},
@@ -123,8 +123,9 @@ def get_run_gaps(
     response_model=RunEndOut,
     summary="Store a run's end-of-run record",
     description=(
-        "Sent by the recorder's delivery process at a clean engine shutdown: the run's last step id and how many "
-        "steps it recorded. Steps after the last one stored, up to that id, then show as a gap (GET "
+        "Sent by the recorder's delivery process when the engine stops: the run's last step id and how many steps "
+        "it recorded (the engine's record, or, where vLLM killed the engine core first, the last step the delivery "
+        "process received). Steps after the last one stored, up to that id, then show as a gap (GET "
         "/v1/runs/{run_id}/gaps, llmvisor_steps_missing). Idempotent: an identical re-send answers stored=false; "
         "different values are a 409 (a run ends once). Unknown fields are refused (422)."
     ),
