@@ -141,6 +141,9 @@ def test_sigkill_of_an_idle_engine_with_steps_waiting_for_a_full_pipe_loses_none
         assert wait_for_delivery(delivery_pid, timeout_s=60)
         assert stored_steps(ledger) == 1500
         assert_stored_as_the_mode_says(server, ledger, "idle-kill", 1500, tmp_path)
+        # killed: no record from the engine; the delivery process sends its own, the last step it received
+        end = ledger.run_gaps("idle-kill").end
+        assert end is not None and (end.last_step_id, end.num_steps) == (1499, 1500)
     finally:
         if process_running(delivery_pid):
             os.kill(delivery_pid, signal.SIGCONT)
@@ -168,6 +171,8 @@ def test_steps_in_the_pipe_when_the_delivery_process_dies_are_delivered(service,
         assert stored_steps(ledger) == 400
         assert last_pid != first_pid
         assert_stored_as_the_mode_says(server, ledger, "delivery-death", 400, tmp_path)
+        end = ledger.run_gaps("delivery-death").end  # the engine's clean close sent the end-of-run record
+        assert end is not None and (end.last_step_id, end.num_steps) == (399, 400)
     finally:
         engine.stop()
 
@@ -195,6 +200,8 @@ def test_a_delivery_process_killed_after_it_sent_some_is_replaced_and_nothing_is
         assert wait_for_delivery(last_pid, timeout_s=60)
         assert stored_steps(ledger) == 400
         assert_stored_as_the_mode_says(server, ledger, "sent-then-killed", 400, tmp_path)
+        end = ledger.run_gaps("sent-then-killed").end  # re-sent to the replacement delivery process with the steps
+        assert end is not None and (end.last_step_id, end.num_steps) == (399, 400)
     finally:
         engine.stop()
 
@@ -277,7 +284,7 @@ def test_steps_beyond_the_memory_bound_are_dropped_counted_logged_and_shown_as_a
     gaps = httpx.get(f"{url}/v1/runs/bounded/gaps", headers=headers, timeout=10).json()
     assert (gaps["num_missing"], gaps["gaps"][0]["first_step_id"], gaps["gaps"][0]["last_step_id"]) == (100, 200, 299)
     metrics = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
-    assert 'llmvisor_steps_missing_total{engine_class="",run="bounded"} 100.0' in metrics
+    assert 'llmvisor_steps_missing{engine_class="",run="bounded"} 100.0' in metrics
 
 
 def test_an_outage_is_logged_in_true_counts(down_service, tmp_path, caplog):

@@ -179,7 +179,7 @@ def fingerprinted_model_path(tmp_path):
 
 def test_the_service_holds_a_run_of_another_engine_pending_by_default(fingerprinted_model_path, db_url, keys):
     admin = bearer(keys["admin"])
-    moved = with_fingerprint(make_steps("run-moved", 12), replace(SERVED, threads=2).id)
+    moved = with_fingerprint(make_steps("run-moved", 12, seed=1), replace(SERVED, threads=2).id)
     with TestClient(create_app(fingerprinted_model_path, db_url)) as client:
         same = with_fingerprint(make_steps("run-same", 10), SERVED.id)
         assert client.post("/v1/steps", content=columns_body(same), headers=admin).json()["steps_pending"] == 0
@@ -195,11 +195,11 @@ def test_the_service_warns_on_a_run_billed_by_the_fallback_model(fingerprinted_m
     app = create_app(fingerprinted_model_path, db_url, fallback_model_path=fingerprinted_model_path)
     with TestClient(app) as client, caplog.at_level(logging.WARNING, "llmvisor.service"):
         same = with_fingerprint(make_steps("run-same", 10), SERVED.id)
-        moved = with_fingerprint(make_steps("run-moved", 12), other.id)
+        moved = with_fingerprint(make_steps("run-moved", 12, seed=1), other.id)
         assert client.post("/v1/steps", content=columns_body(same), headers=admin).status_code == 200
         assert client.post("/v1/steps", json={"steps": moved[:6]}, headers=admin).status_code == 200
         assert client.post("/v1/steps", content=columns_body(moved[6:]), headers=admin).status_code == 200
-        plain = make_steps("run-plain", 5)
+        plain = make_steps("run-plain", 5, seed=2)
         assert client.post("/v1/steps", json={"steps": plain}, headers=admin).status_code == 200
         values = metric_values(client, admin)
     assert values[("llmvisor_fingerprint_mismatch_steps_total", ())] == 12

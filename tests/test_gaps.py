@@ -1,5 +1,5 @@
 """Lost steps counted and shown: the ledger's received step-id ranges per run (merged on insert, safe with
-several writers of one run), ``GET /v1/runs/{run}/gaps``, ``llmvisor_steps_missing_total`` and the error line
+several writers of one run), ``GET /v1/runs/{run}/gaps``, ``llmvisor_steps_missing`` (and its deprecated old name) and the error line
 for a gap older than the retry window; every count equal to the steps removed."""
 
 from __future__ import annotations
@@ -71,11 +71,16 @@ def test_concurrent_writers_of_one_run_leave_merged_ranges_and_exact_gaps(db_url
 
 
 def _missing_samples(text: str) -> dict[tuple[str, str], float]:
-    return {
-        (s.labels["run"], s.labels["engine_class"]): s.value
-        for family in text_string_to_metric_families(text) for s in family.samples
-        if s.name == "llmvisor_steps_missing_total"
-    }
+    """The gauge's samples; its deprecated old name (kept one release) carries the same ones."""
+    def samples(name: str) -> dict[tuple[str, str], float]:
+        return {
+            (s.labels["run"], s.labels["engine_class"]): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples if s.name == name
+        }
+
+    current = samples("llmvisor_steps_missing")
+    assert samples("llmvisor_steps_missing_total") == current
+    return current
 
 
 def test_gaps_api_metric_and_alert_count_the_steps_removed(model_path, tmp_path, caplog):  # noqa: F811

@@ -139,7 +139,7 @@ def test_the_migrate_command_reports_what_it_copied(tmp_path, model_path, capsys
     ledger_migrate(source=source_url, target=f"sqlite:///{tmp_path}/schema2.db")
     out = capsys.readouterr().out
     assert f"copied 30 steps, {len(slice_rows)} slices, 1 keys" in out and "The source was not changed." in out
-    with pytest.raises(LlmvisorError, match="ledger schema version 7; versions 1 to 6 are migrated"):
+    with pytest.raises(LlmvisorError, match="ledger schema version 8; versions 1 to 6 are migrated"):
         ledger_migrate(source=f"sqlite:///{tmp_path}/schema2.db", target=f"sqlite:///{tmp_path}/third.db")
 
 
@@ -178,7 +178,7 @@ def test_a_schema_2_ledger_is_copied_table_by_table(tmp_path, model_path, db_url
     groups = make_steps("run-a", 80, batch_size=9, step_interval_s=0.3, seed=1) + make_steps("run-b", 40, n_tenants=4, seed=2)
     source_path = tmp_path / "schema2.db"
     source_url = _schema_2_ledger(source_path, model, groups)
-    with pytest.raises(LedgerError, match="schema version 2, this llmvisor reads 7"):
+    with pytest.raises(LedgerError, match="schema version 2, this llmvisor reads 8"):
         Ledger(source_url)
     source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
     reference = Ledger(f"sqlite:///{tmp_path}/reference.db")
@@ -262,7 +262,7 @@ def test_a_schema_3_ledger_is_copied_with_its_models_and_its_gaps_show(tmp_path,
     groups = run_a[:10] + run_a[14:40] + run_a[45:] + make_steps("run-b", 20, n_tenants=4, seed=2)
     source_path = tmp_path / "schema3.db"
     source_url = _schema_3_ledger(source_path, model, groups)
-    with pytest.raises(LedgerError, match="schema version 3, this llmvisor reads 7"):
+    with pytest.raises(LedgerError, match="schema version 3, this llmvisor reads 8"):
         Ledger(source_url)
     source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
     report = migrate(source_url, db_url)
@@ -311,7 +311,7 @@ def test_a_schema_4_ledger_is_copied_whole_and_takes_windows_after(tmp_path, mod
     groups = run_a[:10] + run_a[14:] + make_steps("run-b", 20, n_tenants=4, seed=2)
     source_path = tmp_path / "schema4.db"
     source_url = _schema_4_ledger(source_path, model, groups)
-    with pytest.raises(LedgerError, match="schema version 4, this llmvisor reads 7"):
+    with pytest.raises(LedgerError, match="schema version 4, this llmvisor reads 8"):
         Ledger(source_url)
     source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
     report = migrate(source_url, db_url)
@@ -350,11 +350,12 @@ def _schema_5_ledger(path, model, per_step, windowed, version: int = 5, runs=("r
 
     url, ledger = _current_ledger(path, model, per_step)
     closed = []
-    for run in runs:
+    for k, run in enumerate(runs):
         agg = WindowAggregator(run, "class-x", lambda: (model, 1))
+        suffix = f"-{run}" if k else ""  # requests of their own: a run of the same content would be a re-send, refused
         for g in windowed:
             closed += agg.add(g[0]["step_id"], g[0]["timestamp_s"], g[0]["step_latency_s"],
-                              [[r["request_id"], r["tenant"], r["num_new_tokens"], r["num_context_tokens"], r["phase"] == "prefill", 0, None]
+                              [[r["request_id"] + suffix, r["tenant"], r["num_new_tokens"], r["num_context_tokens"], r["phase"] == "prefill", 0, None]
                                for r in g])
         closed += agg.close()
     assert ledger.ingest_windows(closed).inserted
@@ -397,7 +398,7 @@ def test_a_schema_5_ledger_is_copied_whole_its_token_split_unknown(tmp_path, mod
     windowed = make_steps("run-w", 20, n_tenants=2, seed=3)
     source_path = tmp_path / "schema5.db"
     source_url = _schema_5_ledger(source_path, model, run_a[:20], windowed)
-    with pytest.raises(LedgerError, match="schema version 5, this llmvisor reads 7"):
+    with pytest.raises(LedgerError, match="schema version 5, this llmvisor reads 8"):
         Ledger(source_url)
     source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
     report = migrate(source_url, db_url)

@@ -264,7 +264,7 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
         ("GET", "/v1/models"), ("POST", "/v1/models"), ("POST", "/v1/models/{engine_class}/{version}/activate"),
         ("GET", "/v1/models/drift"), ("GET", "/v1/adjustments"), ("GET", "/v1/runs/{run_id}/gaps"),
         ("GET", "/v1/usage/requests/{request_id}"), ("GET", "/v1/usage/classes"), ("GET", "/v1/prices"), ("POST", "/v1/prices"), ("POST", "/v1/windows"), ("GET", "/v1/models/{engine_class}/active"),
-        ("GET", "/v1/windows/held"),
+        ("GET", "/v1/windows/held"), ("POST", "/v1/runs/{run_id}/end"),
         ("GET", "/usage"), ("GET", "/usage/app.js"), ("GET", "/usage/style.css"),  # the page's static files: no data
     }
     forbidden = [
@@ -290,6 +290,7 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
         ("POST", "/v1/windows"),
         ("GET", "/v1/models/abc/active"),
         ("GET", "/v1/windows/held?run_id=run-a"),
+        ("POST", "/v1/runs/run-a/end"),
     ]
     for method, path in forbidden:
         kwargs = {"json": {"tenant": "tenant-0"}} if path == "/v1/keys" and method == "POST" else {}
@@ -297,6 +298,8 @@ def test_a_tenant_key_reads_only_its_own_tenant_on_every_read_path(app, client, 
             kwargs = {"json": {"model": {}, "engine_class": "tenant-0"}}
         if path == "/v1/steps":
             kwargs = {"json": {"steps": make_steps(n_steps=1, first_step=999)}}
+        if path.endswith("/end"):
+            kwargs = {"json": {"last_step_id": 29, "num_steps": 30}}
         response = client.request(method, path, headers=other, **kwargs)
         assert response.status_code == 403, (method, path, response.text)
         assert "tenant-0" not in response.text.replace("tenant=tenant-0", "")

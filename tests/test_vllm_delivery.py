@@ -221,6 +221,13 @@ def test_idle_engine_is_billed_within_a_second_and_sigint_mid_traffic_loses_noth
     n_steps = assert_ledger_matches_trace(service["db_url"], tmp_path / "trace.jsonl", server.run_id)
     assert n_steps > 20
     assert not (tmp_path / "spool.jsonl").exists() and not (tmp_path / "spool.jsonl.rejected.jsonl").exists()
+    ledger = Ledger(service["db_url"])
+    try:  # vLLM's default shutdown kills the engine core: the delivery process's end-of-run record, nothing missing
+        gaps = ledger.run_gaps(server.run_id)
+        assert gaps.end is not None, "no end-of-run record after SIGINT"
+        assert (gaps.end.last_step_id, gaps.end.num_steps, gaps.num_missing) == (n_steps - 1, n_steps, 0)
+    finally:
+        ledger.close()
 
 
 @pytest.mark.slow  # two server starts

@@ -29,10 +29,12 @@ def model(model_path):  # noqa: F811
 
 
 def windows_of(model, run_id: str, relayed, window_s: float = 0.5, version: int = 1) -> list:
+    """The run's windows of ``relayed``, its request ids prefixed with the run id: each run's content its own (the
+    same content under another run id is a re-send, refused)."""
     agg = WindowAggregator(run_id, "class-x", lambda: (model, version), window_s=window_s)
     out = []
-    for step in relayed:
-        out += agg.add(*step)
+    for step_id, timestamp_s, latency_s, slices in relayed:
+        out += agg.add(step_id, timestamp_s, latency_s, [[f"{run_id}/{s[0]}", *s[1:]] for s in slices])
     return out + agg.close()
 
 

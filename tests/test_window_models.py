@@ -13,7 +13,7 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, select
 
-from _service_fixtures import class_model, make_steps
+from _service_fixtures import T0_S, class_model, make_steps
 from llmvisor.client import StepPusher, WindowDelivery, WindowPusher
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
 from llmvisor.core.relayed import step_rows
@@ -33,9 +33,10 @@ def header(run_id: str, engine_class: str) -> dict:
             "warmup_steps": 0, "trace_path": None, "engine_fingerprint": None}
 
 
-def relayed(run_id: str, *, first_step: int = 0, n_steps: int = N_STEPS) -> list[list]:
-    """Relayed steps (as the recorder sends them to the delivery process), 0.27 s apart: several 1 s windows."""
-    groups = make_steps(run_id, n_steps, first_step=first_step, step_interval_s=0.27, seed=3)
+def relayed(run_id: str, *, first_step: int = 0, n_steps: int = N_STEPS, later_s: float = 0.0) -> list[list]:
+    """Relayed steps (as the recorder sends them to the delivery process), 0.27 s apart: several 1 s windows.
+    ``later_s``: the same work that much later (a second run of it in one ledger, not a re-send of the first)."""
+    groups = make_steps(run_id, n_steps, first_step=first_step, step_interval_s=0.27, seed=3, start_s=T0_S + later_s)
     return [[g[0]["step_id"], g[0]["timestamp_s"], g[0]["step_latency_s"],
              [[r["request_id"], r["tenant"], r["num_new_tokens"], r["num_context_tokens"], r["phase"] == "prefill", 0, float(r["num_context_tokens"])] for r in g]]
             for g in groups]
@@ -168,7 +169,7 @@ def test_a_class_without_a_model_is_pending_per_step_then_attributed_exactly_and
     gaps = service.http.get("/v1/runs/mixed/gaps").json()
     assert gaps["num_missing"] == 0 and gaps["num_received"] == N_STEPS
     # what per-step ingest bills for the same steps with the activated model, request by request
-    service.per_step("check", CLASS_B, relayed("check"))
+    service.per_step("check", CLASS_B, relayed("check", later_s=1000.0))
     assert service.requests("mixed") == service.requests("check")
 
 

@@ -34,8 +34,10 @@ def client(model_path, db_url, admin):
         yield test_client
 
 
-def steps_of(run_id: str, n_steps: int = 60, *, skip: tuple[int, ...] = ()):
-    groups = [g for g in make_steps(run_id, n_steps, step_interval_s=0.27, seed=3) if g[0]["step_id"] not in skip]
+def steps_of(run_id: str, n_steps: int = 60, *, skip: tuple[int, ...] = (), seed: int = 3, start_s: float = T0_S):
+    """``seed`` and ``start_s``: two runs of one ledger must differ (else the second is a re-send of the first under a
+    new run id, refused)."""
+    groups = [g for g in make_steps(run_id, n_steps, step_interval_s=0.27, seed=seed, start_s=start_s) if g[0]["step_id"] not in skip]
     for group in groups:
         for row in group:
             row["engine_fingerprint"] = CLASS_W
@@ -134,8 +136,8 @@ def test_a_step_is_billed_once_whatever_key_it_comes_under(client, admin):
     # per-step ingest of steps a window holds is refused too, and a window over steps stored one by one
     again = client.post("/v1/steps", headers=bearer(admin), json={"steps": steps_of("run-w")[3:5]})
     assert again.status_code == 409 and again.json()["conflicting_steps"][0] == {"run_id": "run-w", "step_id": 3}, again.text
-    assert client.post("/v1/steps", headers=bearer(admin), json={"steps": steps_of("run-p")[:20]}).status_code == 200
-    over_steps = client.post("/v1/windows", headers=bearer(admin), json={"windows": windows_of(client, admin, "run-p", steps_of("run-p"))})
+    assert client.post("/v1/steps", headers=bearer(admin), json={"steps": steps_of("run-p", seed=4)[:20]}).status_code == 200
+    over_steps = client.post("/v1/windows", headers=bearer(admin), json={"windows": windows_of(client, admin, "run-p", steps_of("run-p", seed=4))})
     assert over_steps.status_code == 409, over_steps.text
     assert "already holds" in over_steps.json()["detail"]
     # two windows of one batch, with other keys, sharing steps: refused whole
@@ -185,7 +187,7 @@ def test_gaps_show_from_window_step_ranges(client, admin):
 
 def missing_gauge(client, admin_key: str, run_id: str) -> float:
     for line in client.get("/metrics", headers=bearer(admin_key)).text.splitlines():
-        if line.startswith("llmvisor_steps_missing_total{") and f'run="{run_id}"' in line:
+        if line.startswith("llmvisor_steps_missing{") and f'run="{run_id}"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
@@ -333,11 +335,13 @@ def test_a_service_keeping_no_request_rows_bills_the_same_tenants_and_lists_no_w
                               "engine_class": CLASS_W, "activate": True}).status_code == 201
             run = f"run-{setting}"
             before = tenants(c, admin)
-            assert c.post("/v1/windows", headers=bearer(admin), json={"windows": windows_of(c, admin, run, steps_of(run))}).status_code == 200
+            # the same work 1,000 s later: the same bill, not a re-send of the first run
+            steps = steps_of(run, start_s=T0_S + (1000.0 if setting == "0" else 0.0))
+            assert c.post("/v1/windows", headers=bearer(admin), json={"windows": windows_of(c, admin, run, steps)}).status_code == 200
             after = tenants(c, admin)
             answers[setting] = ({t: ns - before.get(t, 0) for t, ns in after.items()},
                                 c.get("/v1/usage/requests", headers=bearer(admin), params={"run_id": run}).json()["requests"])
-            one = c.get("/v1/usage/requests", headers=bearer(admin), params={"run_id": run, "request_id": steps_of(run)[0][0]["request_id"]})
+            one = c.get("/v1/usage/requests", headers=bearer(admin), params={"run_id": run, "request_id": steps[0][0]["request_id"]})
             assert one.status_code == (200 if setting == "1" else 404), one.text
             assert ("LLMVISOR_REQUEST_TOTALS=0" in one.text) == (setting == "0")
     (kept_tenants, kept_requests), (left_tenants, left_requests) = answers["1"], answers["0"]

@@ -454,6 +454,14 @@ class StepPusher:
             return
         if status in (401, 403):
             raise _Unavailable(f"HTTP {status}: {_detail(response)}")
+        if status == 409 and "duplicate_of" in (refusal := response.json()):
+            # the run repeats another under a new run id: the service refuses every step of it, so halving would not help
+            bad = [step for step in batch if _step_key(step)[0] == refusal.get("run_id")] or batch
+            self._reject(bad, _detail(response))
+            keep = [step for step in batch if _step_key(step)[0] != refusal.get("run_id")]
+            if keep and len(bad) < len(batch):
+                self._deliver(keep)
+            return
         if status == 409:
             conflicting = {(c["run_id"], c["step_id"]) for c in response.json().get("conflicting_steps", [])}
             keep = [step for step in batch if _step_key(step) not in conflicting]
@@ -668,6 +676,8 @@ class StepDelivery:
         self._pushed_ids: deque[int] = deque()
         self._settled_offset = 0
         self.archive = _archive_from_env(metadata)
+        self.end: dict | None = None
+        """The end-of-run record the engine sent at a clean shutdown (`StepRelay.close`); None: not (yet)."""
 
     def add(self, step: list) -> None:
         step_id = step[0]
@@ -713,15 +723,24 @@ class StepDelivery:
             return self.next_step_id, push_next, floor_us
         return self.next_step_id, push_next
 
+    def end_run(self, record: dict) -> None:
+        """Keep the end-of-run record (last step id, steps recorded) to send once the steps are sent (`close`)."""
+        self.end = {"last_step_id": int(record["last_step_id"]), "num_steps": int(record["num_steps"])}
+
     def close(self, timeout_s: float = DELIVERY_CLOSE_TIMEOUT_S) -> bool:
-        """Write the trace's last steps and send (or spool) the pusher's; True if the service has them all."""
+        """Write the trace's last steps and send (or spool) the pusher's, then the end-of-run record if the engine
+        sent one; True if the service has them all."""
         if self.writer is not None:
             self.writer.close()
         if self.archive is not None:
             self.archive.close()
         if self.windows is not None:
-            return self.windows.close(timeout_s)
-        return self.pusher.close(timeout_s) if self.pusher is not None else True
+            complete = self.windows.close(timeout_s)
+        else:
+            complete = self.pusher.close(timeout_s) if self.pusher is not None else True
+        if self.end is not None and (self.pusher is not None or self.windows is not None):
+            send_run_end(self.header["columns"]["run_id"], **self.end)
+        return complete
 
     @classmethod
     def from_env(cls, header: dict, *, trace_from: int | None = None) -> StepDelivery:
@@ -733,6 +752,42 @@ class StepDelivery:
         pusher = WindowPusher.from_env()
         windows = None if pusher is None else WindowDelivery(header, pusher, window_s=window_s_from_env(), step_pusher=StepPusher.from_env())
         return cls(header, None, trace_from=trace_from, windows=windows)
+
+
+RUN_END_PATH = "/v1/runs/{run_id}/end"
+RUN_END_ATTEMPTS = 4
+
+
+def send_run_end(run_id: str, last_step_id: int, num_steps: int, *, url: str | None = None, api_key: str | None = None,
+                 timeout_s: float = 10.0, backoff_s: float = 0.5) -> bool:
+    """POST the end-of-run record (``LLMVISOR_SERVICE_URL`` / ``_KEY`` unless given), so the service counts the steps
+    after the last one it stored, up to ``last_step_id``, as missing (a lost tail). Retried a few times while the
+    service is away or busy; if it stays away the run stays open there (logged), its stored steps unaffected."""
+    url = url or service_url_from_env()
+    if not url:
+        return False
+    key = api_key if api_key is not None else os.environ.get(ENV_KEY, "")
+    path = RUN_END_PATH.format(run_id=urllib.parse.quote(run_id, safe=""))
+    reason = ""
+    with httpx.Client(base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {key}"}, timeout=timeout_s) as client:
+        for attempt in range(RUN_END_ATTEMPTS):
+            try:
+                response = client.post(path, json={"last_step_id": last_step_id, "num_steps": num_steps})
+            except httpx.HTTPError as problem:
+                reason = f"{type(problem).__name__}: {problem}"
+            else:
+                if response.status_code == 200:
+                    log.info("llmvisor: sent the end-of-run record of run %s (last step %d, %d steps; %d missing at the service)",
+                             run_id, last_step_id, num_steps, response.json().get("num_missing", 0))
+                    return True
+                reason = f"HTTP {response.status_code}: {_detail(response)}"
+                if response.status_code < 500 and response.status_code != 429:
+                    break
+            if attempt < RUN_END_ATTEMPTS - 1:
+                time.sleep(backoff_s * 2**attempt)
+    log.error("llmvisor: the service did not take the end-of-run record of run %s (%s); the run stays open there "
+              "(a lost tail would not show as a gap)", run_id, reason)
+    return False
 
 
 def _archive_from_env(metadata: dict | None):
@@ -810,6 +865,7 @@ class StepRelay:
         self._fallback: StepDelivery | None = None
         self._restarts: deque[float] = deque()
         self._last_loss_log_s = -1e9
+        self._last_step_id = -1
         self._start_delivery(None)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="llmvisor-relay", daemon=True)
@@ -853,6 +909,7 @@ class StepRelay:
         data = json.dumps(step).encode() + b"\n"
         with self._lock:
             self.counts.relayed += 1
+            self._last_step_id = step[0]
             if self._fallback is not None:
                 self._fallback.add(step)
                 return
@@ -997,7 +1054,11 @@ class StepRelay:
         header = dict(self.header, resume={"trace_next": self._trace_next, **self._windows_resume})
         self._fallback = StepDelivery.from_env(header, trace_from=self._trace_next)
         for _step_id, data in self._retained:
-            self._fallback.add(json.loads(data))
+            item = json.loads(data)
+            if isinstance(item, dict):  # the end-of-run record (`close`)
+                self._fallback.end_run(item["end"])
+            else:
+                self._fallback.add(item)
         self.counts.resent += len(self._retained)
         self._retained.clear()
         self._retained_bytes = self._written = self._partial = 0
@@ -1023,16 +1084,30 @@ class StepRelay:
             except (OSError, ValueError):
                 pass
 
+    def end_record(self) -> dict:
+        """The end-of-run record of a clean shutdown: the last step id relayed and how many steps were (the recorder
+        numbers them from 0, so steps lost on the way, in the engine or after it, show as a gap up to that id)."""
+        return {"last_step_id": self._last_step_id, "num_steps": self.counts.relayed}
+
     def close(self) -> None:
-        """Send the rest and close the pipe; the delivery process then finishes on its own."""
+        """Send the rest, then the end-of-run record, and close the pipe; the delivery process then finishes on its
+        own. The record goes last, as a line of its own, kept like a step until the pipe closes (a replacement
+        delivery process gets it again); a pipe that closes without it (the engine was killed) leaves the run open."""
         if self._stop.is_set():
             return
+        with self._lock:
+            if self._fallback is not None:
+                self._fallback.end_run(self.end_record())
+            else:
+                end = json.dumps({"end": self.end_record()}).encode() + b"\n"
+                self._retained.append((self._last_step_id + 1, end))  # never reported safe: step ids stay below it
+                self._retained_bytes += len(end)
         complete = self.flush()
         self._stop.set()
         self._thread.join(5.0)
         with self._lock:
             if not complete:
-                unsent = len(self._retained) - self._written
+                unsent = sum(1 for _id, data in list(self._retained)[self._written :] if not data.startswith(b'{"end"'))
                 self.counts.lost += unsent
                 log.error(
                     "llmvisor: the delivery process (pid %d) took no steps for %g s; %d steps of run %s that wait in "
@@ -1115,7 +1190,11 @@ def deliver(read_fd: int = 0, ack_fd: int | None = None) -> int:
                     log.info("llmvisor: delivering steps of run %s%s", header["columns"]["run_id"],
                              " (replacing a delivery process that died)" if header.get("resume") else "")
                 else:
-                    delivery.add(json.loads(line))
+                    item = json.loads(line)
+                    if isinstance(item, dict):  # the end-of-run record, after the last step
+                        delivery.end_run(item["end"])
+                    else:
+                        delivery.add(item)
         if delivery is not None:
             delivery.flush()
             # at most every DELIVERY_REPORT_INTERVAL_S: each report wakes a thread of the engine's process
@@ -1129,6 +1208,11 @@ def deliver(read_fd: int = 0, ack_fd: int | None = None) -> int:
                     pass
     if delivery is None:
         return 0
+    if delivery.end is None and delivery.next_step_id is not None:
+        # The pipe closed without the engine's record: vLLM's default shutdown kills the engine core before the
+        # recorder's shutdown runs (as does a crash). What is known then is the last step received here: steps
+        # lost after this process had them (dropped, rejected) still show as a lost tail.
+        delivery.end_run({"last_step_id": delivery.next_step_id - 1, "num_steps": delivery.next_step_id})
     complete = delivery.close()
     pusher = delivery.pusher if delivery.windows is None else delivery.windows.pusher
     stats = pusher.stats if pusher is not None else None
@@ -1350,7 +1434,15 @@ class WindowPusher:
             result = response.json()
             self.stats.add(acknowledged=result["windows_inserted"], duplicate=result["windows_duplicate"])
             return True
-        if len(batch) > 1:  # find the refused windows by halving; the others go through
+        if response.status_code == 409 and len(batch) > 1 and "duplicate_of" in (refusal := response.json()):
+            # every window of a run refused as a re-send of another run is refused: keep them at once, send the rest
+            mine = [json.loads(w).get("run_id") == refusal.get("run_id") for _, w in batch]
+            if any(mine) and not all(mine):
+                kept = [item for item, m in zip(batch, mine) if m]
+                rest = [item for item, m in zip(batch, mine) if not m]
+                return self._deliver(kept) and self._deliver(rest)
+        if len(batch) > 1 and not (response.status_code == 409 and "duplicate_of" in response.json()):
+            # find the refused windows by halving; the others go through
             middle = len(batch) // 2
             return self._deliver(batch[:middle]) and self._deliver(batch[middle:])
         self._write(self.rejected_path, [w for _, w in batch])

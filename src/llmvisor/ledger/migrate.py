@@ -272,7 +272,8 @@ def migrate(source_url: str, target_url: str, **kwargs) -> MigrationReport:
         return migrate_schema_1(source_url, target_url, **kwargs)
     if version in ("2", "3", "4", "5", "6"):
         return migrate_schema_2(source_url, target_url, progress=kwargs.get("progress"))
-    raise LedgerError(f"{source_name}: ledger schema version {version}; versions 1 to 6 are migrated")
+    raise LedgerError(f"{source_name}: ledger schema version {version}; versions 1 to 6 are migrated "
+                      "(a schema-7 ledger is upgraded in place when opened)")
 
 
 _schema_3 = MetaData()

@@ -47,6 +47,9 @@ engine class, model version and second, summed over every window that transactio
 commits the windows of concurrent POSTs together, `Ledger.ingest_windows`), so its rows grow with tenants and
 seconds, not with engines. ``request_totals`` is kept only where the service is asked to
 (``LLMVISOR_REQUEST_TOTALS``, on by default): at fleet scale a request's usage comes from the raw-step archive.
+
+Schema 8 adds new tables only (its block at the end of this module), so a schema-7 ledger is upgraded in place: the
+missing tables are created and the version recorded (`SCHEMA_8_TABLES`, `llmvisor.ledger.store.Ledger`).
 """
 
 from __future__ import annotations
@@ -68,7 +71,9 @@ from sqlalchemy import (
 
 from llmvisor.core.tokens import TOKEN_SPLIT
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
+IN_PLACE_UPGRADES = ("7",)
+"""Versions a ledger is upgraded from when opened: each later schema only added tables (`SCHEMA_8_TABLES`)."""
 TOKEN_SPLIT_COLUMNS = TOKEN_SPLIT
 """Schema 6's token split of a usage row's tokens (module note); NULL where stored before schema 6."""
 USAGE_RESOLUTION_US = 1_000_000
@@ -273,3 +278,47 @@ request_totals = Table(
     Index("ix_request_totals_tenant", "tenant"),
 )
 """One row per request, summed over its windows as they arrive (each window is stored once, so adding is safe)."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Schema 8: new tables only (a schema-7 ledger gains them in place when opened).
+#
+# Runs (issue #36): ``run_digests`` keeps, per run, a content digest of its first step (step 0, or the window that
+# covers it) with the run id left out, so a run re-sent under a new run id is refused instead of billed twice
+# (``duplicate_runs`` remembers the refusal, so the rest of such a run is refused too);
+# ``run_ends`` keeps the end-of-run record a recorder's delivery process sends when the engine stops (its last step id
+# and how many steps it recorded), so steps lost after the last one stored show as a gap.
+
+run_digests = Table(
+    "run_digests",
+    metadata,
+    Column("digest", LargeBinary(32), primary_key=True, doc="SHA-256 of the run's first step (or first window) without its run id"),
+    Column("run_id", Text, nullable=False, doc="the run stored first with this content"),
+    Column("form", String(16), nullable=False, doc="'step' (POST /v1/steps) or 'window' (POST /v1/windows)"),
+    Column("created_at_us", BigInteger, nullable=False),
+)
+"""Looked up by digest once per new run (the batch or window that carries its step 0), never per step."""
+
+duplicate_runs = Table(
+    "duplicate_runs",
+    metadata,
+    Column("run_id", Text, primary_key=True, doc="a run refused as a re-send of another under a new run id"),
+    Column("duplicate_of", Text, nullable=False, doc="the run it repeats"),
+    Column("form", String(16), nullable=False, doc="what repeated: 'step' (step 0) or 'window' (the window covering it)"),
+    Column("refused_at_us", BigInteger, nullable=False),
+)
+"""Written when a run's first step is refused, so its later steps and windows are refused too (one lookup per batch
+or group commit of the runs in it), not stored as a run without its step 0."""
+
+run_ends = Table(
+    "run_ends",
+    metadata,
+    Column("run_id", Text, primary_key=True),
+    Column("last_step_id", BigInteger, nullable=False, doc="the last step id the recorder recorded (-1: none)"),
+    Column("num_steps", BigInteger, nullable=False, doc="steps the recorder recorded"),
+    Column("received_at_us", BigInteger, nullable=False, doc="when the record was stored: a gap it opens is that old"),
+)
+"""One row per ended run; a run without one is open (still running, or it ended without a clean shutdown)."""
+
+SCHEMA_8_TABLES = (run_digests, duplicate_runs, run_ends)
+"""Created on opening a schema-7 ledger (`IN_PLACE_UPGRADES`); existing tables are not touched."""

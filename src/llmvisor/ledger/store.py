@@ -46,16 +46,21 @@ from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import keys as keys_module
 from llmvisor.ledger.keys import Principal
 from llmvisor.ledger.schema import (
+    IN_PLACE_UPGRADES,
+    SCHEMA_8_TABLES,
     SCHEMA_VERSION,
     TOKEN_SPLIT_COLUMNS,
     USAGE_RESOLUTION_US,
     active_models,
     adjustments,
     api_keys,
+    duplicate_runs,
     engine_models,
     ledger_info,
     metadata,
     request_totals,
+    run_digests,
+    run_ends,
     slice_batches,
     step_ranges,
     steps,
@@ -113,6 +118,36 @@ class WindowConflictError(LlmvisorError):
         super().__init__(
             f"window {start_us} of run {run_id!r}{more} {reason}; "
             "a (run_id, window_start_us) can be ingested once, re-sends must be identical, and a step is billed once"
+        )
+
+
+class DuplicateRunError(LlmvisorError):
+    """A new run whose first step (step 0, or the window covering it) has the content of a stored run's, its run
+    id aside: the same run re-sent under a new run id, which would be billed twice. Raised inside the write
+    transaction, so nothing of the batch is stored."""
+
+    def __init__(self, run_id: str, other_run_id: str, form: str, *, earlier: bool = False):
+        self.run_id = run_id
+        self.other_run_id = other_run_id
+        self.form = form
+        self.earlier = earlier
+        what = "step 0" if form == "step" else "first window (the one covering step 0)"
+        super().__init__(
+            f"run {run_id!r} repeats run {other_run_id!r}: its {what} has the same content, run id aside, so it is "
+            f"run {other_run_id!r} re-sent under a new run id{' (refused when that step arrived)' if earlier else ''}; "
+            "refused, nothing of the batch is stored"
+        )
+
+
+class RunEndConflictError(LlmvisorError):
+    """An end-of-run record for a run that has one with other values: a run instance ends once."""
+
+    def __init__(self, stored: RunEnd, last_step_id: int, num_steps: int):
+        self.stored = stored
+        super().__init__(
+            f"run {stored.run_id!r} has an end-of-run record already (last step {stored.last_step_id}, "
+            f"{stored.num_steps} steps); this one says last step {last_step_id}, {num_steps} steps: a run ends once, "
+            "re-sends must be identical"
         )
 
 
@@ -185,6 +220,9 @@ class StepRecords:
     num_cached_prompt_tokens: np.ndarray | None = None
     """Per slice, the prompt tokens its request found in the prefix cache, counted on the request's first slice
     only (`llmvisor.core.tokens`); None: 0 for every slice (the step did not say). Kept in the blob."""
+    run_sha256: list[bytes | None] | None = None
+    """Per step, for a run's step 0, its content digest without the run id (`run_digests`: a new run repeating a
+    stored run's is refused, `DuplicateRunError`); None elsewhere, and None for a batch without one."""
 
     def per_step(self, name: str, default) -> np.ndarray:
         """A per-step column, or ``default`` for every step where it is None."""
@@ -209,10 +247,10 @@ class StepRecords:
             value = getattr(self, item.name)
             if item.name == "step_offsets":
                 value = np.concatenate(([0], np.cumsum(sizes[step_mask]))).astype(np.int64)
-            elif item.name == "content_sha256":
-                value = [digest for digest, keep in zip(value, step_mask.tolist()) if keep]
             elif value is None:
                 pass
+            elif item.name in ("content_sha256", "run_sha256"):
+                value = [digest for digest, keep in zip(value, step_mask.tolist()) if keep]
             else:
                 value = value[step_mask if item.name in _PER_STEP else slice_mask]
             values[item.name] = value
@@ -475,24 +513,42 @@ class StepGap:
 
 
 @dataclass(frozen=True)
+class RunEnd:
+    """A run's end-of-run record (`run_ends`): sent by the recorder at a clean engine shutdown."""
+
+    run_id: str
+    last_step_id: int
+    num_steps: int
+    received_at_us: int
+
+
+@dataclass(frozen=True)
 class RunGaps:
-    """What the ledger holds of a run's step ids (numbered from 0 by the recorder) and what it misses below the
-    highest id received; steps after that one cannot be known missing until a later step arrives."""
+    """What the ledger holds of a run's step ids (numbered from 0 by the recorder) and what it misses: below the
+    highest id received and, once the run's end-of-run record is stored (``end``), up to the last step it names. A
+    run without one is open: steps after its highest id received cannot be known missing until a later one arrives."""
 
     run_id: str
     engine_class: str
     num_received: int
     last_step_id: int
     gaps: list[StepGap]
+    end: RunEnd | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.end is not None
 
     @property
     def num_missing(self) -> int:
         return sum(gap.num_steps for gap in self.gaps)
 
 
-def gaps_of_ranges(run_id: str, ranges: Sequence[tuple[int, int, str, int]]) -> RunGaps:
+def gaps_of_ranges(run_id: str, ranges: Sequence[tuple[int, int, str, int]], end: RunEnd | None = None) -> RunGaps:
     """A run's gaps from its stored ranges ``(first_step_id, last_step_id, engine_class, first_received_us)``:
-    the ids below each range not covered by an earlier one, from 0. A gap is as old as the earliest range after it."""
+    the ids below each range not covered by an earlier one, from 0. A gap is as old as the earliest range after it.
+    With an end-of-run record, the ids after the last range up to ``end.last_step_id`` are a gap too (a lost tail),
+    as old as the record."""
     ranges = sorted(ranges)
     gaps: list[StepGap] = []
     earliest_after = [0] * len(ranges)
@@ -506,12 +562,15 @@ def gaps_of_ranges(run_id: str, ranges: Sequence[tuple[int, int, str, int]]) -> 
         if first > expected:
             gaps.append(StepGap(expected, first - 1, earliest_after[k]))
         expected = max(expected, last + 1)
+    if end is not None and end.last_step_id >= expected:
+        gaps.append(StepGap(expected, end.last_step_id, end.received_at_us))
     return RunGaps(
         run_id=run_id,
         engine_class=ranges[0][2] if ranges else "",
         num_received=sum(last - first + 1 for first, last, _c, _r in ranges),
         last_step_id=max((last for _f, last, _c, _r in ranges), default=-1),
         gaps=gaps,
+        end=end,
     )
 
 
@@ -764,12 +823,16 @@ class Ledger:
         return make_url(self.url).render_as_string(hide_password=True)
 
     def _create_schema(self) -> None:
-        """Create the tables of an empty database; refuse, before writing anything, one of another schema."""
+        """Create the tables of an empty database, add schema 8's to a schema-7 one (`IN_PLACE_UPGRADES`); refuse,
+        before writing anything, one of another schema."""
         try:
             with self._write_engine.begin() as conn:
                 if inspect(conn).has_table(ledger_info.name):
                     version = conn.execute(select(ledger_info.c.value).where(ledger_info.c.name == "schema_version")).scalar()
-                    if version is not None and version != str(SCHEMA_VERSION):
+                    if version in IN_PLACE_UPGRADES:  # later schemas only added tables: create them, record the version
+                        metadata.create_all(conn, tables=list(SCHEMA_8_TABLES), checkfirst=True)
+                        conn.execute(update(ledger_info).where(ledger_info.c.name == "schema_version").values(value=str(SCHEMA_VERSION)))
+                    elif version is not None and version != str(SCHEMA_VERSION):
                         raise LedgerError(
                             f"{self.safe_url}: ledger schema version {version}, this llmvisor reads {SCHEMA_VERSION}; "
                             "the database was left as it is"
@@ -835,6 +898,14 @@ class Ledger:
                     if conflicts:
                         raise StepConflictError(conflicts)
                     inserted = [k not in stored for k in keys]
+                    refused = self._refuse_duplicate_runs(conn, [k[0] for k, new in zip(keys, inserted) if new])
+                    if refused:
+                        raise next(iter(refused.values()))
+                    if records.run_sha256 is not None:  # only a batch carrying a run's step 0: one lookup per new run
+                        self._claim_run_digests(conn, [
+                            (run, digest) for run, digest, new in zip(records.run_id.tolist(), records.run_sha256, inserted)
+                            if new and digest is not None
+                        ], "step")
                     if all(inserted):
                         batch = all_new
                     elif any(inserted):
@@ -844,6 +915,10 @@ class Ledger:
                     if batch is not None:
                         self._insert(conn, batch)
                 return IngestOutcome(inserted)
+            except DuplicateRunError as duplicate:  # rolled back: nothing of the batch is stored
+                if not duplicate.earlier:
+                    self._remember_duplicate(duplicate)
+                raise
             except HeldStepsError as held:  # rolled back: nothing of the batch is stored
                 covered = [k for k, new in zip(keys, inserted) if new and held.covers(k[0], np.asarray([k[1]]))]
                 raise StepConflictError(covered or [(held.run_id, held.overlaps[0][0])],
@@ -890,9 +965,15 @@ class Ledger:
                 with self.write_transaction() as conn:
                     for batch in batches:
                         batch.outcome = batch.error = None
+                    duplicates: list[DuplicateRunError] = []
                     keys = list(dict.fromkeys(k for batch in batches for k in batch.digests))
                     stored = self._stored_window_hashes(conn, keys)
                     taken: dict[tuple[str, int], bytes] = {}  # stored before, or by an earlier batch of this commit
+                    # a run's first window (the one covering step 0): its digest without the run id, one lookup per commit
+                    firsts = {(w.run_id, w.window_start_us): w.first_step_sha256() for batch in batches for w in batch.unique
+                              if w.step_ranges and w.step_ranges[0][0] == 0 and (w.run_id, w.window_start_us) not in stored}
+                    run_held = self._held_run_digests(conn, list(firsts.values())) if firsts else {}
+                    refused = self._refuse_duplicate_runs(conn, [k[0] for k in keys if k not in stored])
                     new = []
                     for batch in batches:
                         held = [(k, stored.get(k, taken.get(k)), d) for k, d in batch.digests.items()]
@@ -902,9 +983,24 @@ class Ledger:
                             continue
                         batch.new = [w for w in batch.unique if (w.run_id, w.window_start_us) not in stored
                                      and (w.run_id, w.window_start_us) not in taken]
+                        marked = [refused[w.run_id] for w in batch.new if w.run_id in refused]
+                        if marked:
+                            batch.new, batch.error = [], marked[0]
+                            continue
+                        claims = [(w.run_id, firsts[w.run_id, w.window_start_us]) for w in batch.new if (w.run_id, w.window_start_us) in firsts]
+                        if claims:
+                            try:
+                                self._claim_run_digests(conn, claims, "window", run_held)
+                            except DuplicateRunError as duplicate:
+                                batch.new, batch.error = [], duplicate
+                                duplicates.append(duplicate)
+                                continue
+                            run_held.update({d: r for r, d in claims})
                         taken.update({(w.run_id, w.window_start_us): batch.digests[w.run_id, w.window_start_us] for w in batch.new})
                         new.extend(batch.new)
                     reshaped = self._insert_windows(conn, new, taken) if new else []
+                for duplicate in duplicates:
+                    self._remember_duplicate(duplicate)
                 for batch in batches:
                     if batch.error is None:
                         runs = {w.run_id for w in batch.unique}
@@ -926,6 +1022,52 @@ class Ledger:
                         batch.outcome, batch.error = None, error
                     return
                 time.sleep(0.01 * 2**attempt)
+
+    def _refuse_duplicate_runs(self, conn: Connection, run_ids) -> dict[str, DuplicateRunError]:
+        """The runs among ``run_ids`` refused before as re-sends of another run (`duplicate_runs`), with their error."""
+        runs = sorted(set(run_ids))
+        out: dict[str, DuplicateRunError] = {}
+        for i in range(0, len(runs), _LOOKUP_CHUNK):
+            query = select(duplicate_runs.c.run_id, duplicate_runs.c.duplicate_of, duplicate_runs.c.form).where(
+                duplicate_runs.c.run_id.in_(runs[i : i + _LOOKUP_CHUNK]))
+            for run_id, other, form in conn.execute(query):
+                out[run_id] = DuplicateRunError(run_id, other, form, earlier=True)
+        return out
+
+    def _remember_duplicate(self, duplicate: DuplicateRunError) -> None:
+        """Record a refused run (its own transaction: the refused batch was rolled back), so the rest of it is refused."""
+        try:
+            with self.write_transaction() as conn:
+                if not self._refuse_duplicate_runs(conn, [duplicate.run_id]):
+                    conn.execute(insert(duplicate_runs).values(run_id=duplicate.run_id, duplicate_of=duplicate.other_run_id,
+                                                               form=duplicate.form, refused_at_us=now_us()))
+        except IntegrityError:
+            pass  # another process recorded it at the same moment
+
+    def _claim_run_digests(self, conn: Connection, claims: Sequence[tuple[str, bytes]], form: str,
+                           held: dict[bytes, str] | None = None) -> None:
+        """Record ``claims`` (new run, its first-step digest) in `run_digests` with one lookup for all of them
+        (or against ``held``, looked up already); `DuplicateRunError` if a digest is held by another run, or
+        claimed by two runs of the batch. Two writers claiming one digest at once: the later insert fails on the
+        key and its retry sees the earlier one's."""
+        if not claims:
+            return
+        if held is None:
+            held = self._held_run_digests(conn, [d for _r, d in claims])
+        mine: dict[bytes, str] = {}
+        for run_id, digest in claims:
+            other = held.get(digest, mine.get(digest))
+            if other is not None and other != run_id:
+                raise DuplicateRunError(run_id, other, form)
+            mine[digest] = run_id
+        new = [{"digest": d, "run_id": r, "form": form, "created_at_us": now_us()} for d, r in mine.items() if d not in held]
+        if new:
+            conn.execute(insert(run_digests), new)
+
+    @staticmethod
+    def _held_run_digests(conn: Connection, digests: Sequence[bytes]) -> dict[bytes, str]:
+        rows = conn.execute(select(run_digests.c.digest, run_digests.c.run_id).where(run_digests.c.digest.in_(list(set(digests))))).all()
+        return {bytes(digest): run_id for digest, run_id in rows}
 
     def _stored_window_hashes(self, conn: Connection, keys: list[tuple[str, int]]) -> dict[tuple[str, int], bytes]:
         out: dict[tuple[str, int], bytes] = {}
@@ -1379,14 +1521,46 @@ class Ledger:
     # Gaps: step ids a run never delivered
 
     def run_gaps(self, run_id: str) -> RunGaps | None:
-        """The run's received ids and gaps; None if no step of it is stored."""
+        """The run's received ids and gaps (with its end-of-run record, if stored); None if neither a step of it
+        nor its end record is stored."""
         table = step_ranges
         with self._read() as conn:
             rows = conn.execute(
                 select(table.c.first_step_id, table.c.last_step_id, table.c.engine_class, table.c.first_received_us)
                 .where(table.c.run_id == run_id)
             ).all()
-        return gaps_of_ranges(run_id, [tuple(r) for r in rows]) if rows else None
+            end = self._run_ends(conn, [run_id]).get(run_id)
+        return gaps_of_ranges(run_id, [tuple(r) for r in rows], end) if rows or end else None
+
+    @staticmethod
+    def _run_ends(conn: Connection, run_ids: Sequence[str]) -> dict[str, RunEnd]:
+        out: dict[str, RunEnd] = {}
+        for i in range(0, len(run_ids), _LOOKUP_CHUNK):
+            query = select(run_ends.c.run_id, run_ends.c.last_step_id, run_ends.c.num_steps, run_ends.c.received_at_us).where(
+                run_ends.c.run_id.in_(list(run_ids[i : i + _LOOKUP_CHUNK])))
+            out.update({run: RunEnd(run, int(last), int(n), int(at)) for run, last, n, at in conn.execute(query)})
+        return out
+
+    def end_run(self, run_id: str, last_step_id: int, num_steps: int) -> tuple[RunEnd, bool]:
+        """Store a run's end-of-run record; ``(record, True)`` when stored now, ``(stored record, False)`` for an
+        identical re-send. `RunEndConflictError` if the run has one with other values (a run ends once)."""
+        for attempt in range(_WRITE_ATTEMPTS):
+            try:
+                with self.write_transaction() as conn:
+                    stored = self._run_ends(conn, [run_id]).get(run_id)
+                    if stored is not None:
+                        if (stored.last_step_id, stored.num_steps) != (last_step_id, num_steps):
+                            raise RunEndConflictError(stored, last_step_id, num_steps)
+                        return stored, False
+                    record = RunEnd(run_id, last_step_id, num_steps, now_us())
+                    conn.execute(insert(run_ends).values(run_id=run_id, last_step_id=last_step_id, num_steps=num_steps,
+                                                         received_at_us=record.received_at_us))
+                return record, True
+            except (IntegrityError, OperationalError):  # stored by another writer meanwhile: the next look sees it
+                if attempt == _WRITE_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.01 * 2**attempt)
+        raise AssertionError("unreachable")
 
     def run_holdings(self, run_id: str, from_step_id: int = 0) -> RunHoldings:
         """`RunHoldings` of ``run_id``: the one read a replacement delivery process resumes from (read-only; the
@@ -1407,17 +1581,28 @@ class Ledger:
         )
 
     def runs_with_gaps(self, limit: int = 1000) -> list[RunGaps]:
-        """Runs missing steps (by most recent gap first, at most ``limit``), with their gaps."""
+        """Runs missing steps (by most recent gap first, at most ``limit``), with their gaps: holes in their ranges,
+        and a lost tail (an end-of-run record naming a later last step than the last one stored)."""
         table = step_ranges
         gapped = (
-            select(table.c.run_id)
+            select(table.c.run_id, func.max(table.c.first_received_us).label("since_us"))
             .group_by(table.c.run_id)
             .having(or_(func.count() > 1, func.min(table.c.first_step_id) > 0))
             .order_by(func.max(table.c.first_received_us).desc(), table.c.run_id)
             .limit(limit)
         )
+        last_stored = select(func.max(table.c.last_step_id)).where(table.c.run_id == run_ends.c.run_id).scalar_subquery()
+        tails = (
+            select(run_ends.c.run_id, run_ends.c.received_at_us)
+            .where(run_ends.c.last_step_id > func.coalesce(last_stored, -1))
+            .order_by(run_ends.c.received_at_us.desc(), run_ends.c.run_id)
+            .limit(limit)
+        )
         with self._read() as conn:
-            runs = [r[0] for r in conn.execute(gapped)]
+            found = {run: int(since) for run, since in conn.execute(gapped)}
+            for run, since in conn.execute(tails):
+                found[run] = max(found.get(run, 0), int(since))
+            runs = sorted(found, key=lambda run: (-found[run], run))[:limit]
             by_run: dict[str, list[tuple]] = {run: [] for run in runs}
             for i in range(0, len(runs), _LOOKUP_CHUNK):
                 query = select(
@@ -1425,7 +1610,8 @@ class Ledger:
                 ).where(table.c.run_id.in_(runs[i : i + _LOOKUP_CHUNK]))
                 for run, *rest in conn.execute(query):
                     by_run[run].append(tuple(rest))
-        return [gaps_of_ranges(run, ranges) for run, ranges in by_run.items()]
+            ends = self._run_ends(conn, runs)
+        return [gaps_of_ranges(run, ranges, ends.get(run)) for run, ranges in by_run.items()]
 
     # -----------------------------------------------------------------------------------------------------
     # API keys

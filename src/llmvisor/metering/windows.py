@@ -136,6 +136,12 @@ class WindowAggregate:
         """The idempotency digest: an identical re-send has the same one."""
         return hashlib.sha256(self.canonical_bytes()).digest()
 
+    def first_step_sha256(self) -> bytes:
+        """The canonical JSON's digest without the run id: for a run's first window (covering step 0) the digest a
+        re-send of the run under another run id repeats (the ledger's ``run_digests``)."""
+        anonymous = {name: value for name, value in self.to_json().items() if name != "run_id"}
+        return hashlib.sha256(b"run-v1\x1e" + json.dumps(anonymous, sort_keys=True, separators=(",", ":")).encode()).digest()
+
     @classmethod
     def from_json(cls, data: object, *, where: str = "window") -> WindowAggregate:
         """Read and check one aggregate; a `WindowError` names the field (``where.field``) and the reason."""

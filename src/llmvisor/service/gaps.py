@@ -7,8 +7,15 @@ ranges (`Ledger.run_gaps`). A gap fills by itself when spooled steps are replaye
 ledger is read at each batch for its runs and every ``check_interval_s`` for all runs, so every service process
 sharing a database exports the same counts, and a run that stopped sending is checked too.
 
+A run's lost tail (steps after the last one stored that never arrived) counts once its end-of-run record is stored
+(``POST /v1/runs/{run_id}/end``, sent by the recorder's delivery process when the engine stops): the ids up to the record's last
+step are missing, as old as the record. A run without one is open, and its tail is not counted.
+
 Bounded cardinality, like the tenant labels: the ``max_runs`` runs with the most recent gaps are named; the
 steps missing in other runs are summed under ``run="other"`` per engine class.
+
+``llmvisor_steps_missing`` is the gauge; ``llmvisor_steps_missing_total`` (a gauge with a counter's suffix) is the
+same value under its old name, kept one release for dashboards and alerts that read it, deprecated.
 """
 
 from __future__ import annotations
@@ -32,11 +39,15 @@ MAX_RUNS_WITH_GAPS = 100
 MAX_RUNS_READ = 10_000
 MAX_ALERTS_REMEMBERED = 100_000
 OTHER_RUN_LABEL = "other"
+MISSING_STEPS_METRIC = "llmvisor_steps_missing"
+DEPRECATED_MISSING_STEPS_METRIC = "llmvisor_steps_missing_total"
+"""The gauge's old name (a counter's suffix on a gauge): the same samples, exported for one release, deprecated."""
 
 
 class GapMonitor(Collector):
-    """``llmvisor_steps_missing_total{run,engine_class}`` and ``llmvisor_runs_missing_steps`` from the ledger's
-    ranges, and the ERROR line for a gap older than ``alert_after_s``."""
+    """``llmvisor_steps_missing{run,engine_class}`` (and its deprecated old name ``llmvisor_steps_missing_total``) and
+    ``llmvisor_runs_missing_steps`` from the ledger's ranges and end-of-run records, and the ERROR line for a gap
+    older than ``alert_after_s``."""
 
     def __init__(self, ledger: Ledger, *, alert_after_s: float = DEFAULT_GAP_ALERT_AFTER_S, max_runs: int = MAX_RUNS_WITH_GAPS):
         self.ledger = ledger
@@ -92,11 +103,14 @@ class GapMonitor(Collector):
             )
 
     def collect(self):
-        missing = GaugeMetricFamily(
-            "llmvisor_steps_missing_total",
-            "Step ids a run never delivered below its highest id received (gaps in its numbering, from 0); "
-            f'falls as spooled steps are replayed. The {self.max_runs} runs with the latest gaps are named, the rest '
-            f'summed under run="{OTHER_RUN_LABEL}".',
+        about = (
+            "Step ids a run never delivered below its highest id received (gaps in its numbering, from 0) and, once its "
+            "end-of-run record is stored, up to the last step it recorded (a lost tail); falls as spooled steps are "
+            f'replayed. The {self.max_runs} runs with the latest gaps are named, the rest summed under run="{OTHER_RUN_LABEL}".'
+        )
+        missing = GaugeMetricFamily(MISSING_STEPS_METRIC, about, labels=["run", "engine_class"])
+        deprecated = GaugeMetricFamily(
+            DEPRECATED_MISSING_STEPS_METRIC, f"Deprecated: the same as {MISSING_STEPS_METRIC} (its old name, kept one release). {about}",
             labels=["run", "engine_class"],
         )
         runs = GaugeMetricFamily("llmvisor_runs_missing_steps", "Runs with at least one gap in their step ids (all runs, not capped).")
@@ -107,9 +121,11 @@ class GapMonitor(Collector):
         others: dict[str, int] = {}
         for _run, (engine_class, count) in items[: max(len(items) - self.max_runs, 0)]:
             others[engine_class] = others.get(engine_class, 0) + count
-        for run_id, (engine_class, count) in named:
-            missing.add_metric([run_id, engine_class], float(count))
-        for engine_class, count in others.items():
-            missing.add_metric([OTHER_RUN_LABEL, engine_class], float(count))
+        for family in (missing, deprecated):
+            for run_id, (engine_class, count) in named:
+                family.add_metric([run_id, engine_class], float(count))
+            for engine_class, count in others.items():
+                family.add_metric([OTHER_RUN_LABEL, engine_class], float(count))
         yield missing
+        yield deprecated
         yield runs

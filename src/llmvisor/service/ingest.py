@@ -422,12 +422,13 @@ def _step_timestamps(trace: StepTrace) -> list[float | None]:
     return out
 
 
-def content_digests(trace: StepTrace, timestamps_s: list[float | None]) -> list[bytes]:
+def content_digests(trace: StepTrace, timestamps_s: list[float | None], *, with_run_id: bool = True) -> list[bytes]:
     """SHA-256 of each step's canonical content (encoding v1, which stored ledgers hold, so it must not
     change): ``v1␞{len(run_id)}␟{run_id}␟{step_id}␟{repr(latency_s)}␟{repr(timestamp_s)}␞`` followed by one
     ``{len(request_id)}␟{request_id}␟{len(tenant)}␟{tenant}␟{new}␟{context}␟{0|1 prefill}␟`` per slice, sorted
     by request id (␞ = 0x1e, ␟ = 0x1f, lengths in characters). Columns other than the required ones and
-    ``timestamp_s`` are not stored and so not hashed."""
+    ``timestamp_s`` are not stored and so not hashed. ``with_run_id=False``: the same content with the header
+    ``run-v1␞{step_id}␟…`` (no run id), the digest a run re-sent under another run id repeats (`run_digests`)."""
     n = trace.n_slices
     if n == 0:
         return []
@@ -456,11 +457,26 @@ def content_digests(trace: StepTrace, timestamps_s: list[float | None]) -> list[
     for k, (run_id, step_id, latency_s, timestamp_s) in enumerate(
         zip(trace.run_id_per_step.tolist(), trace.step_id_per_step.tolist(), trace.step_latency_s_per_step.tolist(), timestamps_s)
     ):
-        header = f"v1\x1e{len(run_id)}\x1f{run_id}\x1f{step_id}\x1f{latency_s!r}\x1f{timestamp_s!r}\x1e".encode()
+        named = f"v1\x1e{len(run_id)}\x1f{run_id}\x1f" if with_run_id else "run-v1\x1e"
+        header = f"{named}{step_id}\x1f{latency_s!r}\x1f{timestamp_s!r}\x1e".encode()
         digest = hashlib.sha256(header)
         digest.update(data[slice_bounds[k] : slice_bounds[k + 1]])
         digests.append(digest.digest())
     return digests
+
+
+def run_digests(trace: StepTrace, timestamps_s: list[float | None]) -> list[bytes | None] | None:
+    """Per step, for a run's step 0 that carries ``timestamp_s``, its content digest without the run id (the
+    ledger refuses a new run whose step 0 repeats a stored run's: a re-send under a new run id); None for other
+    steps, and None for a batch without such a step (the usual batch: the check costs one lookup per new run).
+    A step 0 without ``timestamp_s`` is dated on arrival, so two runs doing the same work would be identical:
+    it is not fingerprinted."""
+    first = (trace.step_id_per_step == 0) & np.asarray([t is not None for t in timestamps_s], dtype=bool)
+    if not first.any():
+        return None
+    part = trace.select_steps(first)
+    digests = iter(content_digests(part, [t for t, keep in zip(timestamps_s, first.tolist()) if keep], with_run_id=False))
+    return [next(digests) if keep else None for keep in first.tolist()]
 
 
 @dataclass(frozen=True)
@@ -529,6 +545,7 @@ def prepare_batch(
         predicted_s=predicted_s,
         timestamp_us=timestamps_us,
         content_sha256=content_digests(trace, timestamps_s),
+        run_sha256=run_digests(trace, timestamps_s),
         step_offsets=trace.step_offsets,
         request_id=trace.request_id,
         tenant=trace.tenant,

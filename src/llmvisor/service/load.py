@@ -110,7 +110,9 @@ def step_batch_template(
                     "run_id": _RUN_PLACEHOLDER,
                     "step_id": step,
                     "step_latency_s": latency_s,
-                    "request_id": f"req-{slot}-{step // 200}",
+                    # the run id in the request ids: every run's content is its own (the same content under
+                    # another run id is a re-send, refused by the service)
+                    "request_id": f"{_RUN_PLACEHOLDER}-{slot}-{step // 200}",
                     "tenant": tenants[slot],
                     "num_new_tokens": 256 if prefill else 1,
                     "num_context_tokens": int(context[slot]),
@@ -125,7 +127,7 @@ def step_batch_template(
     if body == "parquet":
         sink = pa.BufferOutputStream()
         table = pa.Table.from_pylist([row for rows in groups for row in rows])
-        compression = {name: "none" if name == "run_id" else "zstd" for name in table.column_names}
+        compression = {name: "none" if name in ("run_id", "request_id") else "zstd" for name in table.column_names}
         pq.write_table(table, sink, compression=compression, write_page_checksum=False)
         return sink.getvalue().to_pybytes()
     return json.dumps({"steps": groups}, separators=(",", ":")).encode()

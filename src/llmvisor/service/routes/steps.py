@@ -12,7 +12,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from llmvisor.ledger import Ledger, StepConflictError
+from llmvisor.ledger import DuplicateRunError, Ledger, StepConflictError
 from llmvisor.ledger.store import now_us
 from llmvisor.service.config import ServiceSettings
 from llmvisor.service.deps import (
@@ -49,6 +49,13 @@ MAX_CONFLICTS_LISTED = 1000
 
 router = APIRouter(tags=["steps"])
 log = logging.getLogger("llmvisor.service")
+
+
+def duplicate_run_response(duplicate: DuplicateRunError, metrics: ServiceMetrics) -> JSONResponse:
+    """409 for a run re-sent under a new run id, naming the run it repeats (``duplicate_of``)."""
+    metrics.count_ingest_error("duplicate_run")
+    return JSONResponse(status_code=409, content={"detail": str(duplicate), "run_id": duplicate.run_id,
+                                                  "duplicate_of": duplicate.other_run_id})
 
 
 def is_database_outage(error: DBAPIError) -> bool:
@@ -139,7 +146,9 @@ def record_calibration(metrics: ServiceMetrics, registry: ModelRegistry, trace, 
         "Parquet file (Content-Type: application/vnd.apache.parquet). Each step is "
         "attributed with the service's model and stored with its slices, the whole batch in one transaction. "
         "Idempotent on (run_id, step_id): an identical re-send (in either form) is acknowledged as a "
-        "duplicate; a different one is a 409 naming the steps. Rows in validation messages are numbered "
+        "duplicate; a different one is a 409 naming the steps. A new run whose step 0 (with timestamp_s) has the "
+        "content of a stored run's step 0, run id aside, is a re-send under a new run id: 409 naming that run, the "
+        "rest of the run refused too. Rows in validation messages are numbered "
         "across the batch (and named steps[i][j] in the row form)."
     ),
     openapi_extra={
@@ -153,7 +162,8 @@ def record_calibration(metrics: ServiceMetrics, registry: ModelRegistry, trace, 
     },
     responses={
         400: {"description": "body is not JSON (or not Parquet, for that content type)"},
-        409: {"description": "a step was stored before with different content"},
+        409: {"description": "a step was stored before with different content, or the batch's run repeats a stored run "
+                            "under a new run id (`duplicate_of` names it)"},
         413: {"description": "body, steps, rows or a Parquet body's decoded size over the limits"},
         422: {"description": "rows break the trace format"},
         503: {"description": "database unavailable; retry"},
@@ -176,6 +186,8 @@ async def post_steps(
         metrics.count_ingest_error("conflict")
         listed = [{"run_id": r, "step_id": s} for r, s in conflict.conflicts[:MAX_CONFLICTS_LISTED]]
         return JSONResponse(status_code=409, content={"detail": str(conflict), "conflicting_steps": listed})
+    except DuplicateRunError as duplicate:
+        return duplicate_run_response(duplicate, metrics)
     except DBAPIError as database_error:
         if not is_database_outage(database_error):
             raise

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from sqlalchemy.exc import DBAPIError
 
 from llmvisor.errors import unknown_name
-from llmvisor.ledger import Ledger, WindowConflictError
+from llmvisor.ledger import DuplicateRunError, Ledger, WindowConflictError
 from llmvisor.metering import WindowAggregate, WindowError
 from llmvisor.service.config import ServiceSettings
 from llmvisor.service.deps import AdminKey, IngestKey, LedgerDep, MetricsDep, SettingsDep, check_name
@@ -23,7 +23,7 @@ from llmvisor.service.gaps import GapMonitor
 from llmvisor.service.ingest import MAX_STRING_CHARS
 from llmvisor.service.metrics import ServiceMetrics
 from llmvisor.service.responses import database_unavailable, error
-from llmvisor.service.routes.steps import MAX_CONFLICTS_LISTED, is_database_outage
+from llmvisor.service.routes.steps import MAX_CONFLICTS_LISTED, duplicate_run_response, is_database_outage
 
 WINDOWS_PATH = "/v1/windows"
 HELD_PATH = "/v1/windows/held"
@@ -101,9 +101,12 @@ def store_windows(aggregates: list[WindowAggregate], *, ledger: Ledger, gaps: Ga
         'JSON {"windows": [...]}, each a `WindowAggregate` (per run instance and window: per (tenant, request) attributed '
         "and measured nanoseconds, tokens, steps, the step-id ranges covered, residual statistics, the model version). "
         "Idempotent on (run_id, window_start_us): an identical re-send is a duplicate; a different one is a 409 naming "
-        "the windows; the batch is stored whole or not at all."
+        "the windows; the batch is stored whole or not at all. A new run whose first window (covering step 0) has the "
+        "content of a stored run's first window, run id aside, is a re-send under a new run id: 409 naming that run "
+        "(`duplicate_of`), the rest of the run refused too."
     ),
-    responses={409: {"description": "a window was stored before with different content"},
+    responses={409: {"description": "a window was stored before with different content, or the run repeats a stored "
+                            "run under a new run id (`duplicate_of`)"},
                422: {"description": "a window breaks the format (the message names the field)"},
                503: {"description": "database unavailable; retry"}},
 )
@@ -124,6 +127,8 @@ async def post_windows(request: Request, _principal: IngestKey, ledger: LedgerDe
         metrics.count_ingest_error("conflict")
         listed = [{"run_id": r, "window_start_us": s} for r, s in conflict.conflicts[:MAX_CONFLICTS_LISTED]]
         return JSONResponse(status_code=409, content={"detail": str(conflict), "conflicting_windows": listed})
+    except DuplicateRunError as duplicate:
+        return duplicate_run_response(duplicate, metrics)
     except DBAPIError as database_error:
         if not is_database_outage(database_error):
             raise
