@@ -46,6 +46,7 @@ from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import keys as keys_module
 from llmvisor.ledger.keys import Principal
 from llmvisor.ledger.schema import (
+    SCHEMA_8_TABLES,
     SCHEMA_VERSION,
     TOKEN_SPLIT_COLUMNS,
     USAGE_RESOLUTION_US,
@@ -79,6 +80,9 @@ assert [c.name for c in steps.columns] == [
 ]
 assert [c.name for c in usage_per_second.columns] == [*_USAGE_KEY, *_USAGE_SUMS, "first_timestamp_us", "last_timestamp_us",
                                                      *TOKEN_SPLIT_COLUMNS]
+
+UPGRADED_IN_PLACE = ("7",)
+"""Schema versions a Ledger opens by creating the newer schema's missing tables (schema 8 adds tables only)."""
 
 
 class LedgerError(LlmvisorError):
@@ -762,11 +766,18 @@ class Ledger:
         return make_url(self.url).render_as_string(hide_password=True)
 
     def _create_schema(self) -> None:
-        """Create the tables of an empty database; refuse, before writing anything, one of another schema."""
+        """Create the tables of an empty database, upgrade a schema-7 one in place (new tables only); refuse, before
+        writing anything, one of another schema."""
         try:
             with self._write_engine.begin() as conn:
                 if inspect(conn).has_table(ledger_info.name):
                     version = conn.execute(select(ledger_info.c.value).where(ledger_info.c.name == "schema_version")).scalar()
+                    if version in UPGRADED_IN_PLACE:
+                        # Schema 8 adds tables only: create those missing, then record the version (schema.py note).
+                        metadata.create_all(conn, tables=list(SCHEMA_8_TABLES), checkfirst=True)
+                        conn.execute(update(ledger_info).where(ledger_info.c.name == "schema_version")
+                                     .values(value=str(SCHEMA_VERSION)))
+                        version = str(SCHEMA_VERSION)
                     if version is not None and version != str(SCHEMA_VERSION):
                         raise LedgerError(
                             f"{self.safe_url}: ledger schema version {version}, this llmvisor reads {SCHEMA_VERSION}; "
