@@ -26,7 +26,7 @@ from pathlib import Path
 
 import jsonschema
 
-from llmvisor.billing import PriceBook
+from llmvisor.billing import PriceBook, charges
 from llmvisor.billing.formats import lago_batches
 from llmvisor.ledger import Ledger
 
@@ -80,9 +80,14 @@ def price_every_class(db_url: str, period_s: tuple[int, int], folder: Path, engi
     return classes
 
 
-def exact_cost(ns: int, engine_hour_price: Decimal) -> Decimal:
-    """ns × price per hour, exactly, rounded half to even to the cent (written out here, not taken from llmvisor)."""
-    return Decimal(round(Fraction(ns) * Fraction(engine_hour_price) * 100 / NS_PER_HOUR)) / 100
+def exact_cost(ns: int, engine_hour_price: Decimal) -> Fraction:
+    """ns × price per hour, exactly (written out here, not taken from llmvisor)."""
+    return Fraction(ns) * Fraction(engine_hour_price) / NS_PER_HOUR
+
+
+def cents(exact: Fraction) -> Decimal:
+    """An exact amount rounded half to even to the cent, once."""
+    return Decimal(round(exact * 100)) / 100
 
 
 TOKEN_KINDS = ("uncached_prompt_tokens", "cached_prompt_tokens", "output_tokens")
@@ -90,9 +95,9 @@ TOKEN_SKU_KIND = {"prompt-token": "uncached_prompt_tokens", "cached-prompt-token
                   "output-token": "output_tokens"}
 
 
-def exact_token_costs(split, price) -> dict[str, Decimal]:
-    """Per priced kind of token, tokens × its price (cached: prompt price × (1 − discount)), exactly, rounded half to
-    even to the cent (written out here); kinds without a price or without tokens are absent."""
+def exact_token_costs(split, price) -> dict[str, Fraction]:
+    """Per priced kind of token, tokens × its price (cached: prompt price × (1 − discount)), exactly (written out
+    here); kinds without a price or without tokens are absent."""
     prompt, output = price.prompt_token_price, price.output_token_price
     discount = Fraction(price.cached_token_discount or 0)
     unit = {"uncached_prompt_tokens": None if prompt is None else Fraction(prompt),
@@ -101,7 +106,7 @@ def exact_token_costs(split, price) -> dict[str, Decimal]:
     out = {}
     for kind, count in zip(TOKEN_KINDS, split):
         if unit[kind] is not None and count:
-            out[kind] = Decimal(round(Fraction(count) * unit[kind] * 100)) / 100
+            out[kind] = Fraction(count) * unit[kind]
     return out
 
 
@@ -114,15 +119,15 @@ def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], fold
         book = PriceBook.load(ledger)
         tenants = sorted({r.tenant for r in ledger.tenant_usage(start_us, end_us)})
         usage_ns = {r.tenant: r.attributed_ns for r in ledger.tenant_usage(start_us, end_us)}
-        expected_cost: dict[str, Decimal] = defaultdict(Decimal)
+        exact_per_line_group: dict[tuple, Fraction] = defaultdict(Fraction)  # rounded once per group (docs/billing.md)
         expected_tokens: dict[tuple[str, str], int] = defaultdict(int)  # (tenant, kind) → priced tokens
         cells: dict[str, set] = defaultdict(set)
         for tenant in tenants:  # the ledger's own per-class, per-hour usage, priced here
             for engine_class, hour_us, ns, _slices, _tokens, *split in ledger.class_usage(start_us, end_us, "hour", tenant):
                 price = book.price_at(engine_class, hour_us)
-                expected_cost[tenant] += exact_cost(ns, price.engine_hour_price)
+                exact_per_line_group[(tenant, "usage", engine_class, "engine_time")] += exact_cost(ns, price.engine_hour_price)
                 for kind, cost in exact_token_costs(split, price).items():
-                    expected_cost[tenant] += cost
+                    exact_per_line_group[(tenant, "usage", engine_class, kind)] += cost
                     expected_tokens[(tenant, kind)] += split[TOKEN_KINDS.index(kind)]
                 cells[tenant].add((engine_class, hour_us))
         split_per_tenant = {r.tenant: (r.num_uncached_prompt_tokens, r.num_cached_prompt_tokens, r.num_output_tokens)
@@ -133,7 +138,11 @@ def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], fold
     owed_ns = dict(usage_ns)
     for a in adjustments:
         owed_ns[a.tenant] = owed_ns.get(a.tenant, 0) + a.delta_ns
-        expected_cost[a.tenant] += exact_cost(a.delta_ns, book.price_at(a.engine_class, a.period_start_us).engine_hour_price)
+        exact_per_line_group[(a.tenant, "adjustment", a.engine_class, a.to_version)] += exact_cost(
+            a.delta_ns, book.price_at(a.engine_class, a.period_start_us).engine_hour_price)
+    expected_cost: dict[str, Decimal] = defaultdict(Decimal)  # one month, one model version per class and tenant here
+    for (tenant, *_group), exact in exact_per_line_group.items():
+        expected_cost[tenant] += cents(exact)
 
     focus = folder / "focus.csv"
     ids = json.loads(export(db_url, "focus", period_s, focus, "--json").stdout)["ids"]
@@ -166,9 +175,19 @@ def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], fold
     assert set(ratios.values()) == {Decimal(1)}
     assert dict(focus_tokens) == dict(expected_tokens)  # every priced token, once
     assert {t: tuple(v) for t, v in x_split.items()} == split_per_tenant  # the x_ columns: the ledger's split
-    again = folder / "again.csv"
-    assert json.loads(export(db_url, "focus", period_s, again, "--json").stdout)["ids"] == ids  # a re-export: same ids
-    assert [r["x_IdempotencyId"] for r in read_csv(again)] == ids
+    again = folder / "again.csv"  # a re-export is refused (docs/billing.md: Stripe dedupes for 24 h only); forced: nothing new
+    refused = run_cli("export", "--format", "focus", "--db", db_url, "--start", str(period_s[0]), "--end", str(period_s[1]),
+                      "-o", str(again))
+    assert refused.returncode == 2 and not again.exists(), refused.stderr
+    assert refused.stderr.startswith(f"error: {len(ids)} lines of this period were already exported as focus; a receiver "
+                                     "deduplicates ids only for a while (Stripe: 24 hours)") and refused.stderr.count("\n") == 1
+    forced = json.loads(export(db_url, "focus", period_s, again, "--json", "--force").stdout)
+    assert forced["ids"] == [] and forced["already_exported"] == len(ids) and read_csv(again) == []
+    ledger = Ledger(db_url)
+    try:  # the ids are the charges' revision-0 ids, those of the releases before revisions
+        assert ids == [c.idempotency_id for c in charges(ledger, start_us, end_us)]
+    finally:
+        ledger.close()
 
     events = _cloudevents(db_url, period_s, folder)
     stripe = _stripe(db_url, period_s, folder)

@@ -162,11 +162,18 @@ def test_focus_export_passes_the_validator_and_sums_to_the_ledger(served, tmp_pa
     for entry in adjustments:
         [row] = [r for r in rows if r["ChargeCategory"] == "Adjustment" and r["SubAccountId"] == entry.tenant]
         assert int(row["x_AttributedNs"]) == entry.delta_ns and row["ChargeClass"] == "Correction"
-    for r in rows:  # cost = seconds × price, rounded half to even to the cent, per charge
+    group_exact: dict[tuple, Fraction] = defaultdict(Fraction)
+    group_cents: dict[tuple, Decimal] = defaultdict(Decimal)
+    for r in rows:  # cost = seconds × price exactly; cents given once per line, the remainder carried within its group
         price = book.price_at(r["x_EngineClass"], int(__import__("datetime").datetime.fromisoformat(r["ChargePeriodStart"]).timestamp()) * 1_000_000)
         exact = Fraction(int(r["x_AttributedNs"])) * Fraction(price.engine_hour_price) / 3_600_000_000_000
-        assert Decimal(r["BilledCost"]) == Decimal(round(exact * 100)) / 100 == Decimal(r["EffectiveCost"])
+        assert abs(Decimal(r["BilledCost"]) - Decimal(round(exact * 100)) / 100) <= Decimal("0.01")
+        assert Decimal(r["BilledCost"]) == Decimal(r["EffectiveCost"])
+        group = (r["SubAccountId"], r["ChargeCategory"], r["x_EngineClass"], r["x_ModelVersion"])
+        group_exact[group] += exact
+        group_cents[group] += Decimal(r["BilledCost"])
         assert Decimal(r["ConsumedQuantity"] or "0") * 10**9 == (int(r["x_AttributedNs"]) if r["ChargeCategory"] == "Usage" else 0)
+    assert {g: Decimal(round(e * 100)) / 100 for g, e in group_exact.items()} == dict(group_cents)  # rounded once per group
     second_hour = [r for r in rows if r["x_EngineClass"] == CLASS_A and r["ChargePeriodStart"].endswith(f"{(HOUR0 // 3600 + 1) % 24:02d}:00:00Z")]
     assert second_hour and {r["ListUnitPrice"] for r in second_hour} == {"4.75"}
 
@@ -180,15 +187,20 @@ def test_focus_export_passes_the_validator_and_sums_to_the_ledger(served, tmp_pa
 
     again = tmp_path / "again.csv"
     rerun = run_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
-                    "-o", str(again), "--json")
-    assert rerun.returncode == 0 and json.loads(rerun.stdout)["ids"] == [r["x_IdempotencyId"] for r in rows]
-    assert [r["x_IdempotencyId"] for r in _read_csv(again)] == [r["x_IdempotencyId"] for r in rows]
+                    "-o", str(again), "--json", "--force")
+    assert rerun.returncode == 0 and json.loads(rerun.stdout)["ids"] == [] and _read_csv(again) == []  # nothing new
     assert len({r["x_IdempotencyId"] for r in rows}) == len(rows)
 
-    parquet = tmp_path / "focus.parquet"
-    assert run_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
-                   "-o", str(parquet)).returncode == 0
+    from llmvisor.billing.formats import focus_rows, write_focus
+    from llmvisor.billing.periods import recorded_lines
+
+    parquet = tmp_path / "focus.parquet"  # the recorded lines, written as Parquet by the export's writer
+    ledger = Ledger(served)
+    order = [r["x_IdempotencyId"] for r in rows]
+    write_focus(focus_rows(sorted(recorded_lines(ledger), key=lambda c: order.index(c.idempotency_id))), parquet)
+    ledger.close()
     table = pq.read_table(parquet).to_pylist()
+    assert [t["x_IdempotencyId"] for t in table] == [r["x_IdempotencyId"] for r in rows]
     assert [t["BilledCost"] for t in table] == [r["BilledCost"] for r in rows]
     assert [t["x_AttributedNs"] for t in table] == [int(r["x_AttributedNs"]) for r in rows]
 

@@ -173,9 +173,11 @@ def test_a_push_failing_after_n_events_resumes_without_duplicates(receiver, serv
     assert resumed.returncode == 0, resumed.stderr
     assert receiver.acknowledged == ids  # each event sent and taken once: the progress file skipped the first two
     assert receiver.taken == set(ids) and receiver.dropped == []
-    again = run_cli(*_export(served, receiver.url))  # without the file every body goes again, and the ids dedupe
-    assert again.returncode == 0 and receiver.acknowledged == ids + ids
-    assert receiver.taken == set(ids) and receiver.dropped == ids
+    again = run_cli(*_export(served, receiver.url))  # delivered: a re-push is refused (Stripe dedupes 24 h only)
+    assert again.returncode == 2 and "already exported as stripe" in again.stderr and receiver.acknowledged == ids
+    forced = run_cli(*_export(served, receiver.url, "--force"))  # only what stripe does not have: nothing
+    assert forced.returncode == 0 and receiver.acknowledged == ids
+    assert receiver.taken == set(ids) and receiver.dropped == []
 
 
 def test_a_killed_push_resumes_and_the_receiver_takes_each_event_once(receiver, served, tmp_path):  # noqa: F811

@@ -12,17 +12,34 @@ kind of token (`TOKEN_ITEMS`) with tokens of that kind, over the same tenant, cl
 once (`token_cost`). Their counts are the ledger's token split; usage whose split is unknown (rows copied from a
 ledger before schema 6) cannot be priced per token and is refused in one line, never counted as 0 tokens.
 Adjustments re-attribute engine time only: tokens do not change with a model.
+
+Rounding: every charge carries its exact cost (``exact_cost``); its ``cost`` in cents is given by `round_lines` in
+line order within its line group (`line_group`: kind, tenant, class, version, item, currency and the calendar UTC
+month of its start), carrying the sub-cent remainder forward (`llmvisor.billing.prices.carried_cents`).
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from decimal import Decimal
+from fractions import Fraction
 
 from sqlalchemy import and_, func, select
 
-from llmvisor.billing.prices import TOKEN_ITEMS, US_PER_HOUR, Price, PriceBook, PriceError, cost_of, token_cost, token_unit_price
+from llmvisor.billing.prices import (
+    TOKEN_ITEMS,
+    US_PER_HOUR,
+    Price,
+    PriceBook,
+    PriceError,
+    carried_cents,
+    exact_cost,
+    exact_token_cost,
+    rounded_cost,
+    token_unit_price,
+)
 from llmvisor.core.tokens import TOKEN_SPLIT, add_counts
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
@@ -58,6 +75,10 @@ class Charge:
     """The usage's (uncached prompt, cached prompt, output) tokens (`TOKEN_SPLIT`), None where unknown; a token
     charge's quantity is its own kind's count."""
     unit_price: Decimal | None = None  # a token charge: the price of one token of its kind
+    exact_cost: Fraction | None = None  # the exact amount; ``cost`` is its line's cents (`round_lines`)
+    revision: int = 0  # 0: the charge's first exported line; 1, 2, ...: its corrections (`llmvisor.billing.periods`)
+    billed_period_start_us: int | None = None
+    """The billing period (month) an exported line is billed in (`llmvisor.billing.periods`); None: not recorded."""
 
     @property
     def quantity(self) -> int:
@@ -65,13 +86,51 @@ class Charge:
         return self.attributed_ns if self.item == ENGINE_TIME else self.tokens[TOKEN_ITEMS.index(self.item)]
 
     @property
-    def idempotency_id(self) -> str:
-        """Stable id of (kind, tenant, period, engine class, model version[, token kind]): a re-export gives the same
-        id (engine time's ids are those of the releases before token prices)."""
+    def line_key(self) -> str:
+        """What the charge is of (kind, tenant, period, engine class, model version, adjusted-from versions[, token
+        kind]): the same for all its revisions."""
         parts = (self.kind, self.tenant, str(self.period_start_us), str(self.period_end_us), self.engine_class,
                  str(self.model_version), self.from_versions)
-        key = "|".join(parts if self.item == ENGINE_TIME else (*parts, self.item))
+        return "|".join(parts if self.item == ENGINE_TIME else (*parts, self.item))
+
+    @property
+    def idempotency_id(self) -> str:
+        """Id of one line: uuid5 of its ``line_key`` and, from revision 1 on, its revision. Revision 0's id is that of
+        the releases before revisions (and engine time's that of the releases before token prices), so a period
+        exported by them and exported again is still deduplicated; each later revision is new content, a new id."""
+        key = self.line_key if self.revision == 0 else f"{self.line_key}|revision {self.revision}"
         return str(uuid.uuid5(ID_NAMESPACE, key))
+
+
+def month_bounds_us(us: int) -> tuple[int, int]:
+    """The calendar UTC month holding ``us``: the billing period, [start, end) in Unix microseconds."""
+    start = datetime.fromtimestamp(us // 1_000_000, tz=UTC).replace(day=1, hour=0, minute=0, second=0)
+    end = start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
+    return int(start.timestamp()) * 1_000_000, int(end.timestamp()) * 1_000_000
+
+
+def line_group(c: Charge) -> tuple:
+    """The lines whose exact amounts are summed before rounding: one tenant's kind, class, version, item and
+    currency in one billing period (the month of the line's start)."""
+    return (c.kind, c.tenant, c.engine_class, c.model_version, c.item, c.price.currency, month_bounds_us(c.period_start_us)[0])
+
+
+def round_lines(lines: list[Charge], history: dict[tuple, tuple[Fraction, Decimal]] | None = None) -> list[Charge]:
+    """The lines with their cents (``cost``), in the order given, each group's remainder carried forward from the
+    group's earlier lines: those of ``history`` (group → exact total and cents already exported; updated in place)
+    and those before it in ``lines``. Unpriced lines are left as they are."""
+    history = {} if history is None else history
+    out = []
+    for c in lines:
+        if c.exact_cost is None:
+            out.append(c)
+            continue
+        key = line_group(c)
+        exact_before, cents_before = history.get(key, (Fraction(0), Decimal(0)))
+        cents = carried_cents(exact_before, cents_before, c.exact_cost)
+        history[key] = (exact_before + c.exact_cost, cents_before + cents)
+        out.append(replace(c, cost=cents))
+    return out
 
 
 def _apportion(parts: list[int], digits: int = 12) -> list[Decimal]:
@@ -142,12 +201,13 @@ def usage_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str]
         if wanted is not None and t not in wanted:
             continue
         price = book.price_at(c, h)
-        usage = Charge("usage", t, c, v, h, h + US_PER_HOUR, ns, tok, price, None if price is None else cost_of(ns, price),
-                       ratios.get(k), tokens=split)
+        exact = None if price is None else exact_cost(ns, price)
+        usage = Charge("usage", t, c, v, h, h + US_PER_HOUR, ns, tok, price, None if exact is None else rounded_cost(exact),
+                       ratios.get(k), tokens=split, exact_cost=exact)
         charges.append(usage)
         if price is not None:
             charges.extend(token_charges(usage))
-    return charges
+    return round_lines(charges)
 
 
 def token_charges(usage: Charge) -> list[Charge]:
@@ -165,8 +225,9 @@ def token_charges(usage: Charge) -> list[Charge]:
                 "split (it was stored before ledger schema 6); give that period a price without token prices "
                 "(llmvisor prices add, same valid_from) or start the token prices after it")
         if count:
+            exact = exact_token_cost(count, unit)
             out.append(replace(usage, item=item, attributed_ns=0, num_new_tokens=0, unit_price=unit,
-                               cost=token_cost(count, unit), allocated_ratio=None))
+                               cost=rounded_cost(exact), exact_cost=exact, allocated_ratio=None))
     return out
 
 
@@ -184,10 +245,11 @@ def adjustment_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list
             raise PriceError(f"adjustment of engine class {row.engine_class!r} for [{row.period_start_us / 1e6:.0f}, "
                              f"{row.period_end_us / 1e6:.0f}) spans a price change; it cannot be priced")
         price = book.price_at(row.engine_class, row.period_start_us)
+        exact = None if price is None else exact_cost(row.delta_ns, price)
         charges.append(Charge("adjustment", row.tenant, row.engine_class, row.to_version, row.period_start_us,
-                              row.period_end_us, row.delta_ns, 0, price, None if price is None else cost_of(row.delta_ns, price),
-                              from_versions=row.from_versions, made_at_us=row.created_at_us))
-    return charges
+                              row.period_end_us, row.delta_ns, 0, price, None if exact is None else rounded_cost(exact),
+                              from_versions=row.from_versions, made_at_us=row.created_at_us, exact_cost=exact))
+    return round_lines(charges)
 
 
 def charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str] | None = None) -> list[Charge]:
@@ -197,8 +259,9 @@ def charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str] | Non
 
 
 def tenant_costs(ledger: Ledger, start_us: int, end_us: int, tenants: list[str] | None = None) -> dict[str, dict[str, Decimal]]:
-    """What each tenant owes for a period, per currency: the sum of its charges' costs (usage and adjustments, each
-    rounded by ``cost_of``). Unpriced charges add nothing; a tenant with no priced charge is absent."""
+    """What each tenant owes for a period, per currency: the sum of its charges' costs (usage and adjustments, rounded
+    by `round_lines` over the period asked: each line group's exact total rounded once). Unpriced charges add nothing;
+    a tenant with no priced charge is absent."""
     owed: dict[str, dict[str, Decimal]] = {}
     for charge in charges(ledger, start_us, end_us, tenants):
         if charge.cost is not None:

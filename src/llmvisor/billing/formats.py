@@ -1,6 +1,6 @@
 """Charges in the records billing and FinOps tools read: FOCUS rows (CSV, Parquet), CloudEvents for OpenMeter,
-Stripe meter events and Lago events. Each record carries its charge's idempotency id, so a re-export never
-double-bills. Metering events carry engine time in integer nanoseconds (``engine_ns``), exact.
+Stripe meter events and Lago events. Each record carries its line's idempotency id, which names one content
+(`llmvisor.billing.periods`: a correction is a line of its own, with its own id). Metering events carry engine time in integer nanoseconds (``engine_ns``), exact.
 
 Token charges (a price with token prices, `llmvisor.billing.charges`) are records of their own: a FOCUS Usage row per
 kind of token (ConsumedUnit and PricingUnit ``Tokens``, a SkuId per kind, `TOKEN_SKUS`), and a metering event per kind
@@ -75,12 +75,23 @@ def _allocation_details(c: Charge) -> str:
             f'"UsageQuantity":{_seconds(c.attributed_ns)},"x_SubAccountId":{json.dumps(c.tenant)}}}]}}')
 
 
-def _adjustment_billing(c: Charge) -> tuple[str, str, str | None]:
-    """(BillingPeriodStart, BillingPeriodEnd, ChargeClass) of an adjustment: billed in the month it was made; a
-    correction of an earlier month is ChargeClass "Correction", one within its own month is not (FOCUS 1.2,
+def _billing(c: Charge) -> tuple[str, str, str | None]:
+    """(BillingPeriodStart, BillingPeriodEnd, ChargeClass) of a line: billed in the period it was recorded for
+    (`Charge.billed_period_start_us`: its own month, or for a correction of a closed period the month the correction
+    was made; an adjustment not recorded: the month it was made). A line billed in a later month than its charge's
+    corrects a period already invoiced: ChargeClass "Correction"; one within its own month is null (FOCUS 1.2,
     ChargeClass: null for a correction within the current billing period)."""
-    made = _month_bounds(c.made_at_us if c.made_at_us is not None else c.period_start_us)
-    return made[0], made[1], None if made == _month_bounds(c.period_start_us) else "Correction"
+    if c.billed_period_start_us is not None:
+        billed = _month_bounds(c.billed_period_start_us)
+    elif c.kind == "adjustment":
+        billed = _month_bounds(c.made_at_us if c.made_at_us is not None else c.period_start_us)
+    else:
+        billed = _month_bounds(c.period_start_us)
+    return billed[0], billed[1], None if billed == _month_bounds(c.period_start_us) else "Correction"
+
+
+def _correction_note(c: Charge) -> str:
+    return f" (correction {c.revision} of this charge: the usage stored after it was exported)" if c.revision else ""
 
 
 def read_customer_map(path: Path | None) -> dict[str, str]:
@@ -133,7 +144,7 @@ def focus_rows(charges: list[Charge], *, billing_account: str = "llmvisor") -> l
             rows.append(_focus_token_row(c, billing_account))
             continue
         usage = c.kind == "usage"
-        billing_start, billing_end, charge_class = (*_month_bounds(c.period_start_us), None) if usage else _adjustment_billing(c)
+        billing_start, billing_end, charge_class = _billing(c)
         version = "default model" if c.model_version == 0 else f"model v{c.model_version}"
         details = _allocation_details(c) if usage and c.allocated_ratio is not None else None
         cost = _number(c.cost)
@@ -149,7 +160,8 @@ def focus_rows(charges: list[Charge], *, billing_account: str = "llmvisor") -> l
             "ChargeCategory": "Usage" if usage else "Adjustment",
             "ChargeClass": charge_class,
             "ChargeDescription": (f"engine time on engine class {c.engine_class or '(none)'}, attributed by the {version}"
-                                  if usage else f"correction of the bill by model v{c.model_version} (billed by {c.from_versions})"),
+                                  if usage else f"correction of the bill by model v{c.model_version} (billed by {c.from_versions})")
+                                 + _correction_note(c),
             "ChargeFrequency": "Usage-Based",
             "ChargePeriodEnd": _iso(c.period_end_us),
             "ChargePeriodStart": _iso(c.period_start_us),
@@ -201,14 +213,15 @@ def _focus_token_row(c: Charge, billing_account: str) -> dict:
     """A token charge's FOCUS Usage row: the tokens of one kind as ConsumedQuantity and PricingQuantity (``Tokens``),
     the unit price as ListUnitPrice and ContractedUnitPrice (cached prompt tokens: the prompt price less the cached
     discount), a SkuId of its own; no split-cost allocation (a tenant's tokens are its own, not a share)."""
-    billing_start, billing_end = _month_bounds(c.period_start_us)
+    billing_start, billing_end, charge_class = _billing(c)
     version = "default model" if c.model_version == 0 else f"model v{c.model_version}"
     cost, quantity, sku = _number(c.cost), str(c.quantity), f"{TOKEN_SKUS[c.item]}/{c.engine_class or 'none'}"
     return {
         "AvailabilityZone": None, "BilledCost": cost, "BillingAccountId": billing_account, "BillingAccountName": billing_account,
         "BillingCurrency": c.price.currency, "BillingPeriodEnd": billing_end, "BillingPeriodStart": billing_start,
-        "ChargeCategory": "Usage", "ChargeClass": None,
-        "ChargeDescription": f"{c.item.replace('_', ' ')} on engine class {c.engine_class or '(none)'}, usage attributed by the {version}",
+        "ChargeCategory": "Usage", "ChargeClass": charge_class,
+        "ChargeDescription": f"{c.item.replace('_', ' ')} on engine class {c.engine_class or '(none)'}, usage attributed by the {version}"
+                             + _correction_note(c),
         "ChargeFrequency": "Usage-Based", "ChargePeriodEnd": _iso(c.period_end_us), "ChargePeriodStart": _iso(c.period_start_us),
         "CommitmentDiscountCategory": None, "CommitmentDiscountId": None, "CommitmentDiscountName": None,
         "CommitmentDiscountStatus": None, "CommitmentDiscountType": None,
@@ -261,6 +274,8 @@ def _data(c: Charge) -> dict:
                 "kind": c.kind, "period_start": _iso(c.period_start_us), "period_end": _iso(c.period_end_us),
                 "unit_price": str(c.unit_price)}
         data.update(cost=str(c.cost), currency=c.price.currency)
+        if c.revision:
+            data["revision"] = c.revision
         return data
     data = {"engine_ns": c.attributed_ns, "engine_class": c.engine_class, "model_version": c.model_version, "kind": c.kind,
             "period_start": _iso(c.period_start_us), "period_end": _iso(c.period_end_us), "new_tokens": c.num_new_tokens}
@@ -270,6 +285,8 @@ def _data(c: Charge) -> dict:
         data.update(cost=str(c.cost), currency=c.price.currency)
     if c.kind == "adjustment":
         data["adjusted_from_versions"] = c.from_versions
+    if c.revision:
+        data["revision"] = c.revision
     return data
 
 

@@ -7,10 +7,12 @@ in the prefix cache (it needs a prompt price; absent: 0, cached tokens cost the 
 ledger's token split (schema 6, `llmvisor.core.tokens`): uncached prompt tokens × prompt price, cached prompt tokens
 × prompt price × (1 − discount), output tokens × output price (`token_unit_price`).
 
-Money is exact: prices are kept as decimal strings and costs are computed as exact fractions, then rounded once
-per charge (one tenant, one engine class, one model version, one charge period and one item: engine time or one
-kind of token) half-to-even to the currency's minor unit (the cent: 2 decimals). ``rounded_cost`` is that rule,
-written once; ``cost_of`` applies it to engine time, ``token_cost`` to tokens.
+Money is exact: prices are kept as decimal strings and costs are computed as exact fractions (``exact_cost``,
+``exact_token_cost``). Rounding (half to even, to the currency's minor unit, the cent: ``rounded_cost``) happens once
+per invoice line with the sub-cent remainder carried forward (`carried_cents`): a line's cents are the rounded
+running exact total of its line group (tenant, class, model version, item, currency and calendar month) after it,
+less the cents already given to the group's earlier lines, so the month's lines sum to its exact total rounded
+once. Rounding each hourly charge by itself billed a charge of a few tenths of a cent as 0.00, every hour.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from llmvisor.ledger.store import now_us
 NS_PER_HOUR = 3_600_000_000_000
 US_PER_HOUR = 3_600_000_000
 MINOR_UNIT_DIGITS = 2
-"""Costs are rounded to the cent (2 decimals), half to even, once per charge."""
+"""Costs are rounded to the cent (2 decimals), half to even, once per line group running total (module note)."""
 MAX_PRICE_DIGITS = 28
 """Significant digits a price may have (Decimal's default precision: what it keeps exactly)."""
 
@@ -74,16 +76,26 @@ class Price:
 
 
 def rounded_cost(exact: Fraction) -> Decimal:
-    """An exact amount rounded half to even to the cent (``MINOR_UNIT_DIGITS``), once per charge."""
+    """An exact amount rounded half to even to the cent (``MINOR_UNIT_DIGITS``)."""
     minor = round(exact * 10**MINOR_UNIT_DIGITS)  # round() of a Fraction is exact and half to even
     return Decimal(minor).scaleb(-MINOR_UNIT_DIGITS)
 
 
+def carried_cents(exact_before: Fraction, cents_before: Decimal, exact: Fraction) -> Decimal:
+    """The cents of a line of ``exact`` amount whose group's earlier lines total ``exact_before`` exactly and were
+    given ``cents_before``: the group's rounded running total after it less what was given (module note). With
+    ``cents_before == rounded_cost(exact_before)`` the result is within one cent of ``rounded_cost(exact)``."""
+    return rounded_cost(exact_before + exact) - cents_before
+
+
+def exact_cost(attributed_ns: int, price: Price) -> Fraction:
+    """Attributed engine time at a price per engine-hour, exact (negative time, an adjustment's credit: negative)."""
+    return Fraction(int(attributed_ns)) * Fraction(price.engine_hour_price) / NS_PER_HOUR
+
+
 def cost_of(attributed_ns: int, price: Price) -> Decimal:
-    """Engine time's cost at ``price``: ``attributed_ns / NS_PER_HOUR × engine_hour_price``, computed exactly and
-    rounded half to even to the cent (``MINOR_UNIT_DIGITS``). Negative time (an adjustment's credit) gives a
-    negative cost, rounded the same way."""
-    return rounded_cost(Fraction(int(attributed_ns)) * Fraction(price.engine_hour_price) / NS_PER_HOUR)
+    """``exact_cost`` rounded by itself: the cost of one charge standing alone (a line group of one line)."""
+    return rounded_cost(exact_cost(attributed_ns, price))
 
 
 def token_unit_price(price: Price, item: str) -> Decimal | None:
@@ -104,9 +116,14 @@ def token_unit_price(price: Price, item: str) -> Decimal | None:
     return unit
 
 
+def exact_token_cost(tokens: int, unit_price: Decimal) -> Fraction:
+    """Tokens' cost at a unit price (`token_unit_price`), exact."""
+    return Fraction(int(tokens)) * Fraction(unit_price)
+
+
 def token_cost(tokens: int, unit_price: Decimal) -> Decimal:
-    """Tokens' cost at a unit price (`token_unit_price`), exact, rounded once like engine time's."""
-    return rounded_cost(Fraction(int(tokens)) * Fraction(unit_price))
+    """``exact_token_cost`` rounded by itself, like `cost_of`."""
+    return rounded_cost(exact_token_cost(tokens, unit_price))
 
 
 def _decimal(source: str, field: str, value, *, required: bool) -> Decimal | None:

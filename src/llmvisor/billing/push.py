@@ -1,6 +1,6 @@
 """Send export bodies to a billing system's ingest URL, retrying what may succeed later (429, 5xx, connection errors)
 and never what the receiver refused (any other 4xx). Bodies carry idempotency ids, so a retried or resumed send
-cannot double-bill at a receiver that deduplicates by id; an optional progress file also keeps a resumed push from
+is taken once by a receiver that deduplicates by id, while it remembers ids (Stripe: 24 hours); an optional progress file also keeps a resumed push from
 re-sending the bodies already acknowledged."""
 
 from __future__ import annotations

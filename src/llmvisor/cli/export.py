@@ -28,7 +28,10 @@ def export(
     progress: Annotated[Path | None, typer.Option("--progress", help="With --push: record each body the receiver "
                                                   "acknowledged in this file; a rerun with it resumes, skipping them.",
                                                   dir_okay=False, metavar="FILE")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be written or sent; write and send nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be written or sent; write, send and record "
+                                          "nothing.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Export a period some of whose lines this format already has: "
+                                        "only the lines it has not (the corrections).")] = False,
     auth_env: Annotated[str | None, typer.Option("--auth-env", help="Send 'Authorization: Bearer $VAR' with --push (the "
                                                  "receiver's API key, read from this environment variable).",
                                                  metavar="VAR")] = None,
@@ -38,9 +41,13 @@ def export(
     json_output: JsonOption = False,
 ) -> None:
     """Export a period's charges (usage per tenant, engine class, model version and hour, priced at the price in force;
-    adjustments as their own records), each with a stable idempotency id."""
-    from llmvisor.billing import charges
+    adjustments as their own records), each line with an id that names its content. Every line exported is recorded
+    in the ledger; usage stored later for an exported hour is exported as a correction line of its own. A period
+    already exported in this format is refused without --force (receivers deduplicate ids only for a while: Stripe
+    24 hours), and with it only the corrections are sent. A period whose end is LLMVISOR_CLOSE_PERIOD_AFTER_S (default 3
+    days) in the past is closed first (llmvisor close-period)."""
     from llmvisor.billing import formats as fmt
+    from llmvisor.billing import periods
     from llmvisor.ledger import Ledger
 
     if format_ not in fmt.FORMATS:
@@ -60,12 +67,27 @@ def export(
             raise LlmvisorError(f"--auth-env: the environment variable {auth_env} is not set")
         headers["Authorization"] = f"Bearer {os.environ[auth_env]}"
     customer_ids = fmt.read_customer_map(customers)
+    close_after = periods.close_after_s()
     check_ledger_exists(db)
     ledger = Ledger(db)
     try:
-        found = charges(ledger, start_us, end_us, tenant or None)
+        _export(ledger, format_, start_us, end_us, tenant or None, output, customer_ids, push_url, progress, dry_run, force,
+                headers, event_name, json_output, close_after)
     finally:
         ledger.close()
+
+
+def _export(ledger, format_, start_us, end_us, tenants, output, customer_ids, push_url, progress, dry_run, force, headers,
+            event_name, json_output, close_after) -> None:
+    """Plan (record the new lines), write or push what the format does not have yet, then mark it delivered."""
+    from llmvisor.billing import formats as fmt
+    from llmvisor.billing import periods
+
+    if format_ == "focus":  # refuse an unpriced class before recording anything
+        fmt.focus_rows([c for c in charges_of(ledger, start_us, end_us, tenants) if c.price is None])
+    plan = periods.plan_export(ledger, format_, start_us, end_us, tenants, force=force, dry_run=dry_run,
+                               close_after=close_after)
+    found = plan.lines
     if format_ == "focus":
         rows = fmt.focus_rows(found)
         if dry_run:
@@ -73,10 +95,12 @@ def export(
                 typer.echo(json.dumps(row))
             return
         fmt.write_focus(rows, output)
+        periods.mark_exported(ledger, format_, found)
         if json_output:
-            echo_json({"format": format_, "file": str(output), "records": len(rows), "ids": [r["x_IdempotencyId"] for r in rows]})
+            echo_json({"format": format_, "file": str(output), "records": len(rows), "ids": [r["x_IdempotencyId"] for r in rows],
+                       "corrections": sum(c.revision > 0 for c in found), "already_exported": plan.already_exported})
         else:
-            typer.echo(f"{output}: {len(rows)} FOCUS rows")
+            typer.echo(f"{output}: {len(rows)} FOCUS rows ({sum(c.revision > 0 for c in found)} corrections)")
         return
     if format_ == "cloudevents":
         bodies = fmt.cloudevents_json(fmt.cloudevents(found, customer_ids))
@@ -104,6 +128,42 @@ def export(
         requests = push(push_url, sends, content_type=content_type, headers=headers,
                         encode=stripe_form if format_ == "stripe" else None, progress=progress)
         say(f"{push_url}: {len(bodies)} events sent in {len(sends)} bodies ({requests} requests with retries)")
+    periods.mark_exported(ledger, format_, found)
     if json_output:
         echo_json({"format": format_, "file": None if output is None else str(output), "records": len(bodies),
+                   "ids": [c.idempotency_id for c in found], "corrections": sum(c.revision > 0 for c in found),
+                   "already_exported": plan.already_exported,
                    "pushed_to": push_url, "bodies_sent": len(sends) if push_url else 0, "requests": requests})
+
+
+def charges_of(ledger, start_us: int, end_us: int, tenants):
+    from llmvisor.billing import charges
+
+    return charges(ledger, start_us, end_us, tenants)
+
+
+def close_period(
+    period: Annotated[str, typer.Option("--period", help="The billing period: a calendar UTC month, YYYY-MM.", metavar="MONTH")],
+    db: DbOption = DEFAULT_DB_URL,
+    json_output: JsonOption = False,
+) -> None:
+    """Close a billing period (a calendar UTC month that has ended): record what it bills, its lines as the ledger has
+    them now, so that usage stored for it later is billed as corrections in a later month, never merged into them.
+    An export closes a period by itself LLMVISOR_CLOSE_PERIOD_AFTER_S after its end (default 3 days)."""
+    from llmvisor.billing import periods
+    from llmvisor.ledger import Ledger
+
+    month = periods.parse_period(period)
+    check_ledger_exists(db)
+    ledger = Ledger(db)
+    try:
+        closed = periods.close_period(ledger, month)
+    finally:
+        ledger.close()
+    if json_output:
+        echo_json({"period": closed.period, "closed": closed.closed, "closed_at_us": closed.closed_at_us,
+                   "lines": closed.num_lines})
+    elif closed.closed:
+        typer.echo(f"period {closed.period} closed: {closed.num_lines} lines frozen")
+    else:
+        typer.echo(f"period {closed.period} was already closed ({closed.num_lines} lines); nothing changed")

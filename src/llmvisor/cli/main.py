@@ -36,6 +36,7 @@ ADAPTERS: dict[str, dict[str, tuple[str, str, tuple[str, ...]]]] = {
         "refit": ("llmvisor.cli.models", "refit", ("service",)),
         "adjust": ("llmvisor.cli.models", "adjust", ("service",)),
         "export": ("llmvisor.cli.export", "export", ("service", "export")),
+        "close-period": ("llmvisor.cli.export", "close_period", ("service",)),
         "audit": ("llmvisor.cli.audit", "audit", ("service", "archive")),
     },
     "prices": {

@@ -49,7 +49,10 @@ seconds, not with engines. ``request_totals`` is kept only where the service is 
 (``LLMVISOR_REQUEST_TOTALS``, on by default): at fleet scale a request's usage comes from the raw-step archive.
 
 Schema 8 adds new tables only (its block at the end of this module), so a schema-7 ledger is upgraded in place: the
-missing tables are created and the version recorded (`SCHEMA_8_TABLES`, `llmvisor.ledger.store.Ledger`).
+missing tables are created and the version recorded (`SCHEMA_8_TABLES`, `llmvisor.ledger.store.Ledger`). Billing
+(issue #36): ``billing_lines`` (every exported line's content, per line and revision), ``line_exports`` (which lines
+each export format has written or pushed) and ``closed_periods`` (billing months closed, what they billed frozen in
+``billing_lines``).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    UniqueConstraint,
 )
 
 from llmvisor.core.tokens import TOKEN_SPLIT
@@ -320,5 +324,60 @@ run_ends = Table(
 )
 """One row per ended run; a run without one is open (still running, or it ended without a clean shutdown)."""
 
-SCHEMA_8_TABLES = (run_digests, duplicate_runs, run_ends)
+#
+# Billing (issue #36, `llmvisor.billing.periods`): an exported line's id names one immutable content. A charge's
+# line (``line_key``: kind, tenant, charge period, class, version, adjusted-from versions, item) is recorded with
+# revision 0 the first time it is exported; usage stored for it later is never merged into it but becomes the next
+# revision, a correction line of the difference, with an id of its own.
+
+billing_lines = Table(
+    "billing_lines",
+    metadata,
+    Column("line_id", Text, primary_key=True, doc="the idempotency id every export format carries (uuid5)"),
+    Column("line_key", Text, nullable=False, doc="the charge the line is of; revisions of one charge share it"),
+    Column("revision", Integer, nullable=False, doc="0: the first line of the charge; 1, 2, ...: its corrections"),
+    Column("kind", Text, nullable=False, doc="usage or adjustment"),
+    Column("tenant", Text, nullable=False),
+    Column("engine_class", Text, nullable=False),
+    Column("model_version", Integer, nullable=False),
+    Column("from_versions", Text, nullable=False),
+    Column("item", Text, nullable=False, doc="engine_time or a kind of token"),
+    Column("charge_start_us", BigInteger, nullable=False),
+    Column("charge_end_us", BigInteger, nullable=False),
+    Column("period_start_us", BigInteger, nullable=False, doc="the billing period (calendar UTC month) of the charge"),
+    Column("billed_period_start_us", BigInteger, nullable=False,
+           doc="the billing period the line is billed in: the charge's own, or for a correction of a closed one the month it was made"),
+    Column("quantity", BigInteger, nullable=False, doc="this line's engine ns (a correction: the difference) or tokens"),
+    Column("num_new_tokens", BigInteger, nullable=False),
+    *(Column(name, BigInteger, nullable=True, doc="this line's token split (a correction: the difference); NULL: unknown")
+      for name in TOKEN_SPLIT_COLUMNS),
+    Column("currency", String(3), nullable=True, doc="NULL: unpriced"),
+    Column("exact_cost", Text, nullable=True, doc="this line's exact amount, a fraction 'p/q'; NULL: unpriced"),
+    Column("cost", Text, nullable=True, doc="this line's cents (decimal string), remainders carried within the period"),
+    Column("created_at_us", BigInteger, nullable=False),
+    UniqueConstraint("line_key", "revision", name="uq_billing_lines_key_revision"),
+    Index("ix_billing_lines_period_start_us", "period_start_us"),
+)
+"""Insert-only: a recorded line is never changed, so one id always names the same content."""
+
+line_exports = Table(
+    "line_exports",
+    metadata,
+    Column("format", Text, primary_key=True, doc="focus, cloudevents, stripe or lago"),
+    Column("line_id", Text, primary_key=True),
+    Column("exported_at_us", BigInteger, nullable=False, doc="when the file was written or the push acknowledged"),
+)
+"""A line counts as exported in a format once its file was written or every body of its push was acknowledged."""
+
+closed_periods = Table(
+    "closed_periods",
+    metadata,
+    Column("period_start_us", BigInteger, primary_key=True, autoincrement=False, doc="a calendar UTC month"),
+    Column("period_end_us", BigInteger, nullable=False),
+    Column("closed_at_us", BigInteger, nullable=False),
+    Column("closed_by", Text, nullable=False, doc="close-period, or export (LLMVISOR_CLOSE_PERIOD_AFTER_S after the end)"),
+    Column("num_lines", BigInteger, nullable=False, doc="lines of the period in billing_lines when it was closed"),
+)
+
+SCHEMA_8_TABLES = (run_digests, duplicate_runs, run_ends, billing_lines, line_exports, closed_periods)
 """Created on opening a schema-7 ledger (`IN_PLACE_UPGRADES`); existing tables are not touched."""

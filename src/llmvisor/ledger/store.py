@@ -85,7 +85,6 @@ assert [c.name for c in steps.columns] == [
 assert [c.name for c in usage_per_second.columns] == [*_USAGE_KEY, *_USAGE_SUMS, "first_timestamp_us", "last_timestamp_us",
                                                      *TOKEN_SPLIT_COLUMNS]
 
-
 class LedgerError(LlmvisorError):
     """The ledger cannot be opened or used as asked (bad URL, unreachable database, other schema)."""
 
