@@ -87,7 +87,7 @@ def test_the_usage_page_is_open_and_served_with_a_strict_policy(served):
 
 def test_tenant_usage_carries_its_cost_per_currency_once_priced(served, db_url):  # noqa: F811
     """Two classes priced in two currencies: each tenant's cost is its per-class, per-hour usage × price, rounded
-    half to even per charge (computed here from /v1/usage/classes with exact fractions), per currency; a tenant key
+    half to even once per line group (class and month) (computed here from /v1/usage/classes with exact fractions), per currency; a tenant key
     reads only its own; unpriced or not on whole hours, no cost."""
     from decimal import Decimal
     from fractions import Fraction
@@ -103,11 +103,14 @@ def test_tenant_usage_carries_its_cost_per_currency_once_priced(served, db_url):
     everyone = {t["tenant"]: t for t in client.get("/v1/usage/tenants", headers=keys["admin"]).json()["tenants"]}
     assert set(everyone) == {"acme", "globex"}
     for tenant in ("acme", "globex"):
-        expected: dict[str, Decimal] = {}
+        exact: dict[tuple[str, str], Fraction] = {}  # rounded once per line group (class; one month of data here)
         for b in client.get("/v1/usage/classes", params={"bucket": "hour"}, headers=keys[tenant]).json()["buckets"]:
             currency, price = prices[b["engine_class"]]
-            cents = round(Fraction(b["attributed_ns"]) * Fraction(price) * 100 / 3_600_000_000_000)
-            expected[currency] = expected.get(currency, Decimal("0.00")) + Decimal(cents).scaleb(-2)
+            key = (currency, b["engine_class"])
+            exact[key] = exact.get(key, Fraction(0)) + Fraction(b["attributed_ns"]) * Fraction(price) * 100 / 3_600_000_000_000
+        expected: dict[str, Decimal] = {}
+        for (currency, _), amount in exact.items():
+            expected[currency] = expected.get(currency, Decimal("0.00")) + Decimal(round(amount)).scaleb(-2)
         [own] = client.get("/v1/usage/tenants", headers=keys[tenant]).json()["tenants"]
         assert own["cost"] == everyone[tenant]["cost"] == {c: str(v) for c, v in sorted(expected.items())}
         assert set(own["cost"]) == {"EUR", "USD"} and all(Decimal(v) > 0 for v in own["cost"].values())
