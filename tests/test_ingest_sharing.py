@@ -6,6 +6,7 @@ import io
 import json
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -56,3 +57,27 @@ def test_a_bad_sharing_column_is_a_422_naming_the_row():
     with pytest.raises(PayloadError, match="effective_context_tokens: must be >= 0") as error:
         read_batch(json.dumps(data).encode(), **LIMITS)
     assert error.value.status == 422
+
+
+def test_every_body_form_meters_cached_prompt_tokens_alike():
+    """The prefix-cache fact (``num_cached_prompt_tokens``) reaches the stored records from rows, columns and
+    Parquet alike; the Parquet form once read past it and metered every cached prompt token as uncached."""
+    trace = synthetic_trace(30, max_batch_size=8, shared_prefix_fraction=0.7, seed=5)
+    table = trace.to_arrow()
+    cached = [min(int(c), 7) if phase == "prefill" else 0
+              for c, phase in zip(table.column("num_context_tokens").to_pylist(), table.column("phase").to_pylist())]
+    assert sum(cached) > 0
+    table = table.append_column("num_cached_prompt_tokens", pa.array(cached, type=pa.int64()))
+    rows = table.to_pylist()
+    groups = [rows[start:stop] for start, stop in zip(trace.step_offsets[:-1], trace.step_offsets[1:])]
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    forms = {
+        "rows": (json.dumps({"steps": groups}).encode(), None),
+        "columns": (json.dumps({"columns": table.to_pydict()}).encode(), None),
+        "parquet": (buffer.getvalue(), PARQUET_MEDIA_TYPE),
+    }
+    for name, (body, content_type) in forms.items():
+        records = prepare_batch(MODEL, read_batch(body, content_type=content_type, **LIMITS), received_at_us=0).records
+        assert records.num_cached_prompt_tokens is not None, name
+        assert records.num_cached_prompt_tokens.tolist() == cached, name

@@ -129,6 +129,9 @@ service compares with its model's (`step_fingerprint_ids`)."""
 CHECKED_COLUMNS = (*REQUIRED_COLUMNS, *SHARING_COLUMNS)
 """Columns read from every body form and checked by the trace reader; the sharing columns (format v2) are
 not stored but priced: shared KV blocks are split among their readers, whichever form the body takes."""
+READ_COLUMNS = (*CHECKED_COLUMNS, *STORED_OPTIONAL_COLUMNS, *RUN_COLUMNS, *TOKEN_COLUMNS)
+"""Every column the service reads, in every body form (rows, columns, Parquet): a column one form skipped would be
+billed differently by form (the Parquet form once dropped the cached prompt tokens)."""
 
 
 def _trace_from_columns(columns, *, max_rows: int) -> StepTrace:
@@ -137,7 +140,7 @@ def _trace_from_columns(columns, *, max_rows: int) -> StepTrace:
     if not isinstance(columns, dict):
         raise PayloadError(422, "bad_shape", f'{BODY_PATH}: "columns" must map column names to lists of values')
     _check_known(list(columns))
-    used = [name for name in (*CHECKED_COLUMNS, *STORED_OPTIONAL_COLUMNS, *RUN_COLUMNS, *TOKEN_COLUMNS) if name in columns]
+    used = [name for name in READ_COLUMNS if name in columns]
     for name in used:
         if not isinstance(columns[name], list):
             raise PayloadError(422, "bad_shape", f"{BODY_PATH}: column {name}: expected a list of values")
@@ -248,7 +251,7 @@ def _trace_from_parquet(body: bytes, *, max_rows: int, max_decoded_bytes: int) -
             raise PayloadError(413, "too_large", f"{BODY_PATH}: {n_rows} rows, at most {max_rows} per request")
         names = parquet.schema_arrow.names
         _check_known(names)
-        columns = [n for n in (*CHECKED_COLUMNS, *STORED_OPTIONAL_COLUMNS, *RUN_COLUMNS) if n in names]
+        columns = [n for n in READ_COLUMNS if n in names]
         check_parquet_footer(parquet, columns, body_bytes=len(body), max_decoded_bytes=max_decoded_bytes)
         physical = {parquet.schema.column(i).path: parquet.schema.column(i).physical_type for i in range(len(parquet.schema))}
         byte_columns = [n for n in columns if physical.get(n) == "BYTE_ARRAY"]
@@ -268,10 +271,9 @@ def _trace_from_parquet(body: bytes, *, max_rows: int, max_decoded_bytes: int) -
         raise PayloadError(400, "bad_parquet", f"{BODY_PATH}: not a readable Parquet file ({error})") from None
     if table.num_rows == 0:
         return trace_from_rows([], path=BODY_PATH)
-    optional = {}
-    if "timestamp_s" in table.column_names:
-        optional["timestamp_s"] = _optional_numbers(table.column("timestamp_s"))
-        table = table.drop_columns(["timestamp_s"])
+    optional = {name: _optional_numbers(table.column(name))
+                for name in (*STORED_OPTIONAL_COLUMNS, *TOKEN_COLUMNS) if name in table.column_names}
+    table = table.drop_columns(list(optional))
     try:
         typed, row_numbers = trace_columns_from_arrow(BODY_PATH, table)
         typed.update(optional)
