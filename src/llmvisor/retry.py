@@ -6,8 +6,8 @@ What is retried: what may succeed later, connection errors (`httpx.TransportErro
 receiver's Retry-After when it gave one (capped: a hostile or mistaken header cannot stall a sender), else
 exponential backoff from ``wait_s``, doubled per attempt up to ``max_wait_s``, jittered where many senders may retry
 at once. When to give up: after ``attempts``, or earlier when the sender runs out of time (``give_up``); the last
-error is raised then. A sender whose loop is not a bounded retry (the step pusher's outage logic, which spools and
-tries again later) reuses `backoff_s`, `retry_after_s` and `RetryableAnswer` rather than a copy of them.
+error is raised then. The engine-side pushers wrap it around each POST only: what they do once it gives up (spool,
+try the service again every ``retry_interval_s``, replay) is their own outage logic, not a retry loop.
 """
 
 from __future__ import annotations
