@@ -18,8 +18,9 @@ from _billing_checks import run_cli
 from _service_fixtures import db_url, model_path  # noqa: F401
 from llmvisor.billing import charges
 from llmvisor.billing.formats import stripe_events
-from llmvisor.billing.push import BODY_QUOTE_CHARS, PushError, push, retry_after_s
+from llmvisor.billing.push import BODY_QUOTE_CHARS, PushError, push
 from llmvisor.ledger import Ledger
+from llmvisor.retry import retry_after_s
 from test_billing import PERIOD, served  # noqa: F401
 
 

@@ -10,7 +10,7 @@ import pytest
 import uvicorn
 
 from _service_fixtures import bearer, make_steps, measured_ns, model_path  # noqa: F401
-from llmvisor.client import PUSHED_OPTIONAL_COLUMNS, REJECTED_STEPS, StepPusher, _read_spool
+from llmvisor.client import PUSHED_OPTIONAL_COLUMNS, REJECTED_STEPS, StepPusher, read_spool
 from llmvisor.core.trace import REQUIRED_COLUMNS
 from llmvisor.ledger import Ledger
 from llmvisor.service import ingest
@@ -99,7 +99,7 @@ def test_full_queue_spools_and_a_later_pusher_replays_the_spool(setup):
         first.push_step(group)
     assert first.stats.spooled >= 100
     assert first.close(timeout_s=2) is False, "the service is down: steps stay in the spool"
-    assert len(_read_spool(spool)[0]) + len(_read_spool(first.replay_path)[0]) == 120
+    assert len(read_spool(spool)[0]) + len(read_spool(first.replay_path)[0]) == 120
 
     server.start()
     second = fast_pusher(url, key, spool)
@@ -125,7 +125,7 @@ def test_rejected_steps_go_aside_and_the_rest_of_their_batch_is_stored(setup, ca
         pusher.push_step(group)
     assert pusher.close(timeout_s=30)
     assert pusher.stats.rejected == 2
-    rejected = _read_spool(pusher.rejected_path)[0]
+    rejected = read_spool(pusher.rejected_path)[0]
     assert sorted(step[0]["step_id"] for step in rejected) == [0, 1]
     assert REJECTED_STEPS._value.get() - rejected_before == 2
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]

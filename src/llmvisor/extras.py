@@ -14,11 +14,11 @@ from collections.abc import Iterable
 from llmvisor.errors import MissingExtraError
 
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
-    "service": ("fastapi", "uvicorn", "sqlalchemy", "prometheus_client", "httpx"),
+    "service": ("fastapi", "uvicorn", "sqlalchemy", "prometheus_client", "httpx", "tenacity"),
     "postgres": ("psycopg",),
     "report": ("matplotlib",),
     "eval": ("sklearn",),
-    "vllm": ("vllm", "httpx", "prometheus_client", "redis"),
+    "vllm": ("vllm", "httpx", "prometheus_client", "redis", "tenacity"),
     "archive": ("duckdb", "fsspec"),
     "export": ("cloudevents", "tenacity", "httpx"),
 }

@@ -5,17 +5,15 @@ re-sending the bodies already acknowledged."""
 
 from __future__ import annotations
 
-import email.utils
 import hashlib
 import json
 import os
-import time
 from pathlib import Path
 
 import httpx
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from llmvisor.errors import LlmvisorError
+from llmvisor.retry import RetryableAnswer, check_answer, retry_policy
 
 ATTEMPTS = 5
 MAX_WAIT_S = 60.0  # the longest one Retry-After is obeyed for: a hostile or mistaken header cannot stall a push
@@ -24,54 +22,6 @@ BODY_QUOTE_CHARS = 300  # how much of a refusal's body the error line quotes
 
 class PushError(LlmvisorError):
     """A body the receiver refused, or one that could not be sent after every retry."""
-
-
-class _Retryable(Exception):
-    """An answer that may succeed later (429, 5xx), with the receiver's Retry-After in seconds when it gave one."""
-
-    def __init__(self, detail: str, retry_after_s: float | None):
-        super().__init__(detail)
-        self.detail, self.retry_after_s = detail, retry_after_s
-
-
-def retry_after_s(value: str | None, now_s: float | None = None) -> float | None:
-    """Retry-After as seconds from now: delay-seconds or an HTTP-date (RFC 9110 10.2.3); None when absent or unreadable
-    (then the backoff applies). A date in the past is 0."""
-    if value is None or not value.strip():
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - (time.time() if now_s is None else now_s))
-
-
-class _WaitRetryAfter:
-    """Tenacity wait: the receiver's Retry-After when it gave one, else exponential backoff; never above max_wait_s."""
-
-    def __init__(self, wait_s: float, max_wait_s: float):
-        self.backoff = wait_exponential(multiplier=wait_s, max=min(10 * wait_s, max_wait_s))
-        self.max_wait_s = max_wait_s
-
-    def __call__(self, retry_state) -> float:
-        error = retry_state.outcome.exception()
-        asked = error.retry_after_s if isinstance(error, _Retryable) else None
-        return min(self.max_wait_s, asked if asked is not None else self.backoff(retry_state))
-
-
-def _should_retry(error: BaseException) -> bool:
-    return isinstance(error, _Retryable | httpx.TransportError)
-
-
-def retry_policy(attempts: int, wait_s: float, max_wait_s: float) -> Retrying:
-    """The one retry policy of a push: what to retry, how long to wait, when to give up."""
-    return Retrying(retry=retry_if_exception(_should_retry), stop=stop_after_attempt(attempts),
-                    wait=_WaitRetryAfter(wait_s, max_wait_s), reraise=True)
 
 
 def quote_body(text: str) -> str:
@@ -137,13 +87,11 @@ def push(url: str, bodies: list, *, content_type: str = "application/json", head
         nonlocal requests
         requests += 1
         response = client.post(url, content=content, headers={"content-type": content_type, **(headers or {})})
-        status = response.status_code
-        if status == 429 or status >= 500:
-            raise _Retryable(f"HTTP {status}", retry_after_s(response.headers.get("retry-after")))
+        status = check_answer(response).status_code  # 429 and 5xx are retried (llmvisor.retry)
         if status >= 400:
             raise PushError(f"{url}: the receiver refused the body with HTTP {status}: {quote_body(response.text)}")
 
-    policy = retry_policy(attempts, wait_s, max_wait_s)
+    policy = retry_policy(attempts, wait_s, min(10 * wait_s, max_wait_s), max_retry_after_s=max_wait_s)
 
     def sent(number: int) -> str:
         return f"{number - 1} of {len(bodies)} bodies were acknowledged, nothing more was sent"
@@ -157,7 +105,7 @@ def push(url: str, bodies: list, *, content_type: str = "application/json", head
                     continue
                 try:
                     policy(send, client, content)
-                except _Retryable as error:
+                except RetryableAnswer as error:
                     raise PushError(f"{url}: {error.detail} after {attempts} attempts; {sent(number)}") from None
                 except httpx.TransportError as error:
                     raise PushError(f"{url}: cannot connect ({error.__class__.__name__}) after {attempts} attempts; "

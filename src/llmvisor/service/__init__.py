@@ -1,7 +1,7 @@
 """The accounting service: HTTP ingest of step traces into the ledger, usage queries, metrics.
 
 `create_app` builds the FastAPI app; `llmvisor.cli.serve` holds the CLI commands and
-`llmvisor.client.StepPusher` the engine-side client. See docs/service.md.
+`llmvisor.client.push.StepPusher` the engine-side client. See docs/service.md.
 """
 
 from llmvisor import extras

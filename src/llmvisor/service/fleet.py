@@ -58,7 +58,7 @@ POST_TIMEOUT_S = 60.0
 LEDGER_TABLES = ("steps", "slice_batches", "usage_per_second", "windows", "tenant_seconds", "request_totals", "step_ranges")
 MODES = ("steps", "aggregate")
 MAX_WINDOWS_PER_POST = 200
-"""At most this many windows in one POST, as the engines' `llmvisor.client.WindowPusher` sends (max_batch_windows)."""
+"""At most this many windows in one POST, as the engines' `llmvisor.client.windows.WindowPusher` sends (max_batch_windows)."""
 LATE_AFTER_CLOSE_S = 1.0
 """A window acknowledged more than this after its engine closed it is late (staleness goal: window + 1 s)."""
 

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from llmvisor.client import columns_body
+from llmvisor.client.push import columns_body
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import synthetic_trace
 from llmvisor.errors import LlmvisorError

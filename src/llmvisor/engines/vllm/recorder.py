@@ -44,7 +44,8 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from llmvisor.client import StepPusher, StepRelay, service_url_from_env
+from llmvisor.client.push import StepPusher, service_url_from_env
+from llmvisor.client.relay import StepRelay
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN, EngineFingerprint, fingerprint_sidecar
 from llmvisor.core.relayed import step_rows
 from llmvisor.core.trace import TraceWriter

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from llmvisor.client import wait_for_delivery
+from llmvisor.client.relay import wait_for_delivery
 from llmvisor.core.workloads import read_workload_csv
 from llmvisor.engines.vllm.fleet import SERVED_MODEL, VOCAB_LOW, ManagedProcess, start_timeout_s, wait_healthy
 from llmvisor.errors import LlmvisorError

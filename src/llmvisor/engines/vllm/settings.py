@@ -17,7 +17,7 @@ Environment variables:
   ``LLMVISOR_FLUSH_INTERVAL_S``: at least this often while steps run (default 1.0 s). A crash loses at most
   the steps not yet written; an idle engine's last steps are written within the interval (a timer).
   With a service URL (``LLMVISOR_SERVICE_URL``) every step leaves the engine process as it ends, to a
-  delivery process that writes the trace and pushes to the service (`llmvisor.client.StepRelay`).
+  delivery process that writes the trace and pushes to the service (`llmvisor.client.relay.StepRelay`).
   Otherwise rows are encoded at flush time, many steps at once: right after a step's kernels Python runs with cold caches, and encoding one step's rows there cost about ten times more (measured).
 - ``LLMVISOR_MODEL_NAME``, ``LLMVISOR_HARDWARE``: override the ``model`` and ``hardware`` columns.
 - ``LLMVISOR_RECORDER_CONFIG``: a JSON file with any of the keys ``trace_path``, ``run_id``,
