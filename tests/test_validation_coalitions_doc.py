@@ -91,3 +91,6 @@ def test_the_docs_words_on_the_sharing_rules_follow_the_flags(result):
         assert ("the planted rule is flagged" in sentence) == planted, sentence
         if planted:
             assert ("the split rule is not" in sentence) == (not split), sentence
+    serving = result["summary"]["sharing"]["serving_size"]["rules"]
+    quoted = "where the planted whole-block rule is flagged and the split rule is not"  # "What a bill inherits"
+    assert (quoted in doc()) == (serving["whole_block_per_reader"]["flagged"] and not serving["split_among_readers"]["flagged"])
