@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import platform
+import re
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -259,16 +264,35 @@ def test_fair_scheduler_warns_on_a_model_of_another_engine(caplog):
     assert fair.check_model_fingerprint(None, SERVED) is None
 
 
+def torch_capability_for(flags) -> str:
+    """The level torch dispatches its x86 CPU kernels at on a CPU with these flags, unless ``ATEN_CPU_CAPABILITY``
+    caps it (aten's ``compute_cpu_capability``: AVX512 needs avx512f, avx512bw, avx512vl, avx512dq and fma; AVX2 needs
+    avx2 and fma)."""
+    flags = set(flags)
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:
+        return "AVX512"
+    return "AVX2" if {"avx2", "fma"} <= flags else "DEFAULT"
+
+
 @pytest.mark.vllm
 def test_the_cpu_facts_are_what_torch_and_vllm_decide_on_this_machine():
+    """The fingerprint's CPU capability is the level torch runs at: on x86 the one this CPU's flags give (read from
+    /proc/cpuinfo, not from torch), and the capped one when ``ATEN_CPU_CAPABILITY`` caps torch (the flags then say
+    more than the kernels that run)."""
     pytest.importorskip("vllm")
     import torch
 
+    import llmvisor
     from llmvisor.engines.vllm.fingerprint import cpu_capability, gemm_backend
 
-    assert cpu_capability() == torch.backends.cpu.get_cpu_capability()
-    assert gemm_backend(torch.float32) in ("onednn", "zentorch")
     flags = read_cpuinfo().flags
+    if platform.machine() in ("x86_64", "AMD64") and "ATEN_CPU_CAPABILITY" not in os.environ:
+        assert cpu_capability() == torch_capability_for(flags)
+    probe = "from llmvisor.engines.vllm.fingerprint import cpu_capability; print('capability=' + cpu_capability())"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "PYTHONPATH": str(Path(llmvisor.__file__).resolve().parents[1])}
+    capped = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+    assert re.findall(r"capability=(\w*)", capped.stdout) == ["DEFAULT"], capped.stdout[-2000:] + capped.stderr[-2000:]
+    assert gemm_backend(torch.float32) in ("onednn", "zentorch")
     if not {"avx512_fp16", "amx_fp16"} & set(flags):  # oneDNN has no float16 matmul here: vLLM falls back to torch
         assert gemm_backend(torch.float16) == "torch"
     if "avx512_bf16" in flags or "amx_bf16" in flags:

@@ -202,6 +202,30 @@ def test_bound_http_shutdown_sets_uvicorns_graceful_timeout_unless_given(monkeyp
     assert uvicorn.Config(app=None, timeout_graceful_shutdown=1).timeout_graceful_shutdown == 1
 
 
+def assert_orphaned_tail(trace, run_id: str, seen_s: float, log: str, ledger_rows: dict[str, list], excerpt: str) -> tuple[int, int]:
+    """The steps recorded after the API server's death was seen (``seen_s``, unix time) are the run's last ones, at
+    least one (the engine was running requests when it died), each wholly orphaned and measured; every step billed to
+    a client's tenant ended before the death was seen (a step that ended just before, recorded just after, is orphaned
+    too); the ledger holds the orphaned steps' tokens under the orphaned tenant. Returns (orphaned, all) step counts."""
+    mine = trace.run_id == run_id
+    orphaned = mine & (trace.tenant == ORPHANED_TENANT)
+    orphaned_steps = np.unique(trace.step_id[orphaned])
+    all_steps = np.unique(trace.step_id[mine])
+    assert orphaned_steps.size > 0, f"no step recorded as orphaned after the death was seen:\n{excerpt}"
+    assert orphaned_steps.tolist() == all_steps[all_steps.size - orphaned_steps.size :].tolist(), excerpt
+    assert not np.isin(trace.step_id[mine & ~orphaned], orphaned_steps).any()
+    ends_s = trace.extra["timestamp_s"].astype(float) + trace.step_latency_s
+    assert ends_s[mine & ~orphaned].max() <= seen_s + 1e-3, excerpt
+    counted = re.findall(r"(\d+) steps of run (\S+) ended after the API server died", log)
+    if counted:  # the engine logged it on its way out (unless its teardown was cut short)
+        assert int(counted[-1][0]) == orphaned_steps.size and counted[-1][1] == run_id, excerpt
+    assert ORPHANED_TENANT in ledger_rows, f"the ledger holds nothing under {ORPHANED_TENANT}: {sorted(ledger_rows)}"
+    assert sum(r.num_new_tokens for r in ledger_rows[ORPHANED_TENANT]) == int(trace.num_new_tokens[orphaned].sum()) > 0
+    orphaned_per_step = (trace.run_id_per_step == run_id) & np.isin(trace.step_id_per_step, orphaned_steps)
+    assert orphaned_per_step.sum() == orphaned_steps.size and (trace.step_latency_s_per_step[orphaned_per_step] > 0).all()
+    return int(orphaned_steps.size), int(all_steps.size)
+
+
 def test_sigkill_of_the_api_server_stops_the_engine_and_bills_the_steps_after_it_to_no_tenant(service, tmp_path):
     server = ApiServer(service, tmp_path, "orphan")
     clients = None
@@ -209,7 +233,7 @@ def test_sigkill_of_the_api_server_stops_the_engine_and_bills_the_steps_after_it
         engine_side = {c.pid: c.name() for c in psutil.Process(server.process.pid).children(recursive=True)}
         assert server.engine_pid() in engine_side
         clients = Clients(server, n_clients=4, max_tokens=200)
-        time.sleep(4)
+        clients.wait_mid_answer(timeout_s=120)  # the engine is running requests: the steps it ends next are orphaned
         os.kill(server.process.pid, signal.SIGKILL)  # the API server only, as an OOM kill does
         server.process.wait()
         killed_s = time.monotonic()
@@ -230,25 +254,8 @@ def test_sigkill_of_the_api_server_stops_the_engine_and_bills_the_steps_after_it
     seen = re.findall(rf"the API server \(pid {server.process.pid}\) is gone \(seen at unix time ([0-9.]+)\)", log)
     excerpt = "\n".join(line for line in log.splitlines() if "llmvisor" in line or "shutdown" in line)[-4000:]
     assert seen, excerpt
-    seen_s = float(seen[-1])
-    trace = read_trace(tmp_path / "trace.jsonl")
-    mine = trace.run_id == server.run_id
-    orphaned = mine & (trace.tenant == ORPHANED_TENANT)
-    orphaned_steps = np.unique(trace.step_id[orphaned])
-    all_steps = np.unique(trace.step_id[mine])
-    # the steps recorded after the death was seen are the run's last ones, each wholly orphaned; every step billed
-    # to a client's tenant ended before it (a step that ended just before, recorded just after, is orphaned too)
-    assert orphaned_steps.tolist() == all_steps[all_steps.size - orphaned_steps.size :].tolist(), excerpt
-    assert not np.isin(trace.step_id[mine & ~orphaned], orphaned_steps).any()
-    ends_s = trace.extra["timestamp_s"].astype(float) + trace.step_latency_s
-    assert ends_s[mine & ~orphaned].max() <= seen_s + 1e-3, excerpt
-    counted = re.findall(r"(\d+) steps of run (\S+) ended after the API server died", log)
-    if counted:  # the engine logged it on its way out (unless its teardown was cut short)
-        assert int(counted[-1][0]) == orphaned_steps.size and counted[-1][1] == server.run_id, excerpt
     # stored and measured, under the orphaned tenant only; the ledger holds every step of the trace once
     assert_ledger_matches_trace(service["db_url"], tmp_path / "trace.jsonl", server.run_id)
-    rows = request_rows(service["db_url"], server.run_id)
-    assert sum(r.num_new_tokens for r in rows.get(ORPHANED_TENANT, [])) == int(trace.num_new_tokens[orphaned].sum())
-    orphaned_per_step = (trace.run_id_per_step == server.run_id) & np.isin(trace.step_id_per_step, orphaned_steps)
-    assert (trace.step_latency_s_per_step[orphaned_per_step] > 0).all()
-    print(f"{orphaned_steps.size} of {all_steps.size} steps recorded as orphaned")
+    trace = read_trace(tmp_path / "trace.jsonl")
+    n_orphaned, n_steps = assert_orphaned_tail(trace, server.run_id, float(seen[-1]), log, request_rows(service["db_url"], server.run_id), excerpt)
+    print(f"{n_orphaned} of {n_steps} steps recorded as orphaned")
