@@ -13,7 +13,6 @@ import pytest
 pytest.importorskip("sqlalchemy")
 
 from _service_fixtures import db_url  # noqa: E402,F401
-
 from llmvisor.core.attribution import attribute  # noqa: E402
 from llmvisor.core.model import StepLatencyModel  # noqa: E402
 from llmvisor.core.rounding import apportion_ns  # noqa: E402
