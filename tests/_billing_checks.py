@@ -110,9 +110,10 @@ def exact_token_costs(split, price) -> dict[str, Fraction]:
     return out
 
 
-def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
+def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], folder: Path, *, focus_file: Path | None = None) -> dict:
     """Every export of the period, checked against the published contracts and the ledger (module note). Returns
-    the per-tenant figures: ledger nanoseconds (usage plus adjustments) and money."""
+    the per-tenant figures: ledger nanoseconds (usage plus adjustments) and money. ``focus_file``: the period's FOCUS
+    export already made (a second one is refused: its lines are recorded as exported), checked instead of a new one."""
     start_us, end_us = period_s[0] * 1_000_000, period_s[1] * 1_000_000
     ledger = Ledger(db_url)
     try:
@@ -144,9 +145,12 @@ def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], fold
     for (tenant, *_group), exact in exact_per_line_group.items():
         expected_cost[tenant] += cents(exact)
 
-    focus = folder / "focus.csv"
-    ids = json.loads(export(db_url, "focus", period_s, focus, "--json").stdout)["ids"]
+    focus = folder / "focus.csv" if focus_file is None else focus_file
+    if focus_file is None:
+        ids = json.loads(export(db_url, "focus", period_s, focus, "--json").stdout)["ids"]
     rows = read_csv(focus)
+    if focus_file is not None:
+        ids = [r["x_IdempotencyId"] for r in rows]
     assert ids == [r["x_IdempotencyId"] for r in rows] and len(set(ids)) == len(ids)
     billed: dict[str, Decimal] = defaultdict(Decimal)
     consumed: dict[str, Decimal] = defaultdict(Decimal)

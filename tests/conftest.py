@@ -76,7 +76,7 @@ def pytest_collection_modifyitems(session, config, items):
     measures, heavy = marked("measures"), marked(*HEAVY_MARKERS)
     first = [m for m in modules if m in measures]
     light = [m for m in modules if m not in heavy and m not in measures]
-    interleaved = [m for pair in zip(first, light[: len(first)]) for m in pair]
+    interleaved = [m for pair in zip(first, light[: len(first)]) for m in pair] + first[len(light):]
     light = light[len(first):]
     order = interleaved + light[: len(light) // 2] + [m for m in modules if m in heavy and m not in measures] + light[len(light) // 2:]
     rank = {name: k for k, name in enumerate(order)}

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from llmvisor.core.attribution import (
@@ -50,8 +50,15 @@ def steps(draw, max_batch=8):
 coefficient_sets = st.lists(st.floats(-1e-3, 1e-2, allow_nan=False), min_size=len(FEATURE_NAMES), max_size=len(FEATURE_NAMES))
 
 
+SUBNORMAL_COEF = [0.0] * (len(FEATURE_NAMES) - 1) + [5e-324]
+"""A model whose only price is the smallest float: a step's basis is subnormal (hypothesis found shares of inf/nan)."""
+
+
 @settings(max_examples=300, deadline=None)
 @given(step=steps(max_batch=64), coef=coefficient_sets, rule=st.sampled_from(["shapley", "proportional"]))
+@example(step=(np.array([1, 1]), np.array([0, 1]), np.array([False, False]), 1.0), coef=SUBNORMAL_COEF, rule="shapley")
+@example(step=(np.array([1]), np.array([1]), np.array([False]), 1.0), coef=SUBNORMAL_COEF, rule="shapley")
+@example(step=(np.array([3, 1]), np.array([0, 9]), np.array([True, False]), 0.5), coef=SUBNORMAL_COEF, rule="proportional")
 def test_shares_are_nonnegative_and_sum_to_the_measured_time(step, coef, rule):
     new, context, is_prefill, measured = step
     model = fixed_model([coef])

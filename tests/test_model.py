@@ -462,3 +462,11 @@ def test_a_trace_of_only_warm_up_steps_is_refused_in_one_line():
     trace.extra["is_warmup"] = np.ones(trace.n_slices, dtype=bool)
     with pytest.raises(LlmvisorError, match="too few steps to fit \\(0 of 50 left after dropping 50 warm-up"):
         StepLatencyModel().fit(trace)
+
+
+def test_a_misspelled_coefficient_in_a_model_file_is_named_with_the_closest_feature(tmp_path):
+    data = StepLatencyModel(segments="none").fit(piecewise_trace(200, seed=3)).to_dict()
+    data["segments"][0]["coef_s"]["decode_context_tokenz"] = data["segments"][0]["coef_s"].pop("decode_context_tokens")
+    (tmp_path / "typo.json").write_text(json.dumps(data))
+    with pytest.raises(ModelError, match=r"typo.json: segments\[0\]: unknown feature decode_context_tokenz; did you mean decode_context_tokens"):
+        StepLatencyModel.from_json(tmp_path / "typo.json")

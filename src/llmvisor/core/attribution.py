@@ -26,6 +26,7 @@ Alternatives, named in every output:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -142,9 +143,10 @@ def attribute_arrays(
         basis = np.maximum(basis, 0.0)
         basis_sum = np.add.reduceat(basis, starts) if starts.size else np.zeros(0)
         target = predicted if measured_step_s is None else np.asarray(measured_step_s, dtype=np.float64)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            scale = np.where(basis_sum > 0, target / basis_sum, 0.0)
-        share = basis * np.repeat(scale, batch_size)
+        # Each slice's fraction of its step's basis, then of the target: target / basis_sum first would overflow
+        # when a step's basis is subnormal (a model whose only nonzero coefficient is 5e-324 prices one at that).
+        fraction = basis / np.repeat(np.where(basis_sum > 0, basis_sum, 1.0), batch_size)
+        share = fraction * np.repeat(target, batch_size)
         empty = basis_sum <= 0
         n_equal_split = int(empty.sum())
         if n_equal_split:
@@ -267,7 +269,9 @@ class StepAttributor:
                 self.n_equal_split += 1
                 out.fill(target / n)
                 return out
-            return decode_shapley_into(out, self._work[:n], prices, num_context_tokens, e, target / basis_total, with_intercept=shapley)
+            scale = float(target) / float(basis_total)  # Python floats: an overflow is inf, without numpy's warning
+            if math.isfinite(scale):  # else a subnormal basis: the general path divides before it multiplies
+                return decode_shapley_into(out, self._work[:n], prices, num_context_tokens, e, scale, with_intercept=shapley)
         own = self._own_terms(self._coef[segment], num_new_tokens, num_context_tokens, is_prefill, n, e)
         if self.rule is AttributionRule.PAPER:
             return own
@@ -288,7 +292,8 @@ class StepAttributor:
             np.maximum(basis, 0.0, out=basis)
         total = basis.dot(self._ones[:n])
         if total > 0:
-            basis *= target / total
+            basis /= total  # first: target / total overflows for a subnormal total
+            basis *= target
         else:
             self.n_equal_split += 1
             basis.fill(target / n)

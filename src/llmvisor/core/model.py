@@ -585,14 +585,15 @@ class StepLatencyModel:
             raise ModelError(f"{source}: {unknown}")
         try:
             names = data["feature_names"]
+            # The feature list first: the segments' coefficients are named by it, so a wrong list is the reason to give.
+            if list(names) not in (list(v) for v in READABLE_FORMAT_VERSIONS.values()):
+                raise ModelError(f"{source}: feature_names {names} differ from this version's {list(FEATURE_NAMES)}")
             for k, segment in enumerate(data["segments"]):
                 unknown = unknown_name(segment, ("name", "coef_s"), kind="key") if isinstance(segment, dict) else None
                 unknown = unknown or (unknown_name(segment["coef_s"], names, kind="feature")
                                       if isinstance(segment, dict) and isinstance(segment.get("coef_s"), dict) else None)
                 if unknown:
                     raise ModelError(f"{source}: segments[{k}]: {unknown}")
-            if list(names) not in (list(v) for v in READABLE_FORMAT_VERSIONS.values()):
-                raise ModelError(f"{source}: feature_names {names} differ from this version's {list(FEATURE_NAMES)}")
             model = cls(**data.get("params", {}))
             model.boundary_ = None if data["boundary_new_tokens"] is None else float(data["boundary_new_tokens"])
             model.coef_ = np.array([[float(s["coef_s"][n]) if n in names else 0.0 for n in FEATURE_NAMES] for s in data["segments"]])
