@@ -44,7 +44,7 @@ from llmvisor.core.tokens import TOKEN_SPLIT, add_counts
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
 from llmvisor.ledger.schema import steps, tenant_seconds, usage_per_second
-from llmvisor.ledger.store import split_sums
+from llmvisor.ledger.usage import split_sums
 
 ID_NAMESPACE = uuid.UUID("5b0e7a52-3c1d-4e2a-9f47-6c6c6d766973")
 """Namespace of the idempotency ids (uuid5): fixed, so the same charge gets the same id on every export."""

@@ -35,8 +35,8 @@ from llmvisor.billing.prices import PriceBook, carried_cents, token_unit_price
 from llmvisor.core.tokens import TOKEN_SPLIT
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
+from llmvisor.ledger.connection import now_us
 from llmvisor.ledger.schema import billing_lines, closed_periods, line_exports
-from llmvisor.ledger.store import now_us
 
 CLOSE_AFTER_ENV = "LLMVISOR_CLOSE_PERIOD_AFTER_S"
 DEFAULT_CLOSE_AFTER_S = 3 * 86400

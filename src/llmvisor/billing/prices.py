@@ -28,8 +28,8 @@ from sqlalchemy import func, insert, select
 
 from llmvisor.errors import LlmvisorError, unknown_name
 from llmvisor.ledger import Ledger
+from llmvisor.ledger.connection import now_us
 from llmvisor.ledger.schema import prices
-from llmvisor.ledger.store import now_us
 
 NS_PER_HOUR = 3_600_000_000_000
 US_PER_HOUR = 3_600_000_000
