@@ -319,3 +319,43 @@ class UsageQueries(LedgerConnection):
         )
         with self._read() as conn:
             return {(str(r[0]), int(r[1])): int(r[2]) for r in conn.execute(query) if int(r[2])}
+
+    def hourly_usage(self, start_us: int, end_us: int, *, default_version: int = 0) -> list[tuple]:
+        """Usage of [start_us, end_us) per UTC hour, engine class, model version and tenant, as billing charges it
+        (`llmvisor.billing.charges`): rows (hour_us, engine_class, model_version, tenant, attributed_ns, num_new_tokens,
+        and the token split, None where unknown, `split_sums`), those of steps stored one by one first (by hour, class,
+        version, tenant), then those of window aggregates (in no set order); both read in one snapshot. A row can
+        appear once in each part, for a tenant metered both ways in an hour.
+
+        A stored step's usage takes the class and version of its run's steps in its second (the higher version where
+        two billed that second; ``default_version`` for the service's default model, NULL in the ledger). A window's
+        takes its own, in the hour the window starts; pending windows (version 0) are left out."""
+        hour_us = BUCKET_US["hour"]
+        second = (steps.c.timestamp_us // 1_000_000) * 1_000_000
+        run_second = (
+            select(steps.c.run_id, second.label("second_us"), func.min(steps.c.engine_class).label("engine_class"),
+                   func.max(func.coalesce(steps.c.model_version, default_version)).label("model_version"))
+            .where(and_(steps.c.timestamp_us >= start_us, steps.c.timestamp_us < end_us))
+            .group_by(steps.c.run_id, second)
+            .subquery()
+        )
+        u = usage_per_second
+        hour = ((u.c.second_us // hour_us) * hour_us).label("hour_us")
+        query = (
+            select(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant, func.sum(u.c.attributed_ns),
+                   func.sum(u.c.num_new_tokens), *split_sums(u))
+            .join(run_second, and_(run_second.c.run_id == u.c.run_id, run_second.c.second_us == u.c.second_us))
+            .where(and_(u.c.second_us >= start_us, u.c.second_us < end_us))
+            .group_by(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant)
+            .order_by(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant)
+        )
+        w = tenant_seconds
+        window_hour = ((w.c.second_us // hour_us) * hour_us).label("hour_us")
+        window_query = (
+            select(window_hour, w.c.engine_class, w.c.model_version, w.c.tenant, func.sum(w.c.attributed_ns),
+                   func.sum(w.c.num_new_tokens), *split_sums(w))
+            .where(and_(w.c.second_us >= start_us, w.c.second_us < end_us, w.c.model_version != 0))  # 0: pending windows
+            .group_by(window_hour, w.c.engine_class, w.c.model_version, w.c.tenant)
+        )
+        with self._read() as conn:  # one snapshot: per-step and window usage read together
+            return [tuple(row) for row in [*conn.execute(query), *conn.execute(window_query)]]
