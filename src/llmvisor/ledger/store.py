@@ -12,8 +12,8 @@ built on `llmvisor.ledger.connection.LedgerConnection` (the database, its schema
 - `llmvisor.ledger.adjustments.AdjustmentStore`: corrections of past bills.
 
 The values they take and give, and the errors they raise, are in `llmvisor.ledger.records`; the billing tables'
-reads and writes (prices, recorded lines, closed periods) in `llmvisor.ledger.billing_tables`. The names below are
-re-exported from here for the callers that import them from ``llmvisor.ledger.store``.
+reads and writes (prices, recorded lines, closed periods) in `llmvisor.ledger.billing_tables`. The other names of
+``__all__`` are re-exported from here for callers that import them from ``llmvisor.ledger.store``.
 """
 
 from __future__ import annotations
@@ -21,37 +21,10 @@ from __future__ import annotations
 from llmvisor.ledger.adjustments import AdjustmentStore
 from llmvisor.ledger.connection import normalize_url, now_us
 from llmvisor.ledger.keys import KeyStore
-from llmvisor.ledger.records import (
-    HELD_ELSEWHERE,
-    SHARING_BLOB_COLUMNS,
-    AdjustmentRow,
-    DuplicateRunError,
-    HeldStepsError,
-    IngestOutcome,
-    KeyInfo,
-    LedgerError,
-    ModelVersion,
-    RequestUsageRow,
-    RunEnd,
-    RunEndConflictError,
-    RunGaps,
-    RunHoldings,
-    SliceShare,
-    StepConflictError,
-    StepDetail,
-    StepGap,
-    StepRecords,
-    StoredSteps,
-    StoredWindow,
-    Totals,
-    UsageRow,
-    WindowConflictError,
-    WindowOutcome,
-)
+from llmvisor.ledger.records import AdjustmentRow, LedgerError, StepRecords
 from llmvisor.ledger.registry import ModelRegistry
-from llmvisor.ledger.runs import gaps_of_ranges, merge_ranges, range_overlaps, step_id_ranges
 from llmvisor.ledger.steps import StepStore
-from llmvisor.ledger.usage import BUCKET_US, UsageQueries, split_sums
+from llmvisor.ledger.usage import UsageQueries, split_sums
 from llmvisor.ledger.windows import WindowStore
 
 
@@ -66,39 +39,5 @@ class Ledger(StepStore, WindowStore, UsageQueries, ModelRegistry, KeyStore, Adju
     """
 
 
-__all__ = [
-    "BUCKET_US",
-    "HELD_ELSEWHERE",
-    "SHARING_BLOB_COLUMNS",
-    "AdjustmentRow",
-    "DuplicateRunError",
-    "HeldStepsError",
-    "IngestOutcome",
-    "KeyInfo",
-    "Ledger",
-    "LedgerError",
-    "ModelVersion",
-    "RequestUsageRow",
-    "RunEnd",
-    "RunEndConflictError",
-    "RunGaps",
-    "RunHoldings",
-    "SliceShare",
-    "StepConflictError",
-    "StepDetail",
-    "StepGap",
-    "StepRecords",
-    "StoredSteps",
-    "StoredWindow",
-    "Totals",
-    "UsageRow",
-    "WindowConflictError",
-    "WindowOutcome",
-    "gaps_of_ranges",
-    "merge_ranges",
-    "normalize_url",
-    "now_us",
-    "range_overlaps",
-    "split_sums",
-    "step_id_ranges",
-]
+# Imported from here before the split; their homes are above.
+__all__ = ["AdjustmentRow", "Ledger", "LedgerError", "StepRecords", "normalize_url", "now_us", "split_sums"]

@@ -93,15 +93,7 @@ class UsageQueries(LedgerConnection):
                 raise LedgerError(f"unknown bucket {bucket!r}; choose one of {', '.join(BUCKET_US)}")
             size = BUCKET_US[bucket]
             columns.append(((usage.c.second_us // size) * size).label("bucket_start_us"))
-        query = (
-            select(*columns, func.sum(usage.c.attributed_ns), func.sum(usage.c.num_slices), func.sum(usage.c.num_new_tokens),
-                   *split_sums(usage))
-            .where(and_(True, *conditions))
-            .group_by(*columns)
-            .order_by(*columns)
-        )
-        with self._read() as conn:
-            rows = conn.execute(query).all()
+        rows = self._summed(usage, columns, conditions)
         return [
             UsageRow(
                 tenant=row[0],
@@ -129,6 +121,12 @@ class UsageQueries(LedgerConnection):
         if tenant is not None:
             conditions.append(usage.c.tenant == tenant)
         columns = [usage.c.engine_class, ((usage.c.second_us // size) * size).label("bucket_start_us")]
+        return [(str(r[0]), int(r[1]), int(r[2]), int(r[3]), int(r[4]), *_counts(r[5:]).values())
+                for r in self._summed(usage, columns, conditions)]
+
+    def _summed(self, usage, columns: list, conditions: list) -> list:
+        """Rows (``columns``, attributed_ns, num_slices, num_new_tokens, the token split) of the usage relation ``usage``
+        summed per ``columns`` where ``conditions`` hold, ordered by ``columns``."""
         query = (
             select(*columns, func.sum(usage.c.attributed_ns), func.sum(usage.c.num_slices), func.sum(usage.c.num_new_tokens),
                    *split_sums(usage))
@@ -137,8 +135,7 @@ class UsageQueries(LedgerConnection):
             .order_by(*columns)
         )
         with self._read() as conn:
-            return [(str(r[0]), int(r[1]), int(r[2]), int(r[3]), int(r[4]), *_counts(r[5:]).values())
-                    for r in conn.execute(query).all()]
+            return conn.execute(query).all()
 
     def billing_versions(self, start_us: int | None = None, end_us: int | None = None, tenant: str | None = None) -> list[tuple[str, int | None]]:
         """(engine_class, model_version) of the attributed steps of the runs a tenant (if given) had usage in, in

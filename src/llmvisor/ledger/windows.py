@@ -251,36 +251,29 @@ class WindowStore(RunStore):
 
     def run_windows(self, run_ids: Sequence[str], start_us: int, end_us: int) -> list[StoredWindow]:
         """The stored windows of ``run_ids`` whose second (of their start) is in [start_us, end_us), by run and start."""
-        win = windows
-        out: list[StoredWindow] = []
         runs = sorted(set(run_ids))
-        with self._read() as conn:
-            for i in range(0, len(runs), LOOKUP_CHUNK):
-                query = (
-                    select(win.c.run_id, win.c.window_start_us, win.c.window_end_us, win.c.engine_class, win.c.model_version, win.c.pending,
-                           win.c.num_steps, win.c.measured_ns)
-                    .where(win.c.run_id.in_(runs[i : i + LOOKUP_CHUNK]),
-                           *self._range(win.c.window_start_us // USAGE_RESOLUTION_US * USAGE_RESOLUTION_US, start_us, end_us))
-                    .order_by(win.c.run_id, win.c.window_start_us)
-                )
-                out += [StoredWindow(str(r[0]), int(r[1]), int(r[2]), str(r[3]), None if r[4] is None else int(r[4]), bool(r[5]),
-                                     int(r[6]), int(r[7]))
-                        for r in conn.execute(query)]
-        return out
+        if not runs:
+            return []
+        win = windows
+        return self._windows_of(runs, self._range(win.c.window_start_us // USAGE_RESOLUTION_US * USAGE_RESOLUTION_US, start_us, end_us))
 
     def windows_crossing(self, run_ids: Sequence[str], at_us: int, *, max_window_us: int = 86_400_000_000) -> list[StoredWindow]:
         """The stored windows of ``run_ids`` that start before ``at_us`` and end after it (a period bound that cuts
         them); windows are assumed no longer than ``max_window_us`` (a day, as the archive reader assumes)."""
         win = windows
+        return self._windows_of(sorted(set(run_ids)), [win.c.window_start_us >= at_us - max_window_us, win.c.window_start_us < at_us,
+                                                       win.c.window_end_us > at_us])
+
+    def _windows_of(self, runs: list[str], conditions: list) -> list[StoredWindow]:
+        """The stored windows of ``runs`` (sorted, distinct) where ``conditions`` hold, by run and start."""
+        win = windows
         out: list[StoredWindow] = []
-        runs = sorted(set(run_ids))
         with self._read() as conn:
             for i in range(0, len(runs), LOOKUP_CHUNK):
                 query = (
                     select(win.c.run_id, win.c.window_start_us, win.c.window_end_us, win.c.engine_class, win.c.model_version, win.c.pending,
                            win.c.num_steps, win.c.measured_ns)
-                    .where(win.c.run_id.in_(runs[i : i + LOOKUP_CHUNK]), win.c.window_start_us >= at_us - max_window_us,
-                           win.c.window_start_us < at_us, win.c.window_end_us > at_us)
+                    .where(win.c.run_id.in_(runs[i : i + LOOKUP_CHUNK]), *conditions)
                     .order_by(win.c.run_id, win.c.window_start_us)
                 )
                 out += [StoredWindow(str(r[0]), int(r[1]), int(r[2]), str(r[3]), None if r[4] is None else int(r[4]), bool(r[5]),
