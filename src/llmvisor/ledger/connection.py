@@ -165,7 +165,7 @@ class LedgerConnection:
 
     @contextmanager
     def read_transaction(self) -> Iterator[Connection]:
-        """One read transaction, for queries kept beside their domain (``llmvisor.billing``)."""
+        """One read transaction, for reads that take several ledger functions (`llmvisor.ledger.billing_tables`)."""
         with self._read() as conn:
             yield conn
 

@@ -15,9 +15,9 @@ from llmvisor.ledger.schema import active_models, engine_models, steps
 class ModelRegistry(LedgerConnection):
     """Models per engine class and the pending steps waiting for one (module note)."""
 
-    def __init__(self, url: str, **options):
+    def __init__(self, url: str, *, request_totals: bool = True):
         self._known_versions: set[tuple[str, int]] = set()  # stored model versions are never changed nor removed
-        super().__init__(url, **options)
+        super().__init__(url, request_totals=request_totals)
 
     def add_model(self, engine_class: str, model_json: str, source: str, *, activate: bool = False) -> int:
         """Store a model as the next version of its class; returns the version (1, 2, ...)."""

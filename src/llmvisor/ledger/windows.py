@@ -91,9 +91,9 @@ class _GroupCommit:
 class WindowStore(RunStore):
     """Window ingest and stored windows (module note)."""
 
-    def __init__(self, url: str, **options):
+    def __init__(self, url: str, *, request_totals: bool = True):
         self._commit = _GroupCommit()
-        super().__init__(url, **options)
+        super().__init__(url, request_totals=request_totals)
 
     def ingest_windows(self, aggregates: Sequence) -> WindowOutcome:
         """Store the window aggregates (`llmvisor.metering.WindowAggregate`) not yet stored: per window its row, its
