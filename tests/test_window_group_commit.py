@@ -16,7 +16,7 @@ from sqlalchemy import text
 from _service_fixtures import db_url, model_path  # noqa: F401
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.ledger import Ledger, WindowConflictError
-from llmvisor.ledger.store import _WindowBatch
+from llmvisor.ledger.windows import _WindowBatch
 from llmvisor.metering import WindowAggregator
 from test_metering import build, step_strategy
 

@@ -26,8 +26,6 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from fractions import Fraction
 
-from sqlalchemy import and_, func, select
-
 from llmvisor.billing.prices import (
     TOKEN_ITEMS,
     US_PER_HOUR,
@@ -43,8 +41,6 @@ from llmvisor.billing.prices import (
 from llmvisor.core.tokens import TOKEN_SPLIT, add_counts
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import Ledger
-from llmvisor.ledger.schema import steps, tenant_seconds, usage_per_second
-from llmvisor.ledger.store import split_sums
 
 ID_NAMESPACE = uuid.UUID("5b0e7a52-3c1d-4e2a-9f47-6c6c6d766973")
 """Namespace of the idempotency ids (uuid5): fixed, so the same charge gets the same id on every export."""
@@ -152,40 +148,13 @@ def usage_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str]
     if start_us % US_PER_HOUR or end_us % US_PER_HOUR or end_us <= start_us:
         raise LlmvisorError("the export period must start and end on whole UTC hours, the end after the start")
     book = book if book is not None else PriceBook.load(ledger)
-    second = (steps.c.timestamp_us // 1_000_000) * 1_000_000
-    run_second = (
-        select(steps.c.run_id, second.label("second_us"), func.min(steps.c.engine_class).label("engine_class"),
-               func.max(func.coalesce(steps.c.model_version, DEFAULT_MODEL_VERSION)).label("model_version"))
-        .where(and_(steps.c.timestamp_us >= start_us, steps.c.timestamp_us < end_us))
-        .group_by(steps.c.run_id, second)
-        .subquery()
-    )
-    u = usage_per_second
-    hour = ((u.c.second_us // US_PER_HOUR) * US_PER_HOUR).label("hour_us")
-    query = (
-        select(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant, func.sum(u.c.attributed_ns),
-               func.sum(u.c.num_new_tokens), *split_sums(u))
-        .join(run_second, and_(run_second.c.run_id == u.c.run_id, run_second.c.second_us == u.c.second_us))
-        .where(and_(u.c.second_us >= start_us, u.c.second_us < end_us))
-        .group_by(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant)
-        .order_by(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant)
-    )
-    w = tenant_seconds
-    window_hour = ((w.c.second_us // US_PER_HOUR) * US_PER_HOUR).label("hour_us")
-    window_query = (
-        select(window_hour, w.c.engine_class, w.c.model_version, w.c.tenant, func.sum(w.c.attributed_ns), func.sum(w.c.num_new_tokens),
-               *split_sums(w))
-        .where(and_(w.c.second_us >= start_us, w.c.second_us < end_us, w.c.model_version != 0))  # 0: pending windows
-        .group_by(window_hour, w.c.engine_class, w.c.model_version, w.c.tenant)
-    )
     summed: dict[tuple[int, str, int, str], list] = {}
-    with ledger.read_transaction() as conn:  # one snapshot: per-step and window usage read together
-        for h, c, v, t, ns, tok, *split in [*conn.execute(query), *conn.execute(window_query)]:
-            total = summed.setdefault((int(h), c, int(v), t), [0, 0, *[0] * len(TOKEN_SPLIT)])
-            total[0] += int(ns)
-            total[1] += int(tok)
-            for j, count in enumerate(split):
-                total[2 + j] = add_counts(total[2 + j], None if count is None else int(count))
+    for h, c, v, t, ns, tok, *split in ledger.hourly_usage(start_us, end_us, default_version=DEFAULT_MODEL_VERSION):
+        total = summed.setdefault((int(h), c, int(v), t), [0, 0, *[0] * len(TOKEN_SPLIT)])
+        total[0] += int(ns)
+        total[1] += int(tok)
+        for j, count in enumerate(split):
+            total[2 + j] = add_counts(total[2 + j], None if count is None else int(count))
     rows = [(h, c, v, t, ns, tok, tuple(split)) for (h, c, v, t), (ns, tok, *split) in sorted(summed.items())]
     groups: dict[tuple[int, str], list[int]] = {}
     for k, (h, c, *_rest) in enumerate(rows):

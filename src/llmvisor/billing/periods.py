@@ -27,16 +27,14 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from fractions import Fraction
 
-from sqlalchemy import and_, insert, select
 from sqlalchemy.exc import IntegrityError
 
 from llmvisor.billing.charges import ENGINE_TIME, Charge, charges, line_group, month_bounds_us
 from llmvisor.billing.prices import PriceBook, carried_cents, token_unit_price
 from llmvisor.core.tokens import TOKEN_SPLIT
 from llmvisor.errors import LlmvisorError
-from llmvisor.ledger import Ledger
-from llmvisor.ledger.schema import billing_lines, closed_periods, line_exports
-from llmvisor.ledger.store import now_us
+from llmvisor.ledger import Ledger, billing_tables
+from llmvisor.ledger.connection import now_us
 
 CLOSE_AFTER_ENV = "LLMVISOR_CLOSE_PERIOD_AFTER_S"
 DEFAULT_CLOSE_AFTER_S = 3 * 86400
@@ -129,10 +127,8 @@ def _record(conn, current: list[Charge], start_us: int, end_us: int, tenants: se
     """Record, in ``conn``'s transaction, a new revision of every charge of [start_us, end_us) (of ``tenants``)
     whose ledger content differs from its recorded lines (or that has none); returns how many."""
     months = _months(start_us, end_us)
-    rows = list(conn.execute(select(billing_lines).where(and_(billing_lines.c.period_start_us >= months[0][0],
-                                                               billing_lines.c.period_start_us < months[-1][1]))
-                             .order_by(billing_lines.c.charge_start_us, billing_lines.c.line_key, billing_lines.c.revision)))
-    closed = {r.period_start_us for r in conn.execute(select(closed_periods.c.period_start_us))}
+    rows = billing_tables.lines_of_periods(conn, months[0][0], months[-1][1])
+    closed = billing_tables.closed_period_starts(conn)
     recorded: dict[str, _Recorded] = {}
     groups: dict[tuple, tuple[Fraction, Decimal]] = {}
     first: dict[str, object] = {}
@@ -192,16 +188,8 @@ def _record(conn, current: list[Charge], start_us: int, end_us: int, tenants: se
         line = replace(line, billed_period_start_us=billed_us)
         out.append(_line_row(line, period_us, billed_us, at_us))
     if out:
-        conn.execute(insert(billing_lines), out)
+        billing_tables.insert_lines(conn, out)
     return len(out)
-
-
-def _in_scope(start_us: int, end_us: int, tenants: set | None):
-    c = billing_lines.c
-    where = [c.charge_start_us >= start_us, c.charge_start_us < end_us]
-    if tenants is not None:
-        where.append(c.tenant.in_(sorted(tenants)))
-    return and_(*where)
 
 
 @dataclass(frozen=True)
@@ -230,10 +218,7 @@ def plan_export(ledger: Ledger, format_: str, start_us: int, end_us: int, tenant
                     if month[1] + close_after * 1_000_000 <= at_us:
                         _close(ledger, conn, month, at_us, "export", book)
             recorded = _record(conn, current, start_us, end_us, wanted, at_us, book)
-            scope = _in_scope(start_us, end_us, wanted)
-            done = {r.line_id for r in conn.execute(
-                select(line_exports.c.line_id).join(billing_lines, billing_lines.c.line_id == line_exports.c.line_id)
-                .where(and_(scope, line_exports.c.format == format_)))}
+            done = billing_tables.exported_line_ids(conn, format_, start_us, end_us, wanted)
             if done and not force:
                 raise PeriodError(
                     f"{len(done)} lines of this period were already exported as {format_}; a receiver deduplicates ids "
@@ -242,7 +227,7 @@ def plan_export(ledger: Ledger, format_: str, start_us: int, end_us: int, tenant
             ratios = {c.line_key: c.allocated_ratio for c in current}
             order = {c.line_key: k for k, c in enumerate(current)}  # the charges' order (`charges`), revision by revision
             lines = []
-            for r in conn.execute(select(billing_lines).where(scope)):
+            for r in billing_tables.lines_in_range(conn, start_us, end_us, wanted):
                 if r.line_id not in done:
                     line = _row_charge(r, book)
                     lines.append(replace(line, allocated_ratio=ratios.get(r.line_key) if r.revision == 0 else None))
@@ -269,22 +254,17 @@ def mark_exported(ledger: Ledger, format_: str, lines: list[Charge]) -> None:
     at_us = now_us()
     ids = [c.idempotency_id for c in lines]
     with ledger.write_transaction() as conn:
-        have = {r.line_id for r in conn.execute(select(line_exports.c.line_id).where(
-            and_(line_exports.c.format == format_, line_exports.c.line_id.in_(ids))))}
-        rows = [{"format": format_, "line_id": i, "exported_at_us": at_us} for i in dict.fromkeys(ids) if i not in have]
-        if rows:
-            conn.execute(insert(line_exports), rows)
+        billing_tables.add_line_exports(conn, format_, ids, at_us)
 
 
 def _close(ledger: Ledger, conn, month: tuple[int, int], at_us: int, by: str, book: PriceBook) -> bool:
     """Close one period in ``conn``'s transaction: record its lines as the ledger has them now, then mark it closed.
     False where it already was."""
-    if conn.execute(select(closed_periods.c.period_start_us).where(closed_periods.c.period_start_us == month[0])).first():
+    if billing_tables.is_period_closed(conn, month[0]):
         return False
     _record(conn, charges(ledger, *month), *month, None, at_us, book)
-    count = len(list(conn.execute(select(billing_lines.c.line_id).where(billing_lines.c.period_start_us == month[0]))))
-    conn.execute(insert(closed_periods).values(period_start_us=month[0], period_end_us=month[1], closed_at_us=at_us,
-                                               closed_by=by, num_lines=count))
+    count = billing_tables.count_period_lines(conn, month[0])
+    billing_tables.insert_closed_period(conn, month, at_us, by, count)
     return True
 
 
@@ -306,7 +286,7 @@ def close_period(ledger: Ledger, month: tuple[int, int]) -> Closed:
     try:
         with ledger.write_transaction() as conn:
             closed = _close(ledger, conn, month, at_us, "close-period", PriceBook.load(ledger))
-            row = conn.execute(select(closed_periods).where(closed_periods.c.period_start_us == month[0])).one()
+            row = billing_tables.closed_period(conn, month[0])
     except IntegrityError:
         raise PeriodError("another process closed or exported this period at the same moment; run this again") from None
     return Closed(month_name(month[0]), closed, row.closed_at_us, row.num_lines)
@@ -314,17 +294,15 @@ def close_period(ledger: Ledger, month: tuple[int, int]) -> Closed:
 
 def closed_period_rows(ledger: Ledger) -> list:
     with ledger.read_transaction() as conn:
-        return list(conn.execute(select(closed_periods).order_by(closed_periods.c.period_start_us)))
+        return billing_tables.closed_period_rows(conn)
 
 
 def recorded_lines(ledger: Ledger, month: tuple[int, int] | None = None) -> list[Charge]:
     """The recorded lines (of one period), as charges."""
     book = PriceBook.load(ledger)
     with ledger.read_transaction() as conn:
-        query = select(billing_lines).order_by(billing_lines.c.charge_start_us, billing_lines.c.line_key, billing_lines.c.revision)
-        if month is not None:
-            query = query.where(billing_lines.c.period_start_us == month[0])
-        return [_row_charge(r, book) for r in conn.execute(query)]
+        rows = billing_tables.line_rows(conn, None if month is None else month[0])
+    return [_row_charge(r, book) for r in rows]
 
 
 __all__ = ["CLOSE_AFTER_ENV", "DEFAULT_CLOSE_AFTER_S", "STRIPE_DEDUPE_S", "Closed", "ExportPlan", "PeriodError",

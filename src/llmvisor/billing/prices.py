@@ -24,12 +24,9 @@ from decimal import Decimal, InvalidOperation, localcontext
 from fractions import Fraction
 from pathlib import Path
 
-from sqlalchemy import func, insert, select
-
 from llmvisor.errors import LlmvisorError, unknown_name
-from llmvisor.ledger import Ledger
-from llmvisor.ledger.schema import prices
-from llmvisor.ledger.store import now_us
+from llmvisor.ledger import Ledger, billing_tables
+from llmvisor.ledger.connection import now_us
 
 NS_PER_HOUR = 3_600_000_000_000
 US_PER_HOUR = 3_600_000_000
@@ -235,33 +232,28 @@ def add_prices(ledger: Ledger, entries: list[Price]) -> list[Price]:
     created = now_us()
     with ledger.write_transaction() as conn:
         for entry in entries:
-            currency = conn.execute(select(prices.c.currency).where(prices.c.engine_class == entry.engine_class).limit(1)).scalar()
+            currency = billing_tables.price_currency(conn, entry.engine_class)
             if currency is not None and currency != entry.currency:
                 raise PriceError(f"{entry.source}: engine class {entry.engine_class!r} is priced in {currency}, not "
                                  f"{entry.currency}; nothing was stored")
-            version = (conn.execute(select(func.max(prices.c.version)).where(prices.c.engine_class == entry.engine_class))
-                       .scalar() or 0) + 1
+            version = billing_tables.latest_price_version(conn, entry.engine_class) + 1
             row = Price(**{**entry.__dict__, "version": version, "created_at_us": created})
-            conn.execute(insert(prices).values(
-                engine_class=row.engine_class, version=row.version, valid_from_us=row.valid_from_us, currency=row.currency,
+            billing_tables.insert_price(
+                conn, engine_class=row.engine_class, version=row.version, valid_from_us=row.valid_from_us, currency=row.currency,
                 engine_hour_price=str(row.engine_hour_price),
                 prompt_token_price=None if row.prompt_token_price is None else str(row.prompt_token_price),
                 output_token_price=None if row.output_token_price is None else str(row.output_token_price),
                 cached_token_discount=None if row.cached_token_discount is None else str(row.cached_token_discount),
                 source=row.source, created_at_us=row.created_at_us,
-            ))
+            )
             stored.append(row)
     return stored
 
 
 def list_prices(ledger: Ledger, engine_class: str | None = None) -> list[Price]:
     """Every stored price version, by class, then start time, then version."""
-    query = select(prices)
-    if engine_class is not None:
-        query = query.where(prices.c.engine_class == engine_class)
-    query = query.order_by(prices.c.engine_class, prices.c.valid_from_us, prices.c.version)
     with ledger.read_transaction() as conn:
-        rows = conn.execute(query).all()
+        rows = billing_tables.price_rows(conn, engine_class)
 
     def number(value):
         return None if value is None else Decimal(value)

@@ -1,6 +1,6 @@
 """What a usage row's tokens are, for a price per token: a slice's new tokens split into prompt tokens the engine
 computed (a prefill slice's) and output tokens (a decode slice's), and the prompt tokens its request found in the
-prefix cache. Written once here for per-step ingest (`llmvisor.ledger.store`) and window aggregates
+prefix cache. Written once here for per-step ingest (`llmvisor.ledger.steps`) and window aggregates
 (`llmvisor.metering.windows`), so both meter the same counts.
 
 - **uncached prompt tokens**: ``num_new_tokens`` of prefill slices (a preempted request's recomputed prompt

@@ -4,14 +4,13 @@ from llmvisor import extras
 
 extras.require("llmvisor.ledger", "service", modules=["sqlalchemy"])
 
+from llmvisor.ledger.connection import normalize_url  # noqa: E402
 from llmvisor.ledger.keys import Principal  # noqa: E402
-from llmvisor.ledger.store import (  # noqa: E402
-    BUCKET_US,
+from llmvisor.ledger.records import (  # noqa: E402
     AdjustmentRow,
     DuplicateRunError,
     IngestOutcome,
     KeyInfo,
-    Ledger,
     LedgerError,
     ModelVersion,
     RequestUsageRow,
@@ -29,8 +28,9 @@ from llmvisor.ledger.store import (  # noqa: E402
     UsageRow,
     WindowConflictError,
     WindowOutcome,
-    normalize_url,
 )
+from llmvisor.ledger.store import Ledger  # noqa: E402
+from llmvisor.ledger.usage import BUCKET_US  # noqa: E402
 
 __all__ = [
     "AdjustmentRow",

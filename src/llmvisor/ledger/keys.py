@@ -13,6 +13,12 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
+from sqlalchemy import insert, select, update
+
+from llmvisor.ledger.connection import LedgerConnection, now_us
+from llmvisor.ledger.records import KeyInfo, LedgerError
+from llmvisor.ledger.schema import api_keys
+
 KEY_PREFIX = "lvk"
 _KEY_ID_BYTES = 8
 _SECRET_BYTES = 32
@@ -52,3 +58,58 @@ def secret_matches(secret: str, stored_digest: bytes | None) -> bool:
     expected = stored_digest if stored_digest is not None else _DUMMY_DIGEST
     ok = hmac.compare_digest(secret_digest(secret), bytes(expected))
     return ok and stored_digest is not None
+
+
+class KeyStore(LedgerConnection):
+    """The API keys a ledger stores (their secrets' digests only) and checks; the part of `llmvisor.ledger.Ledger`
+    that reads and writes ``api_keys``."""
+
+    def create_key(self, tenant: str | None = None, *, is_admin: bool = False) -> str:
+        """Store a new key and return it; it is not stored in the clear, so it cannot be shown again."""
+        if is_admin == (tenant is not None):
+            raise LedgerError("a key is either an admin key (no tenant) or a tenant key (with a tenant)")
+        if tenant is not None and not tenant:
+            raise LedgerError("the tenant name must not be empty")
+        key_id, key, digest = new_key()
+        with self.write_transaction() as conn:
+            conn.execute(
+                insert(api_keys).values(
+                    key_id=key_id, secret_sha256=digest, tenant=tenant, is_admin=is_admin, created_at_us=now_us()
+                )
+            )
+        return key
+
+    def authenticate(self, key: str) -> Principal | None:
+        """The principal of a valid, unrevoked key, else None."""
+        parts = split_key(key)
+        if parts is None:
+            return None
+        key_id, secret = parts
+        with self._read() as conn:
+            row = conn.execute(
+                select(api_keys.c.secret_sha256, api_keys.c.tenant, api_keys.c.is_admin, api_keys.c.revoked_at_us).where(
+                    api_keys.c.key_id == key_id
+                )
+            ).first()
+        if not secret_matches(secret, None if row is None else row[0]):
+            return None
+        if row[3] is not None:
+            return None
+        return Principal(key_id=key_id, tenant=row[1], is_admin=bool(row[2]))
+
+    def list_keys(self) -> list[KeyInfo]:
+        query = select(
+            api_keys.c.key_id, api_keys.c.tenant, api_keys.c.is_admin, api_keys.c.created_at_us, api_keys.c.revoked_at_us
+        ).order_by(api_keys.c.created_at_us, api_keys.c.key_id)
+        with self._read() as conn:
+            return [KeyInfo(r[0], r[1], bool(r[2]), int(r[3]), None if r[4] is None else int(r[4])) for r in conn.execute(query)]
+
+    def revoke_key(self, key_id: str) -> bool:
+        """Revoke a key; False if there is no such unrevoked key."""
+        with self.write_transaction() as conn:
+            result = conn.execute(
+                update(api_keys)
+                .where(api_keys.c.key_id == key_id, api_keys.c.revoked_at_us.is_(None))
+                .values(revoked_at_us=now_us())
+            )
+        return result.rowcount > 0

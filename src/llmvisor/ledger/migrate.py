@@ -53,6 +53,8 @@ from sqlalchemy import (
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DatabaseError
 
+from llmvisor.ledger.connection import normalize_url
+from llmvisor.ledger.records import LedgerError, StepRecords
 from llmvisor.ledger.schema import (
     TOKEN_SPLIT_COLUMNS,
     active_models,
@@ -69,7 +71,8 @@ from llmvisor.ledger.schema import (
     usage_per_second,
     windows,
 )
-from llmvisor.ledger.store import Ledger, LedgerError, StepRecords, normalize_url, split_sums
+from llmvisor.ledger.store import Ledger
+from llmvisor.ledger.usage import split_sums
 
 _schema_1 = MetaData()
 _steps_1 = Table(

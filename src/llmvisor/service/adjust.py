@@ -37,7 +37,7 @@ from llmvisor.archive.reader import read_archive
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.errors import LlmvisorError
 from llmvisor.ledger import AdjustmentRow, Ledger
-from llmvisor.ledger.store import now_us
+from llmvisor.ledger.connection import now_us
 from llmvisor.service.archived import as_billed, match_windows, priced_with_sharing
 from llmvisor.service.ingest import ModelChoice, attribute_stored, prepare_batch, step_fingerprint_ids
 from llmvisor.service.registry import load_version

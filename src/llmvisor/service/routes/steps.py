@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from llmvisor.ledger import DuplicateRunError, Ledger, StepConflictError
-from llmvisor.ledger.store import now_us
+from llmvisor.ledger.connection import now_us
 from llmvisor.service.config import ServiceSettings
 from llmvisor.service.deps import (
     AdminKey,
