@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from llmvisor.errors import MissingExtraError
 
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
-    "service": ("fastapi", "uvicorn", "sqlalchemy", "prometheus_client", "httpx"),
+    "service": ("fastapi", "uvicorn", "sqlalchemy", "prometheus_client", "httpx", "psutil"),
     "postgres": ("psycopg",),
     "report": ("matplotlib",),
     "eval": ("sklearn",),
