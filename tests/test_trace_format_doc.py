@@ -7,7 +7,9 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TRACE_MODULE = REPO / "src" / "llmvisor" / "core" / "trace.py"
+CORE = REPO / "src" / "llmvisor" / "core"
+TRACE_MODULES = [CORE / name for name in ("trace.py", "trace_schema.py", "step_trace.py", "trace_writer.py")]
+"""The reader (`llmvisor.core.trace`) and the modules it re-exports: every rejection is worded in one of them."""
 DOC = REPO / "docs" / "trace-format.md"
 
 
@@ -23,13 +25,13 @@ def text_fragments(node: ast.AST) -> list[str]:
 
 
 def rejection_reasons() -> list[list[str]]:
-    """Every reason text in core/trace.py: arguments of `_fail`, `first_bad` and `TraceError`, and the strings
-    the type checks return or assign as a reason."""
+    """Every reason text in the trace modules: arguments of `rejection`, `first_bad` and `TraceError`, and the
+    strings the type checks return or assign as a reason."""
     reasons = []
-    tree = ast.parse(TRACE_MODULE.read_text(encoding="utf-8"))
-    for node in ast.walk(tree):
+    nodes = [node for module in TRACE_MODULES for node in ast.walk(ast.parse(module.read_text(encoding="utf-8")))]
+    for node in nodes:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            if node.func.id in ("_fail", "first_bad") and len(node.args) == 3:
+            if node.func.id in ("rejection", "first_bad") and len(node.args) == 3:
                 reasons.append(text_fragments(node.args[2]))
             elif node.func.id == "TraceError":
                 reasons.append(text_fragments(node.args[0]))

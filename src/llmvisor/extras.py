@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from llmvisor.errors import MissingExtraError
 
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
-    "service": ("fastapi", "uvicorn", "sqlalchemy", "prometheus_client", "httpx", "tenacity"),
+    "service": ("fastapi", "uvicorn", "sqlalchemy", "prometheus_client", "httpx", "tenacity", "psutil"),
     "postgres": ("psycopg",),
     "report": ("matplotlib",),
     "eval": ("sklearn",),

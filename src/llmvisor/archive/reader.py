@@ -1,4 +1,4 @@
-"""Read a period (and tenant) of the step archive back as one `StepTrace` (pyarrow, over any fsspec URL).
+"""Read a period (and tenant) of the step archive back as one `StepTrace` (DuckDB, over any fsspec URL).
 
 Files are chosen by name (run, window) before any is opened, so reading an hour of a year-long archive opens
 that hour's files. A step found in several files (a window written again after a delivery process was replaced)
@@ -10,10 +10,8 @@ from __future__ import annotations
 import json
 
 import fsspec
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from llmvisor.archive.writer import parse_file_name
 from llmvisor.core.trace import (
@@ -25,6 +23,7 @@ from llmvisor.core.trace import (
     trace_from_rows,
 )
 from llmvisor.errors import LlmvisorError
+from llmvisor.extras import require
 
 
 class ArchiveReadError(LlmvisorError):
@@ -63,38 +62,14 @@ def archive_files(url: str, start_us: int | None = None, end_us: int | None = No
 
 def read_archive(url: str, start_us: int | None = None, end_us: int | None = None, *, tenant: str | None = None) -> StepTrace:
     """Steps starting in [start_us, end_us) (µs since 1970, rounded as the ledger dates them); with ``tenant``,
-    only the steps that ran at least one of its slices, each whole (attribution needs the whole batch)."""
-    tables = []
-    seen: set[tuple[str, int]] = set()
-    for path in archive_files(url, start_us, end_us):
-        try:
-            with fsspec.open(path, "rb") as handle:
-                table = pq.read_table(handle)
-        except (pa.ArrowException, OSError, ValueError) as error:
-            raise ArchiveReadError(f"{path}: file: not a readable Parquet file ({error})") from None
-        if "timestamp_s" not in table.column_names:
-            raise ArchiveReadError(f"{path}: header: missing column(s) timestamp_s (an archive file dates its steps)")
-        when_us = pc.round(pc.multiply(table["timestamp_s"].cast(pa.float64()), 1e6))
-        keep = pc.is_valid(when_us)
-        if start_us is not None:
-            keep = pc.and_(keep, pc.greater_equal(when_us, start_us))
-        if end_us is not None:
-            keep = pc.and_(keep, pc.less(when_us, end_us))
-        table = table.filter(keep)
-        if tenant is not None and table.num_rows:
-            keys = table.filter(pc.equal(table["tenant"], tenant)).select(["run_id", "step_id"])
-            step_keys = set(zip(keys["run_id"].to_pylist(), keys["step_id"].to_pylist()))
-            table = _rows_of(table, step_keys)
-        if not table.num_rows:
-            continue
-        step_keys = set(zip(table["run_id"].to_pylist(), table["step_id"].to_pylist()))
-        if step_keys & seen:
-            table = _rows_of(table, step_keys - seen)
-        seen |= step_keys
-        tables.append(table)
-    if not tables:
+    only the steps that ran at least one of its slices, each whole (attribution needs the whole batch).
+
+    The files are read, filtered and de-duplicated by one DuckDB query (faster than reading them one by one with
+    pyarrow: the measurement is in the commit that made the change); the rows keep the files' name order and each
+    file's row order, so the trace is the one a file-by-file read gives."""
+    table, first_file = _select(url, archive_files(url, start_us, end_us), start_us, end_us, tenant)
+    if table is None:
         return trace_from_rows([], path=url)
-    table = pa.concat_tables(tables, promote_options="permissive")
     if not all(name in table.column_names for name in SHARING_COLUMNS) and any(n in table.column_names for n in SHARING_COLUMNS):
         table = table.drop_columns([n for n in SHARING_COLUMNS if n in table.column_names])
     for name in SHARING_COLUMNS:  # files of format 1 read together with format 2 ones: nothing shared
@@ -103,18 +78,84 @@ def read_archive(url: str, start_us: int | None = None, end_us: int | None = Non
             values = pc.coalesce(table[name], pc.cast(fill, table[name].type) if name == "effective_context_tokens" else fill)
             table = table.set_column(table.column_names.index(name), name, values)
     columns, rows = trace_columns_from_arrow(url, table)
-    metadata = _metadata(tables[0])
-    return build_trace(columns, path=url, row_numbers=rows, metadata=metadata)
+    return build_trace(columns, path=url, row_numbers=rows, metadata=_metadata(first_file))
 
 
-def _rows_of(table: pa.Table, step_keys: set[tuple[str, int]]) -> pa.Table:
-    mask = np.fromiter(((r, s) in step_keys for r, s in zip(table["run_id"].to_pylist(), table["step_id"].to_pylist())),
-                       dtype=bool, count=table.num_rows)
-    return table.filter(pa.array(mask))
+def _select(url: str, paths: list[str], start_us: int | None, end_us: int | None, tenant: str | None) -> tuple[pa.Table | None, dict]:
+    """The rows to keep of ``paths`` as one Arrow table, and the trace metadata of the first file that gave any.
+
+    A step's row is kept when it starts in the period and, with ``tenant``, its step (run_id, step_id) has a slice
+    of the tenant in the same file; a step found in several files is kept from the first one in name order. The
+    names DuckDB reports share one prefix (the archive's root) and differ from ``paths`` only by it, so sorting
+    them orders the files as ``paths`` are ordered.
+    """
+    if not paths:
+        return None, {}
+    require("reading the raw-step archive", "archive", modules=("duckdb",))
+    import duckdb
+
+    connection = duckdb.connect()
+    try:
+        fs, _ = fsspec.core.url_to_fs(url)
+        local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+        if not local:
+            connection.register_filesystem(fs)
+        files = [path.removeprefix("file://") if local else path for path in paths]
+        schema = connection.execute(
+            "SELECT file_name, bool_or(name = 'timestamp_s') FROM parquet_schema($files) GROUP BY file_name", {"files": files}
+        ).fetchall()
+        dated = {name: has for name, has in schema}
+        undated = sorted(name for name, has in dated.items() if not has)
+        if undated:
+            raise ArchiveReadError(f"{_original(paths, undated[0])}: header: missing column(s) timestamp_s (an archive file dates its steps)")
+        period = ["when_us IS NOT NULL"]
+        if start_us is not None or end_us is not None:
+            period.append("NOT isnan(when_us)")  # as pyarrow compares: NaN is in no period
+        if start_us is not None:
+            period.append(f"when_us >= {int(start_us)}")
+        if end_us is not None:
+            period.append(f"when_us < {int(end_us)}")
+        names = sorted(dated)  # as DuckDB reports them: the files in name order
+        params: dict = {"files": files, "names": names}
+        of_tenant = ""
+        if tenant is not None:
+            of_tenant = "WHERE (file_index, run_id, step_id) IN (SELECT file_index, run_id, step_id FROM dated WHERE tenant = $tenant)"
+            params["tenant"] = tenant
+        query = f"""
+            WITH dated AS (
+                SELECT * FROM (
+                    SELECT *, round_even(CAST(timestamp_s AS DOUBLE) * 1e6, 0) AS when_us
+                    FROM read_parquet($files, union_by_name = true, filename = true, file_row_number = true)
+                    JOIN (SELECT unnest($names) AS filename, generate_subscripts($names, 1) AS file_index) USING (filename)
+                ) WHERE {" AND ".join(period)}
+            ),
+            kept AS (SELECT * FROM dated {of_tenant}),
+            first AS (SELECT run_id, step_id, min(file_index) AS file_index FROM kept GROUP BY run_id, step_id)
+            SELECT * EXCLUDE (filename, file_row_number, when_us) FROM kept SEMI JOIN first USING (run_id, step_id, file_index)
+            ORDER BY file_index, file_row_number
+        """
+        table = connection.sql(query, params=params).to_arrow_table()
+        if not table.num_rows:
+            return None, {}
+        first_file = names[table["file_index"][0].as_py() - 1]
+        raw = connection.execute(
+            "SELECT value FROM parquet_kv_metadata($file) WHERE key = $key", {"file": first_file, "key": METADATA_KEY}
+        ).fetchone()
+    except duckdb.Error as error:
+        raise ArchiveReadError(f"archive {url}: file: not a readable Parquet file ({error})") from None
+    finally:
+        connection.close()
+    return table.drop_columns(["file_index"]), {METADATA_KEY: raw[0]} if raw else {}
 
 
-def _metadata(table: pa.Table) -> dict:
-    raw = (table.schema.metadata or {}).get(METADATA_KEY)
+def _original(paths: list[str], reported: str) -> str:
+    """The path of ``paths`` that DuckDB reports as ``reported`` (the same run folder and file name)."""
+    tail = "/".join(reported.rsplit("/", 2)[-2:])
+    return next((path for path in paths if path.endswith("/" + tail)), reported)
+
+
+def _metadata(schema_metadata: dict) -> dict:
+    raw = schema_metadata.get(METADATA_KEY)
     try:
         metadata = json.loads(raw) if raw else {}
     except ValueError:

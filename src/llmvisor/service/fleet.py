@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
+import psutil
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import DBAPIError
 
@@ -237,21 +238,16 @@ class PushConnection:
         self.reader = self.writer = None
 
 
-def proc_stat(pid: int) -> list[str]:
-    """The fields of /proc/PID/stat after the command name (field 3, the state, first)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-
 def cpu_seconds(pid: int, *, with_reaped_children: bool = False) -> float | None:
-    """User + system CPU seconds of a process so far (Linux /proc), None where unavailable."""
+    """User + system CPU seconds of a process so far (psutil), None where unavailable."""
     try:
-        fields = proc_stat(pid)
-        ticks = int(fields[11]) + int(fields[12])
-        if with_reaped_children:
-            ticks += int(fields[13]) + int(fields[14])
-        return ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
         return None
+    seconds = times.user + times.system
+    if with_reaped_children:
+        seconds += times.children_user + times.children_system
+    return seconds
 
 
 def postgres_cpu_seconds(postmaster_pid: int) -> float | None:
@@ -259,15 +255,11 @@ def postgres_cpu_seconds(postmaster_pid: int) -> float | None:
     total = cpu_seconds(postmaster_pid, with_reaped_children=True)
     if total is None:
         return None
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if int(proc_stat(int(entry.name))[1]) == postmaster_pid:
-                total += cpu_seconds(int(entry.name)) or 0.0
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
+    try:
+        children = psutil.Process(postmaster_pid).children()
+    except psutil.Error:
+        return total
+    return total + sum(cpu_seconds(child.pid) or 0.0 for child in children)
 
 
 def postgres_counters(ledger: Ledger) -> dict | None:
@@ -282,8 +274,8 @@ def postgres_counters(ledger: Ledger) -> dict | None:
             sizes = {name: conn.execute(text(f"SELECT pg_total_relation_size('{name}')")).scalar() for name in LEDGER_TABLES}
             backend_pid = conn.execute(text("SELECT pg_backend_pid()")).scalar()
             try:  # while this backend lives: its parent is the postmaster
-                cpu_s = postgres_cpu_seconds(int(proc_stat(int(backend_pid))[1]))
-            except (OSError, ValueError, IndexError):  # not a server on this machine
+                cpu_s = postgres_cpu_seconds(psutil.Process(int(backend_pid)).ppid())
+            except psutil.Error:  # not a server on this machine
                 cpu_s = None
     except DBAPIError:  # a role without the rights to read WAL positions: the figure is left out
         return None

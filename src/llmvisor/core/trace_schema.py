@@ -1,0 +1,148 @@
+"""The columns of the step-trace format (versions 1 and 2, `docs/trace-format.md`): their names, types and Arrow
+schema, the reading of ``is_warmup``, the version-2 sharing columns, and how a rejection is worded.
+
+Shared by the in-memory `StepTrace` (`llmvisor.core.step_trace`), the readers (`llmvisor.core.trace`) and the
+writers (`llmvisor.core.trace_writer`); `llmvisor.core.trace` re-exports every name here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
+from llmvisor.core.tokens import CACHED_PROMPT_COLUMN
+from llmvisor.errors import TraceError
+
+FORMAT_VERSION = 2
+"""The newest format version; files without the sharing columns are written as version 1."""
+METADATA_KEY = b"llmvisor.trace"
+
+SHARING_COLUMNS = ("num_shared_context_tokens", "effective_context_tokens")
+"""The format-2 columns: per slice, context tokens in KV blocks other slices of the step also read, and the
+context with each block divided among its readers. Both or neither."""
+SHARING_TOLERANCE = 1e-9
+"""Relative slack (of num_context_tokens, at least one token's worth) allowed in the bounds on
+``effective_context_tokens``, a sum of fractions that floating point cannot always hit exactly."""
+STRING_COLUMNS = ("run_id", "request_id", "tenant", "phase")
+INTEGER_COLUMNS = ("step_id", "num_new_tokens", "num_context_tokens", "num_shared_context_tokens")
+FLOAT_COLUMNS = ("step_latency_s", "effective_context_tokens")
+REQUIRED_COLUMNS = (
+    "run_id",
+    "step_id",
+    "step_latency_s",
+    "request_id",
+    "tenant",
+    "num_new_tokens",
+    "num_context_tokens",
+    "phase",
+)
+OPTIONAL_COLUMNS = (
+    "timestamp_s", "is_warmup", "engine", "engine_version", "model", "hardware", "tensor_parallel_size",
+    FINGERPRINT_COLUMN, "is_drifted", CACHED_PROMPT_COLUMN, "model_version", "episode", *SHARING_COLUMNS,
+)
+"""Every optional column of the format (v1's, and v2's sharing columns): what any llmvisor writer emits or reader
+uses (``episode``: the fit's folds, `llmvisor.core.model.EPISODE_COLUMN`; ``model_version``: the raw-step archive)."""
+KNOWN_COLUMNS = (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS)
+"""The columns a trace may have. Any other is refused, naming the closest known one: a misspelled optional
+column dropped in silence would bill wrongly (``engine_fingerprint_id``: billed as class ""), so a future
+optional column comes with a new format version rather than by tolerance."""
+KNOWN_SET = frozenset(KNOWN_COLUMNS)
+CHECKED_COLUMNS = (*REQUIRED_COLUMNS, *SHARING_COLUMNS)
+"""Columns whose values the reader type-checks (the optional ones only when present)."""
+PHASES = ("prefill", "decode")
+SUFFIXES = (".jsonl", ".csv", ".parquet")
+
+WARMUP_TRUE = frozenset({"true", "1", "yes", "y", "t"})
+WARMUP_FALSE = frozenset({"false", "0", "no", "n", "f", ""})
+
+
+def parse_is_warmup(values: np.ndarray, *, path: str = "<memory>") -> np.ndarray:
+    """The optional ``is_warmup`` column as booleans: the one reading used by the model and the profiler.
+
+    Booleans and numbers count as usual (nonzero is warm-up); text is read case-insensitively as
+    true/1/yes/y/t or false/0/no/n/f/empty. Any other value is a ``TraceError`` naming it, rather than a
+    guess (a bare ``bool("no")`` would be True).
+    """
+    values = np.asarray(values)
+    if values.dtype == bool:
+        return values
+    if values.dtype.kind in "iuf":
+        return values != 0
+    flags = np.zeros(values.shape[0], dtype=bool)
+    for i, value in enumerate(values.tolist()):
+        if value is None:
+            continue
+        if isinstance(value, (bool, int, float)):
+            flags[i] = bool(value)
+            continue
+        text = str(value).strip().lower()
+        if text in WARMUP_TRUE:
+            flags[i] = True
+        elif text not in WARMUP_FALSE:
+            raise TraceError(f"{path}: slice {i + 1}: is_warmup: expected true/false, yes/no or 1/0, got {value!r}")
+    return flags
+
+
+ARROW_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step_id", pa.int64()),
+        ("step_latency_s", pa.float64()),
+        ("request_id", pa.string()),
+        ("tenant", pa.string()),
+        ("num_new_tokens", pa.int64()),
+        ("num_context_tokens", pa.int64()),
+        ("phase", pa.string()),
+    ]
+)
+"""The one definition of the required columns, used by every reader and writer."""
+SHARING_ARROW_FIELDS = {
+    "num_shared_context_tokens": pa.int64(),
+    "effective_context_tokens": pa.float64(),
+}
+"""The Arrow types of the version-2 columns, as the writers store them."""
+
+
+def format_version(column_names) -> int:
+    """2 when the sharing columns are present, else 1: the version a file with these columns is."""
+    return 2 if all(name in column_names for name in SHARING_COLUMNS) else 1
+
+
+def sharing_columns_from_blocks(num_context_tokens, block_readers) -> tuple[np.ndarray, np.ndarray]:
+    """The version-2 columns of one step from its KV block structure.
+
+    ``block_readers`` lists the step's context KV blocks as ``(tokens, reader indices)``: the tokens of the
+    block that lie in its readers' contexts and the slices (indices into ``num_context_tokens``) reading it.
+    Context tokens not covered by a listed block are read by their slice alone. Returns
+    ``(num_shared_context_tokens, effective_context_tokens)``.
+    """
+    context = np.asarray(num_context_tokens, dtype=np.int64)
+    shared = np.zeros(context.shape[0], dtype=np.int64)
+    effective = context.astype(np.float64)
+    covered = np.zeros(context.shape[0], dtype=np.int64)
+    for tokens, readers in block_readers:
+        readers = np.unique(np.asarray(readers, dtype=np.intp))
+        covered[readers] += int(tokens)
+        if readers.size >= 2:
+            shared[readers] += int(tokens)
+            effective[readers] -= tokens - tokens / readers.size
+    if np.any(covered > context):
+        i = int(np.argmax(covered > context))
+        raise ValueError(f"slice {i}: its blocks hold {covered[i]} context tokens, more than its {context[i]}")
+    return shared, effective
+
+
+def rejection(path: str, where: str, reason: str) -> TraceError:
+    """The error for a trace the contract refuses: ``path: where: reason``."""
+    return TraceError(f"{path}: {where}: {reason}")
+
+
+def trace_suffix(path: str) -> str:
+    """The file type of a trace path (one of `SUFFIXES`), from its extension; any other is refused."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in SUFFIXES:
+        raise rejection(path, "file", f"unknown extension {suffix or '(none)'!r}; expected one of {', '.join(SUFFIXES)}")
+    return suffix
