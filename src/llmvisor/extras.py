@@ -18,7 +18,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "postgres": ("psycopg",),
     "report": ("matplotlib",),
     "eval": ("sklearn",),
-    "vllm": ("vllm", "httpx", "prometheus_client", "redis", "tenacity"),
+    "vllm": ("vllm", "httpx", "prometheus_client", "redis", "tenacity", "psutil"),
     "archive": ("duckdb", "fsspec"),
     "export": ("cloudevents", "tenacity", "httpx"),
 }

@@ -355,10 +355,11 @@ class StepRelay:
 
 def process_running(pid: int) -> bool:
     """Whether process ``pid`` still runs (a zombie counts as ended)."""
+    import psutil  # in the [vllm] and [service] extras, the two that run a relay
+
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 
