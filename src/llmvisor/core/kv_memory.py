@@ -153,3 +153,138 @@ def interval_usage(pool: PoolSnapshot, interval_ns: int) -> IntervalUsage:
     block_ns = apportion_block_ns(pool.effective_blocks, pool.held_blocks, interval_ns)
     return IntervalUsage(pool.holders, block_ns, pool.idle_cached_blocks * interval_ns, pool.free_blocks * interval_ns,
                          pool.pool_blocks * interval_ns)
+
+
+MAX_UNHELD_SEGMENT_NS = 3600 * NS_PER_S
+"""The longest stretch with no holder (an idle engine) that one step's interval counts: a pool of up to 2.5 million
+blocks × one hour fits the trace's 64-bit block-nanoseconds. Idle time beyond it is not metered (no one held
+anything in it)."""
+
+
+@dataclass(frozen=True)
+class StepKv:
+    """The pool over one recorded step's interval (the wall time since the previous recorded step's): idle cache,
+    free, and the block-nanoseconds that cross steps. ``carried_in``: part of this step's slices' block-ns held
+    before this interval (while the request waited unscheduled); ``carried_out``: held in this interval by requests
+    with no slice in this step, billed in their next slice (or never, for a request that left between steps).
+    Per step: Σ slices' block-ns − carried_in + carried_out + idle + free = pool × interval."""
+
+    interval_ns: int
+    idle_cached_block_ns: int
+    free_block_ns: int
+    carried_in_block_ns: int
+    carried_out_block_ns: int
+
+
+class KvMeter:
+    """Per-request KV block-nanoseconds over wall time, handed out at each recorded step.
+
+    `observe` is called whenever the pool may have changed (after the engine schedules, after it processes an
+    output, after it aborts requests): the time since the previous call is billed by the pool as it stood then.
+    `drain` closes a recorded step: each of its slices gets what its request held since its previous slice,
+    holders' block-ns apportioned to sum exactly to the held blocks × time (`apportion_block_ns`). Engine-free:
+    the engine side reads the holdings."""
+
+    def __init__(self, pool_blocks: int, now_ns: int) -> None:
+        if pool_blocks < 0:
+            raise KvMemoryError(f"pool_blocks ({pool_blocks}) must be >= 0")
+        self.pool_blocks = int(pool_blocks)
+        self._since_ns = int(now_ns)
+        self._holders: dict[Hashable, float] = {}
+        self._held = 0
+        self._idle = 0
+        self._exact: dict[Hashable, float] = {}
+        self._held_ns = 0
+        self._idle_ns = 0
+        self._interval_ns = 0
+        self._carried: dict[Hashable, int] = {}
+        self._gone: set[Hashable] = set()
+
+    def observe(self, now_ns: int, holders: Mapping[Hashable, float], held_blocks: int, idle_cached_blocks: int) -> None:
+        """Bill the time since the last call to the pool as it stood, then take the pool as it stands now:
+        ``holders`` maps each request to its effective blocks (Σ 1/k over the blocks it references), which
+        must sum to ``held_blocks``."""
+        dt = int(now_ns) - self._since_ns
+        if dt > 0:
+            if not self._holders:
+                dt = min(dt, MAX_UNHELD_SEGMENT_NS)
+            self._interval_ns += dt
+            self._held_ns += self._held * dt
+            self._idle_ns += self._idle * dt
+            exact = self._exact
+            for request, blocks in self._holders.items():
+                exact[request] = exact.get(request, 0.0) + blocks * dt
+            self._since_ns = int(now_ns)
+        if held_blocks < 0 or idle_cached_blocks < 0 or held_blocks + idle_cached_blocks > self.pool_blocks:
+            raise KvMemoryError(
+                f"{held_blocks} held + {idle_cached_blocks} idle cached blocks: not within the pool's {self.pool_blocks}")
+        total = sum(holders.values())
+        if abs(total - held_blocks) > 1e-6 * max(len(holders), 1):
+            raise KvMemoryError(f"holders' effective blocks sum to {total:g}, not the {held_blocks} blocks held")
+        self._holders = dict(holders)
+        self._held = int(held_blocks)
+        self._idle = int(idle_cached_blocks)
+
+    def forget(self, request) -> None:
+        """A request that left (aborted) with no slice to come: what it held is carried out and never billed."""
+        self._carried.pop(request, None)
+        self._gone.add(request)
+
+    def drain(self, requests) -> tuple[list[int], StepKv]:
+        """Close a recorded step whose slices are ``requests``: each one's block-ns since its previous slice, and
+        the step's `StepKv`."""
+        exact = self._exact
+        block_ns = dict(zip(exact, _apportion(list(exact.values()), self._held_ns)))
+        carried, gone = self._carried, self._gone
+        out = []
+        carried_in = 0
+        for request in requests:
+            earlier = carried.pop(request, 0)
+            carried_in += earlier
+            out.append(earlier + block_ns.pop(request, 0))
+            gone.discard(request)
+        carried_out = 0
+        for request, value in block_ns.items():
+            carried_out += value
+            if request in gone:
+                gone.discard(request)
+            elif value:
+                carried[request] = carried.get(request, 0) + value
+        step = StepKv(self._interval_ns, self._idle_ns, self.pool_blocks * self._interval_ns - self._held_ns - self._idle_ns,
+                      carried_in, carried_out)
+        self._exact = {}
+        self._held_ns = self._idle_ns = self._interval_ns = 0
+        return out, step
+
+    @property
+    def num_carried(self) -> int:
+        """Requests whose block-ns wait for their next slice."""
+        return len(self._carried)
+
+
+def _apportion(weights: list[float], budget: int) -> list[int]:
+    """``budget`` (an integer) split in proportion to nonnegative float ``weights`` by largest remainder, in exact
+    integer arithmetic (weights to 2^-20): the parts sum to the budget and each is within one unit of its exact
+    share. A budget with no positive weight to take it is refused."""
+    if not weights:
+        if budget:
+            raise KvMemoryError(f"{budget} block-ns held with no holder")
+        return []
+    scaled = [int(w * 1048576.0) for w in weights]
+    total = sum(scaled)
+    if total <= 0:
+        if budget:
+            raise KvMemoryError(f"{budget} block-ns held with no holder")
+        return [0] * len(weights)
+    parts = []
+    remainders = []
+    for q in scaled:
+        part, remainder = divmod(budget * q, total)
+        parts.append(part)
+        remainders.append(remainder)
+    left = budget - sum(parts)
+    if left:
+        # the largest remainders get the leftover units; ties go to the earlier holder
+        for i in sorted(range(len(parts)), key=remainders.__getitem__, reverse=True)[:left]:
+            parts[i] += 1
+    return parts
