@@ -88,7 +88,7 @@ def run(events):
           ("drain", 11, ["b"])])
 def test_each_step_adds_up_exactly_and_each_slice_is_within_one_block_ns_per_step_of_its_exact_share(events):
     _, steps = run(events)
-    for requests, billed, expected, step in steps:
+    for _, billed, _, step in steps:
         assert all(isinstance(v, int) and v >= 0 for v in billed)
         # per step: the slices' block-ns less what they carried in, plus what others carry out, idle and free
         # are the pool over the interval, exactly

@@ -8,7 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CORE = REPO / "src" / "llmvisor" / "core"
-TRACE_MODULES = [CORE / name for name in ("trace.py", "trace_schema.py", "step_trace.py", "trace_writer.py")]
+TRACE_MODULES = [CORE / name for name in ("trace.py", "trace_schema.py", "step_trace.py", "trace_writer.py", "kv_trace.py")]
 """The reader (`llmvisor.core.trace`) and the modules it re-exports: every rejection is worded in one of them."""
 DOC = REPO / "docs" / "trace-format.md"
 
@@ -49,7 +49,7 @@ def words(fragment: str) -> str | None:
 
 
 def rejection_tables(doc: str) -> str:
-    """The text of every "### Rejections..." section of the doc (version 1's and version 2's), up to the next heading."""
+    """The text of every "### Rejections..." section of the doc (one per version), up to the next heading."""
     sections = re.split(r"^#{2,3} ", doc, flags=re.MULTILINE)
     return "\n".join(section for section in sections if section.startswith("Rejections"))
 

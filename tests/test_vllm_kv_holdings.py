@@ -21,16 +21,25 @@ POOL_BLOCKS = 12  # usable blocks (vLLM adds its null block): 384 tokens for 4 r
 
 
 def probe_class():
-    from vllm.v1.core.sched.scheduler import Scheduler
-
     from llmvisor.engines.vllm.kv_holdings import blocks_by_request, engine_used_blocks, pool_snapshot
+    from llmvisor.engines.vllm.recorder import RecordingScheduler
 
-    class KvProbe(Scheduler):
-        """The scheduler as shipped, reading the pool after each of its two calls per step."""
+    class KvProbe(RecordingScheduler):
+        """The recorder as shipped (its KV meter on), reading the pool after each of its two calls per step the
+        slow, exact way, and keeping every reading its meter was given."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.seen: list[dict] = []
+            self.meter_readings: list[tuple] = []
+            observe = self._kv_meter.observe
+
+            def kept(now_ns, holders, held, idle):
+                whole = {r: len(ids) for r, ids in blocks_by_request(self.kv_cache_manager).items()}
+                self.meter_readings.append((now_ns, dict(holders), held, idle, whole))
+                observe(now_ns, holders, held, idle)
+
+            self._kv_meter.observe = kept
 
         def _look(self, when: str) -> None:
             pool = pool_snapshot(self.kv_cache_manager)
@@ -42,6 +51,8 @@ def probe_class():
                 # free blocks counted from the pool's own ref counts, not derived from the holders' lists
                 "free": sum(1 for b in self.kv_cache_manager.block_pool.blocks
                             if b.ref_cnt == 0 and b.block_hash is None and not b.is_null),
+                "meter": self.meter_readings[-1],
+                "idle_count": self._kv_idle.count,
             })
 
         def schedule(self, *args, **kwargs):
@@ -57,14 +68,19 @@ def probe_class():
     return KvProbe
 
 
-def test_held_blocks_equal_the_engines_used_blocks_and_the_pool_adds_up(tmp_path, monkeypatch):
+def test_held_blocks_equal_the_engines_used_blocks_and_the_recorded_kv_memory_adds_up(tmp_path, monkeypatch):
     from vllm import LLM, SamplingParams
 
-    from llmvisor.engines.vllm.kv_holdings import pool_snapshot
+    from llmvisor.core.trace import read_trace
+    from llmvisor.engines.vllm.kv_holdings import block_bytes, pool_snapshot
 
+    trace_path = tmp_path / "kv.jsonl"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("LLMVISOR_TRACE_PATH", str(trace_path))
+    monkeypatch.setenv("LLMVISOR_RUN_ID", "kv-run")
+    monkeypatch.setenv("LLMVISOR_UNIQUE_RUN_ID", "0")
     model = write_tiny_llama(tmp_path / "tiny-llama", num_key_value_heads=4, max_position_embeddings=1024, vocab_size=1024)
     args = tiny_engine_args(model, probe_class())
     args.update(enable_prefix_caching=True, block_size=BLOCK_SIZE, num_gpu_blocks_override=POOL_BLOCKS + 1, max_num_seqs=4,
@@ -74,7 +90,8 @@ def test_held_blocks_equal_the_engines_used_blocks_and_the_pool_adds_up(tmp_path
     document = rng.integers(10, 1000, 64).tolist()  # 2 full blocks every reader shares
     prompts = [document + rng.integers(10, 1000, int(n)).tolist() for n in (40, 60, 30, 50, 45, 70)]
     prompts.append(rng.integers(10, 1000, 90).tolist())  # a request reading nothing shared
-    params = SamplingParams(max_tokens=100, ignore_eos=True, detokenize=False)
+    tenants = ["doc-a", "doc-b", "doc-a", "doc-b", "doc-a", "doc-b", "solo"]
+    params = [SamplingParams(max_tokens=100, ignore_eos=True, detokenize=False, extra_args={"tenant": t}) for t in tenants]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [100] * len(prompts)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
@@ -83,9 +100,15 @@ def test_held_blocks_equal_the_engines_used_blocks_and_the_pool_adds_up(tmp_path
     # evicts them, and the whole pool is free
     done = pool_snapshot(scheduler.kv_cache_manager)
     assert done.held_blocks == 0 and 0 < done.idle_cached_blocks < POOL_BLOCKS
+    assert scheduler._kv_idle.count == done.idle_cached_blocks
     assert scheduler.kv_cache_manager.reset_prefix_cache()
     reset = pool_snapshot(scheduler.kv_cache_manager)
     assert (reset.held_blocks, reset.idle_cached_blocks, reset.free_blocks) == (0, 0, POOL_BLOCKS)
+    assert scheduler._kv_idle.count == 0
+    # the block's bytes: the formula on the spec equals vLLM's own per-layer page size times the layers
+    groups = scheduler.kv_cache_config.kv_cache_groups
+    assert block_bytes(scheduler.kv_cache_config) == sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
+    readings = scheduler.meter_readings
     llm.llm_engine.engine_core.shutdown()
 
     assert len(seen) > 50
@@ -100,6 +123,11 @@ def test_held_blocks_equal_the_engines_used_blocks_and_the_pool_adds_up(tmp_path
         # conservation, from two sources: the requests' block lists (held) and the pool's ref counts (idle, free)
         assert pool.held_blocks + pool.idle_cached_blocks + look["free"] == POOL_BLOCKS, look["when"]
         assert set(look["blocks"]) <= look["running"], look["when"]  # only running requests hold blocks
+        # the recorder's meter was given the same pool: its running idle count, and its fast per-request shares
+        _, holders, held, idle, _ = look["meter"]
+        assert (held, idle, look["idle_count"]) == (pool.held_blocks, pool.idle_cached_blocks, pool.idle_cached_blocks)
+        exact = dict(zip(pool.holders, pool.effective_blocks))
+        assert holders.keys() == exact.keys() and all(abs(holders[h] - float(exact[h])) < 1e-9 for h in exact)
         readers: dict[int, int] = {}
         for ids in look["blocks"].values():
             for block in ids:
@@ -110,3 +138,45 @@ def test_held_blocks_equal_the_engines_used_blocks_and_the_pool_adds_up(tmp_path
             assert any(shares[r] < len(ids) for r, ids in look["blocks"].items())  # a reader pays part of a block
     assert shared_steps > 10, "the document's blocks were never held by two requests at once"
     assert any(look["pool"].idle_cached_blocks > 0 for look in seen), "no cached block was ever left idle"
+
+    # The trace (format 3, checked step by step by the reader) against the engine's own pool over wall time:
+    # held blocks × time integrated here from the readings, per request with the exact 1/k split.
+    trace = read_trace(trace_path)
+    extra = trace.extra
+    assert set(extra["kv_pool_blocks"].tolist()) == {POOL_BLOCKS}
+    assert set(extra["kv_block_bytes"].tolist()) == {block_bytes(scheduler.kv_cache_config)}
+    held_ns: dict[str, Fraction] = {}
+    held_total = 0
+    whole_ns: dict[str, int] = {}  # a wrong rule: every reader pays each block it reads in full
+    for (t0, holders, held, _, whole), (t1, *_) in zip(readings, readings[1:]):
+        held_total += held * (t1 - t0)
+        for holder, n_blocks in whole.items():
+            whole_ns[holder] = whole_ns.get(holder, 0) + n_blocks * (t1 - t0)
+        for holder, share in holders.items():
+            held_ns[holder] = held_ns.get(holder, Fraction(0)) + Fraction(share).limit_denominator(1000) * (t1 - t0)
+    starts = trace.step_starts
+    carried_in = extra["kv_carried_in_block_ns"][starts].astype(object)
+    carried_out = extra["kv_carried_out_block_ns"][starts].astype(object)
+    assert sum(carried_in) > 0, "no request was ever skipped by a step while holding blocks"
+    requests, block_ns = trace.request_id.tolist(), extra["kv_block_ns"].tolist()
+    billed = dict.fromkeys(requests, 0)
+    for request, value in zip(requests, block_ns):
+        billed[request] += value
+    # nothing held after the last step and nothing aborted: every held block-ns of the run is billed, exactly
+    assert sum(held_ns.values()) == held_total
+    assert sum(carried_out) == sum(carried_in)
+    assert sum(billed.values()) == held_total
+    # each request's and each tenant's block-ns is its exact holding (1/k of each block k requests held), to one
+    # block-ns per step it was billed in
+    for request, exact_ns in held_ns.items():
+        assert abs(billed[request] - exact_ns) <= requests.count(request), request
+    tenant_of = dict(zip(requests, trace.tenant.tolist()))
+    assert set(tenant_of.values()) == set(tenants)
+    for tenant in set(tenants):
+        mine = [r for r in billed if tenant_of[r] == tenant]
+        assert abs(sum(billed[r] for r in mine) - sum(held_ns.get(r, 0) for r in mine)) <= sum(map(requests.count, mine))
+    # the document's readers split its blocks: each is billed less than if it paid every block it read in full,
+    # while the request reading nothing shared pays exactly that
+    solo = [r for r in billed if tenant_of[r] == "solo"]
+    assert len(solo) == 1 and abs(billed[solo[0]] - whole_ns[solo[0]]) <= requests.count(solo[0])
+    assert all(billed[r] < whole_ns[r] - requests.count(r) for r in billed if tenant_of[r] != "solo")

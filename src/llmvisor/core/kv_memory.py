@@ -2,10 +2,10 @@
 
 Step time is one resource a request uses; the KV blocks it holds are the other (vLLM admits and preempts by free
 blocks). This module is the one place that turns what the engine's block pool looked like over an interval into
-per-holder block-nanoseconds, so that whatever meters memory meters it alike (today the engine reading in
-`llmvisor.engines.vllm.kv_holdings`; the recorder, the ledger and the fair scheduler are not wired to it yet).
-`snapshot` sums exact fractions per block, which is fine for checks and small pools; a per-step meter in the engine
-needs a vectorised count.
+per-holder block-nanoseconds, so that whatever meters memory meters it alike: `KvMeter` is the recorder's meter
+(`llmvisor.engines.vllm.recorder`, which writes trace format 3), fed by the engine reading in
+`llmvisor.engines.vllm.kv_holdings`. `snapshot` sums exact fractions per block (checks, small pools); the engine's
+per-step reading counts the same shares as floats from the blocks' reference counts.
 
 The rule, per interval of wall time in which the pool did not change (between two of the engine's block
 allocations or frees):

@@ -2,8 +2,10 @@
 
 The recorder hands each step to its delivery process in a compact form, ``[step_id, timestamp_s,
 step_latency_s, slices]``, each slice ``[request_id, tenant, num_new_tokens, num_context_tokens, is_prefill,
-num_shared_context_tokens, effective_context_tokens]``, optionally followed by ``num_cached_prompt_tokens``;
-a header holds what every row shares (``columns``: run id, engine fingerprint...; ``warmup_steps``).
+num_shared_context_tokens, effective_context_tokens]``, optionally followed by ``num_cached_prompt_tokens`` and
+then ``kv_block_ns``; a metered step (trace format 3) has a fifth element, its `KV_STEP_COLUMNS` values in order.
+A header holds what every row shares (``columns``: run id, engine fingerprint, the KV pool's size and block
+bytes...; ``warmup_steps``).
 
 The trace file and the pusher take one row dict per slice (`step_rows`). The archive takes thousands of steps at
 a time as an Arrow table, and building a dict per slice for it cost more than the rest of its work: `StepColumns`
@@ -14,10 +16,12 @@ rows of those steps would (`tests/test_relayed.py` checks it on generated steps)
 from __future__ import annotations
 
 from llmvisor.core.tokens import CACHED_PROMPT_COLUMN
+from llmvisor.core.trace_schema import KV_SLICE_COLUMN, KV_STEP_COLUMNS
 
 SLICE_FIELDS = ("request_id", "tenant", "num_new_tokens", "num_context_tokens", "is_prefill",
                 "num_shared_context_tokens", "effective_context_tokens")
-"""A relayed slice's first seven fields, in order; an eighth, when present, is ``num_cached_prompt_tokens``."""
+"""A relayed slice's first seven fields, in order; an eighth, when present, is ``num_cached_prompt_tokens``, a ninth
+``kv_block_ns``."""
 
 
 _NO_CACHED = object()
@@ -30,7 +34,7 @@ def phase_of(is_prefill) -> str:
 def step_rows(header: dict, step: list) -> list[dict]:
     """Trace rows of one relayed step (module docstring); ``num_cached_prompt_tokens`` is written when every
     slice of the step has it."""
-    step_id, timestamp_s, latency_s, slices = step
+    step_id, timestamp_s, latency_s, slices, *kv = step
     constant = header["columns"]
     is_warmup = step_id < header["warmup_steps"]
     rows = [
@@ -53,6 +57,11 @@ def step_rows(header: dict, step: list) -> list[dict]:
     if slices and all(len(s) > 7 for s in slices):
         for row, s in zip(rows, slices):
             row[CACHED_PROMPT_COLUMN] = s[7]
+    if kv and slices and all(len(s) > 8 for s in slices):
+        per_step = dict(zip(KV_STEP_COLUMNS, kv[0]))
+        for row, s in zip(rows, slices):
+            row[KV_SLICE_COLUMN] = s[8]
+            row.update(per_step)
     return rows
 
 
@@ -71,10 +80,12 @@ class StepColumns:
         self._fields: list[list] = [[] for _ in SLICE_FIELDS]
         self._cached: list = []
         self._any_cached = False
+        self._kv: list[list] = [[] for _ in range(1 + len(KV_STEP_COLUMNS))]
+        self._any_kv = False
 
     def add(self, step: list) -> None:
         """One relayed step; a step without slices has no rows (as in `step_rows`) and is not counted."""
-        step_id, timestamp_s, latency_s, slices = step
+        step_id, timestamp_s, latency_s, slices, *kv = step
         n = len(slices)
         if not n:
             return
@@ -91,6 +102,14 @@ class StepColumns:
             self._any_cached = True
         else:
             self._cached.extend([_NO_CACHED] * n)
+        if kv and all(len(s) > 8 for s in slices):
+            self._kv[0].extend([s[8] for s in slices])
+            for column, value in zip(self._kv[1:], kv[0]):
+                column.extend([value] * n)
+            self._any_kv = True
+        else:
+            for column in self._kv:
+                column.extend([None] * n)
         self.num_steps += 1
         self.num_rows += n
 
@@ -117,4 +136,6 @@ class StepColumns:
         if self._any_cached:  # rows of a step without it keep the header's value, if any, as in the rows
             absent = self.header["columns"].get(CACHED_PROMPT_COLUMN)
             out[CACHED_PROMPT_COLUMN] = [absent if c is _NO_CACHED else c for c in self._cached]
+        if self._any_kv:
+            out.update(zip((KV_SLICE_COLUMN, *KV_STEP_COLUMNS), self._kv))
         return out

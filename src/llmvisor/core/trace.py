@@ -31,6 +31,7 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN, is_fingerprint_id
+from llmvisor.core.kv_trace import check_kv_columns, kv_columns_present
 from llmvisor.core.step_trace import RunIds, StepTrace, concat_traces
 from llmvisor.core.trace_schema import (
     ARROW_SCHEMA,
@@ -205,6 +206,10 @@ def build_trace(
                 f"step {step_id[a]} of run {plain(run_id[a])!r} (rows {row_numbers[min(a, b)]} and {row_numbers[max(a, b)]})",
                 f"request {plain(request_id[a])!r} appears twice in one step",
             )
+
+    if kv_columns_present(path, columns):
+        check_kv_columns(columns, path=path, order=order, starts=starts, offsets=offsets, row_numbers=row_numbers,
+                         run_id=run_id, step_id=step_id)
 
     if shared_tokens is not None and n:
         sharers = np.add.reduceat((shared_tokens[order] > 0).astype(np.int64), starts)

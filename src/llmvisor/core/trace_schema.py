@@ -1,5 +1,5 @@
-"""The columns of the step-trace format (versions 1 and 2, `docs/trace-format.md`): their names, types and Arrow
-schema, the reading of ``is_warmup``, the version-2 sharing columns, and how a rejection is worded.
+"""The columns of the step-trace format (versions 1 to 3, `docs/trace-format.md`): their names, types and Arrow
+schema, the reading of ``is_warmup``, the version-2 sharing columns, the version-3 KV memory columns, and how a rejection is worded.
 
 Shared by the in-memory `StepTrace` (`llmvisor.core.step_trace`), the readers (`llmvisor.core.trace`) and the
 writers (`llmvisor.core.trace_writer`); `llmvisor.core.trace` re-exports every name here.
@@ -16,8 +16,8 @@ from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
 from llmvisor.core.tokens import CACHED_PROMPT_COLUMN
 from llmvisor.errors import TraceError
 
-FORMAT_VERSION = 2
-"""The newest format version; files without the sharing columns are written as version 1."""
+FORMAT_VERSION = 3
+"""The newest format version: 3 with the KV memory columns, else 2 with the sharing columns, else 1."""
 METADATA_KEY = b"llmvisor.trace"
 
 SHARING_COLUMNS = ("num_shared_context_tokens", "effective_context_tokens")
@@ -26,8 +26,17 @@ context with each block divided among its readers. Both or neither."""
 SHARING_TOLERANCE = 1e-9
 """Relative slack (of num_context_tokens, at least one token's worth) allowed in the bounds on
 ``effective_context_tokens``, a sum of fractions that floating point cannot always hit exactly."""
+KV_SLICE_COLUMN = "kv_block_ns"
+"""Format 3, per slice: the KV block-nanoseconds the request held since its previous slice (`llmvisor.core.kv_memory`)."""
+KV_STEP_COLUMNS = ("kv_interval_ns", "kv_idle_block_ns", "kv_free_block_ns", "kv_carried_in_block_ns", "kv_carried_out_block_ns")
+"""Format 3, per step (the same on every row of a step): the wall time the step's KV figures cover, the pool's idle
+cache and free blocks over it, and the block-ns that cross steps (`llmvisor.core.kv_memory.StepKv`)."""
+KV_RUN_COLUMNS = ("kv_pool_blocks", "kv_block_bytes")
+"""Format 3, per run (the same on every row of a run): the blocks requests can be given, and bytes per block."""
+KV_COLUMNS = (KV_SLICE_COLUMN, *KV_STEP_COLUMNS, *KV_RUN_COLUMNS)
+"""The format-3 columns: all or none."""
 STRING_COLUMNS = ("run_id", "request_id", "tenant", "phase")
-INTEGER_COLUMNS = ("step_id", "num_new_tokens", "num_context_tokens", "num_shared_context_tokens")
+INTEGER_COLUMNS = ("step_id", "num_new_tokens", "num_context_tokens", "num_shared_context_tokens", *KV_COLUMNS)
 FLOAT_COLUMNS = ("step_latency_s", "effective_context_tokens")
 REQUIRED_COLUMNS = (
     "run_id",
@@ -41,7 +50,7 @@ REQUIRED_COLUMNS = (
 )
 OPTIONAL_COLUMNS = (
     "timestamp_s", "is_warmup", "engine", "engine_version", "model", "hardware", "tensor_parallel_size",
-    FINGERPRINT_COLUMN, "is_drifted", CACHED_PROMPT_COLUMN, "model_version", "episode", *SHARING_COLUMNS,
+    FINGERPRINT_COLUMN, "is_drifted", CACHED_PROMPT_COLUMN, "model_version", "episode", *SHARING_COLUMNS, *KV_COLUMNS,
 )
 """Every optional column of the format (v1's, and v2's sharing columns): what any llmvisor writer emits or reader
 uses (``episode``: the fit's folds, `llmvisor.core.model.EPISODE_COLUMN`; ``model_version``: the raw-step archive)."""
@@ -50,7 +59,7 @@ KNOWN_COLUMNS = (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS)
 column dropped in silence would bill wrongly (``engine_fingerprint_id``: billed as class ""), so a future
 optional column comes with a new format version rather than by tolerance."""
 KNOWN_SET = frozenset(KNOWN_COLUMNS)
-CHECKED_COLUMNS = (*REQUIRED_COLUMNS, *SHARING_COLUMNS)
+CHECKED_COLUMNS = (*REQUIRED_COLUMNS, *SHARING_COLUMNS, *KV_COLUMNS)
 """Columns whose values the reader type-checks (the optional ones only when present)."""
 PHASES = ("prefill", "decode")
 SUFFIXES = (".jsonl", ".csv", ".parquet")
@@ -107,7 +116,9 @@ SHARING_ARROW_FIELDS = {
 
 
 def format_version(column_names) -> int:
-    """2 when the sharing columns are present, else 1: the version a file with these columns is."""
+    """3 with the KV memory columns, 2 with the sharing columns, else 1: the version a file with these columns is."""
+    if all(name in column_names for name in KV_COLUMNS):
+        return 3
     return 2 if all(name in column_names for name in SHARING_COLUMNS) else 1
 
 

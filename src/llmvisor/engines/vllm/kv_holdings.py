@@ -5,6 +5,9 @@ groups draw from one block pool, so a request's blocks are the union over groups
 placeholder, never allocated) is no one's and not part of the pool. A cached block no request references sits in
 the pool's free queue with its hash: the idle cache. What the engine reports as used (``get_usage``: the pool less
 its null block, less the free queue) is what requests reference; `engine_used_blocks` reads it for the check.
+
+The recorder's per-step reading is cheaper than `pool_snapshot`: `request_holdings` reads each request's shares from
+its blocks' reference counts, and `IdleCacheCount` keeps the idle cache as a running count.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ def pool_blocks(kv_cache_manager) -> int:
 
 
 def idle_cached_blocks(kv_cache_manager) -> int:
-    """Cached blocks that no request references (evictable; in the free queue with a hash). One pass over the pool:
-    the recorder will need a running count kept from vLLM's allocations and frees before it reads this per step."""
+    """Cached blocks that no request references (evictable; in the free queue with a hash). One pass over the pool;
+    the recorder keeps a running count instead (`IdleCacheCount`)."""
     return sum(1 for block in kv_cache_manager.block_pool.blocks
                if block.ref_cnt == 0 and block.block_hash is not None and not block.is_null)
 
@@ -45,3 +48,99 @@ def pool_snapshot(kv_cache_manager) -> PoolSnapshot:
     cache and the free blocks (`llmvisor.core.kv_memory`)."""
     return snapshot(blocks_by_request(kv_cache_manager), pool_blocks=pool_blocks(kv_cache_manager),
                     idle_cached_blocks=idle_cached_blocks(kv_cache_manager))
+
+
+class IdleCacheCount:
+    """The pool's idle cached blocks (unreferenced, hashed), kept as a running count instead of a pass over the
+    pool at every step. The block pool's own methods are wrapped on this one instance, each adjusting the count by
+    the blocks it moves into or out of the idle cache: `free_blocks` (a freed hashed block becomes idle), `touch` (a
+    prefix hit takes an idle block back), `_maybe_evict_cached_block` (an allocation or eviction drops its hash),
+    `unpin_blocks` and `reset_prefix_cache`. vLLM's logic runs unchanged; `scan` recounts, for checks."""
+
+    def __init__(self, block_pool) -> None:
+        self.block_pool = block_pool
+        self.count = self.scan()
+        pool = block_pool
+        free_blocks, touch, evict = pool.free_blocks, pool.touch, pool._maybe_evict_cached_block
+        unpin, reset = pool.unpin_blocks, pool.reset_prefix_cache
+
+        def idle(block) -> bool:
+            return block.ref_cnt == 0 and block.block_hash is not None and not block.is_null
+
+        def counted_free_blocks(ordered_blocks):
+            blocks = list(ordered_blocks)
+            free_blocks(blocks)
+            self.count += sum(1 for b in blocks if (b.pool is None or b.pool is pool) and idle(b))
+
+        def counted_touch(blocks):
+            self.count -= sum(1 for b in blocks if idle(b))
+            touch(blocks)
+
+        def counted_evict(block):
+            was_idle = idle(block)
+            evicted = evict(block)
+            if was_idle and evicted:
+                self.count -= 1
+            return evicted
+
+        def counted_unpin(blocks, on_reuse):
+            blocks = list(blocks)
+            unpin(blocks, on_reuse)
+            self.count += sum(1 for b in blocks if idle(b))
+
+        def counted_reset():
+            done = reset()
+            if done:
+                self.count = 0
+            return done
+
+        pool.free_blocks, pool.touch, pool._maybe_evict_cached_block = counted_free_blocks, counted_touch, counted_evict
+        pool.unpin_blocks, pool.reset_prefix_cache = counted_unpin, counted_reset
+
+    def scan(self) -> int:
+        """The count from one pass over the pool (O(pool))."""
+        return sum(1 for block in self.block_pool.blocks
+                   if block.ref_cnt == 0 and block.block_hash is not None and not block.is_null)
+
+
+def request_holdings(kv_cache_manager, num_held_blocks: int) -> dict[str, float]:
+    """Each request's effective blocks (Σ 1/k over the blocks it references, k its block's readers), summing to
+    ``num_held_blocks`` (the engine's used blocks).
+
+    Fast path: prefix caching shares a prompt's leading blocks, so a request's readers per block fall along its
+    list; its shared blocks (ref count > 1) are read from the front, the rest count 1 each. When that does not add
+    up to the engine's count (a layout it does not fit), each block's readers are counted from every request's
+    list instead (`pool_snapshot`'s rule), which is exact for any layout."""
+    out: dict[str, float] = {}
+    for manager in kv_cache_manager.coordinator.single_type_managers:
+        for request_id, blocks in manager.req_to_blocks.items():
+            n = len(blocks)
+            effective = float(n)
+            for block in blocks:
+                if block.is_null:
+                    effective -= 1.0
+                elif block.ref_cnt > 1:
+                    effective -= 1.0 - 1.0 / block.ref_cnt
+                else:
+                    break
+            if effective > 0:
+                out[request_id] = out.get(request_id, 0.0) + effective
+    if abs(sum(out.values()) - num_held_blocks) <= 1e-6 * max(len(out), 1):
+        return out
+    exact = snapshot(blocks_by_request(kv_cache_manager), pool_blocks=num_held_blocks, idle_cached_blocks=0)
+    return {holder: float(share) for holder, share in zip(exact.holders, exact.effective_blocks)}
+
+
+def block_bytes(kv_cache_config, tensor_parallel_size: int = 1) -> int:
+    """Bytes of KV memory one block id stands for, over every tensor-parallel rank: `kv_block_bytes` of each KV cache
+    group's spec (its layers × KV heads × head size × element bytes × block size; keys and values, or MLA's one
+    latent) summed over the groups, which share the pool's block ids, times the ranks (each holds its heads' part)."""
+    from llmvisor.core.kv_memory import kv_block_bytes
+
+    total = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        total += kv_block_bytes(num_layers=len(group.layer_names), num_kv_heads=int(spec.num_kv_heads),
+                                head_size=int(spec.head_size), dtype_bytes=int(spec.dtype.itemsize),
+                                block_size=int(spec.block_size), kv_factor=1 if "MLA" in type(spec).__name__ else 2)
+    return total * int(tensor_parallel_size)

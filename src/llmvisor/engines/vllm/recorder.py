@@ -23,7 +23,10 @@ speculative tokens, as a preempted request's recomputation does), the tenant (`r
 ``sampling_params.extra_args[tenant_key]``, default ``"default"``; `FairScheduler` decides it the same way),
 and how much of its context lies in KV blocks that other slices of the step read too
 (``num_shared_context_tokens``, ``effective_context_tokens``; `llmvisor.engines.vllm.kv_sharing`), from the
-scheduler's KV cache manager. Request ids are vLLM's internal ids,
+scheduler's KV cache manager. Whenever it records, it also meters KV memory-time (trace format 3,
+`llmvisor.core.kv_memory.KvMeter`): after each call that can change the block pool (``schedule``,
+``update_from_output``, ``finish_requests``) it reads who holds which blocks, and each slice carries the block-ns its
+request held since its previous slice. Request ids are vLLM's internal ids,
 ``"<external id>-<8 random characters>"``: unique within a run, which external ids need not be.
 """
 
@@ -47,9 +50,11 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from llmvisor.client.push import StepPusher, service_url_from_env
 from llmvisor.client.relay import StepRelay
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN, EngineFingerprint, fingerprint_sidecar
+from llmvisor.core.kv_memory import KvMemoryError, KvMeter
 from llmvisor.core.relayed import step_rows
 from llmvisor.core.trace import TraceWriter
 from llmvisor.engines.vllm.fingerprint import engine_fingerprint
+from llmvisor.engines.vllm.kv_holdings import IdleCacheCount, block_bytes, pool_blocks, request_holdings
 from llmvisor.engines.vllm.kv_sharing import shared_context_tokens
 from llmvisor.engines.vllm.settings import RecorderSettings
 from llmvisor.engines.vllm.step_clock import StepClock
@@ -211,6 +216,7 @@ class RecordingScheduler(Scheduler):
         self.engine_fingerprint = self._fingerprint()
         if self.engine_fingerprint is not None:
             self._constant_columns[FINGERPRINT_COLUMN] = self.engine_fingerprint.id
+        self._setup_kv_meter()
         self._writer, self._pusher, self._relay = self._start_delivery()
         self._wall_minus_perf_s = time.time() - time.perf_counter()
         self._in_flight: dict[int, tuple[list[tuple], float]] = {}
@@ -256,12 +262,16 @@ class RecordingScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         self.step_clock.scheduler_called(time.perf_counter())
         scheduler_output = self._schedule_step(*args, **kwargs)
+        started = time.perf_counter()
+        if self._kv_meter is not None:
+            self._kv_observe()
         if scheduler_output.total_num_scheduled_tokens == 0:
+            if self._kv_meter is not None:
+                self._recorder_time_s += time.perf_counter() - started
             return scheduler_output
         if not self.is_recording:
             self.step_clock.scheduled(id(scheduler_output), time.perf_counter())
             return scheduler_output
-        started = time.perf_counter()
         slices = self._slices(scheduler_output)
         finished = time.perf_counter()
         self._in_flight[id(scheduler_output)] = (slices, finished - started)
@@ -288,20 +298,46 @@ class RecordingScheduler(Scheduler):
         timing = self.step_timing(scheduler_output, entered)
         self._step_timing_cache = None
         in_flight = self._in_flight.pop(id(scheduler_output), None)
+        result = super().update_from_output(scheduler_output, model_runner_output)
+        # recorded once vLLM has processed the output: the KV blocks it freed were held until now
+        exited = time.perf_counter()
+        if self._kv_meter is not None:
+            self._kv_observe()
         if in_flight is not None and timing is not None:
             slices, schedule_overhead_s = in_flight
+            kv = None
+            if self._kv_meter is not None:
+                block_ns, step_kv = self._kv_meter.drain([s[0] for s in slices])
+                slices = [(*s, held) for s, held in zip(slices, block_ns)]
+                kv = [step_kv.interval_ns, step_kv.idle_cached_block_ns, step_kv.free_block_ns,
+                      step_kv.carried_in_block_ns, step_kv.carried_out_block_ns]
             if self.orphaned_since_s is not None:
                 slices = self._orphaned(slices)
             start, latency_s = timing
-            self._record(start, latency_s, slices, entered)
-            overhead_s = schedule_overhead_s + time.perf_counter() - entered
+            self._record(start, latency_s, slices, exited, kv)
+            overhead_s = schedule_overhead_s + time.perf_counter() - exited
             self._recorder_time_s += overhead_s
             self._max_step_fraction = max(self._max_step_fraction, overhead_s / latency_s)
             if len(self.overhead_s_per_step) < MAX_KEPT_STEPS:
                 self.overhead_s_per_step.append(overhead_s)
                 self.latency_s_per_step.append(latency_s)
-        result = super().update_from_output(scheduler_output, model_runner_output)
+        elif self._kv_meter is not None:
+            self._recorder_time_s += time.perf_counter() - exited
         self._last_update_exit_s = time.perf_counter()
+        return result
+
+    def finish_requests(self, request_ids, finished_status):
+        """vLLM's abort (or stop-string finish) from outside a step; the KV meter bills the freed blocks up to
+        now, and forgets a request no step in flight will bill (what it held since its last slice is carried out
+        and unbilled: `llmvisor.core.kv_memory.StepKv`)."""
+        result = super().finish_requests(request_ids, finished_status)
+        if self._kv_meter is not None:
+            self._kv_observe()
+            ids = [request_ids] if isinstance(request_ids, str) else list(request_ids or ())
+            in_flight = {s[0] for slices, _ in self._in_flight.values() for s in slices}
+            for request_id in ids:
+                if request_id not in in_flight and request_id not in self.requests:
+                    self._kv_meter.forget(request_id)
         return result
 
     def _slices(self, scheduler_output) -> list[tuple]:
@@ -404,13 +440,14 @@ class RecordingScheduler(Scheduler):
         writer = TraceWriter(self.trace_path, flush_every_steps=1 << 62, metadata=metadata) if self.trace_path else None
         return writer, None, None
 
-    def _record(self, start_s: float, latency_s: float, slices: list[tuple], now_s: float) -> None:
+    def _record(self, start_s: float, latency_s: float, slices: list[tuple], now_s: float, kv: list | None = None) -> None:
         if self._relay is not None:
-            self._relay.send([self.num_recorded_steps, start_s + self._wall_minus_perf_s, latency_s, slices])
+            step = [self.num_recorded_steps, start_s + self._wall_minus_perf_s, latency_s, slices]
+            self._relay.send(step if kv is None else [*step, kv])
             self.num_recorded_steps += 1
         else:
             with self._flush_lock:
-                self._unwritten.append((start_s, latency_s, slices))
+                self._unwritten.append((start_s, latency_s, slices, kv))
                 self.num_recorded_steps += 1
             if (
                 len(self._unwritten) >= self.recorder_settings.flush_every_steps
@@ -429,6 +466,40 @@ class RecordingScheduler(Scheduler):
             now_s = time.perf_counter()
             if now_s - self._last_update_exit_s >= IDLE_FLUSH_AFTER_S or now_s - self._last_flush_s >= interval_s:
                 self.flush_trace()
+
+    def _setup_kv_meter(self) -> None:
+        """The KV memory-time meter (`llmvisor.core.kv_memory.KvMeter`), when steps are recorded: the pool's size and
+        block bytes become constant columns of the run (trace format version 3)."""
+        self._kv_meter: KvMeter | None = None
+        self._kv_errors = 0
+        if not (self.trace_path or service_url_from_env()):
+            return
+        try:
+            manager = self.kv_cache_manager
+            self._kv_pool_blocks = pool_blocks(manager)
+            self._kv_idle = IdleCacheCount(manager.block_pool)
+            bytes_per_block = block_bytes(self.kv_cache_config, self.parallel_config.tensor_parallel_size)
+        except Exception as error:  # a KV cache layout this vLLM version lays out differently must not stop the engine
+            logger.warning("llmvisor: cannot meter KV memory (%s: %s); steps carry step time only", type(error).__name__, error)
+            return
+        self._kv_meter = KvMeter(self._kv_pool_blocks, time.perf_counter_ns())
+        self._constant_columns["kv_pool_blocks"] = self._kv_pool_blocks
+        self._constant_columns["kv_block_bytes"] = bytes_per_block
+        logger.info("llmvisor: metering KV memory: %d blocks of %d bytes", self._kv_pool_blocks, bytes_per_block)
+
+    def _kv_observe(self) -> None:
+        """The pool as it stands now, to the KV meter. A reading the meter refuses (holdings that do not add up) is
+        logged and billed to no one (counted as free) rather than stopping the engine."""
+        manager = self.kv_cache_manager
+        now_ns = time.perf_counter_ns()
+        held = self._kv_pool_blocks - manager.block_pool.get_num_free_blocks()
+        try:
+            self._kv_meter.observe(now_ns, request_holdings(manager, held), held, self._kv_idle.count)
+        except KvMemoryError as error:
+            self._kv_errors += 1
+            if self._kv_errors == 1:
+                logger.error("llmvisor: KV memory reading refused (%s); such readings are billed to no one", error)
+            self._kv_meter.observe(now_ns, {}, 0, 0)
 
     def _setup_kv_sharing(self) -> None:
         """Find the KV cache group whose blocks hold every token of a request's context (full attention).
@@ -480,8 +551,9 @@ class RecordingScheduler(Scheduler):
             return
         first_step_id = self.num_recorded_steps - len(self._unwritten)
         header = {"columns": self._constant_columns, "warmup_steps": self.recorder_settings.warmup_steps}
-        for offset, (start_s, latency_s, slices) in enumerate(self._unwritten):
-            rows = step_rows(header, [first_step_id + offset, start_s + self._wall_minus_perf_s, latency_s, slices])
+        for offset, (start_s, latency_s, slices, kv) in enumerate(self._unwritten):
+            step = [first_step_id + offset, start_s + self._wall_minus_perf_s, latency_s, slices]
+            rows = step_rows(header, step if kv is None else [*step, kv])
             if self._writer is not None:
                 self._writer.write_step(rows)
             if self._pusher is not None:
