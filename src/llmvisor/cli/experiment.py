@@ -18,8 +18,8 @@ from llmvisor.cli.console import print_table
 from llmvisor.cli.params import check_output_folder
 from llmvisor.errors import LlmvisorError
 from llmvisor.fairness.experiment import (
-    POLICIES,
     POLICY_LABELS,
+    TIME_POLICIES,
     admission_markdown_summary,
     format_seconds,
     run_admission_experiment,
@@ -33,7 +33,7 @@ def fairness(
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder for traces, logs, fairness.json and fairness.png.", file_okay=False, metavar="DIR")] = Path("fairness-experiment"),
     model: eo.LatencyModel = None,
     engine_model: eo.EngineModel = None,
-    policy: Annotated[list[str] | None, typer.Option(help="Policies to run: fcfs, tokens, attributed (repeat). Default: all three.", metavar="fcfs|tokens|attributed")] = None,
+    policy: Annotated[list[str] | None, typer.Option(help="Policies to run: fcfs, tokens, attributed, drf (repeat). Default: fcfs, tokens, attributed.", metavar="fcfs|tokens|attributed|drf")] = None,
     tenants: Annotated[int, typer.Option(help="Tenants, 2 to 4: long-context and short-context alternately.", min=2, max=4)] = 2,
     rate_rps: Annotated[float, typer.Option(help="Requests per second from each tenant (Poisson); high enough that all stay backlogged.", min=0.01)] = 16.0,
     history_tokens: Annotated[int, typer.Option(help="Long-context tenants: tokens of conversation history (prefix-cached) in front of each prompt.", min=1)] = 1536,
@@ -88,7 +88,7 @@ def fairness(
         latency_model_path=model,
         engine_dir=Path(settings.model),
         engine=engine,
-        policies=list(policy or POLICIES),
+        policies=list(policy or TIME_POLICIES),
         workload=workload,
         window_s=window_s,
         warmup_s=warmup_s,

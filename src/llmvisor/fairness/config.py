@@ -21,22 +21,27 @@ from llmvisor.fairness.shared_counters import SharedCountersConfig
 
 
 class ChargeCost(StrEnum):
-    """What a tenant's virtual counter is charged per step: VTC's token prices, or attributed engine seconds."""
+    """What a tenant is charged: VTC's token prices, attributed engine seconds, or (``drf``) attributed engine
+    seconds and KV memory-time together, the tenant's dominant share of the two ordering admission
+    (`llmvisor.fairness.counters.DominantResourceCounter`)."""
 
     TOKENS = "tokens"
     ATTRIBUTED = "attributed"
+    DRF = "drf"
 
 
 class SchedulingPolicy(StrEnum):
-    """How waiting requests are ordered: vLLM's FCFS, or VTC charged with one of the `ChargeCost`s."""
+    """How waiting requests are ordered: vLLM's FCFS, VTC charged with tokens or attributed seconds, or DRF over
+    attributed seconds and KV memory-time."""
 
     FCFS = "fcfs"
     TOKENS = "tokens"
     ATTRIBUTED = "attributed"
+    DRF = "drf"
 
     @property
     def label(self) -> str:
-        return {"fcfs": "vLLM FCFS", "tokens": "token VTC", "attributed": "attributed VTC"}[self.value]
+        return {"fcfs": "vLLM FCFS", "tokens": "token VTC", "attributed": "attributed VTC", "drf": "DRF"}[self.value]
 
 
 COSTS = tuple(ChargeCost)
@@ -93,8 +98,18 @@ class FairnessConfig:
         return TokenPrices(self.prompt_token_cost, self.output_token_cost)
 
     @property
+    def charges_attributed_time(self) -> bool:
+        """Whether the counters are charged attributed engine seconds (``attributed`` and ``drf``)."""
+        return self.cost in (ChargeCost.ATTRIBUTED, ChargeCost.DRF)
+
+    @property
+    def charges_memory(self) -> bool:
+        """Whether the counters are also charged KV memory-time (``drf``): the engine must meter its KV blocks."""
+        return self.cost == ChargeCost.DRF
+
+    @property
     def needs_model(self) -> bool:
-        return self.cost == "attributed" or bool(self.quotas) or self.default_quota is not None or self.tpot_slo_s is not None
+        return self.charges_attributed_time or bool(self.quotas) or self.default_quota is not None or self.tpot_slo_s is not None
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, self.default_weight)
@@ -177,7 +192,18 @@ class FairnessConfig:
             config.log_size = int(_number(values["log_size"], "log_size", source))
         if values.get("shared_counters") is not None:
             config.shared_counters = SharedCountersConfig.from_value(values["shared_counters"], source)
+        config.check(source)
         return config
+
+    def check(self, source: str = "<config>") -> None:
+        """Settings that do not go together, refused in one line naming the field."""
+        if self.cost not in COSTS:
+            raise LlmvisorError(f"{source}: cost must be one of {', '.join(COSTS)} (got {self.cost!r})")
+        if self.charges_memory and self.shared_counters is not None:
+            raise LlmvisorError(
+                f"{source}: shared_counters: not supported with cost = \"drf\" (a dominant share needs each replica's "
+                "KV pool and engine time; share counters with cost = \"attributed\" or \"tokens\")"
+            )
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> FairnessConfig:

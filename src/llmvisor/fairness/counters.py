@@ -106,3 +106,92 @@ class VirtualTokenCounter:
     def snapshot(self) -> dict[str, float]:
         return {t: self.key(t) for t in self.order}
 
+
+
+# --------------------------------------------------------------------------------------------------------
+# DRF
+
+
+class DominantResourceCounter(VirtualTokenCounter):
+    """Dominant Resource Fairness (Ghodsi et al., NSDI'11) over the engine's two resources, kept as VTC keeps one.
+
+    Per tenant, two weighted counters: ``counter`` (attributed engine seconds / weight, charged per step exactly
+    as attributed VTC charges) and ``memory`` (KV block-nanoseconds / weight, charged per pool reading by
+    `charge_memory`: what the tenant's requests held, blocks counted while they are held, not only while they run).
+    The capacities they are shares of grow as the engine runs: ``engine_s``, the engine seconds charged so far (the
+    steps' measured time), and ``pool_block_ns``, the pool's blocks × the wall time metered so far. A tenant's
+    dominant share (its `key`) is the larger of ``(counter + reserved) / engine_s`` and ``memory / pool_block_ns``;
+    the backlogged tenant with the lowest is admitted next (ties to the tenant seen first), as VTC admits the
+    lowest counter.
+
+    Lift on return, as VTC's: a tenant whose queue was empty and gets a request has its dominant share raised to
+    the lowest dominant share among backlogged tenants (or to that of the last tenant whose queue emptied, from its
+    counters when it left), by raising each of its two counters to that share of its capacity; idle time banks no
+    credit in either resource. With one resource this orders tenants exactly as VTC's counters do. Counters are
+    local to this engine (no ``shared``: a pool's replicas do not share a KV pool)."""
+
+    def __init__(self, weights: Mapping[str, float] | None = None, default_weight: float = 1.0):
+        super().__init__(weights, default_weight)
+        self.memory: dict[str, float] = {}
+        self.memory_served: dict[str, float] = {}
+        self.engine_s = 0.0
+        self.pool_block_ns = 0.0
+        self._departed: tuple[float, float] | None = None
+
+    def _register(self, tenant: str) -> None:
+        if tenant not in self.order:
+            super()._register(tenant)
+            self.memory[tenant] = 0.0
+            self.memory_served[tenant] = 0.0
+
+    def shares(self, tenant: str) -> tuple[float, float]:
+        """(time share, memory share) of ``tenant``'s counters, this pass's reservations left out."""
+        return self._share_of(self.counter.get(tenant, 0.0), self.memory.get(tenant, 0.0))
+
+    def _share_of(self, time_counter: float, memory_counter: float) -> tuple[float, float]:
+        time_share = time_counter / self.engine_s if self.engine_s > 0 else 0.0
+        memory_share = memory_counter / self.pool_block_ns if self.pool_block_ns > 0 else 0.0
+        return time_share, memory_share
+
+    def dominant_share(self, tenant: str) -> float:
+        return max(self.shares(tenant))
+
+    def key(self, tenant: str) -> float:
+        """The dominant share, with this pass's reservations (engine seconds) added to the time counter."""
+        counter = self.counter.get(tenant, 0.0) + self.reserved.get(tenant, 0.0)
+        if self.engine_s > 0:
+            time_share = counter / self.engine_s
+        else:  # nothing charged yet: reservations alone order the first pass
+            time_share = counter
+        memory_share = self.memory.get(tenant, 0.0) / self.pool_block_ns if self.pool_block_ns > 0 else 0.0
+        return max(time_share, memory_share)
+
+    def arrive(self, tenant: str) -> None:
+        """A new request from ``tenant``; if it was not backlogged, lift its dominant share to the floor."""
+        self._register(tenant)
+        if self.backlog[tenant] == 0:
+            others = [self.dominant_share(t) for t, n in self.backlog.items() if n > 0 and t != tenant]
+            floor = min(others) if others else (max(self._share_of(*self._departed)) if self._departed is not None else None)
+            if floor is not None and floor > self.dominant_share(tenant):
+                self.counter[tenant] = max(self.counter[tenant], floor * self.engine_s)
+                self.memory[tenant] = max(self.memory[tenant], floor * self.pool_block_ns)
+                self.num_lifts += 1
+        self.backlog[tenant] += 1
+
+    def leave(self, tenant: str, n: int = 1) -> None:
+        super().leave(tenant, n)
+        if self.backlog[tenant] == 0:
+            self._departed = (self.counter[tenant], self.memory[tenant])
+
+    def charge(self, tenant: str, cost: float) -> None:
+        """Attributed engine seconds (a correction may be negative); the time capacity grows by the same amount."""
+        super().charge(tenant, cost)
+        self.engine_s += cost
+
+    def charge_memory(self, block_ns: Mapping[str, float], pool_block_ns: float) -> None:
+        """One stretch of wall time: each tenant's held block-nanoseconds, and the pool's blocks × the stretch."""
+        for tenant, value in block_ns.items():
+            self._register(tenant)
+            self.memory_served[tenant] += value
+            self.memory[tenant] += value / self.weight(tenant)
+        self.pool_block_ns += pool_block_ns

@@ -54,9 +54,13 @@ from llmvisor.fairness.experiment_report import (
 )
 from llmvisor.fairness.policy import POLICIES
 
+TIME_POLICIES = ("fcfs", "tokens", "attributed")
+"""The policies `llmvisor experiment fairness` runs by default (its set-up is bound by engine time; DRF is compared
+where memory binds, `llmvisor.fairness.memory_experiment`)."""
+
 __all__ = [
     "ADMISSION_FORMAT", "ALONE_PREFIX", "GOAL_JAIN", "GOAL_MAX_MIN", "GOAL_THROUGHPUT_LOSS", "POLICIES", "POLICY_LABELS",
-    "SLO_RUN", "admission", "admission_markdown_summary", "admission_over_seeds", "alone_workload", "analyse_run",
+    "SLO_RUN", "TIME_POLICIES", "admission", "admission_markdown_summary", "admission_over_seeds", "alone_workload", "analyse_run",
     "charge_model_path", "completion_rates", "format_seconds", "goals", "insitu_check", "markdown_summary", "model_free",
     "model_free_goals", "plot", "plot_admission", "report_sections", "run_admission_experiment", "run_experiment",
     "run_policy", "slo_figures", "workload_tenants",

@@ -16,8 +16,13 @@ The cost is pluggable:
   shares (`llmvisor.core.attribution.StepAttributor`, Shapley by default) and charged at every step, prefill
   chunks and decodes alike. Token counts miss what long contexts cost (attention over the context, KV reads
   in decode); attributed seconds include it, so equal counters mean equal engine time.
+- ``drf``: Dominant Resource Fairness over attributed engine seconds (charged as ``attributed``) and KV
+  memory-time, the block-nanoseconds a tenant's requests hold while they hold blocks, running or not (the engine
+  reports each pool reading to `FairShare.observe_memory`). The tenant with the lowest dominant share (the larger
+  of its share of engine time and its share of the pool over wall time) is admitted next
+  (`llmvisor.fairness.counters.DominantResourceCounter`).
 
-Both are charged per step, as the engine runs the work. Within one scheduling pass an admission also reserves
+All are charged per step, as the engine runs the work. Within one scheduling pass an admission also reserves
 its predicted prefill cost on its tenant's counter, so one pass does not hand every free slot to the tenant that
 was lowest when it began; reservations are dropped once the step's charge lands. An engine that schedules a
 step before the previous one's output arrives (a batch queue) charges it when scheduled (`FairShare.charge_scheduled`,
@@ -71,12 +76,12 @@ from llmvisor.fairness.config import (
     Quota,
     SchedulingPolicy,
 )
-from llmvisor.fairness.counters import VirtualTokenCounter
+from llmvisor.fairness.counters import DominantResourceCounter, VirtualTokenCounter
 from llmvisor.fairness.shared_counters import SharedCounters
 
 __all__ = [
     "COSTS", "DEFAULT_TENANT", "ENV_CONFIG", "POLICIES", "AdmissionController", "AdmissionDecision", "ChargeCost",
-    "FairShare", "FairnessConfig", "Quota", "SchedulingPolicy", "SlidingWindowQuota",
+    "DominantResourceCounter", "FairShare", "FairnessConfig", "Quota", "SchedulingPolicy", "SlidingWindowQuota",
     "StepCharge", "TokenCost", "VirtualTokenCounter", "jain_index", "max_min_ratio", "sum_by_tenant",
 ]
 
@@ -241,12 +246,16 @@ class FairShare:
             model = config.load_model()
         self.config = config
         self.model = model
-        self.vtc = VirtualTokenCounter(config.weights, config.default_weight)
+        config.check()
+        self.vtc = (DominantResourceCounter if config.charges_memory else VirtualTokenCounter)(config.weights, config.default_weight)
+        self._memory_since_ns: int | None = None
+        self._memory_blocks: dict[str, float] = {}
+        self._memory_pool_blocks = 0
         self.shared = None
         if config.shared_counters is not None:
             self.shared = self.vtc.shared = SharedCounters(config.shared_counters).start()
         self.tokens = config.token_prices
-        self.attributor = StepAttributor(model, rule=config.rule) if model is not None and (config.cost == "attributed" or self._has_quotas) else None
+        self.attributor = StepAttributor(model, rule=config.rule) if model is not None and (config.charges_attributed_time or self._has_quotas) else None
         self.admission = (
             AdmissionController(model, config.tpot_slo_s, max_chunk_tokens, config.tpot_prediction_factor) if model is not None else None
         )
@@ -344,7 +353,7 @@ class FairShare:
         shares = None
         if self.attributor is not None:
             shares = self.attributor.attribute(num_new_tokens, num_context_tokens, is_prefill, measured_s, effective_context_tokens)
-        costs = shares if self.config.cost == "attributed" else self.tokens.slice_costs(num_new_tokens, is_prefill, samples_token)
+        costs = shares if self.config.charges_attributed_time else self.tokens.slice_costs(num_new_tokens, is_prefill, samples_token)
         per_tenant = sum_by_tenant(tenants, costs)
         attributed = None
         if shares is not None:
@@ -379,7 +388,7 @@ class FairShare:
         this step's output arrives; charged here, that pass already sees the step. `charge_step` with
         ``charged_when_scheduled`` then corrects the counters to the measured cost (quotas and ``attributed_s``
         are charged there, measured, only). The pass's reservations are dropped: the step's charge replaces them."""
-        if self.config.cost == "attributed":
+        if self.config.charges_attributed_time:
             costs = self.attributor.attribute(num_new_tokens, num_context_tokens, is_prefill, None, effective_context_tokens)
         else:
             costs = self.tokens.slice_costs(num_new_tokens, is_prefill, samples_token)
@@ -388,6 +397,22 @@ class FairShare:
             self.vtc.charge(tenant, cost)
         self._settle_counters()
         return per_tenant
+
+    def observe_memory(self, now_ns: int, blocks_by_tenant: Mapping[str, float], pool_blocks: int) -> None:
+        """A reading of the KV pool (``drf``): the time since the previous reading is charged to the tenants that held
+        blocks then, each its effective blocks (a block k requests reference is 1/k theirs, as the KV meter counts)
+        × that time, and the pool's ``pool_blocks`` × that time is the memory capacity that passed; the reading
+        ``blocks_by_tenant`` (each tenant's effective blocks now) holds until the next one. A no-op for VTC."""
+        if not self.config.charges_memory:
+            return
+        since = self._memory_since_ns
+        if since is not None and now_ns > since:
+            dt = now_ns - since
+            self.vtc.charge_memory({t: blocks * dt for t, blocks in self._memory_blocks.items()}, self._memory_pool_blocks * dt)
+        if since is None or now_ns > since:
+            self._memory_since_ns = int(now_ns)
+        self._memory_blocks = dict(blocks_by_tenant)
+        self._memory_pool_blocks = int(pool_blocks)
 
     def _settle_counters(self) -> None:
         """After a charge: the pass's reservations are replaced by it, and a shared pool sees the new counters."""

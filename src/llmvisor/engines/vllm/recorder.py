@@ -322,6 +322,8 @@ class RecordingScheduler(Scheduler):
                 self.overhead_s_per_step.append(overhead_s)
                 self.latency_s_per_step.append(latency_s)
         elif self._kv_meter is not None:
+            if not self.is_recording:
+                self._kv_meter.discard()
             self._recorder_time_s += time.perf_counter() - exited
         self._last_update_exit_s = time.perf_counter()
         return result
@@ -468,24 +470,36 @@ class RecordingScheduler(Scheduler):
                 self.flush_trace()
 
     def _setup_kv_meter(self) -> None:
-        """The KV memory-time meter (`llmvisor.core.kv_memory.KvMeter`), when steps are recorded: the pool's size and
-        block bytes become constant columns of the run (trace format version 3)."""
+        """The KV memory-time meter (`llmvisor.core.kv_memory.KvMeter`), on when steps are recorded (subclasses whose
+        policy needs KV memory-time switch it on with `start_kv_meter`)."""
         self._kv_meter: KvMeter | None = None
         self._kv_errors = 0
-        if not (self.trace_path or service_url_from_env()):
-            return
+        self._kv_meter_failed = False
+        if self.trace_path or service_url_from_env():
+            self.start_kv_meter()
+
+    def start_kv_meter(self) -> bool:
+        """Meter KV memory from now on (once; later calls return whether it runs): after each call that can change the
+        block pool the recorder reads who holds which blocks (`_kv_observe`). When steps are recorded, the pool's size
+        and block bytes become constant columns of the run (trace format version 3) and each step drains the meter;
+        otherwise its readings are there for a subclass (`KvMeter.reading`) and nothing accumulates. False, with a
+        warning logged, when this engine's KV cache cannot be read."""
+        if self._kv_meter is not None or self._kv_meter_failed:
+            return self._kv_meter is not None
         try:
             manager = self.kv_cache_manager
             self._kv_pool_blocks = pool_blocks(manager)
-            self._kv_idle = IdleCacheCount(manager.block_pool)
             bytes_per_block = block_bytes(self.kv_cache_config, self.parallel_config.tensor_parallel_size)
+            self._kv_idle = IdleCacheCount(manager.block_pool)
         except Exception as error:  # a KV cache layout this vLLM version lays out differently must not stop the engine
+            self._kv_meter_failed = True
             logger.warning("llmvisor: cannot meter KV memory (%s: %s); steps carry step time only", type(error).__name__, error)
-            return
+            return False
         self._kv_meter = KvMeter(self._kv_pool_blocks, time.perf_counter_ns())
         self._constant_columns["kv_pool_blocks"] = self._kv_pool_blocks
         self._constant_columns["kv_block_bytes"] = bytes_per_block
         logger.info("llmvisor: metering KV memory: %d blocks of %d bytes", self._kv_pool_blocks, bytes_per_block)
+        return True
 
     def _kv_observe(self) -> None:
         """The pool as it stands now, to the KV meter. A reading the meter refuses (holdings that do not add up) is
