@@ -111,3 +111,33 @@ def test_drf_meters_kv_memory_without_recording_and_charges_each_reading_to_its_
         assert admission.keys[admission.tenant] == min(admission.keys.values())
     assert any(len(a.keys) == 2 and a.tenant == "light" and a.keys["hog"] > a.keys["light"] for a in admissions)
 
+
+def test_the_memory_experiment_command_runs_drf_on_a_small_pool_end_to_end(tmp_path):
+    """`llmvisor experiment fairness-memory` briefly, one policy and no runs alone: the engine starts with the pool it
+    was given and vLLM's CPU default block size, DRF runs, and the JSON carries the memory the trace metered."""
+    import os
+    import sys
+
+    from _processes import START_TIMEOUT_S, run_process
+    from _tiny_llama import write_suite_engine
+
+    out = tmp_path / "experiment"
+    done = run_process(
+        [sys.executable, "-m", "llmvisor.cli", "experiment", "fairness-memory", "-o", str(out), "--policy", "drf", "--no-alone",
+         "--engine-model", str(write_suite_engine(tmp_path / "suite-engine")), "--duration-s", "6", "--warmup-s", "1",
+         "--window-s", "1", "--kv-pool-blocks", "12", "--max-model-len", "512", "--max-num-seqs", "6", "--length-scale", "0.1",
+         "--enforce-eager", "--json"],
+        timeout_s=START_TIMEOUT_S + 300, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout)
+    assert json.loads((out / "fairness-memory.json").read_text()) == result and (out / "fairness-memory.png").is_file()
+    setup = result["setup"]
+    assert (setup["kv_pool_blocks"], setup["block_size"], setup["enable_prefix_caching"]) == (12, 128, True)
+    memory = result["policies"]["drf"]["memory"]
+    assert set(memory["kv_block_ns"]) == {"hog", "chat", "code"}
+    assert sum(memory["kv_block_ns"].values()) > 0 and 0 < sum(memory["memory_share"].values()) <= 1
+    assert memory["pool_block_ns"] > 0 and memory["pool_blocks"] == 12
+    state = result["policies"]["drf"]["scheduler_state"]
+    assert state["cost"] == "drf" and sum(state["kv_block_ns"].values()) > 0  # the policy charged memory as it ran
+    assert result["goals"]["met"] is None  # nothing to judge without the runs alone and a baseline
