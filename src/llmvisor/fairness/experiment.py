@@ -136,7 +136,8 @@ def run_policy(spec: dict, log_path: Path) -> dict:
                              result_path=out_dir / "result.json", log_path=log_path, what=f"policy {spec['policy']}: the engine run")
 
 
-def _load_run(out_dir: Path, name: str) -> dict:
+def load_run(out_dir: Path, name: str) -> dict:
+    """A run's result.json as the engine run wrote it (``--analyse-only``); refused in one line when it is missing."""
     if not (out_dir / "result.json").is_file():
         raise LlmvisorError(f"--analyse-only: {out_dir / 'result.json'} not found; run {name} first")
     return json.loads((out_dir / "result.json").read_text())
@@ -194,7 +195,7 @@ def run_experiment(
     for name, policy, run_workload, slo in plan:
         out_dir = output / name
         if analyse_only:
-            runs[name] = _load_run(out_dir, name)
+            runs[name] = load_run(out_dir, name)
             continue
         spec = {
             "policy": policy, "name": name, "tpot_slo_s": slo, "out_dir": str(out_dir), "model_dir": str(engine_dir),
@@ -227,7 +228,7 @@ def run_experiment(
             "attribution_rule": "shapley",
             "model_boundary_new_tokens": charge_model.boundary_,
             "model_coef_s": [dict(zip(FEATURE_NAMES, map(float, row))) for row in charge_model.coef_],
-            "hardware": _hardware(),
+            "hardware": machine_description(),
             "alone_rule": "each tenant alone, arriving at the experiment's total offered rate (every tenant's rate summed), vLLM's FCFS scheduler",
         },
         "policies": analysed,
@@ -258,7 +259,8 @@ def run_experiment(
     return result
 
 
-def _hardware() -> str:
+def machine_description() -> str:
+    """The CPU model and count the experiment ran on, for the result's setup."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
             for line in handle:
@@ -311,7 +313,7 @@ def run_admission_experiment(
         for name, slo in (("attributed", None), (SLO_RUN, tpot_slo_s)):
             out_dir = output / f"seed-{seed}" / name
             if analyse_only:
-                runs[name] = _load_run(out_dir, name)
+                runs[name] = load_run(out_dir, name)
                 continue
             spec = {"policy": "attributed", "name": name, "tpot_slo_s": slo, "out_dir": str(out_dir), "model_dir": str(engine_dir),
                     "model_path": model_path, "engine": {**engine, "seed": seed}, "workload": seed_workload,
@@ -329,7 +331,7 @@ def run_admission_experiment(
         "setup": {
             "model": os.path.basename(model_path),
             "engine_model": os.path.basename(os.path.normpath(str(engine_dir))),
-            "engine": engine, "workload": workload, "window_s": window_s, "warmup_s": warmup_s, "hardware": _hardware(),
+            "engine": engine, "workload": workload, "window_s": window_s, "warmup_s": warmup_s, "hardware": machine_description(),
             "tpot_slo_s": tpot_slo_s, "seeds": list(seeds),
             "tpot_prediction_factor": tpot_prediction_factor, "prediction_factor_source": prediction_factor_source,
             "factor_applied": sorted(f for f in factors if f is not None),

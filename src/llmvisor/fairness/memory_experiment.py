@@ -49,11 +49,11 @@ from llmvisor.core.trace import read_trace
 from llmvisor.errors import LlmvisorError
 from llmvisor.fairness.experiment import (
     ALONE_PREFIX,
-    _hardware,
-    _load_run,
     analyse_run,
     charge_model_path,
     completion_rates,
+    load_run,
+    machine_description,
     run_policy,
 )
 from llmvisor.fairness.policy import POLICIES, jain_index, max_min_ratio
@@ -252,7 +252,7 @@ def run_memory_experiment(
     for name, policy, run_workload, run_engine, pool in plan:
         out_dir = output / name
         if analyse_only:
-            runs[name] = _load_run(out_dir, name)
+            runs[name] = load_run(out_dir, name)
             continue
         spec = {"policy": policy, "name": name, "tpot_slo_s": None, "out_dir": str(out_dir), "model_dir": str(engine_dir),
                 "model_path": model_path, "engine": run_engine, "workload": run_workload, "kv_pool_blocks": pool}
@@ -299,7 +299,7 @@ def run_memory_experiment(
             "window_s": window_s,
             "warmup_s": warmup_s,
             "attribution_rule": "shapley",
-            "hardware": _hardware(),
+            "hardware": machine_description(),
             "n_tenants": n,
             "alone_rule": (
                 f"each tenant alone (the same requests at the same times), vLLM's FCFS, on 1/{n} of the engine: max_num_seqs "
