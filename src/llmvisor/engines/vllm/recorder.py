@@ -54,7 +54,7 @@ from llmvisor.core.kv_memory import KvMemoryError, KvMeter
 from llmvisor.core.relayed import step_rows
 from llmvisor.core.trace import TraceWriter
 from llmvisor.engines.vllm.fingerprint import engine_fingerprint
-from llmvisor.engines.vllm.kv_holdings import IdleCacheCount, block_bytes, pool_blocks, request_holdings
+from llmvisor.engines.vllm.kv_holdings import IdleCacheCount, RequestHoldings, block_bytes, pool_blocks
 from llmvisor.engines.vllm.kv_sharing import shared_context_tokens
 from llmvisor.engines.vllm.settings import RecorderSettings
 from llmvisor.engines.vllm.step_clock import StepClock
@@ -79,10 +79,16 @@ class RecorderOverhead:
     recorder_time_s: float
     step_latency_s: float
     max_step_fraction: float
+    kv_meter_time_s: float = 0.0
+    """Of ``recorder_time_s``, the KV memory meter's part (reading the pool, billing the interval, draining a step)."""
 
     @property
     def fraction(self) -> float:
         return self.recorder_time_s / self.step_latency_s if self.step_latency_s > 0 else 0.0
+
+    @property
+    def kv_meter_fraction(self) -> float:
+        return self.kv_meter_time_s / self.step_latency_s if self.step_latency_s > 0 else 0.0
 
     @property
     def recorder_time_per_step_us(self) -> float:
@@ -96,6 +102,9 @@ class RecorderOverhead:
             "fraction_of_step_time": self.fraction,
             "recorder_time_per_step_us": self.recorder_time_per_step_us,
             "max_step_fraction": self.max_step_fraction,
+            "kv_meter_time_s": self.kv_meter_time_s,
+            "kv_meter_fraction_of_step_time": self.kv_meter_fraction,
+            "kv_meter_time_per_step_us": 1e6 * self.kv_meter_time_s / self.n_steps if self.n_steps else 0.0,
         }
 
 
@@ -307,10 +316,12 @@ class RecordingScheduler(Scheduler):
             slices, schedule_overhead_s = in_flight
             kv = None
             if self._kv_meter is not None:
+                drain_started = time.perf_counter()
                 block_ns, step_kv = self._kv_meter.drain([s[0] for s in slices])
                 slices = [(*s, held) for s, held in zip(slices, block_ns)]
                 kv = [step_kv.interval_ns, step_kv.idle_cached_block_ns, step_kv.free_block_ns,
                       step_kv.carried_in_block_ns, step_kv.carried_out_block_ns]
+                self._kv_time_s += time.perf_counter() - drain_started
             if self.orphaned_since_s is not None:
                 slices = self._orphaned(slices)
             start, latency_s = timing
@@ -472,12 +483,14 @@ class RecordingScheduler(Scheduler):
         block bytes become constant columns of the run (trace format version 3)."""
         self._kv_meter: KvMeter | None = None
         self._kv_errors = 0
+        self._kv_time_s = 0.0
         if not (self.trace_path or service_url_from_env()):
             return
         try:
             manager = self.kv_cache_manager
             self._kv_pool_blocks = pool_blocks(manager)
             self._kv_idle = IdleCacheCount(manager.block_pool)
+            self._kv_holdings = RequestHoldings(manager, self._kv_idle)
             bytes_per_block = block_bytes(self.kv_cache_config, self.parallel_config.tensor_parallel_size)
         except Exception as error:  # a KV cache layout this vLLM version lays out differently must not stop the engine
             logger.warning("llmvisor: cannot meter KV memory (%s: %s); steps carry step time only", type(error).__name__, error)
@@ -494,7 +507,13 @@ class RecordingScheduler(Scheduler):
         now_ns = time.perf_counter_ns()
         held = self._kv_pool_blocks - manager.block_pool.get_num_free_blocks()
         try:
-            self._kv_meter.observe(now_ns, request_holdings(manager, held), held, self._kv_idle.count)
+            self._kv_read(manager, now_ns, held)
+        finally:
+            self._kv_time_s += (time.perf_counter_ns() - now_ns) / 1e9
+
+    def _kv_read(self, manager, now_ns: int, held: int) -> None:
+        try:
+            self._kv_meter.observe(now_ns, self._kv_holdings.read(held), held, self._kv_idle.count)
         except KvMemoryError as error:
             self._kv_errors += 1
             if self._kv_errors == 1:
@@ -578,6 +597,7 @@ class RecordingScheduler(Scheduler):
             recorder_time_s=self._recorder_time_s,
             step_latency_s=self._recorded_latency_s,
             max_step_fraction=self._max_step_fraction,
+            kv_meter_time_s=self._kv_time_s if self._kv_meter is not None else 0.0,
         )
 
     def shutdown(self) -> None:
