@@ -115,3 +115,31 @@ def test_a_wrong_kv_window_is_refused_naming_the_field(model, change, message):
     with pytest.raises(WindowError) as error:
         WindowAggregate.from_json(data)
     assert str(error.value).startswith(message), str(error.value)
+
+
+@settings(max_examples=15, deadline=None)
+@given(metered_run())
+def test_the_edge_counters_are_the_windows_kv_in_gib_seconds_and_the_pool_states_add_up(model, steps):
+    from prometheus_client import CollectorRegistry
+
+    from llmvisor.metering.prometheus import EdgeMetrics
+
+    registry = CollectorRegistry()
+    metrics = EdgeMetrics(registry)
+    windows = windows_of(model, steps, kv_pool_blocks=POOL, kv_block_bytes=BLOCK_BYTES)
+    for window in windows:
+        metrics.record_window(window, [])
+    gib_s = BLOCK_BYTES / 2**30 / 1e9
+    expected: dict[str, int] = {}
+    for step in steps:
+        for s in step[3]:
+            expected[s[1]] = expected.get(s[1], 0) + s[8]
+    for tenant, block_ns in expected.items():
+        got = registry.get_sample_value("llmvisor_engine_kv_gib_seconds_total",
+                                        {"tenant": tenant, "engine_class": "class-x", "model_version": "1"})
+        assert got == pytest.approx(block_ns * gib_s, rel=1e-9, abs=1e-15)
+    states = {state: registry.get_sample_value("llmvisor_engine_kv_pool_gib_seconds_total",
+                                               {"engine_class": "class-x", "state": state})
+              for state in ("held", "idle_cache", "free")}
+    pool_gib_s = POOL * sum(step[4][0] for step in steps) * gib_s
+    assert sum(states.values()) == pytest.approx(pool_gib_s, rel=1e-9)
