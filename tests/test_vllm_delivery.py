@@ -37,6 +37,13 @@ from test_vllm_recorder import ENGINE_ENV, TINY_FIELDS
 pytestmark = pytest.mark.vllm
 
 LABEL = "ops"
+TRAFFIC_TIMEOUT_S = 15.0
+"""How long a background traffic request (`ApiServer.start_traffic`) waits for its answer; one that times out is not
+completed, so not checked. A request of the traffic (at most 150 prompt and 23 output tokens) is answered in well under
+a second on an idle engine and a few seconds on a loaded 2-core machine. The bound matters at SIGINT: vLLM's own entry
+point stops its engine, then waits for every open connection with no time limit ("Waiting for connections to close",
+see llmvisor.engines.vllm.openai_server); a traffic request whose abort was lost holds it until the client gives up,
+which with the 60 s of a single request was a minute of the test spent waiting (measured: SIGINT to exit 60 s)."""
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +110,7 @@ class ApiServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def complete(self, tenant: str, prompt_len: int, max_tokens: int, rng) -> None:
+    def complete(self, tenant: str, prompt_len: int, max_tokens: int, rng, timeout_s: float = 60.0) -> None:
         body = {
             "model": self.model,
             "prompt": rng.integers(10, 1000, prompt_len).tolist(),
@@ -112,9 +119,9 @@ class ApiServer:
             "vllm_xargs": {"tenant": tenant},
         }
         try:
-            response = httpx.post(f"{self.base}/v1/completions", json=body, timeout=60)
+            response = httpx.post(f"{self.base}/v1/completions", json=body, timeout=timeout_s)
         except httpx.HTTPError:
-            return  # the server went away mid-request: not completed, so not checked
+            return  # the server went away mid-request (or kept no answer for it): not completed, so not checked
         if response.status_code == 200:
             with self._lock:
                 self.completed[tenant] = (prompt_len, response.json()["usage"]["completion_tokens"])
@@ -128,7 +135,7 @@ class ApiServer:
                 with self._lock:
                     self._counter += 1
                     tenant = f"{self.run_id}-r{self._counter}"
-                self.complete(tenant, int(rng.integers(1, 150)), int(rng.integers(1, 24)), rng)
+                self.complete(tenant, int(rng.integers(1, 150)), int(rng.integers(1, 24)), rng, timeout_s=TRAFFIC_TIMEOUT_S)
 
         self._stop.clear()
         self._threads = [threading.Thread(target=client, args=(seed,), daemon=True) for seed in range(n_clients)]
