@@ -205,6 +205,19 @@ class KvMeter:
         """Bill the time since the last call to the pool as it stood, then take the pool as it stands now:
         ``holders`` maps each request to its effective blocks (Σ 1/k over the blocks it references), which
         must sum to ``held_blocks``."""
+        self.advance(now_ns)
+        if held_blocks < 0 or idle_cached_blocks < 0 or held_blocks + idle_cached_blocks > self.pool_blocks:
+            raise KvMemoryError(
+                f"{held_blocks} held + {idle_cached_blocks} idle cached blocks: not within the pool's {self.pool_blocks}")
+        total = sum(holders.values())
+        if abs(total - held_blocks) > 1e-6 * max(len(holders), 1):
+            raise KvMemoryError(f"holders' effective blocks sum to {total:g}, not the {held_blocks} blocks held")
+        self._holders = holders if isinstance(holders, dict) else dict(holders)
+        self._held = int(held_blocks)
+        self._idle = int(idle_cached_blocks)
+
+    def advance(self, now_ns: int) -> None:
+        """Bill the time since the last call to the pool as it stood, which still stands (no reading needed)."""
         dt = int(now_ns) - self._since_ns
         if dt > 0:
             if not self._holders:
@@ -216,15 +229,6 @@ class KvMeter:
             for request, blocks in self._holders.items():
                 exact[request] = exact.get(request, 0.0) + blocks * dt
             self._since_ns = int(now_ns)
-        if held_blocks < 0 or idle_cached_blocks < 0 or held_blocks + idle_cached_blocks > self.pool_blocks:
-            raise KvMemoryError(
-                f"{held_blocks} held + {idle_cached_blocks} idle cached blocks: not within the pool's {self.pool_blocks}")
-        total = sum(holders.values())
-        if abs(total - held_blocks) > 1e-6 * max(len(holders), 1):
-            raise KvMemoryError(f"holders' effective blocks sum to {total:g}, not the {held_blocks} blocks held")
-        self._holders = dict(holders)
-        self._held = int(held_blocks)
-        self._idle = int(idle_cached_blocks)
 
     def forget(self, request) -> None:
         """A request that left (aborted) with no slice to come: what it held is carried out and never billed."""

@@ -304,36 +304,41 @@ class RecordingScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output, model_runner_output):
         entered = time.perf_counter()
+        entered_ns = time.perf_counter_ns()
         timing = self.step_timing(scheduler_output, entered)
         self._step_timing_cache = None
         in_flight = self._in_flight.pop(id(scheduler_output), None)
-        result = super().update_from_output(scheduler_output, model_runner_output)
-        # recorded once vLLM has processed the output: the KV blocks it freed were held until now
-        exited = time.perf_counter()
         if self._kv_meter is not None:
-            self._kv_observe()
+            # the pool has not changed since the last reading: bill it up to now, when the step's output arrived
+            self._kv_meter.advance(entered_ns)
         if in_flight is not None and timing is not None:
+            # Recorded (and relayed) before vLLM processes the output, so no client can have an answer from a step
+            # that was not handed over yet.
             slices, schedule_overhead_s = in_flight
             kv = None
             if self._kv_meter is not None:
-                drain_started = time.perf_counter()
                 block_ns, step_kv = self._kv_meter.drain([s[0] for s in slices])
                 slices = [(*s, held) for s, held in zip(slices, block_ns)]
                 kv = [step_kv.interval_ns, step_kv.idle_cached_block_ns, step_kv.free_block_ns,
                       step_kv.carried_in_block_ns, step_kv.carried_out_block_ns]
-                self._kv_time_s += time.perf_counter() - drain_started
+                self._kv_time_s += time.perf_counter() - entered
             if self.orphaned_since_s is not None:
                 slices = self._orphaned(slices)
             start, latency_s = timing
-            self._record(start, latency_s, slices, exited, kv)
-            overhead_s = schedule_overhead_s + time.perf_counter() - exited
+            self._record(start, latency_s, slices, entered, kv)
+            overhead_s = schedule_overhead_s + time.perf_counter() - entered
             self._recorder_time_s += overhead_s
             self._max_step_fraction = max(self._max_step_fraction, overhead_s / latency_s)
             if len(self.overhead_s_per_step) < MAX_KEPT_STEPS:
                 self.overhead_s_per_step.append(overhead_s)
                 self.latency_s_per_step.append(latency_s)
-        elif self._kv_meter is not None:
-            self._recorder_time_s += time.perf_counter() - exited
+        result = super().update_from_output(scheduler_output, model_runner_output)
+        if self._kv_meter is not None:
+            # what vLLM freed (finished requests' blocks) counts as freed from the output's arrival on: a request's
+            # blocks are billed until its last step ended
+            started = time.perf_counter()
+            self._kv_observe(since_ns=entered_ns)
+            self._recorder_time_s += time.perf_counter() - started
         self._last_update_exit_s = time.perf_counter()
         return result
 
@@ -500,14 +505,15 @@ class RecordingScheduler(Scheduler):
         self._constant_columns["kv_block_bytes"] = bytes_per_block
         logger.info("llmvisor: metering KV memory: %d blocks of %d bytes", self._kv_pool_blocks, bytes_per_block)
 
-    def _kv_observe(self) -> None:
-        """The pool as it stands now, to the KV meter. A reading the meter refuses (holdings that do not add up) is
-        logged and billed to no one (counted as free) rather than stopping the engine."""
+    def _kv_observe(self, since_ns: int | None = None) -> None:
+        """The pool as it stands now, to the KV meter (holding from ``since_ns``, when given: the meter has billed
+        up to then). A reading the meter refuses (holdings that do not add up) is logged and billed to no one
+        (counted as free) rather than stopping the engine."""
         manager = self.kv_cache_manager
         now_ns = time.perf_counter_ns()
         held = self._kv_pool_blocks - manager.block_pool.get_num_free_blocks()
         try:
-            self._kv_read(manager, now_ns, held)
+            self._kv_read(manager, now_ns if since_ns is None else since_ns, held)
         finally:
             self._kv_time_s += (time.perf_counter_ns() - now_ns) / 1e9
 
