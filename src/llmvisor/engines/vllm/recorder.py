@@ -26,7 +26,8 @@ and how much of its context lies in KV blocks that other slices of the step read
 scheduler's KV cache manager. Whenever it records, it also meters KV memory-time (trace format 3,
 `llmvisor.core.kv_memory.KvMeter`): after each call that can change the block pool (``schedule``,
 ``update_from_output``, ``finish_requests``) it reads who holds which blocks, and each slice carries the block-ns its
-request held since its previous slice. Request ids are vLLM's internal ids,
+request held since its previous slice. With LoRA enabled it records each slice's adapter and rank and each step's
+adapters and adapter loads (trace format 4, `llmvisor.engines.vllm.lora`). Request ids are vLLM's internal ids,
 ``"<external id>-<8 random characters>"``: unique within a run, which external ids need not be.
 """
 
@@ -56,6 +57,7 @@ from llmvisor.core.trace import TraceWriter
 from llmvisor.engines.vllm.fingerprint import engine_fingerprint
 from llmvisor.engines.vllm.kv_holdings import IdleCacheCount, RequestHoldings, block_bytes, pool_blocks
 from llmvisor.engines.vllm.kv_sharing import shared_context_tokens
+from llmvisor.engines.vllm.lora import AdapterRanks, LoraRecorder, WorkerLoraEvents, in_process_model_runner
 from llmvisor.engines.vllm.settings import RecorderSettings
 from llmvisor.engines.vllm.step_clock import StepClock
 
@@ -145,6 +147,13 @@ def write_fingerprint_record(fingerprint: EngineFingerprint, trace_path: str) ->
         logger.warning("llmvisor: cannot write the engine fingerprint record %s (%s)", path, error.strerror)
 
 
+def relayed_step(step: list, kv: list | None, named: dict | None) -> list:
+    """A recorded step in the relayed form (`llmvisor.core.relayed`): the KV figures fifth, the named columns sixth."""
+    if named is not None:
+        return [*step, kv, named]
+    return step if kv is None else [*step, kv]
+
+
 def route_llmvisor_logs() -> None:
     """Send llmvisor's log records to vLLM's handlers (same stream, same format), once.
 
@@ -226,6 +235,7 @@ class RecordingScheduler(Scheduler):
         if self.engine_fingerprint is not None:
             self._constant_columns[FINGERPRINT_COLUMN] = self.engine_fingerprint.id
         self._setup_kv_meter()
+        self._setup_lora()
         self._writer, self._pusher, self._relay = self._start_delivery()
         self._wall_minus_perf_s = time.time() - time.perf_counter()
         self._in_flight: dict[int, tuple[list[tuple], float]] = {}
@@ -283,6 +293,8 @@ class RecordingScheduler(Scheduler):
             return scheduler_output
         slices = self._slices(scheduler_output)
         finished = time.perf_counter()
+        if self._lora is not None:
+            self._lora_in_flight[id(scheduler_output)] = LoraRecorder.step_adapters(self.requests, [s[0] for s in slices])
         self._in_flight[id(scheduler_output)] = (slices, finished - started)
         self.step_clock.scheduled(id(scheduler_output), finished)
         return scheduler_output
@@ -308,6 +320,7 @@ class RecordingScheduler(Scheduler):
         timing = self.step_timing(scheduler_output, entered)
         self._step_timing_cache = None
         in_flight = self._in_flight.pop(id(scheduler_output), None)
+        adapters = self._lora_in_flight.pop(id(scheduler_output), None) if self._lora is not None else None
         if self._kv_meter is not None:
             # the pool has not changed since the last reading: bill it up to now, when the step's output arrived
             self._kv_meter.advance(entered_ns)
@@ -324,8 +337,15 @@ class RecordingScheduler(Scheduler):
                 self._kv_time_s += time.perf_counter() - entered
             if self.orphaned_since_s is not None:
                 slices = self._orphaned(slices)
+            named = None
+            if adapters is not None:
+                named, matched = self._lora.named_element(scheduler_output, adapters)
+                if not matched and self._lora.num_unmatched_steps == 1:
+                    logger.warning("llmvisor: step %d: the worker's LoRA record is missing or ran other adapters than "
+                                   "scheduled; its loads are recorded as none (counted in the log at shutdown)",
+                                   self.num_recorded_steps)
             start, latency_s = timing
-            self._record(start, latency_s, slices, entered, kv)
+            self._record(start, latency_s, slices, entered, kv, named)
             overhead_s = schedule_overhead_s + time.perf_counter() - entered
             self._recorder_time_s += overhead_s
             self._max_step_fraction = max(self._max_step_fraction, overhead_s / latency_s)
@@ -456,14 +476,15 @@ class RecordingScheduler(Scheduler):
         writer = TraceWriter(self.trace_path, flush_every_steps=1 << 62, metadata=metadata) if self.trace_path else None
         return writer, None, None
 
-    def _record(self, start_s: float, latency_s: float, slices: list[tuple], now_s: float, kv: list | None = None) -> None:
+    def _record(self, start_s: float, latency_s: float, slices: list[tuple], now_s: float, kv: list | None = None,
+                named: dict | None = None) -> None:
         if self._relay is not None:
             step = [self.num_recorded_steps, start_s + self._wall_minus_perf_s, latency_s, slices]
-            self._relay.send(step if kv is None else [*step, kv])
+            self._relay.send(relayed_step(step, kv, named))
             self.num_recorded_steps += 1
         else:
             with self._flush_lock:
-                self._unwritten.append((start_s, latency_s, slices, kv))
+                self._unwritten.append((start_s, latency_s, slices, kv, named))
                 self.num_recorded_steps += 1
             if (
                 len(self._unwritten) >= self.recorder_settings.flush_every_steps
@@ -504,6 +525,29 @@ class RecordingScheduler(Scheduler):
         self._constant_columns["kv_pool_blocks"] = self._kv_pool_blocks
         self._constant_columns["kv_block_bytes"] = bytes_per_block
         logger.info("llmvisor: metering KV memory: %d blocks of %d bytes", self._kv_pool_blocks, bytes_per_block)
+
+    def _setup_lora(self) -> None:
+        """With LoRA enabled and steps recorded, each slice's adapter and each step's adapters and loads (trace format
+        4), read from the worker when it runs in this process (`llmvisor.engines.vllm.lora`); else none, said once."""
+        self._lora: LoraRecorder | None = None
+        self._lora_in_flight: dict[int, list] = {}
+        if self.vllm_config.lora_config is None or not (self.trace_path or service_url_from_env()):
+            return
+        model_runner = in_process_model_runner()
+        if model_runner is None or getattr(model_runner, "lora_manager", None) is None:
+            logger.warning("llmvisor: LoRA is enabled but the worker runs outside this process (executor %s): adapters "
+                           "and adapter loads are not recorded (trace format 4 needs the uni executor)",
+                           self.parallel_config.distributed_executor_backend)
+            return
+        ranks = AdapterRanks()
+        try:
+            events = WorkerLoraEvents(model_runner, ranks)
+        except AttributeError as error:  # a worker this vLLM version lays out differently must not stop the engine
+            logger.warning("llmvisor: cannot read the worker's LoRA adapters (%s); adapters are not recorded", error)
+            return
+        self._lora = LoraRecorder(events, ranks)
+        logger.info("llmvisor: recording LoRA adapters (max_loras %d, max_cpu_loras %s)",
+                    self.vllm_config.lora_config.max_loras, self.vllm_config.lora_config.max_cpu_loras)
 
     def _kv_observe(self, since_ns: int | None = None) -> None:
         """The pool as it stands now, to the KV meter (holding from ``since_ns``, when given: the meter has billed
@@ -576,9 +620,9 @@ class RecordingScheduler(Scheduler):
             return
         first_step_id = self.num_recorded_steps - len(self._unwritten)
         header = {"columns": self._constant_columns, "warmup_steps": self.recorder_settings.warmup_steps}
-        for offset, (start_s, latency_s, slices, kv) in enumerate(self._unwritten):
+        for offset, (start_s, latency_s, slices, kv, named) in enumerate(self._unwritten):
             step = [first_step_id + offset, start_s + self._wall_minus_perf_s, latency_s, slices]
-            rows = step_rows(header, step if kv is None else [*step, kv])
+            rows = step_rows(header, relayed_step(step, kv, named))
             if self._writer is not None:
                 self._writer.write_step(rows)
             if self._pusher is not None:
@@ -607,6 +651,9 @@ class RecordingScheduler(Scheduler):
         )
 
     def shutdown(self) -> None:
+        if self._lora is not None and self._lora.num_unmatched_steps:
+            logger.warning("llmvisor: %d steps had no matching LoRA record from the worker; their loads are recorded as none",
+                           self._lora.num_unmatched_steps)
         if self.orphaned_since_s is not None:
             logger.warning(
                 "llmvisor: %d steps of run %s ended after the API server died; recorded under tenant %r",
