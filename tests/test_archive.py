@@ -241,3 +241,28 @@ def test_recorder_doc_quotes_the_archive_figures():
                    f"{b8['rows_path_cpu_us_per_step']} / {b32['rows_path_cpu_us_per_step']} µs per step in the same run"):
         assert figure in doc, figure
     assert ("wrote the same files byte for byte" in doc) == (b8["same_files"] and b32["same_files"])
+
+
+def test_an_archive_spanning_the_upgrade_to_kv_memory_reads_as_time_only():
+    """Steps archived before the recorder metered KV memory (format 2) and after (format 3), in one period: read
+    together as the readers join files of different versions, keeping only the columns all have; each part alone
+    keeps its own."""
+    from llmvisor.core.kv_memory import KvMeter
+    from llmvisor.core.relayed import step_rows
+
+    url = f"memory://archive-{os.urandom(6).hex()}"
+    writer = ArchiveWriter(url, window_s=60.0)
+    writer.add_step(make_step("run-old", 0, W0_S, [("a", "t0", 5, 0, True, 0)]))
+    meter = KvMeter(8, 0)
+    meter.observe(0, {"b": 2.0}, 2, 1)
+    meter.observe(1000, {"b": 2.0}, 2, 1)
+    block_ns, kv = meter.drain(["b"])
+    header = {"columns": {"run_id": "run-new", "kv_pool_blocks": 8, "kv_block_bytes": 4096}, "warmup_steps": 0}
+    writer.add_step(step_rows(header, [0, W0_S + 120.0, 0.01, [("b", "t1", 1, 40, False, 0, 40.0, 0, block_ns[0])],
+                                       [kv.interval_ns, kv.idle_cached_block_ns, kv.free_block_ns,
+                                        kv.carried_in_block_ns, kv.carried_out_block_ns]]))
+    assert writer.close()
+    both = read_archive(url)
+    assert both.n_steps == 2 and not any(name.startswith("kv_") for name in both.extra)
+    later = read_archive(url, int((W0_S + 60) * 1e6), None)
+    assert later.n_steps == 1 and later.extra["kv_block_ns"].tolist() == [block_ns[0]]

@@ -256,15 +256,17 @@ def test_a_deferred_request_aborted_while_waiting_is_no_longer_counted_as_deferr
 
 
 def test_preemption_evicts_the_most_served_tenant_first(small_kv):
+    # 8 requests of 100 + 64 tokens need 2 blocks each, 16 of the 7: preemptions start when the running requests'
+    # contexts cross their first block (128 tokens), and go on until the last ones finish
     small_kv.configure(cost="tokens")
     for k in range(4):
-        small_kv.add(f"heavy{k}", "heavy", 100, max_tokens=200)
+        small_kv.add(f"heavy{k}", "heavy", 100, max_tokens=64)
     small_kv.run(max_steps=3)  # heavy's requests run first, so FCFS would evict light's (admitted later) first
     for k in range(4):
-        small_kv.add(f"light{k}", "light", 100, max_tokens=200)
+        small_kv.add(f"light{k}", "light", 100, max_tokens=64)
     small_kv.scheduler.fair.vtc.charge("heavy", 10_000.0)  # heavy has been served far more
     finished = small_kv.run()
-    assert finished == {**{f"heavy{k}": 200 for k in range(4)}, **{f"light{k}": 200 for k in range(4)}}
+    assert finished == {**{f"heavy{k}": 64 for k in range(4)}, **{f"light{k}": 64 for k in range(4)}}
     preemptions = list(small_kv.scheduler.preemptions)
     assert preemptions, "the 7-block KV cache should have forced preemptions"
     for preemption in preemptions:

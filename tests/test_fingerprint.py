@@ -56,6 +56,17 @@ def test_id_is_stable_and_follows_the_identity_fields_only():
     assert "threads 2 vs 1" in describe_mismatch(replace(SERVED, threads=2).to_dict(), SERVED.to_dict())
 
 
+def test_lora_settings_make_another_class_and_leave_an_engine_without_lora_as_it_was():
+    # the id and record of an engine without LoRA are those of the code before LoRA was recorded (pinned here)
+    assert SERVED.id == "7544e72d2d42e93e" and "enable_lora" not in SERVED.to_dict()
+    lora = replace(SERVED, enable_lora=True, max_loras=2, max_lora_rank=64, max_cpu_loras=2)
+    assert lora.id != SERVED.id and lora.to_dict()["max_lora_rank"] == 64
+    assert EngineFingerprint.from_dict(json.loads(json.dumps(lora.to_dict()))) == lora
+    for change in ({"max_loras": 4}, {"max_lora_rank": 16}, {"max_cpu_loras": 8}):
+        assert list(replace(lora, **change).differences(lora)) == list(change)
+    assert "enable_lora True vs None" in describe_mismatch(lora.to_dict(), SERVED.to_dict())
+
+
 CPUINFO = Path(__file__).parent / "data" / "cpuinfo"
 
 

@@ -1,5 +1,6 @@
 """Relayed steps as columns (`llmvisor.core.relayed.StepColumns`) are the rows of the same steps, column by column,
-and the archive files made from either are the same files (issue 22: the archive no longer builds a dict per slice)."""
+and the archive files made from either are the same files (issue 22: the archive no longer builds a dict per slice);
+also with named columns (trace format 4's LoRA columns) on some steps."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from llmvisor.archive import ArchiveWriter
 from llmvisor.archive.writer import rows_columns
+from llmvisor.core.lora_trace import encode_adapters
 from llmvisor.core.relayed import StepColumns, step_rows
 
 T0_S = 1_750_000_000.0
@@ -30,14 +32,25 @@ slice_strategy = st.one_of(base_slice, st.tuples(base_slice, st.integers(0, 4096
 
 
 @st.composite
+def lora_element(draw, n_slices: int) -> list:
+    """The fifth element (no KV figures: None) and the sixth, trace format 4's LoRA columns by name."""
+    adapters = draw(st.lists(st.sampled_from(["", "a8", "b16", "ü/64"]), min_size=n_slices, max_size=n_slices))
+    ran = encode_adapters(a for a in adapters if a)
+    return [None, {"slice": {"lora_name": adapters, "lora_rank": [0 if not a else int(a[-2:].strip("ab/ü")) for a in adapters]},
+                   "step": {"step_loras": ran, "step_lora_loads": draw(st.sampled_from([ran, "[]"])),
+                            "step_lora_disk_loads": "[]"}}]
+
+
+@st.composite
 def relayed_steps(draw):
     n = draw(st.integers(1, 30))
     offsets = sorted(draw(st.lists(st.floats(0, 200, allow_nan=False), min_size=n, max_size=n)))
-    return [
-        [step_id, T0_S + offset_s, draw(st.floats(1e-4, 2.0, allow_nan=False)),
-         [list(s) for s in draw(st.lists(slice_strategy, min_size=0, max_size=5))]]
-        for step_id, offset_s in enumerate(offsets)
-    ]
+    steps = []
+    for step_id, offset_s in enumerate(offsets):
+        slices = [list(s) for s in draw(st.lists(slice_strategy, min_size=0, max_size=5))]
+        named = draw(lora_element(len(slices))) if draw(st.booleans()) else []  # some steps have the LoRA columns
+        steps.append([step_id, T0_S + offset_s, draw(st.floats(1e-4, 2.0, allow_nan=False)), slices, *named])
+    return steps
 
 
 headers = st.fixed_dictionaries({

@@ -8,7 +8,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CORE = REPO / "src" / "llmvisor" / "core"
-TRACE_MODULES = [CORE / name for name in ("trace.py", "trace_schema.py", "step_trace.py", "trace_writer.py", "kv_trace.py")]
+TRACE_MODULES = [CORE / name for name in ("trace.py", "trace_schema.py", "step_trace.py", "trace_writer.py", "kv_trace.py",
+                                              "lora_trace.py")]
 """The reader (`llmvisor.core.trace`) and the modules it re-exports: every rejection is worded in one of them."""
 DOC = REPO / "docs" / "trace-format.md"
 

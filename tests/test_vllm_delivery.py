@@ -37,6 +37,13 @@ from test_vllm_recorder import ENGINE_ENV, TINY_FIELDS
 pytestmark = pytest.mark.vllm
 
 LABEL = "ops"
+TRAFFIC_TIMEOUT_S = 15.0
+"""How long a background traffic request (`ApiServer.start_traffic`) waits for its answer; one that times out is not
+completed, so not checked. A request of the traffic (at most 150 prompt and 23 output tokens) is answered in well under
+a second on an idle engine and a few seconds on a loaded 2-core machine. The bound matters at SIGINT: vLLM's own entry
+point stops its engine, then waits for every open connection with no time limit ("Waiting for connections to close",
+see llmvisor.engines.vllm.openai_server); a traffic request whose abort was lost holds it until the client gives up,
+which with the 60 s of a single request was a minute of the test spent waiting (measured: SIGINT to exit 60 s)."""
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +110,7 @@ class ApiServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def complete(self, tenant: str, prompt_len: int, max_tokens: int, rng) -> None:
+    def complete(self, tenant: str, prompt_len: int, max_tokens: int, rng, timeout_s: float = 60.0) -> None:
         body = {
             "model": self.model,
             "prompt": rng.integers(10, 1000, prompt_len).tolist(),
@@ -112,9 +119,9 @@ class ApiServer:
             "vllm_xargs": {"tenant": tenant},
         }
         try:
-            response = httpx.post(f"{self.base}/v1/completions", json=body, timeout=60)
+            response = httpx.post(f"{self.base}/v1/completions", json=body, timeout=timeout_s)
         except httpx.HTTPError:
-            return  # the server went away mid-request: not completed, so not checked
+            return  # the server went away mid-request (or kept no answer for it): not completed, so not checked
         if response.status_code == 200:
             with self._lock:
                 self.completed[tenant] = (prompt_len, response.json()["usage"]["completion_tokens"])
@@ -128,7 +135,7 @@ class ApiServer:
                 with self._lock:
                     self._counter += 1
                     tenant = f"{self.run_id}-r{self._counter}"
-                self.complete(tenant, int(rng.integers(1, 150)), int(rng.integers(1, 24)), rng)
+                self.complete(tenant, int(rng.integers(1, 150)), int(rng.integers(1, 24)), rng, timeout_s=TRAFFIC_TIMEOUT_S)
 
         self._stop.clear()
         self._threads = [threading.Thread(target=client, args=(seed,), daemon=True) for seed in range(n_clients)]
@@ -191,8 +198,18 @@ def assert_ledger_matches_trace(db_url: str, trace_path, run_id: str) -> int:
     return len(step_ids)
 
 
-def test_idle_engine_is_billed_within_a_second_and_sigint_mid_traffic_loses_nothing(service, tmp_path):
-    server = ApiServer(service, tmp_path, "api")
+@pytest.fixture(scope="module")
+def first_run(service, tmp_path_factory):
+    """The module's first server with the label, started once for two tests: the idle test runs it and stops it with
+    SIGINT mid-traffic, and the restart test takes that stopped run as the run before its restart (same folder,
+    trace and label), instead of starting and stopping a server of its own for it (one engine start fewer)."""
+    server = ApiServer(service, tmp_path_factory.mktemp("first-run"), "api")
+    yield server
+    stop_process(server.process, sig=signal.SIGKILL)
+
+
+def test_idle_engine_is_billed_within_a_second_and_sigint_mid_traffic_loses_nothing(service, first_run):
+    server = first_run
     try:
         rng = np.random.default_rng(0)
         threads = [threading.Thread(target=server.complete, args=(f"idle-{i}", 20 + 30 * i, 5 + i, rng)) for i in range(4)]
@@ -218,9 +235,9 @@ def test_idle_engine_is_billed_within_a_second_and_sigint_mid_traffic_loses_noth
         stop_process(server.process, sig=signal.SIGKILL)
     assert "stopping engine client mode=abort timeout=0s" in server.log()  # vLLM's default shutdown
     assert_completed_requests_billed_once(service["db_url"], server)
-    n_steps = assert_ledger_matches_trace(service["db_url"], tmp_path / "trace.jsonl", server.run_id)
+    n_steps = assert_ledger_matches_trace(service["db_url"], server.folder / "trace.jsonl", server.run_id)
     assert n_steps > 20
-    assert not (tmp_path / "spool.jsonl").exists() and not (tmp_path / "spool.jsonl.rejected.jsonl").exists()
+    assert not (server.folder / "spool.jsonl").exists() and not (server.folder / "spool.jsonl.rejected.jsonl").exists()
     ledger = Ledger(service["db_url"])
     try:  # vLLM's default shutdown kills the engine core: the delivery process's end-of-run record, nothing missing
         gaps = ledger.run_gaps(server.run_id)
@@ -230,15 +247,17 @@ def test_idle_engine_is_billed_within_a_second_and_sigint_mid_traffic_loses_noth
         ledger.close()
 
 
-@pytest.mark.slow  # two server starts
-def test_restart_with_the_same_label_is_a_new_run_and_an_engine_sigkill_loses_only_the_step_in_flight(service, tmp_path):
-    first = ApiServer(service, tmp_path, "first")
-    try:
-        first.start_traffic()
-        time.sleep(2)
-        first.interrupt()
-    finally:
-        stop_process(first.process, sig=signal.SIGKILL)
+@pytest.mark.slow  # two server starts (one after the idle test, whose stopped run it takes as the first)
+def test_restart_with_the_same_label_is_a_new_run_and_an_engine_sigkill_loses_only_the_step_in_flight(service, first_run):
+    first = first_run  # stopped with SIGINT mid-traffic by the idle test; run alone, this test does it
+    if first.process.poll() is None:
+        try:
+            first.start_traffic()
+            time.sleep(2)
+            first.interrupt()
+        finally:
+            stop_process(first.process, sig=signal.SIGKILL)
+    tmp_path = first.folder
     second = ApiServer(service, tmp_path, "second")
     try:
         assert second.run_id != first.run_id and second.run_id.startswith(f"{LABEL}-") and first.run_id.startswith(f"{LABEL}-")

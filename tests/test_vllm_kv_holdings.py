@@ -10,7 +10,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from _tiny_llama import tiny_engine_args, write_tiny_llama
+from _tiny_llama import lift_cpu_async_override, tiny_engine_args, write_tiny_llama
 
 vllm = pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
 
@@ -68,7 +68,10 @@ def probe_class():
     return KvProbe
 
 
-def test_held_blocks_equal_the_engines_used_blocks_and_the_recorded_kv_memory_adds_up(tmp_path, monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_held_blocks_equal_the_engines_used_blocks_and_the_recorded_kv_memory_adds_up(tmp_path, monkeypatch, async_scheduling):
+    """With async scheduling (vLLM's default where the platform allows it; the CPU platform's override lifted) the
+    engine schedules step k+1 before step k's output is processed: the meter's readings interleave across steps."""
     from vllm import LLM, SamplingParams
 
     from llmvisor.core.trace import read_trace
@@ -84,16 +87,21 @@ def test_held_blocks_equal_the_engines_used_blocks_and_the_recorded_kv_memory_ad
     model = write_tiny_llama(tmp_path / "tiny-llama", num_key_value_heads=4, max_position_embeddings=1024, vocab_size=1024)
     args = tiny_engine_args(model, probe_class())
     args.update(enable_prefix_caching=True, block_size=BLOCK_SIZE, num_gpu_blocks_override=POOL_BLOCKS + 1, max_num_seqs=4,
-                max_model_len=256)
+                max_model_len=256, async_scheduling=async_scheduling)
+    if async_scheduling:
+        lift_cpu_async_override(monkeypatch)
     llm = LLM(**args)
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    assert isinstance(llm.llm_engine.engine_core.engine_core.scheduler, AsyncScheduler) == async_scheduling
     rng = np.random.default_rng(7)
     document = rng.integers(10, 1000, 64).tolist()  # 2 full blocks every reader shares
     prompts = [document + rng.integers(10, 1000, int(n)).tolist() for n in (40, 60, 30, 50, 45, 70)]
     prompts.append(rng.integers(10, 1000, 90).tolist())  # a request reading nothing shared
     tenants = ["doc-a", "doc-b", "doc-a", "doc-b", "doc-a", "doc-b", "solo"]
-    params = [SamplingParams(max_tokens=100, ignore_eos=True, detokenize=False, extra_args={"tenant": t}) for t in tenants]
+    params = [SamplingParams(max_tokens=60, ignore_eos=True, detokenize=False, extra_args={"tenant": t}) for t in tenants]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [100] * len(prompts)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [60] * len(prompts)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     seen = scheduler.seen
     # all done: nothing held, the finished requests' full blocks left cached for later hits; a prefix-cache reset
@@ -109,6 +117,8 @@ def test_held_blocks_equal_the_engines_used_blocks_and_the_recorded_kv_memory_ad
     groups = scheduler.kv_cache_config.kv_cache_groups
     assert block_bytes(scheduler.kv_cache_config) == sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
     readings = scheduler.meter_readings
+    # the recorder's cheap reading (a length per request while no reference count changed) was used, and checked
+    assert 0 < scheduler._kv_holdings.num_full_reads < len(readings) / 2
     llm.llm_engine.engine_core.shutdown()
 
     assert len(seen) > 50

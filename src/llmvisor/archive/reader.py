@@ -22,6 +22,7 @@ from llmvisor.core.trace import (
     trace_columns_from_arrow,
     trace_from_rows,
 )
+from llmvisor.core.trace_schema import KV_COLUMNS, LORA_COLUMNS
 from llmvisor.errors import LlmvisorError
 from llmvisor.extras import require
 
@@ -77,6 +78,12 @@ def read_archive(url: str, start_us: int | None = None, end_us: int | None = Non
             fill = table["num_context_tokens"] if name == "effective_context_tokens" else pa.scalar(0, pa.int64())
             values = pc.coalesce(table[name], pc.cast(fill, table[name].type) if name == "effective_context_tokens" else fill)
             table = table.set_column(table.column_names.index(name), name, values)
+    for group in (KV_COLUMNS, LORA_COLUMNS):
+        # files of format 3 (KV memory) or 4 (LoRA) read together with older ones: as `read_traces` does, only the
+        # columns every file has are kept (billed for time only, no adapters), rather than refusing the period
+        present = [name for name in group if name in table.column_names]
+        if present and (len(present) != len(group) or any(table[name].null_count for name in present)):
+            table = table.drop_columns(present)
     columns, rows = trace_columns_from_arrow(url, table)
     return build_trace(columns, path=url, row_numbers=rows, metadata=_metadata(first_file))
 

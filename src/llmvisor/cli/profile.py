@@ -206,6 +206,11 @@ def profile(
         f"({overhead['recorder_time_per_step_us']:.0f} us/step; per step p50 {100 * overhead.get('step_fraction_p50', 0):.2f}%, "
         f"p99 {100 * overhead.get('step_fraction_p99', 0):.2f}%)"
     )
+    if overhead.get("kv_meter_time_s"):
+        console.print(
+            f"of which the KV memory meter: {100 * overhead['kv_meter_fraction_of_step_time']:.3f}% of step time "
+            f"({overhead['kv_meter_time_per_step_us']:.0f} us/step)"
+        )
     if plan == "workload":
         replay = result["replay"]
         console.print(

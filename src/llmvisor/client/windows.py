@@ -337,7 +337,8 @@ class WindowDelivery:
         # vLLM's /metrics through PROMETHEUS_MULTIPROC_DIR).
         self.aggregator = WindowAggregator(columns["run_id"], self.engine_class, self.models, window_s=window_s,
                                            unattributed_steps=step_pusher is not None, first_step_id=resume.get("push_next"),
-                                           floor_us=resume.get("window_floor_us") or 0, on_close=edge_metrics().record_window)
+                                           floor_us=resume.get("window_floor_us") or 0, on_close=edge_metrics().record_window,
+                                           kv_pool_blocks=columns.get("kv_pool_blocks"), kv_block_bytes=columns.get("kv_block_bytes"))
         self.pusher = pusher
         self.step_pusher = step_pusher
         # what was pushed, oldest first, until settled: (0 window | 1 per step, the count of its pusher's first
@@ -362,7 +363,7 @@ class WindowDelivery:
                 self._resume_after_held(final=True)
             return
         started = time.perf_counter()
-        closed = self.aggregator.add(step[0], step[1], step[2], step[3])
+        closed = self.aggregator.add(step[0], step[1], step[2], step[3], step[4] if len(step) > 4 else None)
         self.aggregation_s += time.perf_counter() - started
         self._push(closed)
 

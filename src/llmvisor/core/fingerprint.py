@@ -40,7 +40,10 @@ FINGERPRINT_FORMAT = 2
 """The format new fingerprints are written in; records without ``fingerprint_format`` are format 1."""
 FORMAT_2_FIELDS = ("fingerprint_format", "cpu_flags", "cpu_capability", "gemm_backend", "device_count", "compute_capability")
 """Identity fields format 1 did not have: left out of a format-1 record's id, so its stored id still matches."""
-OPTIONAL_FIELDS = ("tensor_parallel_size", "pipeline_parallel_size", *INFORMATIONAL_FIELDS, *FORMAT_2_FIELDS)
+LORA_FIELDS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+"""The engine's LoRA settings: in the identity (and the record) only when LoRA is enabled, so every fingerprint of an
+engine without LoRA keeps the id it had before these fields existed (shipped traces, models and ledgers name them)."""
+OPTIONAL_FIELDS = ("tensor_parallel_size", "pipeline_parallel_size", *INFORMATIONAL_FIELDS, *FORMAT_2_FIELDS, *LORA_FIELDS)
 ISA_FLAGS = (
     "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl", "avx512_bf16",
     "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16",
@@ -130,6 +133,15 @@ class EngineFingerprint:
     """GPUs visible to the engine (0 on CPU)."""
     compute_capability: str = ""
     """The GPU's compute capability (``9.0``); empty on CPU."""
+    enable_lora: bool = False
+    """LoRA adapters enabled (vLLM ``--enable-lora``): a step's cost then depends on its adapters, and the base model's
+    layers run through LoRA wrappers even for base-model requests."""
+    max_loras: int = 0
+    """Adapters a step can run (vLLM ``--max-loras``: the LoRA slots); 0 without LoRA."""
+    max_lora_rank: int = 0
+    """The rank every adapter is padded to in the slots (``--max-lora-rank``); 0 without LoRA."""
+    max_cpu_loras: int = 0
+    """Adapters kept in memory out of the slots (``--max-cpu-loras``, default ``max_loras``); 0 without LoRA."""
     model: str = field(default="", compare=False)
     max_model_len: int = field(default=0, compare=False)
     core_ids: tuple[int, ...] = field(default=(), compare=False)
@@ -137,6 +149,8 @@ class EngineFingerprint:
 
     def identity(self) -> dict:
         left_out = INFORMATIONAL_FIELDS if self.fingerprint_format >= 2 else (*INFORMATIONAL_FIELDS, *FORMAT_2_FIELDS)
+        if not self.enable_lora:
+            left_out = (*left_out, *LORA_FIELDS)
         identity = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in left_out}
         if "cpu_flags" in identity:
             identity["cpu_flags"] = list(self.cpu_flags)
@@ -153,6 +167,9 @@ class EngineFingerprint:
         data["cpu_flags"] = list(self.cpu_flags)
         if self.fingerprint_format < 2:  # written back as it was read, so it stays a format-1 record
             for name in FORMAT_2_FIELDS:
+                data.pop(name)
+        if not self.enable_lora:  # the record of an engine without LoRA is the one written before LoRA was recorded
+            for name in LORA_FIELDS:
                 data.pop(name)
         return {"id": self.id, **data}
 

@@ -25,6 +25,7 @@ the only rounding).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
@@ -204,6 +205,19 @@ class KvMeter:
         """Bill the time since the last call to the pool as it stood, then take the pool as it stands now:
         ``holders`` maps each request to its effective blocks (Σ 1/k over the blocks it references), which
         must sum to ``held_blocks``."""
+        self.advance(now_ns)
+        if held_blocks < 0 or idle_cached_blocks < 0 or held_blocks + idle_cached_blocks > self.pool_blocks:
+            raise KvMemoryError(
+                f"{held_blocks} held + {idle_cached_blocks} idle cached blocks: not within the pool's {self.pool_blocks}")
+        total = sum(holders.values())
+        if abs(total - held_blocks) > 1e-6 * max(len(holders), 1):
+            raise KvMemoryError(f"holders' effective blocks sum to {total:g}, not the {held_blocks} blocks held")
+        self._holders = holders if isinstance(holders, dict) else dict(holders)
+        self._held = int(held_blocks)
+        self._idle = int(idle_cached_blocks)
+
+    def advance(self, now_ns: int) -> None:
+        """Bill the time since the last call to the pool as it stood, which still stands (no reading needed)."""
         dt = int(now_ns) - self._since_ns
         if dt > 0:
             if not self._holders:
@@ -215,20 +229,12 @@ class KvMeter:
             for request, blocks in self._holders.items():
                 exact[request] = exact.get(request, 0.0) + blocks * dt
             self._since_ns = int(now_ns)
-        if held_blocks < 0 or idle_cached_blocks < 0 or held_blocks + idle_cached_blocks > self.pool_blocks:
-            raise KvMemoryError(
-                f"{held_blocks} held + {idle_cached_blocks} idle cached blocks: not within the pool's {self.pool_blocks}")
-        total = sum(holders.values())
-        if abs(total - held_blocks) > 1e-6 * max(len(holders), 1):
-            raise KvMemoryError(f"holders' effective blocks sum to {total:g}, not the {held_blocks} blocks held")
-        self._holders = dict(holders)
-        self._held = int(held_blocks)
-        self._idle = int(idle_cached_blocks)
 
     @property
     def reading(self) -> tuple[int, Mapping[Hashable, float]]:
-        """(time in ns, each holder's effective blocks) of the latest `observe`: the pool as it stands, held until
-        the next reading. A scheduler that charges memory as it goes reads it here (do not change the mapping)."""
+        """(the time in ns the meter has billed up to, each holder's effective blocks as last observed): right after
+        `observe`, the pool as it stands from then until the next reading. A scheduler that charges memory as it goes
+        reads it there (do not change the mapping)."""
         return self._since_ns, self._holders
 
     def discard(self) -> None:
@@ -284,6 +290,18 @@ def _apportion(weights: list[float], budget: int) -> list[int]:
         if budget:
             raise KvMemoryError(f"{budget} block-ns held with no holder")
         return []
+    if budget < 1 << 40 and len(weights) < 1 << 10:
+        # floats carry budget × weight / total to well under 1e-3 here: the same parts, without big integers
+        total_f = math.fsum(weights)
+        if total_f > 0:
+            exact = [budget * w / total_f for w in weights]
+            parts = [math.floor(e) for e in exact]
+            left = budget - sum(parts)
+            if 0 <= left <= len(parts):
+                if left:
+                    for i in sorted(range(len(parts)), key=lambda i: exact[i] - parts[i], reverse=True)[:left]:
+                        parts[i] += 1
+                return parts
     scaled = [int(w * 1048576.0) for w in weights]
     total = sum(scaled)
     if total <= 0:

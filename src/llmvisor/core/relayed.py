@@ -4,7 +4,9 @@ The recorder hands each step to its delivery process in a compact form, ``[step_
 step_latency_s, slices]``, each slice ``[request_id, tenant, num_new_tokens, num_context_tokens, is_prefill,
 num_shared_context_tokens, effective_context_tokens]``, optionally followed by ``num_cached_prompt_tokens`` and
 then ``kv_block_ns``; a metered step (trace format 3) has a fifth element, its `KV_STEP_COLUMNS` values in order.
-A header holds what every row shares (``columns``: run id, engine fingerprint, the KV pool's size and block
+A sixth element, when present, holds further columns by name (`NAMED_INDEX`: ``{"slice": {column: [a value per
+slice]}, "step": {column: value}}``; the fifth is then None for a step that is not metered): trace format 4's LoRA
+columns travel so, and a later column can without another positional field. A header holds what every row shares (``columns``: run id, engine fingerprint, the KV pool's size and block
 bytes...; ``warmup_steps``).
 
 The trace file and the pusher take one row dict per slice (`step_rows`). The archive takes thousands of steps at
@@ -24,6 +26,9 @@ SLICE_FIELDS = ("request_id", "tenant", "num_new_tokens", "num_context_tokens", 
 ``kv_block_ns``."""
 
 
+NAMED_INDEX = 5
+"""Where a relayed step holds its named columns (module docstring)."""
+
 _NO_CACHED = object()
 
 
@@ -31,10 +36,24 @@ def phase_of(is_prefill) -> str:
     return "prefill" if is_prefill else "decode"
 
 
+def named_columns(step: list) -> tuple[dict, dict]:
+    """(per-slice columns, per-step columns) of a relayed step's named element; empty without one. A per-slice column
+    must have a value for every slice."""
+    named = step[NAMED_INDEX] if len(step) > NAMED_INDEX else None
+    if not named:
+        return {}, {}
+    per_slice, per_step = named.get("slice") or {}, named.get("step") or {}
+    for name, values in per_slice.items():
+        if len(values) != len(step[3]):
+            raise ValueError(f"step {step[0]}: column {name} has {len(values)} values for {len(step[3])} slices")
+    return per_slice, per_step
+
+
 def step_rows(header: dict, step: list) -> list[dict]:
     """Trace rows of one relayed step (module docstring); ``num_cached_prompt_tokens`` is written when every
     slice of the step has it."""
     step_id, timestamp_s, latency_s, slices, *kv = step
+    kv = kv[:1] if kv and kv[0] is not None else []
     constant = header["columns"]
     is_warmup = step_id < header["warmup_steps"]
     rows = [
@@ -62,6 +81,13 @@ def step_rows(header: dict, step: list) -> list[dict]:
         for row, s in zip(rows, slices):
             row[KV_SLICE_COLUMN] = s[8]
             row.update(per_step)
+    per_slice, per_step = named_columns(step)
+    for name, values in per_slice.items():
+        for row, value in zip(rows, values):
+            row[name] = value
+    if per_step and rows:
+        for row in rows:
+            row.update(per_step)
     return rows
 
 
@@ -82,15 +108,19 @@ class StepColumns:
         self._any_cached = False
         self._kv: list[list] = [[] for _ in range(1 + len(KV_STEP_COLUMNS))]
         self._any_kv = False
+        self._named: dict[str, list] = {}
+        self._order: list[str] = []  # the optional columns in order of first appearance, as in the rows
 
     def add(self, step: list) -> None:
         """One relayed step; a step without slices has no rows (as in `step_rows`) and is not counted."""
         step_id, timestamp_s, latency_s, slices, *kv = step
+        kv = kv[:1] if kv and kv[0] is not None else []
         n = len(slices)
         if not n:
             return
         if min(map(len, slices)) < len(SLICE_FIELDS):
             raise ValueError(f"step {step_id}: a slice has fewer than {len(SLICE_FIELDS)} fields")
+        per_slice, per_step = named_columns(step)
         for column, values in zip(self._fields, zip(*slices)):
             column.extend(values)
         self._step_id.extend([step_id] * n)
@@ -99,6 +129,8 @@ class StepColumns:
         self._is_warmup.extend([step_id < self.header["warmup_steps"]] * n)
         if all(len(s) > 7 for s in slices):
             self._cached.extend([s[7] for s in slices])
+            if not self._any_cached:
+                self._order.append(CACHED_PROMPT_COLUMN)
             self._any_cached = True
         else:
             self._cached.extend([_NO_CACHED] * n)
@@ -106,10 +138,21 @@ class StepColumns:
             self._kv[0].extend([s[8] for s in slices])
             for column, value in zip(self._kv[1:], kv[0]):
                 column.extend([value] * n)
+            if not self._any_kv:
+                self._order.append(KV_SLICE_COLUMN)
             self._any_kv = True
         else:
             for column in self._kv:
                 column.extend([None] * n)
+        for name in (*per_slice, *per_step):
+            if name not in self._named:  # rows of the steps before had none
+                self._named[name] = [None] * self.num_rows
+                self._order.append(name)
+        for name, column in self._named.items():
+            if name in per_slice:
+                column.extend(per_slice[name])
+            else:
+                column.extend([per_step[name]] * n if name in per_step else [None] * n)
         self.num_steps += 1
         self.num_rows += n
 
@@ -133,9 +176,12 @@ class StepColumns:
         }
         out.update({name: [value] * self.num_rows for name, value in self.header["columns"].items()})
         out["is_warmup"] = self._is_warmup
-        if self._any_cached:  # rows of a step without it keep the header's value, if any, as in the rows
-            absent = self.header["columns"].get(CACHED_PROMPT_COLUMN)
-            out[CACHED_PROMPT_COLUMN] = [absent if c is _NO_CACHED else c for c in self._cached]
-        if self._any_kv:
-            out.update(zip((KV_SLICE_COLUMN, *KV_STEP_COLUMNS), self._kv))
+        for name in self._order:  # a header column of the same name keeps its place, as in the rows
+            if name == CACHED_PROMPT_COLUMN:  # rows of a step without it keep the header's value, if any
+                absent = self.header["columns"].get(CACHED_PROMPT_COLUMN)
+                out[CACHED_PROMPT_COLUMN] = [absent if c is _NO_CACHED else c for c in self._cached]
+            elif name == KV_SLICE_COLUMN:
+                out.update(zip((KV_SLICE_COLUMN, *KV_STEP_COLUMNS), self._kv))
+            else:
+                out[name] = self._named[name]
         return out

@@ -1,4 +1,4 @@
-"""Read, validate and write step traces (format versions 1 and 2, `docs/trace-format.md`).
+"""Read, validate and write step traces (format versions 1 to 4, `docs/trace-format.md`).
 
 A trace has one row per request slice per step. In memory it is a `StepTrace`: columnar numpy arrays with
 the slices of each step made contiguous and ordered by (run_id, step_id), plus per-step views
@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN, is_fingerprint_id
 from llmvisor.core.kv_trace import check_kv_columns, kv_columns_present
+from llmvisor.core.lora_trace import check_lora_columns, lora_columns_present
 from llmvisor.core.step_trace import RunIds, StepTrace, concat_traces
 from llmvisor.core.trace_schema import (
     ARROW_SCHEMA,
@@ -210,6 +211,9 @@ def build_trace(
     if kv_columns_present(path, columns):
         check_kv_columns(columns, path=path, order=order, starts=starts, offsets=offsets, row_numbers=row_numbers,
                          run_id=run_id, step_id=step_id)
+    if lora_columns_present(path, columns):
+        check_lora_columns(columns, path=path, order=order, starts=starts, offsets=offsets, row_numbers=row_numbers,
+                           run_id=run_id, step_id=step_id, request_id=request_id)
 
     if shared_tokens is not None and n:
         sharers = np.add.reduceat((shared_tokens[order] > 0).astype(np.int64), starts)

@@ -1,5 +1,6 @@
-"""The columns of the step-trace format (versions 1 to 3, `docs/trace-format.md`): their names, types and Arrow
-schema, the reading of ``is_warmup``, the version-2 sharing columns, the version-3 KV memory columns, and how a rejection is worded.
+"""The columns of the step-trace format (versions 1 to 4, `docs/trace-format.md`): their names, types and Arrow
+schema, the reading of ``is_warmup``, the version-2 sharing columns, the version-3 KV memory columns, the version-4
+LoRA adapter columns, and how a rejection is worded.
 
 Shared by the in-memory `StepTrace` (`llmvisor.core.step_trace`), the readers (`llmvisor.core.trace`) and the
 writers (`llmvisor.core.trace_writer`); `llmvisor.core.trace` re-exports every name here.
@@ -16,8 +17,9 @@ from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
 from llmvisor.core.tokens import CACHED_PROMPT_COLUMN
 from llmvisor.errors import TraceError
 
-FORMAT_VERSION = 3
-"""The newest format version: 3 with the KV memory columns, else 2 with the sharing columns, else 1."""
+FORMAT_VERSION = 4
+"""The newest format version: 4 with the LoRA adapter columns, else 3 with the KV memory columns, else 2 with the
+sharing columns, else 1."""
 METADATA_KEY = b"llmvisor.trace"
 
 SHARING_COLUMNS = ("num_shared_context_tokens", "effective_context_tokens")
@@ -35,8 +37,17 @@ KV_RUN_COLUMNS = ("kv_pool_blocks", "kv_block_bytes")
 """Format 3, per run (the same on every row of a run): the blocks requests can be given, and bytes per block."""
 KV_COLUMNS = (KV_SLICE_COLUMN, *KV_STEP_COLUMNS, *KV_RUN_COLUMNS)
 """The format-3 columns: all or none."""
-STRING_COLUMNS = ("run_id", "request_id", "tenant", "phase")
-INTEGER_COLUMNS = ("step_id", "num_new_tokens", "num_context_tokens", "num_shared_context_tokens", *KV_COLUMNS)
+LORA_SLICE_COLUMNS = ("lora_name", "lora_rank")
+"""Format 4, per slice: the LoRA adapter the request runs with (empty for the base model) and its rank (0 for the
+base model)."""
+LORA_STEP_COLUMNS = ("step_loras", "step_lora_loads", "step_lora_disk_loads")
+"""Format 4, per step (the same on every row of a step), each a set of adapter names written as a JSON array, sorted:
+the distinct adapters the step ran, those loaded into a LoRA slot for it, and those of them read from their files
+(`llmvisor.core.lora_trace`)."""
+LORA_COLUMNS = (*LORA_SLICE_COLUMNS, *LORA_STEP_COLUMNS)
+"""The format-4 columns: all or none."""
+STRING_COLUMNS = ("run_id", "request_id", "tenant", "phase", "lora_name", *LORA_STEP_COLUMNS)
+INTEGER_COLUMNS = ("step_id", "num_new_tokens", "num_context_tokens", "num_shared_context_tokens", *KV_COLUMNS, "lora_rank")
 FLOAT_COLUMNS = ("step_latency_s", "effective_context_tokens")
 REQUIRED_COLUMNS = (
     "run_id",
@@ -51,6 +62,7 @@ REQUIRED_COLUMNS = (
 OPTIONAL_COLUMNS = (
     "timestamp_s", "is_warmup", "engine", "engine_version", "model", "hardware", "tensor_parallel_size",
     FINGERPRINT_COLUMN, "is_drifted", CACHED_PROMPT_COLUMN, "model_version", "episode", *SHARING_COLUMNS, *KV_COLUMNS,
+    *LORA_COLUMNS,
 )
 """Every optional column of the format (v1's, and v2's sharing columns): what any llmvisor writer emits or reader
 uses (``episode``: the fit's folds, `llmvisor.core.model.EPISODE_COLUMN`; ``model_version``: the raw-step archive)."""
@@ -59,7 +71,7 @@ KNOWN_COLUMNS = (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS)
 column dropped in silence would bill wrongly (``engine_fingerprint_id``: billed as class ""), so a future
 optional column comes with a new format version rather than by tolerance."""
 KNOWN_SET = frozenset(KNOWN_COLUMNS)
-CHECKED_COLUMNS = (*REQUIRED_COLUMNS, *SHARING_COLUMNS, *KV_COLUMNS)
+CHECKED_COLUMNS = (*REQUIRED_COLUMNS, *SHARING_COLUMNS, *KV_COLUMNS, *LORA_COLUMNS)
 """Columns whose values the reader type-checks (the optional ones only when present)."""
 PHASES = ("prefill", "decode")
 SUFFIXES = (".jsonl", ".csv", ".parquet")
@@ -116,7 +128,10 @@ SHARING_ARROW_FIELDS = {
 
 
 def format_version(column_names) -> int:
-    """3 with the KV memory columns, 2 with the sharing columns, else 1: the version a file with these columns is."""
+    """4 with the LoRA adapter columns, 3 with the KV memory columns, 2 with the sharing columns, else 1: the version a
+    file with these columns is."""
+    if all(name in column_names for name in LORA_COLUMNS):
+        return 4
     if all(name in column_names for name in KV_COLUMNS):
         return 3
     return 2 if all(name in column_names for name in SHARING_COLUMNS) else 1

@@ -97,6 +97,16 @@ class EdgeMetrics:
             f"{PREFIX}_pending_measured_seconds", "Measured seconds of the steps in pending windows (their class had no "
             "active model at the edge: nothing attributed).", ["engine_class"], registry=registry,
         )
+        self.kv_gib_seconds = Counter(
+            f"{PREFIX}_kv_gib_seconds", "KV cache GiB-seconds held by each tenant's requests (window format 2: a block "
+            "split equally among the requests referencing it, over wall time; GiB = 2^30 bytes).", tenant_labels,
+            registry=registry,
+        )
+        self.kv_pool_gib_seconds = Counter(
+            f"{PREFIX}_kv_pool_gib_seconds", "The KV cache pool over wall time, by state: held (by requests, carried to "
+            "a request's next step included), idle_cache (cached, referenced by none: billed to no one), free. The "
+            "states add up to the pool's size times the time metered.", ["engine_class", "state"], registry=registry,
+        )
         self.windows = Counter(f"{PREFIX}_windows", "Window aggregates closed (each sent to the service once).", class_labels,
                                registry=registry)
         self.relative_residual = Histogram(
@@ -128,6 +138,15 @@ class EdgeMetrics:
             self.tenant_measured_seconds.labels(*labels).inc(totals["measured_ns"] / 1e9)
             self.slices.labels(*labels).inc(totals["num_slices"])
             self.new_tokens.labels(*labels).inc(totals["num_new_tokens"])
+        kv = window.kv
+        if kv is not None:
+            gib_s = kv.block_bytes / (1 << 30) / 1e9
+            for tenant, block_ns in window.tenant_kv_block_ns().items():
+                self.kv_gib_seconds.labels(self.tenant_label(tenant), engine_class, version).inc(block_ns * gib_s)
+            held = sum(int(q.kv_block_ns or 0) for q in window.requests) - kv.carried_in_block_ns + kv.carried_out_block_ns
+            self.kv_pool_gib_seconds.labels(engine_class, "held").inc(held * gib_s)
+            self.kv_pool_gib_seconds.labels(engine_class, "idle_cache").inc(kv.idle_block_ns * gib_s)
+            self.kv_pool_gib_seconds.labels(engine_class, "free").inc(kv.free_block_ns * gib_s)
         self.steps.labels(engine_class, version).inc(window.num_steps)
         self.measured_seconds.labels(engine_class, version).inc(window.measured_ns / 1e9)
         if window.pending:

@@ -33,7 +33,10 @@ from llmvisor.core.tokens import TOKEN_SPLIT, add_counts, token_split
 from llmvisor.errors import LlmvisorError, unknown_name
 
 DEFAULT_WINDOW_S = 1.0
-WINDOW_FORMAT = 1
+WINDOW_FORMAT = 2
+"""The newest window format: 2 carries KV memory-time (`KvWindow`, trace format 3's columns summed), 1 does not.
+A window is written as format 1 when its steps carry no KV figures, byte for byte as before (its digest unchanged)."""
+READABLE_WINDOW_FORMATS = (1, 2)
 MAX_NAME_CHARS = 512
 
 ModelSource = Callable[[], "tuple[StepLatencyModel, int] | None"]
@@ -65,6 +68,28 @@ class RequestWindow:
     slices' tokens. None: an edge that did not send the split (stored as unknown, NULL)."""
     num_cached_prompt_tokens: int | None = None
     num_output_tokens: int | None = None
+    kv_block_ns: int | None = None
+    """Window format 2: the KV block-nanoseconds of the request's slices in the window (trace format 3's
+    ``kv_block_ns`` summed); None in format 1."""
+
+
+@dataclass
+class KvWindow:
+    """A window's KV pool figures (format 2): trace format 3's step columns summed over the window's steps, and the
+    run's pool size and block bytes. With the requests' ``kv_block_ns`` they add up exactly:
+    Σ requests − carried_in + carried_out + idle + free = pool_blocks × interval_ns."""
+
+    interval_ns: int
+    idle_block_ns: int
+    free_block_ns: int
+    carried_in_block_ns: int
+    carried_out_block_ns: int
+    pool_blocks: int
+    block_bytes: int
+
+
+KV_STEP_FIELDS = ("interval_ns", "idle_block_ns", "free_block_ns", "carried_in_block_ns", "carried_out_block_ns")
+"""`KvWindow`'s per-step sums, in the order of a relayed step's KV element (`llmvisor.core.trace_schema.KV_STEP_COLUMNS`)."""
 
 
 @dataclass
@@ -95,7 +120,9 @@ class WindowAggregate:
     step_ranges: list[list[int]]
     requests: list[RequestWindow]
     residual: ResidualStats = field(default_factory=ResidualStats)
-    format: int = WINDOW_FORMAT
+    format: int = 1
+    kv: KvWindow | None = None
+    """KV memory-time (format 2), None in format 1."""
 
     def tenant_totals(self) -> dict[str, dict[str, int]]:
         """Per tenant: attributed and measured ns, slices (a request's steps) and new tokens."""
@@ -111,6 +138,15 @@ class WindowAggregate:
                 t[name] = add_counts(t[name], getattr(r, name))
         return out
 
+    def tenant_kv_block_ns(self) -> dict[str, int]:
+        """Per tenant: the KV block-nanoseconds of its requests in the window (empty in format 1)."""
+        out: dict[str, int] = {}
+        if self.kv is None:
+            return out
+        for r in self.requests:
+            out[r.tenant] = out.get(r.tenant, 0) + int(r.kv_block_ns or 0)
+        return out
+
     def step_ids(self) -> np.ndarray:
         return np.concatenate([np.arange(a, b + 1, dtype=np.int64) for a, b in self.step_ranges]) if self.step_ranges else np.zeros(0, np.int64)
 
@@ -123,9 +159,14 @@ class WindowAggregate:
             if name == "step_ranges":
                 value = [list(r) for r in value]
             elif name == "requests":
-                value = [{f: getattr(q, f) for f in _REQUEST_FIELDS} for q in value]
+                fields_ = _REQUEST_FIELDS if self.kv is not None else _REQUEST_FIELDS_V1
+                value = [{f: getattr(q, f) for f in fields_} for q in value]
             elif name == "residual":
                 value = {f: getattr(value, f) for f in _RESIDUAL_FIELDS}
+            elif name == "kv":
+                if value is None:  # format 1: no key, so its digest is what it always was
+                    continue
+                value = {f: getattr(value, f) for f in _KV_FIELDS}
             out[name] = value
         return out
 
@@ -148,9 +189,10 @@ class WindowAggregate:
         if not isinstance(data, dict):
             raise WindowError(f"{where}: must be an object")
         r = _Reader(data, where, known=_WINDOW_KEYS)
-        fmt = r.integer("format", low=1, default=WINDOW_FORMAT)
-        if fmt != WINDOW_FORMAT:
-            raise WindowError(f"{where}.format: unknown window format {fmt}; this llmvisor reads {WINDOW_FORMAT}")
+        fmt = r.integer("format", low=1, default=1)
+        if fmt not in READABLE_WINDOW_FORMATS:
+            raise WindowError(f"{where}.format: unknown window format {fmt}; this llmvisor reads "
+                              f"{', '.join(map(str, READABLE_WINDOW_FORMATS))}")
         start, end = r.integer("window_start_us", low=0), r.integer("window_end_us", low=0)
         if end <= start:
             raise WindowError(f"{where}.window_end_us: must be after window_start_us ({end} <= {start})")
@@ -166,7 +208,7 @@ class WindowAggregate:
         requests_raw = r.get("requests", list)
         if not requests_raw:
             raise WindowError(f"{where}.requests: must list at least one request")
-        requests = [_request_from_json(item, f"{where}.requests[{k}]") for k, item in enumerate(requests_raw)]
+        requests = [_request_from_json(item, f"{where}.requests[{k}]", kv=fmt >= 2) for k, item in enumerate(requests_raw)]
         keys = [(q.request_id, q.tenant) for q in requests]
         if len(set(keys)) != len(keys):
             raise WindowError(f"{where}.requests: a (request_id, tenant) is listed twice")
@@ -181,16 +223,23 @@ class WindowAggregate:
         if any(q.measured_ns > measured for q in requests):
             raise WindowError(f"{where}.requests: a request's measured_ns exceeds the window's")
         residual = _residual_from_json(r.get("residual", dict), f"{where}.residual")
+        kv = None
+        if fmt >= 2:
+            kv = _kv_from_json(r.get("kv", dict), f"{where}.kv", requests)
+        elif "kv" in data:
+            raise WindowError(f"{where}.kv: a format-1 window carries no KV figures (format 2 does)")
         return cls(
             run_id=r.name("run_id"), engine_class=r.name("engine_class", allow_empty=True), window_start_us=start, window_end_us=end,
             model_version=version, pending=pending, num_steps=num_steps, measured_ns=measured, attributed_ns=attributed,
-            step_ranges=ranges, requests=requests, residual=residual, format=fmt,
+            step_ranges=ranges, requests=requests, residual=residual, format=fmt, kv=kv,
         )
 
 
 _WINDOW_FIELDS = tuple(f.name for f in fields(WindowAggregate))
 _REQUEST_FIELDS = tuple(f.name for f in fields(RequestWindow))
+_REQUEST_FIELDS_V1 = tuple(name for name in _REQUEST_FIELDS if name != "kv_block_ns")
 _RESIDUAL_FIELDS = tuple(f.name for f in fields(ResidualStats))
+_KV_FIELDS = tuple(f.name for f in fields(KvWindow))
 _WINDOW_KEYS, _REQUEST_KEYS, _RESIDUAL_KEYS = frozenset(_WINDOW_FIELDS), frozenset(_REQUEST_FIELDS), frozenset(_RESIDUAL_FIELDS)
 
 
@@ -244,10 +293,10 @@ class _Reader:
         return out
 
 
-def _request_from_json(data: object, where: str) -> RequestWindow:
+def _request_from_json(data: object, where: str, *, kv: bool = False) -> RequestWindow:
     if not isinstance(data, dict):
         raise WindowError(f"{where}: must be an object")
-    r = _Reader(data, where, known=_REQUEST_KEYS)
+    r = _Reader(data, where, known=_REQUEST_KEYS if kv else frozenset(_REQUEST_FIELDS_V1))
     first, last = r.integer("first_timestamp_us", low=0), r.integer("last_timestamp_us", low=0)
     if last < first:
         raise WindowError(f"{where}.last_timestamp_us: before first_timestamp_us")
@@ -264,7 +313,21 @@ def _request_from_json(data: object, where: str) -> RequestWindow:
         request_id=r.name("request_id"), tenant=r.name("tenant"), attributed_ns=r.integer("attributed_ns", low=0),
         measured_ns=r.integer("measured_ns", low=0), num_new_tokens=new_tokens,
         num_steps=r.integer("num_steps", low=1), first_timestamp_us=first, last_timestamp_us=last, **split,
+        kv_block_ns=r.integer("kv_block_ns", low=0) if kv else None,
     )
+
+
+def _kv_from_json(data: dict, where: str, requests: list[RequestWindow]) -> KvWindow:
+    r = _Reader(data, where, known=frozenset(_KV_FIELDS))
+    kv = KvWindow(**{name: r.integer(name, low=1 if name == "block_bytes" else 0) for name in _KV_FIELDS})
+    held = sum(q.kv_block_ns for q in requests)
+    if kv.carried_in_block_ns > held:
+        raise WindowError(f"{where}.carried_in_block_ns: {kv.carried_in_block_ns}, more than the requests hold ({held})")
+    total = held - kv.carried_in_block_ns + kv.carried_out_block_ns + kv.idle_block_ns + kv.free_block_ns
+    if total != kv.pool_blocks * kv.interval_ns:
+        raise WindowError(f"{where}: KV memory does not add up: the requests' {held} − carried in + carried out + idle + "
+                          f"free = {total} block-ns, but pool_blocks × interval_ns = {kv.pool_blocks * kv.interval_ns}")
+    return kv
 
 
 def _residual_from_json(data: dict, where: str) -> ResidualStats:
@@ -311,22 +374,27 @@ class WindowAggregator:
     ``unattributed_steps``: a window closed while ``model_source`` has no model comes back as an
     `UnattributedWindow` (its raw steps) instead of a pending `WindowAggregate`. ``on_close`` (optional,
     `OnClose`) sees each attributed or pending window as it closes.
+
+    KV memory-time (trace format 3): with ``kv_pool_blocks`` and ``kv_block_bytes`` (the run's, from its header)
+    and steps that carry their KV element and slices their ``kv_block_ns``, windows are format 2 (`KvWindow`); a
+    window with any step without them is format 1.
     """
 
     def __init__(self, run_id: str, engine_class: str, model_source: ModelSource, *, window_s: float = DEFAULT_WINDOW_S,
                  grace_s: float = 0.5, unattributed_steps: bool = False, first_step_id: int | None = None, floor_us: int = 0,
-                 on_close: OnClose | None = None):
+                 on_close: OnClose | None = None, kv_pool_blocks: int | None = None, kv_block_bytes: int | None = None):
         if not window_s > 0 or not math.isfinite(window_s):
             raise LlmvisorError(f"window_s: must be a positive number of seconds, not {window_s!r}")
         self.run_id, self.engine_class, self.model_source, self.on_close = run_id, engine_class, model_source, on_close
         self.unattributed_steps = unattributed_steps
+        self.kv_run = (int(kv_pool_blocks), int(kv_block_bytes)) if kv_pool_blocks is not None and kv_block_bytes else None
         self.window_us = max(int(round(window_s * 1e6)), 1)
         self.grace_us = int(round(grace_s * 1e6))
         self.last_step_id: int | None = None if first_step_id is None else first_step_id - 1
         self.closed_until_us = int(floor_us)
         """No window starts before this: the end of the last window closed (or the resumed floor)."""
         self._start_us: int | None = None
-        self._steps: list[tuple[int, int, float, list, float]] = []  # (id, window-clamped start µs, latency, slices, timestamp_s)
+        self._steps: list[tuple] = []  # (id, window-clamped start µs, latency, slices, timestamp_s, KV element or None)
         self._held: list[list[int]] = []
         self._held_firsts: list[int] = []
         self.skipped_held = 0
@@ -358,7 +426,8 @@ class WindowAggregator:
     def first_open_step_id(self) -> int | None:
         return self._steps[0][0] if self._steps else None
 
-    def add(self, step_id: int, timestamp_s: float, step_latency_s: float, slices: list) -> list[WindowAggregate | UnattributedWindow]:
+    def add(self, step_id: int, timestamp_s: float, step_latency_s: float, slices: list,
+            kv: Sequence[int] | None = None) -> list[WindowAggregate | UnattributedWindow]:
         if self.last_step_id is not None and step_id <= self.last_step_id:
             return []
         self.last_step_id = step_id
@@ -372,7 +441,7 @@ class WindowAggregator:
             closed.append(self._close())
         if self._start_us is None:
             self._start_us = start_us
-        self._steps.append((step_id, max(timestamp_us, self._start_us), float(step_latency_s), slices, timestamp_s))
+        self._steps.append((step_id, max(timestamp_us, self._start_us), float(step_latency_s), slices, timestamp_s, kv))
         return closed
 
     def close_due(self, now_s: float) -> list[WindowAggregate | UnattributedWindow]:
@@ -390,8 +459,9 @@ class WindowAggregator:
         model = self.model_source()
         if model is None and self.unattributed_steps:
             return UnattributedWindow(self.run_id, self.engine_class, start_us, start_us + self.window_us,
-                                      [[s[0], s[4], s[2], s[3]] for s in steps])
-        window, relative = _aggregate(self.run_id, self.engine_class, start_us, start_us + self.window_us, steps, model)
+                                      [[s[0], s[4], s[2], s[3]] + ([s[5]] if s[5] is not None else []) for s in steps])
+        window, relative = _aggregate(self.run_id, self.engine_class, start_us, start_us + self.window_us, steps, model,
+                                      kv_run=self.kv_run)
         if self.on_close is not None:
             self.on_close(window, relative)
         return window
@@ -415,13 +485,15 @@ def union_ranges(ranges: Iterable[Sequence[int]]) -> list[list[int]]:
 
 
 def aggregate_window(run_id: str, engine_class: str, start_us: int, end_us: int, steps: list[tuple[int, int, float, list]],
-                     model: tuple[StepLatencyModel, int] | None) -> WindowAggregate:
-    """One window of ``(step_id, timestamp_us, step_latency_s, slices)`` attributed with ``model`` (None: pending)."""
-    return _aggregate(run_id, engine_class, start_us, end_us, steps, model)[0]
+                     model: tuple[StepLatencyModel, int] | None, *, kv_run: tuple[int, int] | None = None) -> WindowAggregate:
+    """One window of ``(step_id, timestamp_us, step_latency_s, slices[, timestamp_s, KV element])`` attributed with
+    ``model`` (None: pending); ``kv_run``: the run's (pool blocks, block bytes), for format 2."""
+    return _aggregate(run_id, engine_class, start_us, end_us, steps, model, kv_run=kv_run)[0]
 
 
 def _aggregate(run_id: str, engine_class: str, start_us: int, end_us: int, steps: list[tuple[int, int, float, list]],
-               model: tuple[StepLatencyModel, int] | None) -> tuple[WindowAggregate, np.ndarray]:
+               model: tuple[StepLatencyModel, int] | None, *, kv_run: tuple[int, int] | None = None
+               ) -> tuple[WindowAggregate, np.ndarray]:
     """`aggregate_window`, and its steps' relative residuals (measured − predicted) / predicted (empty: pending)."""
     sizes = np.fromiter((len(s[3]) for s in steps), dtype=np.int64, count=len(steps))
     offsets = np.concatenate(([0], np.cumsum(sizes)))
@@ -466,6 +538,13 @@ def _aggregate(run_id: str, engine_class: str, start_us: int, end_us: int, steps
         return np.add.reduceat(values.astype(np.int64)[order], firsts).tolist() if keys else []
 
     sums = [by_group(v) for v in (attributed_ns, slice_measured, new)]
+    kv = None
+    kv_per_group: list = [None] * len(keys)
+    if (kv_run is not None and steps and all(len(s) > 5 and s[5] is not None for s in steps)
+            and all(len(x) > 8 for x in slices)):
+        per_step = np.asarray([list(s[5]) for s in steps], dtype=np.int64).sum(axis=0).tolist()
+        kv = KvWindow(*per_step, pool_blocks=kv_run[0], block_bytes=kv_run[1])
+        kv_per_group = by_group(np.fromiter((x[8] for x in slices), dtype=np.int64, count=len(slices)))
     split = [by_group(v) for v in (uncached, cached, output)]
     sorted_ts = slice_ts[order]
     first_ts = sorted_ts[firsts].tolist() if keys else []
@@ -484,8 +563,8 @@ def _aggregate(run_id: str, engine_class: str, start_us: int, end_us: int, steps
         model_version=None if model is None else int(model[1]), pending=model is None, num_steps=len(steps),
         measured_ns=total_measured, attributed_ns=0 if model is None else int(attributed_ns.sum()), step_ranges=ranges,
         requests=[RequestWindow(q, t, sums[0][g], sums[1][g], sums[2][g], num_steps[g], first_ts[g], max(first_ts[g], last_ts[g]),
-                                split[0][g], split[1][g], split[2][g])
+                                split[0][g], split[1][g], split[2][g], kv_per_group[g])
                   for g, (q, t) in sorted(enumerate(keys), key=lambda item: item[1])],
-        residual=residual,
+        residual=residual, format=1 if kv is None else 2, kv=kv,
     )
     return window, relative

@@ -280,9 +280,9 @@ class FairScheduler(RecordingScheduler):
         self.fair_step_latency_s = array("d")
 
     # ---------------------------------------------------------------------------------------------------
-    def _kv_observe(self) -> None:
+    def _kv_observe(self, since_ns: int | None = None) -> None:
         """The recorder's pool reading; under DRF each tenant's effective blocks in it also go to the policy."""
-        super()._kv_observe()
+        super()._kv_observe(since_ns)
         fair = getattr(self, "fair", None)
         if fair is None or not fair.config.charges_memory:
             return

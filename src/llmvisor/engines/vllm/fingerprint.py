@@ -102,6 +102,11 @@ def engine_fingerprint(vllm_config, *, model_name: str | None = None, hardware: 
         if torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability(0)
             silicon = {"device_count": int(torch.cuda.device_count()), "compute_capability": f"{major}.{minor}"}
+    lora_config = getattr(vllm_config, "lora_config", None)
+    lora = {} if lora_config is None else {
+        "enable_lora": True, "max_loras": int(lora_config.max_loras), "max_lora_rank": int(lora_config.max_lora_rank),
+        "max_cpu_loras": int(lora_config.max_cpu_loras or lora_config.max_loras),
+    }
     return EngineFingerprint(
         engine="vllm",
         engine_version=vllm.__version__,
@@ -122,6 +127,7 @@ def engine_fingerprint(vllm_config, *, model_name: str | None = None, hardware: 
         tensor_parallel_size=int(parallel_config.tensor_parallel_size),
         pipeline_parallel_size=int(parallel_config.pipeline_parallel_size),
         **silicon,
+        **lora,
         core_ids=cores,
         executor_backend=backend,
     )

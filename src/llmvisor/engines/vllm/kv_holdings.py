@@ -55,11 +55,16 @@ class IdleCacheCount:
     pool at every step. The block pool's own methods are wrapped on this one instance, each adjusting the count by
     the blocks it moves into or out of the idle cache: `free_blocks` (a freed hashed block becomes idle), `touch` (a
     prefix hit takes an idle block back), `_maybe_evict_cached_block` (an allocation or eviction drops its hash),
-    `unpin_blocks` and `reset_prefix_cache`. vLLM's logic runs unchanged; `scan` recounts, for checks."""
+    `unpin_blocks` and `reset_prefix_cache`. vLLM's logic runs unchanged; `scan` recounts, for checks.
+
+    ``refs_changed`` is set whenever a wrapped call may have changed a held block's reference count (a free, a prefix
+    hit, an unpin, a reset); a new block vLLM hands out starts at one reference and changes no one else's share.
+    `RequestHoldings` clears it once it has re-read the shares."""
 
     def __init__(self, block_pool) -> None:
         self.block_pool = block_pool
         self.count = self.scan()
+        self.refs_changed = True
         pool = block_pool
         free_blocks, touch, evict = pool.free_blocks, pool.touch, pool._maybe_evict_cached_block
         unpin, reset = pool.unpin_blocks, pool.reset_prefix_cache
@@ -69,10 +74,12 @@ class IdleCacheCount:
 
         def counted_free_blocks(ordered_blocks):
             blocks = list(ordered_blocks)
+            self.refs_changed = True
             free_blocks(blocks)
             self.count += sum(1 for b in blocks if (b.pool is None or b.pool is pool) and idle(b))
 
         def counted_touch(blocks):
+            self.refs_changed = True
             self.count -= sum(1 for b in blocks if idle(b))
             touch(blocks)
 
@@ -85,10 +92,12 @@ class IdleCacheCount:
 
         def counted_unpin(blocks, on_reuse):
             blocks = list(blocks)
+            self.refs_changed = True
             unpin(blocks, on_reuse)
             self.count += sum(1 for b in blocks if idle(b))
 
         def counted_reset():
+            self.refs_changed = True
             done = reset()
             if done:
                 self.count = 0
@@ -103,6 +112,48 @@ class IdleCacheCount:
                    if block.ref_cnt == 0 and block.block_hash is not None and not block.is_null)
 
 
+def _leading_shares(blocks) -> float:
+    """A request's effective blocks from its list: shared (ref count > 1) and null blocks read from the front, the
+    rest one each."""
+    effective = float(len(blocks))
+    for block in blocks:
+        if block.is_null:
+            effective -= 1.0
+        elif block.ref_cnt > 1:
+            effective -= 1.0 - 1.0 / block.ref_cnt
+        else:
+            break
+    return effective
+
+
+class RequestHoldings:
+    """`request_holdings` kept between readings. A request's share is its block count less a discount (1 − 1/k for
+    each block k requests reference, 1 for a null block) that only a reference count change can move; while none
+    changed (`IdleCacheCount.refs_changed` clear), new blocks come with one reference each and a new request with no
+    shared block, so a reading costs a length per request. Every reading is still checked against the engine's used
+    blocks, and re-read in full when it does not add up."""
+
+    def __init__(self, kv_cache_manager, watch: IdleCacheCount) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.watch = watch
+        self._discount: dict[str, float] = {}
+        self.num_full_reads = 0
+
+    def read(self, num_held_blocks: int) -> dict[str, float]:
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        if not self.watch.refs_changed and len(managers) == 1:
+            discount = self._discount
+            out = {r: len(b) - discount.get(r, 0.0) for r, b in managers[0].req_to_blocks.items()}
+            if abs(sum(out.values()) - num_held_blocks) <= 1e-6 * max(len(out), 1):
+                return out
+        self.watch.refs_changed = False
+        self.num_full_reads += 1
+        out = request_holdings(self.kv_cache_manager, num_held_blocks)
+        if len(managers) == 1:
+            self._discount = {r: len(b) - out.get(r, 0.0) for r, b in managers[0].req_to_blocks.items()}
+        return out
+
+
 def request_holdings(kv_cache_manager, num_held_blocks: int) -> dict[str, float]:
     """Each request's effective blocks (Σ 1/k over the blocks it references, k its block's readers), summing to
     ``num_held_blocks`` (the engine's used blocks).
@@ -114,15 +165,7 @@ def request_holdings(kv_cache_manager, num_held_blocks: int) -> dict[str, float]
     out: dict[str, float] = {}
     for manager in kv_cache_manager.coordinator.single_type_managers:
         for request_id, blocks in manager.req_to_blocks.items():
-            n = len(blocks)
-            effective = float(n)
-            for block in blocks:
-                if block.is_null:
-                    effective -= 1.0
-                elif block.ref_cnt > 1:
-                    effective -= 1.0 - 1.0 / block.ref_cnt
-                else:
-                    break
+            effective = _leading_shares(blocks)
             if effective > 0:
                 out[request_id] = out.get(request_id, 0.0) + effective
     if abs(sum(out.values()) - num_held_blocks) <= 1e-6 * max(len(out), 1):

@@ -26,7 +26,8 @@ and how much of its context lies in KV blocks that other slices of the step read
 scheduler's KV cache manager. Whenever it records, it also meters KV memory-time (trace format 3,
 `llmvisor.core.kv_memory.KvMeter`): after each call that can change the block pool (``schedule``,
 ``update_from_output``, ``finish_requests``) it reads who holds which blocks, and each slice carries the block-ns its
-request held since its previous slice. Request ids are vLLM's internal ids,
+request held since its previous slice. With LoRA enabled it records each slice's adapter and rank and each step's
+adapters and adapter loads (trace format 4, `llmvisor.engines.vllm.lora`). Request ids are vLLM's internal ids,
 ``"<external id>-<8 random characters>"``: unique within a run, which external ids need not be.
 """
 
@@ -54,8 +55,9 @@ from llmvisor.core.kv_memory import KvMemoryError, KvMeter
 from llmvisor.core.relayed import step_rows
 from llmvisor.core.trace import TraceWriter
 from llmvisor.engines.vllm.fingerprint import engine_fingerprint
-from llmvisor.engines.vllm.kv_holdings import IdleCacheCount, block_bytes, pool_blocks, request_holdings
+from llmvisor.engines.vllm.kv_holdings import IdleCacheCount, RequestHoldings, block_bytes, pool_blocks
 from llmvisor.engines.vllm.kv_sharing import shared_context_tokens
+from llmvisor.engines.vllm.lora import AdapterRanks, LoraRecorder, WorkerLoraEvents, in_process_model_runner
 from llmvisor.engines.vllm.settings import RecorderSettings
 from llmvisor.engines.vllm.step_clock import StepClock
 
@@ -79,10 +81,16 @@ class RecorderOverhead:
     recorder_time_s: float
     step_latency_s: float
     max_step_fraction: float
+    kv_meter_time_s: float = 0.0
+    """Of ``recorder_time_s``, the KV memory meter's part (reading the pool, billing the interval, draining a step)."""
 
     @property
     def fraction(self) -> float:
         return self.recorder_time_s / self.step_latency_s if self.step_latency_s > 0 else 0.0
+
+    @property
+    def kv_meter_fraction(self) -> float:
+        return self.kv_meter_time_s / self.step_latency_s if self.step_latency_s > 0 else 0.0
 
     @property
     def recorder_time_per_step_us(self) -> float:
@@ -96,6 +104,9 @@ class RecorderOverhead:
             "fraction_of_step_time": self.fraction,
             "recorder_time_per_step_us": self.recorder_time_per_step_us,
             "max_step_fraction": self.max_step_fraction,
+            "kv_meter_time_s": self.kv_meter_time_s,
+            "kv_meter_fraction_of_step_time": self.kv_meter_fraction,
+            "kv_meter_time_per_step_us": 1e6 * self.kv_meter_time_s / self.n_steps if self.n_steps else 0.0,
         }
 
 
@@ -134,6 +145,13 @@ def write_fingerprint_record(fingerprint: EngineFingerprint, trace_path: str) ->
         path.write_text(json.dumps(fingerprint.to_dict(), indent=2) + "\n", encoding="utf-8")
     except OSError as error:
         logger.warning("llmvisor: cannot write the engine fingerprint record %s (%s)", path, error.strerror)
+
+
+def relayed_step(step: list, kv: list | None, named: dict | None) -> list:
+    """A recorded step in the relayed form (`llmvisor.core.relayed`): the KV figures fifth, the named columns sixth."""
+    if named is not None:
+        return [*step, kv, named]
+    return step if kv is None else [*step, kv]
 
 
 def route_llmvisor_logs() -> None:
@@ -217,6 +235,7 @@ class RecordingScheduler(Scheduler):
         if self.engine_fingerprint is not None:
             self._constant_columns[FINGERPRINT_COLUMN] = self.engine_fingerprint.id
         self._setup_kv_meter()
+        self._setup_lora()
         self._writer, self._pusher, self._relay = self._start_delivery()
         self._wall_minus_perf_s = time.time() - time.perf_counter()
         self._in_flight: dict[int, tuple[list[tuple], float]] = {}
@@ -274,6 +293,8 @@ class RecordingScheduler(Scheduler):
             return scheduler_output
         slices = self._slices(scheduler_output)
         finished = time.perf_counter()
+        if self._lora is not None:
+            self._lora_in_flight[id(scheduler_output)] = LoraRecorder.step_adapters(self.requests, [s[0] for s in slices])
         self._in_flight[id(scheduler_output)] = (slices, finished - started)
         self.step_clock.scheduled(id(scheduler_output), finished)
         return scheduler_output
@@ -295,15 +316,17 @@ class RecordingScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output, model_runner_output):
         entered = time.perf_counter()
+        entered_ns = time.perf_counter_ns()
         timing = self.step_timing(scheduler_output, entered)
         self._step_timing_cache = None
         in_flight = self._in_flight.pop(id(scheduler_output), None)
-        result = super().update_from_output(scheduler_output, model_runner_output)
-        # recorded once vLLM has processed the output: the KV blocks it freed were held until now
-        exited = time.perf_counter()
+        adapters = self._lora_in_flight.pop(id(scheduler_output), None) if self._lora is not None else None
         if self._kv_meter is not None:
-            self._kv_observe()
+            # the pool has not changed since the last reading: bill it up to now, when the step's output arrived
+            self._kv_meter.advance(entered_ns)
         if in_flight is not None and timing is not None:
+            # Recorded (and relayed) before vLLM processes the output, so no client can have an answer from a step
+            # that was not handed over yet.
             slices, schedule_overhead_s = in_flight
             kv = None
             if self._kv_meter is not None:
@@ -311,20 +334,33 @@ class RecordingScheduler(Scheduler):
                 slices = [(*s, held) for s, held in zip(slices, block_ns)]
                 kv = [step_kv.interval_ns, step_kv.idle_cached_block_ns, step_kv.free_block_ns,
                       step_kv.carried_in_block_ns, step_kv.carried_out_block_ns]
+                self._kv_time_s += time.perf_counter() - entered
             if self.orphaned_since_s is not None:
                 slices = self._orphaned(slices)
+            named = None
+            if adapters is not None:
+                named, matched = self._lora.named_element(scheduler_output, adapters)
+                if not matched and self._lora.num_unmatched_steps == 1:
+                    logger.warning("llmvisor: step %d: the worker's LoRA record is missing or ran other adapters than "
+                                   "scheduled; its loads are recorded as none (counted in the log at shutdown)",
+                                   self.num_recorded_steps)
             start, latency_s = timing
-            self._record(start, latency_s, slices, exited, kv)
-            overhead_s = schedule_overhead_s + time.perf_counter() - exited
+            self._record(start, latency_s, slices, entered, kv, named)
+            overhead_s = schedule_overhead_s + time.perf_counter() - entered
             self._recorder_time_s += overhead_s
             self._max_step_fraction = max(self._max_step_fraction, overhead_s / latency_s)
             if len(self.overhead_s_per_step) < MAX_KEPT_STEPS:
                 self.overhead_s_per_step.append(overhead_s)
                 self.latency_s_per_step.append(latency_s)
-        elif self._kv_meter is not None:
-            if not self.is_recording:
+        result = super().update_from_output(scheduler_output, model_runner_output)
+        if self._kv_meter is not None:
+            # what vLLM freed (finished requests' blocks) counts as freed from the output's arrival on: a request's
+            # blocks are billed until its last step ended
+            started = time.perf_counter()
+            self._kv_observe(since_ns=entered_ns)
+            if not self.is_recording:  # no step drains the meter (it runs for a subclass's reading): keep it bounded
                 self._kv_meter.discard()
-            self._recorder_time_s += time.perf_counter() - exited
+            self._recorder_time_s += time.perf_counter() - started
         self._last_update_exit_s = time.perf_counter()
         return result
 
@@ -442,14 +478,15 @@ class RecordingScheduler(Scheduler):
         writer = TraceWriter(self.trace_path, flush_every_steps=1 << 62, metadata=metadata) if self.trace_path else None
         return writer, None, None
 
-    def _record(self, start_s: float, latency_s: float, slices: list[tuple], now_s: float, kv: list | None = None) -> None:
+    def _record(self, start_s: float, latency_s: float, slices: list[tuple], now_s: float, kv: list | None = None,
+                named: dict | None = None) -> None:
         if self._relay is not None:
             step = [self.num_recorded_steps, start_s + self._wall_minus_perf_s, latency_s, slices]
-            self._relay.send(step if kv is None else [*step, kv])
+            self._relay.send(relayed_step(step, kv, named))
             self.num_recorded_steps += 1
         else:
             with self._flush_lock:
-                self._unwritten.append((start_s, latency_s, slices, kv))
+                self._unwritten.append((start_s, latency_s, slices, kv, named))
                 self.num_recorded_steps += 1
             if (
                 len(self._unwritten) >= self.recorder_settings.flush_every_steps
@@ -474,6 +511,7 @@ class RecordingScheduler(Scheduler):
         policy needs KV memory-time switch it on with `start_kv_meter`)."""
         self._kv_meter: KvMeter | None = None
         self._kv_errors = 0
+        self._kv_time_s = 0.0
         self._kv_meter_failed = False
         if self.trace_path or service_url_from_env():
             self.start_kv_meter()
@@ -491,6 +529,7 @@ class RecordingScheduler(Scheduler):
             self._kv_pool_blocks = pool_blocks(manager)
             bytes_per_block = block_bytes(self.kv_cache_config, self.parallel_config.tensor_parallel_size)
             self._kv_idle = IdleCacheCount(manager.block_pool)
+            self._kv_holdings = RequestHoldings(manager, self._kv_idle)
         except Exception as error:  # a KV cache layout this vLLM version lays out differently must not stop the engine
             self._kv_meter_failed = True
             logger.warning("llmvisor: cannot meter KV memory (%s: %s); steps carry step time only", type(error).__name__, error)
@@ -501,14 +540,44 @@ class RecordingScheduler(Scheduler):
         logger.info("llmvisor: metering KV memory: %d blocks of %d bytes", self._kv_pool_blocks, bytes_per_block)
         return True
 
-    def _kv_observe(self) -> None:
-        """The pool as it stands now, to the KV meter. A reading the meter refuses (holdings that do not add up) is
-        logged and billed to no one (counted as free) rather than stopping the engine."""
+    def _setup_lora(self) -> None:
+        """With LoRA enabled and steps recorded, each slice's adapter and each step's adapters and loads (trace format
+        4), read from the worker when it runs in this process (`llmvisor.engines.vllm.lora`); else none, said once."""
+        self._lora: LoraRecorder | None = None
+        self._lora_in_flight: dict[int, list] = {}
+        if self.vllm_config.lora_config is None or not (self.trace_path or service_url_from_env()):
+            return
+        model_runner = in_process_model_runner()
+        if model_runner is None or getattr(model_runner, "lora_manager", None) is None:
+            logger.warning("llmvisor: LoRA is enabled but the worker runs outside this process (executor %s): adapters "
+                           "and adapter loads are not recorded (trace format 4 needs the uni executor)",
+                           self.parallel_config.distributed_executor_backend)
+            return
+        ranks = AdapterRanks()
+        try:
+            events = WorkerLoraEvents(model_runner, ranks)
+        except AttributeError as error:  # a worker this vLLM version lays out differently must not stop the engine
+            logger.warning("llmvisor: cannot read the worker's LoRA adapters (%s); adapters are not recorded", error)
+            return
+        self._lora = LoraRecorder(events, ranks)
+        logger.info("llmvisor: recording LoRA adapters (max_loras %d, max_cpu_loras %s)",
+                    self.vllm_config.lora_config.max_loras, self.vllm_config.lora_config.max_cpu_loras)
+
+    def _kv_observe(self, since_ns: int | None = None) -> None:
+        """The pool as it stands now, to the KV meter (holding from ``since_ns``, when given: the meter has billed
+        up to then). A reading the meter refuses (holdings that do not add up) is logged and billed to no one
+        (counted as free) rather than stopping the engine."""
         manager = self.kv_cache_manager
         now_ns = time.perf_counter_ns()
         held = self._kv_pool_blocks - manager.block_pool.get_num_free_blocks()
         try:
-            self._kv_meter.observe(now_ns, request_holdings(manager, held), held, self._kv_idle.count)
+            self._kv_read(manager, now_ns if since_ns is None else since_ns, held)
+        finally:
+            self._kv_time_s += (time.perf_counter_ns() - now_ns) / 1e9
+
+    def _kv_read(self, manager, now_ns: int, held: int) -> None:
+        try:
+            self._kv_meter.observe(now_ns, self._kv_holdings.read(held), held, self._kv_idle.count)
         except KvMemoryError as error:
             self._kv_errors += 1
             if self._kv_errors == 1:
@@ -565,9 +634,9 @@ class RecordingScheduler(Scheduler):
             return
         first_step_id = self.num_recorded_steps - len(self._unwritten)
         header = {"columns": self._constant_columns, "warmup_steps": self.recorder_settings.warmup_steps}
-        for offset, (start_s, latency_s, slices, kv) in enumerate(self._unwritten):
+        for offset, (start_s, latency_s, slices, kv, named) in enumerate(self._unwritten):
             step = [first_step_id + offset, start_s + self._wall_minus_perf_s, latency_s, slices]
-            rows = step_rows(header, step if kv is None else [*step, kv])
+            rows = step_rows(header, relayed_step(step, kv, named))
             if self._writer is not None:
                 self._writer.write_step(rows)
             if self._pusher is not None:
@@ -592,9 +661,13 @@ class RecordingScheduler(Scheduler):
             recorder_time_s=self._recorder_time_s,
             step_latency_s=self._recorded_latency_s,
             max_step_fraction=self._max_step_fraction,
+            kv_meter_time_s=self._kv_time_s if self._kv_meter is not None else 0.0,
         )
 
     def shutdown(self) -> None:
+        if self._lora is not None and self._lora.num_unmatched_steps:
+            logger.warning("llmvisor: %d steps had no matching LoRA record from the worker; their loads are recorded as none",
+                           self._lora.num_unmatched_steps)
         if self.orphaned_since_s is not None:
             logger.warning(
                 "llmvisor: %d steps of run %s ended after the API server died; recorded under tenant %r",
