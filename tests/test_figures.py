@@ -19,7 +19,10 @@ import pytest
 
 from llmvisor import shipped
 from llmvisor.fairness.experiment import markdown_summary as fairness_markdown_summary
+from llmvisor.fairness.experiment_report import POLICY_LABELS
 from llmvisor.fairness.fleet_experiment import markdown_summary as fleet_markdown_summary
+from llmvisor.fairness.memory_experiment import memory_goals
+from llmvisor.fairness.memory_report import markdown_summary as memory_markdown_summary
 from llmvisor.profile.calibration_experiment import markdown_summary as calibration_markdown_summary
 from llmvisor.service.fleet import PROBE_TIMEOUT_S
 from llmvisor.validation.report import markdown_summary
@@ -591,6 +594,45 @@ def test_scale_goals_and_audit_follow_the_runs():
 def test_fairness_doc_holds_the_tables_generated_from_the_shipped_experiment():
     summary = fairness_markdown_summary(load(shipped.result_path(shipped.FAIRNESS_RESULT)))
     assert missing_from((REPO / "docs" / "fairness.md").read_text(encoding="utf-8"), summary.splitlines()) == []
+
+
+def memory_experiment_figures(result: dict) -> list[str]:
+    """The figures docs/fairness.md's memory-bound section states in its own words, from fairness-memory.json."""
+    policies, goals = result["policies"], result["goals"]
+    setup, alone = result["setup"], result["alone"]
+    missing = {name: [t for t, ok in data["sharing_incentive"]["met"].items() if not ok] for name, data in policies.items()}
+    engine = setup["engine"]
+    figures = [
+        f"{setup['kv_pool_blocks']} KV blocks of {setup['block_size']} tokens",
+        f"max_num_seqs {engine['max_num_seqs']}, {engine['max_num_batched_tokens']}-token steps",
+        f"{setup['workload']['tenants'][0]['rate_rps']:g} requests/s each",
+        f"lengths × {setup['workload']['tenants'][0]['length_scale']:g}",
+        f"max_num_seqs {result['alone_engine']['max_num_seqs']} and {result['alone_engine']['kv_pool_blocks']} KV blocks",
+        "DRF met it for every tenant: " + ("yes" if goals["drf_meets_sharing_incentive"] else "no"),
+        "goal met: " + ("yes" if goals["met"] else "no"),
+    ]
+    for name, data in policies.items():
+        si = data["sharing_incentive"]
+        cells = ", ".join(f"{t} {si['ratio'][t]:.2f}" for t in si["ratio"])
+        verdict = "every tenant met it" if not missing[name] else "missed by " + ", ".join(missing[name])
+        figures.append(f"{POLICY_LABELS[name]}: {cells} ({verdict})")
+        for tenant in missing[name]:  # the same run counted in completions, as the doc says
+            figures.append(f"{POLICY_LABELS[name]} {tenant}: {si['completions_per_s'][tenant]:.2f} completions/s against "
+                           f"{alone[tenant]['completions_per_s'] / setup['n_tenants']:.2f} alone on 1/{setup['n_tenants']}")
+    figures.append("alone backlogged throughout: " + ", ".join(f"{t} {'yes' if a['backlogged_throughout'] else 'no'}" for t, a in alone.items()))
+    return figures
+
+
+def test_fairness_doc_holds_the_memory_experiment_tables_and_verdicts():
+    """docs/fairness.md's memory-bound section: the tables `llmvisor experiment fairness-memory` generates from its
+    JSON, and the verdicts its prose states; the figure beside them is the one the command drew."""
+    result = load(RESULTS / "fairness-memory.json")
+    assert result["experiment"] == "fairness-memory"
+    doc = (REPO / "docs" / "fairness.md").read_text(encoding="utf-8")
+    assert missing_from(doc, memory_markdown_summary(result).splitlines()) == []
+    assert missing_from(doc, memory_experiment_figures(result)) == []
+    assert "![" in doc and "(fairness-memory.png)" in doc and (REPO / "docs" / "fairness-memory.png").stat().st_size > 10_000
+    assert result["goals"] == memory_goals(result["policies"]) | {k: v for k, v in result["goals"].items() if k == "alone_backlogged_throughout"}
 
 
 def test_recorder_doc_holds_the_summary_generated_from_the_calibration_result():

@@ -20,6 +20,7 @@ from llmvisor.errors import LlmvisorError
 from llmvisor.fairness.experiment import (
     POLICIES,
     POLICY_LABELS,
+    TIME_POLICIES,
     admission_markdown_summary,
     format_seconds,
     run_admission_experiment,
@@ -33,7 +34,7 @@ def fairness(
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder for traces, logs, fairness.json and fairness.png.", file_okay=False, metavar="DIR")] = Path("fairness-experiment"),
     model: eo.LatencyModel = None,
     engine_model: eo.EngineModel = None,
-    policy: Annotated[list[str] | None, typer.Option(help="Policies to run: fcfs, tokens, attributed (repeat). Default: all three.", metavar="fcfs|tokens|attributed")] = None,
+    policy: Annotated[list[str] | None, typer.Option(help="Policies to run: fcfs, tokens, attributed, drf (repeat). Default: fcfs, tokens, attributed.", metavar="fcfs|tokens|attributed|drf")] = None,
     tenants: Annotated[int, typer.Option(help="Tenants, 2 to 4: long-context and short-context alternately.", min=2, max=4)] = 2,
     rate_rps: Annotated[float, typer.Option(help="Requests per second from each tenant (Poisson); high enough that all stay backlogged.", min=0.01)] = 16.0,
     history_tokens: Annotated[int, typer.Option(help="Long-context tenants: tokens of conversation history (prefix-cached) in front of each prompt.", min=1)] = 1536,
@@ -88,7 +89,7 @@ def fairness(
         latency_model_path=model,
         engine_dir=Path(settings.model),
         engine=engine,
-        policies=list(policy or POLICIES),
+        policies=list(policy or TIME_POLICIES),
         workload=workload,
         window_s=window_s,
         warmup_s=warmup_s,
@@ -102,6 +103,56 @@ def fairness(
         return
     print_summary(console, result)
     console.print(f"wrote {output / 'fairness.json'} and {output / 'fairness.png'}", highlight=False)
+
+
+def fairness_memory(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for traces, logs, fairness-memory.json and fairness-memory.png.", file_okay=False, metavar="DIR")] = Path("fairness-memory-experiment"),
+    model: eo.LatencyModel = None,
+    engine_model: eo.EngineModel = None,
+    policy: Annotated[list[str] | None, typer.Option(help="Policies to run: fcfs, tokens, attributed, drf (repeat). Default: all four.", metavar="fcfs|tokens|attributed|drf")] = None,
+    rate_rps: Annotated[float, typer.Option(help="Requests per second from each tenant (Poisson); high enough that all stay backlogged, alone on their share of the engine too.", min=0.01)] = 6.0,
+    length_scale: Annotated[float, typer.Option(help="Both lengths of every request drawn from the mixes are multiplied by this (then clipped to --max-model-len).", min=0.01, max=1.0)] = 0.25,
+    kv_pool_blocks: Annotated[int, typer.Option(help="Usable KV blocks of the engine (vLLM's num_gpu_blocks_override less its null block): small, so memory binds.", min=1)] = 24,
+    duration_s: Annotated[float, typer.Option(help="Seconds of arrivals and measurement per run.", min=1)] = 120.0,
+    warmup_s: Annotated[float, typer.Option(help="Seconds at the start left out of the figures (queues build up).", min=0)] = 20.0,
+    window_s: Annotated[float, typer.Option(help="Window of the per-tenant time series, in seconds.", min=0.1)] = 10.0,
+    max_model_len: Annotated[int, typer.Option("--max-model-len", help="Longest prompt + output, in tokens.", min=2, rich_help_panel=eo.ENGINE_PANEL)] = 1024,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Most requests in one engine step (each tenant alone gets 1/3 of it).", min=3, rich_help_panel=eo.ENGINE_PANEL)] = 24,
+    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", help="Most tokens in one engine step (long prompts are prefilled in chunks of it, between decodes).", min=1, rich_help_panel=eo.ENGINE_PANEL)] = 512,
+    threads: Annotated[int, typer.Option("--threads", help="OpenMP/torch threads of the engine: 1 by default, so a machine shared with other processes slows the engine's steps without stalling its threads on each other.", min=1, rich_help_panel=eo.ENGINE_PANEL)] = 1,
+    enforce_eager: eo.EnforceEager = eo.ENFORCE_EAGER,
+    seed: Annotated[int, typer.Option(help="Seed of arrivals, request lengths, prompts and the engine's sampling (the same for every run).", min=0)] = 0,
+    alone: Annotated[bool, typer.Option(help="Also run each tenant alone on 1/3 of the engine, the sharing-incentive baseline.")] = True,
+    analyse_only: Annotated[bool, typer.Option(help="Re-analyse the runs already in --output instead of running the engine.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print only the result JSON to stdout.")] = False,
+) -> None:
+    """Fairness when KV memory binds: FCFS vs token VTC vs time-only VTC vs DRF, against each tenant alone on 1/3 of the engine."""
+    from llmvisor.fairness.memory_experiment import FIGURE_FILE, RESULT_FILE, memory_tenants, run_memory_experiment
+    from llmvisor.fairness.memory_report import markdown_summary
+
+    console = Console(stderr=True)
+    check_output_folder(output)
+    settings = eo.engine_settings(
+        engine_model, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        enforce_eager=enforce_eager, threads=threads, seed=seed,
+    )
+    engine = {key: value for key, value in settings.as_dict().items() if key != "model"}
+    workload = {"tenants": memory_tenants(rate_rps=rate_rps, length_scale=length_scale), "duration_s": duration_s, "seed": seed}
+    result = run_memory_experiment(
+        output, latency_model_path=model, engine_dir=Path(settings.model), engine=engine, kv_pool_blocks=kv_pool_blocks,
+        policies=list(policy or POLICIES), workload=workload, window_s=window_s, warmup_s=warmup_s, alone=alone,
+        analyse_only=analyse_only,
+        progress=lambda message: console.print(f"[bold]fairness-memory[/]: {message}", highlight=False),
+    )
+    if json_output:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    console.print(markdown_summary(result), highlight=False, markup=False, soft_wrap=True)
+    console.print("goals:", highlight=False)
+    for name, value in result["goals"].items():
+        text = json.dumps(value) if isinstance(value, (list, dict)) else plain_value(value)
+        console.print(f"  {name.replace('_', ' ')}: {text}", highlight=False, markup=False, soft_wrap=True)
+    console.print(f"wrote {output / RESULT_FILE} and {output / FIGURE_FILE}", highlight=False)
 
 
 def print_summary(console: Console, result: dict) -> None:

@@ -56,6 +56,7 @@ ADAPTERS: dict[str, dict[str, tuple[str, str, tuple[str, ...]]]] = {
     "ledger": {"migrate": ("llmvisor.cli.serve", "ledger_migrate", ("service",))},
     "experiment": {
         "fairness": ("llmvisor.cli.experiment", "fairness", ("vllm", "report")),
+        "fairness-memory": ("llmvisor.cli.experiment", "fairness_memory", ("vllm", "report")),
         "admission": ("llmvisor.cli.experiment", "admission", ("vllm",)),
         "fleet": ("llmvisor.cli.experiment", "fleet", ("vllm", "report")),
         "calibration": ("llmvisor.cli.experiment", "calibration", ("vllm", "service")),

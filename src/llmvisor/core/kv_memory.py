@@ -230,6 +230,21 @@ class KvMeter:
                 exact[request] = exact.get(request, 0.0) + blocks * dt
             self._since_ns = int(now_ns)
 
+    @property
+    def reading(self) -> tuple[int, Mapping[Hashable, float]]:
+        """(the time in ns the meter has billed up to, each holder's effective blocks as last observed): right after
+        `observe`, the pool as it stands from then until the next reading. A scheduler that charges memory as it goes
+        reads it there (do not change the mapping)."""
+        return self._since_ns, self._holders
+
+    def discard(self) -> None:
+        """Drop what was metered since the last `drain` (and what waits to be carried) when no step will take it:
+        a meter read only through `reading` stays bounded."""
+        self._exact = {}
+        self._held_ns = self._idle_ns = self._interval_ns = 0
+        self._carried.clear()
+        self._gone.clear()
+
     def forget(self, request) -> None:
         """A request that left (aborted) with no slice to come: what it held is carried out and never billed."""
         self._carried.pop(request, None)

@@ -54,9 +54,13 @@ from llmvisor.fairness.experiment_report import (
 )
 from llmvisor.fairness.policy import POLICIES
 
+TIME_POLICIES = ("fcfs", "tokens", "attributed")
+"""The policies `llmvisor experiment fairness` runs by default (its set-up is bound by engine time; DRF is compared
+where memory binds, `llmvisor.fairness.memory_experiment`)."""
+
 __all__ = [
     "ADMISSION_FORMAT", "ALONE_PREFIX", "GOAL_JAIN", "GOAL_MAX_MIN", "GOAL_THROUGHPUT_LOSS", "POLICIES", "POLICY_LABELS",
-    "SLO_RUN", "admission", "admission_markdown_summary", "admission_over_seeds", "alone_workload", "analyse_run",
+    "SLO_RUN", "TIME_POLICIES", "admission", "admission_markdown_summary", "admission_over_seeds", "alone_workload", "analyse_run",
     "charge_model_path", "completion_rates", "format_seconds", "goals", "insitu_check", "markdown_summary", "model_free",
     "model_free_goals", "plot", "plot_admission", "report_sections", "run_admission_experiment", "run_experiment",
     "run_policy", "slo_figures", "workload_tenants",
@@ -132,7 +136,8 @@ def run_policy(spec: dict, log_path: Path) -> dict:
                              result_path=out_dir / "result.json", log_path=log_path, what=f"policy {spec['policy']}: the engine run")
 
 
-def _load_run(out_dir: Path, name: str) -> dict:
+def load_run(out_dir: Path, name: str) -> dict:
+    """A run's result.json as the engine run wrote it (``--analyse-only``); refused in one line when it is missing."""
     if not (out_dir / "result.json").is_file():
         raise LlmvisorError(f"--analyse-only: {out_dir / 'result.json'} not found; run {name} first")
     return json.loads((out_dir / "result.json").read_text())
@@ -190,7 +195,7 @@ def run_experiment(
     for name, policy, run_workload, slo in plan:
         out_dir = output / name
         if analyse_only:
-            runs[name] = _load_run(out_dir, name)
+            runs[name] = load_run(out_dir, name)
             continue
         spec = {
             "policy": policy, "name": name, "tpot_slo_s": slo, "out_dir": str(out_dir), "model_dir": str(engine_dir),
@@ -223,7 +228,7 @@ def run_experiment(
             "attribution_rule": "shapley",
             "model_boundary_new_tokens": charge_model.boundary_,
             "model_coef_s": [dict(zip(FEATURE_NAMES, map(float, row))) for row in charge_model.coef_],
-            "hardware": _hardware(),
+            "hardware": machine_description(),
             "alone_rule": "each tenant alone, arriving at the experiment's total offered rate (every tenant's rate summed), vLLM's FCFS scheduler",
         },
         "policies": analysed,
@@ -254,7 +259,8 @@ def run_experiment(
     return result
 
 
-def _hardware() -> str:
+def machine_description() -> str:
+    """The CPU model and count the experiment ran on, for the result's setup."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
             for line in handle:
@@ -307,7 +313,7 @@ def run_admission_experiment(
         for name, slo in (("attributed", None), (SLO_RUN, tpot_slo_s)):
             out_dir = output / f"seed-{seed}" / name
             if analyse_only:
-                runs[name] = _load_run(out_dir, name)
+                runs[name] = load_run(out_dir, name)
                 continue
             spec = {"policy": "attributed", "name": name, "tpot_slo_s": slo, "out_dir": str(out_dir), "model_dir": str(engine_dir),
                     "model_path": model_path, "engine": {**engine, "seed": seed}, "workload": seed_workload,
@@ -325,7 +331,7 @@ def run_admission_experiment(
         "setup": {
             "model": os.path.basename(model_path),
             "engine_model": os.path.basename(os.path.normpath(str(engine_dir))),
-            "engine": engine, "workload": workload, "window_s": window_s, "warmup_s": warmup_s, "hardware": _hardware(),
+            "engine": engine, "workload": workload, "window_s": window_s, "warmup_s": warmup_s, "hardware": machine_description(),
             "tpot_slo_s": tpot_slo_s, "seeds": list(seeds),
             "tpot_prediction_factor": tpot_prediction_factor, "prediction_factor_source": prediction_factor_source,
             "factor_applied": sorted(f for f in factors if f is not None),

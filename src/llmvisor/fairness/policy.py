@@ -16,8 +16,13 @@ The cost is pluggable:
   shares (`llmvisor.core.attribution.StepAttributor`, Shapley by default) and charged at every step, prefill
   chunks and decodes alike. Token counts miss what long contexts cost (attention over the context, KV reads
   in decode); attributed seconds include it, so equal counters mean equal engine time.
+- ``drf``: Dominant Resource Fairness over attributed engine seconds (charged as ``attributed``) and KV
+  memory-time, the block-nanoseconds a tenant's requests hold while they hold blocks, running or not (the engine
+  reports each pool reading to `FairShare.observe_memory`). The tenant with the lowest dominant share (the larger
+  of its share of engine time and its share of the pool over wall time) is admitted next
+  (`llmvisor.fairness.counters.DominantResourceCounter`).
 
-Both are charged per step, as the engine runs the work. Within one scheduling pass an admission also reserves
+All are charged per step, as the engine runs the work. Within one scheduling pass an admission also reserves
 its predicted prefill cost on its tenant's counter, so one pass does not hand every free slot to the tenant that
 was lowest when it began; reservations are dropped once the step's charge lands. An engine that schedules a
 step before the previous one's output arrives (a batch queue) charges it when scheduled (`FairShare.charge_scheduled`,
@@ -44,21 +49,15 @@ replica.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tomllib
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 
 import numpy as np
 
-from llmvisor import shipped
-from llmvisor.core.attribution import RULES, StepAttributor
+from llmvisor.core.attribution import StepAttributor
 from llmvisor.core.game import (
-    VTC_TOKEN_PRICES,
     TokenPrices,
     decode_prices,
     decode_step_price_s,
@@ -66,324 +65,25 @@ from llmvisor.core.game import (
     segment_of,
 )
 from llmvisor.core.model import StepLatencyModel
-from llmvisor.errors import LlmvisorError, plain
-from llmvisor.fairness.shared_counters import SharedCounters, SharedCountersConfig
+from llmvisor.errors import LlmvisorError
+from llmvisor.fairness.config import (
+    COSTS,
+    DEFAULT_TENANT,
+    ENV_CONFIG,
+    POLICIES,
+    ChargeCost,
+    FairnessConfig,
+    Quota,
+    SchedulingPolicy,
+)
+from llmvisor.fairness.counters import DominantResourceCounter, VirtualTokenCounter
+from llmvisor.fairness.shared_counters import SharedCounters
 
-
-class ChargeCost(StrEnum):
-    """What a tenant's virtual counter is charged per step: VTC's token prices, or attributed engine seconds."""
-
-    TOKENS = "tokens"
-    ATTRIBUTED = "attributed"
-
-
-class SchedulingPolicy(StrEnum):
-    """How waiting requests are ordered: vLLM's FCFS, or VTC charged with one of the `ChargeCost`s."""
-
-    FCFS = "fcfs"
-    TOKENS = "tokens"
-    ATTRIBUTED = "attributed"
-
-    @property
-    def label(self) -> str:
-        return {"fcfs": "vLLM FCFS", "tokens": "token VTC", "attributed": "attributed VTC"}[self.value]
-
-
-COSTS = tuple(ChargeCost)
-POLICIES = tuple(SchedulingPolicy)
-DEFAULT_TENANT = "default"
-ENV_CONFIG = "LLMVISOR_FAIR_CONFIG"
-
-
-# --------------------------------------------------------------------------------------------------------
-# Configuration
-
-
-@dataclass(frozen=True)
-class Quota:
-    """At most ``budget_s`` engine seconds in any window of ``window_s`` seconds."""
-
-    budget_s: float
-    window_s: float
-
-
-@dataclass
-class FairnessConfig:
-    """Settings of the fair scheduler; see ``docs/fairness.md`` for the file format."""
-
-    cost: str = "attributed"
-    model: str | None = None
-    """Model file (`llmvisor fit`); None: the shipped ``llmvisor/data/model.json``. Needed for the attributed
-    cost, quotas and the SLO."""
-    rule: str = "shapley"
-    weights: dict[str, float] = field(default_factory=dict)
-    default_weight: float = 1.0
-    prompt_token_cost: float = VTC_TOKEN_PRICES.prompt
-    output_token_cost: float = VTC_TOKEN_PRICES.output
-    quotas: dict[str, Quota] = field(default_factory=dict)
-    default_quota: Quota | None = None
-    work_conserving: bool = False
-    tpot_slo_s: float | None = None
-    tpot_prediction_factor: float | None = None
-    """Multiplies the predicted time per output token before it is compared with ``tpot_slo_s``. None: from
-    the model file's fit residuals (see ``AdmissionController``); `llmvisor eval` reports a held-out value,
-    ``models.llmvisor.decode.underprediction_factor_p90``."""
-    preempt_most_served: bool = True
-    tenant_key: str = "tenant"
-    default_tenant: str = DEFAULT_TENANT
-    log_size: int = 4096
-    """Admissions and preemptions kept for inspection (most recent)."""
-    shared_counters: SharedCountersConfig | None = None
-    """Keep the VTC counters in Redis, shared by every replica of a pool (`llmvisor.fairness.shared_counters`);
-    None: counters local to this engine."""
-
-    @property
-    def token_prices(self) -> TokenPrices:
-        """The ``tokens`` cost's prices (`llmvisor.core.game.TokenPrices`)."""
-        return TokenPrices(self.prompt_token_cost, self.output_token_cost)
-
-    @property
-    def needs_model(self) -> bool:
-        return self.cost == "attributed" or bool(self.quotas) or self.default_quota is not None or self.tpot_slo_s is not None
-
-    def weight(self, tenant: str) -> float:
-        return self.weights.get(tenant, self.default_weight)
-
-    def quota(self, tenant: str) -> Quota | None:
-        return self.quotas.get(tenant, self.default_quota)
-
-    def as_dict(self) -> dict:
-        def quota(q: Quota | None):
-            return None if q is None else {"budget_s": q.budget_s, "window_s": q.window_s}
-
-        return {
-            "cost": self.cost,
-            "model": self.model,
-            "rule": self.rule,
-            "weights": dict(self.weights),
-            "default_weight": self.default_weight,
-            "prompt_token_cost": self.prompt_token_cost,
-            "output_token_cost": self.output_token_cost,
-            "quotas": {t: quota(q) for t, q in self.quotas.items()},
-            "default_quota": quota(self.default_quota),
-            "work_conserving": self.work_conserving,
-            "tpot_slo_s": self.tpot_slo_s,
-            "tpot_prediction_factor": self.tpot_prediction_factor,
-            "preempt_most_served": self.preempt_most_served,
-            "tenant_key": self.tenant_key,
-            "default_tenant": self.default_tenant,
-            "log_size": self.log_size,
-            "shared_counters": None if self.shared_counters is None else self.shared_counters.as_dict(),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping, *, source: str = "<config>") -> FairnessConfig:
-        if not isinstance(data, Mapping):
-            raise LlmvisorError(f"{source}: fairness config must be an object (a JSON object or a TOML table)")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise LlmvisorError(f"{source}: unknown fairness config key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        values = dict(data)
-        config = cls()
-        if "cost" in values:
-            config.cost = str(values["cost"])
-        if config.cost not in COSTS:
-            raise LlmvisorError(f"{source}: cost must be one of {', '.join(COSTS)} (got {config.cost!r})")
-        if values.get("model") is not None:
-            config.model = str(values["model"])
-        if "rule" in values:
-            config.rule = str(values["rule"])
-            if config.rule not in RULES:
-                raise LlmvisorError(f"{source}: rule must be one of {', '.join(RULES)} (got {config.rule!r})")
-        for key in ("default_weight", "prompt_token_cost", "output_token_cost"):
-            if key in values:
-                setattr(config, key, _number(values[key], key, source, positive=key == "default_weight"))
-        if "weights" in values:
-            weights = values["weights"]
-            if not isinstance(weights, Mapping):
-                raise LlmvisorError(f"{source}: weights must map tenant names to positive numbers")
-            config.weights = {str(t): _number(w, f"weights.{t}", source, positive=True) for t, w in weights.items()}
-        if "quotas" in values:
-            quotas = values["quotas"]
-            if not isinstance(quotas, Mapping):
-                raise LlmvisorError(f"{source}: quotas must map tenant names to {{budget_s, window_s}}")
-            config.quotas = {str(t): _quota(q, f"quotas.{t}", source) for t, q in quotas.items()}
-        if values.get("default_quota") is not None:
-            config.default_quota = _quota(values["default_quota"], "default_quota", source)
-        for key in ("work_conserving", "preempt_most_served"):
-            if key in values:
-                if not isinstance(values[key], bool):
-                    raise LlmvisorError(f"{source}: {key} must be true or false (got {values[key]!r})")
-                setattr(config, key, values[key])
-        if values.get("tpot_slo_s") is not None:
-            config.tpot_slo_s = _number(values["tpot_slo_s"], "tpot_slo_s", source, positive=True)
-        if values.get("tpot_prediction_factor") is not None:
-            config.tpot_prediction_factor = _number(values["tpot_prediction_factor"], "tpot_prediction_factor", source, positive=True)
-        for key in ("tenant_key", "default_tenant"):
-            if key in values:
-                setattr(config, key, str(values[key]))
-        if "log_size" in values:
-            config.log_size = int(_number(values["log_size"], "log_size", source))
-        if values.get("shared_counters") is not None:
-            config.shared_counters = SharedCountersConfig.from_value(values["shared_counters"], source)
-        return config
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike) -> FairnessConfig:
-        """A JSON file, or TOML when the name ends in ``.toml``."""
-        path = str(path)
-        try:
-            with open(path, "rb") as handle:
-                raw = handle.read()
-        except OSError as error:
-            raise LlmvisorError(f"{path}: cannot read fairness config ({error.strerror})") from None
-        try:
-            data = tomllib.loads(raw.decode()) if path.endswith(".toml") else json.loads(raw)
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as error:
-            kind = "TOML" if path.endswith(".toml") else "JSON"
-            raise LlmvisorError(f"{path}: fairness config is not valid {kind} ({error})") from None
-        return cls.from_dict(data, source=path)
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> FairnessConfig:
-        """``LLMVISOR_FAIR_CONFIG``: a file path, or the JSON object itself; unset gives the defaults."""
-        environ = os.environ if environ is None else environ
-        value = environ.get(ENV_CONFIG, "").strip()
-        if not value:
-            return cls()
-        if value.startswith("{"):
-            try:
-                return cls.from_dict(json.loads(value), source=ENV_CONFIG)
-            except json.JSONDecodeError as error:
-                raise LlmvisorError(f"{ENV_CONFIG}: not valid JSON ({error})") from None
-        return cls.from_file(value)
-
-    def load_model(self) -> StepLatencyModel | None:
-        """The model to charge and predict with, or None when nothing configured needs one."""
-        if not self.needs_model:
-            return None
-        path = self.model or str(shipped.latency_model_path())
-        if path is None or not os.path.exists(path):
-            missing = f"model file {path!r} does not exist" if path else "llmvisor ships no model.json"
-            raise LlmvisorError(
-                f"fairness config: the attributed cost, quotas and tpot_slo_s need a model, but {missing}; "
-                "set \"model\" to a file written by `llmvisor fit`"
-            )
-        return StepLatencyModel.from_json(path)
-
-
-def _number(value, key: str, source: str, *, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (positive and value <= 0):
-        need = "a positive number" if positive else "a non-negative number"
-        raise LlmvisorError(f"{source}: {key} must be {need} (got {plain(value)!r})")
-    return float(value)
-
-
-def _quota(value, key: str, source: str) -> Quota:
-    if not isinstance(value, Mapping) or set(value) != {"budget_s", "window_s"}:
-        raise LlmvisorError(f"{source}: {key} must be {{\"budget_s\": seconds, \"window_s\": seconds}} (got {value!r})")
-    return Quota(_number(value["budget_s"], f"{key}.budget_s", source), _number(value["window_s"], f"{key}.window_s", source, positive=True))
-
-
-# --------------------------------------------------------------------------------------------------------
-# VTC
-
-
-class VirtualTokenCounter:
-    """VTC's counters: weighted service per tenant, lift on return, lowest counter first.
-
-    Counters are in cost units per unit weight. ``backlog`` counts each tenant's waiting requests; a tenant
-    is backlogged while it is above zero. Reservations (`reserve`) are provisional charges within one
-    scheduling pass, cleared by `clear_reservations`. With ``shared`` set, every change to a counter (charge,
-    lift) is also handed to it for the pool, and new tenants start from the pool's counter.
-    """
-
-    def __init__(self, weights: Mapping[str, float] | None = None, default_weight: float = 1.0):
-        self.weights = dict(weights or {})
-        self.default_weight = float(default_weight)
-        self.counter: dict[str, float] = {}
-        self.served: dict[str, float] = {}
-        self.backlog: dict[str, int] = {}
-        self.reserved: dict[str, float] = {}
-        self.order: dict[str, int] = {}
-        self.last_departed: float | None = None
-        self.num_lifts = 0
-        self.shared: SharedCounters | None = None
-
-    def weight(self, tenant: str) -> float:
-        return self.weights.get(tenant, self.default_weight)
-
-    def _register(self, tenant: str) -> None:
-        if tenant not in self.order:
-            self.order[tenant] = len(self.order)
-            self.counter[tenant] = 0.0 if self.shared is None else self.shared.value(tenant)
-            self.served[tenant] = 0.0
-            self.backlog[tenant] = 0
-
-    def key(self, tenant: str) -> float:
-        """What admission order and preemption compare: the counter plus this pass's reservations."""
-        return self.counter.get(tenant, 0.0) + self.reserved.get(tenant, 0.0)
-
-    def backlogged(self) -> list[str]:
-        return [t for t, n in self.backlog.items() if n > 0]
-
-    def arrive(self, tenant: str) -> None:
-        """A new request from ``tenant`` joins the queue; lift its counter if it was not backlogged."""
-        self._register(tenant)
-        if self.backlog[tenant] == 0:
-            others = [self.counter[t] for t, n in self.backlog.items() if n > 0 and t != tenant]
-            floor = min(others) if others else self.last_departed
-            if floor is not None and floor > self.counter[tenant]:
-                self.counter[tenant] = floor
-                self.num_lifts += 1
-                if self.shared is not None:
-                    self.shared.lift(tenant, floor)
-        self.backlog[tenant] += 1
-
-    def requeue(self, tenant: str, n: int = 1) -> None:
-        """Requests return to the queue (preempted, or skipped this pass): backlogged again, no lift."""
-        self._register(tenant)
-        self.backlog[tenant] += n
-
-    def leave(self, tenant: str, n: int = 1) -> None:
-        """Requests leave the queue (admitted or finished while waiting)."""
-        left = self.backlog[tenant] - n
-        if left < 0:
-            raise LlmvisorError(f"tenant {tenant!r} left the queue more often than it joined")
-        self.backlog[tenant] = left
-        if left == 0:
-            self.last_departed = self.counter[tenant]
-
-    def charge(self, tenant: str, cost: float) -> None:
-        self._register(tenant)
-        self.served[tenant] += cost
-        amount = cost / self.weight(tenant)
-        self.counter[tenant] += amount
-        if self.shared is not None:
-            self.shared.charge(tenant, amount)
-
-    def reserve(self, tenant: str, cost: float) -> None:
-        self.reserved[tenant] = self.reserved.get(tenant, 0.0) + cost / self.weight(tenant)
-
-    def unreserve(self, tenant: str, cost: float) -> None:
-        self.reserved[tenant] = self.reserved.get(tenant, 0.0) - cost / self.weight(tenant)
-
-    def clear_reservations(self) -> None:
-        self.reserved.clear()
-
-    def lowest(self, tenants: Iterable[str]) -> str | None:
-        """The tenant with the lowest key; ties go to the tenant seen first."""
-        best = None
-        best_key = (math.inf, math.inf)
-        for tenant in tenants:
-            key = (self.key(tenant), self.order.get(tenant, math.inf))
-            if key < best_key:
-                best, best_key = tenant, key
-        return best
-
-    def snapshot(self) -> dict[str, float]:
-        return {t: self.key(t) for t in self.order}
+__all__ = [
+    "COSTS", "DEFAULT_TENANT", "ENV_CONFIG", "POLICIES", "AdmissionController", "AdmissionDecision", "ChargeCost",
+    "DominantResourceCounter", "FairShare", "FairnessConfig", "Quota", "SchedulingPolicy", "SlidingWindowQuota",
+    "StepCharge", "TokenCost", "VirtualTokenCounter", "jain_index", "max_min_ratio", "sum_by_tenant",
+]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -546,12 +246,16 @@ class FairShare:
             model = config.load_model()
         self.config = config
         self.model = model
-        self.vtc = VirtualTokenCounter(config.weights, config.default_weight)
+        config.check()
+        self.vtc = (DominantResourceCounter if config.charges_memory else VirtualTokenCounter)(config.weights, config.default_weight)
+        self._memory_since_ns: int | None = None
+        self._memory_blocks: dict[str, float] = {}
+        self._memory_pool_blocks = 0
         self.shared = None
         if config.shared_counters is not None:
             self.shared = self.vtc.shared = SharedCounters(config.shared_counters).start()
         self.tokens = config.token_prices
-        self.attributor = StepAttributor(model, rule=config.rule) if model is not None and (config.cost == "attributed" or self._has_quotas) else None
+        self.attributor = StepAttributor(model, rule=config.rule) if model is not None and (config.charges_attributed_time or self._has_quotas) else None
         self.admission = (
             AdmissionController(model, config.tpot_slo_s, max_chunk_tokens, config.tpot_prediction_factor) if model is not None else None
         )
@@ -649,7 +353,7 @@ class FairShare:
         shares = None
         if self.attributor is not None:
             shares = self.attributor.attribute(num_new_tokens, num_context_tokens, is_prefill, measured_s, effective_context_tokens)
-        costs = shares if self.config.cost == "attributed" else self.tokens.slice_costs(num_new_tokens, is_prefill, samples_token)
+        costs = shares if self.config.charges_attributed_time else self.tokens.slice_costs(num_new_tokens, is_prefill, samples_token)
         per_tenant = sum_by_tenant(tenants, costs)
         attributed = None
         if shares is not None:
@@ -684,7 +388,7 @@ class FairShare:
         this step's output arrives; charged here, that pass already sees the step. `charge_step` with
         ``charged_when_scheduled`` then corrects the counters to the measured cost (quotas and ``attributed_s``
         are charged there, measured, only). The pass's reservations are dropped: the step's charge replaces them."""
-        if self.config.cost == "attributed":
+        if self.config.charges_attributed_time:
             costs = self.attributor.attribute(num_new_tokens, num_context_tokens, is_prefill, None, effective_context_tokens)
         else:
             costs = self.tokens.slice_costs(num_new_tokens, is_prefill, samples_token)
@@ -693,6 +397,22 @@ class FairShare:
             self.vtc.charge(tenant, cost)
         self._settle_counters()
         return per_tenant
+
+    def observe_memory(self, now_ns: int, blocks_by_tenant: Mapping[str, float], pool_blocks: int) -> None:
+        """A reading of the KV pool (``drf``): the time since the previous reading is charged to the tenants that held
+        blocks then, each its effective blocks (a block k requests reference is 1/k theirs, as the KV meter counts)
+        × that time, and the pool's ``pool_blocks`` × that time is the memory capacity that passed; the reading
+        ``blocks_by_tenant`` (each tenant's effective blocks now) holds until the next one. A no-op for VTC."""
+        if not self.config.charges_memory:
+            return
+        since = self._memory_since_ns
+        if since is not None and now_ns > since:
+            dt = now_ns - since
+            self.vtc.charge_memory({t: blocks * dt for t, blocks in self._memory_blocks.items()}, self._memory_pool_blocks * dt)
+        if since is None or now_ns > since:
+            self._memory_since_ns = int(now_ns)
+        self._memory_blocks = dict(blocks_by_tenant)
+        self._memory_pool_blocks = int(pool_blocks)
 
     def _settle_counters(self) -> None:
         """After a charge: the pass's reservations are replaced by it, and a shared pool sees the new counters."""

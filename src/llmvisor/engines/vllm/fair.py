@@ -20,6 +20,11 @@ What it changes in vLLM (0.32, V1):
   shares, and quotas get those measured seconds (`FairShare.charge_step`). Under async scheduling vLLM schedules
   step k+1 before step k's output arrives; the pass that makes k+1 already sees k's charge, and the counters end
   at the measured totals.
+- With ``cost = "drf"`` the KV memory meter runs whatever the recorder records (`RecordingScheduler.start_kv_meter`):
+  after each of its pool readings (schedule, update_from_output, finish_requests) each tenant's effective blocks go to
+  `FairShare.observe_memory`, which charges the previous reading's blocks × the time since; steps are charged
+  attributed seconds as above. Admission and preemption order follow the dominant share
+  (`llmvisor.fairness.counters.DominantResourceCounter`).
 - With ``shared_counters`` in the config, the counters are shared with the pool's other replicas through Redis
   (`llmvisor.fairness.shared_counters`; a background thread does the I/O, the engine loop never waits on it).
 
@@ -44,7 +49,8 @@ from vllm.v1.core.sched.request_queue import RequestQueue
 
 from llmvisor.core.fingerprint import describe_mismatch, fingerprint_id
 from llmvisor.engines.vllm.recorder import RecordingScheduler
-from llmvisor.fairness.policy import AdmissionDecision, FairnessConfig, FairShare
+from llmvisor.errors import LlmvisorError
+from llmvisor.fairness.policy import AdmissionDecision, DominantResourceCounter, FairnessConfig, FairShare
 
 logger = init_logger(__name__)
 MODEL_FINGERPRINT_MISMATCH = prometheus_client.Gauge(
@@ -239,6 +245,9 @@ class FairScheduler(RecordingScheduler):
         previous = getattr(self, "fair", None)
         if previous is not None:
             previous.close()
+        config.check()
+        if config.charges_memory and not self.start_kv_meter():
+            raise LlmvisorError('fairness config: cost = "drf" needs KV memory-time, but this engine\'s KV cache cannot be metered (see the warning above)')
         self.fair_config = config
         self.fair = FairShare(config, model, max_chunk_tokens=int(self.scheduler_config.max_num_batched_tokens))
         self.model_fingerprint_matches = check_model_fingerprint(self.fair.model, self.engine_fingerprint)
@@ -271,6 +280,24 @@ class FairScheduler(RecordingScheduler):
         self.fair_step_latency_s = array("d")
 
     # ---------------------------------------------------------------------------------------------------
+    def _kv_observe(self, since_ns: int | None = None) -> None:
+        """The recorder's pool reading; under DRF each tenant's effective blocks in it also go to the policy."""
+        super()._kv_observe(since_ns)
+        fair = getattr(self, "fair", None)
+        if fair is None or not fair.config.charges_memory:
+            return
+        started = time.perf_counter()
+        now_ns, holders = self._kv_meter.reading
+        requests = self.requests
+        tenant_of = self.tenant_of
+        blocks: dict[str, float] = {}
+        for request_id, effective in holders.items():
+            request = requests.get(request_id)
+            tenant = tenant_of(request) if request is not None else self.default_tenant
+            blocks[tenant] = blocks.get(tenant, 0.0) + effective
+        fair.observe_memory(now_ns, blocks, self._kv_pool_blocks)
+        self._fair_time_s += time.perf_counter() - started
+
     def _choose(self, tenants: list[str]) -> str | None:
         """Called by the queue during a pass (cached until the queue changes)."""
         fair = self.fair
@@ -459,6 +486,18 @@ class FairScheduler(RecordingScheduler):
             "num_quota_waits": self.fair.num_quota_waits,
             "num_work_conserving": self.fair.num_work_conserving,
             "shared_counters": None if self.fair.shared is None else self.fair.shared.status(),
+            **self._drf_state(),
+        }
+
+    def _drf_state(self) -> dict:
+        vtc = self.fair.vtc
+        if not isinstance(vtc, DominantResourceCounter):
+            return {}
+        return {
+            "kv_block_ns": dict(vtc.memory_served),
+            "engine_s": vtc.engine_s,
+            "pool_block_ns": vtc.pool_block_ns,
+            "shares": {t: dict(zip(("time", "memory"), vtc.shares(t))) for t in vtc.order},
         }
 
     def shutdown(self) -> None:

@@ -8,7 +8,12 @@ for every policy; each step's new output tokens are logged with the time the ste
 
 The spec (JSON) holds ``policy``, ``name`` (the run's name: the policy, ``alone-TENANT`` for a tenant run
 alone, ``attributed-slo`` for attributed VTC with admission control), optional ``tpot_slo_s``, ``out_dir``, ``model_dir`` (engine config folder), ``model_path`` (llmvisor
-model), ``engine`` (EngineSettings fields) and ``workload`` (see `llmvisor.fairness.experiment.run_experiment`).
+model), ``engine`` (EngineSettings fields) and ``workload`` (see `llmvisor.fairness.experiment.run_experiment`), and
+optionally ``kv_pool_blocks`` (the KV pool's usable blocks: vLLM's ``num_gpu_blocks_override`` less its null block)
+and ``block_size``. Tenants with a ``mix`` (the memory-bound set-up, `llmvisor.fairness.memory_experiment`) draw each
+request's prompt and output lengths from a shipped request-length mix (`mix_arrival_schedule`); a workload with
+``only_tenant`` sends that tenant's requests alone, the same ones it sends beside the others. Every preemption is
+logged with its time and tenant.
 """
 
 from __future__ import annotations
@@ -51,11 +56,49 @@ def arrival_schedule(workload: dict) -> list[dict]:
     return sorted(requests, key=lambda r: r["arrival_s"])
 
 
+def mix_lengths(mix: str, scale: float, max_model_len: int) -> list[tuple[int, int]]:
+    """(prompt, output) lengths of every row of a shipped request-length mix (`llmvisor.shipped.WORKLOAD_FILES`, named
+    without ``.csv``): both times ``scale`` (rounded, at least 1), then clipped so the prompt is shorter than
+    ``max_model_len`` and prompt + output fits it."""
+    from llmvisor import shipped
+    from llmvisor.core.workloads import read_workload_csv
+
+    rows = read_workload_csv(shipped.workloads_dir() / f"{mix}.csv")
+    out = []
+    for row in rows:
+        prompt = min(max(1, round(row.prompt_len * scale)), max_model_len - 1)
+        out.append((prompt, min(max(1, round(row.output_len * scale)), max_model_len - prompt)))
+    return out
+
+
+def mix_arrival_schedule(workload: dict, max_model_len: int) -> list[dict]:
+    """Every request of a run whose tenants draw lengths from mixes, sorted by arrival: per tenant its own random
+    stream (seeded by the workload's seed and the tenant's place in the workload), Poisson arrivals at its
+    ``rate_rps``, each request a row of its ``mix`` drawn at random. With ``only_tenant`` the others' requests are
+    left out, so a tenant alone gets exactly the requests it gets beside the others."""
+    requests = []
+    for index, tenant in enumerate(workload["tenants"]):
+        rng = np.random.default_rng([workload["seed"], index])
+        lengths = mix_lengths(tenant["mix"], tenant.get("length_scale", 1.0), max_model_len)
+        t = float(rng.exponential(1.0 / tenant["rate_rps"]))
+        k = 0
+        while t < workload["duration_s"]:
+            prompt, output = lengths[int(rng.integers(len(lengths)))]
+            requests.append({
+                "request_id": f"{tenant['name']}-{k:05d}", "tenant": tenant["name"], "arrival_s": t, "doc": -1,
+                "prompt_seed": int(rng.integers(0, 2**31)), "prompt_tokens": prompt, "output_tokens": output,
+            })
+            k += 1
+            t += float(rng.exponential(1.0 / tenant["rate_rps"]))
+    only = workload.get("only_tenant")
+    return sorted((r for r in requests if only is None or r["tenant"] == only), key=lambda r: r["arrival_s"])
+
+
 def documents(workload: dict, vocab_size: int) -> dict[tuple[str, int], list[int]]:
     """The long-context tenants' conversation histories (prefix-cached after their warm-up prefill)."""
     docs = {}
     for index, tenant in enumerate(workload["tenants"]):
-        for d in range(tenant["n_conversations"] if tenant["history_tokens"] else 0):
+        for d in range(tenant.get("n_conversations", 0) if tenant.get("history_tokens") else 0):
             rng = np.random.default_rng([workload["seed"], index, d])
             docs[(tenant["name"], d)] = rng.integers(100, vocab_size - 1, tenant["history_tokens"]).tolist()
     return docs
@@ -97,14 +140,29 @@ def run(spec: dict) -> dict:
 
     started_engine = time.perf_counter()
     scheduler_cls = RecordingScheduler if policy == "fcfs" else FairScheduler
-    llm = LLM(**settings.llm_kwargs(has_weights=has_weights, enable_prefix_caching=True, scheduler_cls=scheduler_cls))
+    kwargs = settings.llm_kwargs(has_weights=has_weights, enable_prefix_caching=True, scheduler_cls=scheduler_cls)
+    if spec.get("kv_pool_blocks") is not None:
+        kwargs["num_gpu_blocks_override"] = int(spec["kv_pool_blocks"]) + 1  # vLLM's null block is no one's
+    if spec.get("block_size") is not None:
+        kwargs["block_size"] = int(spec["block_size"])
+    llm = LLM(**kwargs)
     engine_start_s = time.perf_counter() - started_engine
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     vocab_size = int(engine.vllm_config.model_config.get_vocab_size())
     workload = spec["workload"]
-    tenants = {t["name"]: t for t in workload["tenants"]}
+    mixed = any("mix" in t for t in workload["tenants"])
+    only = workload.get("only_tenant")
+    tenants = {t["name"]: t for t in workload["tenants"] if only is None or t["name"] == only}
     docs = documents(workload, vocab_size)
+    preemptions: list[tuple[float, str]] = []
+    preempt = scheduler._preempt_request
+
+    def logged_preemption(request, *args, **kwargs):
+        preemptions.append((time.perf_counter(), scheduler.tenant_of(request)))
+        return preempt(request, *args, **kwargs)
+
+    scheduler._preempt_request = logged_preemption
 
     def params(tenant: str, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, extra_args={"tenant": tenant}, temperature=0.0)
@@ -120,10 +178,18 @@ def run(spec: dict) -> dict:
     drain()
     rng = np.random.default_rng(0)
     for name, tenant in tenants.items():
-        for k in range(4):
-            prompt = (docs[(name, k % tenant["n_conversations"])] if tenant["history_tokens"] else []) + rng.integers(100, vocab_size - 1, tenant["prompt_tokens"]).tolist()
-            engine.add_request(f"warmup-{name}-{k}", {"prompt_token_ids": prompt}, params("warmup", tenant["output_tokens"]))
+        if "mix" in tenant:  # a few of its own requests (the first the schedule would draw for a seed of 0)
+            lengths = mix_lengths(tenant["mix"], tenant.get("length_scale", 1.0), settings.max_model_len)
+            shapes = [lengths[int(rng.integers(len(lengths)))] for _ in range(2)]
+        else:
+            shapes = [(tenant["prompt_tokens"], tenant["output_tokens"])] * 4
+        for k, (prompt_len, output_len) in enumerate(shapes):
+            prompt = (docs[(name, k % tenant["n_conversations"])] if tenant.get("history_tokens") else []) + rng.integers(100, vocab_size - 1, prompt_len).tolist()
+            engine.add_request(f"warmup-{name}-{k}", {"prompt_token_ids": prompt}, params("warmup", output_len))
     drain()
+    if mixed:  # warm-up prompts leave nothing cached for the measured requests to hit
+        scheduler.kv_cache_manager.reset_prefix_cache()
+    preemptions.clear()
     # Full collections measured here at up to 0.7 s inside engine steps, ~15% of a run's engine time.
     freeze_startup_objects()
     scheduler.flush_trace()
@@ -131,7 +197,7 @@ def run(spec: dict) -> dict:
     if policy != "fcfs":
         scheduler.configure(FairnessConfig.from_env())  # counters start at zero with the measurement
 
-    schedule = arrival_schedule(workload)
+    schedule = mix_arrival_schedule(workload, settings.max_model_len) if mixed else arrival_schedule(workload)
     live: dict[str, dict] = {}
     events: list[dict] = []
     step_times: list[float] = []
@@ -149,15 +215,17 @@ def run(spec: dict) -> dict:
             tenant = tenants[request["tenant"]]
             prompt_rng = np.random.default_rng(request["prompt_seed"])
             prompt = (docs[(request["tenant"], request["doc"])] if request["doc"] >= 0 else []) + prompt_rng.integers(
-                100, vocab_size - 1, tenant["prompt_tokens"]
+                100, vocab_size - 1, request.get("prompt_tokens", tenant.get("prompt_tokens"))
             ).tolist()
-            engine.add_request(request["request_id"], {"prompt_token_ids": prompt}, params(request["tenant"], tenant["output_tokens"]))
+            max_tokens = request.get("output_tokens", tenant.get("output_tokens"))
+            engine.add_request(request["request_id"], {"prompt_token_ids": prompt}, params(request["tenant"], max_tokens))
             live[request["request_id"]] = {
                 "request_id": request["request_id"],
                 "tenant": request["tenant"],
                 "arrival_s": request["arrival_s"],
                 "submitted_s": time.perf_counter() - t0,
                 "prompt_tokens": len(prompt),
+                "max_tokens": max_tokens,
                 "first_token_s": None,
                 "finish_s": None,
                 "output_tokens": 0,
@@ -207,6 +275,10 @@ def run(spec: dict) -> dict:
         "recorder_overhead": scheduler.recorder_overhead().as_dict(),
         "engine": settings.as_dict(),
         "workload": workload,
+        "kv_pool_blocks": int(scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1),
+        "block_size": int(engine.vllm_config.cache_config.block_size),
+        "enable_prefix_caching": bool(engine.vllm_config.cache_config.enable_prefix_caching),
+        "preemptions": [[t - t0, tenant] for t, tenant in preemptions],
     }
     if policy != "fcfs":
         result["scheduler_overhead"] = scheduler.fair_overhead()

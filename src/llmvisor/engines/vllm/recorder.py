@@ -358,6 +358,8 @@ class RecordingScheduler(Scheduler):
             # blocks are billed until its last step ended
             started = time.perf_counter()
             self._kv_observe(since_ns=entered_ns)
+            if not self.is_recording:  # no step drains the meter (it runs for a subclass's reading): keep it bounded
+                self._kv_meter.discard()
             self._recorder_time_s += time.perf_counter() - started
         self._last_update_exit_s = time.perf_counter()
         return result
@@ -505,26 +507,38 @@ class RecordingScheduler(Scheduler):
                 self.flush_trace()
 
     def _setup_kv_meter(self) -> None:
-        """The KV memory-time meter (`llmvisor.core.kv_memory.KvMeter`), when steps are recorded: the pool's size and
-        block bytes become constant columns of the run (trace format version 3)."""
+        """The KV memory-time meter (`llmvisor.core.kv_memory.KvMeter`), on when steps are recorded (subclasses whose
+        policy needs KV memory-time switch it on with `start_kv_meter`)."""
         self._kv_meter: KvMeter | None = None
         self._kv_errors = 0
         self._kv_time_s = 0.0
-        if not (self.trace_path or service_url_from_env()):
-            return
+        self._kv_meter_failed = False
+        if self.trace_path or service_url_from_env():
+            self.start_kv_meter()
+
+    def start_kv_meter(self) -> bool:
+        """Meter KV memory from now on (once; later calls return whether it runs): after each call that can change the
+        block pool the recorder reads who holds which blocks (`_kv_observe`). When steps are recorded, the pool's size
+        and block bytes become constant columns of the run (trace format version 3) and each step drains the meter;
+        otherwise its readings are there for a subclass (`KvMeter.reading`) and nothing accumulates. False, with a
+        warning logged, when this engine's KV cache cannot be read."""
+        if self._kv_meter is not None or self._kv_meter_failed:
+            return self._kv_meter is not None
         try:
             manager = self.kv_cache_manager
             self._kv_pool_blocks = pool_blocks(manager)
+            bytes_per_block = block_bytes(self.kv_cache_config, self.parallel_config.tensor_parallel_size)
             self._kv_idle = IdleCacheCount(manager.block_pool)
             self._kv_holdings = RequestHoldings(manager, self._kv_idle)
-            bytes_per_block = block_bytes(self.kv_cache_config, self.parallel_config.tensor_parallel_size)
         except Exception as error:  # a KV cache layout this vLLM version lays out differently must not stop the engine
+            self._kv_meter_failed = True
             logger.warning("llmvisor: cannot meter KV memory (%s: %s); steps carry step time only", type(error).__name__, error)
-            return
+            return False
         self._kv_meter = KvMeter(self._kv_pool_blocks, time.perf_counter_ns())
         self._constant_columns["kv_pool_blocks"] = self._kv_pool_blocks
         self._constant_columns["kv_block_bytes"] = bytes_per_block
         logger.info("llmvisor: metering KV memory: %d blocks of %d bytes", self._kv_pool_blocks, bytes_per_block)
+        return True
 
     def _setup_lora(self) -> None:
         """With LoRA enabled and steps recorded, each slice's adapter and each step's adapters and loads (trace format
