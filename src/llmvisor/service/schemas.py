@@ -112,7 +112,20 @@ class IngestResponse(BaseModel):
 # Usage
 
 
-class BucketUsage(BaseModel):
+class KvMemory(BaseModel):
+    """KV memory-time beside engine time (trace format 3; null where nothing in the range was metered for memory)."""
+
+    kv_block_ns: int | None = Field(None, description="KV block-nanoseconds held, exact (trace format 3)")
+    kv_byte_ns: int | None = Field(None, description="Σ block-ns × bytes per block of their run: exact byte-nanoseconds")
+    kv_gib_s: float | None = Field(None, description="GiB-seconds held: kv_byte_ns / 2^30 / 1e9")
+
+
+def kv_memory(block_ns: int | None, byte_ns: int | None) -> dict:
+    """The `KvMemory` fields of a usage row's KV block-ns and byte-ns."""
+    return {"kv_block_ns": block_ns, "kv_byte_ns": byte_ns, "kv_gib_s": None if byte_ns is None else byte_ns / 2**30 / 1e9}
+
+
+class BucketUsage(KvMemory):
     start: datetime
     attributed_s: float
     attributed_ns: int
@@ -120,7 +133,7 @@ class BucketUsage(BaseModel):
     num_new_tokens: int
 
 
-class TenantUsage(BaseModel):
+class TenantUsage(KvMemory):
     tenant: str
     attributed_s: float
     attributed_ns: int = Field(description="exact total; attributed_s is this divided by 1e9")
@@ -162,7 +175,7 @@ class TenantUsageResponse(BaseModel):
     tenants: list[TenantUsage]
 
 
-class RequestUsage(BaseModel):
+class RequestUsage(KvMemory):
     run_id: str
     request_id: str
     tenant: str
@@ -186,7 +199,7 @@ class TopResponse(BaseModel):
     tenants: list[TenantUsage]
 
 
-class TotalsResponse(BaseModel):
+class TotalsResponse(KvMemory):
     start: datetime | None
     end: datetime | None
     num_steps: int
@@ -211,6 +224,7 @@ class SliceShareOut(BaseModel):
     phase: str
     attributed_s: float
     attributed_ns: int
+    kv_block_ns: int | None = Field(None, description="KV block-ns the request held since its previous slice (format 3)")
 
 
 class StepOut(BaseModel):
