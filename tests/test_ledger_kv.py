@@ -318,6 +318,47 @@ def test_memory_cost_is_block_ns_times_block_bytes_at_the_gib_hour_price():
     assert np.isclose(float(gib_hours(10**15, 12288)), 10**15 * 12288 / 2**30 / 3.6e12)
 
 
+def test_the_audit_ties_each_tenants_kv_from_the_archive_to_the_ledger(kv_served, tmp_path, model_path):  # noqa: F811
+    """The archive (what the delivery process writes, `ArchiveWriter`) keeps the KV columns; `llmvisor audit`
+    recomputes each tenant's block-ns and byte-ns from it and ties them to the ledger; a changed ledger row fails."""
+    from llmvisor.archive import ArchiveWriter, read_archive
+
+    archive = tmp_path / "archive"
+    writer = ArchiveWriter(str(archive), window_s=60.0)
+    for steps in (*kv_served["runs"].values(), kv_served["old"]):
+        for step in steps:
+            writer.add_step(step)
+    assert writer.close()
+    archived = read_archive(str(archive), PERIOD[0] * 1_000_000, HOUR0 * 1_000_000 + 1800 * 1_000_000, tenant="kv-b")
+    assert "kv_block_ns" in archived.extra  # format-3 files only in this half hour: the KV columns kept
+    block_ns, byte_ns = kv_per_tenant([s for steps in kv_served["runs"].values() for s in steps])
+    db = kv_served["db"]
+
+    def audit(tenant):
+        out = run_cli("audit", "--archive", str(archive), "--db", db, "--tenant", tenant, "--start", str(PERIOD[0]),
+                      "--end", str(PERIOD[1]), "--model", str(model_path), "--json")
+        return out.returncode, json.loads(out.stdout)
+
+    for tenant in ("kv-c", "kv-d"):  # their steps are all in format-3 files of the second hour
+        code, report = audit(tenant)
+        assert code == 0 and report["ok"] and report["kv_checked"], report
+        assert report["kv_block_ns_archive"] == report["kv_block_ns_ledger"] == block_ns[tenant]
+        assert report["kv_byte_ns_archive"] == report["kv_byte_ns_ledger"] == byte_ns[tenant]
+    code, report = audit("kv-a")  # its hour mixes format-2 and format-3 files: time is audited, memory not checkable
+    assert code == 0 and report["ok"] and not report["kv_checked"], report
+    ledger = Ledger(db)
+    try:
+        with ledger.write_transaction() as conn:  # one usage row of kv-d: one block-ns more
+            key = conn.execute(text("SELECT run_id, request_id, second_us FROM usage_per_second WHERE tenant = 'kv-d' "
+                                    "AND kv_block_ns IS NOT NULL ORDER BY run_id, request_id, second_us")).first()
+            conn.execute(text("UPDATE usage_per_second SET kv_block_ns = kv_block_ns + 1 WHERE tenant = 'kv-d' AND run_id = :r "
+                              "AND request_id = :q AND second_us = :s"), {"r": key[0], "q": key[1], "s": key[2]})
+    finally:
+        ledger.close()
+    code, report = audit("kv-d")
+    assert code == 1 and not report["ok"] and report["kv_block_ns_ledger"] == block_ns["kv-d"] + 1
+
+
 def test_a_pending_steps_memory_is_billed_once_when_it_is_attributed(model_path, tmp_path):  # noqa: F811
     """A step of a class without a model is stored pending (its KV columns kept in its blob); activating a model bills
     its time and its memory together, once, and a re-send is still a duplicate."""

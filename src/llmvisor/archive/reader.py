@@ -22,6 +22,7 @@ from llmvisor.core.trace import (
     trace_columns_from_arrow,
     trace_from_rows,
 )
+from llmvisor.core.trace_schema import KV_COLUMNS
 from llmvisor.errors import LlmvisorError
 from llmvisor.extras import require
 
@@ -77,6 +78,9 @@ def read_archive(url: str, start_us: int | None = None, end_us: int | None = Non
             fill = table["num_context_tokens"] if name == "effective_context_tokens" else pa.scalar(0, pa.int64())
             values = pc.coalesce(table[name], pc.cast(fill, table[name].type) if name == "effective_context_tokens" else fill)
             table = table.set_column(table.column_names.index(name), name, values)
+    kv = [name for name in KV_COLUMNS if name in table.column_names]
+    if kv and any(table[name].null_count for name in kv):  # files of format 3 read with older ones: time only, as
+        table = table.drop_columns(kv)                      # `read_traces` keeps only the columns every file has
     columns, rows = trace_columns_from_arrow(url, table)
     return build_trace(columns, path=url, row_numbers=rows, metadata=_metadata(first_file))
 
