@@ -397,3 +397,12 @@ def test_the_pushers_body_carries_the_kv_columns_to_the_ledger(model_path, tmp_p
         assert response.status_code == 200, response.text
         tenants = client.get("/v1/usage/tenants", headers=bearer(admin)).json()["tenants"]
     assert {t["tenant"]: t["kv_block_ns"] for t in tenants} == kv_per_tenant(steps)[0]
+
+
+def test_the_top_tenants_carry_their_kv_memory(kv_served, model_path):  # noqa: F811
+    block_ns, byte_ns = kv_per_tenant([s for steps in kv_served["runs"].values() for s in steps])
+    with TestClient(create_app(model_path, kv_served["db"])) as client:
+        top = client.get("/v1/usage/top?n=3", headers=bearer(kv_served["admin"])).json()["tenants"]
+    assert len(top) == 3 and [t["attributed_ns"] for t in top] == sorted((t["attributed_ns"] for t in top), reverse=True)
+    for t in top:
+        assert (t["kv_block_ns"], t["kv_byte_ns"]) == (block_ns.get(t["tenant"]), byte_ns.get(t["tenant"]))

@@ -266,7 +266,8 @@ class UsageQueries(LedgerConnection):
         return out
 
     def top_tenants(self, n: int, start_us: int | None = None, end_us: int | None = None) -> list[UsageRow]:
-        """The ``n`` tenants with the most attributed time, largest first."""
+        """The ``n`` tenants with the most attributed time, largest first, with their KV memory-time (a second query over
+        those tenants: the block sizes are summed apart, `_summed`)."""
         usage = _tenant_usage_rows()
         total = func.sum(usage.c.attributed_ns)
         query = (
@@ -278,7 +279,12 @@ class UsageQueries(LedgerConnection):
         )
         with self._read() as conn:
             rows = conn.execute(query).all()
-        return [UsageRow(r[0], None, int(r[1]), int(r[2]), int(r[3])) for r in rows]
+        if not rows:
+            return []
+        kv = {r[0]: (r[-2], r[-1]) for r in self._summed(usage, [usage.c.tenant], [
+            *self._range(usage.c.second_us, start_us, end_us), usage.c.tenant.in_([r[0] for r in rows])])}
+        return [UsageRow(r[0], None, int(r[1]), int(r[2]), int(r[3]), kv_block_ns=kv[r[0]][0], kv_byte_ns=kv[r[0]][1])
+                for r in rows]
 
     def totals(self, start_us: int | None = None, end_us: int | None = None) -> Totals:
         """Steps and measured time, slices and attributed time, read in one snapshot so they reconcile."""
