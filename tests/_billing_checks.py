@@ -8,9 +8,12 @@ contracts:
   from the ledger's own usage query (`Ledger.class_usage`, per engine class and hour: engine time and the token
   split) with exact fractions, rounded half to even per charge (one per kind of token);
 - its token rows' quantities per tenant and kind equal the ledger's token split, and so do the ``x_`` token columns;
+- its KV memory rows (``GiB-Hours``, trace format 3, priced per GiB-hour) carry per tenant the ledger's KV block-ns,
+  to the block-nanosecond, their cost the ledger's block-ns × block bytes × price, exact, rounded once per group;
 - a re-export gives identical ids;
 - CloudEvents, Stripe and Lago exports of the same ledger validate (the SDK, the JSON Schemas in tests/data/billing)
-  and sum to the same nanoseconds, the same tokens of each priced kind and the same money per tenant.
+  and sum to the same nanoseconds, the same tokens of each priced kind, the same KV block-ns and the same money per
+  tenant.
 """
 
 from __future__ import annotations
@@ -61,9 +64,10 @@ def export(db_url: str, format_: str, period_s: tuple[int, int], output: Path, *
     return result
 
 
-def price_every_class(db_url: str, period_s: tuple[int, int], folder: Path, engine_hour_price: str) -> list[str]:
+def price_every_class(db_url: str, period_s: tuple[int, int], folder: Path, engine_hour_price: str,
+                      gib_hour_price: str | None = None) -> list[str]:
     """Price each engine class that has usage in the period (from its start hour on) with ``llmvisor prices add``,
-    as an operator does; returns the classes."""
+    as an operator does (with ``gib_hour_price``, KV memory too); returns the classes."""
     from llmvisor.billing import usage_charges
 
     ledger = Ledger(db_url)
@@ -73,8 +77,9 @@ def price_every_class(db_url: str, period_s: tuple[int, int], folder: Path, engi
         ledger.close()
     assert classes, "no usage in the period"
     price_file = folder / "prices.toml"
+    memory = "" if gib_hour_price is None else f'gib_hour_price = "{gib_hour_price}"\n'
     price_file.write_text("".join(f'[[price]]\nengine_class = "{c}"\ncurrency = "USD"\nengine_hour_price = "{engine_hour_price}"\n'
-                                  f"valid_from = {period_s[0]}\n\n" for c in classes))
+                                  f"{memory}valid_from = {period_s[0]}\n\n" for c in classes))
     added = run_cli("prices", "add", str(price_file), "--db", db_url)
     assert added.returncode == 0, added.stderr
     return classes
@@ -133,6 +138,13 @@ def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], fold
                 cells[tenant].add((engine_class, hour_us))
         split_per_tenant = {r.tenant: (r.num_uncached_prompt_tokens, r.num_cached_prompt_tokens, r.num_output_tokens)
                             for r in ledger.tenant_usage(start_us, end_us)}
+        expected_kv: dict[str, int] = defaultdict(int)  # tenant → block-ns billed as memory (its price has a GiB-hour price)
+        for hour_us, engine_class, _v, tenant, *_rest, block_bytes, block_ns in ledger.hourly_usage(start_us, end_us):
+            price = book.price_at(engine_class, hour_us)
+            if block_ns and price.gib_hour_price is not None:
+                expected_kv[tenant] += block_ns
+                exact_per_line_group[(tenant, "usage", engine_class, "kv_memory")] += (
+                    Fraction(block_ns * block_bytes, 2**30 * NS_PER_HOUR) * Fraction(price.gib_hour_price))
         adjustments = [a for a in ledger.adjustment_rows() if start_us <= a.period_start_us < end_us]
     finally:
         ledger.close()
@@ -158,6 +170,7 @@ def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], fold
     ratios: dict[tuple[str, str], Decimal] = defaultdict(Decimal)
     focus_tokens: dict[tuple[str, str], int] = defaultdict(int)
     x_split: dict[str, list] = defaultdict(lambda: [0, 0, 0])
+    focus_kv: dict[str, int] = defaultdict(int)
     for r in rows:
         billed[r["SubAccountId"]] += Decimal(r["BilledCost"])
         assert r["BillingCurrency"] == "USD" and Decimal(r["BilledCost"]) == Decimal(r["EffectiveCost"])
@@ -165,6 +178,12 @@ def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], fold
             assert r["PricingQuantity"] == r["ConsumedQuantity"] and not r["AllocatedMethodDetails"]
             kind = TOKEN_SKU_KIND[r["SkuId"].split("/")[0]]
             focus_tokens[(r["SubAccountId"], kind)] += int(r["ConsumedQuantity"])
+        elif r["ChargeCategory"] == "Usage" and r["ConsumedUnit"] == "GiB-Hours":  # KV memory: no allocation
+            assert r["PricingQuantity"] == r["ConsumedQuantity"] and not r["AllocatedMethodDetails"]
+            assert r["SkuId"] == f"kv-memory/{r['x_EngineClass'] or 'none'}" and r["PricingUnit"] == "GiB-Hours"
+            block_ns, block_bytes = int(r["x_KvBlockNs"]), int(r["x_KvBlockBytes"])
+            assert abs(Decimal(r["ConsumedQuantity"]) - Decimal(block_ns * block_bytes) / Decimal(2**30 * NS_PER_HOUR)) < Decimal("1e-20")
+            focus_kv[r["SubAccountId"]] += block_ns
         elif r["ChargeCategory"] == "Usage":
             for k, name in enumerate(("x_UncachedPromptTokens", "x_CachedPromptTokens", "x_OutputTokens")):
                 x_split[r["SubAccountId"]][k] += int(r[name])
@@ -178,6 +197,7 @@ def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], fold
     assert {t: q * 10**9 for t, q in consumed.items()} == {t: Decimal(ns) for t, ns in usage_ns.items()}  # to the ns
     assert set(ratios.values()) == {Decimal(1)}
     assert dict(focus_tokens) == dict(expected_tokens)  # every priced token, once
+    assert dict(focus_kv) == dict(expected_kv)  # every KV block-ns priced as memory, once, to the block-nanosecond
     assert {t: tuple(v) for t, v in x_split.items()} == split_per_tenant  # the x_ columns: the ledger's split
     again = folder / "again.csv"  # a re-export is refused (docs/billing.md: Stripe dedupes for 24 h only); forced: nothing new
     refused = run_cli("export", "--format", "focus", "--db", db_url, "--start", str(period_s[0]), "--end", str(period_s[1]),
@@ -204,6 +224,7 @@ def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], fold
     assert events["cost"] == lago["cost"] == dict(billed)
     assert stripe["ns"] == {t: ns for t, ns in positive_ns.items() if ns}
     assert events["tokens"] == lago["tokens"] == stripe["tokens"] == dict(expected_tokens)
+    assert events["kv"] == lago["kv"] == stripe["kv"] == dict(expected_kv)
 
     validated = None
     if VALIDATOR.exists():
@@ -212,7 +233,8 @@ def check_exports_tie_to_the_ledger(db_url: str, period_s: tuple[int, int], fold
         validated = True
     return {"tenants": tenants, "owed_ns": owed_ns, "billed": {t: str(c) for t, c in billed.items()}, "rows": len(rows),
             "token_rows": sum(r["ConsumedUnit"] == "Tokens" for r in rows),
-            "tokens": {f"{t}/{k}": n for (t, k), n in sorted(expected_tokens.items())}, "focus_validated": validated}
+            "tokens": {f"{t}/{k}": n for (t, k), n in sorted(expected_tokens.items())}, "focus_validated": validated,
+            "kv_block_ns": dict(expected_kv), "memory_rows": sum(r["ConsumedUnit"] == "GiB-Hours" for r in rows)}
 
 
 def _cloudevents(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
@@ -225,6 +247,7 @@ def _cloudevents(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
     ns: dict[str, int] = defaultdict(int)
     cost: dict[str, Decimal] = defaultdict(Decimal)
     tokens: dict[tuple[str, str], int] = defaultdict(int)
+    kv: dict[str, int] = defaultdict(int)
     for body in bodies:
         jsonschema.validate(body, schema)
         event = JSONFormat().read(None, json.dumps(body))  # parsed back with the SDK (it checks the attributes)
@@ -232,12 +255,14 @@ def _cloudevents(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
         data = event.get_data()
         if event.get_type() == "llmvisor.tokens":
             tokens[(event.get_subject(), data["token_kind"])] += data["tokens"]
+        elif event.get_type() == "llmvisor.kv_memory":
+            kv[event.get_subject()] += data["kv_block_ns"]
         else:
             assert event.get_type() == "llmvisor.engine_time"
             ns[event.get_subject()] += data["engine_ns"]
         cost[event.get_subject()] += Decimal(data["cost"])
     assert len({b["id"] for b in bodies}) == len(bodies)
-    return {"ns": dict(ns), "cost": dict(cost), "tokens": dict(tokens)}
+    return {"ns": dict(ns), "cost": dict(cost), "tokens": dict(tokens), "kv": dict(kv)}
 
 
 def _stripe(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
@@ -247,15 +272,18 @@ def _stripe(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
     schema = json.loads((DATA / "stripe-meter-event.schema.json").read_text())
     ns: dict[str, int] = defaultdict(int)
     tokens: dict[tuple[str, str], int] = defaultdict(int)
+    kv: dict[str, int] = defaultdict(int)
     for event in events:
         jsonschema.validate(event, schema)
         customer, value = event["payload"]["stripe_customer_id"], int(event["payload"]["value"])
         if event["event_name"] == "llmvisor_engine_ns":
             ns[customer] += value
+        elif event["event_name"] == "llmvisor_kv_block_ns":  # KV memory's meter: block-ns
+            kv[customer] += value
         else:  # one meter per kind of token: llmvisor_<kind>
             tokens[(customer, event["event_name"].removeprefix("llmvisor_"))] += value
     assert len({e["identifier"] for e in events}) == len(events)
-    return {"ns": dict(ns), "tokens": dict(tokens)}
+    return {"ns": dict(ns), "tokens": dict(tokens), "kv": dict(kv)}
 
 
 def _lago(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
@@ -268,12 +296,15 @@ def _lago(db_url: str, period_s: tuple[int, int], folder: Path) -> dict:
     ns: dict[str, int] = defaultdict(int)
     cost: dict[str, Decimal] = defaultdict(Decimal)
     tokens: dict[tuple[str, str], int] = defaultdict(int)
+    kv: dict[str, int] = defaultdict(int)
     for event in events:
         if event["code"] == "llmvisor_engine_ns":
             ns[event["external_subscription_id"]] += event["properties"]["engine_ns"]
+        elif event["code"] == "llmvisor_kv_block_ns":
+            kv[event["external_subscription_id"]] += event["properties"]["kv_block_ns"]
         else:
             assert event["code"] == f"llmvisor_{event['properties']['token_kind']}"
             tokens[(event["external_subscription_id"], event["properties"]["token_kind"])] += event["properties"]["tokens"]
         cost[event["external_subscription_id"]] += Decimal(event["properties"]["cost"])
     assert len({e["transaction_id"] for e in events}) == len(events)
-    return {"ns": dict(ns), "cost": dict(cost), "tokens": dict(tokens)}
+    return {"ns": dict(ns), "cost": dict(cost), "tokens": dict(tokens), "kv": dict(kv)}

@@ -160,3 +160,54 @@ def test_a_bad_key_is_an_error_and_a_tenant_sees_its_own_usage_only(served, brow
         browser.save_screenshot(os.environ["LLMVISOR_USAGE_SCREENSHOT"])
     violations = [entry["message"] for entry in browser.get_log("browser") if "Content Security Policy" in entry["message"]]
     assert not violations, violations
+
+
+@pytest.fixture(scope="module")
+def served_kv(tmp_path_factory, model_path):  # noqa: F811
+    """A ledger with KV memory-time (trace format 3, made by the meter) for tenant kv-a over two hours."""
+    from _kv_steps import metered_run
+
+    folder = tmp_path_factory.mktemp("page-kv")
+    db_url = f"sqlite:///{folder}/ledger.db"
+    ledger = Ledger(db_url)
+    keys = {"admin": ledger.create_key(is_admin=True), "kv-a": ledger.create_key("kv-a")}
+    ledger.close()
+    hour0 = int(T0_S) // 3600 * 3600
+    steps = (metered_run(11, run_id="page-kv-0", t0_s=T0_S, tenants=("kv-a", "zz-other"))
+             + metered_run(12, run_id="page-kv-1", t0_s=hour0 + 3600 + 7, tenants=("kv-a",), block_bytes=8192))
+    server = ServerProcess(model_path, db_url, log_path=folder / "service.log").start()
+    try:
+        response = httpx.post(f"{server.url}/v1/steps", json={"steps": steps}, headers=bearer(keys["admin"]), timeout=30)
+        assert response.status_code == 200, response.text
+        yield {"url": server.url, "keys": keys}
+    finally:
+        server.stop()
+
+
+def test_the_page_charts_kv_memory_beside_engine_time(served_kv, browser):
+    browser.get(f"{served_kv['url']}/usage")
+    log_in(browser, served_kv["keys"]["kv-a"])
+    visible(browser, "usage")
+    [usage] = api(served_kv, "/v1/usage/tenants", "kv-a")["tenants"]
+    assert usage["kv_block_ns"] > 0
+    assert browser.find_element(By.ID, "total-kv-block-ns").text == f"{usage['kv_block_ns']} block-ns"
+    assert browser.find_element(By.ID, "total-kv-gib-s").text == f"{usage['kv_gib_s']:.6f} GiB·s"
+    [hourly] = api(served_kv, "/v1/usage/tenants?bucket=hour", "kv-a")["tenants"]
+    rows = browser.find_elements(By.CSS_SELECTOR, "#memory tbody tr")
+    assert len(rows) == len(hourly["buckets"]) == 2  # the second chart: one bar per hour
+    cells = [[td.text for td in row.find_elements(By.TAG_NAME, "td")] for row in rows]
+    assert [int(c[3]) for c in cells] == [b["kv_block_ns"] for b in hourly["buckets"]]
+    assert sum(int(c[3]) for c in cells) == usage["kv_block_ns"]
+    assert all(row.find_elements(By.CSS_SELECTOR, ".bar") for row in rows)
+    assert not browser.find_element(By.ID, "memory-none").is_displayed()
+    assert "zz-other" not in browser.page_source
+    violations = [entry["message"] for entry in browser.get_log("browser") if "Content Security Policy" in entry["message"]]
+    assert not violations, violations
+
+
+def test_the_memory_chart_says_when_nothing_is_metered(served, browser):
+    browser.get(f"{served['url']}/usage")
+    log_in(browser, served["keys"]["acme"])
+    visible(browser, "usage")
+    assert visible(browser, "memory-none").is_displayed() and not browser.find_element(By.ID, "memory").is_displayed()
+    assert browser.find_element(By.ID, "total-kv-gib-s").text == "not metered"

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
 
-from _billing_checks import check_exports_tie_to_the_ledger, price_every_class
+from _billing_checks import check_exports_tie_to_the_ledger, price_every_class, read_csv
 from _processes import stop_process
 from _tiny_llama import write_tiny_llama
 from llmvisor.core.attribution import attribute
@@ -126,7 +126,7 @@ def test_a_caller_reads_its_completions_attributed_seconds_right_after_it_finish
     # The served run's ledger, billed: every export format of the hours the run spans (the price is high so that
     # a few seconds of engine time cost more than a cent and the rounding is exercised).
     period_s = (int(started_s) // 3600 * 3600, int(time.time()) // 3600 * 3600 + 3600)
-    price_every_class(service["db_url"], period_s, tmp_path, engine_hour_price="1234567.89")
+    price_every_class(service["db_url"], period_s, tmp_path, engine_hour_price="1234567.89", gib_hour_price="98765.4321")
     billing = tmp_path / "billing"
     billing.mkdir()
     summary = check_exports_tie_to_the_ledger(service["db_url"], period_s, billing)
@@ -134,5 +134,18 @@ def test_a_caller_reads_its_completions_attributed_seconds_right_after_it_finish
     assert {"caller-a", "caller-b"} <= set(summary["tenants"])
     for tenant, usage in readable.items():  # the callers' own requests are all they ran
         assert summary["owed_ns"][tenant] == usage["attributed_ns"]
+    # KV memory (trace format 3, written by the recorder): each tenant's block-ns in every export (checked against
+    # the ledger above) equal the recorder's trace, to the block-nanosecond, and FOCUS has a GiB-Hours row per
+    # tenant charge
+    trace = read_trace(tmp_path / "trace.jsonl")
+    mine = trace.select_steps(trace.run_id_per_step == server.run_id)
+    traced_kv: dict[str, int] = {}
+    for tenant, block_ns in zip(mine.tenant.tolist(), np.asarray(mine.extra["kv_block_ns"], dtype=np.int64).tolist()):
+        traced_kv[tenant] = traced_kv.get(tenant, 0) + block_ns
+    assert {t: ns for t, ns in summary["kv_block_ns"].items() if t in readable} == {t: traced_kv[t] for t in readable}
+    assert all(traced_kv[t] > 0 for t in readable)
+    focus = read_csv(billing / "focus.csv")
+    charged = {(r["SubAccountId"], r["ChargePeriodStart"]) for r in focus if r["ConsumedUnit"] == "Engine-Seconds"}
+    assert {(r["SubAccountId"], r["ChargePeriodStart"]) for r in focus if r["ConsumedUnit"] == "GiB-Hours"} == charged
     if not summary["focus_validated"]:
         pytest.skip("no FOCUS validator at .venv-focus/bin/focus-validator (scripts/install-test.sh creates it); every other check passed")

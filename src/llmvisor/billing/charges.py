@@ -13,6 +13,14 @@ once (`token_cost`). Their counts are the ledger's token split; usage whose spli
 ledger before schema 6) cannot be priced per token and is refused in one line, never counted as 0 tokens.
 Adjustments re-attribute engine time only: tokens do not change with a model.
 
+KV memory (trace format 3, ledger schema 9): a usage charge of engine time is also followed by a memory charge
+(`KV_MEMORY`) per block size its usage held, of the KV block-nanoseconds its tenant's requests held over the same
+class, version and hour, priced per GiB-hour (`llmvisor.billing.prices.exact_memory_cost`) where the price in force
+has ``gib_hour_price``, and unpriced where there is no price at all (for metering events); a price without a memory
+price charges no memory. Usage not metered for memory (format 1 or 2) has no memory charge, as before. A memory
+charge's quantity is its block-ns (exact, what the ledger holds); GiB-hours are block-ns × ``kv_block_bytes`` / 2^30 /
+3.6·10¹². Adjustments do not change memory: a model re-attributes time only.
+
 Rounding: every charge carries its exact cost (``exact_cost``); its ``cost`` in cents is given by `round_lines` in
 line order within its line group (`line_group`: kind, tenant, class, version, item, currency and the calendar UTC
 month of its start), carrying the sub-cent remainder forward (`llmvisor.billing.prices.carried_cents`).
@@ -34,6 +42,7 @@ from llmvisor.billing.prices import (
     PriceError,
     carried_cents,
     exact_cost,
+    exact_memory_cost,
     exact_token_cost,
     rounded_cost,
     token_unit_price,
@@ -47,6 +56,8 @@ ID_NAMESPACE = uuid.UUID("5b0e7a52-3c1d-4e2a-9f47-6c6c6d766973")
 DEFAULT_MODEL_VERSION = 0
 """Model version of steps billed by the service's default model (NULL in the ledger)."""
 ENGINE_TIME = "engine_time"
+KV_MEMORY = "kv_memory"
+"""The item of a memory charge: KV block-ns held (module note)."""
 
 
 @dataclass(frozen=True)
@@ -75,18 +86,38 @@ class Charge:
     revision: int = 0  # 0: the charge's first exported line; 1, 2, ...: its corrections (`llmvisor.billing.periods`)
     billed_period_start_us: int | None = None
     """The billing period (month) an exported line is billed in (`llmvisor.billing.periods`); None: not recorded."""
+    kv_block_ns: int = 0
+    """A memory charge (`KV_MEMORY`): the KV block-nanoseconds held, its quantity."""
+    kv_block_bytes: int | None = None
+    """A memory charge: bytes per KV block of the usage it charges (part of its key: block-ns of another size are
+    another charge)."""
 
     @property
     def quantity(self) -> int:
-        """A token charge's tokens; engine time's nanoseconds."""
-        return self.attributed_ns if self.item == ENGINE_TIME else self.tokens[TOKEN_ITEMS.index(self.item)]
+        """A token charge's tokens; a memory charge's block-ns; engine time's nanoseconds."""
+        if self.item == ENGINE_TIME:
+            return self.attributed_ns
+        if self.item == KV_MEMORY:
+            return self.kv_block_ns
+        return self.tokens[TOKEN_ITEMS.index(self.item)]
+
+    def with_quantity(self, quantity: int) -> Charge:
+        """The charge with ``quantity`` as its item's quantity (engine ns or block-ns; a token charge's count is its
+        ``tokens``)."""
+        if self.item == ENGINE_TIME:
+            return replace(self, attributed_ns=quantity)
+        if self.item == KV_MEMORY:
+            return replace(self, kv_block_ns=quantity, attributed_ns=0)
+        return replace(self, attributed_ns=0)
 
     @property
     def line_key(self) -> str:
         """What the charge is of (kind, tenant, period, engine class, model version, adjusted-from versions[, token
-        kind]): the same for all its revisions."""
+        kind, or the memory item and its block size]): the same for all its revisions."""
         parts = (self.kind, self.tenant, str(self.period_start_us), str(self.period_end_us), self.engine_class,
                  str(self.model_version), self.from_versions)
+        if self.item == KV_MEMORY:
+            return "|".join((*parts, self.item, str(self.kv_block_bytes)))
         return "|".join(parts if self.item == ENGINE_TIME else (*parts, self.item))
 
     @property
@@ -149,12 +180,17 @@ def usage_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str]
         raise LlmvisorError("the export period must start and end on whole UTC hours, the end after the start")
     book = book if book is not None else PriceBook.load(ledger)
     summed: dict[tuple[int, str, int, str], list] = {}
-    for h, c, v, t, ns, tok, *split in ledger.hourly_usage(start_us, end_us, default_version=DEFAULT_MODEL_VERSION):
+    memory: dict[tuple[int, str, int, str], dict[int, int]] = {}
+    for h, c, v, t, ns, tok, *rest in ledger.hourly_usage(start_us, end_us, default_version=DEFAULT_MODEL_VERSION):
+        split, (block_bytes, block_ns) = rest[:len(TOKEN_SPLIT)], rest[len(TOKEN_SPLIT):]
         total = summed.setdefault((int(h), c, int(v), t), [0, 0, *[0] * len(TOKEN_SPLIT)])
         total[0] += int(ns)
         total[1] += int(tok)
         for j, count in enumerate(split):
             total[2 + j] = add_counts(total[2 + j], None if count is None else int(count))
+        if block_ns is not None and block_bytes is not None:
+            held = memory.setdefault((int(h), c, int(v), t), {})
+            held[int(block_bytes)] = held.get(int(block_bytes), 0) + int(block_ns)
     rows = [(h, c, v, t, ns, tok, tuple(split)) for (h, c, v, t), (ns, tok, *split) in sorted(summed.items())]
     groups: dict[tuple[int, str], list[int]] = {}
     for k, (h, c, *_rest) in enumerate(rows):
@@ -176,7 +212,25 @@ def usage_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str]
         charges.append(usage)
         if price is not None:
             charges.extend(token_charges(usage))
+        charges.extend(memory_charges(usage, memory.get((h, c, v, t), {})))
     return round_lines(charges)
+
+
+def memory_charges(usage: Charge, held: dict[int, int]) -> list[Charge]:
+    """The memory charges beside a usage charge of engine time: one per block size of the block-ns its tenant held
+    (``held``: bytes per block → block-ns), none of zero; priced per GiB-hour, unpriced without any price, and none
+    where the price in force has no memory price (module note)."""
+    if usage.price is not None and usage.price.gib_hour_price is None:
+        return []
+    out = []
+    for block_bytes, block_ns in sorted(held.items()):
+        if not block_ns:
+            continue
+        exact = None if usage.price is None else exact_memory_cost(block_ns, block_bytes, usage.price)
+        out.append(replace(usage, item=KV_MEMORY, attributed_ns=0, num_new_tokens=0, tokens=(None,) * len(TOKEN_SPLIT), kv_block_ns=block_ns,
+                           kv_block_bytes=block_bytes, unit_price=None if usage.price is None else usage.price.gib_hour_price,
+                           cost=None if exact is None else rounded_cost(exact), exact_cost=exact, allocated_ratio=None))
+    return out
 
 
 def token_charges(usage: Charge) -> list[Charge]:

@@ -5,7 +5,10 @@ Stripe meter events and Lago events. Each record carries its line's idempotency 
 Token charges (a price with token prices, `llmvisor.billing.charges`) are records of their own: a FOCUS Usage row per
 kind of token (ConsumedUnit and PricingUnit ``Tokens``, a SkuId per kind, `TOKEN_SKUS`), and a metering event per kind
 (CloudEvents type ``llmvisor.tokens``, Stripe event name / Lago code `TOKEN_EVENT_NAMES`) whose value is the token
-count. Engine time's rows and events carry the usage's token split as well (FOCUS ``x_UncachedPromptTokens``,
+count. KV memory charges (trace format 3, `llmvisor.billing.charges.KV_MEMORY`) likewise: a FOCUS Usage row in
+``GiB-Hours`` with a SkuId of its own (``kv-memory/<class>``) and the exact block-ns and block size in ``x_KvBlockNs``
+and ``x_KvBlockBytes``; a metering event of type ``llmvisor.kv_memory`` (CloudEvents) or named ``llmvisor_kv_block_ns``
+(Stripe, Lago) whose value is the block-ns. Engine time's rows and events carry the usage's token split as well (FOCUS ``x_UncachedPromptTokens``,
 ``x_CachedPromptTokens``, ``x_OutputTokens``; event data ``uncached_prompt_tokens``, ...; null where unknown)."""
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 
-from llmvisor.billing.charges import ENGINE_TIME, Charge
-from llmvisor.billing.prices import TOKEN_ITEMS
+from llmvisor.billing.charges import ENGINE_TIME, KV_MEMORY, Charge
+from llmvisor.billing.prices import GIB, NS_PER_HOUR, TOKEN_ITEMS
 from llmvisor.errors import LlmvisorError
 
 SERVICE_NAME = "llmvisor"
@@ -38,6 +41,14 @@ TOKEN_EVENT_NAMES = {item: f"llmvisor_{item}" for item in TOKEN_SKUS}
 """Stripe meter event name and Lago billable metric code of each kind of token (one meter per kind)."""
 TOKEN_COLUMNS = {"x_UncachedPromptTokens": 0, "x_CachedPromptTokens": 1, "x_OutputTokens": 2}
 """FOCUS ``x_`` columns of engine time's usage rows: the usage's token split (`Charge.tokens` index)."""
+MEMORY_EVENT_TYPE = "llmvisor.kv_memory"
+MEMORY_EVENT_NAME = "llmvisor_kv_block_ns"
+"""Stripe meter event name and Lago billable metric code of KV memory: the value is KV block-nanoseconds."""
+MEMORY_SKU = "kv-memory"
+"""SkuId stem of KV memory (``kv-memory/<engine class>``; SkuPriceId adds ``/v<price version>``)."""
+MEMORY_COLUMNS = ("x_KvBlockNs", "x_KvBlockBytes")
+"""FOCUS ``x_`` columns of a memory row: its exact block-ns and bytes per block (GiB-hours = their product / 2^30 /
+3.6·10¹²)."""
 
 
 def _iso(us: int) -> str:
@@ -65,6 +76,11 @@ def _seconds(ns: int) -> str:
 def _hours(ns: int) -> str:
     """Nanoseconds as engine-hours, to Decimal's 28 significant digits (ns / 3.6·10¹² rarely ends)."""
     return _number(Decimal(int(ns)) / Decimal(3_600_000_000_000))
+
+
+def _gib_hours(block_ns: int, block_bytes: int) -> str:
+    """Block-ns of blocks of ``block_bytes`` as GiB-hours, to Decimal's 28 significant digits (they rarely end)."""
+    return _number(Decimal(int(block_ns) * int(block_bytes)) / Decimal(GIB * NS_PER_HOUR))
 
 
 def _allocation_details(c: Charge) -> str:
@@ -125,7 +141,7 @@ FOCUS_COLUMNS = (
     "ResourceType", "ServiceCategory", "ServiceName", "SkuId", "SkuPriceId", "SubAccountId", "SubAccountName", "Tags",
     "AllocatedMethodId", "AllocatedMethodDetails",
     "x_IdempotencyId", "x_EngineClass", "x_ModelVersion", "x_AttributedNs", "x_NewTokens", "x_AdjustedFromVersions",
-    *TOKEN_COLUMNS,
+    *TOKEN_COLUMNS, *MEMORY_COLUMNS,
 )
 """FOCUS 1.0's columns, the 1.3 split-cost allocation columns, and llmvisor's own (``x_``). ``ResourceId`` is the
 spec's spelling; the 1.0 validator checks ``ResourceID``, which the CSV carries as well (same value)."""
@@ -140,6 +156,9 @@ def focus_rows(charges: list[Charge], *, billing_account: str = "llmvisor") -> l
                             f"(llmvisor prices add FILE) before a FOCUS export ({len(unpriced)} charges unpriced)")
     rows = []
     for c in charges:
+        if c.item == KV_MEMORY:
+            rows.append(_focus_memory_row(c, billing_account))
+            continue
         if c.item != ENGINE_TIME:
             rows.append(_focus_token_row(c, billing_account))
             continue
@@ -205,8 +224,27 @@ def focus_rows(charges: list[Charge], *, billing_account: str = "llmvisor") -> l
             "x_NewTokens": c.num_new_tokens,
             "x_AdjustedFromVersions": c.from_versions or None,
             **{name: c.tokens[k] if usage else None for name, k in TOKEN_COLUMNS.items()},
+            **dict.fromkeys(MEMORY_COLUMNS),
         })
     return rows
+
+
+def _focus_memory_row(c: Charge, billing_account: str) -> dict:
+    """A memory charge's FOCUS Usage row: the KV memory-time in GiB-hours as ConsumedQuantity and PricingQuantity
+    (``GiB-Hours``), the price per GiB-hour as ListUnitPrice and ContractedUnitPrice, a SkuId of its own
+    (``kv-memory/<class>``), the exact block-ns and block size in ``x_KvBlockNs``/``x_KvBlockBytes``; no split-cost
+    allocation. The rest as a token row's."""
+    row = _focus_token_row(c, billing_account)
+    version = "default model" if c.model_version == 0 else f"model v{c.model_version}"
+    quantity, sku = _gib_hours(c.kv_block_ns, c.kv_block_bytes), f"{MEMORY_SKU}/{c.engine_class or 'none'}"
+    row.update({
+        "ChargeDescription": f"KV cache memory-time held on engine class {c.engine_class or '(none)'} ({c.kv_block_bytes} bytes "
+                             f"per block), usage attributed by the {version}" + _correction_note(c),
+        "ConsumedQuantity": quantity, "ConsumedUnit": "GiB-Hours", "PricingQuantity": quantity, "PricingUnit": "GiB-Hours",
+        "SkuId": sku, "SkuPriceId": f"{sku}/v{c.price.version}",
+        "x_KvBlockNs": c.kv_block_ns, "x_KvBlockBytes": c.kv_block_bytes,
+    })
+    return row
 
 
 def _focus_token_row(c: Charge, billing_account: str) -> dict:
@@ -215,7 +253,8 @@ def _focus_token_row(c: Charge, billing_account: str) -> dict:
     discount), a SkuId of its own; no split-cost allocation (a tenant's tokens are its own, not a share)."""
     billing_start, billing_end, charge_class = _billing(c)
     version = "default model" if c.model_version == 0 else f"model v{c.model_version}"
-    cost, quantity, sku = _number(c.cost), str(c.quantity), f"{TOKEN_SKUS[c.item]}/{c.engine_class or 'none'}"
+    cost, quantity = _number(c.cost), str(c.quantity)
+    sku = f"{TOKEN_SKUS.get(c.item, MEMORY_SKU)}/{c.engine_class or 'none'}"
     return {
         "AvailabilityZone": None, "BilledCost": cost, "BillingAccountId": billing_account, "BillingAccountName": billing_account,
         "BillingCurrency": c.price.currency, "BillingPeriodEnd": billing_end, "BillingPeriodStart": billing_start,
@@ -237,6 +276,7 @@ def _focus_token_row(c: Charge, billing_account: str) -> dict:
         "AllocatedMethodId": None, "AllocatedMethodDetails": None,
         "x_IdempotencyId": c.idempotency_id, "x_EngineClass": c.engine_class, "x_ModelVersion": c.model_version,
         "x_AttributedNs": None, "x_NewTokens": None, "x_AdjustedFromVersions": None, **dict.fromkeys(TOKEN_COLUMNS),
+        **dict.fromkeys(MEMORY_COLUMNS),
     }
 
 
@@ -249,7 +289,7 @@ def write_focus(rows: list[dict], path: Path) -> None:
         import pyarrow.parquet as pq
 
         columns = {name: [row[name] for row in rows] for name in FOCUS_COLUMNS}
-        integers = ("x_ModelVersion", "x_AttributedNs", "x_NewTokens", *TOKEN_COLUMNS)
+        integers = ("x_ModelVersion", "x_AttributedNs", "x_NewTokens", *TOKEN_COLUMNS, *MEMORY_COLUMNS)
         table = pa.table({name: pa.array(values, type=pa.int64() if name in integers else pa.string())
                           for name, values in columns.items()})
         pq.write_table(table, path)
@@ -269,6 +309,16 @@ def write_focus(rows: list[dict], path: Path) -> None:
 # Metering events ----------------------------------------------------------------------------------------------------
 
 def _data(c: Charge) -> dict:
+    if c.item == KV_MEMORY:  # a memory charge: its exact block-ns and block size
+        data = {"kv_block_ns": c.kv_block_ns, "kv_block_bytes": c.kv_block_bytes,
+                "gib_hours": _gib_hours(c.kv_block_ns, c.kv_block_bytes), "engine_class": c.engine_class,
+                "model_version": c.model_version, "kind": c.kind, "period_start": _iso(c.period_start_us),
+                "period_end": _iso(c.period_end_us)}
+        if c.cost is not None:
+            data.update(unit_price=str(c.unit_price), cost=str(c.cost), currency=c.price.currency)
+        if c.revision:
+            data["revision"] = c.revision
+        return data
     if c.item != ENGINE_TIME:  # a token charge: its kind and count
         data = {"token_kind": c.item, "tokens": c.quantity, "engine_class": c.engine_class, "model_version": c.model_version,
                 "kind": c.kind, "period_start": _iso(c.period_start_us), "period_end": _iso(c.period_end_us),
@@ -290,12 +340,20 @@ def _data(c: Charge) -> dict:
     return data
 
 
+def _event_type(c: Charge) -> str:
+    return EVENT_TYPE if c.item == ENGINE_TIME else MEMORY_EVENT_TYPE if c.item == KV_MEMORY else TOKEN_EVENT_TYPE
+
+
+def _event_name(c: Charge, engine_name: str) -> str:
+    return engine_name if c.item == ENGINE_TIME else MEMORY_EVENT_NAME if c.item == KV_MEMORY else TOKEN_EVENT_NAMES[c.item]
+
+
 def cloudevents(charges: list[Charge], customers: dict[str, str]) -> list:
     """CloudEvents 1.0 (OpenMeter's ingest format), built with the ``cloudevents`` SDK (its v1 event class, which
-    validates the attributes). Token charges are of type ``llmvisor.tokens``."""
+    validates the attributes). Token charges are of type ``llmvisor.tokens``, memory charges ``llmvisor.kv_memory``."""
     from cloudevents.core.v1.event import CloudEvent
 
-    return [CloudEvent({"id": c.idempotency_id, "type": EVENT_TYPE if c.item == ENGINE_TIME else TOKEN_EVENT_TYPE,
+    return [CloudEvent({"id": c.idempotency_id, "type": _event_type(c),
                         "source": EVENT_SOURCE, "subject": _customer(c, customers),
                         "time": datetime.fromtimestamp(c.period_start_us / 1e6, tz=UTC), "datacontenttype": "application/json",
                         "specversion": "1.0"}, _data(c))
@@ -313,7 +371,7 @@ def cloudevents_json(events: list) -> list[dict]:
 def stripe_events(charges: list[Charge], customers: dict[str, str], *, event_name: str = "llmvisor_engine_ns",
                   now_s: float | None = None, warn=None) -> list[dict]:
     """Stripe meter events: ``value`` is engine nanoseconds as a whole-number string (a token charge: its tokens, under
-    its kind's event name, `TOKEN_EVENT_NAMES`). Stripe takes no negative values, so a credit (an adjustment below 0)
+    its kind's event name, `TOKEN_EVENT_NAMES`; a memory charge: its block-ns, under ``llmvisor_kv_block_ns``). Stripe takes no negative values, so a credit (an adjustment below 0)
     is left out with one warning line (issue a credit note for it); events more than 35 days old are warned about in
     one line (Stripe refuses them)."""
     warn = warn or (lambda line: print(line, file=sys.stderr))
@@ -327,7 +385,7 @@ def stripe_events(charges: list[Charge], customers: dict[str, str], *, event_nam
             continue
         timestamp = c.period_start_us // 1_000_000
         old += now_s - timestamp > STRIPE_MAX_AGE_S
-        name = event_name if c.item == ENGINE_TIME else TOKEN_EVENT_NAMES[c.item]
+        name = _event_name(c, event_name)
         events.append({"event_name": name, "identifier": c.idempotency_id, "timestamp": timestamp,
                        "payload": {"stripe_customer_id": _customer(c, customers), "value": str(c.quantity)}})
     if credits:
@@ -342,7 +400,7 @@ def lago_events(charges: list[Charge], customers: dict[str, str], *, code: str =
     """Lago events (``transaction_id`` is Lago's idempotency key), one per charge, credits as negative values; a token
     charge under its kind's code (`TOKEN_EVENT_NAMES`), its tokens in ``properties.tokens``."""
     return [{"transaction_id": c.idempotency_id, "external_subscription_id": _customer(c, customers),
-             "code": code if c.item == ENGINE_TIME else TOKEN_EVENT_NAMES[c.item], "timestamp": c.period_start_us // 1_000_000,
+             "code": _event_name(c, code), "timestamp": c.period_start_us // 1_000_000,
              "properties": _data(c)}
             for c in charges]
 

@@ -29,7 +29,7 @@ from fractions import Fraction
 
 from sqlalchemy.exc import IntegrityError
 
-from llmvisor.billing.charges import ENGINE_TIME, Charge, charges, line_group, month_bounds_us
+from llmvisor.billing.charges import ENGINE_TIME, KV_MEMORY, Charge, charges, line_group, month_bounds_us
 from llmvisor.billing.prices import PriceBook, carried_cents, token_unit_price
 from llmvisor.core.tokens import TOKEN_SPLIT
 from llmvisor.errors import LlmvisorError
@@ -104,12 +104,16 @@ def _row_charge(row, book: PriceBook) -> Charge:
     """A recorded line as a charge (its price: the one in force at its start, as when it was recorded)."""
     price = book.price_at(row.engine_class, row.charge_start_us)
     tokens = tuple(getattr(row, name) for name in TOKEN_SPLIT)
-    unit = None if row.item == ENGINE_TIME or price is None else token_unit_price(price, row.item)
-    return Charge(row.kind, row.tenant, row.engine_class, row.model_version, row.charge_start_us, row.charge_end_us,
-                  row.quantity if row.item == ENGINE_TIME else 0, row.num_new_tokens, price,
-                  None if row.cost is None else Decimal(row.cost), None, from_versions=row.from_versions, item=row.item,
-                  tokens=tokens, unit_price=unit, exact_cost=None if row.exact_cost is None else Fraction(row.exact_cost),
-                  revision=row.revision, billed_period_start_us=row.billed_period_start_us)
+    if row.item == KV_MEMORY:
+        unit = None if price is None else price.gib_hour_price
+    else:
+        unit = None if row.item == ENGINE_TIME or price is None else token_unit_price(price, row.item)
+    charge = Charge(row.kind, row.tenant, row.engine_class, row.model_version, row.charge_start_us, row.charge_end_us, 0,
+                    row.num_new_tokens, price, None if row.cost is None else Decimal(row.cost), None,
+                    from_versions=row.from_versions, item=row.item, tokens=tokens, unit_price=unit,
+                    exact_cost=None if row.exact_cost is None else Fraction(row.exact_cost), revision=row.revision,
+                    billed_period_start_us=row.billed_period_start_us, kv_block_bytes=row.kv_block_bytes)
+    return charge.with_quantity(row.quantity)
 
 
 def _line_row(c: Charge, period_start_us: int, billed_us: int, created_us: int) -> dict:
@@ -120,7 +124,8 @@ def _line_row(c: Charge, period_start_us: int, billed_us: int, created_us: int) 
             "num_new_tokens": c.num_new_tokens, **dict(zip(TOKEN_SPLIT, c.tokens)),
             "currency": None if c.price is None else c.price.currency,
             "exact_cost": None if c.exact_cost is None else str(c.exact_cost),
-            "cost": None if c.cost is None else str(c.cost), "created_at_us": created_us}
+            "cost": None if c.cost is None else str(c.cost), "created_at_us": created_us,
+            "kv_block_bytes": c.kv_block_bytes if c.item == KV_MEMORY else None}
 
 
 def _record(conn, current: list[Charge], start_us: int, end_us: int, tenants: set | None, at_us: int, book: PriceBook) -> int:
@@ -154,8 +159,8 @@ def _record(conn, current: list[Charge], start_us: int, end_us: int, tenants: se
             and (tenants is None or r.tenant in tenants)]
     new = []
     for key in gone:  # recorded, absent from the ledger now: its correction takes it all back
-        zero = _row_charge(first[key], book)
-        new.append(replace(zero, attributed_ns=0, num_new_tokens=0, tokens=tuple(0 for _ in TOKEN_SPLIT),
+        zero = _row_charge(first[key], book).with_quantity(0)
+        new.append(replace(zero, num_new_tokens=0, tokens=tuple(0 for _ in TOKEN_SPLIT),
                            exact_cost=None if zero.exact_cost is None else Fraction(0)))
     out = []
     for c in sorted([*current, *new], key=lambda c: (c.period_start_us, c.kind, c.engine_class, c.model_version, c.tenant,
@@ -169,8 +174,8 @@ def _record(conn, current: list[Charge], start_us: int, end_us: int, tenants: se
             tokens = tuple(_sub(a, b) for a, b in zip(c.tokens, was.tokens))
             if quantity == 0 and new_tokens == 0 and not exact and not any(tokens):
                 continue
-            line = replace(c, revision=was.revision + 1, num_new_tokens=new_tokens, tokens=tokens, exact_cost=exact,
-                           attributed_ns=quantity if c.item == ENGINE_TIME else 0, allocated_ratio=None)
+            line = replace(c.with_quantity(quantity), revision=was.revision + 1, num_new_tokens=new_tokens, tokens=tokens,
+                           exact_cost=exact, allocated_ratio=None)
         period_us = month_bounds_us(c.period_start_us)[0]
         billed_us = period_us
         if c.kind == "adjustment" and c.made_at_us is not None:

@@ -7,6 +7,10 @@ in the prefix cache (it needs a prompt price; absent: 0, cached tokens cost the 
 ledger's token split (schema 6, `llmvisor.core.tokens`): uncached prompt tokens × prompt price, cached prompt tokens
 × prompt price × (1 − discount), output tokens × output price (`token_unit_price`).
 
+Memory (schema 9): ``gib_hour_price``, optional, is the price per GiB-hour of KV cache a tenant's requests held
+(trace format 3's block-nanoseconds × the run's bytes per block, `exact_memory_cost`); usage not metered for memory
+(a format 1 or 2 trace) has no memory charge.
+
 Money is exact: prices are kept as decimal strings and costs are computed as exact fractions (``exact_cost``,
 ``exact_token_cost``). Rounding (half to even, to the currency's minor unit, the cent: ``rounded_cost``) happens once
 per invoice line with the sub-cent remainder carried forward (`carried_cents`): a line's cents are the rounded
@@ -29,6 +33,7 @@ from llmvisor.ledger import Ledger, billing_tables
 from llmvisor.ledger.connection import now_us
 
 NS_PER_HOUR = 3_600_000_000_000
+GIB = 2**30
 US_PER_HOUR = 3_600_000_000
 MINOR_UNIT_DIGITS = 2
 """Costs are rounded to the cent (2 decimals), half to even, once per line group running total (module note)."""
@@ -58,6 +63,7 @@ class Price:
     prompt_token_price: Decimal | None = None
     output_token_price: Decimal | None = None
     cached_token_discount: Decimal | None = None
+    gib_hour_price: Decimal | None = None
     source: str = ""
     created_at_us: int = 0
 
@@ -68,7 +74,8 @@ class Price:
         return {"engine_class": self.engine_class, "version": self.version, "valid_from_us": self.valid_from_us,
                 "currency": self.currency, "engine_hour_price": str(self.engine_hour_price),
                 "prompt_token_price": text(self.prompt_token_price), "output_token_price": text(self.output_token_price),
-                "cached_token_discount": text(self.cached_token_discount), "source": self.source,
+                "cached_token_discount": text(self.cached_token_discount), "gib_hour_price": text(self.gib_hour_price),
+                "source": self.source,
                 "created_at_us": self.created_at_us}
 
 
@@ -111,6 +118,16 @@ def token_unit_price(price: Price, item: str) -> Decimal | None:
         unit = Decimal(exact.numerator) / Decimal(exact.denominator)
     assert Fraction(unit) == exact
     return unit
+
+
+def gib_hours(block_ns: int, block_bytes: int) -> Fraction:
+    """KV block-nanoseconds of blocks of ``block_bytes`` as GiB-hours, exact."""
+    return Fraction(int(block_ns) * int(block_bytes), GIB * NS_PER_HOUR)
+
+
+def exact_memory_cost(block_ns: int, block_bytes: int, price: Price) -> Fraction:
+    """KV memory-time at the price per GiB-hour, exact (``price.gib_hour_price`` must be set)."""
+    return gib_hours(block_ns, block_bytes) * Fraction(price.gib_hour_price)
 
 
 def exact_token_cost(tokens: int, unit_price: Decimal) -> Fraction:
@@ -165,8 +182,8 @@ def _valid_from_us(source: str, value) -> int:
 
 def read_price_file(path: Path) -> list[Price]:
     """Entries of a TOML or JSON price file: ``[[price]]`` tables (TOML) or ``{"prices": [...]}`` (JSON), each with
-    ``engine_class``, ``currency``, ``engine_hour_price`` and ``valid_from``, optionally the token prices (module
-    note). Versions are given when stored."""
+    ``engine_class``, ``currency``, ``engine_hour_price`` and ``valid_from``, optionally the token prices and
+    ``gib_hour_price`` (module note). Versions are given when stored."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -193,7 +210,7 @@ def read_price_file(path: Path) -> list[Price]:
 def parse_prices(entries: list, where_prefix: str, *, source: str) -> list[Price]:
     """Price entries (dicts of the price file's fields) checked and parsed; errors name ``where_prefix`` and the entry."""
     known = {"engine_class", "currency", "engine_hour_price", "valid_from", "prompt_token_price", "output_token_price",
-             "cached_token_discount"}
+             "cached_token_discount", "gib_hour_price"}
     out = []
     for k, entry in enumerate(entries, start=1):
         where = f"{where_prefix} price {k}"
@@ -220,6 +237,7 @@ def parse_prices(entries: list, where_prefix: str, *, source: str) -> list[Price
         out.append(Price(
             engine_class=engine_class, version=0, valid_from_us=_valid_from_us(where, entry["valid_from"]), currency=currency,
             engine_hour_price=_decimal(where, "engine_hour_price", entry.get("engine_hour_price"), required=True),
+            gib_hour_price=_decimal(where, "gib_hour_price", entry.get("gib_hour_price"), required=False),
             **tokens, source=source,
         ))
     return out
@@ -244,7 +262,7 @@ def add_prices(ledger: Ledger, entries: list[Price]) -> list[Price]:
                 prompt_token_price=None if row.prompt_token_price is None else str(row.prompt_token_price),
                 output_token_price=None if row.output_token_price is None else str(row.output_token_price),
                 cached_token_discount=None if row.cached_token_discount is None else str(row.cached_token_discount),
-                source=row.source, created_at_us=row.created_at_us,
+                gib_hour_price=None if row.gib_hour_price is None else str(row.gib_hour_price), source=row.source, created_at_us=row.created_at_us,
             )
             stored.append(row)
     return stored
@@ -261,7 +279,7 @@ def list_prices(ledger: Ledger, engine_class: str | None = None) -> list[Price]:
     return [Price(engine_class=r.engine_class, version=r.version, valid_from_us=r.valid_from_us, currency=r.currency,
                   engine_hour_price=Decimal(r.engine_hour_price), prompt_token_price=number(r.prompt_token_price),
                   output_token_price=number(r.output_token_price), cached_token_discount=number(r.cached_token_discount),
-                  source=r.source, created_at_us=r.created_at_us) for r in rows]
+                  gib_hour_price=number(r.gib_hour_price), source=r.source, created_at_us=r.created_at_us) for r in rows]
 
 
 class PriceBook:

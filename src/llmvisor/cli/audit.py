@@ -58,6 +58,10 @@ def audit(
         table.add_row("adjustments in the period", _seconds(result.adjusted_ns), "")
         table.add_row("net billed (usage + adjustments)", _seconds(result.net_billed_ns), "")
         print_table(table)
+        if result.kv_checked:
+            stdout.print(f"KV memory: archive {result.kv_block_ns_archive} block-ns ({result.kv_byte_ns_archive} byte-ns), ledger "
+                         f"{result.kv_block_ns_ledger or 0} block-ns ({result.kv_byte_ns_ledger or 0} byte-ns): "
+                         f"{'equal' if result.kv_ok else 'DIFFERENT'}", highlight=False)
         for label, n in result.versions.items():
             stdout.print(f"billed by {label}: {n} steps", highlight=False)
         notes = [f"{result.unbilled_steps} archived steps not billed (pending or not ingested)" if result.unbilled_steps else "",

@@ -52,7 +52,8 @@ def prices_list(db: DbOption = DEFAULT_DB_URL, json_output: JsonOption = False) 
         return
     for p in stored:
         tokens = "".join(f", {name} {value}" for name, value in (("prompt token", p.prompt_token_price),
-                         ("output token", p.output_token_price), ("cached discount", p.cached_token_discount)) if value is not None)
+                         ("output token", p.output_token_price), ("cached discount", p.cached_token_discount), ("KV memory GiB-hour", p.gib_hour_price))
+                         if value is not None)
         typer.echo(f"{p.engine_class or '(no fingerprint)'}\tv{p.version}\tfrom "
                    f"{datetime.fromtimestamp(p.valid_from_us / 1e6, tz=UTC).isoformat()}\t{p.engine_hour_price} "
                    f"{p.currency}/engine-hour{tokens}\t{p.source}")

@@ -198,7 +198,7 @@ def keys_revoke(
 
 
 def ledger_migrate(
-    source: Annotated[str, typer.Option("--from", help="URL of the schema-1 to -6 ledger to copy (only read; a schema-7 ledger is upgraded in place when opened).", metavar="URL")],
+    source: Annotated[str, typer.Option("--from", help="URL of the schema-1 to -6 ledger to copy (only read; a schema-7 or -8 ledger is upgraded in place when opened).", metavar="URL")],
     target: Annotated[str, typer.Option("--to", help="URL of an empty database to copy it into (the current schema).", metavar="URL")],
     json_output: JsonOption = False,
 ) -> None:

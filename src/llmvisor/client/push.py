@@ -42,6 +42,7 @@ from llmvisor.client.spool import append_steps, read_spool, take_for_replay
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
 from llmvisor.core.tokens import CACHED_PROMPT_COLUMN
 from llmvisor.core.trace import REQUIRED_COLUMNS, SHARING_COLUMNS
+from llmvisor.core.trace_schema import KV_COLUMNS
 from llmvisor.retry import RetryableAnswer, check_answer, failure_reason, retry_policy
 
 log = logging.getLogger("llmvisor.pusher")
@@ -553,15 +554,16 @@ class StepPusher:
         )
 
 
-PUSHED_OPTIONAL_COLUMNS = ("timestamp_s", *SHARING_COLUMNS, CACHED_PROMPT_COLUMN, FINGERPRINT_COLUMN)
-"""Optional trace columns the service reads (`llmvisor.service.ingest`), sent when the rows carry them."""
+PUSHED_OPTIONAL_COLUMNS = ("timestamp_s", *SHARING_COLUMNS, CACHED_PROMPT_COLUMN, FINGERPRINT_COLUMN, *KV_COLUMNS)
+"""Optional trace columns the service reads (`llmvisor.service.ingest`), sent when the rows carry them: the KV
+memory columns of format 3 too (the service meters them, issue #37)."""
 
 
 def columns_body(steps: list[list[dict]]) -> bytes:
     """A POST /v1/steps body in the column form (several times cheaper to validate than one object per row).
 
     Only the columns the service reads are sent: those it stores, the shared-KV columns it prices with, the
-    prefix-cache hits it meters (`PUSHED_OPTIONAL_COLUMNS`) and the engine fingerprint id (checked against the
+    prefix-cache hits and KV memory-time it meters (`PUSHED_OPTIONAL_COLUMNS`) and the engine fingerprint id (checked against the
     service's model, not stored, not part of a step's idempotency key); a row missing a stored column is sent as
     null, which the service reports by row like any other bad value."""
     rows = [row for step in steps for row in step]

@@ -19,7 +19,15 @@ from sqlalchemy.pool import StaticPool
 
 from llmvisor import extras
 from llmvisor.ledger.records import LedgerError
-from llmvisor.ledger.schema import IN_PLACE_UPGRADES, SCHEMA_8_TABLES, SCHEMA_VERSION, USAGE_RESOLUTION_US, ledger_info, metadata
+from llmvisor.ledger.schema import (
+    IN_PLACE_UPGRADES,
+    SCHEMA_8_TABLES,
+    SCHEMA_9_COLUMNS,
+    SCHEMA_VERSION,
+    USAGE_RESOLUTION_US,
+    ledger_info,
+    metadata,
+)
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
 SQLITE_CACHE_KIB = 65536
@@ -110,14 +118,15 @@ class LedgerConnection:
         return make_url(self.url).render_as_string(hide_password=True)
 
     def _create_schema(self) -> None:
-        """Create the tables of an empty database, add schema 8's to a schema-7 one (`IN_PLACE_UPGRADES`); refuse,
-        before writing anything, one of another schema."""
+        """Create the tables of an empty database, add schema 8's tables and schema 9's columns to a schema-7 or -8 one
+        (`IN_PLACE_UPGRADES`); refuse, before writing anything, one of another schema."""
         try:
             with self._write_engine.begin() as conn:
                 if inspect(conn).has_table(ledger_info.name):
                     version = conn.execute(select(ledger_info.c.value).where(ledger_info.c.name == "schema_version")).scalar()
-                    if version in IN_PLACE_UPGRADES:  # later schemas only added tables: create them, record the version
+                    if version in IN_PLACE_UPGRADES:  # later schemas only added tables and nullable columns
                         metadata.create_all(conn, tables=list(SCHEMA_8_TABLES), checkfirst=True)
+                        self._add_missing_columns(conn)
                         conn.execute(update(ledger_info).where(ledger_info.c.name == "schema_version").values(value=str(SCHEMA_VERSION)))
                     elif version is not None and version != str(SCHEMA_VERSION):
                         raise LedgerError(
@@ -133,6 +142,19 @@ class LedgerConnection:
             pass
         except DatabaseError as error:  # unreachable, or not a database at all ("file is not a database")
             raise LedgerError(f"cannot open database {self.safe_url}: {' '.join(str(error.orig).split())}") from None
+
+    @staticmethod
+    def _add_missing_columns(conn: Connection) -> None:
+        """Schema 9's nullable columns (`SCHEMA_9_COLUMNS`), added where a table lacks them: existing rows read NULL."""
+        inspector = inspect(conn)
+        have: dict[str, set[str]] = {}
+        for table, name in SCHEMA_9_COLUMNS:
+            if table.name not in have:
+                have[table.name] = {c["name"] for c in inspector.get_columns(table.name)}
+            if name not in have[table.name]:
+                kind = table.c[name].type.compile(dialect=conn.dialect)
+                conn.exec_driver_sql(f"ALTER TABLE {table.name} ADD COLUMN {name} {kind}")
+                have[table.name].add(name)
 
     def ping(self) -> bool:
         """Whether the database answers."""
@@ -184,19 +206,29 @@ class LedgerConnection:
         return cursor()
 
     def _add_rows(self, conn: Connection, table, rows: list, *, key: Sequence[str] = (), sums: Sequence[str] = (),
-                  least: Sequence[str] = (), greatest: Sequence[str] = ()) -> None:
+                  least: Sequence[str] = (), greatest: Sequence[str] = (), known_sums: Sequence[str] = (),
+                  first: Sequence[str] = ()) -> None:
         """Insert ``rows`` (dicts by column name, or lists of values column by column in the table's order) in one
-        statement; with a ``key``, a row already there instead adds ``sums`` and widens ``least``/``greatest``.
+        statement; with a ``key``, a row already there instead adds ``sums`` (NULL if either is), adds
+        ``known_sums`` (NULL only if both are: the known part counts), widens ``least``/``greatest`` and keeps its
+        ``first`` values where they are not NULL.
         On PostgreSQL the columns go as arrays through unnest: one round trip, where an executemany costs a
         pipelined statement per row (a fifth of a window's ingest)."""
         names = [column.name for column in table.columns]
-        columns = [[row[name] for row in rows] for name in names] if isinstance(rows[0], dict) else rows
+        if isinstance(rows[0], dict):  # a nullable column a row leaves out is NULL (schema 9's KV memory in window mode)
+            columns = [[row.get(name) for row in rows] if column.nullable else [row[name] for row in rows]
+                       for name, column in zip(names, table.columns)]
+        else:
+            columns = rows
         conflict = ""
         if key:
             lowest, highest = ("LEAST", "GREATEST") if self.backend == "postgresql" else ("min", "max")
             sets = [*(f"{n} = {table.name}.{n} + excluded.{n}" for n in sums),
                     *(f"{n} = {lowest}({table.name}.{n}, excluded.{n})" for n in least),
-                    *(f"{n} = {highest}({table.name}.{n}, excluded.{n})" for n in greatest)]
+                    *(f"{n} = {highest}({table.name}.{n}, excluded.{n})" for n in greatest),
+                    *(f"{n} = CASE WHEN {table.name}.{n} IS NULL AND excluded.{n} IS NULL THEN NULL "
+                      f"ELSE COALESCE({table.name}.{n}, 0) + COALESCE(excluded.{n}, 0) END" for n in known_sums),
+                    *(f"{n} = COALESCE({table.name}.{n}, excluded.{n})" for n in first)]
             conflict = f" ON CONFLICT ({', '.join(key)}) DO UPDATE SET {', '.join(sets)}"
         if self.backend == "postgresql":
             types = [column.type.compile(dialect=conn.dialect) for column in table.columns]

@@ -56,6 +56,7 @@ from sqlalchemy.exc import DatabaseError
 from llmvisor.ledger.connection import normalize_url
 from llmvisor.ledger.records import LedgerError, StepRecords
 from llmvisor.ledger.schema import (
+    KV_USAGE_COLUMNS,
     TOKEN_SPLIT_COLUMNS,
     active_models,
     adjustments,
@@ -236,9 +237,16 @@ _slice_batches_2 = slice_batches.to_metadata(_schema_2)
 
 
 def _before_split(table: Table, schema: MetaData) -> Table:
-    """``table`` as schemas 2 to 5 stored it: without schema 6's token split columns."""
+    """``table`` as schemas 2 to 5 stored it: without schema 6's token split columns (nor schema 9's KV columns)."""
     return Table(table.name, schema, *(Column(c.name, c.type, primary_key=c.primary_key) for c in table.columns
-                                       if c.name not in TOKEN_SPLIT_COLUMNS))
+                                       if c.name not in (*TOKEN_SPLIT_COLUMNS, *KV_USAGE_COLUMNS)))
+
+
+def _before_kv(table: Table, schema: MetaData) -> Table:
+    """``table`` as schemas 6 to 8 stored it: without schema 9's KV memory columns (copied rows read NULL: not
+    metered, billed for time only)."""
+    return Table(table.name, schema, *(Column(c.name, c.type, primary_key=c.primary_key) for c in table.columns
+                                       if c.name not in KV_USAGE_COLUMNS))
 
 
 _usage_2 = _before_split(usage_per_second, _schema_2)
@@ -276,7 +284,7 @@ def migrate(source_url: str, target_url: str, **kwargs) -> MigrationReport:
     if version in ("2", "3", "4", "5", "6"):
         return migrate_schema_2(source_url, target_url, progress=kwargs.get("progress"))
     raise LedgerError(f"{source_name}: ledger schema version {version}; versions 1 to 6 are migrated "
-                      "(a schema-7 ledger is upgraded in place when opened)")
+                      "(a schema-7 or -8 ledger is upgraded in place when opened)")
 
 
 _schema_3 = MetaData()
@@ -417,9 +425,9 @@ _window_tenant_usage_6 = Table(
     *(Column(name, BigInteger) for name in TOKEN_SPLIT_COLUMNS),
 )
 """Schemas 5 and 6's window usage: a row per window and tenant (schema 7 sums it into ``tenant_seconds``)."""
-_usage_6 = usage_per_second.to_metadata(_schema_6)
+_usage_6 = _before_kv(usage_per_second, _schema_6)
 _SCHEMA_6_TABLES = ((prices.to_metadata(_schema_6), prices), (windows.to_metadata(_schema_6), windows),
-                    (_window_tenant_usage_6, tenant_seconds), (request_totals.to_metadata(_schema_6), request_totals))
+                    (_window_tenant_usage_6, tenant_seconds), (_before_kv(request_totals, _schema_6), request_totals))
 
 _schema_5 = MetaData()
 _SCHEMA_5_TABLES = ((prices.to_metadata(_schema_5), prices), (windows.to_metadata(_schema_5), windows),

@@ -148,6 +148,10 @@ class StepRecords:
     num_cached_prompt_tokens: np.ndarray | None = None
     """Per slice, the prompt tokens its request found in the prefix cache, counted on the request's first slice
     only (`llmvisor.core.tokens`); None: 0 for every slice (the step did not say). Kept in the blob."""
+    kv_columns: dict[str, np.ndarray] | None = None
+    """Per slice, the KV memory columns of trace format 3 (`llmvisor.core.trace_schema.KV_COLUMNS`, step and run
+    values repeated on each slice, as the trace has them), kept in the blob; ``kv_block_ns`` and ``kv_block_bytes``
+    are summed into the usage rows (schema 9). None: not metered (a format 1 or 2 trace), billed for time only."""
     run_sha256: list[bytes | None] | None = None
     """Per step, for a run's step 0, its content digest without the run id (`run_digests`: a new run repeating a
     stored run's is refused, `DuplicateRunError`); None elsewhere, and None for a batch without one."""
@@ -177,6 +181,8 @@ class StepRecords:
                 value = np.concatenate(([0], np.cumsum(sizes[step_mask]))).astype(np.int64)
             elif value is None:
                 pass
+            elif item.name == "kv_columns":
+                value = {name: column[slice_mask] for name, column in value.items()}
             elif item.name in ("content_sha256", "run_sha256"):
                 value = [digest for digest, keep in zip(value, step_mask.tolist()) if keep]
             else:
@@ -218,6 +224,10 @@ class UsageRow:
     """The token split (`llmvisor.core.tokens`); None where some of the rows summed were stored before schema 6."""
     num_cached_prompt_tokens: int | None = None
     num_output_tokens: int | None = None
+    kv_block_ns: int | None = None
+    """KV block-nanoseconds held (schema 9); None where none of the rows summed was metered."""
+    kv_byte_ns: int | None = None
+    """Σ block-ns × bytes per block: exact byte-nanoseconds (GiB-seconds = byte-ns / 2^30 / 10^9)."""
 
 
 @dataclass(frozen=True)
@@ -233,6 +243,8 @@ class RequestUsageRow:
     num_uncached_prompt_tokens: int | None = None
     num_cached_prompt_tokens: int | None = None
     num_output_tokens: int | None = None
+    kv_block_ns: int | None = None
+    kv_byte_ns: int | None = None
 
 
 @dataclass(frozen=True)
@@ -246,6 +258,10 @@ class Totals:
     pending_steps: int = 0
     """Steps stored unattributed (their class had no active model), not counted in ``num_steps``."""
     pending_measured_ns: int = 0
+    kv_block_ns: int | None = None
+    """Σ KV block-ns of the usage rows (schema 9), None where nothing was metered; each step's pool conservation is
+    checked when it is read (`llmvisor.core.kv_trace`)."""
+    kv_byte_ns: int | None = None
 
 
 @dataclass(frozen=True)
@@ -256,6 +272,7 @@ class SliceShare:
     num_context_tokens: int
     phase: str
     attributed_ns: int
+    kv_block_ns: int | None = None
 
 
 @dataclass(frozen=True)

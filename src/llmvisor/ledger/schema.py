@@ -53,6 +53,18 @@ missing tables are created and the version recorded (`SCHEMA_8_TABLES`, `llmviso
 (issue #36): ``billing_lines`` (every exported line's content, per line and revision), ``line_exports`` (which lines
 each export format has written or pushed) and ``closed_periods`` (billing months closed, what they billed frozen in
 ``billing_lines``).
+
+Schema 9 (KV memory-time, issue #37) adds nullable columns only, so schemas 7 and 8 are upgraded in place
+(`SCHEMA_9_COLUMNS`): every usage row (``usage_per_second``; ``tenant_seconds`` and ``request_totals`` for window
+mode, which leaves them NULL until the edge meters memory) gains ``kv_block_ns``, the KV block-nanoseconds its slices
+held (trace format 3), and ``kv_block_bytes``, the bytes of one block of its run, so GiB-seconds are exact
+(Σ block-ns × block bytes / 2^30 / 10^9, summed per block size, `llmvisor.core.kv_memory.gib_seconds`). NULL: not
+metered (a trace of format 1 or 2, or a row stored before schema 9): such usage is billed for time only. Block-ns are
+kept, not byte-ns: a tenant's hour of byte-ns can pass 2^63, its block-ns cannot. Sums over many rows are taken in
+two 31-bit halves (`llmvisor.ledger.usage.kv_sums`), so SQLite's 64-bit SUM never overflows. The per-step figures
+(interval, idle cache, free, carried in and out, pool) stay in the step's slice blob, as the trace has them.
+``billing_lines`` gains ``kv_block_bytes``: a memory line's block size (its quantity is block-ns); ``prices`` gains
+``gib_hour_price``, the price per GiB-hour of KV cache held (NULL: memory not priced).
 """
 
 from __future__ import annotations
@@ -75,9 +87,12 @@ from sqlalchemy import (
 
 from llmvisor.core.tokens import TOKEN_SPLIT
 
-SCHEMA_VERSION = 8
-IN_PLACE_UPGRADES = ("7",)
-"""Versions a ledger is upgraded from when opened: each later schema only added tables (`SCHEMA_8_TABLES`)."""
+SCHEMA_VERSION = 9
+IN_PLACE_UPGRADES = ("7", "8")
+"""Versions a ledger is upgraded from when opened: each later schema only added tables (`SCHEMA_8_TABLES`) and
+nullable columns (`SCHEMA_9_COLUMNS`)."""
+KV_USAGE_COLUMNS = ("kv_block_ns", "kv_block_bytes")
+"""Schema 9's KV memory-time of a usage row (module note); NULL where not metered."""
 TOKEN_SPLIT_COLUMNS = TOKEN_SPLIT
 """Schema 6's token split of a usage row's tokens (module note); NULL where stored before schema 6."""
 USAGE_RESOLUTION_US = 1_000_000
@@ -137,6 +152,7 @@ usage_per_second = Table(
     Column("first_timestamp_us", BigInteger, nullable=False),
     Column("last_timestamp_us", BigInteger, nullable=False),
     *(Column(name, BigInteger, nullable=True, doc="schema 6 token split; NULL: stored before it") for name in TOKEN_SPLIT_COLUMNS),
+    *(Column(name, BigInteger, nullable=True, doc="schema 9 KV memory-time; NULL: not metered") for name in KV_USAGE_COLUMNS),
     Index("ix_usage_per_second_tenant_second_us", "tenant", "second_us"),
     Index("ix_usage_per_second_second_us", "second_us"),
 )
@@ -211,6 +227,7 @@ prices = Table(
     Column("prompt_token_price", Text, nullable=True, doc="price per prompt token, an exact decimal string; NULL: none"),
     Column("output_token_price", Text, nullable=True, doc="price per output token; NULL: none"),
     Column("cached_token_discount", Text, nullable=True, doc="fraction in [0, 1] off the prompt price for cached prompt tokens; NULL: 0"),
+    Column("gib_hour_price", Text, nullable=True, doc="schema 9: price per GiB-hour of KV cache held, an exact decimal string; NULL: none"),
     Column("source", Text, nullable=False, doc="the price file it came from"),
     Column("created_at_us", BigInteger, nullable=False),
     Index("ix_prices_class_valid_from", "engine_class", "valid_from_us"),
@@ -259,6 +276,8 @@ tenant_seconds = Table(
     Column("num_slices", BigInteger, nullable=False),
     Column("num_new_tokens", BigInteger, nullable=False),
     *(Column(name, BigInteger, nullable=True, doc="schema 6 token split; NULL: unknown") for name in TOKEN_SPLIT_COLUMNS),
+    *(Column(name, BigInteger, nullable=True, doc="schema 9 KV memory-time; NULL: not metered (window mode, so far)")
+      for name in KV_USAGE_COLUMNS),
     Index("ix_tenant_seconds_tenant_second_us", "tenant", "second_us"),
     Index("ix_tenant_seconds_second_us", "second_us"),
 )
@@ -279,6 +298,8 @@ request_totals = Table(
     Column("first_timestamp_us", BigInteger, nullable=False),
     Column("last_timestamp_us", BigInteger, nullable=False),
     *(Column(name, BigInteger, nullable=True, doc="schema 6 token split; NULL: stored before it") for name in TOKEN_SPLIT_COLUMNS),
+    *(Column(name, BigInteger, nullable=True, doc="schema 9 KV memory-time; NULL: not metered (window mode, so far)")
+      for name in KV_USAGE_COLUMNS),
     Index("ix_request_totals_tenant", "tenant"),
 )
 """One row per request, summed over its windows as they arrive (each window is stored once, so adding is safe)."""
@@ -355,6 +376,7 @@ billing_lines = Table(
     Column("exact_cost", Text, nullable=True, doc="this line's exact amount, a fraction 'p/q'; NULL: unpriced"),
     Column("cost", Text, nullable=True, doc="this line's cents (decimal string), remainders carried within the period"),
     Column("created_at_us", BigInteger, nullable=False),
+    Column("kv_block_bytes", BigInteger, nullable=True, doc="schema 9: a KV memory line's bytes per block (its quantity is block-ns)"),
     UniqueConstraint("line_key", "revision", name="uq_billing_lines_key_revision"),
     Index("ix_billing_lines_period_start_us", "period_start_us"),
 )
@@ -381,3 +403,12 @@ closed_periods = Table(
 
 SCHEMA_8_TABLES = (run_digests, duplicate_runs, run_ends, billing_lines, line_exports, closed_periods)
 """Created on opening a schema-7 ledger (`IN_PLACE_UPGRADES`); existing tables are not touched."""
+
+SCHEMA_9_COLUMNS = (
+    *((usage_per_second, name) for name in KV_USAGE_COLUMNS),
+    *((tenant_seconds, name) for name in KV_USAGE_COLUMNS),
+    *((request_totals, name) for name in KV_USAGE_COLUMNS),
+    (billing_lines, "kv_block_bytes"),
+    (prices, "gib_hour_price"),
+)
+"""Nullable columns added to a schema-7 or schema-8 ledger when opened (`IN_PLACE_UPGRADES`), where missing."""

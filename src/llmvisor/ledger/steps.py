@@ -33,7 +33,14 @@ from llmvisor.ledger.records import (
     StoredSteps,
 )
 from llmvisor.ledger.runs import RunStore
-from llmvisor.ledger.schema import TOKEN_SPLIT_COLUMNS, USAGE_RESOLUTION_US, slice_batches, steps, usage_per_second
+from llmvisor.ledger.schema import (
+    KV_USAGE_COLUMNS,
+    TOKEN_SPLIT_COLUMNS,
+    USAGE_RESOLUTION_US,
+    slice_batches,
+    steps,
+    usage_per_second,
+)
 
 _PARQUET_COMPRESSION = "zstd"
 _USAGE_KEY = ("run_id", "request_id", "tenant", "second_us")
@@ -44,7 +51,7 @@ assert [c.name for c in steps.columns] == [
     "slice_batch_id", "engine_class", "model_version", "pending",
 ]
 assert [c.name for c in usage_per_second.columns] == [*_USAGE_KEY, *_USAGE_SUMS, "first_timestamp_us", "last_timestamp_us",
-                                                     *TOKEN_SPLIT_COLUMNS]
+                                                     *TOKEN_SPLIT_COLUMNS, *KV_USAGE_COLUMNS]
 
 
 class StoredBatch:
@@ -81,6 +88,10 @@ class StoredBatch:
                 table = table.append_column(name, pa.array(getattr(records, name)))
         if records.num_cached_prompt_tokens is not None:
             table = table.append_column(CACHED_PROMPT_COLUMN, pa.array(records.num_cached_prompt_tokens, pa.int64()))
+        kv = records.kv_columns
+        if kv is not None:
+            for name, values in kv.items():
+                table = table.append_column(name, pa.array(values, pa.int64()))
         uncached, cached, output = token_split(records.num_new_tokens, records.is_prefill, records.num_cached_prompt_tokens)
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, compression=_PARQUET_COMPRESSION)
@@ -97,6 +108,8 @@ class StoredBatch:
                 "num_new_tokens": records.num_new_tokens,
                 "timestamp_us": timestamp_us,
                 **dict(zip(TOKEN_SPLIT_COLUMNS, (uncached, cached, output))),
+                **{name: (pa.nulls(self.n_slices, pa.int64()) if kv is None else pa.array(kv[name], pa.int64()))
+                   for name in KV_USAGE_COLUMNS},
             }
         )
         if pending.any():  # pending slices add to usage only once attributed
@@ -112,13 +125,15 @@ class StoredBatch:
                     ("timestamp_us", "min"),
                     ("timestamp_us", "max"),
                     *((name, "sum") for name in TOKEN_SPLIT_COLUMNS),
+                    ("kv_block_ns", "sum", pc.ScalarAggregateOptions(skip_nulls=True, min_count=1)),
+                    ("kv_block_bytes", "max"),
                 ]
             )
         )
         usage = usage.set_column(usage.schema.get_field_index("run_id"), "run_id", pc.cast(usage["run_id"], pa.string()))
         usage = usage.sort_by([(name, "ascending") for name in _USAGE_KEY])
         names = [*_USAGE_KEY, "attributed_ns_sum", "attributed_ns_count", "num_new_tokens_sum", "timestamp_us_min", "timestamp_us_max",
-                 *(f"{name}_sum" for name in TOKEN_SPLIT_COLUMNS)]
+                 *(f"{name}_sum" for name in TOKEN_SPLIT_COLUMNS), "kv_block_ns_sum", "kv_block_bytes_max"]
         self.usage_columns = [usage[name].to_pylist() for name in names]
         self.records = records
 
@@ -244,7 +259,8 @@ class StepStore(RunStore):
         if not batch.usage_columns[0]:
             return
         self._add_rows(conn, usage_per_second, batch.usage_columns, key=_USAGE_KEY, sums=(*_USAGE_SUMS, *TOKEN_SPLIT_COLUMNS),
-                       least=("first_timestamp_us",), greatest=("last_timestamp_us",))
+                       least=("first_timestamp_us",), greatest=("last_timestamp_us",), known_sums=("kv_block_ns",),
+                       first=("kv_block_bytes",))
 
     def stored_steps(self, engine_class: str, *, pending_only: bool = False, newest: int | None = None) -> StoredSteps:
         """Steps of a class (only the pending ones, or the ``newest`` by start time) with their slices."""

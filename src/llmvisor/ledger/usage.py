@@ -12,9 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from sqlalchemy import and_, case, func, select
 
+from llmvisor.core.tokens import add_counts
 from llmvisor.ledger.connection import LedgerConnection
 from llmvisor.ledger.records import LedgerError, RequestUsageRow, SliceShare, StepDetail, Totals, UsageRow
 from llmvisor.ledger.schema import (
+    KV_USAGE_COLUMNS,
     TOKEN_SPLIT_COLUMNS,
     USAGE_RESOLUTION_US,
     request_totals,
@@ -27,6 +29,28 @@ from llmvisor.ledger.schema import (
 )
 
 BUCKET_US = {"minute": 60_000_000, "hour": 3_600_000_000, "day": 86_400_000_000}
+KV_HALF = 2**31
+"""KV block-ns are summed in SQL as two halves, ``ns // 2^31`` and ``ns % 2^31``: a tenant's month of block-ns
+can pass 2^63, where SQLite's SUM of integers fails; each half's sum cannot (`kv_total` joins them exactly)."""
+
+
+def kv_sums(table) -> list:
+    """SQL sums of a usage relation's ``kv_block_ns`` in two halves (`KV_HALF`); NULL where no row was metered."""
+    ns = table.c.kv_block_ns
+    return [func.sum(ns // KV_HALF), func.sum(ns % KV_HALF)]
+
+
+def kv_total(high, low) -> int | None:
+    """The exact block-ns of `kv_sums`' two halves (None: nothing metered)."""
+    return None if high is None else int(high) * KV_HALF + int(low)
+
+
+def _add_kv(a: tuple[int | None, int | None], block_ns: int | None, block_bytes: int | None) -> tuple[int | None, int | None]:
+    """(block-ns, byte-ns) ``a`` plus one block size's block-ns; None stays None only while nothing is metered."""
+    if block_ns is None:
+        return a
+    byte_ns = block_ns * int(block_bytes or 0)
+    return ((a[0] or 0) + block_ns, (a[1] or 0) + byte_ns)
 
 
 def _tenant_usage_rows(*, with_class: bool = False):
@@ -39,7 +63,7 @@ def _tenant_usage_rows(*, with_class: bool = False):
 
     def sums(table):
         return [table.c.tenant, table.c.second_us, table.c.attributed_ns, table.c.num_slices, table.c.num_new_tokens,
-                *(table.c[name] for name in TOKEN_SPLIT_COLUMNS)]
+                *(table.c[name] for name in TOKEN_SPLIT_COLUMNS), *(table.c[name] for name in KV_USAGE_COLUMNS)]
 
     if not with_class:
         return select(*sums(u)).union_all(select(*sums(w))).subquery("usage")
@@ -54,9 +78,11 @@ def _request_usage_rows():
     u = usage_per_second
     r = request_totals
     return select(u.c.run_id, u.c.request_id, u.c.tenant, u.c.second_us, u.c.attributed_ns, u.c.num_slices, u.c.num_new_tokens,
-                  u.c.first_timestamp_us, u.c.last_timestamp_us, *(u.c[name] for name in TOKEN_SPLIT_COLUMNS)).union_all(
+                  u.c.first_timestamp_us, u.c.last_timestamp_us, *(u.c[name] for name in TOKEN_SPLIT_COLUMNS),
+                  *(u.c[name] for name in KV_USAGE_COLUMNS)).union_all(
         select(r.c.run_id, r.c.request_id, r.c.tenant, r.c.first_second_us, r.c.attributed_ns, r.c.num_slices, r.c.num_new_tokens,
-               r.c.first_timestamp_us, r.c.last_timestamp_us, *(r.c[name] for name in TOKEN_SPLIT_COLUMNS))
+               r.c.first_timestamp_us, r.c.last_timestamp_us, *(r.c[name] for name in TOKEN_SPLIT_COLUMNS),
+               *(r.c[name] for name in KV_USAGE_COLUMNS))
     ).subquery("usage")
 
 
@@ -98,10 +124,12 @@ class UsageQueries(LedgerConnection):
             UsageRow(
                 tenant=row[0],
                 bucket_start_us=int(row[1]) if bucket is not None else None,
-                attributed_ns=int(row[-6]),
-                num_slices=int(row[-5]),
-                num_new_tokens=int(row[-4]),
-                **_counts(row[-3:]),
+                attributed_ns=int(row[-8]),
+                num_slices=int(row[-7]),
+                num_new_tokens=int(row[-6]),
+                **_counts(row[-5:-2]),
+                kv_block_ns=row[-2],
+                kv_byte_ns=row[-1],
             )
             for row in rows
         ]
@@ -121,21 +149,38 @@ class UsageQueries(LedgerConnection):
         if tenant is not None:
             conditions.append(usage.c.tenant == tenant)
         columns = [usage.c.engine_class, ((usage.c.second_us // size) * size).label("bucket_start_us")]
-        return [(str(r[0]), int(r[1]), int(r[2]), int(r[3]), int(r[4]), *_counts(r[5:]).values())
+        return [(str(r[0]), int(r[1]), int(r[2]), int(r[3]), int(r[4]), *_counts(r[5:8]).values())
                 for r in self._summed(usage, columns, conditions)]
 
     def _summed(self, usage, columns: list, conditions: list) -> list:
-        """Rows (``columns``, attributed_ns, num_slices, num_new_tokens, the token split) of the usage relation ``usage``
-        summed per ``columns`` where ``conditions`` hold, ordered by ``columns``."""
+        """Rows (``columns``, attributed_ns, num_slices, num_new_tokens, the token split, kv_block_ns, kv_byte_ns) of the
+        usage relation ``usage`` summed per ``columns`` where ``conditions`` hold, ordered by ``columns``. SQL groups by
+        block size as well (byte-ns are block-ns × the block size of their run); the sizes are joined here, exactly."""
+        block_bytes = usage.c.kv_block_bytes
         query = (
-            select(*columns, func.sum(usage.c.attributed_ns), func.sum(usage.c.num_slices), func.sum(usage.c.num_new_tokens),
-                   *split_sums(usage))
+            select(*columns, block_bytes, func.sum(usage.c.attributed_ns), func.sum(usage.c.num_slices),
+                   func.sum(usage.c.num_new_tokens), *split_sums(usage), *kv_sums(usage))
             .where(and_(True, *conditions))
-            .group_by(*columns)
+            .group_by(*columns, block_bytes)
             .order_by(*columns)
         )
         with self._read() as conn:
-            return conn.execute(query).all()
+            rows = conn.execute(query).all()
+        merged: dict[tuple, list] = {}
+        n = len(columns)
+        for row in rows:
+            key = tuple(row[:n])
+            ns, slices, tokens = int(row[n + 1]), int(row[n + 2]), int(row[n + 3])
+            split = [None if v is None else int(v) for v in row[n + 4:n + 7]]
+            kv = kv_total(row[n + 7], row[n + 8])
+            have = merged.get(key)
+            if have is None:
+                merged[key] = [ns, slices, tokens, *split, *_add_kv((None, None), kv, row[n])]
+            else:
+                have[:3] = [have[0] + ns, have[1] + slices, have[2] + tokens]
+                have[3:6] = [add_counts(a, b) for a, b in zip(have[3:6], split)]
+                have[6:8] = _add_kv((have[6], have[7]), kv, row[n])
+        return [(*key, *values) for key, values in merged.items()]
 
     def billing_versions(self, start_us: int | None = None, end_us: int | None = None, tenant: str | None = None) -> list[tuple[str, int | None]]:
         """(engine_class, model_version) of the attributed steps of the runs a tenant (if given) had usage in, in
@@ -202,6 +247,8 @@ class UsageQueries(LedgerConnection):
                 func.min(usage.c.first_timestamp_us),
                 func.max(usage.c.last_timestamp_us),
                 *split_sums(usage),
+                func.max(usage.c.kv_block_bytes),  # one run's: the same on all its rows
+                *kv_sums(usage),
             )
             .where(and_(True, *conditions))
             .group_by(usage.c.run_id, usage.c.request_id, usage.c.tenant)
@@ -211,11 +258,16 @@ class UsageQueries(LedgerConnection):
         )
         with self._read() as conn:
             rows = conn.execute(query).all()
-        return [RequestUsageRow(r[0], r[1], r[2], int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7]), **_counts(r[8:]))
-                for r in rows]
+        out = []
+        for r in rows:
+            kv = kv_total(r[12], r[13])
+            out.append(RequestUsageRow(r[0], r[1], r[2], int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7]), **_counts(r[8:11]),
+                                       kv_block_ns=kv, kv_byte_ns=None if kv is None else kv * int(r[11] or 0)))
+        return out
 
     def top_tenants(self, n: int, start_us: int | None = None, end_us: int | None = None) -> list[UsageRow]:
-        """The ``n`` tenants with the most attributed time, largest first."""
+        """The ``n`` tenants with the most attributed time, largest first, with their KV memory-time (a second query over
+        those tenants: the block sizes are summed apart, `_summed`)."""
         usage = _tenant_usage_rows()
         total = func.sum(usage.c.attributed_ns)
         query = (
@@ -227,7 +279,12 @@ class UsageQueries(LedgerConnection):
         )
         with self._read() as conn:
             rows = conn.execute(query).all()
-        return [UsageRow(r[0], None, int(r[1]), int(r[2]), int(r[3])) for r in rows]
+        if not rows:
+            return []
+        kv = {r[0]: (r[-2], r[-1]) for r in self._summed(usage, [usage.c.tenant], [
+            *self._range(usage.c.second_us, start_us, end_us), usage.c.tenant.in_([r[0] for r in rows])])}
+        return [UsageRow(r[0], None, int(r[1]), int(r[2]), int(r[3]), kv_block_ns=kv[r[0]][0], kv_byte_ns=kv[r[0]][1])
+                for r in rows]
 
     def totals(self, start_us: int | None = None, end_us: int | None = None) -> Totals:
         """Steps and measured time, slices and attributed time, read in one snapshot so they reconcile."""
@@ -242,9 +299,12 @@ class UsageQueries(LedgerConnection):
             .group_by(windows.c.pending)
         )
         usage = _tenant_usage_rows()
-        usage_query = select(
-            func.coalesce(func.sum(usage.c.num_slices), 0), func.coalesce(func.sum(usage.c.attributed_ns), 0)
-        ).where(and_(True, *self._range(usage.c.second_us, start_us, end_us)))
+        usage_query = (
+            select(usage.c.kv_block_bytes, func.coalesce(func.sum(usage.c.num_slices), 0),
+                   func.coalesce(func.sum(usage.c.attributed_ns), 0), *kv_sums(usage))
+            .where(and_(True, *self._range(usage.c.second_us, start_us, end_us)))
+            .group_by(usage.c.kv_block_bytes)
+        )
         engine = self._read_engine
         if self.backend == "postgresql":
             engine = engine.execution_options(isolation_level="REPEATABLE READ")
@@ -253,9 +313,12 @@ class UsageQueries(LedgerConnection):
             for pending, n, ns in conn.execute(window_query):
                 have = by_state.get(bool(pending), (0, 0))
                 by_state[bool(pending)] = (have[0] + int(n), have[1] + int(ns))
-            n_slices, attributed = conn.execute(usage_query).one()
+            n_slices, attributed, kv = 0, 0, (None, None)
+            for block_bytes, slices, ns, high, low in conn.execute(usage_query):
+                n_slices, attributed = n_slices + int(slices), attributed + int(ns)
+                kv = _add_kv(kv, kv_total(high, low), block_bytes)
         (n_steps, measured), (n_pending, pending_ns) = by_state.get(False, (0, 0)), by_state.get(True, (0, 0))
-        return Totals(n_steps, measured, int(n_slices), int(attributed), n_pending, pending_ns)
+        return Totals(n_steps, measured, int(n_slices), int(attributed), n_pending, pending_ns, kv_block_ns=kv[0], kv_byte_ns=kv[1])
 
     def step_detail(self, run_id: str, step_id: int) -> StepDetail | None:
         """One stored step with its slices and their shares, read back from its batch's Parquet blob."""
@@ -271,6 +334,7 @@ class UsageQueries(LedgerConnection):
             pa.BufferReader(bytes(row.slices_parquet)), filters=[("run_id", "=", run_id), ("step_id", "=", step_id)]
         )
         table = table.sort_by([("request_id", "ascending")])
+        kv = table["kv_block_ns"].to_pylist() if "kv_block_ns" in table.column_names else [None] * table.num_rows
         return StepDetail(
             run_id=row.run_id,
             step_id=int(row.step_id),
@@ -286,10 +350,11 @@ class UsageQueries(LedgerConnection):
                 SliceShare(
                     request_id=r["request_id"], tenant=r["tenant"], num_new_tokens=r["num_new_tokens"],
                     num_context_tokens=r["num_context_tokens"], phase=r["phase"], attributed_ns=r["attributed_ns"],
+                    kv_block_ns=block_ns,
                 )
-                for r in table.select(
+                for r, block_ns in zip(table.select(
                     ["request_id", "tenant", "num_new_tokens", "num_context_tokens", "phase", "attributed_ns"]
-                ).to_pylist()
+                ).to_pylist(), kv)
             ],
         )
 
@@ -320,7 +385,8 @@ class UsageQueries(LedgerConnection):
     def hourly_usage(self, start_us: int, end_us: int, *, default_version: int = 0) -> list[tuple]:
         """Usage of [start_us, end_us) per UTC hour, engine class, model version and tenant, as billing charges it
         (`llmvisor.billing.charges`): rows (hour_us, engine_class, model_version, tenant, attributed_ns, num_new_tokens,
-        and the token split, None where unknown, `split_sums`), those of steps stored one by one first (by hour, class,
+        the token split, None where unknown, `split_sums`, then kv_block_bytes and kv_block_ns, None where not
+        metered: a key's usage comes in one row per block size), those of steps stored one by one first (by hour, class,
         version, tenant), then those of window aggregates (in no set order); both read in one snapshot. A row can
         appear once in each part, for a tenant metered both ways in an hour.
 
@@ -340,19 +406,19 @@ class UsageQueries(LedgerConnection):
         hour = ((u.c.second_us // hour_us) * hour_us).label("hour_us")
         query = (
             select(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant, func.sum(u.c.attributed_ns),
-                   func.sum(u.c.num_new_tokens), *split_sums(u))
+                   func.sum(u.c.num_new_tokens), *split_sums(u), u.c.kv_block_bytes, *kv_sums(u))
             .join(run_second, and_(run_second.c.run_id == u.c.run_id, run_second.c.second_us == u.c.second_us))
             .where(and_(u.c.second_us >= start_us, u.c.second_us < end_us))
-            .group_by(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant)
+            .group_by(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant, u.c.kv_block_bytes)
             .order_by(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant)
         )
         w = tenant_seconds
         window_hour = ((w.c.second_us // hour_us) * hour_us).label("hour_us")
         window_query = (
             select(window_hour, w.c.engine_class, w.c.model_version, w.c.tenant, func.sum(w.c.attributed_ns),
-                   func.sum(w.c.num_new_tokens), *split_sums(w))
+                   func.sum(w.c.num_new_tokens), *split_sums(w), w.c.kv_block_bytes, *kv_sums(w))
             .where(and_(w.c.second_us >= start_us, w.c.second_us < end_us, w.c.model_version != 0))  # 0: pending windows
-            .group_by(window_hour, w.c.engine_class, w.c.model_version, w.c.tenant)
+            .group_by(window_hour, w.c.engine_class, w.c.model_version, w.c.tenant, w.c.kv_block_bytes)
         )
         with self._read() as conn:  # one snapshot: per-step and window usage read together
-            return [tuple(row) for row in [*conn.execute(query), *conn.execute(window_query)]]
+            return [(*row[:9], row[9], kv_total(row[10], row[11])) for row in [*conn.execute(query), *conn.execute(window_query)]]

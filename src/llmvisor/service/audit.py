@@ -16,6 +16,13 @@ whose period only partly overlaps the audited one is counted (``partial_adjustme
 adjustments now bill the tenant) must equal the archive's steps of that class and period re-attributed with that
 entry's version (``adjustment_mismatches`` lists those that do not). Archived steps
 the ledger has not billed (pending, or not ingested yet) are counted as ``unbilled_steps``, not a mismatch.
+
+KV memory-time (trace format 3, ledger schema 9) needs no model: the tenant's ``kv_block_ns`` of the archived steps the
+ledger billed one by one are summed, and so are their block-ns × ``kv_block_bytes`` (byte-ns); both must equal the
+ledger's (``kv_block_ns_ledger``, ``kv_byte_ns_ledger``: the tenant's usage rows of the period) exactly. Window
+aggregates do not carry memory yet, so steps billed in windows are left out of the archive's sum. An archive whose
+period holds no KV columns (format 1 or 2, or files of several versions read together: time only) leaves
+``kv_checked`` false.
 """
 
 from __future__ import annotations
@@ -71,6 +78,12 @@ class AuditResult:
     """Σ of the tenant's attributed time metered in windows in the period, as the ledger stored it (per second)."""
     mismatched_windows: list[dict] = field(default_factory=list)
     num_mismatched_windows: int = 0
+    kv_checked: bool = False
+    """Whether the archive's steps carry the KV memory columns, so memory was checked (module note)."""
+    kv_block_ns_archive: int | None = None
+    kv_block_ns_ledger: int | None = None
+    kv_byte_ns_archive: int | None = None
+    kv_byte_ns_ledger: int | None = None
     requests: list[dict] = field(default_factory=list)
     """With ``requests=N``: the tenant's N largest requests of the period, re-attributed as billed (run_id, request_id,
     attributed_ns, num_steps): a request's usage where the ledger keeps no row per request (``LLMVISOR_REQUEST_TOTALS=0``)."""
@@ -78,7 +91,14 @@ class AuditResult:
     @property
     def ok(self) -> bool:
         return (self.reattributed_ns == self.usage_ns == self.billed_steps_ns + self.billed_windows_ns and self.missing_steps == 0
-                and self.num_mismatched_steps == 0 and self.num_mismatched_windows == 0 and not self.adjustment_mismatches)
+                and self.num_mismatched_steps == 0 and self.num_mismatched_windows == 0 and not self.adjustment_mismatches
+                and self.kv_ok)
+
+    @property
+    def kv_ok(self) -> bool:
+        """Memory ties (or there is none to check): the archive's block-ns and byte-ns equal the ledger's."""
+        return not self.kv_checked or ((self.kv_block_ns_archive or 0) == (self.kv_block_ns_ledger or 0)
+                                       and (self.kv_byte_ns_archive or 0) == (self.kv_byte_ns_ledger or 0))
 
     @property
     def net_billed_ns(self) -> int:
@@ -164,6 +184,7 @@ def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, e
         if billed_seconds.get((second_us, engine_class, v), 0) != per_second.get((second_us, engine_class, v), 0)
     ]
     usage = ledger.tenant_usage(start_us, end_us, tenant=tenant)
+    kv_archive = _archived_kv(trace, tenant, (version != -2) & ~in_window)
     adjusted_ns, partial = 0, 0
     newest: dict[tuple[str, int, int], object] = {}
     for row in ledger.adjustment_rows(tenant=tenant):
@@ -198,10 +219,31 @@ def audit_tenant(ledger: Ledger, archive_url: str, tenant: str, start_us: int, e
         adjustments_checked=len(newest), adjustment_mismatches=adjustment_mismatches,
         window_steps=int(in_window.sum()), windows_checked=len(set(window_keys.values())),
         billed_windows_ns=sum(billed_seconds.values()),
+        kv_checked=kv_archive is not None,
+        kv_block_ns_archive=None if kv_archive is None else kv_archive[0],
+        kv_byte_ns_archive=None if kv_archive is None else kv_archive[1],
+        kv_block_ns_ledger=_known_sum(row.kv_block_ns for row in usage),
+        kv_byte_ns_ledger=_known_sum(row.kv_byte_ns for row in usage),
         mismatched_windows=mismatched_windows[:MAX_LISTED_STEPS], num_mismatched_windows=len(mismatched_windows),
         requests=[{"run_id": run, "request_id": request, "attributed_ns": ns, "num_steps": n}
                   for (run, request), (ns, n) in sorted(per_request.items(), key=lambda kv: (-kv[1][0], kv[0]))[:requests]],
     )
+
+
+def _known_sum(values) -> int | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def _archived_kv(trace: StepTrace, tenant: str, billed_steps: np.ndarray) -> tuple[int, int] | None:
+    """The tenant's KV block-ns and byte-ns over the archived steps in ``billed_steps`` (exact Python integers), None
+    where the archive has no KV columns."""
+    if not all(name in trace.extra for name in ("kv_block_ns", "kv_block_bytes")):
+        return None
+    mine = (trace.tenant == tenant) & billed_steps[trace.slice_step_index]
+    block_ns = np.asarray(trace.extra["kv_block_ns"], dtype=np.int64)[mine].tolist()
+    block_bytes = np.asarray(trace.extra["kv_block_bytes"], dtype=np.int64)[mine].tolist()
+    return sum(block_ns), sum(ns * b for ns, b in zip(block_ns, block_bytes))
 
 
 def _add_request_shares(out: dict, part: StepTrace, attributed_ns: np.ndarray, tenant: str) -> None:

@@ -42,6 +42,7 @@ from llmvisor.core.trace import (
     trace_columns_from_arrow,
     trace_from_rows,
 )
+from llmvisor.core.trace_schema import KV_COLUMNS, KV_RUN_COLUMNS, KV_STEP_COLUMNS
 from llmvisor.errors import LlmvisorError, TraceError, unknown_name
 from llmvisor.ledger import StepRecords, StoredSteps
 
@@ -126,9 +127,11 @@ a v1 trace without it counts 0 cached prompt tokens."""
 RUN_COLUMNS = (FINGERPRINT_COLUMN,)
 """Read, not stored and not in a step's content hash (the idempotency key): the engine fingerprint id the
 service compares with its model's (`step_fingerprint_ids`)."""
-CHECKED_COLUMNS = (*REQUIRED_COLUMNS, *SHARING_COLUMNS)
+CHECKED_COLUMNS = (*REQUIRED_COLUMNS, *SHARING_COLUMNS, *KV_COLUMNS)
 """Columns read from every body form and checked by the trace reader; the sharing columns (format v2) are
-not stored but priced: shared KV blocks are split among their readers, whichever form the body takes."""
+not stored but priced: shared KV blocks are split among their readers, whichever form the body takes. The KV memory
+columns (format v3) are checked (all or none, the pool adding up per step), kept in the slices' blob and in the
+step's content hash, and metered: each slice's ``kv_block_ns`` and its run's ``kv_block_bytes`` go to the usage rows."""
 READ_COLUMNS = (*CHECKED_COLUMNS, *STORED_OPTIONAL_COLUMNS, *RUN_COLUMNS, *TOKEN_COLUMNS)
 """Every column the service reads, in every body form (rows, columns, Parquet): a column one form skipped would be
 billed differently by form (the Parquet form once dropped the cached prompt tokens)."""
@@ -430,7 +433,10 @@ def content_digests(trace: StepTrace, timestamps_s: list[float | None], *, with_
     ``{len(request_id)}␟{request_id}␟{len(tenant)}␟{tenant}␟{new}␟{context}␟{0|1 prefill}␟`` per slice, sorted
     by request id (␞ = 0x1e, ␟ = 0x1f, lengths in characters). Columns other than the required ones and
     ``timestamp_s`` are not stored and so not hashed. ``with_run_id=False``: the same content with the header
-    ``run-v1␞{step_id}␟…`` (no run id), the digest a run re-sent under another run id repeats (`run_digests`)."""
+    ``run-v1␞{step_id}␟…`` (no run id), the digest a run re-sent under another run id repeats (`run_digests`).
+    A step with the KV memory columns (format 3) adds ``kv3␟{step and run KV values}␞`` after the header and its
+    ``kv_block_ns`` as each slice's last field before the closing ␟, so a re-send with other KV figures is a conflict;
+    a step without them hashes as it always did."""
     n = trace.n_slices
     if n == 0:
         return []
@@ -449,8 +455,11 @@ def content_digests(trace: StepTrace, timestamps_s: list[float | None], *, with_
         pc.cast(pa.array(trace.num_new_tokens).take(order), pa.string()),
         pc.cast(pa.array(trace.num_context_tokens).take(order), pa.string()),
         pa.array(trace.is_prefill).take(order).cast(pa.int8()).cast(pa.string()),
-        pa.scalar("", pa.string()),
     ]
+    kv = kv_columns(trace)
+    if kv is not None:  # format 3: each slice's block-ns too (a step without them hashes as before)
+        fields.append(pc.cast(pa.array(kv["kv_block_ns"]).take(order), pa.string()))
+    fields.append(pa.scalar("", pa.string()))
     lines = pc.binary_join_element_wise(*fields, "\x1f").cast(pa.large_string())
     line_offsets = np.frombuffer(lines.buffers()[1], dtype=np.int64)[lines.offset : lines.offset + n + 1]
     data = memoryview(lines.buffers()[2]) if lines.buffers()[2] is not None else memoryview(b"")
@@ -461,10 +470,25 @@ def content_digests(trace: StepTrace, timestamps_s: list[float | None], *, with_
     ):
         named = f"v1\x1e{len(run_id)}\x1f{run_id}\x1f" if with_run_id else "run-v1\x1e"
         header = f"{named}{step_id}\x1f{latency_s!r}\x1f{timestamp_s!r}\x1e".encode()
+        if kv is not None:
+            first = int(trace.step_offsets[k])
+            header += ("kv3\x1f" + "\x1f".join(str(int(kv[name][first])) for name in KV_STEP_AND_RUN) + "\x1e").encode()
         digest = hashlib.sha256(header)
         digest.update(data[slice_bounds[k] : slice_bounds[k + 1]])
         digests.append(digest.digest())
     return digests
+
+
+KV_STEP_AND_RUN = (*KV_STEP_COLUMNS, *KV_RUN_COLUMNS)
+"""The KV columns of a step and its run, in the content hash's order."""
+
+
+def kv_columns(trace: StepTrace) -> dict[str, np.ndarray] | None:
+    """The format-3 KV memory columns per slice as int64 (the reader checked them), or None where the trace has
+    none (format 1 or 2: billed for time only)."""
+    if not all(name in trace.extra for name in KV_COLUMNS):
+        return None
+    return {name: np.asarray(trace.extra[name], dtype=np.int64) for name in KV_COLUMNS}
 
 
 def run_digests(trace: StepTrace, timestamps_s: list[float | None]) -> list[bytes | None] | None:
@@ -561,6 +585,7 @@ def prepare_batch(
         num_shared_context_tokens=trace.num_shared_context_tokens if sharing else None,
         effective_context_tokens=trace.effective_context_tokens if sharing else None,
         num_cached_prompt_tokens=cached_prompt_tokens(trace),
+        kv_columns=kv_columns(trace),
     )
     return PreparedBatch(records=records, residual_s=measured_s - predicted_s, predicted_step_s=predicted_s)
 
@@ -584,6 +609,9 @@ def trace_from_stored(stored: StoredSteps, engine_class: str) -> StepTrace:
     typed[FINGERPRINT_COLUMN] = np.full(table.num_rows, engine_class, dtype=object)
     if CACHED_PROMPT_COLUMN in table.column_names:
         typed[CACHED_PROMPT_COLUMN] = np.asarray(pc.fill_null(table[CACHED_PROMPT_COLUMN], 0).to_pylist(), dtype=object)
+    if all(name in table.column_names for name in KV_COLUMNS):  # a format-3 step keeps its KV memory through pending
+        for name in KV_COLUMNS:
+            typed[name] = table[name].to_numpy().astype(np.int64)
     return build_trace(typed, path="ledger", row_numbers=row_numbers)
 
 

@@ -112,12 +112,27 @@ class IngestResponse(BaseModel):
 # Usage
 
 
+KV_BLOCK_NS = Field(None, description="KV block-nanoseconds held, exact (trace format 3); null: not metered")
+KV_BYTE_NS = Field(None, description="Σ block-ns × bytes per block of their run: exact byte-nanoseconds")
+KV_GIB_S = Field(None, description="GiB-seconds held: kv_byte_ns / 2^30 / 1e9")
+"""KV memory-time beside engine time (trace format 3), the last fields of each usage model (`kv_memory` fills them),
+after the fields they had before, so answers keep their order."""
+
+
+def kv_memory(block_ns: int | None, byte_ns: int | None) -> dict:
+    """The KV memory fields (``kv_block_ns``, ``kv_byte_ns``, ``kv_gib_s``) of a usage row's block-ns and byte-ns."""
+    return {"kv_block_ns": block_ns, "kv_byte_ns": byte_ns, "kv_gib_s": None if byte_ns is None else byte_ns / 2**30 / 1e9}
+
+
 class BucketUsage(BaseModel):
     start: datetime
     attributed_s: float
     attributed_ns: int
     num_slices: int
     num_new_tokens: int
+    kv_block_ns: int | None = KV_BLOCK_NS
+    kv_byte_ns: int | None = KV_BYTE_NS
+    kv_gib_s: float | None = KV_GIB_S
 
 
 class TenantUsage(BaseModel):
@@ -134,6 +149,9 @@ class TenantUsage(BaseModel):
         "costs of its hourly charges in the range and of the adjustments whose period starts in it, each rounded half "
         "to even to the cent (docs/billing.md). Null when nothing is priced, or when a bound of the range is not a "
         "whole UTC hour (charges are hourly)"))
+    kv_block_ns: int | None = KV_BLOCK_NS
+    kv_byte_ns: int | None = KV_BYTE_NS
+    kv_gib_s: float | None = KV_GIB_S
 
 
 class AdjustmentOut(BaseModel):
@@ -172,6 +190,9 @@ class RequestUsage(BaseModel):
     num_new_tokens: int
     first_step_at: datetime
     last_step_at: datetime
+    kv_block_ns: int | None = KV_BLOCK_NS
+    kv_byte_ns: int | None = KV_BYTE_NS
+    kv_gib_s: float | None = KV_GIB_S
 
 
 class RequestUsageResponse(BaseModel):
@@ -197,6 +218,9 @@ class TotalsResponse(BaseModel):
     attributed_ns: int = Field(description="equals measured_ns: every measured nanosecond is billed once")
     pending_steps: int = Field(0, description="steps stored pending (not in num_steps): their class has no model yet")
     pending_measured_ns: int = Field(0, description="their measured time, billed once they are attributed")
+    kv_block_ns: int | None = KV_BLOCK_NS
+    kv_byte_ns: int | None = KV_BYTE_NS
+    kv_gib_s: float | None = KV_GIB_S
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -211,6 +235,7 @@ class SliceShareOut(BaseModel):
     phase: str
     attributed_s: float
     attributed_ns: int
+    kv_block_ns: int | None = Field(None, description="KV block-ns the request held since its previous slice (format 3)")
 
 
 class StepOut(BaseModel):

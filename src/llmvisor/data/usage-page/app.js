@@ -10,6 +10,15 @@ function $(id) { return document.getElementById(id); }
 
 function seconds(ns) { return (ns / 1e9).toFixed(6) + " s"; }
 
+function gibSeconds(value) { return value === null || value === undefined ? "not metered" : value.toFixed(6) + " GiB·s"; }
+
+function barCell(row, value, largest) {
+  const bar = document.createElement("span");
+  bar.className = "bar";
+  bar.style.width = (12 * value / largest).toFixed(2) + "rem";
+  cell(row, "").appendChild(bar);
+}
+
 async function api(path) {
   const key = sessionStorage.getItem(KEY_NAME);
   const response = await fetch(path, { headers: { Authorization: "Bearer " + key }, cache: "no-store" });
@@ -80,11 +89,11 @@ async function downloadCsv() {
 
 async function load() {
   $("error").hidden = true;
-  let tenants, classes, requests, adjustments;
+  let tenants, classes, requests, adjustments, hourly;
   try {
-    [tenants, classes, requests, adjustments] = await Promise.all([
+    [tenants, classes, requests, adjustments, hourly] = await Promise.all([
       api("/v1/usage/tenants"), api("/v1/usage/classes?bucket=hour"),
-      api("/v1/usage/requests?limit=" + TOP_REQUESTS), api("/v1/adjustments"),
+      api("/v1/usage/requests?limit=" + TOP_REQUESTS), api("/v1/adjustments"), api("/v1/usage/tenants?bucket=hour"),
     ]);
   } catch (error) {
     if (error.status === 401) { sessionStorage.removeItem(KEY_NAME); $("login").hidden = false; $("logout").hidden = true; }
@@ -100,6 +109,20 @@ async function load() {
     $("total-" + name + "-s").textContent = seconds(ns);
     $("total-" + name + "-ns").textContent = ns + " ns";
   }
+  const metered = tenants.tenants.filter((t) => t.kv_block_ns !== null && t.kv_block_ns !== undefined);
+  $("total-kv-gib-s").textContent = gibSeconds(metered.length ? metered.reduce((sum, t) => sum + t.kv_gib_s, 0) : null);
+  $("total-kv-block-ns").textContent = metered.length ? metered.reduce((sum, t) => sum + BigInt(t.kv_block_ns), 0n) + " block-ns" : "";
+  const memory = hourly.tenants.flatMap((t) => t.buckets || []).filter((b) => b.kv_block_ns !== null && b.kv_block_ns !== undefined);
+  const largestMemory = Math.max(1e-12, ...memory.map((b) => b.kv_gib_s));
+  fill("memory", memory, [
+    (b) => b.start.replace("T", " ").slice(0, 16),
+    (b) => gibSeconds(b.kv_gib_s),
+    (b, row) => { barCell(row, b.kv_gib_s, largestMemory); return undefined; },
+    (b) => String(b.kv_block_ns),
+  ]);
+  $("memory-none").hidden = memory.length > 0;
+  $("memory").hidden = memory.length === 0;
+
   const cost = costText(mine);
   $("cost-row").hidden = cost === null;
   if (cost !== null) $("total-cost").textContent = cost;
@@ -109,13 +132,7 @@ async function load() {
     (b) => b.engine_class || "(no fingerprint)",
     (b) => b.start.replace("T", " ").slice(0, 16),
     (b) => seconds(b.attributed_ns),
-    (b, row) => {
-      const bar = document.createElement("span");
-      bar.className = "bar";
-      bar.style.width = (12 * b.attributed_ns / largest).toFixed(2) + "rem";
-      cell(row, "").appendChild(bar);
-      return undefined;
-    },
+    (b, row) => { barCell(row, b.attributed_ns, largest); return undefined; },
     (b) => String(b.num_new_tokens),
   ]);
   const versions = $("versions");

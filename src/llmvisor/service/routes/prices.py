@@ -24,6 +24,7 @@ class PriceOut(BaseModel):
     prompt_token_price: str | None
     output_token_price: str | None
     cached_token_discount: str | None
+    gib_hour_price: str | None = Field(None, description="per GiB-hour of KV cache held (trace format 3), an exact decimal string")
     source: str
     created_at: datetime
 

@@ -218,7 +218,7 @@ def get_step(
         slices=[
             SliceShareOut(request_id=x.request_id, tenant=x.tenant, num_new_tokens=x.num_new_tokens,
                           num_context_tokens=x.num_context_tokens, phase=x.phase,
-                          attributed_s=x.attributed_ns / 1e9, attributed_ns=x.attributed_ns)
+                          attributed_s=x.attributed_ns / 1e9, attributed_ns=x.attributed_ns, kv_block_ns=x.kv_block_ns)
             for x in detail.slices
         ],
     )

@@ -1,4 +1,5 @@
-"""``/v1/usage/*``: attributed time per tenant, per request, the top tenants and the reconciliation totals."""
+"""``/v1/usage/*``: attributed time per tenant, per request, the top tenants and the reconciliation totals, each with
+the KV memory-time held beside it (trace format 3: block-ns, byte-ns, GiB-seconds; null where not metered)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from llmvisor.service.schemas import (
     TenantUsageResponse,
     TopResponse,
     TotalsResponse,
+    kv_memory,
 )
 
 router = APIRouter(prefix="/v1/usage", tags=["usage"])
@@ -37,9 +39,16 @@ router = APIRouter(prefix="/v1/usage", tags=["usage"])
 def tenant_usage(rows) -> list[TenantUsage]:
     return [
         TenantUsage(tenant=r.tenant, attributed_s=r.attributed_ns / 1e9, attributed_ns=r.attributed_ns,
-                    num_slices=r.num_slices, num_new_tokens=r.num_new_tokens, adjusted_ns=r.attributed_ns)
+                    num_slices=r.num_slices, num_new_tokens=r.num_new_tokens, adjusted_ns=r.attributed_ns,
+                    **kv_memory(r.kv_block_ns, r.kv_byte_ns))
         for r in rows
     ]
+
+
+def _kv_sum(values) -> int | None:
+    """A sum of KV figures where None (not metered) adds nothing; None when none is metered."""
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
 
 
 def tenant_buckets(rows) -> list[TenantUsage]:
@@ -57,9 +66,11 @@ def tenant_buckets(rows) -> list[TenantUsage]:
                 num_slices=sum(r.num_slices for r in tenant_rows),
                 num_new_tokens=sum(r.num_new_tokens for r in tenant_rows),
                 adjusted_ns=total_ns,
+                **kv_memory(_kv_sum(r.kv_block_ns for r in tenant_rows), _kv_sum(r.kv_byte_ns for r in tenant_rows)),
                 buckets=[
                     BucketUsage(start=to_datetime(r.bucket_start_us), attributed_s=r.attributed_ns / 1e9,
-                                attributed_ns=r.attributed_ns, num_slices=r.num_slices, num_new_tokens=r.num_new_tokens)
+                                attributed_ns=r.attributed_ns, num_slices=r.num_slices, num_new_tokens=r.num_new_tokens,
+                                **kv_memory(r.kv_block_ns, r.kv_byte_ns))
                     for r in tenant_rows
                 ],
             )
@@ -186,7 +197,8 @@ def request_rows_of(ledger, span, tenant: str | None, request_id: str) -> list:
 def request_usage_out(r) -> RequestUsage:
     return RequestUsage(run_id=r.run_id, request_id=r.request_id, tenant=r.tenant, attributed_s=r.attributed_ns / 1e9,
                         attributed_ns=r.attributed_ns, num_steps=r.num_steps, num_new_tokens=r.num_new_tokens,
-                        first_step_at=to_datetime(r.first_timestamp_us), last_step_at=to_datetime(r.last_timestamp_us))
+                        first_step_at=to_datetime(r.first_timestamp_us), last_step_at=to_datetime(r.last_timestamp_us),
+                        **kv_memory(r.kv_block_ns, r.kv_byte_ns))
 
 
 @router.get(
@@ -238,6 +250,7 @@ def usage_totals(_principal: AdminKey, ledger: LedgerDep, span: TimeRangeDep):
         num_slices=totals.num_slices,
         attributed_s=totals.attributed_ns / 1e9,
         attributed_ns=totals.attributed_ns,
+        **kv_memory(totals.kv_block_ns, totals.kv_byte_ns),
         pending_steps=totals.pending_steps,
         pending_measured_ns=totals.pending_measured_ns,
     )
