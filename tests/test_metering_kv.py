@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _service_fixtures import model_path  # noqa: F401
+from _service_fixtures import db_url, model_path  # noqa: F401
 from llmvisor.core.kv_memory import KvMeter, snapshot
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.metering import WindowAggregate, WindowAggregator, WindowError
@@ -143,3 +143,38 @@ def test_the_edge_counters_are_the_windows_kv_in_gib_seconds_and_the_pool_states
               for state in ("held", "idle_cache", "free")}
     pool_gib_s = POOL * sum(step[4][0] for step in steps) * gib_s
     assert sum(states.values()) == pytest.approx(pool_gib_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("block_bytes_b", [BLOCK_BYTES, 4 * BLOCK_BYTES], ids=["one-block-size", "two-block-sizes"])
+def test_window_mode_stores_each_tenants_and_requests_kv_exactly(model, db_url, block_bytes_b):  # noqa: F811
+    """Two runs' format-2 windows (block sizes equal or not) ingested in window mode: the ledger's per-tenant and
+    per-request block-ns equal the traces' to the block-ns, kept per block size, so GiB-seconds are exact."""
+    from hypothesis import find
+
+    from llmvisor.ledger import Ledger
+
+    run_a = find(metered_run(), lambda steps: len(steps) >= 12)
+    run_b = find(metered_run(), lambda steps: len(steps) >= 8 and {s[1] for step in steps for s in step[3]} >= {"tenant-0", "tenant-1"})
+    windows_a = windows_of(model, run_a, kv_pool_blocks=POOL, kv_block_bytes=BLOCK_BYTES)
+    aggregator = WindowAggregator("run-b", "class-x", lambda: (model, 1), kv_pool_blocks=POOL, kv_block_bytes=block_bytes_b)
+    windows_b = [w for step in run_b for w in aggregator.add(*step)] + aggregator.close()
+    expected_ns: dict[str, int] = {}
+    expected_byte_ns: dict[str, int] = {}
+    per_request: dict[tuple[str, str], int] = {}
+    for run_id, steps, bytes_ in (("run-a", run_a, BLOCK_BYTES), ("run-b", run_b, block_bytes_b)):
+        for step in steps:
+            for s in step[3]:
+                expected_ns[s[1]] = expected_ns.get(s[1], 0) + s[8]
+                expected_byte_ns[s[1]] = expected_byte_ns.get(s[1], 0) + s[8] * bytes_
+                per_request[run_id, s[0]] = per_request.get((run_id, s[0]), 0) + s[8]
+    ledger = Ledger(db_url)
+    try:
+        ledger.ingest_windows(windows_a + windows_b)
+        ledger.ingest_windows(windows_a)  # a re-send changes nothing
+        rows = {r.tenant: r for r in ledger.tenant_usage()}
+        assert {t: r.kv_block_ns for t, r in rows.items()} == expected_ns
+        assert {t: r.kv_byte_ns for t, r in rows.items()} == expected_byte_ns
+        requests = {(r.run_id, r.request_id): r.kv_block_ns for r in ledger.request_usage(limit=100_000)}
+        assert requests == per_request
+    finally:
+        ledger.close()

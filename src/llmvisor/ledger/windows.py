@@ -212,13 +212,20 @@ class WindowStore(RunStore):
         request_rows: dict[tuple, dict] = {}
         for w in new:
             second_us = w.window_start_us // USAGE_RESOLUTION_US * USAGE_RESOLUTION_US
+            # window format 2: each tenant's KV block-ns, kept per block size (GiB-seconds are block-ns × its bytes)
+            block_bytes = w.kv.block_bytes if w.kv is not None else None
+            kv_by_tenant = w.tenant_kv_block_ns()
             for tenant, t in w.tenant_totals().items():
-                key = (tenant, w.engine_class, 0 if w.pending else w.model_version, second_us)
+                key = (tenant, w.engine_class, 0 if w.pending else w.model_version, second_us, block_bytes or 0)
                 row = tenant_rows.get(key)
                 if row is None:
                     tenant_rows[key] = {"tenant": tenant, "engine_class": key[1], "model_version": key[2], "second_us": second_us, **t}
+                    if block_bytes is not None:
+                        tenant_rows[key].update(kv_block_ns=kv_by_tenant[tenant], kv_block_bytes=block_bytes)
                 else:
                     _add_usage(row, t)
+                    if block_bytes is not None:
+                        row["kv_block_ns"] += kv_by_tenant[tenant]
             if not self.request_totals:
                 continue
             for q in w.requests:
@@ -229,8 +236,10 @@ class WindowStore(RunStore):
                                          "attributed_ns": q.attributed_ns, "measured_ns": q.measured_ns, "num_slices": q.num_steps,
                                          "num_new_tokens": q.num_new_tokens, "first_timestamp_us": q.first_timestamp_us,
                                          "last_timestamp_us": q.last_timestamp_us,
-                                         **{name: getattr(q, name) for name in TOKEN_SPLIT_COLUMNS}}
+                                         **{name: getattr(q, name) for name in TOKEN_SPLIT_COLUMNS},
+                                         "kv_block_ns": q.kv_block_ns, "kv_block_bytes": block_bytes}
                 else:
+                    row["kv_block_ns"] = None if row["kv_block_ns"] is None or q.kv_block_ns is None else row["kv_block_ns"] + q.kv_block_ns
                     _add_usage(row, {"attributed_ns": q.attributed_ns, "measured_ns": q.measured_ns, "num_slices": q.num_steps,
                                      "num_new_tokens": q.num_new_tokens, **{name: getattr(q, name) for name in TOKEN_SPLIT_COLUMNS}})
                     row["first_second_us"] = min(row["first_second_us"], second_us)
@@ -242,8 +251,9 @@ class WindowStore(RunStore):
             # in key order, so concurrent writers lock the rows in one order
             self._add_rows(conn, request_totals, [request_rows[k] for k in sorted(request_rows)],
                            key=("run_id", "request_id", "tenant"),
-                           sums=("attributed_ns", "measured_ns", "num_slices", "num_new_tokens", *TOKEN_SPLIT_COLUMNS),
-                           least=("first_second_us", "first_timestamp_us"), greatest=("last_timestamp_us",))
+                           sums=("attributed_ns", "measured_ns", "num_slices", "num_new_tokens", *TOKEN_SPLIT_COLUMNS, "kv_block_ns"),
+                           least=("first_second_us", "first_timestamp_us"), greatest=("last_timestamp_us",),
+                           first=("kv_block_bytes",))
         run_ids = np.asarray([w.run_id for w in new for _ in range(w.num_steps)], dtype=object)
         step_ids = np.concatenate([w.step_ids() for w in new])
         classes = np.asarray([w.engine_class for w in new for _ in range(w.num_steps)], dtype=object)
