@@ -88,8 +88,22 @@ def kv_served(model_path, db_url):  # noqa: F811
         hourly = client.get("/v1/usage/tenants?bucket=hour", headers=bearer(admin)).json()["tenants"]
         requests = client.get("/v1/usage/requests?limit=10000", headers=bearer(admin)).json()["requests"]
         step = client.get("/v1/steps/kv-pq/3", headers=bearer(admin)).json()
+        metrics = client.get("/metrics", headers=bearer(admin)).text
     return {"db": db_url, "runs": runs, "old": old, "usage": usage, "totals": totals, "hourly": hourly,
-            "requests": requests, "step": step, "admin": admin}
+            "requests": requests, "step": step, "admin": admin, "metrics": metrics}
+
+
+def test_prometheus_counts_each_tenants_kv_gib_seconds_once(kv_served):
+    """`llmvisor_kv_gib_seconds_total{tenant}` is each tenant's byte-ns in GiB-seconds, the re-push not counted again
+    and the format-2 run's tenant without memory."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, byte_ns = kv_per_tenant([s for steps in kv_served["runs"].values() for s in steps])
+    counted = {sample.labels["tenant"]: sample.value for family in text_string_to_metric_families(kv_served["metrics"])
+               for sample in family.samples if sample.name == "llmvisor_kv_gib_seconds_total"}
+    assert counted.keys() == byte_ns.keys()
+    for tenant, value in byte_ns.items():
+        assert counted[tenant] == pytest.approx(value / 2**30 / 1e9, rel=1e-9)
 
 
 def test_each_tenants_kv_block_ns_in_the_ledger_and_usage_api_equal_the_trace(kv_served):

@@ -261,6 +261,16 @@ class ClassDrift(ResidualWindows):
         yield out
 
 
+def kv_gib_seconds_of(records, slices: np.ndarray) -> np.ndarray | None:
+    """Per selected slice of a `llmvisor.ledger.records.StepRecords`, its KV GiB-seconds (block-ns × block bytes);
+    None for a batch not metered (trace format 1 or 2)."""
+    kv = records.kv_columns
+    if not kv:
+        return None
+    block_ns = np.asarray(kv["kv_block_ns"], dtype=np.float64)[slices]
+    return block_ns * np.asarray(kv["kv_block_bytes"], dtype=np.float64)[slices] / 2**30 / 1e9
+
+
 class ServiceMetrics:
     def __init__(self, *, max_tenant_labels: int = 1000, drift: DriftSettings | None = None):
         self.max_tenant_labels = max_tenant_labels
@@ -269,6 +279,10 @@ class ServiceMetrics:
         self.attributed_seconds = Counter(
             "llmvisor_attributed_seconds", "Engine seconds attributed to each tenant (steps ingested by this process).",
             ["tenant"], registry=self.registry,
+        )
+        self.kv_gib_seconds = Counter(
+            "llmvisor_kv_gib_seconds", "KV cache GiB-seconds held by each tenant's requests (trace format 3 steps and "
+            "window format 2 aggregates stored by this process; GiB = 2^30 bytes).", ["tenant"], registry=self.registry,
         )
         self.measured_seconds = Counter(
             "llmvisor_measured_seconds", "Measured engine seconds of the steps ingested (equals the sum over tenants).",
@@ -375,8 +389,10 @@ class ServiceMetrics:
         predicted_s: np.ndarray,
         n_steps: int,
         n_duplicate: int,
+        kv_gib_s: np.ndarray | None = None,
     ) -> None:
-        """Count the newly stored part of a batch (tenants/attributed_ns: its slices; the rest: its steps)."""
+        """Count the newly stored part of a batch (tenants/attributed_ns: its slices, and their KV GiB-seconds when
+        metered; the rest: its steps)."""
         if len(tenants):
             encoded = pc.dictionary_encode(pa.array(tenants, pa.string()))
             names = encoded.dictionary.to_pylist()
@@ -384,6 +400,10 @@ class ServiceMetrics:
             per_tenant_ns = np.bincount(codes, weights=attributed_ns, minlength=len(names))
             for name, total_ns in zip(names, per_tenant_ns.tolist()):
                 self.attributed_seconds.labels(self.tenant_label(name)).inc(total_ns / 1e9)
+            if kv_gib_s is not None:
+                per_tenant_gib_s = np.bincount(codes, weights=kv_gib_s, minlength=len(names))
+                for name, total in zip(names, per_tenant_gib_s.tolist()):
+                    self.kv_gib_seconds.labels(self.tenant_label(name)).inc(total)
         self.measured_seconds.inc(float(np.sum(measured_ns)) / 1e9)
         self.steps_ingested.inc(n_steps)
         self.steps_duplicate.inc(n_duplicate)
@@ -402,6 +422,9 @@ class ServiceMetrics:
         for window in windows:
             for tenant, totals in window.tenant_totals().items():
                 self.attributed_seconds.labels(self.tenant_label(tenant)).inc(totals["attributed_ns"] / 1e9)
+            if window.kv is not None:
+                for tenant, block_ns in window.tenant_kv_block_ns().items():
+                    self.kv_gib_seconds.labels(self.tenant_label(tenant)).inc(block_ns * window.kv.block_bytes / 2**30 / 1e9)
             if window.pending:
                 self.pending_steps.inc(window.num_steps)
                 self.pending_measured_seconds.inc(window.measured_ns / 1e9)
@@ -417,7 +440,7 @@ class ServiceMetrics:
         slices = np.repeat(resolved, np.diff(records.step_offsets))
         self.record_ingest(
             records.tenant[slices], records.attributed_ns[slices], records.measured_ns[resolved], prepared.residual_s[resolved],
-            prepared.predicted_step_s[resolved], 0, 0,
+            prepared.predicted_step_s[resolved], 0, 0, kv_gib_seconds_of(records, slices),
         )
         self.pending_attributed_steps.inc(int(resolved.sum()))
         with np.errstate(divide="ignore", invalid="ignore"):

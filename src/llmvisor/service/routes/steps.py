@@ -34,7 +34,7 @@ from llmvisor.service.ingest import (
     read_batch,
     step_fingerprint_ids,
 )
-from llmvisor.service.metrics import ServiceMetrics
+from llmvisor.service.metrics import ServiceMetrics, kv_gib_seconds_of
 from llmvisor.service.registry import ModelRegistry
 from llmvisor.service.responses import database_unavailable, error
 from llmvisor.service.schemas import (
@@ -102,6 +102,7 @@ def ingest_body(
         prepared.predicted_step_s[attributed_steps],
         outcome.n_inserted,
         outcome.n_duplicate,
+        kv_gib_seconds_of(records, billed_slices),
     )
     metrics.slices_ingested.inc(int(inserted_slices.sum() - billed_slices.sum()))
     if pending.any():
