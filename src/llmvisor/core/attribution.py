@@ -13,6 +13,11 @@ computed them paid for that in its step. The alternative, amortising the first p
 provenance across steps and would change bills already issued whenever a new hit arrives; it is not
 done (see docs/attribution.md).
 
+LoRA adapters (a LoRA model, trace format v4): a slice's per-token adapter work is its own; each adapter's per-step
+terms (its kernels, its loads) are split equally among the step's slices of that adapter and charged to nobody else
+(the Shapley value, derived in `llmvisor.core.game`); so an adapter's load is billed to the tenants whose requests ran
+it. The shares travel per slice as ``LoraSlices`` (`llmvisor.core.features.lora_slices`).
+
 When the step's measured time T is known, the residual T − T̂ is spread in proportion to the predicted
 shares: share_i = φ_i · T / Σφ. With nonnegative coefficients φ_i ≥ 0, so shares are ≥ 0 and sum to T
 exactly: every measured second is billed once. Under an unconstrained (OLS) fit a φ_i can be negative; it is
@@ -34,7 +39,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from llmvisor.core.features import decode_own_s, own_terms_s, prefill_own_s
+from llmvisor.core.features import LoraSlices, decode_own_s, lora_own_s, lora_slices_of, own_terms_s, prefill_own_s
 from llmvisor.core.game import (
     decode_own_total_s,
     decode_prices,
@@ -121,13 +126,16 @@ def attribute_arrays(
     measured_step_s: np.ndarray | None = None,
     rule: str | AttributionRule = AttributionRule.SHAPLEY,
     effective_context_tokens: np.ndarray | None = None,
+    *,
+    lora: LoraSlices | None = None,
 ) -> Attribution:
     """Vectorised attribution of many steps given as flat slice arrays and step offsets;
-    ``effective_context_tokens`` (trace format v2) defaults to the context: nothing shared."""
+    ``effective_context_tokens`` (trace format v2) defaults to the context: nothing shared; ``lora`` (trace
+    format v4, priced by a LoRA model) to every slice running the base model."""
     e = effective_context_tokens
     rule = parse_rule(rule)
     model.check_is_fitted()
-    prices = step_prices(model.coef_, model.boundary_, num_new_tokens, num_context_tokens, is_prefill, step_offsets, e)
+    prices = step_prices(model.coef_, model.boundary_, num_new_tokens, num_context_tokens, is_prefill, step_offsets, e, lora=lora)
     own, batch_size, predicted = prices.own_s, prices.batch_size, prices.predicted_s
     starts = step_offsets[:-1]
 
@@ -137,7 +145,7 @@ def attribute_arrays(
     else:
         if rule is AttributionRule.SHAPLEY:
             p = np.asarray(num_new_tokens, dtype=np.float64)
-            basis = shapley_s(model.coef_, model.boundary_, p, num_context_tokens, is_prefill, step_offsets, e, prices)
+            basis = shapley_s(model.coef_, model.boundary_, p, num_context_tokens, is_prefill, step_offsets, e, prices, lora=lora)
         else:
             basis = own
         basis = np.maximum(basis, 0.0)
@@ -166,7 +174,8 @@ def attribute(
     model: StepLatencyModel, trace: StepTrace, rule: str | AttributionRule = AttributionRule.SHAPLEY, *, use_measured: bool = True
 ) -> Attribution:
     """Shares of every slice of ``trace``; with ``use_measured`` the measured step times are split. Shared KV
-    (a v2 trace's ``effective_context_tokens``) is split among its readers."""
+    (a v2 trace's ``effective_context_tokens``) is split among its readers, a LoRA model's adapter terms among each
+    adapter's slices (a v4 trace's LoRA columns)."""
     return attribute_arrays(
         model,
         trace.num_new_tokens,
@@ -176,6 +185,7 @@ def attribute(
         trace.step_latency_s_per_step if use_measured else None,
         rule,
         trace.effective_context_tokens if trace.has_sharing_columns else None,
+        lora=lora_slices_of(trace) if model.is_lora_ else None,
     )
 
 
@@ -201,8 +211,8 @@ class StepAttributor:
     on arrays of the batch's size; a decode-only step (the common case) is priced in closed form without
     materialising its own terms first. A step straddling a segment boundary takes the exact (slower)
     ``step_shapley_s``. Inputs are float64 arrays of new and context tokens and a bool array of prefill
-    flags, one entry per request (and, with shared KV, float64 effective context tokens); the returned array
-    is reused by the next call. Same results as ``attribute_arrays`` (tested). ``n_equal_split`` counts the
+    flags, one entry per request (and, with shared KV, float64 effective context tokens; with a LoRA model, the
+    step's ``LoraSlices``); the returned array is reused by the next call. Same results as ``attribute_arrays`` (tested). ``n_equal_split`` counts the
     steps split equally (see ``Attribution``).
     """
 
@@ -214,20 +224,25 @@ class StepAttributor:
         self._coef = [tuple(float(v) for v in row) for row in model.coef_]
         self._decode = [decode_prices(row) for row in self._coef]
         self._nonnegative = bool(np.all(model.coef_ >= 0))
+        self._lora = model.is_lora_
         self._ones = np.ones(max_batch_size)
         self._out = np.empty(max_batch_size)
         self._work = np.empty(max_batch_size)
         self.n_equal_split = 0
 
-    def _own_terms(self, coef: tuple, p: np.ndarray, c: np.ndarray, is_prefill: np.ndarray, n: int, e=None) -> np.ndarray:
+    def _own_terms(self, coef: tuple, p: np.ndarray, c: np.ndarray, is_prefill: np.ndarray, n: int, e=None,
+                   lora: LoraSlices | None = None) -> np.ndarray:
         """``own_terms_s`` into the preallocated output (the features' scalar forms, no temporaries for the mask)."""
         own = self._out[:n]
         np.copyto(own, decode_own_s(coef, c, e))
         np.copyto(own, prefill_own_s(coef, p, c, e), where=is_prefill)
+        if lora is not None and self._lora:
+            own += lora_own_s(coef, p, is_prefill, lora)
         return own
 
     def predict_step_s(
-        self, num_new_tokens: np.ndarray, num_context_tokens: np.ndarray, is_prefill: np.ndarray, effective_context_tokens=None
+        self, num_new_tokens: np.ndarray, num_context_tokens: np.ndarray, is_prefill: np.ndarray, effective_context_tokens=None,
+        lora: LoraSlices | None = None,
     ) -> float:
         """Predicted step time of a batch, for admission decisions."""
         n = num_new_tokens.shape[0]
@@ -235,9 +250,10 @@ class StepAttributor:
         segment = segment_of(self.boundary, num_new_tokens.dot(ones))
         prices = self._decode[segment]
         e = num_context_tokens if effective_context_tokens is None else effective_context_tokens
-        if np.count_nonzero(is_prefill) == 0:
+        lora = lora if self._lora else None
+        if np.count_nonzero(is_prefill) == 0 and lora is None:
             return decode_step_price_s(prices, n, num_context_tokens.dot(ones), e.dot(ones) if prices.effective_context_s else 0.0)
-        own = self._own_terms(self._coef[segment], num_new_tokens, num_context_tokens, is_prefill, n, e)
+        own = self._own_terms(self._coef[segment], num_new_tokens, num_context_tokens, is_prefill, n, e, lora)
         return prices.intercept_s + float(own.dot(ones))
 
     def attribute(
@@ -247,10 +263,13 @@ class StepAttributor:
         is_prefill: np.ndarray,
         measured_s: float | None = None,
         effective_context_tokens: np.ndarray | None = None,
+        lora: LoraSlices | None = None,
     ) -> np.ndarray:
         """Each request's share of the step in seconds (summing to ``measured_s`` when given); shared KV
-        (``effective_context_tokens``, trace format v2) is split among its readers."""
+        (``effective_context_tokens``, trace format v2) is split among its readers, a LoRA model's adapter terms
+        (``lora``, the step's ``LoraSlices``, trace format v4) among each adapter's requests."""
         n = num_new_tokens.shape[0]
+        lora = lora if self._lora else None
         ones = self._ones[:n]
         segment = segment_of(self.boundary, num_new_tokens.dot(ones))
         prices = self._decode[segment]
@@ -258,9 +277,9 @@ class StepAttributor:
         e = num_context_tokens if effective_context_tokens is None else effective_context_tokens
         shapley = self.rule is AttributionRule.SHAPLEY
         if shapley and segment == 1 and num_new_tokens.min() < self.boundary:
-            phi = self._straddling_shapley(num_new_tokens, num_context_tokens, is_prefill, effective_context_tokens)
+            phi = self._straddling_shapley(num_new_tokens, num_context_tokens, is_prefill, effective_context_tokens, lora)
             return self._spread(phi, phi.dot(ones) if measured_s is None else measured_s, n, clip=True)
-        if self.rule is not AttributionRule.PAPER and self._nonnegative and np.count_nonzero(is_prefill) == 0:
+        if self.rule is not AttributionRule.PAPER and self._nonnegative and lora is None and np.count_nonzero(is_prefill) == 0:
             own_total = decode_own_total_s(prices, n, num_context_tokens.dot(ones), e.dot(ones) if prices.effective_context_s else 0.0)
             basis_total = own_total + b if shapley else own_total
             target = own_total + b if measured_s is None else measured_s
@@ -272,7 +291,7 @@ class StepAttributor:
             scale = float(target) / float(basis_total)  # Python floats: an overflow is inf, without numpy's warning
             if math.isfinite(scale):  # else a subnormal basis: the general path divides before it multiplies
                 return decode_shapley_into(out, self._work[:n], prices, num_context_tokens, e, scale, with_intercept=shapley)
-        own = self._own_terms(self._coef[segment], num_new_tokens, num_context_tokens, is_prefill, n, e)
+        own = self._own_terms(self._coef[segment], num_new_tokens, num_context_tokens, is_prefill, n, e, lora)
         if self.rule is AttributionRule.PAPER:
             return own
         target = own.dot(ones) + b if measured_s is None else measured_s
@@ -280,8 +299,8 @@ class StepAttributor:
             own += b / n
         return self._spread(own, target, n, clip=not self._nonnegative)
 
-    def _straddling_shapley(self, p: np.ndarray, c: np.ndarray, is_prefill: np.ndarray, e=None) -> np.ndarray:
-        phi = step_shapley_s(self._coef_array, self.boundary, p, c, is_prefill, e)
+    def _straddling_shapley(self, p: np.ndarray, c: np.ndarray, is_prefill: np.ndarray, e=None, lora=None) -> np.ndarray:
+        phi = step_shapley_s(self._coef_array, self.boundary, p, c, is_prefill, e, lora=lora)
         out = self._out[: p.shape[0]]
         np.copyto(out, phi)
         return out

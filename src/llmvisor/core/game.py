@@ -53,6 +53,21 @@ exactly when Δe = 0 (in particular when e is not identified and so 0 in both se
 e differ, D(S) in the crossing part is taken at the full step's split (Σ_{i∈S} ĉ_i), an approximation only in
 steps that both share KV and straddle the boundary.
 
+**LoRA adapters** (trace format v4, a LoRA model: `llmvisor.core.features`). A slice run with an adapter adds its
+per-token work (l1·p + l2·r·p prefill, l3 + l4·r decode) to its own term: additive, so its owner's. The per-step
+terms are games of the "any reader present" kind: a subset S running alone launches adapter a's kernels iff one of
+its members runs a, and loads a (into a slot, or from disk) iff a was loaded for the step and one of its members
+runs a (the subset, run alone from the same residency, needs the same load). So
+
+    v(S) = b + Σ_{i∈S} f''_i + Σ_a [S ∩ R_a ≠ ∅]·(l5 + l6·[a slot-loaded] + l7·[a disk-loaded])
+
+(f''_i the own term without these parts, R_a the step's slices running a). By the argument for blocks, a's fixed
+price goes in equal parts to R_a and to nobody else: each slice of a gets (l5 + l6·[..] + l7·[..]) / |R_a|, which is
+its own term's LoRA part at ``LoraSlices``' shares (1/|R_a|). Base-model slices pay none of it, other adapters'
+slices none of a's. So φ_i = f_i + b/|B| still, with f_i the own term at the step's shares; ``subset_costs_s`` with
+``lora_name`` prices v on the adapter structure to check it. With two segments it is exact when the segments'
+l5, l6, l7 are equal (as for e); otherwise the crossing part takes the shares at the full step's split.
+
 **Token prices.** VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24) prices service in
 tokens, prompt tokens ×1 and output tokens ×2 (``TokenPrices``, ``VTC_TOKEN_PRICES``): the token-count
 baseline, the validation's ``token_count`` shares, the fair scheduler's ``tokens`` cost and the demo's and
@@ -68,7 +83,7 @@ from typing import NamedTuple
 import numpy as np
 from scipy.special import gammaln
 
-from llmvisor.core.features import Coef, own_terms_s, prefill_own_s
+from llmvisor.core.features import Coef, LoraSlices, own_terms_s, prefill_own_s
 from llmvisor.errors import LlmvisorError
 
 __all__ = [
@@ -128,9 +143,10 @@ class StepPrices:
 
 
 def step_prices(coef: np.ndarray, boundary: float | None, num_new_tokens, num_context_tokens, is_prefill, step_offsets,
-                effective_context_tokens=None) -> StepPrices:
+                effective_context_tokens=None, *, lora: LoraSlices | None = None) -> StepPrices:
     """The price of every step of flat slice arrays cut by ``step_offsets`` (``coef``: the model's
-    (n_segments, N_FEATURES) array); ``effective_context_tokens`` (ĉ) defaults to the context."""
+    (n_segments, N_FEATURES) array); ``effective_context_tokens`` (ĉ) defaults to the context, ``lora`` (for a LoRA
+    model's coefficients) to every slice running the base model."""
     step_offsets = np.asarray(step_offsets)
     starts = step_offsets[:-1]
     batch_size = np.diff(step_offsets)
@@ -141,22 +157,22 @@ def step_prices(coef: np.ndarray, boundary: float | None, num_new_tokens, num_co
     e = effective_context_tokens
     segment_step = segments_of(boundary, load)
     if boundary is None:
-        own = own_terms_s(coef[0], p, num_context_tokens, is_prefill, e)
+        own = own_terms_s(coef[0], p, num_context_tokens, is_prefill, e, lora)
     else:
         own = np.where(
             np.repeat(segment_step, batch_size) == 0,
-            own_terms_s(coef[0], p, num_context_tokens, is_prefill, e),
-            own_terms_s(coef[1], p, num_context_tokens, is_prefill, e),
+            own_terms_s(coef[0], p, num_context_tokens, is_prefill, e, lora),
+            own_terms_s(coef[1], p, num_context_tokens, is_prefill, e, lora),
         )
     return StepPrices(own_s=own, intercept_s=np.asarray(coef)[segment_step, Coef.B], load=load, batch_size=batch_size)
 
 
 def step_price_s(coef: np.ndarray, boundary: float | None, num_new_tokens, num_context_tokens, is_prefill,
-                 effective_context_tokens=None) -> float:
+                 effective_context_tokens=None, *, lora: LoraSlices | None = None) -> float:
     """T̂ of one step: b_s + Σ f_i^s in the segment of its load."""
     p = np.asarray(num_new_tokens, dtype=np.float64)
     row = coef[segment_of(boundary, float(p.sum()))]
-    return float(row[Coef.B] + own_terms_s(row, p, num_context_tokens, is_prefill, effective_context_tokens).sum())
+    return float(row[Coef.B] + own_terms_s(row, p, num_context_tokens, is_prefill, effective_context_tokens, lora).sum())
 
 
 def prefill_chunk_price_s(coef, boundary: float | None, step_load: float, num_new_tokens: float, num_context_tokens: float) -> float:
@@ -206,14 +222,19 @@ def decode_shapley_into(out: np.ndarray, work: np.ndarray, prices: DecodePrices,
 # Subsets
 
 
-def subset_costs_s(model, num_new_tokens, num_context_tokens, is_prefill, shared_blocks=None) -> np.ndarray:
+def subset_costs_s(model, num_new_tokens, num_context_tokens, is_prefill, shared_blocks=None, *, lora_name=None, lora_rank=None,
+                   lora_loads=(), lora_disk_loads=()) -> np.ndarray:
     """v(S) for every subset S of one batch (index = bit mask, bit i = slice i; v(∅) = 0): the model's
     predicted time of a step running S alone, in S's own segment. Exponential in the batch size: for
     validation and tests on small batches.
 
     ``shared_blocks`` lists the step's KV blocks read by several slices as ``(tokens, reader indices)``; a
     slice's context not in a listed block is its own. S's effective contexts are then recomputed from the
-    blocks S reads, each divided among S's readers of it (module docstring). None: nothing shared."""
+    blocks S reads, each divided among S's readers of it (module docstring). None: nothing shared.
+
+    ``lora_name`` (per slice, empty for the base model), ``lora_rank`` and the names of the adapters loaded for the
+    step (``lora_loads``, ``lora_disk_loads``), for a LoRA model: S's shares of each adapter's per-step terms are
+    recomputed among S's slices of that adapter (module docstring). None: every slice runs the base model."""
     model.check_is_fitted()
     p = np.asarray(num_new_tokens, dtype=np.float64)
     c = np.asarray(num_context_tokens, dtype=np.float64)
@@ -222,9 +243,21 @@ def subset_costs_s(model, num_new_tokens, num_context_tokens, is_prefill, shared
         raise LlmvisorError(f"subset_costs_s enumerates 2^n subsets; a batch of {n} slices is too large")
     masks = np.arange(1 << n)
     members = ((masks[:, None] >> np.arange(n)) & 1).astype(np.float64)
+    if lora_name is not None:
+        lora = _subset_lora_shares(members, lora_name, lora_rank, lora_loads, lora_disk_loads)
+        effective = c if not shared_blocks else _subset_effective_context(members, c, shared_blocks)
+        own = np.stack([(members * own_terms_s(row, p, c, is_prefill, effective, lora)).sum(axis=1) for row in model.coef_], axis=1)
+        return _priced_subsets(model, own, members @ p)
     if not shared_blocks:
         own = members @ np.stack([own_terms_s(row, p, c, is_prefill) for row in model.coef_]).T
         return _priced_subsets(model, own, members @ p)
+    effective = _subset_effective_context(members, c, shared_blocks)
+    own = np.stack([(members * own_terms_s(row, p, c, is_prefill, effective)).sum(axis=1) for row in model.coef_], axis=1)
+    return _priced_subsets(model, own, members @ p)
+
+
+def _subset_effective_context(members: np.ndarray, c: np.ndarray, shared_blocks) -> np.ndarray:
+    """Per subset (rows of ``members``) and slice, the effective context when the subset runs alone."""
     effective = np.broadcast_to(c, members.shape).copy()
     for tokens, readers in shared_blocks or ():
         readers = np.unique(np.asarray(readers, dtype=np.intp))
@@ -233,8 +266,21 @@ def subset_costs_s(model, num_new_tokens, num_context_tokens, is_prefill, shared
         effective[:, readers] -= tokens - np.divide(tokens, count, out=np.zeros_like(count), where=count > 0)
     if np.any(effective < -1e-9 * np.maximum(c, 1)):
         raise LlmvisorError("shared_blocks: a slice's blocks hold more tokens than its context")
-    own = np.stack([(members * own_terms_s(row, p, c, is_prefill, effective)).sum(axis=1) for row in model.coef_], axis=1)
-    return _priced_subsets(model, own, members @ p)
+    return effective
+
+
+def _subset_lora_shares(members: np.ndarray, lora_name, lora_rank, lora_loads, lora_disk_loads) -> LoraSlices:
+    """Per subset (rows of ``members``) and slice, its ``LoraSlices`` when the subset runs alone: each adapter's
+    per-step terms divided among the subset's slices of that adapter."""
+    names = np.asarray(lora_name, dtype=object)
+    share = np.zeros(members.shape)
+    for adapter in set(names.tolist()) - {""}:
+        runs = names == adapter
+        count = members[:, runs].sum(axis=1, keepdims=True)
+        share[:, runs] = np.divide(1.0, count, out=np.zeros_like(count), where=count > 0)
+    slot = np.where(np.isin(names, list(lora_loads)), share, 0.0)
+    disk = np.where(np.isin(names, list(lora_disk_loads)), share, 0.0)
+    return LoraSlices(np.asarray(lora_rank, dtype=np.float64), share, slot, disk)
 
 
 def _priced_subsets(model, own_by_segment: np.ndarray, load: np.ndarray) -> np.ndarray:
@@ -340,7 +386,8 @@ def _pivot_sums(sizes, loads, means, own: int, cap: int, pivotal_from: int,
 
 
 def step_shapley_s(
-    coef: np.ndarray, boundary: float | None, num_new_tokens, num_context_tokens, is_prefill, effective_context_tokens=None
+    coef: np.ndarray, boundary: float | None, num_new_tokens, num_context_tokens, is_prefill, effective_context_tokens=None,
+    *, lora: LoraSlices | None = None,
 ) -> np.ndarray:
     """Exact Shapley value of one step's cost game v(S) = b_s(S) + Σ_{i∈S} f_i^s(S) (module docstring); with
     shared KV (``effective_context_tokens``) exact unless the step straddles the boundary and the segments'
@@ -353,7 +400,7 @@ def step_shapley_s(
     """
     p = np.asarray(num_new_tokens, dtype=np.float64)
     n = p.size
-    segments = [own_terms_s(row, p, num_context_tokens, is_prefill, effective_context_tokens) for row in coef]
+    segments = [own_terms_s(row, p, num_context_tokens, is_prefill, effective_context_tokens, lora) for row in coef]
     if boundary is None or p.sum() < boundary:
         return segments[0] + coef[0, Coef.B] / n
     if p.min() >= boundary:
@@ -388,16 +435,18 @@ def straddling_steps(boundary: float | None, num_new_tokens, step_offsets, load)
 
 
 def shapley_s(coef: np.ndarray, boundary: float | None, num_new_tokens, num_context_tokens, is_prefill, step_offsets,
-              effective_context_tokens=None, prices: StepPrices | None = None) -> np.ndarray:
+              effective_context_tokens=None, prices: StepPrices | None = None, *, lora: LoraSlices | None = None) -> np.ndarray:
     """Every slice's Shapley value of its step's game: f_i + b/|B| in closed form, ``step_shapley_s`` for the
-    steps straddling the boundary. ``prices``: the steps' ``step_prices`` when already computed."""
+    steps straddling the boundary. ``prices``: the steps' ``step_prices`` when already computed (with ``lora``)."""
     if prices is None:
-        prices = step_prices(coef, boundary, num_new_tokens, num_context_tokens, is_prefill, step_offsets, effective_context_tokens)
+        prices = step_prices(coef, boundary, num_new_tokens, num_context_tokens, is_prefill, step_offsets, effective_context_tokens,
+                             lora=lora)
     phi = prices.own_s + np.repeat(prices.intercept_s / prices.batch_size, prices.batch_size)
     e = effective_context_tokens
     for k in np.flatnonzero(straddling_steps(boundary, num_new_tokens, step_offsets, prices.load)):
         s = slice(step_offsets[k], step_offsets[k + 1])
-        phi[s] = step_shapley_s(coef, boundary, num_new_tokens[s], num_context_tokens[s], is_prefill[s], None if e is None else e[s])
+        phi[s] = step_shapley_s(coef, boundary, num_new_tokens[s], num_context_tokens[s], is_prefill[s], None if e is None else e[s],
+                                lora=None if lora is None else lora.take(s))
     return phi
 
 

@@ -17,9 +17,14 @@ from scipy.sparse.csgraph import connected_components
 
 from llmvisor.core.features import (
     FEATURE_NAMES,
+    FEATURE_NAMES_LORA,
     FEATURE_NAMES_V1,
+    LORA_FEATURE_NAMES,
+    LORA_WORK_FORMS,
     N_FEATURES,
     Coef,
+    LoraCoef,
+    has_lora_columns,
     shared_context_saving_per_step,
     step_feature_matrix,
     step_new_tokens,
@@ -30,10 +35,17 @@ from llmvisor.core.trace import StepTrace
 from llmvisor.errors import LlmvisorError, ModelError, NotFittedError, unknown_name
 
 MODEL_FORMAT = "llmvisor.step_latency_model"
-MODEL_FORMAT_VERSION = 2
+MODEL_FORMAT_VERSION = 3
 """Version 2 added the feature ``effective_context_tokens``; version-1 files are read with it held at 0 (not
-identified), which predicts what they always did."""
-READABLE_FORMAT_VERSIONS = {1: FEATURE_NAMES_V1, 2: FEATURE_NAMES}
+identified), which predicts what they always did. Version 3 adds the LoRA features (``LORA_FEATURE_NAMES``): a model
+fitted on a trace with the LoRA columns writes version 3, any other still writes version 2, the same file as before
+LoRA (``BASE_MODEL_FORMAT_VERSION``)."""
+BASE_MODEL_FORMAT_VERSION = 2
+"""The version a model without LoRA features writes."""
+READABLE_FORMAT_VERSIONS = {1: FEATURE_NAMES_V1, 2: FEATURE_NAMES, 3: FEATURE_NAMES_LORA}
+LORA_ONLY_PARAMS = ("lora_work",)
+"""Hyper-parameters that matter only to a LoRA model: a model without LoRA features leaves them out of its file, so
+the file is the one written before they existed."""
 MODEL_FILE_KEYS = ("format", "format_version", "params", "feature_names", "boundary_new_tokens", "segments",
                    "identified_features", "rank", "engine_fingerprint", "fit_info")
 """The keys of a model file (`StepLatencyModel.to_dict`); any other is refused, naming the closest one."""
@@ -61,6 +73,7 @@ PARAMETER_CONSTRAINTS: dict[str, tuple] = {
     "cv_folds": (lambda v: _is_int(v) and v >= 2, "an integer >= 2"),
     "n_boundary_candidates": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "min_steps_per_segment": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "lora_work": (lambda v: isinstance(v, str) and v in ("auto", *LORA_WORK_FORMS), "'auto', " + ", ".join(map(repr, LORA_WORK_FORMS))),
 }
 """Every hyper-parameter of ``StepLatencyModel``: (accepts value, what is accepted). ``fit`` checks them all."""
 
@@ -239,17 +252,27 @@ class StepLatencyModel:
         Load quantiles (and as many log-spaced values) tried as boundaries by ``segments="auto"``.
     min_steps_per_segment : int
         A candidate boundary is skipped when either side has fewer steps (or cannot identify every feature).
+    lora_work : "auto", "tokens", "rank_tokens" or "both"
+        Only for a trace with the LoRA columns: the form of the per-token LoRA work (`llmvisor.core.features`).
+        "tokens" prices the tokens run with any adapter (vLLM pads each adapter to ``--max-lora-rank``),
+        "rank_tokens" rank × tokens, "both" both. "auto" chooses by cross-validation on the folds the boundary
+        search uses (by run when there are several), with one segment (or the fixed boundary): the lowest mean
+        squared relative error (scores under 1e-18, relative errors of 1e-9, are rounding and count as equal;
+        between equal single forms "tokens"), "both" only when it beats the better single form by more than one
+        standard error. The features of the forms not chosen are held at 0; the scores are in ``fit_info_["lora_work"]``.
 
     Attributes
     ----------
-    coef_ : ndarray of shape (n_segments, N_FEATURES)
-        Coefficients per segment, in seconds per unit of each feature in ``feature_names_``.
+    coef_ : ndarray of shape (n_segments, N_FEATURES) or (n_segments, N_FEATURES_LORA)
+        Coefficients per segment, in seconds per unit of each feature in ``feature_names_``: ``FEATURE_NAMES``, or
+        ``FEATURE_NAMES_LORA`` for a model fitted on a trace with the LoRA columns (``is_lora_``).
     boundary_ : float or None
         Steps with total new tokens < boundary_ use segment 0 (memory-bound), the others segment 1.
     identified_ : ndarray of bool
         Features the training data could identify; the others are held at 0 (e.g. ``prefill_new_x_context_tokens``
         without any chunked prefill, ``effective_context_tokens`` without any shared context: without sharing
-        it equals the sum of the per-request context columns).
+        it equals the sum of the per-request context columns; ``lora_disk_loads`` when every slot load read the
+        adapter from disk) or the fit did not choose (a LoRA work form other than ``lora_work``'s).
     fit_info_ : dict
         Steps used, dropped by each rule, the boundary search's cross-validated scores, training runs.
     train_step_mask_ : ndarray of bool
@@ -279,6 +302,7 @@ class StepLatencyModel:
         cv_folds: int = 5,
         n_boundary_candidates: int = 9,
         min_steps_per_segment: int = 40,
+        lora_work: str = "auto",
     ):
         self.segments = segments
         self.positive = positive
@@ -288,6 +312,7 @@ class StepLatencyModel:
         self.cv_folds = cv_folds
         self.n_boundary_candidates = n_boundary_candidates
         self.min_steps_per_segment = min_steps_per_segment
+        self.lora_work = lora_work
 
     # ---------------------------------------------------------------------------------------------------
     @classmethod
@@ -334,14 +359,15 @@ class StepLatencyModel:
         counts as much as a 1 s prefill step (the errors we report are relative)."""
         return 1.0 / y if self.weights == "relative" else np.ones_like(y)
 
-    def _fit_segments(self, aw, bw, load, boundary, rows=None) -> np.ndarray:
+    def _fit_segments(self, aw, bw, load, boundary, rows=None, identified=None) -> np.ndarray:
         rows = np.ones(bw.shape[0], dtype=bool) if rows is None else rows
+        identified = self.identified_ if identified is None else identified
         if boundary is None:
-            return _solve(aw[rows], bw[rows], positive=self.positive, identified=self.identified_)[None, :]
-        coef = np.zeros((2, N_FEATURES))
+            return _solve(aw[rows], bw[rows], positive=self.positive, identified=identified)[None, :]
+        coef = np.zeros((2, aw.shape[1]))
         for segment, in_segment in enumerate((load < boundary, load >= boundary)):
             mask = rows & in_segment
-            coef[segment] = _solve(aw[mask], bw[mask], positive=self.positive, identified=self.identified_)
+            coef[segment] = _solve(aw[mask], bw[mask], positive=self.positive, identified=identified)
         return coef
 
     @staticmethod
@@ -400,6 +426,10 @@ class StepLatencyModel:
         self.identified_ = np.abs(x[keep]).sum(axis=0) > 0
         saving = shared_context_saving_per_step(x[keep])
         self.identified_[Coef.E] &= bool(np.any(saving > 1e-9 * np.maximum(x[keep][:, Coef.E], 1.0)))
+        is_lora = x.shape[1] > N_FEATURES
+        if is_lora:  # a disk load is also a slot load: its extra price is identified only beside slot loads not from disk
+            memory_loads = x[keep][:, LoraCoef.L6] - x[keep][:, LoraCoef.L7]
+            self.identified_[LoraCoef.L7] &= bool(np.any(memory_loads > 1e-9))
         if not keep.any() or keep.sum() < self.identified_.sum():
             raise LlmvisorError(
                 f"{', '.join(trace.sources) or '<memory>'}: too few steps to fit ({int(keep.sum())} of {trace.n_steps} left "
@@ -423,13 +453,18 @@ class StepLatencyModel:
         self.train_step_mask_ = keep
         x_fit, y_fit, load_fit = x[keep], y[keep], load[keep]
         groups, grouping = self.fold_groups(trace, keep)
+        names = FEATURE_NAMES_LORA if is_lora else FEATURE_NAMES
+        unidentified = [n for n, ok in zip(names, self.identified_) if not ok]
+        lora_work = self._choose_lora_work(x_fit, y_fit, load_fit, groups, grouping) if is_lora else None
+        if lora_work is not None:
+            self.identified_ &= ~np.isin(np.array(names), lora_work["held_at_zero"])
         search = self._search_boundary(x_fit, y_fit, load_fit, groups, grouping)
         self.boundary_ = search["chosen"]
         w = self._row_weights(y_fit)
         self.coef_ = self._fit_segments(x_fit * w[:, None], y_fit * w, load_fit, self.boundary_)
-        self.feature_names_ = FEATURE_NAMES
+        self.feature_names_ = names
         self.rank_ = int(np.linalg.matrix_rank(x_fit[:, self.identified_] / np.maximum(np.abs(x_fit[:, self.identified_]).max(axis=0), 1e-300)))
-        self.n_features_in_ = N_FEATURES
+        self.n_features_in_ = len(names)
         residual = (y_fit - self._predict_rows(self.coef_, self.boundary_, x_fit, load_fit)) / y_fit
         self.engine_fingerprint_ = training_fingerprint(trace)
         self.fit_info_ = {
@@ -443,12 +478,57 @@ class StepLatencyModel:
             else f"relative residual of an initial one-segment fit > median + {self.outlier_threshold}·MAD = {outlier_cut:.4g}",
             "train_runs": list(dict.fromkeys(runs.tolist())),
             "train_engine_fingerprints": trace.engine_fingerprint_ids(),
-            "unidentified_features": [n for n, ok in zip(FEATURE_NAMES, self.identified_) if not ok],
+            "unidentified_features": unidentified,
             "train_rel_err_p50": float(np.percentile(np.abs(residual), 50)),
             "train_rel_err_p90": float(np.percentile(np.abs(residual), 90)),
             "boundary_search": search["report"],
         }
+        if lora_work is not None:
+            self.fit_info_["lora_work"] = lora_work
         return self
+
+    def _choose_lora_work(self, x, y, load, groups, grouping: str) -> dict:
+        """The per-token LoRA work form (``lora_work``): its report, with the features it holds at 0."""
+        per_token = LORA_WORK_FORMS["both"]
+        if not self.identified_[list(per_token)].any():
+            return {"mode": "none", "chosen": None, "reason": "no slice ran an adapter", "held_at_zero": []}
+
+        def held(form: str) -> list[str]:
+            return [FEATURE_NAMES_LORA[k] for k in per_token if k not in LORA_WORK_FORMS[form]]
+
+        if self.lora_work != "auto":
+            return {"mode": "fixed", "chosen": self.lora_work, "held_at_zero": held(self.lora_work)}
+        report = {
+            "mode": "auto",
+            "rule": "lowest cross-validated mean squared relative error (below 1e-18 counted as equal: rounding); 'both' kept only if it "
+                    "beats the better single form by more than one standard error; between equal single forms 'tokens'",
+            "fold_grouping": grouping,
+        }
+        folds = group_k_fold(groups, self.cv_folds)
+        boundary = float(self.segments) if _is_real(self.segments) else None
+        w = self._row_weights(y)
+        aw, bw = x * w[:, None], y * w
+        scores = {}
+        for form in LORA_WORK_FORMS:
+            identified = self.identified_ & ~np.isin(np.array(FEATURE_NAMES_LORA), held(form))
+            fold_scores = []
+            for test in folds:
+                coef = self._fit_segments(aw, bw, load, boundary, ~test, identified)
+                predicted = self._predict_rows(coef, boundary, x[test], load[test])
+                fold_scores.append(float(np.mean(((predicted - y[test]) / y[test]) ** 2)))
+            if fold_scores:
+                scores[form] = {"cv_mean_squared_rel_err": float(np.mean(fold_scores)),
+                                "cv_standard_error": float(np.std(fold_scores) / np.sqrt(len(fold_scores)))}
+        if not scores:
+            reason = "no fold to score on (fewer than two groups): both forms kept, NNLS weighs them"
+            return {**report, "n_folds": 0, "candidates": {}, "chosen": "both", "reason": reason, "held_at_zero": held("both")}
+        # relative errors under 1e-9 are rounding: scores below its square are equal (a noise-free trace)
+        score = {form: max(v["cv_mean_squared_rel_err"], 1e-18) for form, v in scores.items()}
+        single = min(("tokens", "rank_tokens"), key=score.__getitem__)
+        chosen = single
+        if score["both"] + scores["both"]["cv_standard_error"] < score[single]:
+            chosen = "both"
+        return {**report, "n_folds": len(folds), "candidates": scores, "chosen": chosen, "held_at_zero": held(chosen)}
 
     def _search_boundary(self, x, y, load, groups, grouping: str) -> dict:
         if self.segments == "none":
@@ -528,8 +608,8 @@ class StepLatencyModel:
     def predict(self, trace: StepTrace) -> np.ndarray:
         """Predicted latency of every step of ``trace``, in seconds."""
         self.check_is_fitted()
-        x = step_feature_matrix(trace)
-        return self._predict_rows(self.coef_, self.boundary_, x, step_new_tokens(trace))
+        x = step_feature_matrix(trace, with_lora=self.is_lora_ and has_lora_columns(trace))  # no LoRA columns: features 0
+        return self._predict_rows(self.coef_[:, : x.shape[1]], self.boundary_, x, step_new_tokens(trace))
 
     def score(self, trace: StepTrace, y: None = None) -> float:
         """Minus the median absolute relative error of the predicted step times (higher is better, as
@@ -544,6 +624,13 @@ class StepLatencyModel:
         return -float(np.median(relative))
 
     @property
+    def is_lora_(self) -> bool:
+        """Whether the model prices LoRA adapters (fitted on a trace with the LoRA columns, or read from a file of
+        format version 3)."""
+        self.check_is_fitted()
+        return self.coef_.shape[1] > N_FEATURES
+
+    @property
     def segment_names_(self) -> tuple[str, ...]:
         self.check_is_fitted()
         return ("all",) if self.boundary_ is None else SEGMENT_NAMES
@@ -551,17 +638,21 @@ class StepLatencyModel:
     # ---------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         self.check_is_fitted()
+        names = FEATURE_NAMES_LORA if self.is_lora_ else FEATURE_NAMES
+        params = self.get_params()
+        if not self.is_lora_:
+            params = {k: v for k, v in params.items() if k not in LORA_ONLY_PARAMS}
         return {
             "format": MODEL_FORMAT,
-            "format_version": MODEL_FORMAT_VERSION,
-            "params": self.get_params(),
-            "feature_names": list(FEATURE_NAMES),
+            "format_version": MODEL_FORMAT_VERSION if self.is_lora_ else BASE_MODEL_FORMAT_VERSION,
+            "params": params,
+            "feature_names": list(names),
             "boundary_new_tokens": self.boundary_,
             "segments": [
-                {"name": name, "coef_s": dict(zip(FEATURE_NAMES, map(float, coef)))}
+                {"name": name, "coef_s": dict(zip(names, map(float, coef)))}
                 for name, coef in zip(self.segment_names_, self.coef_)
             ],
-            "identified_features": [n for n, ok in zip(FEATURE_NAMES, self.identified_) if ok],
+            "identified_features": [n for n, ok in zip(names, self.identified_) if ok],
             "rank": self.rank_,
             "engine_fingerprint": getattr(self, "engine_fingerprint_", None),
             "fit_info": self.fit_info_,
@@ -596,21 +687,23 @@ class StepLatencyModel:
                     raise ModelError(f"{source}: segments[{k}]: {unknown}")
             model = cls(**data.get("params", {}))
             model.boundary_ = None if data["boundary_new_tokens"] is None else float(data["boundary_new_tokens"])
-            model.coef_ = np.array([[float(s["coef_s"][n]) if n in names else 0.0 for n in FEATURE_NAMES] for s in data["segments"]])
+            known = FEATURE_NAMES_LORA if list(names) == list(FEATURE_NAMES_LORA) else FEATURE_NAMES
+            model.coef_ = np.array([[float(s["coef_s"][n]) if n in names else 0.0 for n in known] for s in data["segments"]])
+            model.coef_ = model.coef_.reshape(-1, len(known))
             expected = 1 if model.boundary_ is None else 2
             if model.coef_.shape[0] != expected:
                 raise ModelError(f"{source}: segments: expected {expected} coefficient sets, got {model.coef_.shape[0]}")
             if not np.all(np.isfinite(model.coef_)):
                 raise ModelError(f"{source}: segments: coefficients must be finite")
-            model.identified_ = np.array([n in data.get("identified_features", names) and n in names for n in FEATURE_NAMES])
+            model.identified_ = np.array([n in data.get("identified_features", names) and n in names for n in known])
             model.rank_ = int(data.get("rank", 0))
             model.fit_info_ = dict(data.get("fit_info", {}))
             fingerprint = data.get("engine_fingerprint")
             if fingerprint is not None and not (isinstance(fingerprint, dict) and isinstance(fingerprint.get("id"), str)):
                 raise ModelError(f"{source}: engine_fingerprint must be null or an object with an id")
             model.engine_fingerprint_ = fingerprint
-            model.feature_names_ = FEATURE_NAMES
-            model.n_features_in_ = N_FEATURES
+            model.feature_names_ = known
+            model.n_features_in_ = len(known)
         except (KeyError, TypeError, ValueError) as error:
             if isinstance(error, ModelError):
                 raise
@@ -621,16 +714,19 @@ class StepLatencyModel:
     def from_coefficients(cls, coef_s: list[dict], boundary_new_tokens: float | None = None) -> StepLatencyModel:
         """A model with known coefficients (one dict of seconds per feature for each segment), checked as a
         model file is: for tests, and for users who take coefficients from elsewhere. Features added since
-        format version 1 (``effective_context_tokens``) are 0 unless given."""
+        format version 1 (``effective_context_tokens``) are 0 unless given; a LoRA feature given in any segment makes
+        a LoRA model (format version 3), its other LoRA features 0."""
         names = ("all",) if boundary_new_tokens is None else SEGMENT_NAMES
-        added = [name for name in FEATURE_NAMES if name not in FEATURE_NAMES_V1]
+        is_lora = any(isinstance(coef, dict) and set(coef) & set(LORA_FEATURE_NAMES) for coef in coef_s)
+        features = FEATURE_NAMES_LORA if is_lora else FEATURE_NAMES
+        added = [name for name in features if name not in FEATURE_NAMES_V1]
         coef_s = [{**dict.fromkeys(added, 0.0), **coef} if isinstance(coef, dict) else coef for coef in coef_s]
         return cls.from_dict(
             {
                 "format": MODEL_FORMAT,
-                "format_version": MODEL_FORMAT_VERSION,
+                "format_version": MODEL_FORMAT_VERSION if is_lora else BASE_MODEL_FORMAT_VERSION,
                 "params": {},
-                "feature_names": list(FEATURE_NAMES),
+                "feature_names": list(features),
                 "boundary_new_tokens": boundary_new_tokens,
                 "segments": [{"name": name, "coef_s": coef} for name, coef in zip(names, coef_s)],
             }

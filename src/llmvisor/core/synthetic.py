@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmvisor.core.features import FEATURE_NAMES, FEATURE_NAMES_V1, slice_feature_matrix
+from llmvisor.core.features import FEATURE_NAMES, FEATURE_NAMES_LORA, FEATURE_NAMES_V1, lora_slices, slice_feature_matrix
+from llmvisor.core.lora_trace import encode_adapters
 from llmvisor.core.trace import StepTrace
 
 DEFAULT_COEF_S = {
@@ -22,6 +23,19 @@ DEFAULT_COEF_S = {
     "effective_context_tokens": 0.0,
 }
 """Coefficients of the synthetic engine; nothing is saved by sharing (``effective_context_tokens`` 0)."""
+
+DEFAULT_LORA_COEF_S = {
+    "prefill_lora_tokens": 0.0,
+    "prefill_lora_rank_x_tokens": 1.5e-6,
+    "decode_lora_tokens": 0.0,
+    "decode_lora_rank_x_tokens": 4e-6,
+    "lora_adapters": 3e-4,
+    "lora_slot_loads": 2e-3,
+    "lora_disk_loads": 5e-3,
+}
+"""LoRA coefficients of the synthetic engine (work of the adapter's own rank: the ``rank_tokens`` form)."""
+DEFAULT_LORA_RANKS = {"tenant-0/r8": 8, "tenant-1/r16": 16, "tenant-2/r64": 64, "tenant-3/r8": 8}
+"""Adapters of the synthetic engine and their ranks."""
 
 BLOCK_SIZE_TOKENS = 16
 """KV block size of the synthetic engine: shared prefixes are whole blocks, as prefix caching shares them."""
@@ -41,6 +55,9 @@ def synthetic_trace(
     run_id: str = "synthetic",
     n_tenants: int = 4,
     seed: int = 0,
+    lora_ranks: dict[str, int] | None = None,
+    lora_fraction: float = 0.5,
+    lora_load_probability: float = 0.2,
 ) -> StepTrace:
     """Steps of random composition (decode-only, prefill-only and mixed) timed by a known linear model.
 
@@ -49,6 +66,11 @@ def synthetic_trace(
     least two slices have a random group of them (two or more) read a common cached prefix of whole KV blocks,
     their contexts being the prefix plus a private part; the step's time prices the prefix's blocks once
     (``effective_context_tokens``). Coefficients missing from ``coef_s`` that a version-1 model lacks are 0.
+    ``lora_ranks`` (adapter name: rank) makes a trace of format version 4: each slice runs one of the adapters with
+    probability ``lora_fraction``, else the base model; each adapter of a step was loaded into a slot for it with
+    probability ``lora_load_probability``, and half of those loads read it from disk. The step's time then adds the
+    LoRA terms (``coef_s``'s LoRA coefficients, ``DEFAULT_LORA_COEF_S`` for those missing). Without ``lora_ranks``
+    the trace and its random draws are what they were before LoRA.
     """
     rng = np.random.default_rng(seed)
     coef_s = coef_s or DEFAULT_COEF_S
@@ -70,7 +92,13 @@ def synthetic_trace(
         context, shared, effective = _shared_prefixes(rng, context, offsets, shared_prefix_fraction, max_context_tokens)
         extra = {"num_shared_context_tokens": shared, "effective_context_tokens": effective}
     effective_context = extra.get("effective_context_tokens")
-    x = slice_feature_matrix(new_tokens, context, is_prefill, effective_context)
+    lora = None
+    if lora_ranks:
+        lora, lora_extra = _lora_columns(rng, lora_ranks, lora_fraction, lora_load_probability, offsets)
+        extra.update(lora_extra)
+        coef = np.array([coef[FEATURE_NAMES.index(name)] if name in FEATURE_NAMES else coef_s.get(name, DEFAULT_LORA_COEF_S[name])
+                         for name in FEATURE_NAMES_LORA])
+    x = slice_feature_matrix(new_tokens, context, is_prefill, effective_context, lora)
     latency = np.add.reduceat(x @ coef, offsets[:-1]) + coef[0]
     if noise:
         latency = latency * rng.lognormal(0.0, noise, size=n_steps)
@@ -107,3 +135,26 @@ def _shared_prefixes(rng, context, offsets, fraction, max_context_tokens) -> tup
         shared[group] = prefix
         effective[group] = private + prefix / group.size
     return context, shared, effective
+
+
+def _lora_columns(rng, ranks: dict[str, int], fraction: float, load_probability: float, offsets):
+    """Random adapters per slice and loads per step; their ``LoraSlices`` and the version-4 columns."""
+    n = int(offsets[-1])
+    adapters = np.array(sorted(ranks), dtype=object)
+    name = np.where(rng.random(n) < fraction, adapters[rng.integers(0, adapters.size, size=n)], "").astype(object)
+    rank = np.array([ranks.get(a, 0) for a in name.tolist()], dtype=np.int64)
+    ran, loads, disk = [], [], []
+    for start, stop in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        step = sorted({a for a in name[start:stop].tolist() if a})
+        loaded = [a for a in step if rng.random() < load_probability]
+        ran.append(step)
+        loads.append(loaded)
+        disk.append([a for a in loaded if rng.random() < 0.5])
+    batch = np.diff(offsets)
+    per_slice = {
+        "step_loras": np.repeat(np.array([encode_adapters(s) for s in ran], dtype=object), batch),
+        "step_lora_loads": np.repeat(np.array([encode_adapters(s) for s in loads], dtype=object), batch),
+        "step_lora_disk_loads": np.repeat(np.array([encode_adapters(s) for s in disk], dtype=object), batch),
+    }
+    lora = lora_slices(name, rank, offsets, loads, disk)
+    return lora, {"lora_name": name, "lora_rank": rank, **per_slice}
