@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from _kv_steps import metered_run
 from _prometheus import PROMETHEUS_BINARY, PrometheusServer
 from _service_fixtures import T0_S, bearer, class_body, class_model, make_steps, model_path  # noqa: F401
 from llmvisor import shipped
@@ -96,7 +97,7 @@ def test_the_dashboard_is_a_grafana_dashboard_with_its_variables():
                 cells[(x, y)] = panel["title"]
     panels = query_panels(board)
     assert {row["title"].split(":")[0] for row in board["panels"] if row["type"] == "row"} == {
-        "Tenants", "Model drift per engine class", "Ingest health"}
+        "Tenants", "Model drift per engine class", "Ingest health", "KV cache memory"}
     for panel in panels:
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
         assert panel["targets"], panel["title"]
@@ -120,9 +121,13 @@ def engine_exported(model) -> set[str]:
     registry = CollectorRegistry()
     metrics = EdgeMetrics(registry)
     for source, run in (((lambda: (model, 1)), "a"), ((lambda: None), "b")):
-        aggregator = WindowAggregator(run, CLASS_MODELLED, source, on_close=metrics.record_window)
+        # window format 2: each step's one request holds 2 of the pool's 4 blocks for the 50 ms since the last
+        aggregator = WindowAggregator(run, CLASS_MODELLED, source, on_close=metrics.record_window, kv_pool_blocks=4,
+                                      kv_block_bytes=1 << 16)
         for step_id in range(40):
-            aggregator.add(step_id, T0_S + 0.05 * step_id, 0.02, [[f"r{step_id % 3}", f"tenant-{step_id % 2}", 1, 100, False, 0, None]])
+            aggregator.add(step_id, T0_S + 0.05 * step_id, 0.02,
+                           [[f"r{step_id % 3}", f"tenant-{step_id % 2}", 1, 100, False, 0, None, 0, 2 * 50_000_000]],
+                           [50_000_000, 0, 2 * 50_000_000, 0, 0])
         aggregator.close()
     return exported_names(generate_latest(registry).decode())
 
@@ -139,6 +144,8 @@ def service_exported(model_path, tmp_path) -> set[str]:  # noqa: F811
         assert client.post("/v1/steps", json=class_body(CLASS_PENDING, 20, run_id="b", seed=2), headers=admin).json()["steps_pending"] == 20
         assert client.post("/v1/steps", json={"steps": make_steps("plain", 30)}, headers=admin).status_code == 200
         assert client.post("/v1/steps", json={"steps": make_steps("gappy", 30)[5:]}, headers=admin).status_code == 200
+        kv_run = metered_run(1, run_id="kv", t0_s=T0_S, tenants=("tenant-0", "tenant-1"))
+        assert client.post("/v1/steps", json={"steps": kv_run}, headers=admin).status_code == 200
         return exported_names(client.get("/metrics", headers=admin).text)
 
 
@@ -175,7 +182,8 @@ def test_every_metric_the_dashboard_queries_is_exported_by_the_service_or_the_en
     assert len(referenced) >= 20
     assert unexported(board, exported) == []
     tenant_panels = [expr for title, expr in panel_exprs(board) if "by (tenant)" in expr]
-    assert len(tenant_panels) == 4 and all("${source}_attributed_seconds_total" in expr for expr in tenant_panels)
+    assert len(tenant_panels) == 5 and all("${source}_attributed_seconds_total" in expr or "${source}_kv_gib_seconds_total" in expr
+                                           for expr in tenant_panels)
     # the check can fail: a panel naming a metric neither source exports, or a ${source} one only the service has
     broken = copy.deepcopy(board)
     broken["panels"][1]["targets"][0]["expr"] = "sum(rate(llmvisor_attributed_secs_total[1m]))"
@@ -217,6 +225,9 @@ def test_every_panel_query_answers_from_a_real_prometheus_and_the_total_equals_t
             keep = [k for k, step in enumerate(gappy["step_id"]) if not 10 <= step <= 16]
             gappy = {name: [values[k] for k in keep] for name, values in gappy.items()}
             assert client.post("/v1/steps", json={"columns": gappy}).status_code == 200
+            # A run metered for KV memory (trace format 3), billed to tenants the other runs have too.
+            kv_run = metered_run(round_, run_id=f"kv-{round_}", t0_s=T0_S + 600 * round_, tenants=("tenant-0", "tenant-1"))
+            assert client.post("/v1/steps", json={"steps": kv_run}).json()["steps_inserted"] == len(kv_run)
             pending = client.post("/v1/steps", json=class_body(CLASS_PENDING, 40, run_id=f"pending-{round_}", seed=20 + round_))
             assert pending.json()["steps_pending"] == 40
             prometheus.wait_for_scrapes_after(time.time(), 1)

@@ -62,10 +62,11 @@ def ledger_windows(db_url: str, run_id: str) -> tuple[int, int, dict[str, dict[s
             assert conn.execute(select(func.count()).select_from(windows)).scalar() == n_windows
             t = tenant_seconds.c
             rows = conn.execute(select(t.tenant, func.sum(t.attributed_ns), func.sum(t.measured_ns), func.sum(t.num_slices),
-                                       func.sum(t.num_new_tokens)).group_by(t.tenant)).all()
+                                       func.sum(t.num_new_tokens), func.sum(t.kv_block_ns * t.kv_block_bytes))
+                                .group_by(t.tenant)).all()
     finally:
         engine.dispose()
-    names = ("attributed_ns", "measured_ns", "num_slices", "num_new_tokens")
+    names = ("attributed_ns", "measured_ns", "num_slices", "num_new_tokens", "kv_byte_ns")
     return int(n_windows), int(n_steps), {row[0]: dict(zip(names, map(int, row[1:]))) for row in rows}
 
 
@@ -116,6 +117,7 @@ def test_prometheus_scraping_the_engine_holds_the_ledgers_per_tenant_totals(tmp_
                 measured = by_tenant(prometheus, f"{ENGINE}_tenant_measured_seconds_total")
                 slices = by_tenant(prometheus, f"{ENGINE}_slices_total")
                 tokens = by_tenant(prometheus, f"{ENGINE}_new_tokens_total")
+                kv_gib_s = by_tenant(prometheus, f"{ENGINE}_kv_gib_seconds_total")
                 [steps] = finite_values(prometheus.query(f"sum({ENGINE}_steps_total)"))
                 [counted_windows] = finite_values(prometheus.query(f"sum({ENGINE}_windows_total)"))
                 versions = {s["metric"]["model_version"] for s in prometheus.query(f"{ENGINE}_windows_total")}
@@ -147,6 +149,9 @@ def test_prometheus_scraping_the_engine_holds_the_ledgers_per_tenant_totals(tmp_
         assert math.isclose(attributed[tenant], totals["attributed_ns"] / 1e9, rel_tol=REL_TOL), tenant
         assert math.isclose(measured[tenant], totals["measured_ns"] / 1e9, rel_tol=REL_TOL), tenant
         assert slices[tenant] == totals["num_slices"] and tokens[tenant] == totals["num_new_tokens"], tenant
+        # KV memory (trace format 3 metered by the recorder, window format 2): the engine's counter is the ledger's
+        assert totals["kv_byte_ns"] > 0 and math.isclose(kv_gib_s[tenant], totals["kv_byte_ns"] / 2**30 / 1e9,
+                                                         rel_tol=REL_TOL), tenant
     assert math.isfinite(median)
     assert pusher_counters, "the delivery process's own counters reach the engine's /metrics too"
     # The dashboard, Source = engines: every query of the engines' metrics answers; all but the pending ones (no
