@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmvisor.core.trace_schema import KV_COLUMNS, KV_RUN_COLUMNS, KV_SLICE_COLUMN, KV_STEP_COLUMNS, rejection
+from llmvisor.core.trace_schema import (
+    KV_COLUMNS,
+    KV_RUN_COLUMNS,
+    KV_SLICE_COLUMN,
+    KV_STEP_COLUMNS,
+    columns_together,
+    first_disagreement,
+    rejection,
+    step_place,
+)
 from llmvisor.errors import plain
 
 
 def kv_columns_present(path: str, names) -> bool:
     """Whether the KV memory columns are there; some without the others is refused."""
-    present = [name for name in KV_COLUMNS if name in names]
-    if present and len(present) != len(KV_COLUMNS):
-        missing = [name for name in KV_COLUMNS if name not in names]
-        raise rejection(path, "header", f"column {present[0]} without {', '.join(missing)}: the KV memory columns come "
-                                        "together (format version 3)")
-    return bool(present)
+    return columns_together(path, names, KV_COLUMNS, "KV memory", 3)
 
 
 def check_kv_columns(columns: dict, *, path: str, order: np.ndarray, starts: np.ndarray, offsets: np.ndarray,
@@ -40,29 +44,23 @@ def check_kv_columns(columns: dict, *, path: str, order: np.ndarray, starts: np.
         return
 
     def where(k: int) -> str:
-        rows = row_numbers[order[offsets[k]:offsets[k + 1]]]
-        shown = ", ".join(map(str, rows[:5].tolist())) + (", ..." if rows.size > 5 else "")
         first = order[starts[k]]
-        return f"step {int(step_id[first])} of run {plain(run_id[first])!r} (rows {shown})"
+        return step_place(step_id[first], run_id[first], row_numbers[order[offsets[k]:offsets[k + 1]]])
 
     for name in KV_STEP_COLUMNS:
-        column = values[name][order]
-        low, high = np.minimum.reduceat(column, starts), np.maximum.reduceat(column, starts)
-        disagree = np.flatnonzero(low != high)
-        if disagree.size:
-            k = int(disagree[0])
-            raise rejection(path, where(k), f"rows disagree on {name} ({int(low[k])} vs {int(high[k])})")
+        found = first_disagreement(values[name][order], starts)
+        if found is not None:
+            k, low, high = found
+            raise rejection(path, where(k), f"rows disagree on {name} ({int(low)} vs {int(high)})")
     sorted_run = run_id[order]
     run_start = np.ones(order.size, dtype=bool)
     run_start[1:] = sorted_run[1:] != sorted_run[:-1]
     run_starts = np.flatnonzero(run_start)
     for name in KV_RUN_COLUMNS:
-        column = values[name][order]
-        low, high = np.minimum.reduceat(column, run_starts), np.maximum.reduceat(column, run_starts)
-        disagree = np.flatnonzero(low != high)
-        if disagree.size:
-            run = plain(sorted_run[run_starts[int(disagree[0])]])
-            raise rejection(path, f"run {run!r}", f"rows disagree on {name} ({int(low[disagree[0]])} vs {int(high[disagree[0]])})")
+        found = first_disagreement(values[name][order], run_starts)
+        if found is not None:
+            k, low, high = found
+            raise rejection(path, f"run {plain(sorted_run[run_starts[k]])!r}", f"rows disagree on {name} ({int(low)} vs {int(high)})")
 
     per_step = {name: values[name][order][starts] for name in (*KV_STEP_COLUMNS, *KV_RUN_COLUMNS)}
     slices = values[KV_SLICE_COLUMN][order]

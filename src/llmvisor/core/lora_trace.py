@@ -19,7 +19,14 @@ import json
 
 import numpy as np
 
-from llmvisor.core.trace_schema import LORA_COLUMNS, LORA_STEP_COLUMNS, rejection
+from llmvisor.core.trace_schema import (
+    LORA_COLUMNS,
+    LORA_STEP_COLUMNS,
+    columns_together,
+    first_disagreement,
+    rejection,
+    step_place,
+)
 from llmvisor.errors import plain
 
 
@@ -43,12 +50,7 @@ def decode_adapters(text) -> frozenset[str] | None:
 
 def lora_columns_present(path: str, names) -> bool:
     """Whether the LoRA columns are there; some without the others is refused."""
-    present = [name for name in LORA_COLUMNS if name in names]
-    if present and len(present) != len(LORA_COLUMNS):
-        missing = [name for name in LORA_COLUMNS if name not in names]
-        raise rejection(path, "header", f"column {present[0]} without {', '.join(missing)}: the LoRA columns come "
-                                        "together (format version 4)")
-    return bool(present)
+    return columns_together(path, names, LORA_COLUMNS, "LoRA", 4)
 
 
 def _codes(values: np.ndarray) -> tuple[np.ndarray, list]:
@@ -88,10 +90,8 @@ def check_lora_columns(columns: dict, *, path: str, order: np.ndarray, starts: n
         return
 
     def where(k: int) -> str:
-        rows = row_numbers[order[offsets[k]:offsets[k + 1]]]
-        shown = ", ".join(map(str, rows[:5].tolist())) + (", ..." if rows.size > 5 else "")
         first = order[starts[k]]
-        return f"step {int(step_id[first])} of run {plain(run_id[first])!r} (rows {shown})"
+        return step_place(step_id[first], run_id[first], row_numbers[order[offsets[k]:offsets[k + 1]]])
 
     def shown(adapters: frozenset) -> str:
         return json.dumps(sorted(adapters), ensure_ascii=False)
@@ -99,12 +99,10 @@ def check_lora_columns(columns: dict, *, path: str, order: np.ndarray, starts: n
     step_of_sorted = np.repeat(np.arange(starts.size), np.diff(offsets))
     for column in LORA_STEP_COLUMNS:
         codes, distinct = sets[column]
-        ordered = codes[order]
-        low, high = np.minimum.reduceat(ordered, starts), np.maximum.reduceat(ordered, starts)
-        disagree = np.flatnonzero(low != high)
-        if disagree.size:
-            k = int(disagree[0])
-            raise rejection(path, where(k), f"rows disagree on {column} ({shown(distinct[low[k]])} vs {shown(distinct[high[k]])})")
+        found = first_disagreement(codes[order], starts)
+        if found is not None:
+            k, low, high = found
+            raise rejection(path, where(k), f"rows disagree on {column} ({shown(distinct[low])} vs {shown(distinct[high])})")
 
     step_sets, distinct_sets = sets["step_loras"]
     step_set_code = step_sets[order][starts]

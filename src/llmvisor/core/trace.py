@@ -53,10 +53,13 @@ from llmvisor.core.trace_schema import (
     SUFFIXES,
     WARMUP_FALSE,
     WARMUP_TRUE,
+    columns_together,
+    first_disagreement,
     format_version,
     parse_is_warmup,
     rejection,
     sharing_columns_from_blocks,
+    step_place,
     trace_suffix,
 )
 from llmvisor.core.trace_writer import TraceWriter, write_trace
@@ -132,10 +135,7 @@ def build_trace(
             "num_new_tokens",
             "a decode slice runs exactly 1 new token (speculative decoding not declared)",
         )
-    sharing = [name for name in SHARING_COLUMNS if name in columns]
-    if len(sharing) == 1:
-        (other,) = set(SHARING_COLUMNS) - set(sharing)
-        raise rejection(path, "header", f"column {sharing[0]} without {other}: the sharing columns come together (format version 2)")
+    sharing = columns_together(path, columns, SHARING_COLUMNS, "sharing", 2)
     if FINGERPRINT_COLUMN in columns:
         fingerprints = np.asarray(columns[FINGERPRINT_COLUMN], dtype=object)
         malformed = np.fromiter((not (v is None or v == "" or v != v or is_fingerprint_id(v)) for v in fingerprints), bool, n)
@@ -182,16 +182,13 @@ def build_trace(
 
     sorted_latency = latency[order]
     if n:
-        low = np.minimum.reduceat(sorted_latency, starts)
-        high = np.maximum.reduceat(sorted_latency, starts)
-        disagree = np.flatnonzero(low != high)
-        if disagree.size:
-            k = disagree[0]
-            rows = row_numbers[order[offsets[k] : offsets[k + 1]]]
+        found = first_disagreement(sorted_latency, starts)
+        if found is not None:
+            k, low, high = found
             raise rejection(
                 path,
-                f"step {sorted_step[starts[k]]} of run {plain(run_id[order[starts[k]]])!r} (rows {_rows(rows)})",
-                f"rows disagree on step_latency_s ({float(low[k])!r} vs {float(high[k])!r})",
+                step_place(sorted_step[starts[k]], run_id[order[starts[k]]], row_numbers[order[offsets[k] : offsets[k + 1]]]),
+                f"rows disagree on step_latency_s ({float(low)!r} vs {float(high)!r})",
             )
         request_codes = pc.dictionary_encode(pa.array(request_id[order], pa.string())).indices.to_numpy(
             zero_copy_only=False
@@ -220,10 +217,9 @@ def build_trace(
         lone = np.flatnonzero(sharers == 1)
         if lone.size:
             k = lone[0]
-            rows = row_numbers[order[offsets[k] : offsets[k + 1]]]
             raise rejection(
                 path,
-                f"step {sorted_step[starts[k]]} of run {run_id[order[starts[k]]]!r} (rows {_rows(rows)})",
+                step_place(sorted_step[starts[k]], run_id[order[starts[k]]], row_numbers[order[offsets[k] : offsets[k + 1]]]),
                 "num_shared_context_tokens: only one slice of the step has shared context (a shared block has at least two readers)",
             )
 
@@ -246,11 +242,6 @@ def build_trace(
         metadata=dict(metadata or {}),
         sources=(path,),
     )
-
-
-def _rows(rows: np.ndarray) -> str:
-    rows = sorted(int(r) for r in rows)
-    return ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
 
 
 # ---------------------------------------------------------------------------------------------------------

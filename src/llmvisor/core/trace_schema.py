@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
 from llmvisor.core.tokens import CACHED_PROMPT_COLUMN
-from llmvisor.errors import TraceError
+from llmvisor.errors import TraceError, plain
 
 FORMAT_VERSION = 4
 """The newest format version: 4 with the LoRA adapter columns, else 3 with the KV memory columns, else 2 with the
@@ -159,6 +159,39 @@ def sharing_columns_from_blocks(num_context_tokens, block_readers) -> tuple[np.n
         i = int(np.argmax(covered > context))
         raise ValueError(f"slice {i}: its blocks hold {covered[i]} context tokens, more than its {context[i]}")
     return shared, effective
+
+
+def columns_together(path: str, names, group: tuple[str, ...], what: str, version: int) -> bool:
+    """Whether the columns of an optional ``group`` (a format version's addition) are there; some of them without the
+    others is refused, naming the first present and the missing ones."""
+    present = [name for name in group if name in names]
+    if present and len(present) != len(group):
+        missing = [name for name in group if name not in names]
+        raise rejection(path, "header", f"column {present[0]} without {', '.join(missing)}: the {what} columns come "
+                                        f"together (format version {version})")
+    return bool(present)
+
+
+def shown_rows(rows) -> str:
+    """File row numbers for a message: the first five, in order, then ``...``."""
+    rows = sorted(int(r) for r in rows)
+    return ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
+
+
+def step_place(step_id, run_id, rows) -> str:
+    """Where a step-level rejection points: ``step S of run 'R' (rows ...)``."""
+    return f"step {plain(step_id)} of run {plain(run_id)!r} (rows {shown_rows(rows)})"
+
+
+def first_disagreement(sorted_values: np.ndarray, starts: np.ndarray) -> tuple[int, object, object] | None:
+    """The first group (rows from each of ``starts`` to the next) whose values differ, with its lowest and highest
+    value; None when every group agrees. The values are sorted by group."""
+    low, high = np.minimum.reduceat(sorted_values, starts), np.maximum.reduceat(sorted_values, starts)
+    disagree = np.flatnonzero(low != high)
+    if not disagree.size:
+        return None
+    k = int(disagree[0])
+    return k, low[k], high[k]
 
 
 def rejection(path: str, where: str, reason: str) -> TraceError:
