@@ -31,11 +31,15 @@ def pool_blocks(kv_cache_manager) -> int:
     return kv_cache_manager.block_pool.num_gpu_blocks - 1
 
 
+def is_idle_cached(block) -> bool:
+    """A cached block that no request references (evictable; in the free queue with a hash), vLLM's null block aside."""
+    return block.ref_cnt == 0 and block.block_hash is not None and not block.is_null
+
+
 def idle_cached_blocks(kv_cache_manager) -> int:
-    """Cached blocks that no request references (evictable; in the free queue with a hash). One pass over the pool;
-    the recorder keeps a running count instead (`IdleCacheCount`)."""
-    return sum(1 for block in kv_cache_manager.block_pool.blocks
-               if block.ref_cnt == 0 and block.block_hash is not None and not block.is_null)
+    """The pool's idle cached blocks (`is_idle_cached`), from one pass over the pool; the recorder keeps a running
+    count instead (`IdleCacheCount`)."""
+    return sum(1 for block in kv_cache_manager.block_pool.blocks if is_idle_cached(block))
 
 
 def engine_used_blocks(kv_cache_manager) -> int:
@@ -68,9 +72,7 @@ class IdleCacheCount:
         pool = block_pool
         free_blocks, touch, evict = pool.free_blocks, pool.touch, pool._maybe_evict_cached_block
         unpin, reset = pool.unpin_blocks, pool.reset_prefix_cache
-
-        def idle(block) -> bool:
-            return block.ref_cnt == 0 and block.block_hash is not None and not block.is_null
+        idle = is_idle_cached
 
         def counted_free_blocks(ordered_blocks):
             blocks = list(ordered_blocks)
@@ -108,8 +110,7 @@ class IdleCacheCount:
 
     def scan(self) -> int:
         """The count from one pass over the pool (O(pool))."""
-        return sum(1 for block in self.block_pool.blocks
-                   if block.ref_cnt == 0 and block.block_hash is not None and not block.is_null)
+        return sum(1 for block in self.block_pool.blocks if is_idle_cached(block))
 
 
 def _leading_shares(blocks) -> float:

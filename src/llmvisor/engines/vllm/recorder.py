@@ -323,6 +323,7 @@ class RecordingScheduler(Scheduler):
         adapters = self._lora_in_flight.pop(id(scheduler_output), None) if self._lora is not None else None
         if self._kv_meter is not None:
             # the pool has not changed since the last reading: bill it up to now, when the step's output arrived
+            kv_started = time.perf_counter()
             self._kv_meter.advance(entered_ns)
         if in_flight is not None and timing is not None:
             # Recorded (and relayed) before vLLM processes the output, so no client can have an answer from a step
@@ -334,7 +335,7 @@ class RecordingScheduler(Scheduler):
                 slices = [(*s, held) for s, held in zip(slices, block_ns)]
                 kv = [step_kv.interval_ns, step_kv.idle_cached_block_ns, step_kv.free_block_ns,
                       step_kv.carried_in_block_ns, step_kv.carried_out_block_ns]
-                self._kv_time_s += time.perf_counter() - entered
+                self._kv_time_s += time.perf_counter() - kv_started
             if self.orphaned_since_s is not None:
                 slices = self._orphaned(slices)
             named = None
