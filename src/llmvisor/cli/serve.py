@@ -50,6 +50,9 @@ def serve(
     max_body_mb: Annotated[float, typer.Option(help="Largest POST /v1/steps body accepted (MiB); larger is a 413.", min=0.001)] = 64.0,
     max_steps_per_request: Annotated[int, typer.Option(help="Most steps in one POST /v1/steps.", min=1)] = 20_000,
     public_metrics: Annotated[bool, typer.Option(help="Serve /metrics without a key (it names every tenant).")] = False,
+    gzip_bodies: Annotated[bool, typer.Option(help="Take gzip request bodies (Content-Encoding: gzip, as the engines' pushers send "
+                                              "them; --max-body-mb bounds them decoded too). --no-gzip-bodies answers them 415: the "
+                                              "pushers then send plain JSON.")] = True,
     max_concurrent_ingest: Annotated[
         int, typer.Option(help="Batches attributed and stored at once; more wait their turn (at most the 16 database connections).", min=1, max=16)
     ] = 8,
@@ -85,6 +88,7 @@ def serve(
             max_body_bytes=int(max_body_mb * 1024 * 1024),
             max_steps_per_request=max_steps_per_request,
             public_metrics=public_metrics,
+            gzip_bodies=gzip_bodies,
             max_concurrent_ingest=max_concurrent_ingest,
             fallback_model_path=fallback_model,
             drift=DriftSettings(band=drift_band, window_steps=drift_window_steps,

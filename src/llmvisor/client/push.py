@@ -7,6 +7,10 @@ unreachable, or the queue is full, steps go to a local JSONL spool file (trace f
 replayed when the service answers again, and on the next start. Replays are safe because the service is
 idempotent on (run_id, step_id): a step sent twice is acknowledged and counted once.
 
+Bodies go gzip'd (``Content-Encoding: gzip``, `gzip_body`; the service inflates them before it reads them, so
+what it stores and each step's content digest are those of the JSON) unless ``compress=False`` or
+``LLMVISOR_PUSH_GZIP=0``; a service that cannot read them (`GzipPosts`) gets them plain from then on.
+
 Steps the service rejects for their content (a 422, or a 409: same step id, different content) cannot be
 fixed by retrying; they are moved to ``<spool>.rejected.jsonl``, logged as errors with the count and that
 path (again in a summary at close), and counted in the Prometheus counter ``llmvisor_pusher_steps_rejected_total``.
@@ -19,11 +23,12 @@ Example::
     pusher.close(timeout_s=30)               # send (or spool) what is left
 
 or ``StepPusher.from_env()`` with ``LLMVISOR_SERVICE_URL``, ``LLMVISOR_SERVICE_KEY`` (an admin key) and
-optionally ``LLMVISOR_SPOOL`` set.
+optionally ``LLMVISOR_SPOOL`` and ``LLMVISOR_PUSH_GZIP`` set.
 """
 
 from __future__ import annotations
 
+import gzip
 import heapq
 import json
 import logging
@@ -50,7 +55,13 @@ log = logging.getLogger("llmvisor.pusher")
 ENV_URL = "LLMVISOR_SERVICE_URL"
 ENV_KEY = "LLMVISOR_SERVICE_KEY"
 ENV_SPOOL = "LLMVISOR_SPOOL"
+ENV_GZIP = "LLMVISOR_PUSH_GZIP"
 DEFAULT_SPOOL = "llmvisor-spool.jsonl"
+GZIP_LEVEL = 6
+"""zlib's default level: window JSON shrinks about as much as at 9, at a fraction of the time."""
+UNREAD_GZIP_STATUSES = (400, 415, 422)
+"""Answers to a gzip body that may mean the service did not inflate it: 415 (it refuses the encoding), or 400 / 422
+from a service older than gzip bodies, which read the gzip bytes as JSON."""
 
 REJECTED_STEPS = prometheus_client.Counter(
     "llmvisor_pusher_steps_rejected", "Steps the accounting service refused for their content (kept in the rejected file)"
@@ -100,6 +111,43 @@ class PusherStats:
                 setattr(self, name, getattr(self, name) + value)
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """A 1 / 0 environment variable (true / false, yes / no too); unset: ``default``."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value.strip().lower() not in ("0", "1", "true", "false", "yes", "no", ""):
+        raise ValueError(f"{name}={value.strip().lower()!r}: give 1 or 0")
+    return value.strip().lower() in ("1", "true", "yes")
+
+
+def gzip_from_env() -> bool:
+    """Bodies gzip'd (``LLMVISOR_PUSH_GZIP=1``, the default); ``0``: plain JSON."""
+    return env_switch(ENV_GZIP, True)
+
+
+def gzip_body(body: bytes) -> bytes:
+    """A POST body as the pushers send it (``Content-Encoding: gzip``): level `GZIP_LEVEL`, no timestamp in the
+    header, so one body is always the same bytes."""
+    return gzip.compress(body, compresslevel=GZIP_LEVEL, mtime=0)
+
+
+class GzipPosts:
+    """Whether one pusher's POSTs to its endpoint go gzip'd. On unless turned off, until the service shows it cannot
+    read them: a gzip body answered 415, or 400 / 422 (a service older than gzip bodies reads the gzip bytes as JSON)
+    where the same body sent plain is not, is sent plain again and every later one plain too (logged once). A 400 /
+    422 that the plain body gets too is the body's own fault: gzip stays on."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+    def refused(self, path: str, gzip_answer: httpx.Response, plain_answer: httpx.Response) -> None:
+        if gzip_answer.status_code == 415 or plain_answer.status_code not in UNREAD_GZIP_STATUSES:
+            self.enabled = False
+            log.warning("llmvisor: the service did not read a gzip body on %s (HTTP %d: %s); sending its bodies plain from now on",
+                        path, gzip_answer.status_code, response_detail(gzip_answer))
+
+
 def service_url_from_env() -> str | None:
     """``LLMVISOR_SERVICE_URL``, or None; a URL without ``LLMVISOR_SERVICE_KEY`` is an error."""
     url = os.environ.get(ENV_URL)
@@ -134,6 +182,7 @@ class StepPusher:
     retry_interval_s : how long to wait, once spooling, before trying the service again.
     max_held_steps : steps kept in memory while the spool file cannot be written (a full disk, a read-only
         directory); beyond that, steps are dropped, counted and logged.
+    compress : send the bodies gzip'd (`GzipPosts`; ``LLMVISOR_PUSH_GZIP`` for `from_env`).
 
     While the service is away the log says so once, then every 30 s with the steps spooled so far, and
     ``service back`` with the outage's length and count when it answers again, then how many spooled steps
@@ -155,6 +204,7 @@ class StepPusher:
         backoff_max_s: float = MAX_RETRY_WAIT_S,
         retry_interval_s: float = 2.0,
         max_held_steps: int = DEFAULT_MAX_HELD_STEPS,
+        compress: bool = True,
     ):
         self.url = url.rstrip("/")
         self.spool_path = Path(spool_path)
@@ -168,6 +218,7 @@ class StepPusher:
         self.retry_interval_s = retry_interval_s
         self.max_held_steps = max_held_steps
         self.stats = PusherStats()
+        self.gzip_posts = GzipPosts(compress)
         self._held: list[_Step] = []
         self._held_lock = threading.Lock()
         self._last_held_log_s = -1e9
@@ -196,11 +247,12 @@ class StepPusher:
 
     @classmethod
     def from_env(cls, **kwargs) -> StepPusher | None:
-        """A pusher configured from ``LLMVISOR_SERVICE_URL`` / ``_KEY`` / ``LLMVISOR_SPOOL``, or None if no URL."""
+        """A pusher configured from ``LLMVISOR_SERVICE_URL`` / ``_KEY`` / ``LLMVISOR_SPOOL`` / ``LLMVISOR_PUSH_GZIP``,
+        or None if no URL."""
         url = service_url_from_env()
         if not url:
             return None
-        return cls(url, os.environ[ENV_KEY], os.environ.get(ENV_SPOOL, DEFAULT_SPOOL), **kwargs)
+        return cls(url, os.environ[ENV_KEY], os.environ.get(ENV_SPOOL, DEFAULT_SPOOL), **{"compress": gzip_from_env(), **kwargs})
 
     # -----------------------------------------------------------------------------------------------------
     # Engine side
@@ -415,7 +467,8 @@ class StepPusher:
         SENT_STEPS.inc(len(batch))
         try:
             return post_with_retries(self._client, "/v1/steps", body, self.stats, attempts=self.max_attempts,
-                                     wait_s=self.backoff_initial_s, max_wait_s=self.backoff_max_s, give_up=self._out_of_time)
+                                     wait_s=self.backoff_initial_s, max_wait_s=self.backoff_max_s, give_up=self._out_of_time,
+                                     gzip_posts=self.gzip_posts)
         except (RetryableAnswer, httpx.HTTPError) as error:
             raise _Unavailable(failure_reason(error)) from None
 
@@ -575,19 +628,31 @@ def columns_body(steps: list[list[dict]]) -> bytes:
 
 
 def post_with_retries(client: httpx.Client, path: str, body: bytes, stats: PusherStats, *, attempts: int, wait_s: float,
-                      max_wait_s: float, give_up: Callable[[], bool], headers: dict | None = None) -> httpx.Response:
-    """POST ``body`` to the service, retried by `llmvisor.retry`'s policy (jittered backoff), counting each failed
-    attempt in ``stats.failed_posts``; the answer, or `RetryableAnswer` / `httpx.HTTPError` when the retries run out
-    (or ``give_up()``)."""
+                      max_wait_s: float, give_up: Callable[[], bool], headers: dict | None = None,
+                      gzip_posts: GzipPosts | None = None) -> httpx.Response:
+    """POST ``body`` to the service (gzip'd while ``gzip_posts`` says so, else plain, and plain again when the service
+    did not read the gzip one: `GzipPosts`), retried by `llmvisor.retry`'s policy (jittered backoff), counting each
+    failed attempt in ``stats.failed_posts``; the answer, or `RetryableAnswer` / `httpx.HTTPError` when the retries run
+    out (or ``give_up()``)."""
 
-    def post() -> httpx.Response:
-        try:
-            return check_answer(client.post(path, content=body, headers=headers))
-        except (RetryableAnswer, httpx.HTTPError):
-            stats.add(failed_posts=1)
-            raise
+    def post(content: bytes, extra: dict) -> httpx.Response:
+        def attempt() -> httpx.Response:
+            try:
+                return check_answer(client.post(path, content=content, headers={**(headers or {}), **extra}))
+            except (RetryableAnswer, httpx.HTTPError):
+                stats.add(failed_posts=1)
+                raise
 
-    return retry_policy(attempts, wait_s, max_wait_s, jitter=True, give_up=give_up)(post)
+        return retry_policy(attempts, wait_s, max_wait_s, jitter=True, give_up=give_up)(attempt)
+
+    if gzip_posts is None or not gzip_posts.enabled:
+        return post(body, {})
+    answer = post(gzip_body(body), {"Content-Encoding": "gzip"})
+    if answer.status_code not in UNREAD_GZIP_STATUSES:
+        return answer
+    plain = post(body, {})
+    gzip_posts.refused(path, answer, plain)
+    return plain
 
 
 def _step_key(step: list[dict]) -> tuple:

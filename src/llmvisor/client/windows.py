@@ -23,8 +23,11 @@ from llmvisor.client.push import (
     ENV_KEY,
     ENV_SPOOL,
     MAX_RETRY_WAIT_S,
+    GzipPosts,
     PusherStats,
     StepPusher,
+    env_switch,
+    gzip_from_env,
     post_with_retries,
     response_detail,
     service_url_from_env,
@@ -52,10 +55,7 @@ that it resumes from its predecessor's last report and the spool alone."""
 
 def store_steps_from_env() -> bool:
     """Every step to the service (``LLMVISOR_STORE_STEPS=1``, the default); ``0``: window aggregates."""
-    value = os.environ.get(ENV_STORE_STEPS, "1").strip().lower()
-    if value not in ("0", "1", "true", "false", "yes", "no", ""):
-        raise ValueError(f"{ENV_STORE_STEPS}={value!r}: give 1 or 0")
-    return value in ("1", "true", "yes")
+    return env_switch(ENV_STORE_STEPS, True)
 
 
 def window_s_from_env() -> float:
@@ -113,6 +113,30 @@ class ActiveModelCache:
                         self.engine_class, problem, self.version)
 
 
+def window_line(window: WindowAggregate) -> str:
+    """A window as the pusher queues, spools and sends it: its JSON on one line."""
+    return json.dumps(window.to_json())
+
+
+def windows_body(lines: list[str]) -> bytes:
+    """One ``POST /v1/windows`` body of the windows' lines (`window_line`), before gzip (`llmvisor.client.push.gzip_body`)."""
+    return ('{"windows":[' + ",".join(lines) + "]}").encode()
+
+
+def window_batches(lines: list[str], *, max_windows: int, max_bytes: int) -> list[list[int]]:
+    """The windows of each POST, as indexes into ``lines``: at most ``max_windows`` a POST and, beyond its first,
+    ``max_bytes`` of their JSON."""
+    out: list[list[int]] = []
+    size = 0
+    for index, line in enumerate(lines):
+        if not out or len(out[-1]) >= max_windows or size + len(line) > max_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(index)
+        size += len(line) + 1
+    return out
+
+
 class WindowPusher:
     """Send window aggregates to ``POST /v1/windows`` in the background; spool them to ``<spool>.windows.jsonl``
     while the service cannot take them, replayed when it answers (ingest is idempotent per window). A window the
@@ -120,12 +144,14 @@ class WindowPusher:
     counted. A POST carries at most ``max_batch_windows`` windows and, beyond its first, ``max_batch_bytes``
     (a window lists every request of its steps: a busy engine's can take hundreds of kilobytes). A POST is tried
     ``max_attempts`` times (`llmvisor.retry`'s policy, as `StepPusher` does) before its windows are spooled; while
-    the service refuses the key (401, 403) they are spooled at once, as while it is away."""
+    the service refuses the key (401, 403) they are spooled at once, as while it is away. Bodies go gzip'd unless
+    ``compress=False`` (``LLMVISOR_PUSH_GZIP=0`` for `from_env`), plain once the service shows it cannot read them
+    (`llmvisor.client.push.GzipPosts`); the spool keeps the plain JSON lines."""
 
     def __init__(self, url: str, api_key: str, spool_path: str | os.PathLike = DEFAULT_SPOOL, *, max_batch_windows: int = 200,
                  max_batch_bytes: int = 4 << 20, flush_interval_s: float = 0.1, request_timeout_s: float = 10.0,
                  retry_interval_s: float = 2.0, max_attempts: int = 4, backoff_initial_s: float = 0.1,
-                 backoff_max_s: float = MAX_RETRY_WAIT_S):
+                 backoff_max_s: float = MAX_RETRY_WAIT_S, compress: bool = True):
         self.client = httpx.Client(base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {api_key}"}, timeout=request_timeout_s)
         self.spool_path = Path(f"{spool_path}.windows.jsonl")
         self.replay_path = Path(f"{spool_path}.windows.replaying")
@@ -134,6 +160,7 @@ class WindowPusher:
         self.flush_interval_s, self.retry_interval_s = flush_interval_s, retry_interval_s
         self.max_attempts, self.backoff_initial_s, self.backoff_max_s = max_attempts, backoff_initial_s, backoff_max_s
         self.stats = PusherStats()
+        self.gzip_posts = GzipPosts(compress)
         self._lock = threading.Lock()
         self._queue: deque[tuple[int, str]] = deque()  # (seq, the window's JSON)
         self._next_seq = 0
@@ -148,10 +175,10 @@ class WindowPusher:
     @classmethod
     def from_env(cls) -> WindowPusher | None:
         url = service_url_from_env()
-        return cls(url, os.environ[ENV_KEY], os.environ.get(ENV_SPOOL, DEFAULT_SPOOL)) if url else None
+        return cls(url, os.environ[ENV_KEY], os.environ.get(ENV_SPOOL, DEFAULT_SPOOL), compress=gzip_from_env()) if url else None
 
     def push(self, window: WindowAggregate) -> int:
-        text = json.dumps(window.to_json())
+        text = window_line(window)
         with self._lock:
             seq = self._next_seq
             self._next_seq += 1
@@ -170,15 +197,8 @@ class WindowPusher:
             self._unsettled.difference_update(seq for seq, _ in batch)
 
     def _batches(self, windows: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
-        out: list[list[tuple[int, str]]] = []
-        size = 0
-        for item in windows:
-            if not out or len(out[-1]) >= self.max_batch_windows or size + len(item[1]) > self.max_batch_bytes:
-                out.append([])
-                size = 0
-            out[-1].append(item)
-            size += len(item[1]) + 1
-        return out
+        batches = window_batches([w for _, w in windows], max_windows=self.max_batch_windows, max_bytes=self.max_batch_bytes)
+        return [[windows[i] for i in batch] for batch in batches]
 
     def _run(self) -> None:
         while True:
@@ -205,11 +225,11 @@ class WindowPusher:
 
     def _deliver(self, batch: list[tuple[int, str]]) -> bool:
         """POST the batch; False when the service cannot take it now (spool it). Refused windows are rejected."""
-        body = ('{"windows":[' + ",".join(w for _, w in batch) + "]}").encode()
+        body = windows_body([w for _, w in batch])
         try:
             response = post_with_retries(self.client, WINDOWS_PATH, body, self.stats, attempts=self.max_attempts,
                                          wait_s=self.backoff_initial_s, max_wait_s=self.backoff_max_s, give_up=self._out_of_time,
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": "application/json"}, gzip_posts=self.gzip_posts)
         except (RetryableAnswer, httpx.HTTPError) as error:
             return self._unavailable(failure_reason(error))
         if response.status_code in (401, 403):  # the key is refused: the windows wait in the spool, as in an outage

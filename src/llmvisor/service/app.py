@@ -108,6 +108,7 @@ def create_app(
     max_rows_per_request: int = DEFAULT_MAX_ROWS_PER_REQUEST,
     max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS,
     public_metrics: bool = False,
+    gzip_bodies: bool = True,
     max_concurrent_ingest: int = DEFAULT_MAX_CONCURRENT_INGEST,
     fallback_model_path: str | Path | None = None,
     drift: DriftSettings | None = None,
@@ -120,6 +121,7 @@ def create_app(
     ``public_metrics`` serves /metrics without a key (it names every tenant and its usage, so by default
     it needs an admin key, which Prometheus sends with ``authorization: {credentials: ...}``).
     ``max_tenant_labels`` caps the tenants named in /metrics; the rest are counted as ``tenant="other"``.
+    ``gzip_bodies=False`` answers a gzip body (``Content-Encoding: gzip``) with 415 (`RequestGuard`).
     The model at ``model_path`` attributes the engine class it was fitted on while the registry has no active
     version of it, and steps without a fingerprint; the one at ``fallback_model_path``, if given, every other
     class without a model (warned once per class); else their steps are stored pending
@@ -137,6 +139,7 @@ def create_app(
         max_rows_per_request=max_rows_per_request,
         max_tenant_labels=max_tenant_labels,
         public_metrics=public_metrics,
+        gzip_bodies=gzip_bodies,
         max_concurrent_ingest=max_concurrent_ingest,
     )
     model = StepLatencyModel.from_json(model_path)

@@ -17,7 +17,9 @@ ENV_REQUEST_TOTALS = "LLMVISOR_REQUEST_TOTALS"
 @dataclass(frozen=True)
 class ServiceSettings:
     """``max_body_bytes`` bounds POST /v1/steps and /v1/windows (and what a Parquet body may decode to); every other route
-    takes at most ``max_small_body_bytes``. ``public_metrics`` serves /metrics without a key.
+    takes at most ``max_small_body_bytes``, either limit bounding a gzip body (``Content-Encoding: gzip``) once
+    decoded too; ``gzip_bodies=False`` refuses gzip bodies (415: the pushers then send plain JSON, at about twice the
+    bytes of window aggregates, in exchange for no decompression here). ``public_metrics`` serves /metrics without a key.
     ``max_concurrent_ingest`` batches are attributed and stored at once (no more than the ledger's connection
     pool holds); the others wait their turn in the event loop, so a fleet of engines posting at once queues
     instead of running out of database connections."""
@@ -28,4 +30,5 @@ class ServiceSettings:
     max_rows_per_request: int = DEFAULT_MAX_ROWS_PER_REQUEST
     max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS
     public_metrics: bool = False
+    gzip_bodies: bool = True
     max_concurrent_ingest: int = DEFAULT_MAX_CONCURRENT_INGEST

@@ -29,7 +29,7 @@ MAX_RUNS_WITH_RESIDUALS = 20
 RUN_RESIDUAL_WINDOW_STEPS = 2000
 MAX_RUNS_REMEMBERED = 10_000
 MAX_CLASSES_WITH_RESIDUALS = 100
-INGEST_ERROR_REASONS = ("unauthorized", "forbidden", "too_large", "bad_json", "bad_parquet", "bad_shape", "invalid_trace", "conflict", "duplicate_run", "database")
+INGEST_ERROR_REASONS = ("unauthorized", "forbidden", "too_large", "bad_encoding", "bad_gzip", "bad_json", "bad_parquet", "bad_shape", "invalid_trace", "conflict", "duplicate_run", "database")
 _RESIDUAL_BOUNDS_S = (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0)
 RESIDUAL_BUCKETS_S = tuple(sorted(-b for b in _RESIDUAL_BOUNDS_S)) + (0.0,) + _RESIDUAL_BOUNDS_S
 

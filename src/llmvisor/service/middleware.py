@@ -7,7 +7,13 @@ middleware in front of the app:
 - a declared ``Content-Length`` over the route's limit is a 413 without reading the body;
 - a body sent without a length (chunked) is counted as it is read, and reading stops with a 413 at the limit;
 - on the routes that need a key, a missing or invalid bearer key is a 401 before the body is read, and on
-  the routes that take a body and need an admin key (ingest, key creation) a tenant key is a 403.
+  the routes that take a body and need an admin key (ingest, key creation) a tenant key is a 403;
+- a body sent with ``Content-Encoding: gzip`` (the engines' pushers compress theirs) is inflated as it is read,
+  at most the route's limit once decoded (beyond it a 413, so a zip bomb is never inflated whole); a corrupt or
+  truncated gzip stream is a 400 naming zlib's reason; any other encoding, or gzip on a service started with
+  ``gzip_bodies=False``, is a 415 with ``Accept-Encoding`` saying what it takes (RFC 7694). The route reads the
+  decoded body as if it had been sent plain, so what is stored (and each window's or step's content digest) is
+  the same either way.
 
 POST /v1/steps and POST /v1/windows (ingest) may carry ``max_body_bytes`` (an engine's pusher sends many windows at
 once after an outage); every other route ``max_small_body_bytes``. The principal found
@@ -15,6 +21,8 @@ is handed to the route's key dependency in the ASGI scope.
 """
 
 from __future__ import annotations
+
+import zlib
 
 from fastapi import HTTPException
 from fastapi.concurrency import run_in_threadpool
@@ -47,8 +55,57 @@ class BodyTooLarge(HTTPException):
     """Raised from ``receive`` when a body without a declared length passes the limit: FastAPI passes an
     HTTPException raised while it reads a body on unchanged, so the answer is this 413."""
 
+    def __init__(self, limit_bytes: int, *, decoded: bool = False):
+        what = "request body that decodes to" if decoded else "request body of"
+        super().__init__(413, f"{what} more than {limit_bytes} bytes; at most {limit_bytes}")
+
+
+GZIP_ENCODINGS = frozenset({"gzip", "x-gzip"})
+
+
+class BadGzip(HTTPException):
+    """Raised from ``receive`` when a gzip body cannot be inflated: corrupt, truncated, not gzip at all."""
+
+    def __init__(self, reason: str):
+        super().__init__(400, f"request body (Content-Encoding: gzip): {reason}")
+
+
+class GzipReader:
+    """Inflate a gzip body chunk by chunk, refusing (`BodyTooLarge`) as soon as it decodes to more than
+    ``limit_bytes``: zlib is asked for at most one byte past what is left, so a bomb costs the limit, not its size.
+    Several gzip members one after another (RFC 1952) are one body."""
+
     def __init__(self, limit_bytes: int):
-        super().__init__(413, f"request body of more than {limit_bytes} bytes; at most {limit_bytes}")
+        self.limit_bytes = limit_bytes
+        self.decoded_bytes = 0
+        self._inflater = zlib.decompressobj(wbits=31)  # 16 + 15: a gzip header and trailer, the largest window
+
+    def feed(self, chunk: bytes, *, last: bool) -> bytes:
+        out = []
+        try:
+            while chunk:
+                if self._inflater.eof:  # another member follows
+                    self._inflater = zlib.decompressobj(wbits=31)
+                piece = self._inflater.decompress(chunk, self.limit_bytes - self.decoded_bytes + 1)
+                self.decoded_bytes += len(piece)
+                if self.decoded_bytes > self.limit_bytes:
+                    raise BodyTooLarge(self.limit_bytes, decoded=True)
+                out.append(piece)
+                chunk = self._inflater.unused_data if self._inflater.eof else self._inflater.unconsumed_tail
+        except zlib.error as bad:
+            raise BadGzip(f"not a valid gzip stream ({bad})") from None
+        if last and not self._inflater.eof:
+            raise BadGzip("the gzip stream is truncated (the body ends before its end)")
+        return b"".join(out)
+
+
+def body_encoding(headers: Headers) -> str | None:
+    """``"gzip"``, ``""`` (identity: no Content-Encoding, or only ``identity``), or None: an encoding not read here."""
+    codings = [c.strip().lower() for c in headers.get("content-encoding", "").split(",")]
+    codings = [c for c in codings if c and c != "identity"]
+    if not codings:
+        return ""
+    return "gzip" if len(codings) == 1 and codings[0] in GZIP_ENCODINGS else None
 
 
 class RequestGuard:
@@ -105,6 +162,15 @@ class RequestGuard:
                 await refuse("forbidden", error(403, forbidden))(scope, receive, send)
                 return
             scope[PRINCIPAL_SCOPE_KEY] = principal
+        encoding = body_encoding(headers)
+        if encoding is None or (encoding == "gzip" and not self.settings.gzip_bodies):
+            accepted = "gzip, identity" if self.settings.gzip_bodies else "identity"
+            detail = f"Content-Encoding {headers.get('content-encoding')!r} is not accepted here; send {accepted}"
+            await refuse("bad_encoding", error(415, detail, headers={"Accept-Encoding": accepted}))(scope, receive, send)
+            return
+        gzip_reader = GzipReader(limit_bytes) if encoding == "gzip" else None
+        if gzip_reader is not None:  # the route sees the decoded body, as if it had been sent plain
+            scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k not in (b"content-encoding", b"content-length")])
 
         received_bytes = 0
 
@@ -116,6 +182,16 @@ class RequestGuard:
                 if received_bytes > limit_bytes:
                     refuse("too_large", None)
                     raise BodyTooLarge(limit_bytes)
+                if gzip_reader is not None:
+                    try:
+                        decoded = gzip_reader.feed(message.get("body", b""), last=not message.get("more_body", False))
+                    except BodyTooLarge:
+                        refuse("too_large", None)
+                        raise
+                    except BadGzip:
+                        refuse("bad_gzip", None)
+                        raise
+                    message = dict(message, body=decoded)
             return message
 
         await self.app(scope, limited_receive, send)
