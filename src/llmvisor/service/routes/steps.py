@@ -150,7 +150,8 @@ def record_calibration(metrics: ServiceMetrics, registry: ModelRegistry, trace, 
         "duplicate; a different one is a 409 naming the steps. A new run whose step 0 (with timestamp_s) has the "
         "content of a stored run's step 0, run id aside, is a re-send under a new run id: 409 naming that run, the "
         "rest of the run refused too. Rows in validation messages are numbered "
-        "across the batch (and named steps[i][j] in the row form)."
+        "across the batch (and named steps[i][j] in the row form). The body may be gzip'd (Content-Encoding: gzip), "
+        "bounded decoded by the same limit."
     ),
     openapi_extra={
         "requestBody": {
@@ -162,10 +163,11 @@ def record_calibration(metrics: ServiceMetrics, registry: ModelRegistry, trace, 
         }
     },
     responses={
-        400: {"description": "body is not JSON (or not Parquet, for that content type)"},
+        400: {"description": "body is not JSON (or not Parquet, for that content type), or a corrupt gzip stream"},
         409: {"description": "a step was stored before with different content, or the batch's run repeats a stored run "
                             "under a new run id (`duplicate_of` names it)"},
-        413: {"description": "body, steps, rows or a Parquet body's decoded size over the limits"},
+        413: {"description": "body, steps, rows or a Parquet or gzip body's decoded size over the limits"},
+        415: {"description": "a Content-Encoding other than gzip (or gzip on a service started with --no-gzip-bodies)"},
         422: {"description": "rows break the trace format"},
         503: {"description": "database unavailable; retry"},
     },

@@ -103,10 +103,14 @@ def store_windows(aggregates: list[WindowAggregate], *, ledger: Ledger, gaps: Ga
         "Idempotent on (run_id, window_start_us): an identical re-send is a duplicate; a different one is a 409 naming "
         "the windows; the batch is stored whole or not at all. A new run whose first window (covering step 0) has the "
         "content of a stored run's first window, run id aside, is a re-send under a new run id: 409 naming that run "
-        "(`duplicate_of`), the rest of the run refused too."
+        "(`duplicate_of`), the rest of the run refused too. The body may be gzip'd (Content-Encoding: gzip), bounded "
+        "decoded by the same limit."
     ),
-    responses={409: {"description": "a window was stored before with different content, or the run repeats a stored "
+    responses={400: {"description": "a corrupt gzip body"},
+               409: {"description": "a window was stored before with different content, or the run repeats a stored "
                             "run under a new run id (`duplicate_of`)"},
+               413: {"description": "the body, or what a gzip body decodes to, over the limit"},
+               415: {"description": "a Content-Encoding other than gzip (or gzip on a service started with --no-gzip-bodies)"},
                422: {"description": "a window breaks the format (the message names the field)"},
                503: {"description": "database unavailable; retry"}},
 )
