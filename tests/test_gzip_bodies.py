@@ -148,6 +148,11 @@ def test_a_bad_gzip_body_is_a_400_naming_why_a_bomb_a_413_another_encoding_a_415
             other = client.post(path, content=body, headers={**bearer(key), "Content-Encoding": "br"})
             assert other.status_code == 415 and other.headers["accept-encoding"] == "gzip, identity"
             assert other.json()["detail"] == "Content-Encoding 'br' is not accepted here; send gzip, identity"
+        # any route: a key created from a gzip'd body; the small routes' limit bounds it decoded
+        created = client.post("/v1/keys", content=gzip_body(b'{"tenant": "acme"}'), headers=h)
+        assert created.status_code == 201 and created.json()["tenant"] == "acme"
+        small = client.post("/v1/keys", content=gzip_body(b'{"tenant": "acme"}' + b" " * (64 << 10)), headers=h)
+        assert small.status_code == 413 and small.json()["detail"].startswith("request body that decodes to more than 65536 bytes")
         # a bomb: 256 MiB of zeros in a quarter of a megabyte is refused at the limit, never inflated whole
         bomb = gzip_of_zeros(256 << 20)
         before = peak_rss_bytes()
