@@ -61,6 +61,8 @@ class BodyTooLarge(HTTPException):
 
 
 GZIP_ENCODINGS = frozenset({"gzip", "x-gzip"})
+INLINE_GZIP_BYTES = 16 << 10
+"""A gzip chunk this small (a live window's POST is one) is inflated on the event loop; a larger one in a worker thread."""
 
 
 class BadGzip(HTTPException):
@@ -183,8 +185,12 @@ class RequestGuard:
                     refuse("too_large", None)
                     raise BodyTooLarge(limit_bytes)
                 if gzip_reader is not None:
+                    chunk, last = message.get("body", b""), not message.get("more_body", False)
                     try:
-                        decoded = gzip_reader.feed(message.get("body", b""), last=not message.get("more_body", False))
+                        if len(chunk) <= INLINE_GZIP_BYTES:
+                            decoded = gzip_reader.feed(chunk, last=last)
+                        else:  # up to the limit decoded: not on the event loop (zlib lets go of the GIL meanwhile)
+                            decoded = await run_in_threadpool(gzip_reader.feed, chunk, last=last)
                     except BodyTooLarge:
                         refuse("too_large", None)
                         raise
