@@ -36,10 +36,11 @@ group), then plausible wrong ones the check must flag: no split (each reader pay
 block split in proportion to each reader's context length instead of equally."""
 LANDED_SHARING_RULE = SHARING_RULES[0]
 SHARING_CLASSES = ("shared", "unique", "largest_group", "middle_group", "smallest_group", "first_readers", "later_readers",
-                   "long_readers", "short_readers")
+                   "long_readers", "short_readers", "longest_readers", "shortest_readers")
 """Classes whose bill the sharing check compares with their measured value: readers of a shared prefix against own
 contexts, each prefix group by size rank, and within the groups: each group's first reader against the later ones, and
-readers whose context is longer than their group's median against the shorter ones. Defined by the batch, not by any
+readers whose context is longer than their group's median against the shorter ones, and each group's longest and
+shortest reader. Defined by the batch, not by any
 rule, so every rule is judged on the same classes."""
 CLASS_BIAS_MAX = 0.03
 """|class bias| the default rule must stay within (issue #21's goal)."""
@@ -97,12 +98,17 @@ def sharing_class_masks(groups, context) -> dict[str, np.ndarray]:
         out[name] = groups == g
     first = np.zeros(groups.size, dtype=bool)
     long = np.zeros(groups.size, dtype=bool)
+    longest = np.zeros(groups.size, dtype=bool)
+    shortest = np.zeros(groups.size, dtype=bool)
     for g in ranked:
         idx = np.flatnonzero(groups == g)
         first[idx[0]] = True
         long[idx] = context[idx] > np.median(context[idx])
+        longest[idx[np.argmax(context[idx])]] = True
+        shortest[idx[np.argmin(context[idx])]] = True
     out["first_readers"], out["later_readers"] = first, (groups >= 0) & ~first
     out["long_readers"], out["short_readers"] = long, (groups >= 0) & ~long
+    out["longest_readers"], out["shortest_readers"] = longest, shortest
     return out
 
 

@@ -318,7 +318,8 @@ COALITION_KIND_LABELS = {"decode": "decode", "shared_prefix_decode": "shared-pre
                          "prefill": "prefill", "mixed": "mixed"}
 CLASS_LABELS = {"shared": "shared-prefix readers", "unique": "own contexts", "largest_group": "largest group",
                 "middle_group": "middle group", "smallest_group": "smallest group", "first_readers": "first readers",
-                "later_readers": "later readers", "long_readers": "long readers", "short_readers": "short readers"}
+                "later_readers": "later readers", "long_readers": "long readers", "short_readers": "short readers",
+                "longest_readers": "longest readers", "shortest_readers": "shortest readers"}
 
 
 def _interval(entry: dict | None) -> str:

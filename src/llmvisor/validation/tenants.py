@@ -2,10 +2,11 @@
 
 A tenants-design batch (`llmvisor.validation.plans.draw_tenant_batches`) holds 2–4 unequal tenants; a coalition of
 tenants is all their requests together, so the tenants' game has only 2**T − 1 coalitions and is measured exactly,
-each coalition ``repeat`` times per round, in independent rounds. A tenant's measured Shapley value is the exact
-Shapley value of the mean times; its interval comes from the repeats (each coalition's own sample variance, carried
-through the Shapley weights, Welch–Satterthwaite degrees of freedom). A tenant's bill is the sum of its requests'
-shares under a rule (``shapley``: the landed rule and sharing rule; `token_count` and `equal_split` beside it).
+each coalition ``repeat`` times per round, in independent rounds. A tenant's bill is the sum of its requests' shares
+under a rule (``shapley``: the landed rule and sharing rule; `token_count` and `equal_split` beside it), so its truth
+is the sum of its requests' Shapley values, which the tenants' game gives where it is additive over tenants
+(`tenant_game_values`: its own terms F_t plus the shared cost split per request; the exact Shapley value of the
+tenants' game, which splits the shared cost per tenant, is kept beside it). Intervals come from the repeats.
 
 From journals measured before this design (per-request coalitions, `llmvisor.validation.coalitions`) a tenant's
 interval follows from the regression's covariance: a tenant owning a quarter of a batch has the variance 1ᵀΣ1 over
@@ -23,7 +24,7 @@ from scipy import stats
 from llmvisor.validation.analysis import Method, quantiles_with_ci, token_count_split
 from llmvisor.validation.coalitions import LANDED_SHARING_RULE, sharing_rule_shares
 from llmvisor.validation.estimator import shapley_matrix
-from llmvisor.validation.game import exact_shapley, members
+from llmvisor.validation.game import additive_design, additivity_test, exact_shapley, members
 from llmvisor.validation.measurement import Journal
 from llmvisor.validation.plans import SampledBatchSpec, TenantRole, tenant_coalition_masks
 
@@ -33,25 +34,42 @@ GOAL_SIZES = (32, 64)
 BILL_METHODS = (Method.SHAPLEY.value, Method.TOKEN_COUNT.value, Method.EQUAL_SPLIT.value)
 
 
-def tenant_game_values(times: list[np.ndarray], n_tenants: int, *, confidence: float = 0.95) -> dict:
-    """Exact Shapley values of a tenants' game from repeated measurements: ``times[c − 1]`` holds coalition c's
-    measured times (c a bit mask over tenants). Values of the mean times; variance Σ_c W_ic²·s_c²/k_c (W the exact
-    Shapley weights, s_c² the coalition's sample variance over its k_c repeats), Student-t with Welch–Satterthwaite
-    degrees of freedom."""
+def tenant_game_values(times: list[np.ndarray], n_tenants: int, tenant_requests, *, confidence: float = 0.95) -> dict:
+    """The truths of a tenants' game from repeated measurements: ``times[c − 1]`` holds coalition c's measured times
+    (c a bit mask over tenants), ``tenant_requests`` each tenant's number of requests.
+
+    - ``shapley_s``: each tenant's share of the batch as its requests' Shapley values summed, which is what a bill
+      built from per-request shares claims: with the tenants' game additive, v(C) = b + Σ_{t∈C} F_t (fitted by least
+      squares to the mean times; exact for two tenants), that sum is F_t + b·n_t / n (the shared cost split per
+      request). Where requests share blocks only within their tenant, this holds whatever the requests' own game.
+    - ``tenant_game_shapley_s``: the exact Shapley value of the tenants' game (tenants as players: the shared cost
+      split per tenant, not per request; not what a per-request bill is meant to equal).
+
+    Both are linear in the mean times: variance Σ_c L_tc²·s_c²/k_c (s_c² coalition c's sample variance over its k_c
+    repeats), Student-t with Welch–Satterthwaite degrees of freedom."""
     if len(times) != (1 << n_tenants) - 1 or any(np.asarray(t).size < 2 for t in times):
         raise ValueError(f"a game of {n_tenants} tenants needs {(1 << n_tenants) - 1} coalitions with 2 or more times each")
+    counts = np.asarray(tenant_requests, dtype=np.float64)
     mean = np.array([float(np.mean(t)) for t in times])
     var_of_mean = np.array([float(np.var(t, ddof=1)) / np.asarray(t).size for t in times])
     dof_each = np.array([np.asarray(t).size - 1 for t in times], dtype=np.float64)
-    w = shapley_matrix(n_tenants)
-    phi = w @ mean
-    parts = w**2 * var_of_mean
-    var = parts.sum(axis=1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        dof = np.where(var > 0, var**2 / np.sum(parts**2 / dof_each, axis=1), np.inf)
-    half = stats.t.ppf(0.5 + confidence / 2, np.maximum(dof, 1.0)) * np.sqrt(var)
-    assert np.allclose(phi, exact_shapley(np.concatenate([[0.0], mean])))
-    return {"shapley_s": phi, "std_err_s": np.sqrt(var), "half_s": half, "dof": dof, "cost_s": mean}
+    pinv = np.linalg.pinv(additive_design(n_tenants))
+    linear = {"shapley_s": pinv[1:] + np.outer(counts / counts.sum(), pinv[0]), "tenant_game_shapley_s": shapley_matrix(n_tenants)}
+    out: dict = {"cost_s": mean, "shared_s": float(pinv[0] @ mean)}
+    for name, matrix in linear.items():
+        parts = matrix**2 * var_of_mean
+        var = parts.sum(axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            dof = np.where(var > 0, var**2 / np.sum(parts**2 / dof_each, axis=1), np.inf)
+        prefix = name.removesuffix("shapley_s")
+        out[name] = matrix @ mean
+        out[f"{prefix}half_s"] = stats.t.ppf(0.5 + confidence / 2, np.maximum(dof, 1.0)) * np.sqrt(var)
+        out[f"{prefix}std_err_s"] = np.sqrt(var)
+    assert np.allclose(out["tenant_game_shapley_s"], exact_shapley(np.concatenate([[0.0], mean])))
+    if n_tenants > 2:
+        masks = np.repeat(np.arange(1, 1 << n_tenants), [np.asarray(t).size for t in times])
+        out["additivity"] = additivity_test(masks, np.concatenate([np.asarray(t, dtype=np.float64) for t in times]), n_tenants)
+    return out
 
 
 def tenant_sums(values, tenants, n_tenants: int) -> np.ndarray:
@@ -84,7 +102,8 @@ def analyse_tenant_batch(batch: SampledBatchSpec, journal: Journal, model, *, co
             "n_disturbed_steps": n_disturbed}
     if any(t.size < 2 for t in pooled):
         return {**base, "interference_flagged": True}
-    game = tenant_game_values(pooled, n_tenants, confidence=confidence)
+    counts = np.bincount(np.asarray(batch.tenants), minlength=n_tenants)
+    game = tenant_game_values(pooled, n_tenants, counts, confidence=confidence)
     full = (1 << batch.size) - 1
     full_taken = [m for r in range(len(rounds)) for m in journal.get(batch, r, full) if not m.interference]
     measured_s = float(np.mean([m.step_latency_s for m in full_taken]))
@@ -104,12 +123,15 @@ def analyse_tenant_batch(batch: SampledBatchSpec, journal: Journal, model, *, co
                       Method.EQUAL_SPLIT.value: np.full(batch.size, measured_s / batch.size)}
     bills = {m: tenant_sums(v, batch.tenants, n_tenants) for m, v in request_shares.items()}
     # every tenant's bill is scaled to the same measured step, and the values sum to the mean full-batch time
-    by_round = [shapley_matrix(n_tenants) @ np.array([float(np.mean(t)) for t in r]) for r in rounds]
+    pinv = np.linalg.pinv(additive_design(n_tenants))
+    by_round = [(pinv[1:] + np.outer(counts / counts.sum(), pinv[0])) @ np.array([float(np.mean(t)) for t in r]) for r in rounds]
     return {
         **base, "interference_flagged": False, "phase": "prefill" if is_prefill.all() else "decode",
         "n_steps": int(sum(t.size for t in pooled)), "n_rounds": len(rounds), "measured_step_s": measured_s,
-        "tenant_requests": np.bincount(np.asarray(batch.tenants), minlength=n_tenants).tolist(),
+        "tenant_requests": counts.tolist(), "shared_s": game["shared_s"],
         "shapley_s": game["shapley_s"], "half_s": game["half_s"], "std_err_s": game["std_err_s"],
+        "tenant_game_shapley_s": game["tenant_game_shapley_s"], "tenant_game_half_s": game["tenant_game_half_s"],
+        "additivity": {k: game["additivity"][k] for k in ("f", "p_value", "rejected")} if "additivity" in game else None,
         "shapley_by_round_s": [p.tolist() for p in by_round],
         "bills_s": bills, "sharing_rule_bills_s": {rule: tenant_sums(v, batch.tenants, n_tenants) for rule, v in rules.items()},
     }
@@ -173,8 +195,10 @@ def tenant_summary(records: list[dict], *, n_bootstrap: int = 1000, seed: int = 
         for rule in sharing_rows[0]["rule_errors"]:
             rules[rule] = quantiles_with_ci(np.array([r["rule_errors"][rule] for r in sharing_rows]), groups, qs=(50, 90),
                                             n_bootstrap=n_bootstrap, seed=seed)
+    tested = [r["additivity"] for r in records if not r.get("interference_flagged") and r.get("additivity")]
     return {
         "n_batches": len({r["batch"] for r in rows}), "n_tenants": len(rows),
+        "tenant_additivity": {"n_batches": len(tested), "rejected_fraction_5pct": float(np.mean([a["rejected"] for a in tested])) if tested else None},
         "n_interference_flagged": sum(1 for r in records if r.get("interference_flagged")),
         "headline_method": Method.SHAPLEY.value, "by_size": by["size"], "by_phase": by["phase"], "by_role": by["role"],
         "by_sharing_class": by["sharing_class"], "sharing_tenant_by_rule": rules,
