@@ -164,23 +164,10 @@ def test_every_plausible_wrong_sharing_rule_is_flagged_with_enough_samples_and_t
 
 
 def test_validate_runs_the_tenants_plan_and_writes_its_section(tmp_path, monkeypatch):
-    import time
-
     from llmvisor.cli.validate import validate
-    from llmvisor.engines.vllm import controlled
-    from test_validation import _write_mix_csvs
-    from test_validation_sampled_plan import FakeControlledEngine
+    from test_validation_coalitions import fake_grouped_command
 
-    class FakeGroupedEngine(FakeControlledEngine, GroupedEngine):
-        def decode_step(self, handle, members):
-            time.sleep(0.0005)
-            return GroupedEngine.decode_step(self, handle, members)
-
-    monkeypatch.setattr(controlled, "ControlledEngine", FakeGroupedEngine)
-    workloads = tmp_path / "workloads"
-    _write_mix_csvs(workloads)
-    model_path = tmp_path / "model.json"
-    sharing_model().to_json(model_path)
+    workloads, model_path = fake_grouped_command(tmp_path, monkeypatch, step_sleep_s=0.0005)
     output = tmp_path / "t.json"
     common = dict(output=output, model=model_path, workloads=workloads, batches=0, n_bootstrap=20, max_num_seqs=32,
                   tenant_batches=6, tenant_sizes="16", tenant_repeat=2, tenant_rounds=2)

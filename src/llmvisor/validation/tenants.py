@@ -87,16 +87,13 @@ def analyse_tenant_batch(batch: SampledBatchSpec, journal: Journal, model, *, co
     rounds: list[list[np.ndarray]] = []
     n_disturbed = 0
     for round_ in range(batch.rounds):
-        row = []
-        for c in range(1, 1 << n_tenants):
-            taken = journal.get(batch, round_, by_tenant_mask[c])
-            n_disturbed += sum(m.interference for m in taken)
-            row.append(np.array([m.step_latency_s for m in taken if not m.interference]))
-        if any(t.size == 0 for t in row):
+        taken = [journal.get(batch, round_, by_tenant_mask[c]) for c in range(1, 1 << n_tenants)]
+        if not all(taken):  # not measured yet
             if round_ == 0:
                 return None
             break
-        rounds.append(row)
+        n_disturbed += sum(m.interference for ms in taken for m in ms)
+        rounds.append([np.array([m.step_latency_s for m in ms if not m.interference]) for ms in taken])
     pooled = [np.concatenate([r[c] for r in rounds]) for c in range((1 << n_tenants) - 1)]
     base = {"index": batch.index, "kind": batch.kind, "size": batch.size, "n_tenants": n_tenants, "roles": list(batch.tenant_roles),
             "n_disturbed_steps": n_disturbed}
@@ -124,7 +121,8 @@ def analyse_tenant_batch(batch: SampledBatchSpec, journal: Journal, model, *, co
     bills = {m: tenant_sums(v, batch.tenants, n_tenants) for m, v in request_shares.items()}
     # every tenant's bill is scaled to the same measured step, and the values sum to the mean full-batch time
     pinv = np.linalg.pinv(additive_design(n_tenants))
-    by_round = [(pinv[1:] + np.outer(counts / counts.sum(), pinv[0])) @ np.array([float(np.mean(t)) for t in r]) for r in rounds]
+    by_round = [(pinv[1:] + np.outer(counts / counts.sum(), pinv[0])) @ np.array([float(np.mean(t)) for t in r])
+                for r in rounds if all(t.size for t in r)]
     return {
         **base, "interference_flagged": False, "phase": "prefill" if is_prefill.all() else "decode",
         "n_steps": int(sum(t.size for t in pooled)), "n_rounds": len(rounds), "measured_step_s": measured_s,
