@@ -78,8 +78,9 @@ def tenant_sums(values, tenants, n_tenants: int) -> np.ndarray:
 
 
 def analyse_tenant_batch(batch: SampledBatchSpec, journal: Journal, model, *, confidence: float = 0.95) -> dict | None:
-    """One tenants-design batch: each tenant's measured Shapley value with its interval (every round's clean repeats
-    pooled) and its bill under each method; the rounds' values apart (their spread is the round-to-round noise);
+    """One tenants-design batch: each tenant's truth (`tenant_game_values`: its requests' Shapley values summed, and the
+    tenants' game's own Shapley value beside it) with its interval (every round's clean repeats pooled) and its bill
+    under each method and sharing rule; the rounds' truths apart (their spread is the round-to-round noise);
     None until round 0 is measured. Steps the interference guard kept after every redo was disturbed are left out."""
     n_tenants = len(batch.tenant_roles)
     coalitions = tenant_coalition_masks(batch.tenants)  # tenant masks 2**T − 1 … 1
@@ -119,7 +120,6 @@ def analyse_tenant_batch(batch: SampledBatchSpec, journal: Journal, model, *, co
     request_shares = {Method.SHAPLEY.value: rules[LANDED_SHARING_RULE], Method.TOKEN_COUNT.value: measured_s * token_count_split(new, is_prefill),
                       Method.EQUAL_SPLIT.value: np.full(batch.size, measured_s / batch.size)}
     bills = {m: tenant_sums(v, batch.tenants, n_tenants) for m, v in request_shares.items()}
-    # every tenant's bill is scaled to the same measured step, and the values sum to the mean full-batch time
     pinv = np.linalg.pinv(additive_design(n_tenants))
     by_round = [(pinv[1:] + np.outer(counts / counts.sum(), pinv[0])) @ np.array([float(np.mean(t)) for t in r])
                 for r in rounds if all(t.size for t in r)]
