@@ -53,21 +53,28 @@ def test_in_an_additive_game_a_tenant_is_owed_its_requests_shapley_values_summed
     assert np.all(game["half_s"] == 0)
 
 
+TENANTS_OF_8 = [0, 1, 0, 2, 1, 0, 2, 1]
+
+
+def document_game(readers: set[int], block_s: float, seed: int):
+    """A batch of `TENANTS_OF_8`'s requests, additive (b + Σ f_i) plus one document of ``block_s`` read once per step by
+    any requests of the ``readers`` tenants in it."""
+    f = np.random.default_rng(seed).uniform(0.001, 0.004, len(TENANTS_OF_8))
+
+    def cost(mask: int) -> float:
+        chosen = members(mask, len(TENANTS_OF_8))
+        return (0.01 + sum(f[i] for i in chosen) + block_s * any(TENANTS_OF_8[i] in readers for i in chosen)) if chosen else 0.0
+
+    return cost
+
+
 def test_a_document_shared_within_one_tenant_leaves_its_requests_summed_shapley_values_its_truth():
     """Requests of tenant 0 read one block once per step (not additive over requests): the request-level exact Shapley
     values, summed per tenant, are still what the tenants' game gives."""
-    rng = np.random.default_rng(7)
-    tenants = [0, 1, 0, 2, 1, 0, 2, 0]
-    n = len(tenants)
-    b, f, block = 0.01, rng.uniform(0.001, 0.004, n), 0.006
-
-    def cost(mask: int) -> float:
-        chosen = members(mask, n)
-        return (b + sum(f[i] for i in chosen) + block * any(tenants[i] == 0 for i in chosen)) if chosen else 0.0
-
-    exact = exact_shapley(np.array([cost(m) for m in range(1 << n)]))
-    game = tenant_game_values(tenant_times(cost, tenants), 3, np.bincount(tenants))
-    np.testing.assert_allclose(game["shapley_s"], np.bincount(tenants, weights=exact), rtol=1e-9)
+    cost = document_game({0}, 0.006, seed=7)
+    exact = exact_shapley(np.array([cost(m) for m in range(1 << len(TENANTS_OF_8))]))
+    game = tenant_game_values(tenant_times(cost, TENANTS_OF_8), 3, np.bincount(TENANTS_OF_8))
+    np.testing.assert_allclose(game["shapley_s"], np.bincount(TENANTS_OF_8, weights=exact), rtol=1e-9)
     assert game["additivity"]["interaction_rms"] < 1e-12  # additive over tenants: the block is one tenant's
 
 
@@ -75,15 +82,8 @@ def test_a_document_shared_across_tenants_shows_as_a_tenants_game_that_is_not_ad
     """Where two tenants read one document, the sum of request values is no longer what the tenants' game gives; the
     repeats' additivity test says so."""
     rng = np.random.default_rng(3)
-    tenants = [0, 1, 0, 2, 1, 0, 2, 1]
-    n = len(tenants)
-    b, f, block = 0.01, rng.uniform(0.001, 0.004, n), 0.02
-
-    def cost(mask: int) -> float:
-        chosen = members(mask, n)
-        return (b + sum(f[i] for i in chosen) + block * any(tenants[i] in (0, 1) for i in chosen)) if chosen else 0.0
-
-    game = tenant_game_values(tenant_times(cost, tenants, repeats=8, noise=0.005, rng=rng), 3, np.bincount(tenants))
+    cost = document_game({0, 1}, 0.02, seed=3)
+    game = tenant_game_values(tenant_times(cost, TENANTS_OF_8, repeats=8, noise=0.005, rng=rng), 3, np.bincount(TENANTS_OF_8))
     assert game["additivity"]["rejected"]
 
 
@@ -153,7 +153,7 @@ def test_every_plausible_wrong_sharing_rule_is_flagged_with_enough_samples_and_t
     rng = np.random.default_rng(11)
     model = sharing_model()
     records = []
-    for index in range(40):
+    for _ in range(40):
         n = 16
         groups = np.array([0] * 5 + [1] * 4 + [-1] * 7)
         rng.shuffle(groups)
