@@ -134,18 +134,18 @@ def test_the_sharing_check_passes_the_right_rule_and_flags_a_planted_wrong_one(t
     assert 0 <= summary["estimator"]["exact_coverage_95"] <= 1
 
 
-def test_validate_measures_the_coalitions_plan_within_a_time_limit_and_resumes(tmp_path, monkeypatch):
-    import json
+def fake_grouped_command(tmp_path, monkeypatch, *, step_sleep_s: float):
+    """`llmvisor validate`'s engine replaced by `GroupedEngine` (each decode step sleeping ``step_sleep_s``), with the
+    test mixes and the model that prices its steps exactly; returns (workloads folder, model path)."""
     import time
 
-    from llmvisor.cli.validate import validate
     from llmvisor.engines.vllm import controlled
     from test_validation import _write_mix_csvs
     from test_validation_sampled_plan import FakeControlledEngine, sharing_model
 
     class FakeGroupedEngine(FakeControlledEngine, GroupedEngine):
         def decode_step(self, handle, members):
-            time.sleep(0.004)  # slow enough for the time limit to stop the first run part-way
+            time.sleep(step_sleep_s)
             return GroupedEngine.decode_step(self, handle, members)
 
     monkeypatch.setattr(controlled, "ControlledEngine", FakeGroupedEngine)
@@ -153,6 +153,17 @@ def test_validate_measures_the_coalitions_plan_within_a_time_limit_and_resumes(t
     _write_mix_csvs(workloads)
     model_path = tmp_path / "model.json"
     sharing_model().to_json(model_path)
+    return workloads, model_path
+
+
+def test_validate_measures_the_coalitions_plan_within_a_time_limit_and_resumes(tmp_path, monkeypatch):
+    import json
+
+    from llmvisor.cli.validate import validate
+    from llmvisor.engines.vllm import controlled
+
+    # each step slow enough for the time limit to stop the first run part-way
+    workloads, model_path = fake_grouped_command(tmp_path, monkeypatch, step_sleep_s=0.004)
     output = tmp_path / "c.json"
     common = dict(output=output, model=model_path, workloads=workloads, batches=0, repeat=1, n_bootstrap=20, max_num_seqs=32,
                   design="coalitions", sampled_batches=3, coalitions_per_request=2, sampled_sizes="16",

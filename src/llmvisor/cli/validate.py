@@ -43,6 +43,7 @@ from llmvisor.validation.plans import (
     read_length_mixes,
     sampled_plan,
     sampled_run_budget_s,
+    tenant_plan,
 )
 
 
@@ -118,6 +119,10 @@ RESUMED_OPTIONS = {
     "pools": ("sampled", "pools"),
     "pool_coalitions_per_request": ("sampled", "pool_coalitions_per_request"),
     "pool_chunk": ("sampled", "pool_chunk"),
+    "tenant_batches": ("tenants", "batches"),
+    "tenant_sizes": ("tenants", "sizes"),
+    "tenant_repeat": ("tenants", "repeat"),
+    "tenant_rounds": ("tenants", "rounds"),
 }
 """Options a re-run takes from the existing result's settings when not given: `validate -o RESULT` re-analyses (or
 resumes) the plan RESULT was measured with, instead of drawing another plan from the defaults."""
@@ -144,7 +149,7 @@ def settings_of_existing_result(ctx: typer.Context, output: Path, given: dict) -
             value = value.get(key, _NOT_RECORDED) if isinstance(value, dict) else _NOT_RECORDED
         if value is _NOT_RECORDED:
             continue
-        if option in ("sampled_sizes", "sampled_kinds") and isinstance(value, list):
+        if option in ("sampled_sizes", "sampled_kinds", "tenant_sizes") and isinstance(value, list):
             value = ",".join(map(str, value))
         resumed[option] = value
     return resumed
@@ -178,6 +183,10 @@ def validate(
     pools: Annotated[int, typer.Option(help="With --design coalitions: pools of batches sharing one prefill (a batch of the largest size, then largest ÷ s batches of each smaller size s drawn from its requests), after the other batches.", min=0)] = 0,
     pool_coalitions_per_request: Annotated[float | None, typer.Option(help="With --pools: coalitions per request of a pooled batch (default: --coalitions-per-request).", min=1)] = None,
     pool_chunk: Annotated[int | None, typer.Option(help="With --pools: coalitions per guarded batch-round of a pooled batch (default: 32, as the other batches); the held contexts are prepared once per round, and each grows by the steps it runs in it.", min=2)] = None,
+    tenant_batches: Annotated[int, typer.Option(help="Serving-size batches of 2–4 unequal tenants (heavy, light, one sharing a document, medium) whose tenants' game is measured exactly: every coalition of tenants, --tenant-repeat times per round (0: none).", min=0)] = 0,
+    tenant_sizes: Annotated[str, typer.Option(help="Sizes of the tenant batches, comma-separated, cycled (each at most --max-num-seqs).", metavar="N,N,...")] = ",".join(map(str, SAMPLED_SIZES)),
+    tenant_repeat: Annotated[int, typer.Option(help="Times each coalition of tenants is measured per round.", min=2)] = 6,
+    tenant_rounds: Annotated[int, typer.Option(help="Independent rounds per tenant batch (decode contexts prepared afresh each).", min=1)] = 2,
     guard_max_redos: Annotated[int, typer.Option(help="Times a batch-round the interference guard flags is measured again before it is kept, flagged.", min=0)] = 4,
     guard_max_wait_s: Annotated[float, typer.Option(help="Longest wait for the machine to quieten between redos, in seconds.", min=0)] = 600.0,
     time_limit_s: Annotated[float | None, typer.Option(help="Stop measuring after this many seconds (the batch-round under way is dropped) and write the result of what the journal holds; a re-run resumes.", min=1)] = None,
@@ -208,7 +217,8 @@ def validate(
         "orders": orders, "sampled_repeat": sampled_repeat, "sampled_sizes": sampled_sizes, "sampled_kinds": sampled_kinds,
         "design": design, "coalitions_per_request": coalitions_per_request, "replicate_share": replicate_share,
         "exact_sharing_batches": exact_sharing_batches, "pools": pools, "pool_coalitions_per_request": pool_coalitions_per_request,
-        "pool_chunk": pool_chunk,
+        "pool_chunk": pool_chunk, "tenant_batches": tenant_batches, "tenant_sizes": tenant_sizes, "tenant_repeat": tenant_repeat,
+        "tenant_rounds": tenant_rounds,
     })
     batches, max_batch, repeat, replicate_every = options["batches"], options["max_batch"], options["repeat"], options["replicate_every"]
     adversarial_fraction, max_prefill_tokens = options["adversarial_fraction"], options["max_prefill_tokens"]
@@ -219,6 +229,8 @@ def validate(
     design, coalitions_per_request = options["design"], options["coalitions_per_request"]
     replicate_share, exact_sharing_batches = options["replicate_share"], options["exact_sharing_batches"]
     pools, pool_coalitions_per_request, pool_chunk = options["pools"], options["pool_coalitions_per_request"], options["pool_chunk"]
+    tenant_batches, tenant_repeat, tenant_rounds = options["tenant_batches"], options["tenant_repeat"], options["tenant_rounds"]
+    tenant_sizes = options["tenant_sizes"]
     if pools and design != Design.COALITIONS:
         raise LlmvisorError("--pools: only with --design coalitions")
     if design not in tuple(Design):
@@ -241,7 +253,7 @@ def validate(
     mixes = read_length_mixes(workloads if workloads is not None else shipped.workloads_dir())
     envelope = Envelope(max_model_len, max_num_batched_tokens, max_num_seqs)
     specs, length_rules = [], {}
-    if batches or not sampled_batches:
+    if batches or not (sampled_batches or tenant_batches):
         specs, length_rules = draw_batches(
             mixes,
             envelope,
@@ -272,6 +284,11 @@ def validate(
     if sampled_batches or (design == Design.COALITIONS and exact_sharing_batches):
         sampled_specs = sampled_plan(mixes, envelope, sampled_settings, seed=seed)
 
+    tenant_settings = {"batches": tenant_batches, "sizes": list(parse_sizes(tenant_sizes)), "tenant_counts": [2, 3, 4],
+                       "phases": ["decode", "prefill"], "repeat": tenant_repeat, "rounds": tenant_rounds,
+                       "max_prefill_tokens": max_prefill_tokens}
+    tenant_specs = tenant_plan(mixes, envelope, tenant_settings, seed=seed) if tenant_batches else []
+
     engine_settings = {
         "engine_model_config": json.loads(config_path.read_text(encoding="utf-8")),
         "max_model_len": max_model_len,
@@ -291,7 +308,7 @@ def validate(
         journal.write_header({"engine_settings": engine_settings, "seed": seed})
     todo = missing_measurements(specs, journal, repeat)
     n_missing_exact = sum(len(masks) for masks in todo.values())
-    n_missing_sampled = missing_sampled_steps(sampled_specs, journal, sampled_repeat)
+    n_missing_sampled = missing_sampled_steps([*sampled_specs, *tenant_specs], journal, sampled_repeat)
     n_missing = n_missing_exact + n_missing_sampled
     budget_s = sampled_run_budget_s(sampled_specs, model_step_s(latency_model), repeat=sampled_repeat) if sampled_specs else 0.0
     preparation_s = sampled_preparation_s(sampled_specs, latency_model) if sampled_specs else 0.0
@@ -335,8 +352,8 @@ def validate(
             run_id=f"validate-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}",
         ) as engine:
             engine_facts = engine.describe()
-            prefill = next((b for b in [*specs, *sampled_specs] if b.phase == "prefill"), None)
-            decode = next((b for b in [*specs, *sampled_specs] if b.phase == "decode"), None)
+            prefill = next((b for b in [*specs, *sampled_specs, *tenant_specs] if b.phase == "prefill"), None)
+            decode = next((b for b in [*specs, *sampled_specs, *tenant_specs] if b.phase == "decode"), None)
             engine.warm_up(
                 prefill_lengths=list(prefill.num_new_tokens) if prefill else [16, 32],
                 decode_contexts=list(decode.num_context_tokens) if decode else [16, 32],
@@ -357,7 +374,7 @@ def validate(
                     counts = measure(engine, specs, journal, repeat=repeat, seed=seed, guard=guard, on_step=lambda n: advance(progress, task, n))
                     if n_missing_sampled:
                         more = measure_sampled(
-                            engine, measuring_order(sampled_specs), journal, repeat=sampled_repeat, seed=seed, guard=guard,
+                            engine, measuring_order(sampled_specs) + tenant_specs, journal, repeat=sampled_repeat, seed=seed, guard=guard,
                             on_step=lambda n: advance(progress, task, n),
                         )
                         counts = {k: counts.get(k, 0) + more.get(k, 0) for k in {*counts, *more}}
@@ -416,6 +433,8 @@ def validate(
     }
     if sampled_specs:
         settings["sampled"] = {**sampled_settings, "model_budget_s": round(budget_s, 1), "model_preparation_s": round(preparation_s, 1)}
+    if tenant_specs:
+        settings["tenants"] = tenant_settings
     if previous_runs and previous_runs[-1].get("engine"):
         settings["engine"] = previous_runs[-1]["engine"]
     result = build_result(specs, journal, latency_model, repeat=repeat, n_bootstrap=n_bootstrap, seed=seed, settings=settings,
@@ -438,6 +457,14 @@ def validate(
             result["summary"]["measurement_cost"] = jsonable(measurement_cost(journal, previous_runs))
         result["n_sampled_batches_measured"] = len(coalition_records)
         result["sampled_batches"] = [batch_record_json(r) for r in coalition_records]
+    if tenant_specs:
+        from llmvisor.validation.coalitions import jsonable
+        from llmvisor.validation.tenants import analyse_tenant_batch, tenant_summary
+
+        tenant_records = [r for r in (analyse_tenant_batch(b, journal, latency_model) for b in tenant_specs) if r is not None]
+        result["summary"]["tenants"] = jsonable(tenant_summary(tenant_records, n_bootstrap=n_bootstrap, seed=seed))
+        result["n_tenant_batches_planned"] = len(tenant_specs)
+        result["tenant_batches"] = jsonable(tenant_records)
     with replaced_atomically(output) as tmp:
         Path(tmp).write_text(dumps_result(result), encoding="utf-8")
     if json_output:
@@ -499,8 +526,15 @@ def print_summary(console, result: dict) -> None:
     from rich.table import Table
 
     summary = result["summary"]
-    if not summary:
-        console.print("no batch fully measured yet")
+    tenants = summary.get("tenants")
+    if tenants and tenants.get("by_size"):
+        for size, block in tenants["by_size"].items():
+            err = block["relative_error"]["shapley"]
+            console.print(f"tenants, {size} requests ({block['n_tenants']} tenants of {block['n_batches']} batches): a tenant's bill is "
+                          f"within {100 * err['p90']:.1f}% of its measured Shapley value (p90), median 95% half-width "
+                          f"{100 * block['halfwidth_over_share']['p50']:.1f}% of its share")
+    if not summary or set(summary) == {"tenants"}:
+        console.print("no batch fully measured yet" if not tenants else "")
         return
 
     def pct(x):

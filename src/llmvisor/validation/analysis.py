@@ -571,7 +571,7 @@ def rounded(value, digits: int = 6):
 def dumps_result(result: dict) -> str:
     """The result as JSON text: indented, except one compact line per batch record (keeps the file small)."""
     result = rounded(result)
-    listed = [k for k in ("batches", "sampled_batches") if k in result]
+    listed = [k for k in ("batches", "sampled_batches", "tenant_batches") if k in result]
     head = {k: val for k, val in result.items() if k not in listed}
     text = json.dumps(head, indent=1, allow_nan=False)[:-2]
     for key in listed:

@@ -29,8 +29,19 @@ from llmvisor.validation.game import additivity_test, exact_shapley, members, re
 from llmvisor.validation.measurement import Journal
 from llmvisor.validation.plans import SHARED_KINDS, SampledBatchSpec
 
-SHARING_RULES = ("split_among_readers", "whole_block_per_reader")
-"""The sharing rule the attribution uses, and the planted wrong one the validation must flag."""
+SHARING_RULES = ("split_among_readers", "whole_block_per_reader", "first_reader_pays", "split_by_context_length")
+"""The sharing rule the attribution uses (a group's shared blocks split equally among the step's readers of that
+group), then plausible wrong ones the check must flag: no split (each reader pays the whole block), the first reader
+(the one that computed the blocks: prefilled first) pays the whole block and the later readers none of it, and the
+block split in proportion to each reader's context length instead of equally."""
+LANDED_SHARING_RULE = SHARING_RULES[0]
+SHARING_CLASSES = ("shared", "unique", "largest_group", "middle_group", "smallest_group", "first_readers", "later_readers",
+                   "long_readers", "short_readers", "longest_readers", "shortest_readers")
+"""Classes whose bill the sharing check compares with their measured value: readers of a shared prefix against own
+contexts, each prefix group by size rank, and within the groups: each group's first reader against the later ones, and
+readers whose context is longer than their group's median against the shorter ones, and each group's longest and
+shortest reader. Defined by the batch, not by any
+rule, so every rule is judged on the same classes."""
 CLASS_BIAS_MAX = 0.03
 """|class bias| the default rule must stay within (issue #21's goal)."""
 HALFWIDTH_DECIDABLE_MAX = 0.25
@@ -48,6 +59,56 @@ def grouped_effective_context(context, shared_context, groups) -> np.ndarray:
     for g in set(groups.tolist()) - {-1}:
         idx = np.flatnonzero(groups == g)
         out[idx] = shared_prefix_effective_context(context[idx], shared[idx])
+    return out
+
+
+def sharing_effective_context(rule: str, context, shared_context, groups) -> np.ndarray:
+    """Each request's effective context under a sharing ``rule`` (`SHARING_RULES`) for a step of the whole batch; group
+    −1 reads its own context, and a group's first reader is its lowest-numbered request (the one prefilled first)."""
+    context = np.asarray(context, dtype=np.float64)
+    shared = np.asarray(shared_context, dtype=np.float64)
+    groups = np.asarray(groups)
+    if rule == "split_among_readers":
+        return grouped_effective_context(context, shared, groups)
+    if rule == "whole_block_per_reader":
+        return context.copy()
+    out = context.copy()
+    for g in set(groups.tolist()) - {-1}:
+        idx = np.flatnonzero((groups == g) & (shared > 0))
+        if idx.size < 2:
+            continue
+        if rule == "first_reader_pays":
+            out[idx[1:]] -= shared[idx[1:]]
+        elif rule == "split_by_context_length":
+            block = float(shared[idx].max())
+            out[idx] = context[idx] - shared[idx] + block * context[idx] / context[idx].sum()
+        else:
+            raise ValueError(f"unknown sharing rule {rule!r} (choose from {', '.join(SHARING_RULES)})")
+    return out
+
+
+def sharing_class_masks(groups, context) -> dict[str, np.ndarray]:
+    """`SHARING_CLASSES` of one batch as request masks (a class the batch lacks is all False)."""
+    groups = np.asarray(groups)
+    context = np.asarray(context, dtype=np.float64)
+    out = {"shared": groups >= 0, "unique": groups < 0}
+    ranked = sorted({g for g in groups.tolist() if g >= 0}, key=lambda g: -int((groups == g).sum()))
+    names = ("largest_group", "middle_group", "smallest_group") if len(ranked) == 3 else ("largest_group", "smallest_group")
+    for name, g in zip(names, ranked, strict=False):
+        out[name] = groups == g
+    first = np.zeros(groups.size, dtype=bool)
+    long = np.zeros(groups.size, dtype=bool)
+    longest = np.zeros(groups.size, dtype=bool)
+    shortest = np.zeros(groups.size, dtype=bool)
+    for g in ranked:
+        idx = np.flatnonzero(groups == g)
+        first[idx[0]] = True
+        long[idx] = context[idx] > np.median(context[idx])
+        longest[idx[np.argmax(context[idx])]] = True
+        shortest[idx[np.argmin(context[idx])]] = True
+    out["first_readers"], out["later_readers"] = first, (groups >= 0) & ~first
+    out["long_readers"], out["short_readers"] = long, (groups >= 0) & ~long
+    out["longest_readers"], out["shortest_readers"] = longest, shortest
     return out
 
 
@@ -98,11 +159,7 @@ def analyse_coalition_batch(batch: SampledBatchSpec, journal: Journal, model, re
     context = np.rint(np.array([np.mean(c) if c else nominal for c, nominal in zip(contexts, batch.num_context_tokens, strict=True)]))
     new = np.array(batch.num_new_tokens, dtype=np.float64)
     is_prefill = np.array(batch.is_prefill, dtype=bool)
-    effective = grouped_effective_context(context, shared, batch.groups)
-    shares = {rule: model_shares(model, new, context, is_prefill, measured_s, effective if shared.any() else None)[Method.SHAPLEY]
-              for rule in SHARING_RULES[:1]}
-    if shared.any():
-        shares[SHARING_RULES[1]] = model_shares(model, new, context, is_prefill, measured_s, context)[Method.SHAPLEY]
+    shares = sharing_rule_shares(model, new, context, is_prefill, measured_s, shared, batch.groups)
     by_method = {
         Method.SHAPLEY.value: shares[SHARING_RULES[0]],
         Method.TOKEN_COUNT.value: measured_s * token_count_split(new, is_prefill),
@@ -132,6 +189,16 @@ def analyse_coalition_batch(batch: SampledBatchSpec, journal: Journal, model, re
                       pure_error_var=sigma2)
         assert np.allclose(exact, exact_shapley(np.concatenate([[0.0], times.mean(axis=1)])))
     return record
+
+
+def sharing_rule_shares(model, new, context, is_prefill, measured_s: float, shared, groups) -> dict[str, np.ndarray]:
+    """The ``shapley`` rule's shares of the whole batch's step under each sharing rule (`SHARING_RULES`; only the
+    landed one where nothing is shared)."""
+    shared = np.asarray(shared, dtype=np.float64)
+    rules = SHARING_RULES if shared.any() else (LANDED_SHARING_RULE,)
+    return {rule: model_shares(model, new, context, is_prefill, measured_s,
+                               sharing_effective_context(rule, context, shared, groups) if shared.any() else None)[Method.SHAPLEY]
+            for rule in rules}
 
 
 def pooled_class_bias(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], *, confidence: float = 0.95) -> dict | None:
@@ -184,14 +251,11 @@ def sharing_check(records: list[dict]) -> dict:
                 value = r.get("exact_shapley_s", r["shapley_s"])
                 cov = np.diag(r["exact_var_s2"]) if "exact_var_s2" in r else r["cov_s2"]
                 share = np.asarray(r["sharing_rule_shares_s"][rule])
-                classes.setdefault("shared", []).append((share, value, cov, groups >= 0))
-                classes.setdefault("unique", []).append((share, value, cov, groups < 0))
-                ranked = sorted({g for g in groups.tolist() if g >= 0}, key=lambda g: -int((groups == g).sum()))
-                for rank, g in zip(("largest_group", "middle_group", "smallest_group") if len(ranked) == 3 else ("largest_group", "smallest_group"),
-                                   ranked, strict=True):
-                    classes.setdefault(rank, []).append((share, value, cov, groups == g))
-                    group_sizes.setdefault(rank, set()).add(int((groups == g).sum()))
-            biases = {name: pooled_class_bias(rows) for name, rows in classes.items()}
+                for name, mask in sharing_class_masks(groups, r["num_context_tokens"]).items():
+                    classes.setdefault(name, []).append((share, value, cov, mask))
+                    if name.endswith("_group"):
+                        group_sizes.setdefault(name, set()).add(int(mask.sum()))
+            biases = {name: pooled_class_bias(rows) for name, rows in classes.items() if any(m.any() for *_, m in rows)}
             verdicts = {name: bias_verdict(b) for name, b in biases.items()}
             entry["rules"][rule] = {
                 "class_bias": biases, "verdict": verdicts,

@@ -263,6 +263,11 @@ class SampledBatchSpec:
     """The pool's contexts, prefilled once and held for every batch drawn from it."""
     pool_shared_prefix_tokens: tuple[int, ...] = ()
     pool_groups: tuple[int, ...] = ()
+    tenants: tuple[int, ...] = ()
+    """With the tenants design (`draw_tenant_batches`): each request's tenant (0 … T − 1); the coalitions are then the
+    2**T − 1 unions of whole tenants (each listed once per repeat), so the tenants' game is measured exactly."""
+    tenant_roles: tuple[str, ...] = ()
+    """Per tenant, its `TenantRole`."""
 
     @property
     def size(self) -> int:
@@ -281,6 +286,8 @@ class SampledBatchSpec:
             key += "|g" + ",".join(map(str, self.prefix_groups))
         if self.pool_index:
             key += "|pool" + ",".join(map(str, self.pool_index))
+        if self.tenants:
+            key += "|t" + ",".join(map(str, self.tenants))
         if self.coalitions:
             key = "coalitions-" + key
         return key
@@ -593,3 +600,135 @@ def sampled_plan(mixes: list[LengthMix], envelope: Envelope, sampled: dict, *, s
             pool_chunk=sampled.get("pool_chunk"), seed=seed)
     return draw_sampled_batches(mixes, envelope, n_batches=sampled["batches"], n_orders=sampled["orders"], sizes=sizes, kinds=kinds,
                                 antithetic=sampled.get("antithetic", True), seed=seed)
+
+
+class TenantRole(StrEnum):
+    """What a tenant of a tenants-design batch stands for: the unequal tenants a platform bills side by side."""
+
+    HEAVY = "heavy"
+    """Most of the batch (half or more: three quarters beside one other tenant), lengths as the mix draws them."""
+    LIGHT = "light"
+    """An eighth of the batch (one request at least), with short requests (a quarter of the mix's)."""
+    SHARING = "sharing"
+    """A quarter of the batch, every request reading one shared document (a prefix group): decode batches only."""
+    MEDIUM = "medium"
+    """The rest, lengths as the mix draws them."""
+
+
+TENANT_COUNTS = (2, 3, 4)
+TENANT_PHASES = (Phase.DECODE.value, Phase.PREFILL.value)
+TENANT_LENGTH_FACTOR = {TenantRole.HEAVY: 1.0, TenantRole.LIGHT: 0.25, TenantRole.SHARING: 1.0, TenantRole.MEDIUM: 1.0}
+
+
+def tenant_roles(count: int, phase: str) -> tuple[str, ...]:
+    """The roles of ``count`` tenants (2 to 4): heavy and light, then one sharing a document (a medium one in prefill
+    batches, where a shared document is a prefix-cache hit rather than shared KV), then a medium one."""
+    if count not in TENANT_COUNTS:
+        raise LlmvisorError(f"tenants per batch: one of {', '.join(map(str, TENANT_COUNTS))} (got {count})")
+    third = TenantRole.SHARING if phase == Phase.DECODE else TenantRole.MEDIUM
+    return tuple(r.value for r in (TenantRole.HEAVY, TenantRole.LIGHT, third, TenantRole.MEDIUM)[:count])
+
+
+def tenant_request_counts(size: int, roles: tuple[str, ...]) -> list[int]:
+    """Requests per tenant: light an eighth (≥ 1), sharing a quarter (≥ 2), medium an eighth (≥ 1), heavy the rest
+    (half the batch or more)."""
+    share = {TenantRole.LIGHT: 1 / 8, TenantRole.SHARING: 1 / 4, TenantRole.MEDIUM: 1 / 8}
+    least = {TenantRole.LIGHT: 1, TenantRole.SHARING: 2, TenantRole.MEDIUM: 1}
+    counts = [0 if r == TenantRole.HEAVY else max(least[r], round(share[r] * size)) for r in roles]
+    counts[roles.index(TenantRole.HEAVY)] = size - sum(counts)
+    if min(counts) < 1 or counts[roles.index(TenantRole.HEAVY)] < size / 2:
+        raise LlmvisorError(f"a batch of {size} requests is too small for tenants {', '.join(roles)}")
+    return counts
+
+
+def tenant_coalition_masks(tenants: tuple[int, ...] | list[int]) -> list[int]:
+    """Request-level bit mask of each non-empty coalition of tenants, the full batch first (tenant masks 2**T − 1 … 1):
+    a coalition of tenants is all their requests together."""
+    count = max(tenants) + 1
+    of = [sum(1 << i for i, t in enumerate(tenants) if t == k) for k in range(count)]
+    return [sum(of[k] for k in range(count) if c >> k & 1) for c in range((1 << count) - 1, 0, -1)]
+
+
+def draw_tenant_batches(
+    mixes: list[LengthMix],
+    envelope: Envelope,
+    *,
+    n_batches: int,
+    sizes: tuple[int, ...] = SAMPLED_SIZES,
+    tenant_counts: tuple[int, ...] = TENANT_COUNTS,
+    phases: tuple[str, ...] = TENANT_PHASES,
+    repeat: int = 6,
+    rounds: int = 2,
+    decode_headroom: int = 256,
+    max_prefill_tokens: int | None = None,
+    seed: int = 0,
+) -> list[SampledBatchSpec]:
+    """Serving-size batches of 2–4 unequal tenants (`TenantRole`) whose tenants' game is measured exactly: every one of
+    the 2**T − 1 coalitions of tenants (all their requests together) ``repeat`` times in one batch-round, and the whole
+    again in each of ``rounds`` independent rounds (decode contexts prepared afresh), so a tenant's measured Shapley
+    value has an interval from the repeats. Sizes cycle fastest, then tenant counts, then phases; lengths from the
+    real mixes as `draw_batches` scales them (decode: contexts P + U·O; prefill: whole prompts, a batch over the step
+    budget scaled down as a whole), times the role's factor. The sharing tenant's requests share one document of
+    0.1–0.3 of the model's length (a prefix group: a mixed-sharing decode batch)."""
+    if n_batches < 0:
+        raise LlmvisorError(f"--tenant-batches: 0 or more (got {n_batches})")
+    if repeat < 1 or rounds < 1:
+        raise LlmvisorError(f"--tenant-repeat and rounds: at least 1 (got {repeat}, {rounds})")
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown or not phases:
+        raise LlmvisorError(f"tenant phases: {', '.join(PHASES)} (got {list(phases)})")
+    too_big = [s for s in sizes if s > envelope.max_num_seqs or s < 2 * max(tenant_counts)]
+    if too_big:
+        raise LlmvisorError(f"tenant batch sizes must be {2 * max(tenant_counts)} to max_num_seqs {envelope.max_num_seqs} (got {too_big})")
+    max_context = envelope.max_model_len - decode_headroom
+    if repeat * (1 << (max(tenant_counts) - 1)) + 16 > decode_headroom:
+        raise LlmvisorError(f"--tenant-repeat {repeat}: a request of {max(tenant_counts)} tenants runs in {repeat * (1 << (max(tenant_counts) - 1))} "
+                            f"steps per round, beyond the {decode_headroom} tokens of decode headroom")
+    budget = min(int(max_prefill_tokens or envelope.max_num_batched_tokens), envelope.max_num_batched_tokens, envelope.max_model_len - 1)
+    rng = np.random.default_rng([seed, 39])
+    out = []
+    for index in range(n_batches):
+        size = sizes[index % len(sizes)]
+        count = tenant_counts[(index // len(sizes)) % len(tenant_counts)]
+        phase = phases[(index // (len(sizes) * len(tenant_counts))) % len(phases)]
+        mix = mixes[index % len(mixes)]
+        roles = tenant_roles(count, phase)
+        tenants = np.array([t for t, k in enumerate(tenant_request_counts(size, roles)) for _ in range(k)])
+        tenants = rng.permutation(tenants)
+        factor = np.array([TENANT_LENGTH_FACTOR[TenantRole(roles[t])] for t in tenants])
+        rows = rng.integers(0, mix.prompt_tokens.size, size)
+        groups = np.full(size, -1)
+        shared = np.zeros(size, dtype=int)
+        if phase == Phase.DECODE:
+            scale = min(1.0, max_context / float(np.percentile(mix.prompt_tokens + mix.output_tokens, 99)))
+            raw = (mix.prompt_tokens[rows] + np.floor(rng.random(size) * (mix.output_tokens[rows] + 1))) * scale * factor
+            if TenantRole.SHARING in roles:
+                reader = tenants == roles.index(TenantRole.SHARING)
+                groups[reader] = 0
+                shared[reader] = int(max_context * rng.uniform(0.1, 0.3))
+            own = np.clip(np.rint(raw * (max_context - shared) / max_context), 1, max_context - shared).astype(int)
+            context, new, prefill = shared + own, np.ones(size, dtype=int), np.zeros(size, dtype=bool)
+        else:
+            scale = min(1.0, budget / float(np.percentile(mix.prompt_tokens, 99)))
+            prompt = np.clip(np.rint(mix.prompt_tokens[rows] * scale * factor), 1, budget).astype(int)
+            if prompt.sum() > budget:
+                prompt = np.maximum(1, np.floor(prompt * budget / prompt.sum())).astype(int)
+            new, context, prefill = prompt, np.zeros(size, dtype=int), np.ones(size, dtype=bool)
+        masks = tuple(tenant_coalition_masks(tenants.tolist())) * repeat
+        sharing = bool(groups.max() >= 0)
+        out.append(SampledBatchSpec(
+            index=index, kind=(SampledKind.MIXED_SHARING_DECODE if sharing else SampledKind(phase)).value, source=mix.name,
+            num_new_tokens=tuple(int(v) for v in new), num_context_tokens=tuple(int(v) for v in context),
+            is_prefill=tuple(bool(v) for v in prefill), shared_prefix_tokens=tuple(int(v) for v in shared), orders=(),
+            antithetic=False, rounds=rounds, prefix_groups=tuple(int(g) for g in groups) if sharing else (),
+            coalitions=masks, replicated=masks if rounds > 1 else (), chunk=len(masks),
+            tenants=tuple(int(t) for t in tenants), tenant_roles=roles))
+    return out
+
+
+def tenant_plan(mixes: list[LengthMix], envelope: Envelope, tenants: dict, *, seed: int) -> list[SampledBatchSpec]:
+    """The tenant batches a result's ``settings.tenants`` describes, drawn again."""
+    return draw_tenant_batches(mixes, envelope, n_batches=tenants["batches"], sizes=tuple(tenants["sizes"]),
+                               tenant_counts=tuple(tenants["tenant_counts"]), phases=tuple(tenants["phases"]),
+                               repeat=tenants["repeat"], rounds=tenants["rounds"], max_prefill_tokens=tenants.get("max_prefill_tokens"),
+                               seed=seed)

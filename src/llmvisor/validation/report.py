@@ -317,7 +317,9 @@ def markdown_summary(validation: dict) -> str:
 COALITION_KIND_LABELS = {"decode": "decode", "shared_prefix_decode": "shared-prefix decode", "mixed_sharing_decode": "mixed-sharing decode",
                          "prefill": "prefill", "mixed": "mixed"}
 CLASS_LABELS = {"shared": "shared-prefix readers", "unique": "own contexts", "largest_group": "largest group",
-                "middle_group": "middle group", "smallest_group": "smallest group"}
+                "middle_group": "middle group", "smallest_group": "smallest group", "first_readers": "first readers",
+                "later_readers": "later readers", "long_readers": "long readers", "short_readers": "short readers",
+                "longest_readers": "longest readers", "shortest_readers": "shortest readers"}
 
 
 def _interval(entry: dict | None) -> str:
