@@ -4,8 +4,8 @@ process imports it, as it imports the recorder). Used by test_vllm_kv_served.
 
 At each reading the recorder hands its meter, the pool is read the slow, exact way and compared
 (`_kv_checks.check_reading`). Beside the meter, and from those exact readings only, it integrates over time the held
-and idle blocks and each request's exact share (Fractions), up to each step the recorder closes (`KvMeter.drain`), so
-the test can compare the trace's columns with what the engine held. It writes what it found as JSON to the file named
+and idle blocks and each request's exact share (Fractions), up to each step the recorder closes (`KvMeter.drain`): per step its interval and held and idle
+block-ns, and per request its exact block-ns, so the test can compare the trace's columns with what the engine held. It writes what it found as JSON to the file named
 by ``LLMVISOR_TEST_KV_CHECKS`` after every reading (written aside, then renamed): vLLM's default shutdown kills the
 engine-core process, so nothing is left for an exit hook."""
 
@@ -41,9 +41,10 @@ class KvCheckingScheduler(RecordingScheduler):
         self._preempted: set[str] = set()
         self._facts = {
             "readings": 0, "num_mismatches": 0, "mismatches": [], "shared_readings": 0, "idle_readings": 0,
-            "max_held_blocks": 0, "preempted_requests": 0, "steps": 0, "wall_ns": 0, "held_block_ns": 0,
-            "idle_block_ns": 0, "exact_block_ns": {}, "drains_held": {}, "kv_errors": 0,
+            "max_held_blocks": 0, "preempted_requests": 0, "steps": 0, "wall_ns": 0, "step_interval_ns": [],
+            "step_held_block_ns": [], "step_idle_block_ns": [], "exact_block_ns": {}, "drains_held": {}, "kv_errors": 0,
         }
+        self._drained = (self._start_ns, 0, 0)  # (time, held block-ns, idle block-ns) at the previous step's close
         observe, drain = meter.observe, meter.drain
 
         def checked_observe(now_ns, holders, held, idle):
@@ -54,10 +55,13 @@ class KvCheckingScheduler(RecordingScheduler):
             self._integrate(meter.reading[0])  # the recorder advanced the meter to the step's end just before
             self._drains_held.update(meter._exact)  # the requests this step's held block-ns are apportioned among
             out = drain(requests)
-            self._facts.update(steps=self._facts["steps"] + 1, wall_ns=self._last_ns - self._start_ns,
-                               held_block_ns=self._held_ns, idle_block_ns=self._idle_ns,
-                               exact_block_ns={r: str(v) for r, v in self._exact.items()},
-                               drains_held=dict(self._drains_held))
+            facts, (then_ns, held_ns, idle_ns) = self._facts, self._drained
+            facts["step_interval_ns"].append(self._last_ns - then_ns)
+            facts["step_held_block_ns"].append(self._held_ns - held_ns)
+            facts["step_idle_block_ns"].append(self._idle_ns - idle_ns)
+            self._drained = (self._last_ns, self._held_ns, self._idle_ns)
+            facts.update(steps=facts["steps"] + 1, wall_ns=self._last_ns - self._start_ns,
+                         exact_block_ns={r: str(v) for r, v in self._exact.items()}, drains_held=dict(self._drains_held))
             self._write()
             return out
 

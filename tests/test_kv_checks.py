@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-vllm = pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
-
 from _kv_checks import check_reading
 from llmvisor.engines.vllm.kv_holdings import IdleCacheCount, engine_used_blocks, request_holdings
+
+pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
 
 pytestmark = pytest.mark.vllm
 
@@ -23,6 +23,7 @@ def pool():
     """A pool of 8 blocks of 4 tokens: requests a and b read a 2-block document (a: 3 blocks, b: 3 with its own
     partial one), c ran and finished, leaving one full block cached and unreferenced (idle), and 3 blocks free."""
     import torch
+    from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -39,7 +40,7 @@ def pool():
     document = list(range(100, 108))
     requests = {}
     for name, tokens in (("a", document + [1, 2, 3, 4]), ("b", document + [5, 6]), ("c", [7, 8, 9, 10, 11])):
-        request = Request(name, tokens, vllm.SamplingParams(max_tokens=4), None, block_hasher=hasher)
+        request = Request(name, tokens, SamplingParams(max_tokens=4), None, block_hasher=hasher)
         hits, num_hits = manager.get_computed_blocks(request)[:2]
         assert manager.allocate_slots(request, request.num_tokens - num_hits, num_hits, hits) is not None
         request.num_computed_tokens = request.num_tokens

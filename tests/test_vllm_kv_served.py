@@ -9,10 +9,10 @@ requests reference are the engine's used blocks, holders + idle cache + free fil
 exactly that. It integrates the exact readings over time beside the meter. Then:
 
 - the trace the served run wrote reads back (the readers check format 3's per-step identity) and, per step,
-  Σ slice block-ns − carried in + carried out + idle + free = pool × interval exactly; over the run the intervals
-  tile the engine-core's wall time from the meter's start to the last step, the held and idle block-ns are the
-  engine's exact holdings over that time, and each request's block-ns is its exact share within one block-ns per
-  step that apportioned it some (the equal split among readers is the only rounding);
+  Σ slice block-ns − carried in + carried out + idle + free = pool × interval exactly, and each step's held and idle
+  block-ns and its interval are the engine's exact holdings over that interval; the intervals tile the engine-core's
+  wall time from the meter's start to the last step; each request's block-ns is its exact share within one block-ns
+  per step that apportioned it some (the equal split among readers is the only rounding);
 - the ledger the run was delivered to holds, per request and per tenant, the trace's block-ns exactly.
 
 In GiB-seconds (block-ns × block bytes / 2^30 / 10^9), the requests' plus the idle cache's plus the free memory-time
@@ -38,14 +38,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from _kv_served_probe import ENV_CHECKS_PATH
 from _processes import stop_process
-from _tiny_llama import write_tiny_llama
-from llmvisor.core.model import StepLatencyModel
-from llmvisor.core.synthetic import synthetic_trace
 from llmvisor.core.trace import read_trace
 from llmvisor.ledger import Ledger
-from llmvisor.service.process import ServerProcess
 from test_vllm_delivery import ApiServer
-from test_vllm_recorder import TINY_FIELDS
+from test_vllm_usage import service  # noqa: F401
 
 pytestmark = pytest.mark.vllm
 
@@ -75,22 +71,9 @@ def preemptions(base: str) -> float:
     return sum(found)
 
 
-@pytest.fixture
-def service(tmp_path, monkeypatch):
-    """A real `llmvisor serve` billing every engine class with one model (the fallback), and the tiny model."""
+def test_a_served_engine_that_preempts_meters_kv_memory_time_that_fills_the_pool(service, tmp_path, monkeypatch):
+    """``service``: a real `llmvisor serve` billing every engine class with one model (the fallback)."""
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)  # the server's wrapper makes its own
-    model_path = tmp_path / "model.json"
-    StepLatencyModel().fit(synthetic_trace(1000)).to_json(model_path)
-    db_url = f"sqlite:///{tmp_path}/ledger.db"
-    ledger = Ledger(db_url)
-    admin_key = ledger.create_key(is_admin=True)
-    ledger.close()
-    with ServerProcess(model_path, db_url, log_path=tmp_path / "service.log", extra_args=("--fallback-model", str(model_path))) as server:
-        yield {"url": server.url, "key": admin_key, "db_url": db_url,
-               "model_dir": write_tiny_llama(tmp_path / "tiny", **TINY_FIELDS)}
-
-
-def test_a_served_engine_that_preempts_meters_kv_memory_time_that_fills_the_pool(service, tmp_path):
     started = time.monotonic()
     checks_path = tmp_path / "kv-checks.json"
     server = ApiServer(
@@ -151,12 +134,13 @@ def test_a_served_engine_that_preempts_meters_kv_memory_time_that_fills_the_pool
     held_ns = slices_ns - step["kv_carried_in_block_ns"] + step["kv_carried_out_block_ns"]
     assert np.array_equal(held_ns + step["kv_idle_block_ns"] + step["kv_free_block_ns"], POOL_BLOCKS * step["kv_interval_ns"])
     assert (step["kv_free_block_ns"] >= 0).all() and (step["kv_idle_block_ns"] >= 0).all()
-    # over the run: the intervals tile the engine's wall time, and held and idle block-ns are the engine's exact
-    # holdings over it
+    # each step's interval, held and idle block-ns are the engine's exact holdings over it, and the intervals tile the
+    # engine's wall time from the meter's start to the last step's end
+    assert step["kv_interval_ns"].tolist() == facts["step_interval_ns"]
+    assert held_ns.tolist() == facts["step_held_block_ns"]
+    assert step["kv_idle_block_ns"].tolist() == facts["step_idle_block_ns"]
     wall_ns = int(step["kv_interval_ns"].sum())
-    assert wall_ns == facts["wall_ns"] > 0
-    assert int(held_ns.sum()) == facts["held_block_ns"] > 0
-    assert int(step["kv_idle_block_ns"].sum()) == facts["idle_block_ns"] > 0
+    assert wall_ns == facts["wall_ns"] > 0 and held_ns.sum() > 0 and step["kv_idle_block_ns"].sum() > 0
     assert int(step["kv_carried_in_block_ns"].sum()) > 0, "no request was ever skipped by a step while holding blocks"
     assert int(step["kv_carried_out_block_ns"].sum()) == int(step["kv_carried_in_block_ns"].sum())  # nothing aborted
 
@@ -167,7 +151,7 @@ def test_a_served_engine_that_preempts_meters_kv_memory_time_that_fills_the_pool
     tenant_of = dict(zip(requests, tenants))
     assert sorted(tenant_of.values()) == sorted(t for t, _ in workload())  # one engine request per completion
     exact = {r: Fraction(v) for r, v in facts["exact_block_ns"].items()}
-    assert exact.keys() == billed.keys() and sum(billed.values()) == facts["held_block_ns"]
+    assert exact.keys() == billed.keys() and sum(billed.values()) == sum(facts["step_held_block_ns"])
     for request, exact_ns in exact.items():
         assert abs(billed[request] - exact_ns) <= facts["drains_held"][request], request
     per_tenant: dict[str, int] = {}
