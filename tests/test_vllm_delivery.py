@@ -66,8 +66,12 @@ class ApiServer:
     """vLLM's OpenAI server with the recorder, default shutdown settings, pushing to the service."""
 
     def __init__(
-        self, service: dict, folder, name: str, extra_args: tuple[str, ...] = (), entry_point: str = "vllm.entrypoints.openai.api_server"
+        self, service: dict, folder, name: str, extra_args: tuple[str, ...] = (), entry_point: str = "vllm.entrypoints.openai.api_server",
+        scheduler_cls: str = "llmvisor.engines.vllm.recorder.RecordingScheduler", prefix_caching: bool = False,
+        max_model_len: int = 512, extra_env: dict | None = None, extra_path: tuple[str, ...] = (),
     ):
+        """``prefix_caching``: vLLM's default (on) instead of off; ``extra_path``: folders the server (and its engine
+        process) imports from besides src, such as a scheduler class of the tests'."""
         self.folder = folder
         self.model = str(service["model_dir"])
         self.port = free_loopback_port()
@@ -76,20 +80,21 @@ class ApiServer:
         env = {
             **os.environ,
             **ENGINE_ENV,
-            "PYTHONPATH": os.pathsep.join([os.path.abspath("src"), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join([os.path.abspath("src"), *extra_path, os.environ.get("PYTHONPATH", "")]),
             "LLMVISOR_TRACE_PATH": str(folder / "trace.jsonl"),
             "LLMVISOR_RUN_ID": LABEL,
             "LLMVISOR_SERVICE_URL": service["url"],
             "LLMVISOR_SERVICE_KEY": service["key"],
             "LLMVISOR_SPOOL": str(folder / "spool.jsonl"),
+            **(extra_env or {}),
         }
         command = [
             sys.executable, "-m", entry_point,
             "--model", self.model, "--load-format", "dummy", "--skip-tokenizer-init",
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "128",
-            "--enforce-eager", "--no-async-scheduling", "--no-enable-prefix-caching",
-            "--scheduler-cls", "llmvisor.engines.vllm.recorder.RecordingScheduler", *extra_args,
+            "--max-model-len", str(max_model_len), "--max-num-seqs", "4", "--max-num-batched-tokens", "128",
+            "--enforce-eager", "--no-async-scheduling", *(() if prefix_caching else ("--no-enable-prefix-caching",)),
+            "--scheduler-cls", scheduler_cls, *extra_args,
         ]  # fmt: skip
         self.log_path.unlink(missing_ok=True)
         self.process = start_process(command, env=env, log_path=self.log_path)

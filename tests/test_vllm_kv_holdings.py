@@ -10,6 +10,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
+from _kv_checks import check_reading
 from _tiny_llama import lift_cpu_async_override, tiny_engine_args, write_tiny_llama
 
 vllm = pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
@@ -21,12 +22,12 @@ POOL_BLOCKS = 12  # usable blocks (vLLM adds its null block): 384 tokens for 4 r
 
 
 def probe_class():
-    from llmvisor.engines.vllm.kv_holdings import blocks_by_request, engine_used_blocks, pool_snapshot
+    from llmvisor.engines.vllm.kv_holdings import blocks_by_request
     from llmvisor.engines.vllm.recorder import RecordingScheduler
 
     class KvProbe(RecordingScheduler):
         """The recorder as shipped (its KV meter on), reading the pool after each of its two calls per step the
-        slow, exact way, and keeping every reading its meter was given."""
+        slow, exact way (`_kv_checks.check_reading`), and keeping every reading its meter was given."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -42,17 +43,12 @@ def probe_class():
             self._kv_meter.observe = kept
 
         def _look(self, when: str) -> None:
-            pool = pool_snapshot(self.kv_cache_manager)
+            _, holders, held, idle, _ = self.meter_readings[-1]
+            check = check_reading(self.kv_cache_manager, {r.request_id for r in self.running}, holders, held, idle,
+                                  self._kv_idle.count)
             self.seen.append({
-                "when": when, "pool": pool, "used": engine_used_blocks(self.kv_cache_manager),
-                "blocks": blocks_by_request(self.kv_cache_manager),
-                "running": {r.request_id for r in self.running},
+                "when": when, "check": check, "pool": check.pool,
                 "preemptions": sum(r.num_preemptions for r in self.requests.values()),
-                # free blocks counted from the pool's own ref counts, not derived from the holders' lists
-                "free": sum(1 for b in self.kv_cache_manager.block_pool.blocks
-                            if b.ref_cnt == 0 and b.block_hash is None and not b.is_null),
-                "meter": self.meter_readings[-1],
-                "idle_count": self._kv_idle.count,
             })
 
         def schedule(self, *args, **kwargs):
@@ -126,26 +122,15 @@ def test_held_blocks_equal_the_engines_used_blocks_and_the_recorded_kv_memory_ad
         f"the small pool never preempted (at most {max(look['pool'].held_blocks for look in seen)} blocks held)")
     shared_steps = 0
     for look in seen:
-        pool = look["pool"]
-        assert pool.pool_blocks == POOL_BLOCKS
-        assert pool.held_blocks == look["used"], look["when"]  # what requests reference is what vLLM counts as used
-        assert sum(pool.effective_blocks, Fraction(0)) == pool.held_blocks
-        # conservation, from two sources: the requests' block lists (held) and the pool's ref counts (idle, free)
-        assert pool.held_blocks + pool.idle_cached_blocks + look["free"] == POOL_BLOCKS, look["when"]
-        assert set(look["blocks"]) <= look["running"], look["when"]  # only running requests hold blocks
-        # the recorder's meter was given the same pool: its running idle count, and its fast per-request shares
-        _, holders, held, idle, _ = look["meter"]
-        assert (held, idle, look["idle_count"]) == (pool.held_blocks, pool.idle_cached_blocks, pool.idle_cached_blocks)
-        exact = dict(zip(pool.holders, pool.effective_blocks))
-        assert holders.keys() == exact.keys() and all(abs(holders[h] - float(exact[h])) < 1e-9 for h in exact)
-        readers: dict[int, int] = {}
-        for ids in look["blocks"].values():
-            for block in ids:
-                readers[block] = readers.get(block, 0) + 1
-        if any(k > 1 for k in readers.values()):
+        # what requests reference is what vLLM counts as used; holders, idle cache and free blocks fill the pool; the
+        # recorder's meter was given that pool (its running idle count, its fast per-request shares)
+        assert not look["check"].mismatches, (look["when"], look["check"].mismatches)
+        assert look["pool"].pool_blocks == POOL_BLOCKS
+        if look["check"].shared:
             shared_steps += 1
+            pool, blocks = look["pool"], look["check"].blocks
             shares = dict(zip(pool.holders, pool.effective_blocks))
-            assert any(shares[r] < len(ids) for r, ids in look["blocks"].items())  # a reader pays part of a block
+            assert any(shares[r] < len(ids) for r, ids in blocks.items())  # a reader pays part of a block
     assert shared_steps > 10, "the document's blocks were never held by two requests at once"
     assert any(look["pool"].idle_cached_blocks > 0 for look in seen), "no cached block was ever left idle"
 
