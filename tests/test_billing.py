@@ -578,7 +578,7 @@ def test_a_schema_4_ledger_migrates_to_schema_5_with_its_totals(served, tmp_path
         conn.execute(text("DROP TABLE prices"))
         conn.execute(text("UPDATE ledger_info SET value = '4' WHERE name = 'schema_version'"))
     engine.dispose()
-    with pytest.raises(Exception, match="schema version 4, this llmvisor reads 9"):
+    with pytest.raises(Exception, match="schema version 4, this llmvisor reads 10"):
         Ledger(served)
     from _service_fixtures import POSTGRES_URL, empty_postgres
 

@@ -328,7 +328,7 @@ def test_other_schema_versions_and_bad_urls_are_clear_errors(tmp_path):
         conn.execute(text("INSERT INTO ledger_info VALUES ('schema_version', '1')"))
         conn.execute(text("CREATE TABLE slices (run_id TEXT, attributed_ns BIGINT)"))
         conn.execute(text("INSERT INTO slices VALUES ('r', 5)"))
-    with pytest.raises(LedgerError, match="schema version 1, this llmvisor reads 9; the database was left as it is"):
+    with pytest.raises(LedgerError, match="schema version 1, this llmvisor reads 10; the database was left as it is"):
         Ledger(old_url)
     with engine.connect() as conn:
         assert sorted(inspect(conn).get_table_names()) == ["ledger_info", "slices"]

@@ -261,7 +261,7 @@ def test_a_schema_8_ledger_is_upgraded_in_place_and_bills_its_old_usage_for_time
     finally:
         upgraded.close()
     with create_engine(db).connect() as conn:
-        assert conn.execute(text("SELECT value FROM ledger_info WHERE name = 'schema_version'")).scalar() == "9"
+        assert conn.execute(text("SELECT value FROM ledger_info WHERE name = 'schema_version'")).scalar() == "10"
     new = metered_run(9, run_id="new", t0_s=T0_S + 30)
     with TestClient(create_app(model_path, db)) as client:
         assert _post(client, admin, new, "columns").status_code == 200

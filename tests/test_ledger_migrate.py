@@ -139,7 +139,7 @@ def test_the_migrate_command_reports_what_it_copied(tmp_path, model_path, capsys
     ledger_migrate(source=source_url, target=f"sqlite:///{tmp_path}/schema2.db")
     out = capsys.readouterr().out
     assert f"copied 30 steps, {len(slice_rows)} slices, 1 keys" in out and "The source was not changed." in out
-    with pytest.raises(LlmvisorError, match="ledger schema version 9; versions 1 to 6 are migrated"):
+    with pytest.raises(LlmvisorError, match="ledger schema version 10; versions 1 to 6 are migrated"):
         ledger_migrate(source=f"sqlite:///{tmp_path}/schema2.db", target=f"sqlite:///{tmp_path}/third.db")
 
 
@@ -178,7 +178,7 @@ def test_a_schema_2_ledger_is_copied_table_by_table(tmp_path, model_path, db_url
     groups = make_steps("run-a", 80, batch_size=9, step_interval_s=0.3, seed=1) + make_steps("run-b", 40, n_tenants=4, seed=2)
     source_path = tmp_path / "schema2.db"
     source_url = _schema_2_ledger(source_path, model, groups)
-    with pytest.raises(LedgerError, match="schema version 2, this llmvisor reads 9"):
+    with pytest.raises(LedgerError, match="schema version 2, this llmvisor reads 10"):
         Ledger(source_url)
     source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
     reference = Ledger(f"sqlite:///{tmp_path}/reference.db")
@@ -262,7 +262,7 @@ def test_a_schema_3_ledger_is_copied_with_its_models_and_its_gaps_show(tmp_path,
     groups = run_a[:10] + run_a[14:40] + run_a[45:] + make_steps("run-b", 20, n_tenants=4, seed=2)
     source_path = tmp_path / "schema3.db"
     source_url = _schema_3_ledger(source_path, model, groups)
-    with pytest.raises(LedgerError, match="schema version 3, this llmvisor reads 9"):
+    with pytest.raises(LedgerError, match="schema version 3, this llmvisor reads 10"):
         Ledger(source_url)
     source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
     report = migrate(source_url, db_url)
@@ -311,7 +311,7 @@ def test_a_schema_4_ledger_is_copied_whole_and_takes_windows_after(tmp_path, mod
     groups = run_a[:10] + run_a[14:] + make_steps("run-b", 20, n_tenants=4, seed=2)
     source_path = tmp_path / "schema4.db"
     source_url = _schema_4_ledger(source_path, model, groups)
-    with pytest.raises(LedgerError, match="schema version 4, this llmvisor reads 9"):
+    with pytest.raises(LedgerError, match="schema version 4, this llmvisor reads 10"):
         Ledger(source_url)
     source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
     report = migrate(source_url, db_url)
@@ -398,7 +398,7 @@ def test_a_schema_5_ledger_is_copied_whole_its_token_split_unknown(tmp_path, mod
     windowed = make_steps("run-w", 20, n_tenants=2, seed=3)
     source_path = tmp_path / "schema5.db"
     source_url = _schema_5_ledger(source_path, model, run_a[:20], windowed)
-    with pytest.raises(LedgerError, match="schema version 5, this llmvisor reads 9"):
+    with pytest.raises(LedgerError, match="schema version 5, this llmvisor reads 10"):
         Ledger(source_url)
     source_digest = hashlib.sha256(source_path.read_bytes()).hexdigest()
     report = migrate(source_url, db_url)

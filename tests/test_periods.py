@@ -251,7 +251,7 @@ def test_a_schema_7_ledger_is_upgraded_in_place_with_its_data(db_url, tmp_path):
     ledger.close()
     engine = create_engine(db_url)
     with engine.connect() as conn:
-        assert conn.execute(text("SELECT value FROM ledger_info WHERE name = 'schema_version'")).scalar() == "9"
+        assert conn.execute(text("SELECT value FROM ledger_info WHERE name = 'schema_version'")).scalar() == "10"
         assert conn.execute(text("SELECT COUNT(*) FROM billing_lines")).scalar() == 0
     engine.dispose()
     _priced(db_url, tmp_path)

@@ -191,7 +191,7 @@ def test_a_schema_7_ledger_is_upgraded_in_place_with_its_data_intact(db_url, mod
     with upgraded.read_transaction() as conn:
         version = conn.execute(select(ledger_info.c.value).where(ledger_info.c.name == "schema_version")).scalar()
         names = set(inspect(conn).get_table_names())
-    assert version == str(SCHEMA_VERSION) == "9"
+    assert version == str(SCHEMA_VERSION) == "10"
     assert {t.name for t in SCHEMA_8_TABLES} <= names
     assert upgraded.totals() == before and upgraded.authenticate(key) is not None
     assert upgraded.run_gaps("run-7").num_received == 12

@@ -211,3 +211,49 @@ def test_the_memory_chart_says_when_nothing_is_metered(served, browser):
     visible(browser, "usage")
     assert visible(browser, "memory-none").is_displayed() and not browser.find_element(By.ID, "memory").is_displayed()
     assert browser.find_element(By.ID, "total-kv-gib-s").text == "not metered"
+
+
+@pytest.fixture(scope="module")
+def served_lora(tmp_path_factory, model_path):  # noqa: F811
+    """A ledger where tenant tenant-0 ran two LoRA adapters and the base model (trace format 4, a LoRA model)."""
+    from _lora_runs import as_rows, lora_model, relayed_lora_run
+
+    folder = tmp_path_factory.mktemp("page-lora")
+    db_url = f"sqlite:///{folder}/ledger.db"
+    ledger = Ledger(db_url)
+    keys = {"admin": ledger.create_key(is_admin=True), "tenant-0": ledger.create_key("tenant-0")}
+    ledger.close()
+    engine_class = "1a1a1a1a1a1a1a1a"
+    server = ServerProcess(model_path, db_url, log_path=folder / "service.log").start()
+    try:
+        added = httpx.post(f"{server.url}/v1/models", json={"model": lora_model(engine_class).to_dict(), "engine_class": engine_class,
+                                                             "activate": True}, headers=bearer(keys["admin"]), timeout=30)
+        assert added.status_code == 201, added.text
+        steps = as_rows(relayed_lora_run("page-lora", 40, t0_s=T0_S, seed=3), "page-lora", engine_class)
+        response = httpx.post(f"{server.url}/v1/steps", json={"steps": steps}, headers=bearer(keys["admin"]), timeout=30)
+        assert response.status_code == 200, response.text
+        yield {"url": server.url, "keys": keys}
+    finally:
+        server.stop()
+
+
+def test_the_page_shows_usage_per_lora_adapter(served_lora, browser):
+    browser.get(f"{served_lora['url']}/usage")
+    log_in(browser, served_lora["keys"]["tenant-0"])
+    visible(browser, "adapters")
+    [usage] = api(served_lora, "/v1/usage/tenants?group_by=adapter", "tenant-0")["tenants"]
+    rows = browser.find_elements(By.CSS_SELECTOR, "#adapters tbody tr")
+    cells = [[td.text for td in row.find_elements(By.TAG_NAME, "td")] for row in rows]
+    assert [(c[0], c[4]) for c in cells] == [(a["lora_adapter"] or "(base model)", f"{a['attributed_ns']} ns") for a in usage["adapters"]]
+    assert {c[0] for c in cells} == {"(base model)", "adapter-r8", "adapter-r64"}
+    assert sum(int(c[4].split()[0]) for c in cells) == usage["attributed_ns"]
+    violations = [entry["message"] for entry in browser.get_log("browser") if "Content Security Policy" in entry["message"]]
+    assert not violations, violations
+
+
+def test_the_adapter_table_stays_hidden_without_adapters(served, browser):
+    browser.get(f"{served['url']}/usage")
+    log_in(browser, served["keys"]["acme"])
+    visible(browser, "usage")
+    assert not browser.find_element(By.ID, "adapters").is_displayed()
+    assert not browser.find_element(By.ID, "adapters-title").is_displayed()

@@ -36,7 +36,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from llmvisor.core.relayed import StepColumns
 from llmvisor.core.trace import ARROW_SCHEMA, METADATA_KEY, SHARING_ARROW_FIELDS, format_version
-from llmvisor.core.trace_schema import KV_COLUMNS
+from llmvisor.core.trace_schema import KV_COLUMNS, LORA_COLUMNS
 
 log = logging.getLogger("llmvisor.archive")
 
@@ -56,6 +56,7 @@ _TYPES = {
     **{field.name: field.type for field in ARROW_SCHEMA}, **SHARING_ARROW_FIELDS,
     "timestamp_s": pa.float64(), "is_warmup": pa.bool_(), "engine_fingerprint": pa.string(), "model_version": pa.int64(),
     **dict.fromkeys(KV_COLUMNS, pa.int64()),  # format 3's KV memory columns, kept as the recorder relays them
+    **dict.fromkeys(LORA_COLUMNS, pa.string()), "lora_rank": pa.int64(),  # format 4's adapters, likewise
 }
 
 

@@ -21,6 +21,12 @@ price charges no memory. Usage not metered for memory (format 1 or 2) has no mem
 charge's quantity is its block-ns (exact, what the ledger holds); GiB-hours are block-ns × ``kv_block_bytes`` / 2^30 /
 3.6·10¹². Adjustments do not change memory: a model re-attributes time only.
 
+LoRA adapters (ledger schema 10): asked ``by_adapter``, usage is charged per tenant and adapter as well, each charge
+naming its adapter (``lora_name``: '' the base model; None where not split). An adapter's line has a key of its own
+(``|lora=<name>`` appended); the base model's keeps the key of the unsplit line, so a base-model-only ledger bills the
+same lines either way. Rounding groups do not name the adapter: a tenant's adapter lines of one class, version and item
+are rounded together, as its one unsplit line would be.
+
 Rounding: every charge carries its exact cost (``exact_cost``); its ``cost`` in cents is given by `round_lines` in
 line order within its line group (`line_group`: kind, tenant, class, version, item, currency and the calendar UTC
 month of its start), carrying the sub-cent remainder forward (`llmvisor.billing.prices.carried_cents`).
@@ -91,6 +97,8 @@ class Charge:
     kv_block_bytes: int | None = None
     """A memory charge: bytes per KV block of the usage it charges (part of its key: block-ns of another size are
     another charge)."""
+    lora_name: str | None = None
+    """Usage charged per adapter (``by_adapter``): its LoRA adapter, '' the base model; None: not split by adapter."""
 
     @property
     def quantity(self) -> int:
@@ -117,8 +125,12 @@ class Charge:
         parts = (self.kind, self.tenant, str(self.period_start_us), str(self.period_end_us), self.engine_class,
                  str(self.model_version), self.from_versions)
         if self.item == KV_MEMORY:
-            return "|".join((*parts, self.item, str(self.kv_block_bytes)))
-        return "|".join(parts if self.item == ENGINE_TIME else (*parts, self.item))
+            parts = (*parts, self.item, str(self.kv_block_bytes))
+        elif self.item != ENGINE_TIME:
+            parts = (*parts, self.item)
+        if self.lora_name:  # an adapter's line (the base model's keeps the unsplit key: module note)
+            parts = (*parts, f"lora={self.lora_name}")
+        return "|".join(parts)
 
     @property
     def idempotency_id(self) -> str:
@@ -173,25 +185,29 @@ def _apportion(parts: list[int], digits: int = 12) -> list[Decimal]:
 
 
 def usage_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str] | None = None,
-                  book: PriceBook | None = None) -> list[Charge]:
+                  book: PriceBook | None = None, *, by_adapter: bool = False) -> list[Charge]:
     """Hourly usage charges of [start_us, end_us) (whole hours), each priced with the class's price in force at the
-    hour's start (a charge without a price has cost None), ordered by hour, class, version, tenant."""
+    hour's start (a charge without a price has cost None), ordered by hour, class, version, tenant (and adapter, with
+    ``by_adapter``: one charge per tenant and LoRA adapter, module note)."""
     if start_us % US_PER_HOUR or end_us % US_PER_HOUR or end_us <= start_us:
         raise LlmvisorError("the export period must start and end on whole UTC hours, the end after the start")
     book = book if book is not None else PriceBook.load(ledger)
-    summed: dict[tuple[int, str, int, str], list] = {}
-    memory: dict[tuple[int, str, int, str], dict[int, int]] = {}
-    for h, c, v, t, ns, tok, *rest in ledger.hourly_usage(start_us, end_us, default_version=DEFAULT_MODEL_VERSION):
-        split, (block_bytes, block_ns) = rest[:len(TOKEN_SPLIT)], rest[len(TOKEN_SPLIT):]
-        total = summed.setdefault((int(h), c, int(v), t), [0, 0, *[0] * len(TOKEN_SPLIT)])
+    summed: dict[tuple[int, str, int, str, str | None], list] = {}
+    memory: dict[tuple[int, str, int, str, str | None], dict[int, int]] = {}
+    for h, c, v, t, ns, tok, *rest in ledger.hourly_usage(start_us, end_us, default_version=DEFAULT_MODEL_VERSION,
+                                                         by_adapter=by_adapter):
+        split, (block_bytes, block_ns) = rest[:len(TOKEN_SPLIT)], rest[len(TOKEN_SPLIT):len(TOKEN_SPLIT) + 2]
+        key = (int(h), c, int(v), t, str(rest[-1]) if by_adapter else None)
+        total = summed.setdefault(key, [0, 0, *[0] * len(TOKEN_SPLIT)])
         total[0] += int(ns)
         total[1] += int(tok)
         for j, count in enumerate(split):
             total[2 + j] = add_counts(total[2 + j], None if count is None else int(count))
         if block_ns is not None and block_bytes is not None:
-            held = memory.setdefault((int(h), c, int(v), t), {})
+            held = memory.setdefault(key, {})
             held[int(block_bytes)] = held.get(int(block_bytes), 0) + int(block_ns)
-    rows = [(h, c, v, t, ns, tok, tuple(split)) for (h, c, v, t), (ns, tok, *split) in sorted(summed.items())]
+    rows = [(h, c, v, t, ns, tok, tuple(split), a) for (h, c, v, t, a), (ns, tok, *split) in
+            sorted(summed.items(), key=lambda item: (*item[0][:4], item[0][4] or ""))]
     groups: dict[tuple[int, str], list[int]] = {}
     for k, (h, c, *_rest) in enumerate(rows):
         groups.setdefault((h, c), []).append(k)
@@ -202,17 +218,17 @@ def usage_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str]
             ratios.update(zip(members, _apportion(parts)))
     wanted = None if tenants is None else set(tenants)
     charges = []
-    for k, (h, c, v, t, ns, tok, split) in enumerate(rows):
+    for k, (h, c, v, t, ns, tok, split, adapter) in enumerate(rows):
         if wanted is not None and t not in wanted:
             continue
         price = book.price_at(c, h)
         exact = None if price is None else exact_cost(ns, price)
         usage = Charge("usage", t, c, v, h, h + US_PER_HOUR, ns, tok, price, None if exact is None else rounded_cost(exact),
-                       ratios.get(k), tokens=split, exact_cost=exact)
+                       ratios.get(k), tokens=split, exact_cost=exact, lora_name=adapter)
         charges.append(usage)
         if price is not None:
             charges.extend(token_charges(usage))
-        charges.extend(memory_charges(usage, memory.get((h, c, v, t), {})))
+        charges.extend(memory_charges(usage, memory.get((h, c, v, t, adapter), {})))
     return round_lines(charges)
 
 
@@ -275,10 +291,12 @@ def adjustment_charges(ledger: Ledger, start_us: int, end_us: int, tenants: list
     return round_lines(charges)
 
 
-def charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str] | None = None) -> list[Charge]:
-    """Usage charges, then adjustment charges, of a period (the two functions above)."""
+def charges(ledger: Ledger, start_us: int, end_us: int, tenants: list[str] | None = None, *,
+            by_adapter: bool = False) -> list[Charge]:
+    """Usage charges (per adapter too with ``by_adapter``), then adjustment charges, of a period (the two functions above)."""
     book = PriceBook.load(ledger)
-    return usage_charges(ledger, start_us, end_us, tenants, book) + adjustment_charges(ledger, start_us, end_us, tenants, book)
+    return (usage_charges(ledger, start_us, end_us, tenants, book, by_adapter=by_adapter)
+            + adjustment_charges(ledger, start_us, end_us, tenants, book))
 
 
 def tenant_costs(ledger: Ledger, start_us: int, end_us: int, tenants: list[str] | None = None) -> dict[str, dict[str, Decimal]]:

@@ -9,7 +9,11 @@ count. KV memory charges (trace format 3, `llmvisor.billing.charges.KV_MEMORY`) 
 ``GiB-Hours`` with a SkuId of its own (``kv-memory/<class>``) and the exact block-ns and block size in ``x_KvBlockNs``
 and ``x_KvBlockBytes``; a metering event of type ``llmvisor.kv_memory`` (CloudEvents) or named ``llmvisor_kv_block_ns``
 (Stripe, Lago) whose value is the block-ns. Engine time's rows and events carry the usage's token split as well (FOCUS ``x_UncachedPromptTokens``,
-``x_CachedPromptTokens``, ``x_OutputTokens``; event data ``uncached_prompt_tokens``, ...; null where unknown)."""
+``x_CachedPromptTokens``, ``x_OutputTokens``; event data ``uncached_prompt_tokens``, ...; null where unknown).
+
+Lines of usage per LoRA adapter (``llmvisor export --by-adapter``, `llmvisor.billing.charges`) name their adapter: FOCUS
+``x_LoraAdapter`` ('' the base model; the column is written only when some line is split by adapter, so other exports
+are what they were) and a ``llmvisor/lora_adapter`` tag; event data ``lora_adapter``."""
 
 from __future__ import annotations
 
@@ -145,6 +149,22 @@ FOCUS_COLUMNS = (
 )
 """FOCUS 1.0's columns, the 1.3 split-cost allocation columns, and llmvisor's own (``x_``). ``ResourceId`` is the
 spec's spelling; the 1.0 validator checks ``ResourceID``, which the CSV carries as well (same value)."""
+LORA_COLUMN = "x_LoraAdapter"
+"""FOCUS column of a line split by LoRA adapter (module note), after `FOCUS_COLUMNS` where written."""
+LORA_TAG = "llmvisor/lora_adapter"
+
+
+def _with_adapter(row: dict, c: Charge) -> dict:
+    """A FOCUS row of a line split by adapter names it (``x_LoraAdapter`` and a tag); other rows are left as they are."""
+    if c.lora_name is None:
+        return row
+    tags = json.loads(row["Tags"]) if row.get("Tags") else {}
+    return {**row, "Tags": json.dumps({**tags, LORA_TAG: c.lora_name}, separators=(",", ":")), LORA_COLUMN: c.lora_name}
+
+
+def focus_columns(rows: list[dict]) -> tuple[str, ...]:
+    """The columns of an export's rows: `FOCUS_COLUMNS`, and ``x_LoraAdapter`` where a row is split by adapter."""
+    return (*FOCUS_COLUMNS, LORA_COLUMN) if any(LORA_COLUMN in row for row in rows) else FOCUS_COLUMNS
 
 
 def focus_rows(charges: list[Charge], *, billing_account: str = "llmvisor") -> list[dict]:
@@ -154,79 +174,79 @@ def focus_rows(charges: list[Charge], *, billing_account: str = "llmvisor") -> l
         c = unpriced[0]
         raise LlmvisorError(f"engine class {c.engine_class!r} has no price in force at {_iso(c.period_start_us)}; add one "
                             f"(llmvisor prices add FILE) before a FOCUS export ({len(unpriced)} charges unpriced)")
-    rows = []
-    for c in charges:
-        if c.item == KV_MEMORY:
-            rows.append(_focus_memory_row(c, billing_account))
-            continue
-        if c.item != ENGINE_TIME:
-            rows.append(_focus_token_row(c, billing_account))
-            continue
-        usage = c.kind == "usage"
-        billing_start, billing_end, charge_class = _billing(c)
-        version = "default model" if c.model_version == 0 else f"model v{c.model_version}"
-        details = _allocation_details(c) if usage and c.allocated_ratio is not None else None
-        cost = _number(c.cost)
-        resource = f"llmvisor/engine-class/{c.engine_class or 'none'}"
-        rows.append({
-            "AvailabilityZone": None,
-            "BilledCost": cost,
-            "BillingAccountId": billing_account,
-            "BillingAccountName": billing_account,
-            "BillingCurrency": c.price.currency,
-            "BillingPeriodEnd": billing_end,
-            "BillingPeriodStart": billing_start,
-            "ChargeCategory": "Usage" if usage else "Adjustment",
-            "ChargeClass": charge_class,
-            "ChargeDescription": (f"engine time on engine class {c.engine_class or '(none)'}, attributed by the {version}"
-                                  if usage else f"correction of the bill by model v{c.model_version} (billed by {c.from_versions})")
-                                 + _correction_note(c),
-            "ChargeFrequency": "Usage-Based",
-            "ChargePeriodEnd": _iso(c.period_end_us),
-            "ChargePeriodStart": _iso(c.period_start_us),
-            "CommitmentDiscountCategory": None,
-            "CommitmentDiscountId": None,
-            "CommitmentDiscountName": None,
-            "CommitmentDiscountStatus": None,
-            "CommitmentDiscountType": None,
-            "ConsumedQuantity": _seconds(c.attributed_ns) if usage else None,
-            "ConsumedUnit": "Engine-Seconds" if usage else None,
-            "ContractedCost": cost,
-            "ContractedUnitPrice": _number(c.price.engine_hour_price),
-            "EffectiveCost": cost,
-            "InvoiceIssuer": billing_account,
-            "ListCost": cost,
-            "ListUnitPrice": _number(c.price.engine_hour_price),
-            "PricingCategory": "Standard",
-            "PricingQuantity": _hours(c.attributed_ns),
-            "PricingUnit": "Engine-Hours",
-            "Provider": billing_account,
-            "Publisher": billing_account,
-            "RegionId": None,
-            "RegionName": None,
-            "ResourceId": resource,
-            "ResourceName": f"engine class {c.engine_class or '(none)'}",
-            "ResourceType": "LLM engine class",
-            "ServiceCategory": "AI and Machine Learning",
-            "ServiceName": SERVICE_NAME,
-            "SkuId": f"engine-hour/{c.engine_class or 'none'}",
-            "SkuPriceId": f"engine-hour/{c.engine_class or 'none'}/v{c.price.version}",
-            "SubAccountId": c.tenant,
-            "SubAccountName": c.tenant,
-            "Tags": json.dumps({"llmvisor/engine_class": c.engine_class, "llmvisor/model_version": str(c.model_version)},
-                               separators=(",", ":")),
-            "AllocatedMethodId": ALLOCATION_METHOD_ID if details else None,
-            "AllocatedMethodDetails": details,
-            "x_IdempotencyId": c.idempotency_id,
-            "x_EngineClass": c.engine_class,
-            "x_ModelVersion": c.model_version,
-            "x_AttributedNs": c.attributed_ns,
-            "x_NewTokens": c.num_new_tokens,
-            "x_AdjustedFromVersions": c.from_versions or None,
-            **{name: c.tokens[k] if usage else None for name, k in TOKEN_COLUMNS.items()},
-            **dict.fromkeys(MEMORY_COLUMNS),
-        })
-    return rows
+    return [_with_adapter(_focus_row(c, billing_account), c) for c in charges]
+
+
+def _focus_row(c: Charge, billing_account: str) -> dict:
+    """One priced charge's FOCUS row (before `_with_adapter`)."""
+    if c.item == KV_MEMORY:
+        return _focus_memory_row(c, billing_account)
+    if c.item != ENGINE_TIME:
+        return _focus_token_row(c, billing_account)
+    usage = c.kind == "usage"
+    billing_start, billing_end, charge_class = _billing(c)
+    version = "default model" if c.model_version == 0 else f"model v{c.model_version}"
+    details = _allocation_details(c) if usage and c.allocated_ratio is not None else None
+    cost = _number(c.cost)
+    resource = f"llmvisor/engine-class/{c.engine_class or 'none'}"
+    return {
+        "AvailabilityZone": None,
+        "BilledCost": cost,
+        "BillingAccountId": billing_account,
+        "BillingAccountName": billing_account,
+        "BillingCurrency": c.price.currency,
+        "BillingPeriodEnd": billing_end,
+        "BillingPeriodStart": billing_start,
+        "ChargeCategory": "Usage" if usage else "Adjustment",
+        "ChargeClass": charge_class,
+        "ChargeDescription": (f"engine time on engine class {c.engine_class or '(none)'}, attributed by the {version}"
+                              if usage else f"correction of the bill by model v{c.model_version} (billed by {c.from_versions})")
+                             + _correction_note(c),
+        "ChargeFrequency": "Usage-Based",
+        "ChargePeriodEnd": _iso(c.period_end_us),
+        "ChargePeriodStart": _iso(c.period_start_us),
+        "CommitmentDiscountCategory": None,
+        "CommitmentDiscountId": None,
+        "CommitmentDiscountName": None,
+        "CommitmentDiscountStatus": None,
+        "CommitmentDiscountType": None,
+        "ConsumedQuantity": _seconds(c.attributed_ns) if usage else None,
+        "ConsumedUnit": "Engine-Seconds" if usage else None,
+        "ContractedCost": cost,
+        "ContractedUnitPrice": _number(c.price.engine_hour_price),
+        "EffectiveCost": cost,
+        "InvoiceIssuer": billing_account,
+        "ListCost": cost,
+        "ListUnitPrice": _number(c.price.engine_hour_price),
+        "PricingCategory": "Standard",
+        "PricingQuantity": _hours(c.attributed_ns),
+        "PricingUnit": "Engine-Hours",
+        "Provider": billing_account,
+        "Publisher": billing_account,
+        "RegionId": None,
+        "RegionName": None,
+        "ResourceId": resource,
+        "ResourceName": f"engine class {c.engine_class or '(none)'}",
+        "ResourceType": "LLM engine class",
+        "ServiceCategory": "AI and Machine Learning",
+        "ServiceName": SERVICE_NAME,
+        "SkuId": f"engine-hour/{c.engine_class or 'none'}",
+        "SkuPriceId": f"engine-hour/{c.engine_class or 'none'}/v{c.price.version}",
+        "SubAccountId": c.tenant,
+        "SubAccountName": c.tenant,
+        "Tags": json.dumps({"llmvisor/engine_class": c.engine_class, "llmvisor/model_version": str(c.model_version)},
+                           separators=(",", ":")),
+        "AllocatedMethodId": ALLOCATION_METHOD_ID if details else None,
+        "AllocatedMethodDetails": details,
+        "x_IdempotencyId": c.idempotency_id,
+        "x_EngineClass": c.engine_class,
+        "x_ModelVersion": c.model_version,
+        "x_AttributedNs": c.attributed_ns,
+        "x_NewTokens": c.num_new_tokens,
+        "x_AdjustedFromVersions": c.from_versions or None,
+        **{name: c.tokens[k] if usage else None for name, k in TOKEN_COLUMNS.items()},
+        **dict.fromkeys(MEMORY_COLUMNS),
+    }
 
 
 def _focus_memory_row(c: Charge, billing_account: str) -> dict:
@@ -288,7 +308,7 @@ def write_focus(rows: list[dict], path: Path) -> None:
     if path.suffix.lower() == ".parquet":
         import pyarrow.parquet as pq
 
-        columns = {name: [row[name] for row in rows] for name in FOCUS_COLUMNS}
+        columns = {name: [row.get(name) for row in rows] for name in focus_columns(rows)}
         integers = ("x_ModelVersion", "x_AttributedNs", "x_NewTokens", *TOKEN_COLUMNS, *MEMORY_COLUMNS)
         table = pa.table({name: pa.array(values, type=pa.int64() if name in integers else pa.string())
                           for name, values in columns.items()})
@@ -298,7 +318,7 @@ def write_focus(rows: list[dict], path: Path) -> None:
         raise LlmvisorError(f"{path}: a FOCUS export is written as .csv or .parquet")
     import csv
 
-    names = [*FOCUS_COLUMNS, "ResourceID"]
+    names = [*focus_columns(rows), "ResourceID"]
     with path.open("w", newline="", encoding="utf-8") as out:
         writer = csv.DictWriter(out, fieldnames=names)
         writer.writeheader()
@@ -309,6 +329,14 @@ def write_focus(rows: list[dict], path: Path) -> None:
 # Metering events ----------------------------------------------------------------------------------------------------
 
 def _data(c: Charge) -> dict:
+    """An event's data: `_charge_data`, with the line's adapter where it is split by adapter."""
+    data = _charge_data(c)
+    if c.lora_name is not None:
+        data["lora_adapter"] = c.lora_name
+    return data
+
+
+def _charge_data(c: Charge) -> dict:
     if c.item == KV_MEMORY:  # a memory charge: its exact block-ns and block size
         data = {"kv_block_ns": c.kv_block_ns, "kv_block_bytes": c.kv_block_bytes,
                 "gib_hours": _gib_hours(c.kv_block_ns, c.kv_block_bytes), "engine_class": c.engine_class,

@@ -16,6 +16,11 @@ An export of a range with lines already delivered in its format is refused unles
 lines not yet delivered in that format: the corrections. Closing a period (`close_period`, by hand or by an export
 `LLMVISOR_CLOSE_PERIOD_AFTER_S` after the period's end) records its lines as they are then; corrections recorded
 after it are billed in the month they are made (FOCUS ChargeClass "Correction").
+
+An export per LoRA adapter (``by_adapter``) records a tenant's adapter lines under keys of their own (its base-model
+line keeps the unsplit key, `llmvisor.billing.charges`); exporting a range split after exporting it unsplit (or the
+other way round) records the lines that are no longer charged as corrections taking them back, so what the recorded
+lines bill in total is the same either way.
 """
 
 from __future__ import annotations
@@ -112,7 +117,8 @@ def _row_charge(row, book: PriceBook) -> Charge:
                     row.num_new_tokens, price, None if row.cost is None else Decimal(row.cost), None,
                     from_versions=row.from_versions, item=row.item, tokens=tokens, unit_price=unit,
                     exact_cost=None if row.exact_cost is None else Fraction(row.exact_cost), revision=row.revision,
-                    billed_period_start_us=row.billed_period_start_us, kv_block_bytes=row.kv_block_bytes)
+                    billed_period_start_us=row.billed_period_start_us, kv_block_bytes=row.kv_block_bytes,
+                    lora_name=row.lora_name)
     return charge.with_quantity(row.quantity)
 
 
@@ -125,7 +131,7 @@ def _line_row(c: Charge, period_start_us: int, billed_us: int, created_us: int) 
             "currency": None if c.price is None else c.price.currency,
             "exact_cost": None if c.exact_cost is None else str(c.exact_cost),
             "cost": None if c.cost is None else str(c.cost), "created_at_us": created_us,
-            "kv_block_bytes": c.kv_block_bytes if c.item == KV_MEMORY else None}
+            "kv_block_bytes": c.kv_block_bytes if c.item == KV_MEMORY else None, "lora_name": c.lora_name}
 
 
 def _record(conn, current: list[Charge], start_us: int, end_us: int, tenants: set | None, at_us: int, book: PriceBook) -> int:
@@ -164,7 +170,7 @@ def _record(conn, current: list[Charge], start_us: int, end_us: int, tenants: se
                            exact_cost=None if zero.exact_cost is None else Fraction(0)))
     out = []
     for c in sorted([*current, *new], key=lambda c: (c.period_start_us, c.kind, c.engine_class, c.model_version, c.tenant,
-                                                     c.item)):
+                                                     c.item, c.lora_name or "")):
         was = recorded.get(c.line_key)
         if was is None:
             line = replace(c, revision=0)
@@ -208,20 +214,21 @@ class ExportPlan:
 
 
 def plan_export(ledger: Ledger, format_: str, start_us: int, end_us: int, tenants: list[str] | None = None, *,
-                force: bool = False, dry_run: bool = False, close_after: int | None = None) -> ExportPlan:
+                force: bool = False, dry_run: bool = False, close_after: int | None = None, by_adapter: bool = False) -> ExportPlan:
     """Close the periods due (``close_after`` seconds after their end), record the range's new revisions, and return
     the lines not yet delivered in ``format_``; refused (`PeriodError`) where some already were, unless ``force``.
-    A dry run records and closes nothing (it shows what the export would emit now)."""
+    A dry run records and closes nothing (it shows what the export would emit now). ``by_adapter``: usage lines per
+    tenant and LoRA adapter (module note)."""
     wanted = None if tenants is None else set(tenants)
     at_us = now_us()
     book = PriceBook.load(ledger)
-    current = charges(ledger, start_us, end_us, tenants)
+    current = charges(ledger, start_us, end_us, tenants, by_adapter=by_adapter)
     try:
         with ledger.write_transaction() as conn:
             if close_after is not None:
                 for month in _months(start_us, end_us):
                     if month[1] + close_after * 1_000_000 <= at_us:
-                        _close(ledger, conn, month, at_us, "export", book)
+                        _close(ledger, conn, month, at_us, "export", book, by_adapter=by_adapter)
             recorded = _record(conn, current, start_us, end_us, wanted, at_us, book)
             done = billing_tables.exported_line_ids(conn, format_, start_us, end_us, wanted)
             if done and not force:
@@ -262,12 +269,13 @@ def mark_exported(ledger: Ledger, format_: str, lines: list[Charge]) -> None:
         billing_tables.add_line_exports(conn, format_, ids, at_us)
 
 
-def _close(ledger: Ledger, conn, month: tuple[int, int], at_us: int, by: str, book: PriceBook) -> bool:
-    """Close one period in ``conn``'s transaction: record its lines as the ledger has them now, then mark it closed.
-    False where it already was."""
+def _close(ledger: Ledger, conn, month: tuple[int, int], at_us: int, by: str, book: PriceBook, *,
+           by_adapter: bool = False) -> bool:
+    """Close one period in ``conn``'s transaction: record its lines as the ledger has them now (per adapter with
+    ``by_adapter``, as the export closing it asks), then mark it closed. False where it already was."""
     if billing_tables.is_period_closed(conn, month[0]):
         return False
-    _record(conn, charges(ledger, *month), *month, None, at_us, book)
+    _record(conn, charges(ledger, *month, by_adapter=by_adapter), *month, None, at_us, book)
     count = billing_tables.count_period_lines(conn, month[0])
     billing_tables.insert_closed_period(conn, month, at_us, by, count)
     return True

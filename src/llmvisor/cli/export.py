@@ -37,6 +37,8 @@ def export(
                                                  metavar="VAR")] = None,
     event_name: Annotated[str, typer.Option(help="Stripe meter event name / Lago billable metric code.",
                                             metavar="NAME")] = "llmvisor_engine_ns",
+    by_adapter: Annotated[bool, typer.Option("--by-adapter", help="One usage line per tenant and LoRA adapter (FOCUS "
+                                             "x_LoraAdapter, events' lora_adapter; '' the base model).")] = False,
     db: DbOption = DEFAULT_DB_URL,
     json_output: JsonOption = False,
 ) -> None:
@@ -72,21 +74,21 @@ def export(
     ledger = Ledger(db)
     try:
         _export(ledger, format_, start_us, end_us, tenant or None, output, customer_ids, push_url, progress, dry_run, force,
-                headers, event_name, json_output, close_after)
+                headers, event_name, json_output, close_after, by_adapter)
     finally:
         ledger.close()
 
 
 def _export(ledger, format_, start_us, end_us, tenants, output, customer_ids, push_url, progress, dry_run, force, headers,
-            event_name, json_output, close_after) -> None:
+            event_name, json_output, close_after, by_adapter=False) -> None:
     """Plan (record the new lines), write or push what the format does not have yet, then mark it delivered."""
     from llmvisor.billing import formats as fmt
     from llmvisor.billing import periods
 
     if format_ == "focus":  # refuse an unpriced class before recording anything
-        fmt.focus_rows([c for c in charges_of(ledger, start_us, end_us, tenants) if c.price is None])
+        fmt.focus_rows([c for c in charges_of(ledger, start_us, end_us, tenants, by_adapter) if c.price is None])
     plan = periods.plan_export(ledger, format_, start_us, end_us, tenants, force=force, dry_run=dry_run,
-                               close_after=close_after)
+                               close_after=close_after, by_adapter=by_adapter)
     found = plan.lines
     if format_ == "focus":
         rows = fmt.focus_rows(found)
@@ -136,10 +138,10 @@ def _export(ledger, format_, start_us, end_us, tenants, output, customer_ids, pu
                    "pushed_to": push_url, "bodies_sent": len(sends) if push_url else 0, "requests": requests})
 
 
-def charges_of(ledger, start_us: int, end_us: int, tenants):
+def charges_of(ledger, start_us: int, end_us: int, tenants, by_adapter: bool = False):
     from llmvisor.billing import charges
 
-    return charges(ledger, start_us, end_us, tenants)
+    return charges(ledger, start_us, end_us, tenants, by_adapter=by_adapter)
 
 
 def close_period(

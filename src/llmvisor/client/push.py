@@ -47,7 +47,7 @@ from llmvisor.client.spool import append_steps, read_spool, take_for_replay
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
 from llmvisor.core.tokens import CACHED_PROMPT_COLUMN
 from llmvisor.core.trace import REQUIRED_COLUMNS, SHARING_COLUMNS
-from llmvisor.core.trace_schema import KV_COLUMNS
+from llmvisor.core.trace_schema import KV_COLUMNS, LORA_COLUMNS
 from llmvisor.retry import RetryableAnswer, check_answer, failure_reason, retry_policy
 
 log = logging.getLogger("llmvisor.pusher")
@@ -607,9 +607,10 @@ class StepPusher:
         )
 
 
-PUSHED_OPTIONAL_COLUMNS = ("timestamp_s", *SHARING_COLUMNS, CACHED_PROMPT_COLUMN, FINGERPRINT_COLUMN, *KV_COLUMNS)
+PUSHED_OPTIONAL_COLUMNS = ("timestamp_s", *SHARING_COLUMNS, CACHED_PROMPT_COLUMN, FINGERPRINT_COLUMN, *KV_COLUMNS, *LORA_COLUMNS)
 """Optional trace columns the service reads (`llmvisor.service.ingest`), sent when the rows carry them: the KV
-memory columns of format 3 too (the service meters them, issue #37)."""
+memory columns of format 3 too (the service meters them, issue #37), and format 4's LoRA columns (it prices and
+meters adapters, issue #38)."""
 
 
 def columns_body(steps: list[list[dict]]) -> bytes:

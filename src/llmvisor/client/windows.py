@@ -35,7 +35,7 @@ from llmvisor.client.push import (
 from llmvisor.client.spool import append_lines, take_for_replay
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
 from llmvisor.core.model import StepLatencyModel
-from llmvisor.core.relayed import step_rows
+from llmvisor.core.relayed import NAMED_INDEX, step_rows
 from llmvisor.errors import LlmvisorError
 from llmvisor.metering import DEFAULT_WINDOW_S, WindowAggregate, WindowAggregator, union_ranges
 from llmvisor.metering.prometheus import edge_metrics
@@ -383,7 +383,8 @@ class WindowDelivery:
                 self._resume_after_held(final=True)
             return
         started = time.perf_counter()
-        closed = self.aggregator.add(step[0], step[1], step[2], step[3], step[4] if len(step) > 4 else None)
+        closed = self.aggregator.add(step[0], step[1], step[2], step[3], step[4] if len(step) > 4 else None,
+                                     step[NAMED_INDEX] if len(step) > NAMED_INDEX else None)
         self.aggregation_s += time.perf_counter() - started
         self._push(closed)
 

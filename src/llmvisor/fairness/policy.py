@@ -22,6 +22,11 @@ The cost is pluggable:
   of its share of engine time and its share of the pool over wall time) is admitted next
   (`llmvisor.fairness.counters.DominantResourceCounter`).
 
+With a LoRA model (issue #38), ``attributed`` and ``drf`` charge adapters as the bill does: a step's ``LoraSlices``
+(`charge_step`'s and `charge_scheduled`'s ``lora``) give each request its adapter's own work and an equal part of its
+adapter's per-step kernels and loads (`llmvisor.core.attribution`), so a tenant on a rank-64 adapter reaches its
+share of the engine sooner than a base-model tenant with the same tokens.
+
 All are charged per step, as the engine runs the work. Within one scheduling pass an admission also reserves
 its predicted prefill cost on its tenant's counter, so one pass does not hand every free slot to the tenant that
 was lowest when it began; reservations are dropped once the step's charge lands. An engine that schedules a
@@ -57,6 +62,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llmvisor.core.attribution import StepAttributor
+from llmvisor.core.features import LoraSlices
 from llmvisor.core.game import (
     TokenPrices,
     decode_prices,
@@ -345,14 +351,16 @@ class FairShare:
         now_s: float,
         effective_context_tokens: np.ndarray | None = None,
         charged_when_scheduled: Mapping[str, float] | None = None,
+        lora: LoraSlices | None = None,
     ) -> StepCharge:
         """Charge one step that ran: each slice's cost to its tenant; quotas get attributed seconds. With
-        ``effective_context_tokens`` (prefix caching), each KV block shared in the step is split among its readers.
+        ``effective_context_tokens`` (prefix caching), each KV block shared in the step is split among its readers;
+        with ``lora`` (the step's adapters, a LoRA model), each adapter's terms among its requests (module note).
         With ``charged_when_scheduled`` (`charge_scheduled`'s return), the counters get only the difference
         between the measured cost and what was charged then."""
         shares = None
         if self.attributor is not None:
-            shares = self.attributor.attribute(num_new_tokens, num_context_tokens, is_prefill, measured_s, effective_context_tokens)
+            shares = self.attributor.attribute(num_new_tokens, num_context_tokens, is_prefill, measured_s, effective_context_tokens, lora)
         costs = shares if self.config.charges_attributed_time else self.tokens.slice_costs(num_new_tokens, is_prefill, samples_token)
         per_tenant = sum_by_tenant(tenants, costs)
         attributed = None
@@ -380,8 +388,10 @@ class FairShare:
         is_prefill: np.ndarray,
         samples_token: np.ndarray,
         effective_context_tokens: np.ndarray | None = None,
+        lora: LoraSlices | None = None,
     ) -> dict[str, float]:
-        """Charge a step to the counters when it is scheduled, before it runs, and return the cost per tenant.
+        """Charge a step to the counters when it is scheduled, before it runs, and return the cost per tenant
+        (``lora``: as `charge_step`'s, the loads the engine knows of when it schedules).
 
         The cost is what `charge_step` will charge, with the model's predicted shares in place of the measured
         time (the token cost is known exactly). Under async scheduling (a batch queue) the next pass is made before
@@ -389,7 +399,7 @@ class FairShare:
         ``charged_when_scheduled`` then corrects the counters to the measured cost (quotas and ``attributed_s``
         are charged there, measured, only). The pass's reservations are dropped: the step's charge replaces them."""
         if self.config.charges_attributed_time:
-            costs = self.attributor.attribute(num_new_tokens, num_context_tokens, is_prefill, None, effective_context_tokens)
+            costs = self.attributor.attribute(num_new_tokens, num_context_tokens, is_prefill, None, effective_context_tokens, lora)
         else:
             costs = self.tokens.slice_costs(num_new_tokens, is_prefill, samples_token)
         per_tenant = sum_by_tenant(tenants, costs)

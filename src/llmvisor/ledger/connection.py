@@ -23,6 +23,7 @@ from llmvisor.ledger.schema import (
     IN_PLACE_UPGRADES,
     SCHEMA_8_TABLES,
     SCHEMA_9_COLUMNS,
+    SCHEMA_10_COLUMNS,
     SCHEMA_VERSION,
     USAGE_RESOLUTION_US,
     ledger_info,
@@ -118,7 +119,7 @@ class LedgerConnection:
         return make_url(self.url).render_as_string(hide_password=True)
 
     def _create_schema(self) -> None:
-        """Create the tables of an empty database, add schema 8's tables and schema 9's columns to a schema-7 or -8 one
+        """Create the tables of an empty database, add schema 8's tables and schema 9's and 10's columns to a schema-7, -8 or -9 one
         (`IN_PLACE_UPGRADES`); refuse, before writing anything, one of another schema."""
         try:
             with self._write_engine.begin() as conn:
@@ -145,10 +146,11 @@ class LedgerConnection:
 
     @staticmethod
     def _add_missing_columns(conn: Connection) -> None:
-        """Schema 9's nullable columns (`SCHEMA_9_COLUMNS`), added where a table lacks them: existing rows read NULL."""
+        """Schema 9's and 10's nullable columns (`SCHEMA_9_COLUMNS`, `SCHEMA_10_COLUMNS`), added where a table lacks them:
+        existing rows read NULL."""
         inspector = inspect(conn)
         have: dict[str, set[str]] = {}
-        for table, name in SCHEMA_9_COLUMNS:
+        for table, name in (*SCHEMA_9_COLUMNS, *SCHEMA_10_COLUMNS):
             if table.name not in have:
                 have[table.name] = {c["name"] for c in inspector.get_columns(table.name)}
             if name not in have[table.name]:

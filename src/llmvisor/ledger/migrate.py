@@ -57,6 +57,7 @@ from llmvisor.ledger.connection import normalize_url
 from llmvisor.ledger.records import LedgerError, StepRecords
 from llmvisor.ledger.schema import (
     KV_USAGE_COLUMNS,
+    LORA_USAGE_COLUMN,
     TOKEN_SPLIT_COLUMNS,
     active_models,
     adjustments,
@@ -237,16 +238,17 @@ _slice_batches_2 = slice_batches.to_metadata(_schema_2)
 
 
 def _before_split(table: Table, schema: MetaData) -> Table:
-    """``table`` as schemas 2 to 5 stored it: without schema 6's token split columns (nor schema 9's KV columns)."""
+    """``table`` as schemas 2 to 5 stored it: without schema 6's token split columns (nor schema 9's KV columns, nor
+    schema 10's adapter)."""
     return Table(table.name, schema, *(Column(c.name, c.type, primary_key=c.primary_key) for c in table.columns
-                                       if c.name not in (*TOKEN_SPLIT_COLUMNS, *KV_USAGE_COLUMNS)))
+                                       if c.name not in (*TOKEN_SPLIT_COLUMNS, *KV_USAGE_COLUMNS, LORA_USAGE_COLUMN)))
 
 
 def _before_kv(table: Table, schema: MetaData) -> Table:
     """``table`` as schemas 6 to 8 stored it: without schema 9's KV memory columns (copied rows read NULL: not
-    metered, billed for time only)."""
+    metered, billed for time only) nor schema 10's adapter (NULL: the base model)."""
     return Table(table.name, schema, *(Column(c.name, c.type, primary_key=c.primary_key) for c in table.columns
-                                       if c.name not in KV_USAGE_COLUMNS))
+                                       if c.name not in (*KV_USAGE_COLUMNS, LORA_USAGE_COLUMN)))
 
 
 _usage_2 = _before_split(usage_per_second, _schema_2)

@@ -152,6 +152,10 @@ class StepRecords:
     """Per slice, the KV memory columns of trace format 3 (`llmvisor.core.trace_schema.KV_COLUMNS`, step and run
     values repeated on each slice, as the trace has them), kept in the blob; ``kv_block_ns`` and ``kv_block_bytes``
     are summed into the usage rows (schema 9). None: not metered (a format 1 or 2 trace), billed for time only."""
+    lora_columns: dict[str, np.ndarray] | None = None
+    """Per slice, the LoRA columns of trace format 4 (`llmvisor.core.trace_schema.LORA_COLUMNS`, step sets repeated on
+    each slice), kept in the blob (a pending step is priced from them later); ``lora_name`` goes to the usage rows
+    (schema 10). None: no adapter columns (the base model)."""
     run_sha256: list[bytes | None] | None = None
     """Per step, for a run's step 0, its content digest without the run id (`run_digests`: a new run repeating a
     stored run's is refused, `DuplicateRunError`); None elsewhere, and None for a batch without one."""
@@ -181,7 +185,7 @@ class StepRecords:
                 value = np.concatenate(([0], np.cumsum(sizes[step_mask]))).astype(np.int64)
             elif value is None:
                 pass
-            elif item.name == "kv_columns":
+            elif item.name in ("kv_columns", "lora_columns"):
                 value = {name: column[slice_mask] for name, column in value.items()}
             elif item.name in ("content_sha256", "run_sha256"):
                 value = [digest for digest, keep in zip(value, step_mask.tolist()) if keep]
@@ -228,6 +232,8 @@ class UsageRow:
     """KV block-nanoseconds held (schema 9); None where none of the rows summed was metered."""
     kv_byte_ns: int | None = None
     """Σ block-ns × bytes per block: exact byte-nanoseconds (GiB-seconds = byte-ns / 2^30 / 10^9)."""
+    lora_name: str | None = None
+    """Usage read per adapter (``by_adapter``): its LoRA adapter, '' the base model; None: not read per adapter."""
 
 
 @dataclass(frozen=True)
@@ -245,6 +251,8 @@ class RequestUsageRow:
     num_output_tokens: int | None = None
     kv_block_ns: int | None = None
     kv_byte_ns: int | None = None
+    lora_name: str = ""
+    """The request's LoRA adapter (schema 10); '' the base model."""
 
 
 @dataclass(frozen=True)

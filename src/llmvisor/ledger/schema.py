@@ -65,6 +65,13 @@ two 31-bit halves (`llmvisor.ledger.usage.kv_sums`), so SQLite's 64-bit SUM neve
 (interval, idle cache, free, carried in and out, pool) stay in the step's slice blob, as the trace has them.
 ``billing_lines`` gains ``kv_block_bytes``: a memory line's block size (its quantity is block-ns); ``prices`` gains
 ``gib_hour_price``, the price per GiB-hour of KV cache held (NULL: memory not priced).
+
+Schema 10 (LoRA adapters, issue #38) adds one nullable column, ``lora_name``, so schemas 7 to 9 are upgraded in place
+(`SCHEMA_10_COLUMNS`): the adapter a usage row's requests ran (trace format 4, window format 3). On
+``usage_per_second`` and ``request_totals`` it is the request's (a request runs one adapter); ``tenant_seconds`` is
+keyed by it too, so a tenant's usage can be read and billed per adapter. NULL: the base model, or stored before
+schema 10 (a ledger before LoRA held base-model usage only), so a base-model-only ledger's rows are what they were.
+``billing_lines`` gains it too: a line of usage billed per adapter (`llmvisor export --by-adapter`).
 """
 
 from __future__ import annotations
@@ -87,10 +94,12 @@ from sqlalchemy import (
 
 from llmvisor.core.tokens import TOKEN_SPLIT
 
-SCHEMA_VERSION = 9
-IN_PLACE_UPGRADES = ("7", "8")
+SCHEMA_VERSION = 10
+IN_PLACE_UPGRADES = ("7", "8", "9")
 """Versions a ledger is upgraded from when opened: each later schema only added tables (`SCHEMA_8_TABLES`) and
-nullable columns (`SCHEMA_9_COLUMNS`)."""
+nullable columns (`SCHEMA_9_COLUMNS`, `SCHEMA_10_COLUMNS`)."""
+LORA_USAGE_COLUMN = "lora_name"
+"""Schema 10's adapter of a usage row (module note); NULL for the base model."""
 KV_USAGE_COLUMNS = ("kv_block_ns", "kv_block_bytes")
 """Schema 9's KV memory-time of a usage row (module note); NULL where not metered."""
 TOKEN_SPLIT_COLUMNS = TOKEN_SPLIT
@@ -153,6 +162,7 @@ usage_per_second = Table(
     Column("last_timestamp_us", BigInteger, nullable=False),
     *(Column(name, BigInteger, nullable=True, doc="schema 6 token split; NULL: stored before it") for name in TOKEN_SPLIT_COLUMNS),
     *(Column(name, BigInteger, nullable=True, doc="schema 9 KV memory-time; NULL: not metered") for name in KV_USAGE_COLUMNS),
+    Column(LORA_USAGE_COLUMN, Text, nullable=True, doc="schema 10: the request's LoRA adapter; NULL: the base model"),
     Index("ix_usage_per_second_tenant_second_us", "tenant", "second_us"),
     Index("ix_usage_per_second_second_us", "second_us"),
 )
@@ -278,6 +288,7 @@ tenant_seconds = Table(
     *(Column(name, BigInteger, nullable=True, doc="schema 6 token split; NULL: unknown") for name in TOKEN_SPLIT_COLUMNS),
     *(Column(name, BigInteger, nullable=True, doc="schema 9 KV memory-time; NULL: not metered (window mode, so far)")
       for name in KV_USAGE_COLUMNS),
+    Column(LORA_USAGE_COLUMN, Text, nullable=True, doc="schema 10: the LoRA adapter of the usage; NULL: the base model"),
     Index("ix_tenant_seconds_tenant_second_us", "tenant", "second_us"),
     Index("ix_tenant_seconds_second_us", "second_us"),
 )
@@ -300,6 +311,7 @@ request_totals = Table(
     *(Column(name, BigInteger, nullable=True, doc="schema 6 token split; NULL: stored before it") for name in TOKEN_SPLIT_COLUMNS),
     *(Column(name, BigInteger, nullable=True, doc="schema 9 KV memory-time; NULL: not metered (window mode, so far)")
       for name in KV_USAGE_COLUMNS),
+    Column(LORA_USAGE_COLUMN, Text, nullable=True, doc="schema 10: the request's LoRA adapter; NULL: the base model"),
     Index("ix_request_totals_tenant", "tenant"),
 )
 """One row per request, summed over its windows as they arrive (each window is stored once, so adding is safe)."""
@@ -377,6 +389,7 @@ billing_lines = Table(
     Column("cost", Text, nullable=True, doc="this line's cents (decimal string), remainders carried within the period"),
     Column("created_at_us", BigInteger, nullable=False),
     Column("kv_block_bytes", BigInteger, nullable=True, doc="schema 9: a KV memory line's bytes per block (its quantity is block-ns)"),
+    Column(LORA_USAGE_COLUMN, Text, nullable=True, doc="schema 10: the LoRA adapter of a line billed per adapter; NULL: not split by adapter"),
     UniqueConstraint("line_key", "revision", name="uq_billing_lines_key_revision"),
     Index("ix_billing_lines_period_start_us", "period_start_us"),
 )
@@ -412,3 +425,6 @@ SCHEMA_9_COLUMNS = (
     (prices, "gib_hour_price"),
 )
 """Nullable columns added to a schema-7 or schema-8 ledger when opened (`IN_PLACE_UPGRADES`), where missing."""
+
+SCHEMA_10_COLUMNS = tuple((table, LORA_USAGE_COLUMN) for table in (usage_per_second, tenant_seconds, request_totals, billing_lines))
+"""Schema 10's nullable adapter column, added to a schema-7, -8 or -9 ledger when opened, where missing."""

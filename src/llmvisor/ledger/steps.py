@@ -35,6 +35,7 @@ from llmvisor.ledger.records import (
 from llmvisor.ledger.runs import RunStore
 from llmvisor.ledger.schema import (
     KV_USAGE_COLUMNS,
+    LORA_USAGE_COLUMN,
     TOKEN_SPLIT_COLUMNS,
     USAGE_RESOLUTION_US,
     slice_batches,
@@ -51,7 +52,7 @@ assert [c.name for c in steps.columns] == [
     "slice_batch_id", "engine_class", "model_version", "pending",
 ]
 assert [c.name for c in usage_per_second.columns] == [*_USAGE_KEY, *_USAGE_SUMS, "first_timestamp_us", "last_timestamp_us",
-                                                     *TOKEN_SPLIT_COLUMNS, *KV_USAGE_COLUMNS]
+                                                     *TOKEN_SPLIT_COLUMNS, *KV_USAGE_COLUMNS, LORA_USAGE_COLUMN]
 
 
 class StoredBatch:
@@ -92,6 +93,12 @@ class StoredBatch:
         if kv is not None:
             for name, values in kv.items():
                 table = table.append_column(name, pa.array(values, pa.int64()))
+        lora = records.lora_columns
+        if lora is not None:  # format 4: the adapter columns as the trace has them
+            for name, values in lora.items():
+                table = table.append_column(name, pa.array(values, pa.int64() if name == "lora_rank" else pa.string()))
+        adapter = (pa.nulls(self.n_slices, pa.string()) if lora is None
+                   else pc.if_else(pc.equal(table["lora_name"], ""), pa.scalar(None, pa.string()), table["lora_name"]))
         uncached, cached, output = token_split(records.num_new_tokens, records.is_prefill, records.num_cached_prompt_tokens)
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, compression=_PARQUET_COMPRESSION)
@@ -110,6 +117,7 @@ class StoredBatch:
                 **dict(zip(TOKEN_SPLIT_COLUMNS, (uncached, cached, output))),
                 **{name: (pa.nulls(self.n_slices, pa.int64()) if kv is None else pa.array(kv[name], pa.int64()))
                    for name in KV_USAGE_COLUMNS},
+                LORA_USAGE_COLUMN: adapter,
             }
         )
         if pending.any():  # pending slices add to usage only once attributed
@@ -127,13 +135,14 @@ class StoredBatch:
                     *((name, "sum") for name in TOKEN_SPLIT_COLUMNS),
                     ("kv_block_ns", "sum", pc.ScalarAggregateOptions(skip_nulls=True, min_count=1)),
                     ("kv_block_bytes", "max"),
+                    (LORA_USAGE_COLUMN, "max"),  # a request runs one adapter (NULL: the base model)
                 ]
             )
         )
         usage = usage.set_column(usage.schema.get_field_index("run_id"), "run_id", pc.cast(usage["run_id"], pa.string()))
         usage = usage.sort_by([(name, "ascending") for name in _USAGE_KEY])
         names = [*_USAGE_KEY, "attributed_ns_sum", "attributed_ns_count", "num_new_tokens_sum", "timestamp_us_min", "timestamp_us_max",
-                 *(f"{name}_sum" for name in TOKEN_SPLIT_COLUMNS), "kv_block_ns_sum", "kv_block_bytes_max"]
+                 *(f"{name}_sum" for name in TOKEN_SPLIT_COLUMNS), "kv_block_ns_sum", "kv_block_bytes_max", f"{LORA_USAGE_COLUMN}_max"]
         self.usage_columns = [usage[name].to_pylist() for name in names]
         self.records = records
 
@@ -260,7 +269,7 @@ class StepStore(RunStore):
             return
         self._add_rows(conn, usage_per_second, batch.usage_columns, key=_USAGE_KEY, sums=(*_USAGE_SUMS, *TOKEN_SPLIT_COLUMNS),
                        least=("first_timestamp_us",), greatest=("last_timestamp_us",), known_sums=("kv_block_ns",),
-                       first=("kv_block_bytes",))
+                       first=("kv_block_bytes", LORA_USAGE_COLUMN))
 
     def stored_steps(self, engine_class: str, *, pending_only: bool = False, newest: int | None = None) -> StoredSteps:
         """Steps of a class (only the pending ones, or the ``newest`` by start time) with their slices."""

@@ -17,6 +17,7 @@ from llmvisor.ledger.connection import LedgerConnection
 from llmvisor.ledger.records import LedgerError, RequestUsageRow, SliceShare, StepDetail, Totals, UsageRow
 from llmvisor.ledger.schema import (
     KV_USAGE_COLUMNS,
+    LORA_USAGE_COLUMN,
     TOKEN_SPLIT_COLUMNS,
     USAGE_RESOLUTION_US,
     request_totals,
@@ -63,7 +64,8 @@ def _tenant_usage_rows(*, with_class: bool = False):
 
     def sums(table):
         return [table.c.tenant, table.c.second_us, table.c.attributed_ns, table.c.num_slices, table.c.num_new_tokens,
-                *(table.c[name] for name in TOKEN_SPLIT_COLUMNS), *(table.c[name] for name in KV_USAGE_COLUMNS)]
+                *(table.c[name] for name in TOKEN_SPLIT_COLUMNS), *(table.c[name] for name in KV_USAGE_COLUMNS),
+                table.c[LORA_USAGE_COLUMN]]
 
     if not with_class:
         return select(*sums(u)).union_all(select(*sums(w))).subquery("usage")
@@ -79,10 +81,10 @@ def _request_usage_rows():
     r = request_totals
     return select(u.c.run_id, u.c.request_id, u.c.tenant, u.c.second_us, u.c.attributed_ns, u.c.num_slices, u.c.num_new_tokens,
                   u.c.first_timestamp_us, u.c.last_timestamp_us, *(u.c[name] for name in TOKEN_SPLIT_COLUMNS),
-                  *(u.c[name] for name in KV_USAGE_COLUMNS)).union_all(
+                  *(u.c[name] for name in KV_USAGE_COLUMNS), u.c[LORA_USAGE_COLUMN]).union_all(
         select(r.c.run_id, r.c.request_id, r.c.tenant, r.c.first_second_us, r.c.attributed_ns, r.c.num_slices, r.c.num_new_tokens,
                r.c.first_timestamp_us, r.c.last_timestamp_us, *(r.c[name] for name in TOKEN_SPLIT_COLUMNS),
-               *(r.c[name] for name in KV_USAGE_COLUMNS))
+               *(r.c[name] for name in KV_USAGE_COLUMNS), r.c[LORA_USAGE_COLUMN])
     ).subquery("usage")
 
 
@@ -91,6 +93,11 @@ def split_sums(table) -> list:
     schema 6), so an unknown part is never read as 0."""
     return [case((func.count(table.c[name]) == func.count(), func.coalesce(func.sum(table.c[name]), 0)), else_=None)
             for name in TOKEN_SPLIT_COLUMNS]
+
+
+def adapter_of(table):
+    """A usage relation's adapter as read back: '' for the base model (NULL in the ledger, schema 10)."""
+    return func.coalesce(table.c[LORA_USAGE_COLUMN], "")
 
 
 def _counts(values) -> dict:
@@ -106,14 +113,19 @@ class UsageQueries(LedgerConnection):
         end_us: int | None = None,
         bucket: str | None = None,
         tenant: str | None = None,
+        *,
+        by_adapter: bool = False,
     ) -> list[UsageRow]:
-        """Attributed time per tenant (and per UTC bucket of ``bucket`` if given), ordered by tenant and time;
-        steps stored one by one and window aggregates alike."""
+        """Attributed time per tenant (and per UTC bucket of ``bucket`` if given; per LoRA adapter too with
+        ``by_adapter``, '' the base model), ordered by tenant, adapter and time; steps stored one by one and window
+        aggregates alike."""
         usage = _tenant_usage_rows()
         conditions = self._range(usage.c.second_us, start_us, end_us)
         if tenant is not None:
             conditions.append(usage.c.tenant == tenant)
         columns = [usage.c.tenant]
+        if by_adapter:
+            columns.append(adapter_of(usage).label(LORA_USAGE_COLUMN))
         if bucket is not None:
             if bucket not in BUCKET_US:
                 raise LedgerError(f"unknown bucket {bucket!r}; choose one of {', '.join(BUCKET_US)}")
@@ -123,7 +135,8 @@ class UsageQueries(LedgerConnection):
         return [
             UsageRow(
                 tenant=row[0],
-                bucket_start_us=int(row[1]) if bucket is not None else None,
+                bucket_start_us=int(row[len(columns) - 1]) if bucket is not None else None,
+                lora_name=str(row[1]) if by_adapter else None,
                 attributed_ns=int(row[-8]),
                 num_slices=int(row[-7]),
                 num_new_tokens=int(row[-6]),
@@ -249,6 +262,7 @@ class UsageQueries(LedgerConnection):
                 *split_sums(usage),
                 func.max(usage.c.kv_block_bytes),  # one run's: the same on all its rows
                 *kv_sums(usage),
+                func.max(adapter_of(usage)),  # a request runs one adapter
             )
             .where(and_(True, *conditions))
             .group_by(usage.c.run_id, usage.c.request_id, usage.c.tenant)
@@ -262,7 +276,7 @@ class UsageQueries(LedgerConnection):
         for r in rows:
             kv = kv_total(r[12], r[13])
             out.append(RequestUsageRow(r[0], r[1], r[2], int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7]), **_counts(r[8:11]),
-                                       kv_block_ns=kv, kv_byte_ns=None if kv is None else kv * int(r[11] or 0)))
+                                       kv_block_ns=kv, kv_byte_ns=None if kv is None else kv * int(r[11] or 0), lora_name=str(r[14])))
         return out
 
     def top_tenants(self, n: int, start_us: int | None = None, end_us: int | None = None) -> list[UsageRow]:
@@ -382,7 +396,7 @@ class UsageQueries(LedgerConnection):
         with self._read() as conn:
             return {(str(r[0]), int(r[1])): int(r[2]) for r in conn.execute(query) if int(r[2])}
 
-    def hourly_usage(self, start_us: int, end_us: int, *, default_version: int = 0) -> list[tuple]:
+    def hourly_usage(self, start_us: int, end_us: int, *, default_version: int = 0, by_adapter: bool = False) -> list[tuple]:
         """Usage of [start_us, end_us) per UTC hour, engine class, model version and tenant, as billing charges it
         (`llmvisor.billing.charges`): rows (hour_us, engine_class, model_version, tenant, attributed_ns, num_new_tokens,
         the token split, None where unknown, `split_sums`, then kv_block_bytes and kv_block_ns, None where not
@@ -392,8 +406,14 @@ class UsageQueries(LedgerConnection):
 
         A stored step's usage takes the class and version of its run's steps in its second (the higher version where
         two billed that second; ``default_version`` for the service's default model, NULL in the ledger). A window's
-        takes its own, in the hour the window starts; pending windows (version 0) are left out."""
+        takes its own, in the hour the window starts; pending windows (version 0) are left out.
+
+        ``by_adapter``: per LoRA adapter too (schema 10), each row's last element its adapter ('' the base model)."""
         hour_us = BUCKET_US["hour"]
+
+        def adapter(table) -> list:
+            return [adapter_of(table).label(LORA_USAGE_COLUMN)] if by_adapter else []
+
         second = (steps.c.timestamp_us // 1_000_000) * 1_000_000
         run_second = (
             select(steps.c.run_id, second.label("second_us"), func.min(steps.c.engine_class).label("engine_class"),
@@ -406,19 +426,19 @@ class UsageQueries(LedgerConnection):
         hour = ((u.c.second_us // hour_us) * hour_us).label("hour_us")
         query = (
             select(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant, func.sum(u.c.attributed_ns),
-                   func.sum(u.c.num_new_tokens), *split_sums(u), u.c.kv_block_bytes, *kv_sums(u))
+                   func.sum(u.c.num_new_tokens), *split_sums(u), u.c.kv_block_bytes, *kv_sums(u), *adapter(u))
             .join(run_second, and_(run_second.c.run_id == u.c.run_id, run_second.c.second_us == u.c.second_us))
             .where(and_(u.c.second_us >= start_us, u.c.second_us < end_us))
-            .group_by(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant, u.c.kv_block_bytes)
+            .group_by(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant, u.c.kv_block_bytes, *adapter(u))
             .order_by(hour, run_second.c.engine_class, run_second.c.model_version, u.c.tenant)
         )
         w = tenant_seconds
         window_hour = ((w.c.second_us // hour_us) * hour_us).label("hour_us")
         window_query = (
             select(window_hour, w.c.engine_class, w.c.model_version, w.c.tenant, func.sum(w.c.attributed_ns),
-                   func.sum(w.c.num_new_tokens), *split_sums(w), w.c.kv_block_bytes, *kv_sums(w))
+                   func.sum(w.c.num_new_tokens), *split_sums(w), w.c.kv_block_bytes, *kv_sums(w), *adapter(w))
             .where(and_(w.c.second_us >= start_us, w.c.second_us < end_us, w.c.model_version != 0))  # 0: pending windows
-            .group_by(window_hour, w.c.engine_class, w.c.model_version, w.c.tenant, w.c.kv_block_bytes)
+            .group_by(window_hour, w.c.engine_class, w.c.model_version, w.c.tenant, w.c.kv_block_bytes, *adapter(w))
         )
         with self._read() as conn:  # one snapshot: per-step and window usage read together
-            return [(*row[:9], row[9], kv_total(row[10], row[11])) for row in [*conn.execute(query), *conn.execute(window_query)]]
+            return [(*row[:9], row[9], kv_total(row[10], row[11]), *row[12:]) for row in [*conn.execute(query), *conn.execute(window_query)]]

@@ -24,7 +24,14 @@ from llmvisor.ledger.records import (
     WindowOutcome,
 )
 from llmvisor.ledger.runs import RunStore
-from llmvisor.ledger.schema import TOKEN_SPLIT_COLUMNS, USAGE_RESOLUTION_US, request_totals, tenant_seconds, windows
+from llmvisor.ledger.schema import (
+    LORA_USAGE_COLUMN,
+    TOKEN_SPLIT_COLUMNS,
+    USAGE_RESOLUTION_US,
+    request_totals,
+    tenant_seconds,
+    windows,
+)
 
 
 def _add_usage(row: dict, more: dict) -> None:
@@ -214,18 +221,20 @@ class WindowStore(RunStore):
             second_us = w.window_start_us // USAGE_RESOLUTION_US * USAGE_RESOLUTION_US
             # window format 2: each tenant's KV block-ns, kept per block size (GiB-seconds are block-ns × its bytes)
             block_bytes = w.kv.block_bytes if w.kv is not None else None
-            kv_by_tenant = w.tenant_kv_block_ns()
-            for tenant, t in w.tenant_totals().items():
-                key = (tenant, w.engine_class, 0 if w.pending else w.model_version, second_us, block_bytes or 0)
+            # window format 3: per tenant and adapter (schema 10; NULL the base model, and every request of formats 1, 2)
+            kv_by_tenant = w.tenant_kv_block_ns(by_adapter=True)
+            for (tenant, adapter), t in w.tenant_adapter_totals().items():
+                key = (tenant, w.engine_class, 0 if w.pending else w.model_version, second_us, block_bytes or 0, adapter or "")
                 row = tenant_rows.get(key)
                 if row is None:
-                    tenant_rows[key] = {"tenant": tenant, "engine_class": key[1], "model_version": key[2], "second_us": second_us, **t}
+                    tenant_rows[key] = {"tenant": tenant, "engine_class": key[1], "model_version": key[2], "second_us": second_us, **t,
+                                        LORA_USAGE_COLUMN: adapter}
                     if block_bytes is not None:
-                        tenant_rows[key].update(kv_block_ns=kv_by_tenant[tenant], kv_block_bytes=block_bytes)
+                        tenant_rows[key].update(kv_block_ns=kv_by_tenant[tenant, adapter], kv_block_bytes=block_bytes)
                 else:
                     _add_usage(row, t)
                     if block_bytes is not None:
-                        row["kv_block_ns"] += kv_by_tenant[tenant]
+                        row["kv_block_ns"] += kv_by_tenant[tenant, adapter]
             if not self.request_totals:
                 continue
             for q in w.requests:
@@ -237,7 +246,8 @@ class WindowStore(RunStore):
                                          "num_new_tokens": q.num_new_tokens, "first_timestamp_us": q.first_timestamp_us,
                                          "last_timestamp_us": q.last_timestamp_us,
                                          **{name: getattr(q, name) for name in TOKEN_SPLIT_COLUMNS},
-                                         "kv_block_ns": q.kv_block_ns, "kv_block_bytes": block_bytes}
+                                         "kv_block_ns": q.kv_block_ns, "kv_block_bytes": block_bytes,
+                                         LORA_USAGE_COLUMN: q.lora_name or None}
                 else:
                     row["kv_block_ns"] = None if row["kv_block_ns"] is None or q.kv_block_ns is None else row["kv_block_ns"] + q.kv_block_ns
                     _add_usage(row, {"attributed_ns": q.attributed_ns, "measured_ns": q.measured_ns, "num_slices": q.num_steps,
@@ -253,7 +263,7 @@ class WindowStore(RunStore):
                            key=("run_id", "request_id", "tenant"),
                            sums=("attributed_ns", "measured_ns", "num_slices", "num_new_tokens", *TOKEN_SPLIT_COLUMNS, "kv_block_ns"),
                            least=("first_second_us", "first_timestamp_us"), greatest=("last_timestamp_us",),
-                           first=("kv_block_bytes",))
+                           first=("kv_block_bytes", LORA_USAGE_COLUMN))
         run_ids = np.asarray([w.run_id for w in new for _ in range(w.num_steps)], dtype=object)
         step_ids = np.concatenate([w.step_ids() for w in new])
         classes = np.asarray([w.engine_class for w in new for _ in range(w.num_steps)], dtype=object)

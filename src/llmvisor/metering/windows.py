@@ -27,16 +27,22 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from llmvisor.core.attribution import attribute_arrays
+from llmvisor.core.features import LoraSlices, lora_slices
+from llmvisor.core.lora_trace import decode_adapters
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.rounding import apportion_ns
 from llmvisor.core.tokens import TOKEN_SPLIT, add_counts, token_split
 from llmvisor.errors import LlmvisorError, unknown_name
 
 DEFAULT_WINDOW_S = 1.0
-WINDOW_FORMAT = 2
-"""The newest window format: 2 carries KV memory-time (`KvWindow`, trace format 3's columns summed), 1 does not.
-A window is written as format 1 when its steps carry no KV figures, byte for byte as before (its digest unchanged)."""
-READABLE_WINDOW_FORMATS = (1, 2)
+WINDOW_FORMAT = 3
+"""The newest window format: 2 carries KV memory-time (`KvWindow`, trace format 3's columns summed), 1 does not;
+3 carries each request's LoRA adapter (``RequestWindow.lora_name``, trace format 4), with or without KV. A window is
+written as format 1 when its steps carry no KV figures and no adapter, byte for byte as before (its digest
+unchanged), and as format 2 when they carry KV figures but no adapter."""
+READABLE_WINDOW_FORMATS = (1, 2, 3)
+LORA_FIELD = "lora_name"
+"""A request's adapter in a format-3 window: the trace's ``lora_name``, empty for the base model."""
 MAX_NAME_CHARS = 512
 
 ModelSource = Callable[[], "tuple[StepLatencyModel, int] | None"]
@@ -71,6 +77,8 @@ class RequestWindow:
     kv_block_ns: int | None = None
     """Window format 2: the KV block-nanoseconds of the request's slices in the window (trace format 3's
     ``kv_block_ns`` summed); None in format 1."""
+    lora_name: str | None = None
+    """Window format 3: the LoRA adapter the request ran with ('' the base model); None in formats 1 and 2."""
 
 
 @dataclass
@@ -122,13 +130,20 @@ class WindowAggregate:
     residual: ResidualStats = field(default_factory=ResidualStats)
     format: int = 1
     kv: KvWindow | None = None
-    """KV memory-time (format 2), None in format 1."""
+    """KV memory-time (format 2, or 3 with KV), None otherwise."""
 
     def tenant_totals(self) -> dict[str, dict[str, int]]:
         """Per tenant: attributed and measured ns, slices (a request's steps) and new tokens."""
-        out: dict[str, dict[str, int]] = {}
+        return self._totals(lambda r: r.tenant)
+
+    def tenant_adapter_totals(self) -> dict[tuple[str, str | None], dict[str, int]]:
+        """`tenant_totals` per (tenant, adapter): the adapter None for the base model and in formats 1 and 2."""
+        return self._totals(lambda r: (r.tenant, r.lora_name or None))
+
+    def _totals(self, key) -> dict:
+        out: dict = {}
         for r in self.requests:
-            t = out.setdefault(r.tenant, {"attributed_ns": 0, "measured_ns": 0, "num_slices": 0, "num_new_tokens": 0,
+            t = out.setdefault(key(r), {"attributed_ns": 0, "measured_ns": 0, "num_slices": 0, "num_new_tokens": 0,
                                           **dict.fromkeys(TOKEN_SPLIT, 0)})
             t["attributed_ns"] += r.attributed_ns
             t["measured_ns"] += r.measured_ns
@@ -138,13 +153,15 @@ class WindowAggregate:
                 t[name] = add_counts(t[name], getattr(r, name))
         return out
 
-    def tenant_kv_block_ns(self) -> dict[str, int]:
-        """Per tenant: the KV block-nanoseconds of its requests in the window (empty in format 1)."""
-        out: dict[str, int] = {}
+    def tenant_kv_block_ns(self, *, by_adapter: bool = False) -> dict:
+        """Per tenant (per (tenant, adapter) with ``by_adapter``, as `tenant_adapter_totals`): the KV block-nanoseconds
+        of its requests in the window (empty without KV figures)."""
+        out: dict = {}
         if self.kv is None:
             return out
         for r in self.requests:
-            out[r.tenant] = out.get(r.tenant, 0) + int(r.kv_block_ns or 0)
+            key = (r.tenant, r.lora_name or None) if by_adapter else r.tenant
+            out[key] = out.get(key, 0) + int(r.kv_block_ns or 0)
         return out
 
     def step_ids(self) -> np.ndarray:
@@ -159,7 +176,7 @@ class WindowAggregate:
             if name == "step_ranges":
                 value = [list(r) for r in value]
             elif name == "requests":
-                fields_ = _REQUEST_FIELDS if self.kv is not None else _REQUEST_FIELDS_V1
+                fields_ = _request_fields(kv=self.kv is not None, lora=self.format >= 3)
                 value = [{f: getattr(q, f) for f in fields_} for q in value]
             elif name == "residual":
                 value = {f: getattr(value, f) for f in _RESIDUAL_FIELDS}
@@ -208,7 +225,8 @@ class WindowAggregate:
         requests_raw = r.get("requests", list)
         if not requests_raw:
             raise WindowError(f"{where}.requests: must list at least one request")
-        requests = [_request_from_json(item, f"{where}.requests[{k}]", kv=fmt >= 2) for k, item in enumerate(requests_raw)]
+        has_kv = fmt == 2 or (fmt >= 3 and data.get("kv") is not None)
+        requests = [_request_from_json(item, f"{where}.requests[{k}]", kv=has_kv, lora=fmt >= 3) for k, item in enumerate(requests_raw)]
         keys = [(q.request_id, q.tenant) for q in requests]
         if len(set(keys)) != len(keys):
             raise WindowError(f"{where}.requests: a (request_id, tenant) is listed twice")
@@ -224,9 +242,9 @@ class WindowAggregate:
             raise WindowError(f"{where}.requests: a request's measured_ns exceeds the window's")
         residual = _residual_from_json(r.get("residual", dict), f"{where}.residual")
         kv = None
-        if fmt >= 2:
+        if has_kv:
             kv = _kv_from_json(r.get("kv", dict), f"{where}.kv", requests)
-        elif "kv" in data:
+        elif "kv" in data and fmt < 3:
             raise WindowError(f"{where}.kv: a format-1 window carries no KV figures (format 2 does)")
         return cls(
             run_id=r.name("run_id"), engine_class=r.name("engine_class", allow_empty=True), window_start_us=start, window_end_us=end,
@@ -237,10 +255,16 @@ class WindowAggregate:
 
 _WINDOW_FIELDS = tuple(f.name for f in fields(WindowAggregate))
 _REQUEST_FIELDS = tuple(f.name for f in fields(RequestWindow))
-_REQUEST_FIELDS_V1 = tuple(name for name in _REQUEST_FIELDS if name != "kv_block_ns")
+
+
+def _request_fields(*, kv: bool, lora: bool) -> tuple[str, ...]:
+    """A request's keys in a window with (format 2 or 3) or without KV figures, with (format 3) or without adapters."""
+    return tuple(name for name in _REQUEST_FIELDS if (kv or name != "kv_block_ns") and (lora or name != LORA_FIELD))
+
+
 _RESIDUAL_FIELDS = tuple(f.name for f in fields(ResidualStats))
 _KV_FIELDS = tuple(f.name for f in fields(KvWindow))
-_WINDOW_KEYS, _REQUEST_KEYS, _RESIDUAL_KEYS = frozenset(_WINDOW_FIELDS), frozenset(_REQUEST_FIELDS), frozenset(_RESIDUAL_FIELDS)
+_WINDOW_KEYS, _RESIDUAL_KEYS = frozenset(_WINDOW_FIELDS), frozenset(_RESIDUAL_FIELDS)
 
 
 class _Reader:
@@ -293,10 +317,10 @@ class _Reader:
         return out
 
 
-def _request_from_json(data: object, where: str, *, kv: bool = False) -> RequestWindow:
+def _request_from_json(data: object, where: str, *, kv: bool = False, lora: bool = False) -> RequestWindow:
     if not isinstance(data, dict):
         raise WindowError(f"{where}: must be an object")
-    r = _Reader(data, where, known=_REQUEST_KEYS if kv else frozenset(_REQUEST_FIELDS_V1))
+    r = _Reader(data, where, known=frozenset(_request_fields(kv=kv, lora=lora)))
     first, last = r.integer("first_timestamp_us", low=0), r.integer("last_timestamp_us", low=0)
     if last < first:
         raise WindowError(f"{where}.last_timestamp_us: before first_timestamp_us")
@@ -314,6 +338,7 @@ def _request_from_json(data: object, where: str, *, kv: bool = False) -> Request
         measured_ns=r.integer("measured_ns", low=0), num_new_tokens=new_tokens,
         num_steps=r.integer("num_steps", low=1), first_timestamp_us=first, last_timestamp_us=last, **split,
         kv_block_ns=r.integer("kv_block_ns", low=0) if kv else None,
+        lora_name=r.name(LORA_FIELD, allow_empty=True) if lora else None,
     )
 
 
@@ -378,6 +403,10 @@ class WindowAggregator:
     KV memory-time (trace format 3): with ``kv_pool_blocks`` and ``kv_block_bytes`` (the run's, from its header)
     and steps that carry their KV element and slices their ``kv_block_ns``, windows are format 2 (`KvWindow`); a
     window with any step without them is format 1.
+
+    LoRA adapters (trace format 4): ``add``'s ``named`` is the relayed step's named element (`llmvisor.core.relayed`);
+    its LoRA columns price each adapter's terms exactly as per-step ingest does, and a window where some request ran
+    an adapter is format 3 (each request's ``lora_name``).
     """
 
     def __init__(self, run_id: str, engine_class: str, model_source: ModelSource, *, window_s: float = DEFAULT_WINDOW_S,
@@ -394,7 +423,7 @@ class WindowAggregator:
         self.closed_until_us = int(floor_us)
         """No window starts before this: the end of the last window closed (or the resumed floor)."""
         self._start_us: int | None = None
-        self._steps: list[tuple] = []  # (id, window-clamped start µs, latency, slices, timestamp_s, KV element or None)
+        self._steps: list[tuple] = []  # (id, window-clamped start µs, latency, slices, timestamp_s, KV element, named element)
         self._held: list[list[int]] = []
         self._held_firsts: list[int] = []
         self.skipped_held = 0
@@ -427,7 +456,7 @@ class WindowAggregator:
         return self._steps[0][0] if self._steps else None
 
     def add(self, step_id: int, timestamp_s: float, step_latency_s: float, slices: list,
-            kv: Sequence[int] | None = None) -> list[WindowAggregate | UnattributedWindow]:
+            kv: Sequence[int] | None = None, named: dict | None = None) -> list[WindowAggregate | UnattributedWindow]:
         if self.last_step_id is not None and step_id <= self.last_step_id:
             return []
         self.last_step_id = step_id
@@ -441,7 +470,7 @@ class WindowAggregator:
             closed.append(self._close())
         if self._start_us is None:
             self._start_us = start_us
-        self._steps.append((step_id, max(timestamp_us, self._start_us), float(step_latency_s), slices, timestamp_s, kv))
+        self._steps.append((step_id, max(timestamp_us, self._start_us), float(step_latency_s), slices, timestamp_s, kv, named))
         return closed
 
     def close_due(self, now_s: float) -> list[WindowAggregate | UnattributedWindow]:
@@ -459,12 +488,46 @@ class WindowAggregator:
         model = self.model_source()
         if model is None and self.unattributed_steps:
             return UnattributedWindow(self.run_id, self.engine_class, start_us, start_us + self.window_us,
-                                      [[s[0], s[4], s[2], s[3]] + ([s[5]] if s[5] is not None else []) for s in steps])
+                                      [_relayed(s) for s in steps])
         window, relative = _aggregate(self.run_id, self.engine_class, start_us, start_us + self.window_us, steps, model,
                                       kv_run=self.kv_run)
         if self.on_close is not None:
             self.on_close(window, relative)
         return window
+
+
+def _relayed(step: tuple) -> list:
+    """A buffered step as the relayed step it came as (`llmvisor.core.relayed`): its KV and named elements where given."""
+    out = [step[0], step[4], step[2], step[3]]
+    named = step[6] if len(step) > 6 else None
+    if named:
+        return out + [step[5], named]
+    return out + ([step[5]] if step[5] is not None else [])
+
+
+def _window_lora(steps: list, offsets: np.ndarray) -> tuple[LoraSlices | None, list[str] | None]:
+    """The window's `LoraSlices` and each slice's adapter name ('' the base model), from its steps' named elements
+    (trace format 4's LoRA columns); (None, None) where no slice ran an adapter, so such a window is priced and
+    written as before. A step without the columns ran the base model only."""
+    names: list[str] = []
+    ranks: list[int] = []
+    loads: list[frozenset] = []
+    disk_loads: list[frozenset] = []
+    for s in steps:
+        named = s[6] if len(s) > 6 and s[6] else {}
+        per_slice, per_step = named.get("slice") or {}, named.get("step") or {}
+        n = len(s[3])
+        if "lora_name" in per_slice:
+            names += [str(v) for v in per_slice["lora_name"]]
+            ranks += [int(v) for v in per_slice["lora_rank"]]
+        else:
+            names += [""] * n
+            ranks += [0] * n
+        loads.append(decode_adapters(per_step.get("step_lora_loads", "[]")) or frozenset())
+        disk_loads.append(decode_adapters(per_step.get("step_lora_disk_loads", "[]")) or frozenset())
+    if not any(names):
+        return None, None
+    return lora_slices(names, ranks, offsets, loads, disk_loads), names
 
 
 def union_ranges(ranges: Iterable[Sequence[int]]) -> list[list[int]]:
@@ -486,7 +549,7 @@ def union_ranges(ranges: Iterable[Sequence[int]]) -> list[list[int]]:
 
 def aggregate_window(run_id: str, engine_class: str, start_us: int, end_us: int, steps: list[tuple[int, int, float, list]],
                      model: tuple[StepLatencyModel, int] | None, *, kv_run: tuple[int, int] | None = None) -> WindowAggregate:
-    """One window of ``(step_id, timestamp_us, step_latency_s, slices[, timestamp_s, KV element])`` attributed with
+    """One window of ``(step_id, timestamp_us, step_latency_s, slices[, timestamp_s, KV element, named element])`` attributed with
     ``model`` (None: pending); ``kv_run``: the run's (pool blocks, block bytes), for format 2."""
     return _aggregate(run_id, engine_class, start_us, end_us, steps, model, kv_run=kv_run)[0]
 
@@ -511,10 +574,13 @@ def _aggregate(run_id: str, engine_class: str, start_us: int, end_us: int, steps
     measured_ns = np.rint(latency_s * 1e9).astype(np.int64)
     residual = ResidualStats()
     relative = np.zeros(0, dtype=np.float64)
+    lora, lora_names = _window_lora(steps, offsets)
     if model is None:
         attributed_ns = np.zeros(len(slices), dtype=np.int64)
     else:
-        attribution = attribute_arrays(model[0], new, context, prefill, offsets, latency_s, effective_context_tokens=effective)
+        # the call per-step ingest makes (`llmvisor.core.attribution.attribute`): adapters priced by a LoRA model only
+        attribution = attribute_arrays(model[0], new, context, prefill, offsets, latency_s, effective_context_tokens=effective,
+                                       lora=lora if model[0].is_lora_ else None)
         attributed_ns = apportion_ns(attribution.share_s, offsets, measured_ns)
         r = latency_s - attribution.predicted_step_s
         residual = ResidualStats(int(r.size), float(r.sum()), float((r * r).sum()), float(r.min()), float(r.max()))
@@ -546,6 +612,10 @@ def _aggregate(run_id: str, engine_class: str, start_us: int, end_us: int, steps
         kv = KvWindow(*per_step, pool_blocks=kv_run[0], block_bytes=kv_run[1])
         kv_per_group = by_group(np.fromiter((x[8] for x in slices), dtype=np.int64, count=len(slices)))
     split = [by_group(v) for v in (uncached, cached, output)]
+    group_lora: list = [None] * len(keys)
+    if lora_names is not None:  # a request runs one adapter: its first slice's
+        first_slice = order[firsts] if keys else np.zeros(0, np.int64)
+        group_lora = [lora_names[k] for k in first_slice.tolist()]
     sorted_ts = slice_ts[order]
     first_ts = sorted_ts[firsts].tolist() if keys else []
     last_ts = sorted_ts[firsts + counts - 1].tolist() if keys else []
@@ -563,8 +633,8 @@ def _aggregate(run_id: str, engine_class: str, start_us: int, end_us: int, steps
         model_version=None if model is None else int(model[1]), pending=model is None, num_steps=len(steps),
         measured_ns=total_measured, attributed_ns=0 if model is None else int(attributed_ns.sum()), step_ranges=ranges,
         requests=[RequestWindow(q, t, sums[0][g], sums[1][g], sums[2][g], num_steps[g], first_ts[g], max(first_ts[g], last_ts[g]),
-                                split[0][g], split[1][g], split[2][g], kv_per_group[g])
+                                split[0][g], split[1][g], split[2][g], kv_per_group[g], group_lora[g])
                   for g, (q, t) in sorted(enumerate(keys), key=lambda item: item[1])],
-        residual=residual, format=1 if kv is None else 2, kv=kv,
+        residual=residual, format=3 if lora_names is not None else 1 if kv is None else 2, kv=kv,
     )
     return window, relative

@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 
 from llmvisor.core.attribution import attribute
 from llmvisor.core.fingerprint import FINGERPRINT_COLUMN
+from llmvisor.core.lora_trace import decode_adapters, encode_adapters
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.rounding import apportion_ns
 from llmvisor.core.tokens import CACHED_PROMPT_COLUMN
@@ -42,7 +43,7 @@ from llmvisor.core.trace import (
     trace_columns_from_arrow,
     trace_from_rows,
 )
-from llmvisor.core.trace_schema import KV_COLUMNS, KV_RUN_COLUMNS, KV_STEP_COLUMNS
+from llmvisor.core.trace_schema import KV_COLUMNS, KV_RUN_COLUMNS, KV_STEP_COLUMNS, LORA_COLUMNS, LORA_STEP_COLUMNS
 from llmvisor.errors import LlmvisorError, TraceError, unknown_name
 from llmvisor.ledger import StepRecords, StoredSteps
 
@@ -127,11 +128,13 @@ a v1 trace without it counts 0 cached prompt tokens."""
 RUN_COLUMNS = (FINGERPRINT_COLUMN,)
 """Read, not stored and not in a step's content hash (the idempotency key): the engine fingerprint id the
 service compares with its model's (`step_fingerprint_ids`)."""
-CHECKED_COLUMNS = (*REQUIRED_COLUMNS, *SHARING_COLUMNS, *KV_COLUMNS)
+CHECKED_COLUMNS = (*REQUIRED_COLUMNS, *SHARING_COLUMNS, *KV_COLUMNS, *LORA_COLUMNS)
 """Columns read from every body form and checked by the trace reader; the sharing columns (format v2) are
 not stored but priced: shared KV blocks are split among their readers, whichever form the body takes. The KV memory
 columns (format v3) are checked (all or none, the pool adding up per step), kept in the slices' blob and in the
-step's content hash, and metered: each slice's ``kv_block_ns`` and its run's ``kv_block_bytes`` go to the usage rows."""
+step's content hash, and metered: each slice's ``kv_block_ns`` and its run's ``kv_block_bytes`` go to the usage rows.
+The LoRA columns (format v4) are checked, priced by a LoRA model (`llmvisor.core.attribution.attribute`), kept in the
+slices' blob and in the step's content hash; each slice's ``lora_name`` goes to the usage rows (ledger schema 10)."""
 READ_COLUMNS = (*CHECKED_COLUMNS, *STORED_OPTIONAL_COLUMNS, *RUN_COLUMNS, *TOKEN_COLUMNS)
 """Every column the service reads, in every body form (rows, columns, Parquet): a column one form skipped would be
 billed differently by form (the Parquet form once dropped the cached prompt tokens)."""
@@ -436,7 +439,8 @@ def content_digests(trace: StepTrace, timestamps_s: list[float | None], *, with_
     ``run-v1␞{step_id}␟…`` (no run id), the digest a run re-sent under another run id repeats (`run_digests`).
     A step with the KV memory columns (format 3) adds ``kv3␟{step and run KV values}␞`` after the header and its
     ``kv_block_ns`` as each slice's last field before the closing ␟, so a re-send with other KV figures is a conflict;
-    a step without them hashes as it always did."""
+    a step with the LoRA columns (format 4) adds ``lora4␟{its three adapter sets}␞`` after that and each slice's
+    ``lora_name`` and ``lora_rank`` after those; a step without them hashes as it always did."""
     n = trace.n_slices
     if n == 0:
         return []
@@ -459,6 +463,10 @@ def content_digests(trace: StepTrace, timestamps_s: list[float | None], *, with_
     kv = kv_columns(trace)
     if kv is not None:  # format 3: each slice's block-ns too (a step without them hashes as before)
         fields.append(pc.cast(pa.array(kv["kv_block_ns"]).take(order), pa.string()))
+    lora = lora_columns(trace)
+    if lora is not None:  # format 4: each slice's adapter and rank too
+        fields.append(pa.array(lora["lora_name"], pa.string()).take(order))
+        fields.append(pc.cast(pa.array(lora["lora_rank"], pa.int64()).take(order), pa.string()))
     fields.append(pa.scalar("", pa.string()))
     lines = pc.binary_join_element_wise(*fields, "\x1f").cast(pa.large_string())
     line_offsets = np.frombuffer(lines.buffers()[1], dtype=np.int64)[lines.offset : lines.offset + n + 1]
@@ -473,6 +481,9 @@ def content_digests(trace: StepTrace, timestamps_s: list[float | None], *, with_
         if kv is not None:
             first = int(trace.step_offsets[k])
             header += ("kv3\x1f" + "\x1f".join(str(int(kv[name][first])) for name in KV_STEP_AND_RUN) + "\x1e").encode()
+        if lora is not None:
+            first = int(trace.step_offsets[k])
+            header += ("lora4\x1f" + "\x1f".join(canonical_adapters(lora[name][first]) for name in LORA_STEP_COLUMNS) + "\x1e").encode()
         digest = hashlib.sha256(header)
         digest.update(data[slice_bounds[k] : slice_bounds[k + 1]])
         digests.append(digest.digest())
@@ -489,6 +500,19 @@ def kv_columns(trace: StepTrace) -> dict[str, np.ndarray] | None:
     if not all(name in trace.extra for name in KV_COLUMNS):
         return None
     return {name: np.asarray(trace.extra[name], dtype=np.int64) for name in KV_COLUMNS}
+
+
+def lora_columns(trace: StepTrace) -> dict[str, np.ndarray] | None:
+    """The format-4 LoRA columns per slice (the reader checked them: ``lora_rank`` int64, the rest strings), or None
+    where the trace has none (every slice ran the base model)."""
+    if not all(name in trace.extra for name in LORA_COLUMNS):
+        return None
+    return {name: np.asarray(trace.extra[name], dtype=np.int64 if name == "lora_rank" else object) for name in LORA_COLUMNS}
+
+
+def canonical_adapters(text: str) -> str:
+    """An adapter set as the trace writer writes it (sorted, compact): the reader takes any order, the hash one."""
+    return encode_adapters(decode_adapters(text) or ())
 
 
 def run_digests(trace: StepTrace, timestamps_s: list[float | None]) -> list[bytes | None] | None:
@@ -586,6 +610,7 @@ def prepare_batch(
         effective_context_tokens=trace.effective_context_tokens if sharing else None,
         num_cached_prompt_tokens=cached_prompt_tokens(trace),
         kv_columns=kv_columns(trace),
+        lora_columns=lora_columns(trace),
     )
     return PreparedBatch(records=records, residual_s=measured_s - predicted_s, predicted_step_s=predicted_s)
 
@@ -612,6 +637,11 @@ def trace_from_stored(stored: StoredSteps, engine_class: str) -> StepTrace:
     if all(name in table.column_names for name in KV_COLUMNS):  # a format-3 step keeps its KV memory through pending
         for name in KV_COLUMNS:
             typed[name] = table[name].to_numpy().astype(np.int64)
+    if all(name in table.column_names for name in LORA_COLUMNS):  # a format-4 step keeps its adapters through pending
+        # (a step stored without them, read with others that have them, ran the base model)
+        for name, missing in zip(LORA_COLUMNS, ("", 0, "[]", "[]", "[]")):
+            values = pc.fill_null(table[name], missing)
+            typed[name] = values.to_numpy().astype(np.int64) if name == "lora_rank" else np.asarray(values.to_pylist(), dtype=object)
     return build_trace(typed, path="ledger", row_numbers=row_numbers)
 
 

@@ -135,6 +135,19 @@ class BucketUsage(BaseModel):
     kv_gib_s: float | None = KV_GIB_S
 
 
+class AdapterUsage(BaseModel):
+    """One tenant's usage of one LoRA adapter (``group_by=adapter``)."""
+
+    lora_adapter: str = Field(description="the LoRA adapter its requests ran; '' the base model")
+    attributed_s: float
+    attributed_ns: int
+    num_slices: int
+    num_new_tokens: int
+    kv_block_ns: int | None = KV_BLOCK_NS
+    kv_byte_ns: int | None = KV_BYTE_NS
+    kv_gib_s: float | None = KV_GIB_S
+
+
 class TenantUsage(BaseModel):
     tenant: str
     attributed_s: float
@@ -152,6 +165,8 @@ class TenantUsage(BaseModel):
     kv_block_ns: int | None = KV_BLOCK_NS
     kv_byte_ns: int | None = KV_BYTE_NS
     kv_gib_s: float | None = KV_GIB_S
+    adapters: list[AdapterUsage] | None = Field(None, description=(
+        "with group_by=adapter: the tenant's usage per LoRA adapter ('' the base model), summing to its own; null otherwise"))
 
 
 class AdjustmentOut(BaseModel):
@@ -193,6 +208,7 @@ class RequestUsage(BaseModel):
     kv_block_ns: int | None = KV_BLOCK_NS
     kv_byte_ns: int | None = KV_BYTE_NS
     kv_gib_s: float | None = KV_GIB_S
+    lora_adapter: str = Field("", description="the LoRA adapter the request ran (trace format 4); '' the base model")
 
 
 class RequestUsageResponse(BaseModel):

@@ -89,11 +89,12 @@ async function downloadCsv() {
 
 async function load() {
   $("error").hidden = true;
-  let tenants, classes, requests, adjustments, hourly;
+  let tenants, classes, requests, adjustments, hourly, byAdapter;
   try {
-    [tenants, classes, requests, adjustments, hourly] = await Promise.all([
+    [tenants, classes, requests, adjustments, hourly, byAdapter] = await Promise.all([
       api("/v1/usage/tenants"), api("/v1/usage/classes?bucket=hour"),
       api("/v1/usage/requests?limit=" + TOP_REQUESTS), api("/v1/adjustments"), api("/v1/usage/tenants?bucket=hour"),
+      api("/v1/usage/tenants?group_by=adapter"),
     ]);
   } catch (error) {
     if (error.status === 401) { sessionStorage.removeItem(KEY_NAME); $("login").hidden = false; $("logout").hidden = true; }
@@ -122,6 +123,19 @@ async function load() {
   ]);
   $("memory-none").hidden = memory.length > 0;
   $("memory").hidden = memory.length === 0;
+  // per LoRA adapter, shown where some usage ran one ('' is the base model)
+  const adapters = byAdapter.tenants.flatMap((t) => t.adapters || []);
+  const anyAdapter = adapters.some((a) => a.lora_adapter !== "");
+  const largestAdapter = Math.max(1, ...adapters.map((a) => a.attributed_ns));
+  fill("adapters", anyAdapter ? adapters : [], [
+    (a) => a.lora_adapter || "(base model)",
+    (a) => seconds(a.attributed_ns),
+    (a, row) => { barCell(row, a.attributed_ns, largestAdapter); return undefined; },
+    (a) => String(a.num_new_tokens),
+    (a) => a.attributed_ns + " ns",
+  ]);
+  $("adapters-title").hidden = !anyAdapter;
+  $("adapters").hidden = !anyAdapter;
 
   const cost = costText(mine);
   $("cost-row").hidden = cost === null;

@@ -47,7 +47,9 @@ import prometheus_client
 from vllm.logger import init_logger
 from vllm.v1.core.sched.request_queue import RequestQueue
 
+from llmvisor.core.features import LoraSlices, lora_slices
 from llmvisor.core.fingerprint import describe_mismatch, fingerprint_id
+from llmvisor.engines.vllm.lora import AdapterRanks
 from llmvisor.engines.vllm.recorder import RecordingScheduler
 from llmvisor.errors import LlmvisorError
 from llmvisor.fairness.policy import AdmissionDecision, DominantResourceCounter, FairnessConfig, FairShare
@@ -229,6 +231,18 @@ class TenantRequestQueue(RequestQueue):
         return {t: len(f) for t, f in self._fifos.items()}
 
 
+def _lora_of(adapters: tuple | None, record: dict | None = None) -> LoraSlices | None:
+    """A step's ``LoraSlices`` from its slices' (names, ranks) and the worker's record of its loads (none without)."""
+    if adapters is None:
+        return None
+    names, ranks = adapters
+    if record is not None and record["requested"] != {n for n in names if n}:
+        record = None  # the worker ran other adapters than scheduled: no loads, as the recorder records none
+    loads = frozenset(record["loads"]) if record else frozenset()
+    disk_loads = frozenset(record["disk_loads"]) if record else frozenset()
+    return lora_slices(names, ranks, np.array([0, len(names)]), [loads], [disk_loads])
+
+
 class FairScheduler(RecordingScheduler):
     """vLLM's scheduler with fair admission order, most-served-first preemption and per-step charging."""
 
@@ -250,6 +264,10 @@ class FairScheduler(RecordingScheduler):
             raise LlmvisorError('fairness config: cost = "drf" needs KV memory-time, but this engine\'s KV cache cannot be metered (see the warning above)')
         self.fair_config = config
         self.fair = FairShare(config, model, max_chunk_tokens=int(self.scheduler_config.max_num_batched_tokens))
+        # a LoRA model prices adapters: each step's adapters and ranks (and, once it ran, its loads) go with its charge
+        lora_model = self.fair.model is not None and self.fair.model.is_lora_ and self.vllm_config.lora_config is not None
+        recorder_lora = getattr(self, "_lora", None)
+        self._fair_lora_ranks = (recorder_lora.ranks if recorder_lora is not None else AdapterRanks()) if lora_model else None
         self.model_fingerprint_matches = check_model_fingerprint(self.fair.model, self.engine_fingerprint)
         self.tenant_key = config.tenant_key
         self.default_tenant = config.default_tenant
@@ -404,7 +422,8 @@ class FairScheduler(RecordingScheduler):
         resumed = time.perf_counter()
         if scheduler_output.total_num_scheduled_tokens:
             step = self._step_slices(scheduler_output)
-            self._steps[id(scheduler_output)] = (*step, self.fair.charge_scheduled(*step[:5], effective_context_tokens=step[5]))
+            charged = self.fair.charge_scheduled(*step[:5], effective_context_tokens=step[5], lora=_lora_of(step[6]))
+            self._steps[id(scheduler_output)] = (*step, charged)
         finished = time.perf_counter()
         # queue work since the last pass: arrivals (add_request) in between and this pass's admissions
         queue_s = queue.time_s - self._queue_time_counted_s
@@ -416,8 +435,9 @@ class FairScheduler(RecordingScheduler):
         return scheduler_output
 
     def _step_slices(self, scheduler_output) -> tuple:
-        """(tenants, new tokens, context tokens, is_prefill, samples a token, effective context tokens) of the
-        step's slices; the effective context splits KV blocks shared through prefix caching among their readers."""
+        """(tenants, new tokens, context tokens, is_prefill, samples a token, effective context tokens, adapters) of
+        the step's slices; the effective context splits KV blocks shared through prefix caching among their readers;
+        adapters: (names, ranks) per slice where a LoRA model prices them, else None."""
         slices = self._slices(scheduler_output)
         requests = self.requests
         tenant_of = self.tenant_of
@@ -427,18 +447,26 @@ class FairScheduler(RecordingScheduler):
         is_prefill = np.fromiter((s[4] for s in slices), dtype=bool, count=len(slices))
         samples = np.fromiter((s[3] + s[2] >= requests[s[0]].num_tokens for s in slices), dtype=bool, count=len(slices))
         effective = np.fromiter((s[6] for s in slices), dtype=np.float64, count=len(slices))
-        return (tenants, num_new, num_context, is_prefill, samples, effective)
+        adapters = None
+        if self._fair_lora_ranks is not None:
+            lora_requests = [requests[s[0]].lora_request for s in slices]
+            adapters = ([a.lora_name if a else "" for a in lora_requests],
+                        [(self._fair_lora_ranks.rank(a) or 0) if a else 0 for a in lora_requests])
+        return (tenants, num_new, num_context, is_prefill, samples, effective, adapters)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         entered = time.perf_counter()
         step = self._steps.pop(id(scheduler_output), None)
         timing = self.step_timing(scheduler_output, entered)
         if step is not None and timing is not None:
-            tenants, num_new, num_context, is_prefill, samples, effective, charged, _, schedule_overhead_s = step
+            tenants, num_new, num_context, is_prefill, samples, effective, adapters, charged, _, schedule_overhead_s = step
             latency_s = timing[1]
+            record = None  # the loads the worker made for the step, where the recorder reads them
+            if adapters is not None and getattr(self, "_lora", None) is not None:
+                record = self._lora.events.peek(scheduler_output)
             self.fair.charge_step(
                 tenants, num_new, num_context, is_prefill, samples, latency_s, time.monotonic(),
-                effective_context_tokens=effective, charged_when_scheduled=charged,
+                effective_context_tokens=effective, charged_when_scheduled=charged, lora=_lora_of(adapters, record),
             )
             overhead_s = schedule_overhead_s + time.perf_counter() - entered
             self.num_charged_steps += 1

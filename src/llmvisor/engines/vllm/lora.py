@@ -150,6 +150,11 @@ class WorkerLoraEvents:
             return None
         return entry[1]
 
+    def peek(self, scheduler_output) -> dict | None:
+        """`take`'s record, left for the recorder to take (the fair scheduler charges the step's loads first)."""
+        entry = self._pending.get(id(scheduler_output))
+        return entry[1] if entry is not None and entry[0] is scheduler_output else None
+
     def resident(self) -> tuple[list[str], list[str]]:
         """(adapters in the slots, adapters in the CPU cache) now, by name, least recently used first."""
         adapters = self.manager._adapter_manager

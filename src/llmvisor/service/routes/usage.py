@@ -23,6 +23,7 @@ from llmvisor.service.deps import (
 )
 from llmvisor.service.ingest import MAX_STRING_CHARS
 from llmvisor.service.schemas import (
+    AdapterUsage,
     BucketUsage,
     RequestUsage,
     RequestUsageResponse,
@@ -85,13 +86,27 @@ def usage_tenants(
     span: TimeRangeDep,
     bucket: Annotated[Literal["minute", "hour", "day"] | None, Query(description="UTC buckets")] = None,
     tenant: NameParam = None,
+    group_by: Annotated[Literal["adapter"] | None, Query(description="adapter: each tenant's usage per LoRA adapter too")] = None,
 ):
     scoped = scoped_tenant(principal, check_name("tenant", tenant))
     rows = ledger.tenant_usage(span.start_us, span.end_us, bucket, scoped)
     tenants = tenant_usage(rows) if bucket is None else tenant_buckets(rows)
+    if group_by == "adapter":
+        with_adapters(tenants, ledger.tenant_usage(span.start_us, span.end_us, None, scoped, by_adapter=True))
     with_adjustments(tenants, ledger.adjustment_rows(tenant=scoped), span.start_us, span.end_us)
     with_costs(tenants, ledger, span.start_us, span.end_us, scoped)
     return TenantUsageResponse(start=span.start, end=span.end, bucket=bucket, tenants=tenants)
+
+
+def with_adapters(tenants: list[TenantUsage], rows) -> None:
+    """Each tenant's usage per LoRA adapter (``rows``: `Ledger.tenant_usage` with ``by_adapter``)."""
+    by_tenant: dict[str, list[AdapterUsage]] = {}
+    for r in rows:
+        by_tenant.setdefault(r.tenant, []).append(AdapterUsage(
+            lora_adapter=r.lora_name, attributed_s=r.attributed_ns / 1e9, attributed_ns=r.attributed_ns, num_slices=r.num_slices,
+            num_new_tokens=r.num_new_tokens, **kv_memory(r.kv_block_ns, r.kv_byte_ns)))
+    for usage in tenants:
+        usage.adapters = by_tenant.get(usage.tenant, [])
 
 
 COST_END_US = (2**62 // US_PER_HOUR) * US_PER_HOUR
@@ -198,7 +213,7 @@ def request_usage_out(r) -> RequestUsage:
     return RequestUsage(run_id=r.run_id, request_id=r.request_id, tenant=r.tenant, attributed_s=r.attributed_ns / 1e9,
                         attributed_ns=r.attributed_ns, num_steps=r.num_steps, num_new_tokens=r.num_new_tokens,
                         first_step_at=to_datetime(r.first_timestamp_us), last_step_at=to_datetime(r.last_timestamp_us),
-                        **kv_memory(r.kv_block_ns, r.kv_byte_ns))
+                        **kv_memory(r.kv_block_ns, r.kv_byte_ns), lora_adapter=r.lora_name)
 
 
 @router.get(
