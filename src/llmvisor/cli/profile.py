@@ -18,12 +18,20 @@ from llmvisor.cli import engine_options as eo
 from llmvisor.cli import params
 from llmvisor.cli.console import stdout_to_stderr
 from llmvisor.core.trace import read_trace, write_trace
+from llmvisor.engines.settings import LORA_MAX_RANKS
 from llmvisor.errors import LlmvisorError
+from llmvisor.profile.adapters import DEFAULT_TARGET_MODULES, adapter_name, write_adapters
 from llmvisor.profile.drift import DEFAULT_DRIFT_THRESHOLD, canary_drift, is_canary_episode, mark_drifted, with_canaries
 from llmvisor.profile.eta import SweepClock, SweepProgress
-from llmvisor.engines.settings import LORA_MAX_RANKS
-from llmvisor.profile.adapters import DEFAULT_TARGET_MODULES, adapter_name, write_adapters
-from llmvisor.profile.plans import MAX_BASE_SHARE, Envelope, build_workload, episode_dict, lora_episodes, sweep_episodes, workload_name
+from llmvisor.profile.plans import (
+    MAX_BASE_SHARE,
+    Envelope,
+    build_workload,
+    episode_dict,
+    lora_episodes,
+    sweep_episodes,
+    workload_name,
+)
 from llmvisor.profile.stats import coverage, mark_warmup_window, noise_floor, print_coverage, print_noise_floor
 
 PLANS = ("sweep", "workload", "lora")
