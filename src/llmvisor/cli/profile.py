@@ -201,7 +201,7 @@ def profile(
             f"a probability uniform on 0..{MAX_BASE_SHARE} (1 when k = 0), else the next of the k in a shuffled round-robin; "
             "episodes[*].lora_adapters (-1: base model); see llmvisor.profile.plans.lora_episodes",
         }
-    else:
+    if plan == "workload":
         plan_info.update(workload_plan.metadata)
         plan_info.update({"concurrency": concurrency if arrival == "closed" else None, "max_seconds": max_seconds})
         plan_info["replay"] = result["replay"]
