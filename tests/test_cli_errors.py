@@ -251,3 +251,17 @@ def test_admission_refuses_an_eval_result_without_the_held_out_factor_in_one_lin
     one_line_error(invoke("experiment", "admission", "-o", tmp_path / "out", "--held-out-eval", tmp_path / "missing.json"), "missing.json")
     one_line_error(invoke("experiment", "admission", "-o", tmp_path / "out", "--seeds", "0,x"), "--seeds")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("--plan", "lora", "--lora-ranks", "8,x"), "--lora-ranks: expected ranks like '8,16,64'"),
+        (("--plan", "lora", "--lora-ranks", "8,0"), "--lora-ranks: each rank must be 1..512"),
+        (("--plan", "lora", "--lora-modules", "q_proj,lm_head"), "LoRA target modules must be some of"),
+        (("--max-loras", "2", "--max-lora-rank", "24"), "--max-lora-rank: vLLM takes one of 1, 8, 16"),
+    ],
+)
+def test_the_lora_options_are_checked_before_an_engine_starts(tmp_path, args, fragment):
+    one_line_error(invoke("profile", "-o", tmp_path / "out.parquet", *args), fragment)
+    assert not (tmp_path / "out.parquet").exists()

@@ -26,6 +26,8 @@ from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import DEFAULT_COEF_S, DEFAULT_LORA_COEF_S, DEFAULT_LORA_RANKS, synthetic_trace
 from llmvisor.core.trace import StepTrace, concat_traces, read_trace, write_trace
 from llmvisor.errors import LlmvisorError, ModelError
+from llmvisor.evaluation.baselines import AdapterBlindModel, StepLatencyPredictor, without_lora_columns
+from llmvisor.evaluation.heldout import evaluate
 
 RANK_WORK = {**DEFAULT_COEF_S, **DEFAULT_LORA_COEF_S}
 """Work that follows the adapter's rank (the synthetic engine's default)."""
@@ -34,16 +36,12 @@ PADDED_WORK = {**RANK_WORK, "prefill_lora_rank_x_tokens": 0.0, "decode_lora_rank
 """Work that follows the tokens run with any adapter, whatever its rank (vLLM pads adapters to the maximum rank)."""
 
 
-def runs(coef_s, n_runs=3, n_steps=800, noise=0.0, seed=10) -> StepTrace:
+def runs(coef_s, n_runs=3, n_steps=800, noise=0.0, seed=10, name="run") -> StepTrace:
     return concat_traces([
         synthetic_trace(n_steps, coef_s=coef_s, max_batch_size=16, lora_ranks=DEFAULT_LORA_RANKS, noise=noise,
-                        run_id=f"run-{k}", seed=seed + k)
+                        run_id=f"{name}-{k}", seed=seed + k)
         for k in range(n_runs)
     ])
-
-
-def without_lora_columns(trace: StepTrace) -> StepTrace:
-    return StepTrace(**{**trace.__dict__, "extra": {k: v for k, v in trace.extra.items() if "lora" not in k}})
 
 
 @pytest.mark.parametrize(("coef_s", "form"), [(RANK_WORK, "rank_tokens"), (PADDED_WORK, "tokens")])
@@ -180,3 +178,39 @@ def test_a_trace_with_lora_columns_but_no_adapter_traffic_holds_every_lora_term_
 def test_lora_work_is_checked_by_fit():
     with pytest.raises(LlmvisorError, match="parameter lora_work must be"):
         StepLatencyModel(lora_work="rank").fit(synthetic_trace(60))
+
+
+def test_held_out_evaluation_judges_the_adapter_blind_model_and_the_adapter_steps_apart(tmp_path):
+    """`evaluate` (what `llmvisor eval` runs) adds the adapter-blind model when the training runs carry the LoRA columns
+    and reports the steps that ran an adapter apart; on a synthetic engine whose adapters cost time the LoRA-aware
+    model is the better there, and on a trace without adapters nothing changes."""
+    train, test = runs(RANK_WORK, noise=0.02), runs(RANK_WORK, n_runs=1, noise=0.02, seed=40, name="held-out")
+    result = evaluate(train, test, n_bootstrap=50)
+    assert isinstance(AdapterBlindModel(), StepLatencyPredictor)
+    assert list(result["models"]) == ["llmvisor", "paper_ols", "token_count", "random_forest", "adapter_blind"]
+    assert not result["fitted"]["adapter_blind"].model_.is_lora_ and result["fitted"]["llmvisor"].is_lora_
+    adapter, base = result["by_lora"]["adapter"], result["by_lora"]["base"]
+    for name in result["models"]:
+        assert adapter[name]["all"]["n_steps"] + base[name]["all"]["n_steps"] == result["models"][name]["all"]["n_steps"]
+    assert adapter["llmvisor"]["all"]["n_steps"] > 0 and base["llmvisor"]["all"]["n_steps"] > 0
+    aware, blind = adapter["llmvisor"]["all"], adapter["adapter_blind"]["all"]
+    assert aware["rel_err_p90_ci95"][1] < blind["rel_err_p90_ci95"][0]
+    # the blind model is llmvisor's model on the trace without the LoRA columns, its own rules and all
+    alone = StepLatencyModel().fit(without_lora_columns(train))
+    np.testing.assert_array_equal(result["predictions"]["adapter_blind"], alone.predict(test))
+
+    plain = synthetic_trace(400, noise=0.02, run_id="a", seed=1), synthetic_trace(200, noise=0.02, run_id="b", seed=2)
+    old = evaluate(*plain, n_bootstrap=0)
+    assert "adapter_blind" not in old["models"] and old["by_lora"] == {}
+
+    # the command prints the adapter steps' table
+    write_trace(train, tmp_path / "train.parquet")
+    write_trace(test, tmp_path / "test.parquet")
+    from typer.testing import CliRunner
+
+    from llmvisor.cli.main import app
+
+    shown = CliRunner().invoke(app, ["eval", "--train", str(tmp_path / "train.parquet"), "--test", str(tmp_path / "test.parquet"),
+                                     "--bootstrap", "20"], env={"COLUMNS": "250"})
+    assert shown.exit_code == 0, shown.output
+    assert "steps that ran a LoRA adapter" in shown.output and "adapter_blind" in shown.output

@@ -9,7 +9,7 @@ from llmvisor import shipped
 from llmvisor.core.trace import trace_from_rows
 from llmvisor.core.workloads import read_workload_csv
 from llmvisor.errors import LlmvisorError
-from llmvisor.profile.plans import Envelope, build_workload, fit_lengths, sweep_episodes
+from llmvisor.profile.plans import BASE_MODEL, Envelope, build_workload, fit_lengths, lora_episodes, sweep_episodes
 from llmvisor.profile.stats import coverage, mark_warmup_window, noise_floor
 
 ENVELOPE = Envelope(max_model_len=4096, max_num_batched_tokens=2048, max_num_seqs=32, kv_cache_tokens=200_000)
@@ -30,6 +30,27 @@ def test_sweep_episodes_fill_the_envelope_and_stay_inside_it():
     assert min(longest) <= 400 and max(longest) >= 3600
     assert min(budgets) <= 64 and max(budgets) >= 1500
     assert any(e.wave_prompt_lens for e in episodes)
+
+
+def test_the_lora_plan_gives_each_request_an_adapter_or_the_base_model_in_every_mix():
+    sweep = sweep_episodes(ENVELOPE, 60, seed=3)
+    episodes = lora_episodes(sweep, 4, seed=3)
+    assert episodes == lora_episodes(sweep, 4, seed=3) and episodes != lora_episodes(sweep, 4, seed=4)
+    kinds = set()
+    for plain, episode in zip(sweep, episodes):
+        assert episode.prompt_lens == plain.prompt_lens and episode.wave_prompt_lens == plain.wave_prompt_lens
+        adapters = episode.lora_adapters
+        assert len(adapters) == len(episode.prompt_lens) + len(episode.wave_prompt_lens)
+        assert set(adapters) <= {BASE_MODEL, 0, 1, 2, 3}
+        used = set(adapters) - {BASE_MODEL}
+        kinds.add((len(used), BASE_MODEL in adapters))
+        counts = [adapters.count(a) for a in used]
+        assert not counts or max(counts) - min(counts) <= 1  # round-robin over the episode's adapters
+    distinct = {n for n, _ in kinds}
+    assert {0, 1, 4} <= distinct and len(distinct) == 5  # base-only episodes up to every adapter at once
+    assert any(n and base for n, base in kinds) and any(n and not base for n, base in kinds)  # base mixed in, or not
+    with pytest.raises(LlmvisorError, match="at least 1 adapter"):
+        lora_episodes(sweep, 0)
 
 
 def test_fit_lengths_clips_to_max_model_len():

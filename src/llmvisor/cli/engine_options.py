@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from llmvisor import shipped
-from llmvisor.engines.settings import EngineSettings, default, setting_field
+from llmvisor.engines.settings import LORA_MAX_RANKS, EngineSettings, default, setting_field
 from llmvisor.errors import LlmvisorError
 
 ENGINE_PANEL = "Engine settings"
@@ -32,6 +32,8 @@ KvCacheGib = Annotated[int, engine_option("kv_cache_space_gib")]
 EnforceEager = Annotated[bool, engine_option("enforce_eager")]
 Threads = Annotated[int | None, engine_option("threads")]
 Executor = Annotated[str, engine_option("executor")]
+MaxLoras = Annotated[int, engine_option("max_loras")]
+MaxLoraRank = Annotated[int, engine_option("max_lora_rank")]
 
 MAX_MODEL_LEN = default("max_model_len")
 MAX_NUM_BATCHED_TOKENS = default("max_num_batched_tokens")
@@ -40,6 +42,8 @@ KV_CACHE_GIB = default("kv_cache_space_gib")
 ENFORCE_EAGER = default("enforce_eager")
 THREADS = default("threads")
 EXECUTOR = default("executor")
+MAX_LORAS = default("max_loras")
+MAX_LORA_RANK = default("max_lora_rank")
 EXECUTORS = ("uni", "mp")
 
 LatencyModel = Annotated[
@@ -68,10 +72,14 @@ def engine_settings(
     threads: int | None = THREADS,
     seed: int = 0,
     executor: str = EXECUTOR,
+    max_loras: int = MAX_LORAS,
+    max_lora_rank: int = MAX_LORA_RANK,
 ) -> EngineSettings:
     """The command's engine options as `EngineSettings`; no engine model means the shipped one."""
     if executor not in EXECUTORS:
         raise LlmvisorError(f"--executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
+    if max_lora_rank not in LORA_MAX_RANKS:
+        raise LlmvisorError(f"--max-lora-rank: vLLM takes one of {', '.join(map(str, LORA_MAX_RANKS))}, got {max_lora_rank}")
     return EngineSettings(
         model=str(engine_model if engine_model is not None else shipped.engine_model_dir()),
         max_model_len=max_model_len,
@@ -82,4 +90,6 @@ def engine_settings(
         seed=seed,
         threads=threads,
         executor=executor,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
     )

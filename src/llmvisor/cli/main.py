@@ -342,11 +342,12 @@ def fit(
     stderr.print(f"wrote {output}")
 
 
-def evaluation_table(result: dict) -> Table:
-    table = Table(title=f"Held-out step-latency error (test runs: {', '.join(result['test_runs'])})")
+def evaluation_table(result: dict, models: dict | None = None, steps: str = "") -> Table:
+    """The error table of ``models`` (default: ``result["models"]``), titled with the test runs and ``steps``."""
+    table = Table(title=f"Held-out step-latency error{steps} (test runs: {', '.join(result['test_runs'])})")
     for column in ("model", "phase", "steps", "R²", "p50", "p90 [95% CI]", "p99 [95% CI]", "signed p50 [95% CI]", "signed p10 / p90"):
         table.add_column(column, justify="right" if column not in ("model", "phase") else "left")
-    for name, phases in result["models"].items():
+    for name, phases in (result["models"] if models is None else models).items():
         for phase, metrics in phases.items():
             if not metrics.get("n_steps"):
                 continue
@@ -450,6 +451,8 @@ def eval_command(
         print_json(to_json_ready(result))
         return
     print_table(evaluation_table(result))
+    if result["by_lora"]:
+        print_table(evaluation_table(result, result["by_lora"]["adapter"], ", steps that ran a LoRA adapter"))
     stdout.print("signed error = (predicted − measured) / measured: negative means predicted faster than measured", highlight=False)
     for line in unseen_phase_lines(result):
         stdout.print(f"[yellow]warning:[/] {line}", highlight=False)

@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Annotated
@@ -17,18 +18,29 @@ from llmvisor.cli import engine_options as eo
 from llmvisor.cli import params
 from llmvisor.cli.console import stdout_to_stderr
 from llmvisor.core.trace import read_trace, write_trace
+from llmvisor.engines.settings import LORA_MAX_RANKS
 from llmvisor.errors import LlmvisorError
+from llmvisor.profile.adapters import DEFAULT_TARGET_MODULES, adapter_name, write_adapters
 from llmvisor.profile.drift import DEFAULT_DRIFT_THRESHOLD, canary_drift, is_canary_episode, mark_drifted, with_canaries
 from llmvisor.profile.eta import SweepClock, SweepProgress
-from llmvisor.profile.plans import Envelope, build_workload, episode_dict, sweep_episodes, workload_name
+from llmvisor.profile.plans import (
+    MAX_BASE_SHARE,
+    Envelope,
+    build_workload,
+    episode_dict,
+    lora_episodes,
+    sweep_episodes,
+    workload_name,
+)
 from llmvisor.profile.stats import coverage, mark_warmup_window, noise_floor, print_coverage, print_noise_floor
 
-PLANS = ("sweep", "workload")
+PLANS = ("sweep", "workload", "lora")
+DEFAULT_LORA_RANKS = "8,16,64,8"
 
 
 def profile(
     output: Annotated[Path, typer.Option("--output", "-o", help="Trace to write (.parquet, with metadata).", dir_okay=False, metavar="FILE")],
-    plan: Annotated[str, typer.Option(help="sweep: space-filling episodes over the engine envelope; workload: replay --workload CSVs.", metavar="sweep|workload")] = "sweep",
+    plan: Annotated[str, typer.Option(help="sweep: space-filling episodes over the engine envelope; workload: replay --workload CSVs; lora: the sweep's episodes with each request on one of --lora-ranks' adapters (written locally, random weights) or the base model.", metavar="sweep|workload|lora")] = "sweep",
     engine_model: eo.EngineModel = None,
     workload: Annotated[list[Path] | None, typer.Option(help="Request-length CSV (num_prefill_tokens, num_decode_tokens[, arrived_at]); repeat for a multi-tenant mix, one tenant per file.", dir_okay=False, metavar="CSV")] = None,
     points: Annotated[int, typer.Option(help="sweep: number of design points (episodes).", min=1)] = 48,
@@ -48,6 +60,10 @@ def profile(
     max_model_len: eo.MaxModelLen = eo.MAX_MODEL_LEN,
     max_num_batched_tokens: eo.MaxNumBatchedTokens = eo.MAX_NUM_BATCHED_TOKENS,
     max_num_seqs: eo.MaxNumSeqs = eo.MAX_NUM_SEQS,
+    max_loras: eo.MaxLoras = eo.MAX_LORAS,
+    max_lora_rank: eo.MaxLoraRank = eo.MAX_LORA_RANK,
+    lora_ranks: Annotated[str, typer.Option(help="lora: the adapters' ranks, one adapter each (comma-separated). The plan turns LoRA on with half as many slots (--max-loras, unless given), so adapters are swapped, and raises --max-lora-rank to the largest rank.", metavar="RANKS")] = DEFAULT_LORA_RANKS,
+    lora_modules: Annotated[str, typer.Option(help="lora: the projections every adapter targets (comma-separated; q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj).", metavar="MODULES")] = ",".join(DEFAULT_TARGET_MODULES),
     kv_cache_gib: eo.KvCacheGib = eo.KV_CACHE_GIB,
     threads: eo.Threads = eo.THREADS,
     executor: eo.Executor = eo.EXECUTOR,
@@ -77,10 +93,14 @@ def profile(
         raise LlmvisorError(f"--repeat: must be at least 1 (got {repeat})")
     if plan == "workload" and not workload:
         raise LlmvisorError("--workload: the workload plan needs at least one workload CSV")
-    if plan == "sweep" and workload:
+    if plan != "workload" and workload:
         raise LlmvisorError("--workload: only the workload plan replays workload CSVs (use --plan workload)")
     if concurrency < 1:
         raise LlmvisorError(f"--concurrency: must be at least 1 (got {concurrency})")
+    adapter_ranks = parse_ranks(lora_ranks) if plan == "lora" else []
+    if plan == "lora":
+        max_loras = max_loras or max(1, len(adapter_ranks) // 2)
+        max_lora_rank = max_lora_rank if max_lora_rank >= max(adapter_ranks) else min(r for r in LORA_MAX_RANKS if r >= max(adapter_ranks))
     if cores:
         pinned = pin_to_cores(cores)
         threads = threads if threads is not None else len(pinned)
@@ -94,6 +114,8 @@ def profile(
         threads=threads,
         seed=seed,
         executor=executor,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
     )
 
     from llmvisor.engines.vllm.driver import check_model_dir
@@ -116,7 +138,7 @@ def profile(
         )
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     if run_id is None:
-        label = "sweep" if plan == "sweep" else "+".join(workload_name(str(p)) for p in workload)
+        label = plan if plan != "workload" else "+".join(workload_name(str(p)) for p in workload)
         run_id = f"{label}-{stamp}"
 
     output = Path(output)
@@ -124,7 +146,8 @@ def profile(
     if jsonl_path.exists():
         jsonl_path.unlink()
 
-    with stdout_to_stderr(json_output):
+    with stdout_to_stderr(json_output), tempfile.TemporaryDirectory(prefix="llmvisor-adapters-") as adapter_dir:
+        adapters = write_adapters(adapter_dir, settings.model, adapter_ranks, target_modules=lora_modules.split(","), seed=seed)
         result = _record(
             console,
             settings,
@@ -140,22 +163,23 @@ def profile(
             arrival=arrival,
             concurrency=concurrency,
             max_seconds=max_seconds,
-            canary_every=canary_every if plan == "sweep" else 0,
+            canary_every=canary_every if plan != "workload" else 0,
             prefix_caching=prefix_caching,
+            adapters=adapters,
         )
 
 
     trace = read_trace(jsonl_path)
     n_warmup = mark_warmup_window(trace, warmup_seconds)
     drift = None
-    if plan == "sweep" and canary_every > 0:
+    if plan != "workload" and canary_every > 0:
         drifted, drift = canary_drift(trace, drift_threshold)
         mark_drifted(trace, drifted)
     engine_info = result["engine"]
     floor = noise_floor(trace) if repeat > 1 else None
     summary = coverage(trace, engine_info)
     plan_info: dict = {"plan": plan, "repeat": repeat, "seed": seed}
-    if plan == "sweep":
+    if plan != "workload":
         plan_info.update(
             {
                 "points": points,
@@ -166,7 +190,18 @@ def profile(
                 "episodes": result["episodes"],
             }
         )
-    else:
+    if plan == "lora":
+        plan_info["lora"] = {
+            "adapters": [{"name": adapter_name(k, a.rank), "rank": a.rank, "target_modules": list(a.target_modules)} for k, a in enumerate(adapters)],
+            "max_loras": max_loras,
+            "max_lora_rank": max_lora_rank,
+            "max_cpu_loras": max_loras,
+            "weights": "random, normal (sd 0.01), written with safetensors by llmvisor.profile.adapters from --seed",
+            "assignment": "each episode: k adapters (k uniform on 0..the number of adapters), each request the base model with "
+            f"a probability uniform on 0..{MAX_BASE_SHARE} (1 when k = 0), else the next of the k in a shuffled round-robin; "
+            "episodes[*].lora_adapters (-1: base model); see llmvisor.profile.plans.lora_episodes",
+        }
+    if plan == "workload":
         plan_info.update(workload_plan.metadata)
         plan_info.update({"concurrency": concurrency if arrival == "closed" else None, "max_seconds": max_seconds})
         plan_info["replay"] = result["replay"]
@@ -257,7 +292,7 @@ def warmup_rule(warmup_steps: int, warmup_seconds: float, n_warmup: int) -> str:
 
 
 def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat, points, max_decode_steps, max_episode_tokens,
-            workload_plan, arrival, concurrency, max_seconds, canary_every=0, prefix_caching=True) -> dict:
+            workload_plan, arrival, concurrency, max_seconds, canary_every=0, prefix_caching=True, adapters=()) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from llmvisor.engines.vllm.driver import ProfiledEngine
@@ -265,7 +300,8 @@ def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat
     started = time.perf_counter()
     with console.status(f"starting vLLM on {settings.model} ..."):
         engine = ProfiledEngine(
-            settings, trace_path=jsonl_path, run_id=run_id, warmup_steps=warmup_steps, enable_prefix_caching=prefix_caching
+            settings, trace_path=jsonl_path, run_id=run_id, warmup_steps=warmup_steps, enable_prefix_caching=prefix_caching,
+            adapters=adapters,
         )
     console.print(f"vLLM started in {time.perf_counter() - started:.0f} s; KV cache holds {engine.kv_cache_tokens} tokens")
     columns = (
@@ -278,10 +314,12 @@ def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat
     result: dict = {}
     try:
         with Progress(*columns, console=console) as progress:
-            if plan == "sweep":
+            if plan != "workload":
                 episodes = sweep_episodes(
                     engine.envelope, points, seed=settings.seed, max_decode_steps=max_decode_steps, max_episode_tokens=max_episode_tokens
                 )
+                if adapters:
+                    episodes = lora_episodes(episodes, len(adapters), seed=settings.seed)
                 result["episodes"] = [episode_dict(e) for e in episodes]
                 episodes = with_canaries(episodes, engine.envelope, canary_every)
                 result["canary_episodes"] = sum(map(is_canary_episode, episodes))
@@ -314,6 +352,17 @@ def _record(console, settings, *, plan, jsonl_path, run_id, warmup_steps, repeat
         engine.close()
     result["wall_time_s"] = time.perf_counter() - started
     return result
+
+
+def parse_ranks(text: str) -> list[int]:
+    """'8,16,64' -> [8, 16, 64]: the LoRA plan's adapter ranks, each a positive integer vLLM can hold."""
+    try:
+        ranks = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise LlmvisorError(f"--lora-ranks: expected ranks like '8,16,64', got {text!r}") from None
+    if not ranks or min(ranks) < 1 or max(ranks) > max(LORA_MAX_RANKS):
+        raise LlmvisorError(f"--lora-ranks: each rank must be 1..{max(LORA_MAX_RANKS)} (got {text!r})")
+    return ranks
 
 
 def parse_cores(text: str) -> list[int]:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 
+LORA_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 takes for ``--max-lora-rank`` (``vllm.config.lora.MaxLoRARanks``)."""
+
 
 def setting(default, *, option: str, help: str, cpu_only: bool = False, min: int | None = None):
     """A field of `EngineSettings` with the option name, help text and (for counts) least value the commands show."""
@@ -42,6 +45,20 @@ class EngineSettings:
         help="Share KV blocks of common prompt prefixes (vLLM's default: on). Off only where a run must control "
         "every request's context exactly.",
     )
+    max_loras: int = setting(
+        0,
+        option="--max-loras",
+        help="LoRA adapter slots of one step (vLLM's --max-loras, with --enable-lora; adapters kept in CPU memory: as many, "
+        "vLLM's default max_cpu_loras). 0: LoRA off, as vLLM ships.",
+        min=0,
+    )
+    max_lora_rank: int = setting(
+        16,
+        option="--max-lora-rank",
+        help="Largest adapter rank (vLLM's --max-lora-rank, one of 1, 8, 16, 32, 64, 128, 256, 320, 512; every adapter is "
+        "padded to it in the slots). Only with --max-loras > 0.",
+        min=1,
+    )
     seed: int = setting(0, option="--seed", help="Seed of the engine's sampling.", min=0)
     executor: str = setting(
         "uni",
@@ -65,8 +82,11 @@ class EngineSettings:
     def llm_kwargs(self, *, has_weights: bool, scheduler_cls: type, enable_prefix_caching: bool | None = None) -> dict:
         """Arguments of `vllm.LLM` for an in-process, synchronous engine (the scheduler and the recorder
         must run in this process, between steps; with the ``mp`` executor only the model runs in a worker
-        process) with these settings; ``enable_prefix_caching`` overrides the setting."""
+        process) with these settings; ``enable_prefix_caching`` overrides the setting. LoRA arguments only with
+        ``max_loras`` > 0, so an engine without adapters gets exactly the arguments it got before LoRA."""
+        lora = {"enable_lora": True, "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank} if self.max_loras > 0 else {}
         return {
+            **lora,
             "model": self.model,
             "load_format": "auto" if has_weights else "dummy",
             "skip_tokenizer_init": True,

@@ -14,7 +14,9 @@ from sklearn.linear_model import LinearRegression
 
 from llmvisor.core.features import summary_step_features
 from llmvisor.core.game import VTC_TOKEN_PRICES
+from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import StepTrace
+from llmvisor.core.trace_schema import LORA_COLUMNS
 from llmvisor.errors import NotFittedError
 
 PHASE_NAMES = ("prefill", "decode")
@@ -126,3 +128,27 @@ class RandomForestBaseline:
     def predict_features(self, x: np.ndarray) -> np.ndarray:
         return np.exp(self.forest_.predict(x))
 
+
+
+def without_lora_columns(trace: StepTrace) -> StepTrace:
+    """The trace as an engine without LoRA columns would have written it (format 3 or lower): same steps and times."""
+    return StepTrace(**{**trace.__dict__, "extra": {k: v for k, v in trace.extra.items() if k not in LORA_COLUMNS}})
+
+
+class AdapterBlindModel:
+    """llmvisor's model without its LoRA terms: the same features, hyper-parameters and stated cleaning rules, fitted
+    and judged on the trace without the LoRA columns, so adapter work can only land in the token and batch terms.
+
+    It is the model a LoRA engine got before the LoRA terms (issue #38), what the LoRA-aware model must beat."""
+
+    def __init__(self, **params):
+        self.params = params
+
+    def fit(self, trace: StepTrace) -> Self:
+        self.model_ = StepLatencyModel(**self.params).fit(without_lora_columns(trace))
+        return self
+
+    def predict(self, trace: StepTrace) -> np.ndarray:
+        if not hasattr(self, "model_"):
+            raise NotFittedError("this AdapterBlindModel is not fitted yet")
+        return self.model_.predict(without_lora_columns(trace))

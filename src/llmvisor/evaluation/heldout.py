@@ -7,11 +7,13 @@ from collections.abc import Callable
 import numpy as np
 from sklearn.metrics import r2_score
 
+from llmvisor.core.features import has_lora_columns
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.stats import bootstrap_quantile_ci
 from llmvisor.core.trace import StepTrace
 from llmvisor.errors import LlmvisorError
 from llmvisor.evaluation.baselines import (
+    AdapterBlindModel,
     PaperOLSBaseline,
     RandomForestBaseline,
     StepLatencyPredictor,
@@ -26,6 +28,8 @@ MODEL_FACTORIES: dict[str, Callable[..., StepLatencyPredictor]] = {
     "token_count": TokenCountBaseline,
     "random_forest": RandomForestBaseline,
 }
+LORA_MODEL_FACTORIES: dict[str, Callable[..., StepLatencyPredictor]] = {"adapter_blind": AdapterBlindModel}
+"""Models judged beside `MODEL_FACTORIES` when the training trace has the LoRA columns (or when asked by name)."""
 PHASES = ("prefill", "decode", "all")
 QUANTILES = (50, 90, 99)
 SIGNED_QUANTILES = (10, 50, 90)
@@ -100,7 +104,7 @@ def evaluate(
     train: StepTrace,
     test: StepTrace,
     *,
-    model_names: tuple[str, ...] = tuple(MODEL_FACTORIES),
+    model_names: tuple[str, ...] | None = None,
     llmvisor_params: dict | None = None,
     n_bootstrap: int = 1000,
     seed: int = 0,
@@ -116,11 +120,19 @@ def evaluate(
     being judged; None when they repeat no step composition) and on the training runs; ``"by_sharing"`` holds the
     same metrics for the steps with shared KV context and those without (``{"shared": {name: {phase: metrics}},
     "unique": {...}}``).
+
+    With the LoRA columns (trace format 4) in the training trace, ``model_names`` (None: every model) also takes
+    ``adapter_blind`` (`AdapterBlindModel`, llmvisor's model without the LoRA terms, with llmvisor's parameters and
+    its own cleaning rules); with them in the test trace, ``"by_lora"`` holds the metrics of the steps that ran an
+    adapter (``"adapter"``) and of those that ran only the base model (``"base"``).
     """
     check_held_out(train, test)
-    unknown = [name for name in model_names if name not in MODEL_FACTORIES]
+    factories = {**MODEL_FACTORIES, **LORA_MODEL_FACTORIES}
+    if model_names is None:
+        model_names = tuple(MODEL_FACTORIES) + (tuple(LORA_MODEL_FACTORIES) if has_lora_columns(train) else ())
+    unknown = [name for name in model_names if name not in factories]
     if unknown:
-        raise LlmvisorError(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODEL_FACTORIES)}")
+        raise LlmvisorError(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(factories)}")
     steady = steady_steps(test)
     measured = test.step_latency_s_per_step
     is_prefill = test.is_prefill_per_step
@@ -142,6 +154,7 @@ def evaluate(
         "models": {},
         "by_run": {},
         "by_sharing": {},
+        "by_lora": {},
         "fitted": {},
         "predictions": {},
     }
@@ -149,10 +162,12 @@ def evaluate(
     if "llmvisor" in model_names:
         model_names = ("llmvisor", *(name for name in model_names if name != "llmvisor"))
     for name in model_names:
-        factory = MODEL_FACTORIES[name]
+        factory = factories[name]
         if name == "llmvisor":
             model = factory(**(llmvisor_params or {})).fit(train)
             baseline_train = train.select_steps(model.train_step_mask_)
+        elif name in LORA_MODEL_FACTORIES:
+            model = factory(**(llmvisor_params or {})).fit(train)
         else:
             model = factory().fit(baseline_train)
         fitted_on = baseline_train
@@ -168,6 +183,11 @@ def evaluate(
             result["models"][name][phase]["n_unseen_phase_fallback"] = int((unseen & mask).sum())
         for group, in_group in sharing_groups(test).items():
             result["by_sharing"].setdefault(group, {})[name] = {
+                phase: error_summary(predicted[mask & in_group], measured[mask & in_group], n_bootstrap=n_bootstrap, seed=seed, groups=runs[mask & in_group])
+                for phase, mask in masks.items()
+            }
+        for group, in_group in lora_groups(test).items():
+            result["by_lora"].setdefault(group, {})[name] = {
                 phase: error_summary(predicted[mask & in_group], measured[mask & in_group], n_bootstrap=n_bootstrap, seed=seed, groups=runs[mask & in_group])
                 for phase, mask in masks.items()
             }
@@ -191,6 +211,15 @@ def sharing_groups(test: StepTrace) -> dict[str, np.ndarray]:
     format v2) and without it ("unique"; every step of a v1 trace), so errors on prefix-shared steps show apart."""
     shared = test.has_shared_context_per_step
     return {"shared": shared, "unique": ~shared}
+
+
+def lora_groups(test: StepTrace) -> dict[str, np.ndarray]:
+    """Step masks of the test steps that ran a LoRA adapter (some slice has a ``lora_name``, trace format 4) and of
+    those that ran only the base model; none for a trace without the LoRA columns."""
+    if not has_lora_columns(test) or test.n_steps == 0:
+        return {}
+    runs_adapter = np.add.reduceat((np.asarray(test.extra["lora_name"]) != "").astype(np.int64), test.step_starts) > 0
+    return {"adapter": runs_adapter, "base": ~runs_adapter}
 
 
 def unseen_phase_steps(fitted_on: StepTrace, test: StepTrace) -> np.ndarray:

@@ -49,6 +49,20 @@ class Adapter:
     target_modules: tuple[str, ...]
 
 
+def adapter_name(index: int, rank: int) -> str:
+    """The name (vLLM's ``lora_name``) of a plan's adapter number ``index`` of rank ``rank``."""
+    return f"lora-{index}-r{rank}"
+
+
+def write_adapters(folder: str | Path, base_config: dict | str | Path, ranks: Sequence[int], *,
+                   target_modules: Sequence[str] = DEFAULT_TARGET_MODULES, seed: int = 0) -> list[Adapter]:
+    """One adapter per rank in ``ranks``, adapter k in ``folder``/`adapter_name` (k, rank), weights from seed
+    (``seed``, k)."""
+    return [write_adapter(Path(folder) / adapter_name(k, rank), base_config, rank=rank, target_modules=target_modules,
+                          seed=seed * 1000 + k)
+            for k, rank in enumerate(ranks)]
+
+
 def module_shapes(base_config: dict) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each LoRA-able projection of a Llama-style decoder layer."""
     try:

@@ -32,13 +32,18 @@ seed, so ``--repeat`` re-runs steps of identical composition. Pools are shrunk t
 request is preempted (a preemption would recompute, blurring context lengths), and to at most
 ``max_episode_tokens`` prompt tokens so no episode takes much longer than the rest. While prompts are
 prefilled, each step runs a random number (0 up to half the budget) of the decoding requests.
+
+LoRA plan. The same episodes, each request given one of the plan's adapters or the base model (`lora_episodes`): k of
+the adapters per episode (0 to all of them) and a base-model share, so steps hold 1 up to ``--max-loras`` distinct
+adapters beside base-model slices, and adapters are swapped in and out of the slots when there are more of them than
+slots. The adapters are written locally with random weights (`llmvisor.profile.adapters`).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -53,6 +58,9 @@ MAX_SYSTEM_PROMPT_BLOCKS = 4
 MIN_TOKEN_BUDGET = 32
 MIN_DECODE_STEPS = 2
 LENGTH_RULES = ("clip", "scale")
+BASE_MODEL = -1
+"""`Episode.lora_adapters` entry of a request that runs the base model (no adapter)."""
+MAX_BASE_SHARE = 0.6
 ARRIVALS = ("closed", "trace")
 
 
@@ -80,6 +88,9 @@ class Episode:
     """One of `SHARING_KINDS`."""
     shared_prefix_len: int = 0
     """Tokens every prompt of the episode starts with (the same tokens)."""
+    lora_adapters: tuple[int, ...] = ()
+    """LoRA plan: each request's adapter (pool, then wave), an index into the plan's adapters, `BASE_MODEL` for the
+    base model; empty: every request runs the base model."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -138,6 +149,36 @@ def sweep_episodes(
             )
         )
     return episodes
+
+
+def lora_episodes(episodes: list[Episode], num_adapters: int, *, seed: int = 0) -> list[Episode]:
+    """The LoRA plan: the sweep's episodes, each request given an adapter or the base model.
+
+    Episode by episode (its own random stream from ``seed`` and its index), k distinct adapters are drawn, k uniform
+    on 0..``num_adapters`` (k = 0: a base-model episode), and a base-model share uniform on 0..`MAX_BASE_SHARE`; each
+    request runs the base model with that probability, else the next of the k adapters in a shuffled round-robin, so
+    every one of them runs when the episode has requests enough. Steps then hold 1 up to ``--max-loras`` distinct
+    adapters (vLLM's scheduler holds back a request whose adapter finds no free slot) beside base-model slices, and
+    an episode with more adapters than slots, or the next episode's other adapters, force swaps: slot loads, and disk
+    reads once more adapters than ``max_cpu_loras`` (vLLM's default: ``max_loras``) have run."""
+    if num_adapters < 1:
+        raise LlmvisorError(f"LoRA plan: need at least 1 adapter (got {num_adapters})")
+    out = []
+    for episode in episodes:
+        rng = np.random.default_rng([seed, 3, episode.index])
+        n_requests = len(episode.prompt_lens) + len(episode.wave_prompt_lens)
+        k = int(rng.integers(0, num_adapters + 1))
+        chosen = rng.permutation(num_adapters)[:k].tolist()
+        base_share = float(rng.uniform(0, MAX_BASE_SHARE)) if k else 1.0
+        adapters, turn = [], 0
+        for _ in range(n_requests):
+            if not chosen or rng.random() < base_share:
+                adapters.append(BASE_MODEL)
+            else:
+                adapters.append(int(chosen[turn % k]))
+                turn += 1
+        out.append(replace(episode, lora_adapters=tuple(adapters)))
+    return out
 
 
 def _shared_prefix_len(sharing: str, longest: int, block_size: int, rng: np.random.Generator) -> int:

@@ -21,7 +21,8 @@ import numpy as np
 
 from llmvisor.engines.settings import EngineSettings
 from llmvisor.errors import LlmvisorError
-from llmvisor.profile.plans import Envelope, Episode, WorkloadPlan
+from llmvisor.profile.adapters import Adapter, adapter_name
+from llmvisor.profile.plans import BASE_MODEL, Envelope, Episode, WorkloadPlan
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
 
@@ -63,7 +64,9 @@ def freeze_startup_objects() -> None:
 class ProfiledEngine:
     """An in-process vLLM engine with the profiling scheduler, recording to ``trace_path``."""
 
-    def __init__(self, settings: EngineSettings, *, trace_path: str, run_id: str, warmup_steps: int, enable_prefix_caching: bool | None = None):
+    def __init__(self, settings: EngineSettings, *, trace_path: str, run_id: str, warmup_steps: int, enable_prefix_caching: bool | None = None,
+                 adapters: list[Adapter] = ()):
+        """``adapters``: the LoRA plan's adapters (an engine with ``max_loras`` > 0), named by `adapter_name`."""
         has_weights = check_model_dir(settings.model)
         configure_environment(settings)
         os.environ["LLMVISOR_TRACE_PATH"] = trace_path
@@ -94,6 +97,9 @@ class ProfiledEngine:
         self.torch_threads = torch.get_num_threads()
         self._rng = np.random.default_rng(settings.seed)
         self._live: set[str] = set()
+        from vllm.lora.request import LoRARequest
+
+        self.lora_requests = [LoRARequest(adapter_name(k, a.rank), k + 1, str(a.path)) for k, a in enumerate(adapters)]
         freeze_startup_objects()
 
     @property
@@ -131,15 +137,19 @@ class ProfiledEngine:
     def random_tokens(self, length: int) -> list[int]:
         return self._rng.integers(100, max(101, self.vocab_size - 1), length).tolist()
 
-    def add(self, request_id: str, prompt_len: int, max_tokens: int, tenant: str, prefix: list[int] = ()) -> None:
-        """Submit a request of ``prompt_len`` tokens: ``prefix``, then random tokens."""
+    def add(self, request_id: str, prompt_len: int, max_tokens: int, tenant: str, prefix: list[int] = (), adapter: int = BASE_MODEL) -> None:
+        """Submit a request of ``prompt_len`` tokens: ``prefix``, then random tokens; run with LoRA adapter number
+        ``adapter`` of the engine's, or the base model."""
         from vllm import SamplingParams
 
         prompt = list(prefix[:prompt_len]) + self.random_tokens(prompt_len - min(len(prefix), prompt_len))
         params = SamplingParams(
             max_tokens=max_tokens, ignore_eos=True, detokenize=False, extra_args={"tenant": tenant}
         )
-        self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        lora_request = None if adapter == BASE_MODEL else self.lora_requests[adapter]
+        if lora_request is not None:
+            params.extra_args["tenant"] = lora_request.lora_name  # each adapter is its own tenant's
+        self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params, lora_request=lora_request)
         self._live.add(request_id)
 
     def step(self) -> list[str]:
@@ -178,15 +188,16 @@ class ProfiledEngine:
         max_len = self.settings.max_model_len
         prefix = f"sweep-e{episode.index:04d}-r{repeat_index}"
         shared = np.random.default_rng([episode.seed, 1, repeat_index]).integers(100, max(101, self.vocab_size - 1), episode.shared_prefix_len).tolist()
+        adapters = episode.lora_adapters or (BASE_MODEL,) * (len(episode.prompt_lens) + len(episode.wave_prompt_lens))
         for k, prompt_len in enumerate(episode.prompt_lens):
-            self.add(f"{prefix}-{k:03d}", prompt_len, max_len - prompt_len, "sweep", shared)
+            self.add(f"{prefix}-{k:03d}", prompt_len, max_len - prompt_len, "sweep", shared, adapters[k])
         max_steps = 4 * (episode.num_prompt_tokens // max(1, episode.token_budget) + len(episode.prompt_lens)) + 64
         self._prefill_phase(rng, episode.token_budget, max_steps)
         wave_at = episode.num_decode_steps // 2
         for step in range(episode.num_decode_steps):
             if step == wave_at:
                 for k, prompt_len in enumerate(episode.wave_prompt_lens):
-                    self.add(f"{prefix}-w{k:03d}", prompt_len, max_len - prompt_len, "sweep", shared)
+                    self.add(f"{prefix}-w{k:03d}", prompt_len, max_len - prompt_len, "sweep", shared, adapters[len(episode.prompt_lens) + k])
             self._step_with_decode_subset(rng, episode.token_budget)
             if not self.num_live:
                 break

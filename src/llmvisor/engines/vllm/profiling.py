@@ -9,7 +9,10 @@ Two controls, both cleared by default so the scheduler behaves as vLLM's own:
   contexts already prefilled, without prefilling again.
 
 Held-back requests also lower the admission limit for that step, so no more than ``max_num_seqs`` requests
-are ever running.
+are ever running. With LoRA on, the subset keeps at least one request of every adapter among the decoding requests:
+vLLM admits a waiting request with another adapter only while the adapters of the running requests it schedules
+leave a slot free (and asserts so the next step), so an adapter held back entirely would let the running requests
+need more than ``max_loras`` slots.
 """
 
 from __future__ import annotations
@@ -35,6 +38,24 @@ class ProfilingScheduler(RecordingScheduler):
         if seed is not None:
             self._subset_rng = np.random.default_rng(seed)
 
+    def _decode_subset(self, decoding: list) -> set[int]:
+        """Indices of the decoding requests that run: ``decode_batch_size`` drawn at random, plus one of each adapter's
+        requests (drawn first) when LoRA is on (module docstring)."""
+        if not self.lora_config:
+            return set(self._subset_rng.choice(len(decoding), self.decode_batch_size, replace=False).tolist())
+        order = self._subset_rng.permutation(len(decoding)).tolist()
+        first_of: dict[int, int] = {}
+        for i in order:
+            lora = decoding[i].lora_request
+            if lora is not None:
+                first_of.setdefault(lora.lora_int_id, i)
+        chosen = dict.fromkeys(first_of.values())
+        for i in order:
+            if len(chosen) >= self.decode_batch_size:
+                break
+            chosen.setdefault(i)
+        return set(chosen)
+
     def _schedule_step(self, *args, **kwargs):
         default_budget = self._default_token_budget
         if self.token_budget is not None:
@@ -43,7 +64,7 @@ class ProfilingScheduler(RecordingScheduler):
         if self.decode_batch_size is not None:
             decoding = [r for r in self.running if not r.is_prefill_chunk]
             if len(decoding) > self.decode_batch_size:
-                chosen = set(self._subset_rng.choice(len(decoding), self.decode_batch_size, replace=False).tolist())
+                chosen = self._decode_subset(decoding)
                 held_back = [r for i, r in enumerate(decoding) if i not in chosen]
         if not held_back:
             try:

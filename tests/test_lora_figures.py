@@ -1,0 +1,85 @@
+"""docs/attribution.md's held-out figures for LoRA engines come from docs/results/lora.json, which
+`python scripts/measure-lora.py` wrote from real vLLM runs: the table, every verdict word ("beats", "within CI",
+"worse") and the chosen work form are rebuilt here from the JSON, and the verdicts from its own figures by the stated
+rule, so the doc cannot say more than the measurement did."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def measure_lora():
+    spec = importlib.util.spec_from_file_location("measure_lora", REPO / "scripts" / "measure-lora.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_json_is_a_held_out_lora_run_and_its_verdicts_follow_from_its_figures():
+    script = measure_lora()
+    result = json.loads((REPO / "docs" / "results" / "lora.json").read_text(encoding="utf-8"))
+    assert result["command"].startswith("python scripts/measure-lora.py")
+    adapters = result["lora"]["adapters"]
+    assert len(adapters) >= 3 and {8, 16, 64} <= {a["rank"] for a in adapters}
+    assert result["lora"]["max_loras"] < len(adapters)  # swaps forced
+    assert set(result["train_runs"]).isdisjoint(result["test_runs"]) and result["test_runs"]
+    assert {r["run_id"] for r in result["runs"] if r["role"] == "test"} == set(result["test_runs"])
+    assert result["n_test_adapter_steps"] > 0
+    assert result["n_test_adapter_steps"] < result["figures"]["all"]["llmvisor"]["all"]["n_steps"]  # base-only steps too
+    for group in script.GROUPS:
+        for other in ("adapter_blind", "token_count"):
+            for phase in script.PHASES:
+                figures = result["figures"][group]
+                assert result["verdicts"][group][f"llmvisor vs {other}"][phase] == script.verdict(figures["llmvisor"][phase], figures[other][phase])
+    assert result["lora_work"]["chosen"] in ("tokens", "rank_tokens", "both")
+
+
+def test_the_doc_quotes_the_json():
+    script = measure_lora()
+    result = json.loads((REPO / "docs" / "results" / "lora.json").read_text(encoding="utf-8"))
+    text = (REPO / "docs" / "attribution.md").read_text(encoding="utf-8")
+    assert script.markdown_table(result) in text
+    doc = " ".join(text.split())
+    figures, verdicts = result["figures"], result["verdicts"]
+    adapters = [str(a["rank"]) for a in result["lora"]["adapters"]]
+    scores = {form: f"{v['cv_mean_squared_rel_err']:.4f}" for form, v in result["lora_work"]["candidates"].items()}
+    coef = {name: f"{1e6 * values[0]:.0f} µs" for name, values in result["coef_s"].items()}
+    assert all(len(values) == 1 for values in result["coef_s"].values()) and result["boundary_new_tokens"] is None
+    floor = {run: {q: f"{100 * result['noise_floor'][run][q]:.0f}%" for q in ("p50", "p90")} for run in ("train", "test")}
+    quoted = [
+        *script.verdict_sentences(result),
+        f"{len(adapters)} adapters of ranks {', '.join(adapters[:-1])} and {adapters[-1]}",
+        f"{result['lora']['max_loras']} LoRA slots",
+        f"{len(result['runs'])} runs ({len([r for r in result['runs'] if r['role'] == 'train'])} fitted, {len(result['test_runs'])} held out)",
+        f"{figures['all']['llmvisor']['all']['n_steps']:,} held-out steps judged (warm-up excluded), "
+        f"{result['n_test_adapter_steps']:,} of them with an adapter",
+        f"the fit chose the per-token work form `{result['lora_work']['chosen']}`",
+        f"{scores['tokens']} for tokens run with an adapter, {scores['rank_tokens']} for rank × tokens, {scores['both']} for both",
+        f"{coef['prefill_lora_tokens']} per prefill token run with an adapter against {coef['prefill_new_tokens']} per prefill token",
+        f"{coef['decode_lora_tokens']} per decode token with an adapter, {coef['lora_adapters']} per distinct adapter and "
+        f"{coef['lora_slot_loads']} per slot load (one segment; disk reads not priced apart: {coef['lora_disk_loads']})",
+        f"differ by {floor['train']['p50']} at the median and {floor['train']['p90']} at p90 on the training runs "
+        f"({floor['test']['p50']} and {floor['test']['p90']} on the held-out ones",
+        f"nearly every decode step here ran an adapter ({figures['adapter']['llmvisor']['decode']['n_steps']:,} of "
+        f"{figures['all']['llmvisor']['decode']['n_steps']:,})",
+        f"its prefill median there is worse ({100 * figures['adapter']['llmvisor']['prefill']['rel_err_p50']:.1f}% against "
+        f"{100 * figures['adapter']['token_count']['prefill']['rel_err_p50']:.1f}%)",
+        f"its prefill p90 beats token_count's ({100 * figures['all']['llmvisor']['prefill']['rel_err_p90']:.1f}% against "
+        f"{100 * figures['all']['token_count']['prefill']['rel_err_p90']:.1f}%)",
+    ]
+    if result["machine"]["caveat"]:
+        quoted.append(f"load average reached {result['machine']['load_average_peak']:g} on {result['machine']['cores']} cores")
+    assert [q for q in quoted if q not in doc] == []
+    # the words the prose uses are the JSON's verdicts
+    adapter_steps = verdicts["adapter"]
+    assert adapter_steps["llmvisor vs adapter_blind"]["prefill"] == adapter_steps["llmvisor vs adapter_blind"]["all"] == "beats"
+    assert adapter_steps["llmvisor vs adapter_blind"]["decode"] == "within CI"
+    assert set(adapter_steps["llmvisor vs token_count"].values()) == {"within CI"}
+    assert verdicts["all"]["llmvisor vs token_count"]["prefill"] == "beats"
+    assert figures["adapter"]["llmvisor"]["prefill"]["rel_err_p50"] > figures["adapter"]["token_count"]["prefill"]["rel_err_p50"]
+    decode = figures["adapter"]["llmvisor"]["decode"]["n_steps"] / figures["all"]["llmvisor"]["decode"]["n_steps"]
+    assert decode > 0.9  # "nearly every decode step"
