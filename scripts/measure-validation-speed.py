@@ -1,0 +1,198 @@
+"""How fast `llmvisor validate` measures coalition steps, warm (the default) against the earlier cold method, in one run.
+
+One in-process vLLM engine (the shipped engine model, the coalitions journal's settings) measures the same small
+coalitions plan (serving-size decode and mixed-sharing decode batches, random complementary coalitions, a quarter
+measured again in round 1) with each method in turn, repeats alternating which goes first:
+
+- cold: `ControlledEngine(warm=False)`: fresh prompts; each batch-round (chunk of 32 coalitions) prepares the batch
+  again (its whole blocks found in the prefix cache, the rest recomputed), and every run of a request grows its context
+  by one token;
+- warm: each decode step rewound to the planned contexts, so a batch is prepared once for all its batch-rounds; own
+  contexts are prefixes of the session's per-position sequences (a later batch finds what an earlier one computed).
+
+Both start each repeat with prompts nothing in the prefix cache holds, use the same interference guard, and time the
+whole measuring call (preparation, canaries, guard waits, redone rounds; not the engine start, given separately).
+The machine is shared, so the figures are indicative; the ratios within one run are what count. Also written: whether
+the two methods measure the same steps, as the relative difference of the same coalition's step time between them
+against the difference between two measurements by one method (another repeat, or the plan's round-1 replicate).
+
+    python scripts/measure-validation-speed.py [-o docs/results/validation-speed.json] [--repeats 2] [--batches 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from llmvisor import shipped
+from llmvisor.validation.measurement import InterferenceGuard, Journal, measure_sampled
+from llmvisor.validation.plans import Envelope, SampledKind, draw_coalition_batches, read_length_mixes
+
+REPO = Path(__file__).resolve().parents[1]
+PREVIOUS_STEPS_PER_S = 4.5
+"""The shipped coalitions journal's throughput (`summary.measurement_cost` of validation-coalitions.json), cold."""
+METHODS = ("cold", "warm")
+
+
+def machine_notes() -> dict:
+    from llmvisor.engines.vllm.recorder import describe_hardware
+
+    flags = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace") if Path("/proc/cpuinfo").exists() else ""
+    return {"hardware": describe_hardware(), "cpus": os.cpu_count(), "avx512": "avx512" in flags, "python": platform.python_version(),
+            "shared": "a 2-core machine shared with other jobs while measured: load averages below; figures indicative, "
+                      "ratios within the run are what count"}
+
+
+def relative_differences(a: dict, b: dict) -> np.ndarray:
+    """(b − a) / a over the coalitions both hold."""
+    common = sorted(set(a) & set(b))
+    return np.array([b[k] / a[k] - 1 for k in common])
+
+
+def spread(values: np.ndarray) -> dict:
+    x = np.abs(values)
+    return {"n": int(x.size), "abs_p50": float(np.percentile(x, 50)) if x.size else None,
+            "abs_p90": float(np.percentile(x, 90)) if x.size else None, "mean": float(values.mean()) if x.size else None}
+
+
+def mean_ci95(values: np.ndarray, seed: int = 0) -> list[float]:
+    rng = np.random.default_rng(seed)
+    means = [values[rng.integers(0, values.size, values.size)].mean() for _ in range(2000)]
+    return [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
+
+
+def step_times(journal: Journal, round_: int) -> dict:
+    return {(k[0], k[2]): ms[0].step_latency_s for k, ms in journal.measurements.items() if k[1] == round_ and ms}
+
+
+def contexts_grew(journal: Journal, plan: list) -> dict:
+    """How far recorded contexts lay above the planned ones (tokens): cold grows them, warm must not."""
+    planned = {b.key: b.num_context_tokens for b in plan}
+    growth = [got - planned[m.batch_key][i] for ms in journal.measurements.values() for m in ms
+              for i, got in zip([j for j in range(len(planned[m.batch_key])) if m.subset >> j & 1], m.num_context_tokens)]
+    return {"max": int(max(growth)), "mean": float(np.mean(growth))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-o", "--output", type=Path, default=REPO / "docs" / "results" / "validation-speed.json")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--batches", type=int, default=2, help="serving-size batches in the plan (kinds and sizes cycle)")
+    parser.add_argument("--sizes", default="16,32")
+    parser.add_argument("--coalitions-per-request", type=float, default=8.0)
+    parser.add_argument("--engine-model", type=Path, default=None)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--kv-cache-gib", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--guard-max-redos", type=int, default=0,
+                        help="redos of a batch-round the guard flags (0: canaries run and flag, nothing is redone, so that "
+                             "interference from other jobs does not decide which method waits longer)")
+    args = parser.parse_args()
+
+    from llmvisor.engines.vllm.controlled import ControlledEngine
+
+    sizes = tuple(int(s) for s in args.sizes.split(","))
+    envelope = Envelope(args.max_model_len, args.max_num_batched_tokens, args.max_num_seqs)
+    mixes = read_length_mixes(shipped.workloads_dir())
+    kinds = (SampledKind.DECODE.value, SampledKind.MIXED_SHARING_DECODE.value)
+    plan = draw_coalition_batches(mixes, envelope, n_batches=args.batches, coalitions_per_request=args.coalitions_per_request,
+                                  sizes=sizes, kinds=kinds, replicate_share=0.25, chunk=32, seed=args.seed)
+    n_plan_steps = sum(len(b.subsets(r)) for b in plan for r in range(b.rounds))
+    engine_dir = args.engine_model or shipped.engine_model_dir()
+    runs: list[dict] = []
+    times: dict[tuple[str, int], dict] = {}
+    replicate: dict[str, list[np.ndarray]] = {m: [] for m in METHODS}
+    with tempfile.TemporaryDirectory(prefix="llmvisor-speed-") as tmp:
+        started = time.perf_counter()
+        engine = ControlledEngine(engine_dir, max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs, kv_cache_gib=args.kv_cache_gib, seed=args.seed, run_id="validation-speed")
+        with engine:
+            engine_start_s = time.perf_counter() - started
+            facts = {k: v for k, v in engine.describe().items() if k != "decode_contexts"}
+            engine.warm_up(prefill_lengths=[64, 64], decode_contexts=[256, 512], n_steps=3)
+            for rep in range(args.repeats):
+                for method in METHODS if rep % 2 == 0 else METHODS[::-1]:
+                    engine.warm = method == "warm"
+                    engine.new_session_prompts()
+                    journal = Journal(Path(tmp) / f"{method}-{rep}.jsonl")
+                    guard = InterferenceGuard(max_redos=args.guard_max_redos, max_wait_s=60.0)
+                    load_before = os.getloadavg()
+                    t0 = time.perf_counter()
+                    counts = measure_sampled(engine, plan, journal, repeat=1, seed=args.seed, guard=guard)
+                    wall_s = time.perf_counter() - t0
+                    n_steps = sum(len(ms) for ms in journal.measurements.values())
+                    rounds = journal.round_timing
+                    runs.append({
+                        "method": method, "repeat": rep, "measured_steps": n_steps, "wall_s": round(wall_s, 2),
+                        "steps_per_s": n_steps / wall_s,
+                        "steps_per_s_with_engine_start": n_steps / (wall_s + engine_start_s),
+                        "step_time_s": round(sum(m.step_latency_s for ms in journal.measurements.values() for m in ms), 3),
+                        "prepare_s": round(sum(t.get("prepare_s", 0.0) for t in rounds), 3),
+                        "rounds_wall_s": round(sum(t.get("round_wall_s", 0.0) for t in rounds), 3),
+                        "guard_wait_s": round(sum(t.get("wait_after_s", 0.0) for t in rounds), 3),
+                        "canaries": len(guard.all_s), "canary_time_s": round(sum(guard.all_s), 3),
+                        "preparations": counts.get("preparations"), "discarded_batch_rounds": counts.get("discarded_batch_rounds", 0),
+                        "flagged_batch_rounds": counts.get("flagged_batch_rounds", 0),
+                        "rejected_steps": counts.get("rejected_now", 0),
+                        "context_growth_tokens": contexts_grew(journal, plan),
+                        "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+                    })
+                    print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+                    times[(method, rep)] = step_times(journal, 0)
+                    replicate[method].append(relative_differences(step_times(journal, 0), step_times(journal, 1)))
+
+    ratios = []
+    for rep in range(args.repeats):
+        by = {r["method"]: r for r in runs if r["repeat"] == rep}
+        ratios.append(by["warm"]["steps_per_s"] / by["cold"]["steps_per_s"])
+    steps_per_s = {m: float(np.median([r["steps_per_s"] for r in runs if r["method"] == m])) for m in METHODS}
+    warm_vs_cold = np.concatenate([relative_differences(times[("cold", r)], times[("warm", r)]) for r in range(args.repeats)])
+    same_method = {m: np.concatenate([relative_differences(times[(m, r)], times[(m, r + 1)]) for r in range(args.repeats - 1)])
+                   for m in METHODS} if args.repeats > 1 else {}
+    floor = np.concatenate([*replicate["cold"], *replicate["warm"], *same_method.values()])
+    result = {
+        "command": "python scripts/measure-validation-speed.py",
+        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine_notes(),
+        "engine": {**facts, "engine_start_s": round(engine_start_s, 1)},
+        "plan": {"design": "coalitions", "kinds": list(kinds), "sizes": list(sizes), "batches": len(plan),
+                 "batch_sizes": [b.size for b in plan], "coalitions_per_request": args.coalitions_per_request, "replicate_share": 0.25,
+                 "chunk": 32, "seed": args.seed, "steps_per_method_and_repeat": n_plan_steps, "guard_max_redos": args.guard_max_redos,
+                 "contexts_tokens": [int(sum(b.num_context_tokens)) for b in plan]},
+        "repeats": args.repeats,
+        "runs": runs,
+        "steps_spent": {m: int(sum(r["measured_steps"] for r in runs if r["method"] == m)) for m in METHODS},
+        "steps_per_s": steps_per_s,
+        "ratio_warm_over_cold": {"per_repeat": ratios, "median": float(np.median(ratios)), "min": float(min(ratios)), "max": float(max(ratios))},
+        "previous_steps_per_s": PREVIOUS_STEPS_PER_S,
+        "warm_over_previous": steps_per_s["warm"] / PREVIOUS_STEPS_PER_S,
+        "equivalence": {
+            "what": "relative difference of one coalition's step time (round 0) between methods, against the difference "
+                    "between two measurements by one method: another repeat, or the plan's round-1 replicate",
+            "warm_vs_cold": {**spread(warm_vs_cold), "mean_ci95": mean_ci95(warm_vs_cold)},
+            "same_method_other_repeat": {m: spread(v) for m, v in same_method.items()},
+            "replicate_round": {m: spread(np.concatenate(v)) for m, v in replicate.items()},
+            "noise_floor": spread(floor),
+        },
+    }
+    result["equivalence"]["within_noise_floor"] = bool(
+        result["equivalence"]["warm_vs_cold"]["abs_p50"] <= 1.25 * result["equivalence"]["noise_floor"]["abs_p50"]
+        and result["equivalence"]["warm_vs_cold"]["abs_p90"] <= 1.25 * result["equivalence"]["noise_floor"]["abs_p90"])
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {args.output}: cold {steps_per_s['cold']:.2f} steps/s, warm {steps_per_s['warm']:.2f} steps/s, "
+          f"ratio {np.median(ratios):.2f}× [{min(ratios):.2f}, {max(ratios):.2f}]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
