@@ -5,14 +5,13 @@ so each check below tells the two apart."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 from _tiny_llama import write_tiny_llama
 from llmvisor.validation.measurement import InterferenceGuard, Journal, measure_sampled
 from llmvisor.validation.plans import SampledBatchSpec, complementary_masks
+from test_controlled_sampled import _steps
 
 TINY_FIELDS = {"num_key_value_heads": 2, "max_position_embeddings": 1024, "rope_theta": 10000.0, "vocab_size": 1000}
 CONTEXTS = (130, 17, 127, 255, 300, 64)
@@ -28,14 +27,6 @@ def _batches() -> list[SampledBatchSpec]:
         SampledBatchSpec(index=1, kind="mixed_sharing_decode", num_context_tokens=GROUPED["contexts"],
                          shared_prefix_tokens=GROUPED["prefixes"], prefix_groups=GROUPED["groups"], **common),
     ]
-
-
-def _steps(trace) -> list[list[dict]]:
-    steps: dict[int, list[dict]] = {}
-    for line in trace.read_text().splitlines():
-        row = json.loads(line)
-        steps.setdefault(row["step_id"], []).append(row)
-    return list(steps.values())
 
 
 def _measure(tmp_path, warm: bool):

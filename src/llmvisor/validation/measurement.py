@@ -61,7 +61,8 @@ class Measurer(Protocol):
     A decode batch is first prefilled to its contexts (``prepare_decode``, returning an opaque handle); then
     any subset of it (``members``: indices into the contexts) runs as one decode step, each run growing a
     member's context by one token, until ``release``. ``canary_step`` runs a fixed reference step (a small
-    prefill) and must leave a held decode batch held.
+    prefill) and must leave a held decode batch held. A measurer whose ``holds_contexts`` is true leaves every member
+    at its prepared context instead (`HeldContexts` then prepares a batch once for all its batch-rounds).
     """
 
     def prefill_step(self, prompt_lengths: list[int]) -> StepResult: ...

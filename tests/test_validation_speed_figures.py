@@ -1,0 +1,64 @@
+"""docs/validation.md's measuring-speed figures come from docs/results/validation-speed.json, which
+`python scripts/measure-validation-speed.py` wrote, and its words (the ratio, the goal's verdict, the equivalence
+check) are true of that file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+RESULT = REPO / "docs" / "results" / "validation-speed.json"
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def speed_doc_figures(result: dict) -> list[str]:
+    """The sentences docs/validation.md quotes, built from the result."""
+    runs, ratio, eq = result["runs"], result["ratio_warm_over_cold"], result["equivalence"]
+    loads = [x for r in runs for x in r["load_average_1min_before_after"]]
+    plan = result["plan"]
+    goal = result["warm_over_previous"] >= 3
+    return [
+        f"{plan['batches']} batches ({', '.join(map(str, plan['batch_sizes']))} requests), {plan['steps_per_method_and_repeat']} "
+        f"coalition steps per method and repeat, {result['repeats']} repeats",
+        f"cold {result['steps_per_s']['cold']:.2f} steps/s, warm {result['steps_per_s']['warm']:.2f} steps/s (medians over repeats)",
+        f"warm ÷ cold {ratio['median']:.2f}× (per repeat {', '.join(f'{x:.2f}' for x in ratio['per_repeat'])}×)",
+        f"1-minute load average {min(loads):.1f} to {max(loads):.1f} on 2 cores",
+        f"{result['steps_spent']['cold'] + result['steps_spent']['warm']:,} measured steps spent",
+        f"warm's {result['steps_per_s']['warm']:.2f} steps/s is {result['warm_over_previous']:.2f}× the shipped journal's "
+        f"{result['previous_steps_per_s']:g}: " + ("the goal of 3× is met" if goal else "the goal of 3× is not met here"),
+        f"warm against cold |difference| p50 {pct(eq['warm_vs_cold']['abs_p50'])} / p90 {pct(eq['warm_vs_cold']['abs_p90'])}, "
+        f"mean {100 * eq['warm_vs_cold']['mean']:+.1f}% [{100 * eq['warm_vs_cold']['mean_ci95'][0]:+.1f}%, {100 * eq['warm_vs_cold']['mean_ci95'][1]:+.1f}%]",
+        f"two measurements by one method p50 {pct(eq['noise_floor']['abs_p50'])} / p90 {pct(eq['noise_floor']['abs_p90'])}",
+        ("within that noise floor" if eq["within_noise_floor"] else "outside that noise floor"),
+    ]
+
+
+def test_the_speed_result_is_consistent():
+    result = json.loads(RESULT.read_text(encoding="utf-8"))
+    assert result["command"] == "python scripts/measure-validation-speed.py"
+    runs = result["runs"]
+    for rep in range(result["repeats"]):
+        by = {r["method"]: r for r in runs if r["repeat"] == rep}
+        assert by["warm"]["measured_steps"] == by["cold"]["measured_steps"] == result["plan"]["steps_per_method_and_repeat"]
+        assert result["ratio_warm_over_cold"]["per_repeat"][rep] == by["warm"]["steps_per_s"] / by["cold"]["steps_per_s"]
+        assert by["warm"]["context_growth_tokens"]["max"] == 0 < by["cold"]["context_growth_tokens"]["max"]
+        assert by["warm"]["preparations"] == result["plan"]["batches"] < by["cold"]["preparations"]
+    for method in ("cold", "warm"):
+        mine = [r["steps_per_s"] for r in runs if r["method"] == method]
+        assert result["steps_per_s"][method] == float(np.median(mine))
+        assert result["steps_spent"][method] == sum(r["measured_steps"] for r in runs if r["method"] == method)
+    ratio = result["ratio_warm_over_cold"]
+    assert ratio["min"] <= ratio["median"] <= ratio["max"]
+    assert result["warm_over_previous"] == result["steps_per_s"]["warm"] / result["previous_steps_per_s"]
+
+
+def test_the_validation_doc_quotes_the_speed_result():
+    result = json.loads(RESULT.read_text(encoding="utf-8"))
+    doc = " ".join((REPO / "docs" / "validation.md").read_text(encoding="utf-8").split())
+    assert [f for f in speed_doc_figures(result) if f not in doc] == []
