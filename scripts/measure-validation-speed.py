@@ -2,7 +2,8 @@
 
 One in-process vLLM engine (the shipped engine model, the coalitions journal's settings) measures the same small
 coalitions plan (serving-size decode and mixed-sharing decode batches, random complementary coalitions, a quarter
-measured again in round 1) with each method in turn, repeats alternating which goes first:
+measured again in round 1) with each method, batch by batch, alternating which goes first (so that both see the
+same spells of load from other jobs):
 
 - cold: `ControlledEngine(warm=False)`: fresh prompts; each batch-round (chunk of 32 coalitions) prepares the batch
   again (its whole blocks found in the prefix cache, the rest recomputed), and every run of a request grows its context
@@ -11,7 +12,9 @@ measured again in round 1) with each method in turn, repeats alternating which g
   contexts are prefixes of the session's per-position sequences (a later batch finds what an earlier one computed).
 
 Both start each repeat with prompts nothing in the prefix cache holds, use the same interference guard, and time the
-whole measuring call (preparation, canaries, guard waits, redone rounds; not the engine start, given separately).
+whole measuring calls (preparation, canaries, the loop; not the engine start, given separately). The engine work each
+method spent outside its measured steps (prefill tokens computed to prepare contexts, canaries left out) does not
+depend on the machine's load.
 The machine is shared, so the figures are indicative; the ratios within one run are what count. Also written: whether
 the two methods measure the same steps, as the relative difference of the same coalition's step time between them
 against the difference between two measurements by one method (another repeat, or the plan's round-1 replicate).
@@ -40,6 +43,20 @@ REPO = Path(__file__).resolve().parents[1]
 PREVIOUS_STEPS_PER_S = 4.5
 """The shipped coalitions journal's throughput (`summary.measurement_cost` of validation-coalitions.json), cold."""
 METHODS = ("cold", "warm")
+
+
+CANARY_TOKENS = 128
+"""The guard's canary: a 128-token prefill (`ControlledEngine.canary_step`)."""
+
+
+def engine_work(trace: Path, offset: int) -> dict:
+    """Engine steps the recorder wrote after ``offset`` and the prefill tokens they computed (measured decode steps
+    compute none: what is counted is preparation and canaries)."""
+    with open(trace, "rb") as handle:
+        handle.seek(offset)
+        rows = [json.loads(line) for line in handle.read().splitlines() if line.strip()]
+    return {"engine_steps": len({r["step_id"] for r in rows}),
+            "prefill_tokens": int(sum(r["num_new_tokens"] for r in rows if r["phase"] == "prefill"))}
 
 
 def machine_notes() -> dict:
@@ -114,38 +131,58 @@ def main() -> None:
     replicate: dict[str, list[np.ndarray]] = {m: [] for m in METHODS}
     with tempfile.TemporaryDirectory(prefix="llmvisor-speed-") as tmp:
         started = time.perf_counter()
+        trace = Path(tmp) / "steps.jsonl"
         engine = ControlledEngine(engine_dir, max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_num_seqs=args.max_num_seqs, kv_cache_gib=args.kv_cache_gib, seed=args.seed, run_id="validation-speed")
+                                  max_num_seqs=args.max_num_seqs, kv_cache_gib=args.kv_cache_gib, seed=args.seed, run_id="validation-speed",
+                                  trace_path=trace)
         with engine:
             engine_start_s = time.perf_counter() - started
             facts = {k: v for k, v in engine.describe().items() if k != "decode_contexts"}
             engine.warm_up(prefill_lengths=[64, 64], decode_contexts=[256, 512], n_steps=3)
             for rep in range(args.repeats):
-                for method in METHODS if rep % 2 == 0 else METHODS[::-1]:
-                    engine.warm = method == "warm"
-                    engine.new_session_prompts()
-                    journal = Journal(Path(tmp) / f"{method}-{rep}.jsonl")
-                    guard = InterferenceGuard(max_redos=args.guard_max_redos, max_wait_s=60.0)
-                    load_before = os.getloadavg()
-                    t0 = time.perf_counter()
-                    counts = measure_sampled(engine, plan, journal, repeat=1, seed=args.seed, guard=guard)
-                    wall_s = time.perf_counter() - t0
+                engine.new_session_prompts()
+                journals = {m: Journal(Path(tmp) / f"{m}-{rep}.jsonl") for m in METHODS}
+                guards = {m: InterferenceGuard(max_redos=args.guard_max_redos, max_wait_s=60.0) for m in METHODS}
+                tally = {m: {"wall_s": 0.0, "preparations": 0, "discarded": 0, "flagged": 0, "rejected": 0, "loads": [],
+                             "prefill_tokens": 0, "engine_steps": 0} for m in METHODS}
+                for k, batch in enumerate(plan):
+                    # batch by batch, alternating which method goes first, so both see the same spells of load
+                    for method in METHODS if (rep + k) % 2 == 0 else METHODS[::-1]:
+                        engine.warm = method == "warm"
+                        t = tally[method]
+                        t["loads"].append(os.getloadavg()[0])
+                        offset = trace.stat().st_size if trace.exists() else 0
+                        t0 = time.perf_counter()
+                        counts = measure_sampled(engine, [batch], journals[method], repeat=1, seed=args.seed, guard=guards[method])
+                        t["wall_s"] += time.perf_counter() - t0
+                        work = engine_work(trace, offset)
+                        t["prefill_tokens"] += work["prefill_tokens"]
+                        t["engine_steps"] += work["engine_steps"]
+                        t["preparations"] += counts.get("preparations", 0)
+                        t["discarded"] += counts.get("discarded_batch_rounds", 0)
+                        t["flagged"] += counts.get("flagged_batch_rounds", 0)
+                        t["rejected"] += counts.get("rejected_now", 0)
+                        t["loads"].append(os.getloadavg()[0])
+                for method in METHODS:
+                    journal, guard, t = journals[method], guards[method], tally[method]
                     n_steps = sum(len(ms) for ms in journal.measurements.values())
                     rounds = journal.round_timing
+                    wall_s = t["wall_s"]
                     runs.append({
                         "method": method, "repeat": rep, "measured_steps": n_steps, "wall_s": round(wall_s, 2),
                         "steps_per_s": n_steps / wall_s,
                         "steps_per_s_with_engine_start": n_steps / (wall_s + engine_start_s),
                         "step_time_s": round(sum(m.step_latency_s for ms in journal.measurements.values() for m in ms), 3),
-                        "prepare_s": round(sum(t.get("prepare_s", 0.0) for t in rounds), 3),
-                        "rounds_wall_s": round(sum(t.get("round_wall_s", 0.0) for t in rounds), 3),
-                        "guard_wait_s": round(sum(t.get("wait_after_s", 0.0) for t in rounds), 3),
+                        "prepare_s": round(sum(r.get("prepare_s", 0.0) for r in rounds), 3),
+                        "rounds_wall_s": round(sum(r.get("round_wall_s", 0.0) for r in rounds), 3),
+                        "guard_wait_s": round(sum(r.get("wait_after_s", 0.0) for r in rounds), 3),
                         "canaries": len(guard.all_s), "canary_time_s": round(sum(guard.all_s), 3),
-                        "preparations": counts.get("preparations"), "discarded_batch_rounds": counts.get("discarded_batch_rounds", 0),
-                        "flagged_batch_rounds": counts.get("flagged_batch_rounds", 0),
-                        "rejected_steps": counts.get("rejected_now", 0),
+                        "preparations": t["preparations"], "discarded_batch_rounds": t["discarded"], "flagged_batch_rounds": t["flagged"],
+                        "rejected_steps": t["rejected"],
+                        "engine_steps": t["engine_steps"],
+                        "prefill_tokens_outside_measured_steps": t["prefill_tokens"] - CANARY_TOKENS * len(guard.all_s),
                         "context_growth_tokens": contexts_grew(journal, plan),
-                        "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+                        "load_average_1min_min_max": [round(min(t["loads"]), 2), round(max(t["loads"]), 2)],
                     })
                     print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
                     times[(method, rep)] = step_times(journal, 0)
@@ -174,6 +211,8 @@ def main() -> None:
         "steps_spent": {m: int(sum(r["measured_steps"] for r in runs if r["method"] == m)) for m in METHODS},
         "steps_per_s": steps_per_s,
         "ratio_warm_over_cold": {"per_repeat": ratios, "median": float(np.median(ratios)), "min": float(min(ratios)), "max": float(max(ratios))},
+        "preparation_prefill_tokens": {m: int(sum(r["prefill_tokens_outside_measured_steps"] for r in runs if r["method"] == m))
+                                       for m in METHODS},
         "previous_steps_per_s": PREVIOUS_STEPS_PER_S,
         "warm_over_previous": steps_per_s["warm"] / PREVIOUS_STEPS_PER_S,
         "equivalence": {

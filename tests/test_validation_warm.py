@@ -80,3 +80,25 @@ def test_cold_measuring_grows_contexts_and_prepares_per_round(tmp_path):
               for m in ms for got, base in zip(m.num_context_tokens, [c for i, c in enumerate(b.num_context_tokens) if m.subset >> i & 1])]
     assert min(growth) >= 0 and max(growth) > 0
     assert prefilled == list(later)  # fresh prompts: nothing found in the prefix cache
+
+
+class _Held:
+    def __init__(self, holds: bool):
+        self.holds_contexts = holds
+        self.released: list[str] = []
+
+    def release(self, handle) -> None:
+        self.released.append(handle)
+
+
+def test_held_contexts_keep_a_batch_only_where_the_measurer_leaves_contexts_as_prepared():
+    from llmvisor.validation.measurement import HeldContexts
+
+    for holds, prepared, released in ((True, ["a", "b"], ["a", "b"]), (False, ["a", "a", "b"], ["a", "a", "b"])):
+        measurer, made = _Held(holds), []
+        held = HeldContexts(measurer)
+        for key in ("a", "a", "b"):  # two batch-rounds of one batch, then another batch
+            held.acquire((key,), lambda key=key: made.append(key) or key)
+            held.round_done()
+        held.release()
+        assert made == prepared and measurer.released == released and held.n_prepared == len(prepared)

@@ -557,13 +557,14 @@ def _measure_batch_round(
                 return measurer.prepare_shared_decode(contexts, _one_prefix(batch.index, shared_prefix), max_decode_steps=steps)
             return measurer.prepare_decode(contexts, max_decode_steps=steps)
 
-        handle = held.acquire((str(batch.phase), tuple(contexts), tuple(shared_prefix), tuple(groups)), prepare)
+        # a pool's batches share its held contexts; any other batch (a replicate batch too) is prepared for itself
+        handle = held.acquire(("pool", tuple(contexts), tuple(shared_prefix), tuple(groups)) if pooled else (batch.key,), prepare)
 
         def run(subset):
             return measurer.decode_step(handle, held_members(subset))
     elif batch.phase == SampledKind.MIXED:
         handle = held.acquire(
-            (str(batch.phase), batch.num_new_tokens[0], tuple(batch.num_context_tokens)),
+            (batch.key,),
             lambda: measurer.prepare_mixed(batch.num_new_tokens[0], batch.num_context_tokens[0], list(batch.num_context_tokens[1:]),
                                            max_decode_steps=steps))
 

@@ -527,7 +527,7 @@ class ControlledEngine:
         if self.engine.has_unfinished_requests():
             self._abort_all()
         self._held = set()
-        key = (tuple(context_lengths), shared_prefix_tokens)
+        key = (self.warm, tuple(context_lengths), shared_prefix_tokens)
         if self.warm and not shared_prefix_tokens:
             prompts = [self._slot_prompt(k, length) for k, length in enumerate(context_lengths)]
         else:
@@ -635,7 +635,7 @@ class ControlledEngine:
         if self.engine.has_unfinished_requests():
             self._abort_all()
         self._held = set()
-        key = (tuple(context_lengths), tuple(shared_prefix_tokens), tuple(prefix_groups))
+        key = (self.warm, tuple(context_lengths), tuple(shared_prefix_tokens), tuple(prefix_groups))
         if self._decode_prompts is None or self._decode_prompts[0] != key:
             prefixes = {g: self._token_ids(p) for g, p in sorted(prefix_of.items())}
             self._decode_prompts = (key, [self._slot_prompt(k, length) if self.warm and g < 0 else self._prompt(length, prefixes.get(g))
