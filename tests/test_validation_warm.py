@@ -98,7 +98,7 @@ def test_held_contexts_keep_a_batch_only_where_the_measurer_leaves_contexts_as_p
         measurer, made = _Held(holds), []
         held = HeldContexts(measurer)
         for key in ("a", "a", "b"):  # two batch-rounds of one batch, then another batch
-            held.acquire((key,), lambda key=key: made.append(key) or key)
+            held.acquire((key,), lambda key=key, made=made: made.append(key) or key)
             held.round_done()
         held.release()
         assert made == prepared and measurer.released == released and held.n_prepared == len(prepared)
