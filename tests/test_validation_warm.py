@@ -75,7 +75,8 @@ def test_cold_measuring_grows_contexts_and_prepares_per_round(tmp_path):
     pytest.importorskip("vllm")
     batches, journal, counts, prefilled, later, block = _measure(tmp_path, warm=False)
     n_rounds = sum(len(b.chunks(r)) for b in batches for r in range(b.rounds))
-    assert counts["rejected_now"] == 0 and counts["preparations"] == n_rounds
+    # every batch-round prepared again, and so is a round the guard discarded (the machine is shared)
+    assert counts["rejected_now"] == 0 and counts["preparations"] == n_rounds + counts["discarded_batch_rounds"]
     growth = [got - base for b in batches for ms in (journal.get(b, r, s) for r in range(b.rounds) for s in b.subsets(r))
               for m in ms for got, base in zip(m.num_context_tokens, [c for i, c in enumerate(b.num_context_tokens) if m.subset >> i & 1])]
     assert min(growth) >= 0 and max(growth) > 0
