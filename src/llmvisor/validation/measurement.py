@@ -61,7 +61,8 @@ class Measurer(Protocol):
     A decode batch is first prefilled to its contexts (``prepare_decode``, returning an opaque handle); then
     any subset of it (``members``: indices into the contexts) runs as one decode step, each run growing a
     member's context by one token, until ``release``. ``canary_step`` runs a fixed reference step (a small
-    prefill) and must leave a held decode batch held.
+    prefill) and must leave a held decode batch held. A measurer whose ``holds_contexts`` is true leaves every member
+    at its prepared context instead (`HeldContexts` then prepares a batch once for all its batch-rounds).
     """
 
     def prefill_step(self, prompt_lengths: list[int]) -> StepResult: ...
@@ -73,6 +74,36 @@ class Measurer(Protocol):
     def decode_step(self, batch: Any, members: list[int]) -> StepResult: ...
 
     def release(self, batch: Any) -> None: ...
+
+
+class HeldContexts:
+    """The decode (or mixed) batch the measurer holds, kept across batch-rounds while the next round needs the same
+    contexts (the batch's other chunks, its replicate round, the other batches of its pool), where the measurer's
+    ``holds_contexts`` says decode steps leave them as prepared; otherwise prepared afresh and released per round."""
+
+    def __init__(self, measurer: Measurer) -> None:
+        self.measurer = measurer
+        self.keep = bool(getattr(measurer, "holds_contexts", False))
+        self.key: tuple | None = None
+        self.handle: Any = None
+        self.n_prepared = 0
+
+    def acquire(self, key: tuple, prepare: Callable[[], Any]) -> Any:
+        if self.keep and self.handle is not None and key == self.key:
+            return self.handle
+        self.release()
+        self.handle, self.key = prepare(), key
+        self.n_prepared += 1
+        return self.handle
+
+    def round_done(self) -> None:
+        if not self.keep:
+            self.release()
+
+    def release(self) -> None:
+        if self.handle is not None:
+            handle, self.handle, self.key = self.handle, None, None
+            self.measurer.release(handle)
 
 
 class MixedMeasurer(Measurer, Protocol):
@@ -304,11 +335,16 @@ def measure(
     counts["reused"] = sum(
         min(repeat, len(journal.get(b, r, s))) for b in batches for r in range(b.rounds) for s in range(1, 1 << b.size)
     )
-    for (index, round_), masks in todo.items():
-        batch = by_index[index]
-        rng = np.random.default_rng([seed, index, round_, len(masks)])
-        order = [masks[i] for i in rng.permutation(len(masks))]
-        _measure_guarded(measurer, batch, round_, order, journal, max_attempts, warm_up_steps, guard, progress, counts, sleep)
+    held = HeldContexts(measurer)
+    try:
+        for (index, round_), masks in todo.items():
+            batch = by_index[index]
+            rng = np.random.default_rng([seed, index, round_, len(masks)])
+            order = [masks[i] for i in rng.permutation(len(masks))]
+            _measure_guarded(measurer, batch, round_, order, journal, max_attempts, warm_up_steps, guard, progress, counts, sleep, held)
+    finally:
+        held.release()
+    counts["preparations"] = held.n_prepared
     return counts
 
 
@@ -353,13 +389,13 @@ def _begin(measurer: Measurer, journal: Journal, guard: InterferenceGuard | None
 
 
 def _measure_guarded(measurer, batch, round_: int, order: list[int], journal: Journal, max_attempts: int, warm_up_steps: int,
-                     guard: InterferenceGuard | None, progress, counts: dict, sleep) -> None:
+                     guard: InterferenceGuard | None, progress, counts: dict, sleep, held: HeldContexts) -> None:
     """One batch-round's steps (``order``: subset masks), redone while the guard sees interference; then journaled."""
     spent: list[dict] = []
     for redo in range(guard.max_redos + 1 if guard else 1):
         timing: dict = {}
         taken, canaries, clean = _measure_batch_round(measurer, batch, round_, order, journal, max_attempts, warm_up_steps, guard, progress,
-                                                      counts, timing)
+                                                      counts, timing, held)
         spent.append({k: round(v, 4) for k, v in timing.items()})
         if clean or redo == (guard.max_redos if guard else 0):
             break
@@ -416,6 +452,17 @@ def measure_sampled(
             raise LlmvisorError(f"batch {batch.index}: mixed steps need a measurer with prepare_mixed/mixed_step "
                                 f"({type(measurer).__name__} has none)")
     sleep, progress, counts = _begin(measurer, journal, guard, True, on_step, sleep)
+    held = HeldContexts(measurer)
+    try:
+        _measure_sampled_batches(measurer, batches, journal, repeat, max_attempts, warm_up_steps, seed, guard, progress, counts, sleep, held)
+    finally:
+        held.release()
+    counts["preparations"] = held.n_prepared
+    return counts
+
+
+def _measure_sampled_batches(measurer, batches, journal, repeat, max_attempts, warm_up_steps, seed, guard, progress, counts, sleep,
+                             held: HeldContexts) -> None:
     for batch in batches:
         if batch.coalitions:
             # the coalitions design: each chunk of coalitions (pairs together) is one guarded batch-round
@@ -430,7 +477,7 @@ def measure_sampled(
                         continue
                     rng = np.random.default_rng([seed, batch.index, round_, k, 7])
                     order = [todo[i] for i in rng.permutation(len(todo))]
-                    _measure_guarded(measurer, batch, round_, order, journal, max_attempts, warm_up_steps, guard, progress, counts, sleep)
+                    _measure_guarded(measurer, batch, round_, order, journal, max_attempts, warm_up_steps, guard, progress, counts, sleep, held)
             continue
         masks = prefix_masks(np.array(batch.orders, dtype=np.int64))
         for round_ in range(batch.rounds):
@@ -444,8 +491,7 @@ def measure_sampled(
                     continue
                 rng = np.random.default_rng([seed, batch.index, round_, k])
                 order = [todo[i] for i in rng.permutation(len(todo))]
-                _measure_guarded(measurer, batch, round_, order, journal, max_attempts, warm_up_steps, guard, progress, counts, sleep)
-    return counts
+                _measure_guarded(measurer, batch, round_, order, journal, max_attempts, warm_up_steps, guard, progress, counts, sleep, held)
 
 
 def common_prefix_tokens(batch: SampledBatchSpec) -> int:
@@ -473,6 +519,7 @@ def _measure_batch_round(
     progress: Callable[[int], None],
     counts: dict,
     timing: dict,
+    held: HeldContexts,
 ) -> tuple[list[Measurement], list[float], bool]:
     """One pass over a batch-round's subset steps; returns (measurements, canary times, no interference) and puts in
     ``timing`` where its wall time went: preparing (prefill of the held contexts, a canary), all of it, and the
@@ -496,32 +543,37 @@ def _measure_batch_round(
     shared_prefix = list(batch.pool_shared_prefix_tokens) if pooled else list(getattr(batch, "shared_prefix_tokens", ()))
     groups = list(batch.pool_groups) if pooled else list(getattr(batch, "groups", ()))
 
-    def held(subset: int) -> list[int]:
+    def held_members(subset: int) -> list[int]:
         """The step's requests as positions in what is held (a pool's, or the batch's own)."""
         return batch.pool_members(members(subset, batch.size)) if pooled else members(subset, batch.size)
 
+    runs_per_request = max(sum(1 for m in order if m >> i & 1) for i in range(batch.size))
+    steps = runs_per_request + warm_up_steps + 4 * max_attempts
     if batch.phase in (SampledKind.MIXED_SHARING_DECODE, SampledKind.SHARED_PREFIX_DECODE, Phase.DECODE):
-        runs_per_request = max(sum(1 for m in order if m >> i & 1) for i in range(batch.size))
-        steps = runs_per_request + warm_up_steps + 4 * max_attempts
-        if batch.phase == SampledKind.MIXED_SHARING_DECODE:
-            handle = measurer.prepare_grouped_decode(contexts, shared_prefix, groups, max_decode_steps=steps)
-        elif batch.phase == SampledKind.SHARED_PREFIX_DECODE:
-            handle = measurer.prepare_shared_decode(contexts, _one_prefix(batch.index, shared_prefix), max_decode_steps=steps)
-        else:
-            handle = measurer.prepare_decode(contexts, max_decode_steps=steps)
+        def prepare():
+            if batch.phase == SampledKind.MIXED_SHARING_DECODE:
+                return measurer.prepare_grouped_decode(contexts, shared_prefix, groups, max_decode_steps=steps)
+            if batch.phase == SampledKind.SHARED_PREFIX_DECODE:
+                return measurer.prepare_shared_decode(contexts, _one_prefix(batch.index, shared_prefix), max_decode_steps=steps)
+            return measurer.prepare_decode(contexts, max_decode_steps=steps)
+
+        # a pool's batches share its held contexts; any other batch (a replicate batch too) is prepared for itself
+        handle = held.acquire(("pool", tuple(contexts), tuple(shared_prefix), tuple(groups)) if pooled else (batch.key,), prepare)
 
         def run(subset):
-            return measurer.decode_step(handle, held(subset))
+            return measurer.decode_step(handle, held_members(subset))
     elif batch.phase == SampledKind.MIXED:
-        runs_per_request = max(sum(1 for m in order if m >> i & 1) for i in range(batch.size))
-        handle = measurer.prepare_mixed(
-            batch.num_new_tokens[0], batch.num_context_tokens[0], list(batch.num_context_tokens[1:]),
-            max_decode_steps=runs_per_request + warm_up_steps + 4 * max_attempts,
-        )
+        handle = held.acquire(
+            (batch.key,),
+            lambda: measurer.prepare_mixed(batch.num_new_tokens[0], batch.num_context_tokens[0], list(batch.num_context_tokens[1:]),
+                                           max_decode_steps=steps))
+
         def run(subset):
             return measurer.mixed_step(handle, members(subset, batch.size))
     else:
+        held.release()  # a prefill batch's steps run with nothing held, as they always did
         handle = None
+
         def run(subset):
             return measurer.prefill_step([batch.num_new_tokens[i] for i in members(subset, batch.size)])
     timing["prepare_s"] = time.perf_counter() - begun
@@ -551,7 +603,7 @@ def _measure_batch_round(
         canary()
     finally:
         if handle is not None:
-            measurer.release(handle)
+            held.round_done()
     timing["round_wall_s"] = time.perf_counter() - begun
     timing["steps_s"] = sum(m.step_latency_s for m in taken)
     return taken, canaries, clean

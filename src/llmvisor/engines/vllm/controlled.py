@@ -11,8 +11,16 @@ subclasses it and only adds a filter on which running requests may be scheduled.
   them all and finishes them.
 - Decode steps: the batch's requests are first prefilled (once) to their chosen contexts, only the requests
   still in prefill being allowed to run, so none decodes early. Then any subset runs as a decode step of
-  its own by allowing only its requests; each run grows a member's context by one token. A held decode
-  batch stays held through prefill steps (e.g. the interference guard's canary, `canary_step`).
+  its own by allowing only its requests. A held decode batch stays held through prefill steps (e.g. the
+  interference guard's canary, `canary_step`).
+- Warm measuring (``warm=True``, the default): after each decode step every member is rewound to its prepared
+  context (`_rewind`: the step's sampled token dropped and ``num_computed_tokens`` set back, which the model
+  runner follows on the member's next step as it does when output tokens are discarded), so every step of a
+  batch reads exactly the planned contexts however many steps run, and the batch is prepared once for all its
+  batch-rounds. Own contexts are prefixes of per-session token sequences, one per batch position
+  (`_slot_prompt`), so preparing a batch finds whatever an earlier batch computed in the prefix cache and computes
+  only the rest. ``warm=False`` is the earlier method (each run grows a member's context by one token; fresh
+  prompts; the measuring loop prepares the batch again for every batch-round), kept to measure what warm gains.
 - Mixed steps (`prepare_mixed`, `mixed_step`): a prefill chunk over cached context co-batched with held
   decodes, the step chunked prefill makes. Each run of the chunk is a fresh request whose prompt starts with
   the batch's cached part: its first ``cached_tokens`` are computed in preparation steps of its own (the
@@ -206,6 +214,7 @@ class ControlledEngine:
         num_threads: int | None = None,
         seed: int = 0,
         run_id: str = "controlled",
+        warm: bool = True,
     ) -> None:
         config = Path(model_dir) / "config.json"
         if not config.is_file():
@@ -225,6 +234,9 @@ class ControlledEngine:
         self._decode_prompts: tuple[tuple, list[dict]] | None = None
         """The last decode batch's (contexts, shared prefix) and prompts: preparing it again reuses them."""
         self._held: set[str] = set()
+        self.warm = warm
+        self._slots: list[list[int]] = []
+        """Warm: per batch position, the token sequence whose prefixes are that position's own contexts."""
         self._trace_offset = 0
         self.llm = None
         self.engine = None
@@ -303,7 +315,21 @@ class ControlledEngine:
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "hardware": describe_hardware(),
             "step_timing": "RecordingScheduler: schedule() returned -> update_from_output() entered",
+            "decode_contexts": ("warm: held at the planned context (each decode step rewound), prepared once per batch, "
+                                "own contexts from the session's prefix-cached sequences") if self.warm else
+                               "cold: grow one token per run, fresh prompts, prepared again per batch-round",
         }
+
+    @property
+    def holds_contexts(self) -> bool:
+        """True when decode steps leave a held batch at its prepared contexts (one preparation serves every batch-round)."""
+        return self.warm
+
+    def new_session_prompts(self) -> None:
+        """Forget the per-position sequences (and the last batch's prompts): later batches draw fresh prompts, as
+        after an engine start (a benchmark starts each repeat from a cache that holds nothing of the previous one)."""
+        self._slots = []
+        self._decode_prompts = None
 
     def close(self) -> None:
         if self.llm is not None:
@@ -335,10 +361,24 @@ class ControlledEngine:
         prefix = prefix or []
         return {"prompt_token_ids": list(prefix[:length]) + self._token_ids(length - min(length, len(prefix)))}
 
+    def _slot_prompt(self, position: int, length: int) -> dict:
+        """Warm: an own context at batch position ``position``: the first ``length`` tokens of that position's session
+        sequence (random ids, grown as needed). Positions never share a block, so no two requests of a batch do; a later
+        batch's request at the same position finds the whole blocks an earlier one computed in the prefix cache."""
+        while len(self._slots) <= position:
+            self._slots.append([])
+        slot = self._slots[position]
+        if len(slot) < length:
+            slot += self._token_ids(length - len(slot))
+        return {"prompt_token_ids": slot[:length]}
+
     def _sampling(self, max_tokens: int):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
-        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, temperature=0.0)
+        # Warm: a held request runs thousands of steps; cumulative outputs would copy its growing token list every step.
+        kind = RequestOutputKind.DELTA if self.warm else RequestOutputKind.CUMULATIVE
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, temperature=0.0, output_kind=kind)
 
     def _check_lengths(self, lengths: list[int], *, what: str) -> None:
         limits = self.limits
@@ -487,11 +527,14 @@ class ControlledEngine:
         if self.engine.has_unfinished_requests():
             self._abort_all()
         self._held = set()
-        key = (tuple(context_lengths), shared_prefix_tokens)
-        if self._decode_prompts is None or self._decode_prompts[0] != key:
-            prefix = self._token_ids(shared_prefix_tokens)
-            self._decode_prompts = (key, [self._prompt(length, prefix) for length in context_lengths])
-        prompts = self._decode_prompts[1]
+        key = (self.warm, tuple(context_lengths), shared_prefix_tokens)
+        if self.warm and not shared_prefix_tokens:
+            prompts = [self._slot_prompt(k, length) for k, length in enumerate(context_lengths)]
+        else:
+            if self._decode_prompts is None or self._decode_prompts[0] != key:
+                prefix = self._token_ids(shared_prefix_tokens)
+                self._decode_prompts = (key, [self._prompt(length, prefix) for length in context_lengths])
+            prompts = self._decode_prompts[1]
         params = self._sampling(max_decode_steps + 1)
         waves = [list(range(len(context_lengths)))]
         if shared_prefix_tokens and len(context_lengths) > 1:
@@ -532,8 +575,33 @@ class ControlledEngine:
             raise LlmvisorError("a decode step needs at least one request")
         intended = batch.intended(members)
         steps = self._run_only(intended)
+        if self.warm:
+            self._rewind(batch, members)
         self._update_contexts(batch)
         return self._compare(intended, steps)
+
+    def _rewind(self, batch: DecodeBatch, members: list[int]) -> None:
+        """Set each member back to its prepared context after a decode step: drop the token(s) it sampled since and
+        set ``num_computed_tokens`` back. The KV written for the dropped position is written again, identically, by the
+        member's next step (same input token, same context); its block stays allocated to it. The model runner trims
+        its copy of the request's output tokens when the next step it runs in reports fewer of them (vLLM's own path
+        for discarded output tokens), so the next step runs the same position over the same context."""
+        requests = self.scheduler.requests
+        hashed = int(getattr(self.scheduler, "hash_block_size", None) or self.block_size)
+        for i in members:
+            request = requests.get(batch.request_ids[i])
+            if request is None:
+                continue
+            extra = request.num_computed_tokens - batch.nominal_context_tokens[i]
+            if extra <= 0:
+                continue
+            try:
+                request.num_computed_tokens -= extra
+                del request._output_token_ids[-extra:]
+                del request._all_token_ids[-extra:]
+                del request.block_hashes[request.num_tokens // hashed:]
+            except AttributeError as error:
+                raise LlmvisorError(f"this vLLM build's requests cannot be rewound ({error}); measure with warm=False") from None
 
     def _update_contexts(self, batch: DecodeBatch) -> None:
         requests = self.scheduler.requests
@@ -567,10 +635,11 @@ class ControlledEngine:
         if self.engine.has_unfinished_requests():
             self._abort_all()
         self._held = set()
-        key = (tuple(context_lengths), tuple(shared_prefix_tokens), tuple(prefix_groups))
+        key = (self.warm, tuple(context_lengths), tuple(shared_prefix_tokens), tuple(prefix_groups))
         if self._decode_prompts is None or self._decode_prompts[0] != key:
             prefixes = {g: self._token_ids(p) for g, p in sorted(prefix_of.items())}
-            self._decode_prompts = (key, [self._prompt(length, prefixes.get(g)) for length, g in zip(context_lengths, prefix_groups, strict=True)])
+            self._decode_prompts = (key, [self._slot_prompt(k, length) if self.warm and g < 0 else self._prompt(length, prefixes.get(g))
+                                          for k, (length, g) in enumerate(zip(context_lengths, prefix_groups, strict=True))])
         prompts = self._decode_prompts[1]
         params = self._sampling(max_decode_steps + 1)
         first: list[int] = []
@@ -646,6 +715,8 @@ class ControlledEngine:
             self._prefill_context(chunk_id, batch.cached_tokens)
             intended = {chunk_id: Slice(batch.chunk_tokens, batch.cached_tokens, True), **intended}
         steps = self._run_only(intended)
+        if self.warm:
+            self._rewind(batch.decodes, decodes)
         self._update_contexts(batch.decodes)
         self._abort_unheld()
         self._flush_finished()
