@@ -495,6 +495,13 @@ def test_validate_re_analyses_a_packed_journal_without_the_engine(tmp_path, monk
     with pytest.raises(LlmvisorError, match="other engine settings"):
         validate(output=output, model=model_path, workloads=workloads, batches=4, max_batch=3, threads=1)
 
+    # A journal measured the earlier (cold) way, as every shipped one was, is never extended by warm measuring: more
+    # batches are refused before the engine starts, and the journal is left as it was.
+    journal_bytes = plain.read_bytes()
+    with pytest.raises(LlmvisorError, match="measured cold .* this llmvisor measures warm"):
+        validate(output=output, model=model_path, workloads=workloads, batches=6, max_batch=3, n_bootstrap=20)
+    assert plain.read_bytes() == journal_bytes
+
 
 def test_shipped_validation_result_renders():
     """The result shipped with the package holds what the demo's report needs."""

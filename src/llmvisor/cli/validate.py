@@ -75,8 +75,9 @@ def parse_kinds(text: str) -> tuple[str, ...]:
 ENGINE_KEYS = ("engine_model_config", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "threads")
 
 
-def _check_journal_settings(journal_path: Path, engine_settings: dict) -> None:
-    """Refuse to mix measurements taken under different engine settings in one journal."""
+def _check_journal_settings(journal_path: Path, engine_settings: dict, measuring: str | None = None) -> None:
+    """Refuse to mix measurements taken under different engine settings, or by another measuring method (``measuring``:
+    the method about to extend the journal, None when nothing will be measured), in one journal."""
     if not journal_path.exists():
         return
     with open(journal_path, encoding="utf-8") as handle:
@@ -92,6 +93,16 @@ def _check_journal_settings(journal_path: Path, engine_settings: dict) -> None:
     if differing:
         details = ", ".join(f"{k}: journal {recorded.get(k)!r} vs now {engine_settings.get(k)!r}" for k in differing)
         raise LlmvisorError(f"{journal_path}: measured under other engine settings ({details}); use the same settings or another --output")
+    if measuring and header.get("measuring", COLD_MEASURING) != measuring:
+        raise LlmvisorError(
+            f"{journal_path}: measured {header.get('measuring', COLD_MEASURING)} (decode contexts grown and prepared again per "
+            f"batch-round), and this llmvisor measures {measuring}; the two differ by more than noise in decode steps (docs/validation.md, "
+            "'Measuring speed'), so they are not mixed in one journal: re-analyse it with --no-measure, or measure into another --output")
+
+
+WARM_MEASURING, COLD_MEASURING = "warm", "cold"
+"""A journal's measuring method (its header's ``measuring``): warm (``ControlledEngine(warm=True)``, what `validate`
+measures with) or cold, the earlier method; a journal without the key (every one shipped before warm measuring) is cold."""
 
 
 RESUMED_OPTIONS = {
@@ -305,11 +316,13 @@ def validate(
     _check_journal_settings(journal_path, engine_settings)
     journal = Journal(journal_path)
     if not journal_path.exists():
-        journal.write_header({"engine_settings": engine_settings, "seed": seed})
+        journal.write_header({"engine_settings": engine_settings, "seed": seed, "measuring": WARM_MEASURING})
     todo = missing_measurements(specs, journal, repeat)
     n_missing_exact = sum(len(masks) for masks in todo.values())
     n_missing_sampled = missing_sampled_steps([*sampled_specs, *tenant_specs], journal, sampled_repeat)
     n_missing = n_missing_exact + n_missing_sampled
+    if n_missing and measure_missing:
+        _check_journal_settings(journal_path, engine_settings, WARM_MEASURING)
     budget_s = sampled_run_budget_s(sampled_specs, model_step_s(latency_model), repeat=sampled_repeat) if sampled_specs else 0.0
     preparation_s = sampled_preparation_s(sampled_specs, latency_model) if sampled_specs else 0.0
     if sampled_specs:
