@@ -120,13 +120,14 @@ def test_a_windows_json_and_digest_are_what_asdict_gave(model, steps, window_s, 
     windows = aggregate(None if pending else model, relayed, window_s)
     read_back = [WindowAggregate.from_json(json.loads(json.dumps(w.to_json()))) for w in windows]
     for w in [*windows, *read_back]:
-        # these steps carry no KV figures: format 1, whose fields are the dataclass's before format 2 added `kv`
-        # and the requests' `kv_block_ns`; asdict less those is what a window of an older edge was
+        # these steps carry no KV figures and no adapters: format 1, whose fields are the dataclass's before format 2
+        # added `kv` and the requests' `kv_block_ns` and format 3 their `lora_name`; asdict less those is what a window
+        # of an older edge was
         assert w.format == 1 and w.kv is None
         before = dataclasses.asdict(w)
         del before["kv"]
         for request in before["requests"]:
-            del request["kv_block_ns"]
+            del request["kv_block_ns"], request["lora_name"]
         assert json.dumps(w.to_json()) == json.dumps(before)  # same keys, order and values
         assert w.canonical_bytes() == json.dumps(before, sort_keys=True, separators=(",", ":")).encode()
         assert list(w.to_json()) == [f.name for f in dataclasses.fields(w) if f.name != "kv"]

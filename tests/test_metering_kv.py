@@ -106,7 +106,8 @@ def kv_window(model):
     (lambda w: w.pop("kv"), "window.kv"),
     (lambda w: w["kv"].update(block_bytes=0), "window.kv.block_bytes"),
     (lambda w: w.update(format=1), "window.requests[0]: unknown"),
-    (lambda w: w.update(format=3), "window.format: unknown window format 3; this llmvisor reads 1, 2"),
+    (lambda w: w.update(format=3), "window.requests[0].lora_name: missing"),
+    (lambda w: w.update(format=4), "window.format: unknown window format 4; this llmvisor reads 1, 2, 3"),
 ])
 def test_a_wrong_kv_window_is_refused_naming_the_field(model, change, message):
     data = kv_window(model)
