@@ -14,6 +14,7 @@ order), until ``--budget-s`` or ``--rounds``. `llmvisor.validation.lora.compare_
 says how); the result, with settings, subset means, noise and the machine's load average, goes to a JSON figure file.
 
     python scripts/measure-lora-shapley.py [-o docs/results/lora-shapley.json] [--budget-s 480] [--rounds 200]
+    python scripts/measure-lora-shapley.py --reprice    # no engine: the model-derived rule_shares_s again
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from llmvisor.core.model import StepLatencyModel
 from llmvisor.engines.vllm.controlled import ControlledEngine, LoraAdapter
 from llmvisor.profile.adapters import write_adapters
 from llmvisor.validation.game import members
-from llmvisor.validation.lora import compare_rules, noise_floor, rule_differences
+from llmvisor.validation.lora import compare_rules, noise_floor, rule_differences, step_shares
 
 REPO = Path(__file__).resolve().parent.parent
 SUBJECTS = [0, 1, 2]
@@ -49,6 +50,18 @@ def measure_lora_module():
 
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def fitted_model(model_json: str) -> tuple[StepLatencyModel, dict]:
+    """The LoRA-aware model of a measure-lora.py figure file (its ``coef_s``), and the file."""
+    fitted = json.loads(Path(model_json).read_text(encoding="utf-8"))
+    return StepLatencyModel.from_coefficients([{k: v[0] for k, v in fitted["coef_s"].items()}], fitted.get("boundary_new_tokens")), fitted
+
+
+def rule_shares(model: StepLatencyModel, games: dict) -> dict:
+    """Each rule's share (seconds) of each request of each game's whole batch, from the fitted model."""
+    return {g: {rule: step_shares(model, contexts=spec["contexts"], names=spec["names"], ranks=spec["ranks"], rule=rule).tolist()
+                for rule in ("stated", "wrong")} for g, spec in games.items()}
 
 
 def ms(value_s: float) -> str:
@@ -78,6 +91,10 @@ def doc_sentences(result: dict) -> list[str]:
         f"{ms(check['phi_control_s'][4])}",
         f"a step of the rank-{adapters[0]['rank']} adapter request alone ran {ms(mixed[8])} against {ms(control[8])} for its "
         f"base-model stand-in alone; with the three subjects added, {ms(mixed[15])} against {ms(control[15])}",
+        *(f"the {rule} rule gives the whole mixed batch's subjects {', '.join(ms(v) for v in result['rule_shares_s']['mixed'][rule][:3])} "
+          f"and its adapter requests {', '.join(ms(v) for v in result['rule_shares_s']['mixed'][rule][3:])}"
+          for rule in ("stated", "wrong")),
+        f"against measured subjects' {', '.join(ms(v) for v in check['phi_mixed_s'][:3])}",
         f"repeats of one subset differ by {100 * floor['mixed']['rel_sd_p50']:.0f}% (mixed) and "
         f"{100 * floor['control']['rel_sd_p50']:.0f}% (control) relative standard deviation at the median",
         f"load average up to {result['machine']['load_average_peak']:g} on {result['machine']['cores']} cores",
@@ -95,10 +112,17 @@ def main() -> None:
                         help="subjects' three contexts, then the two adapter requests' (the stand-ins' too)")
     parser.add_argument("--ranks", default="8,64", help="the two adapters' ranks")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reprice", action="store_true",
+                        help="no engine: recompute the model-derived rule_shares_s of the existing --output from --model-json")
     args = parser.parse_args()
     started = time.time()
-    fitted = json.loads(Path(args.model_json).read_text(encoding="utf-8"))
-    model = StepLatencyModel.from_coefficients([{k: v[0] for k, v in fitted["coef_s"].items()}], fitted.get("boundary_new_tokens"))
+    model, fitted = fitted_model(args.model_json)
+    if args.reprice:
+        result = json.loads(Path(args.output).read_text(encoding="utf-8"))
+        result["rule_shares_s"] = rule_shares(model, result["games"])
+        result["repriced"] = "rule_shares_s recomputed (no engine) by: python scripts/measure-lora-shapley.py --reprice"
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        return
     contexts = [int(x) for x in args.contexts.split(",")]
     ranks = [int(x) for x in args.ranks.split(",")]
     if len(contexts) != 5 or len(ranks) != 2:
@@ -178,6 +202,7 @@ def main() -> None:
         "design": ("one held decode batch (warm: every member rewound to its context after each step); each round runs every "
                    "nonempty subset of the mixed and the control game once as one decode step, in random order; "
                    "subset cost = mean over rounds; exact Shapley of the means"),
+        "rule_shares_s": rule_shares(model, game_specs),
         "subset_mean_s": {"mixed": np.nanmean(mixed_s, axis=0).tolist(), "control": np.nanmean(control_s, axis=0).tolist()},
         "n_steps_measured": int(np.isfinite(mixed_s[:, 1:]).sum() + np.isfinite(control_s[:, 1:]).sum()),
         "n_steps_redone": mismatched,

@@ -13,7 +13,7 @@ import numpy as np
 
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.validation.game import exact_shapley
-from llmvisor.validation.lora import AGREES, FLAGGED, UNDECIDABLE, rule_differences
+from llmvisor.validation.lora import AGREES, FLAGGED, UNDECIDABLE, rule_differences, step_shares
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,6 +46,10 @@ def test_the_json_is_a_mixed_adapter_measurement_and_its_verdicts_follow_from_it
     strip = ("players",)
     predicted = rule_differences(model, subjects, {k: v for k, v in mixed.items() if k not in strip},
                                  {k: v for k, v in control.items() if k not in strip})
+    for game, spec in (("mixed", mixed), ("control", control)):  # each rule's shares of the whole batch
+        for rule in ("stated", "wrong"):
+            expected = step_shares(model, contexts=spec["contexts"], names=spec["names"], ranks=spec["ranks"], rule=rule)
+            assert np.allclose(result["rule_shares_s"][game][rule], expected, rtol=1e-12)
     lo, hi = check["D_ci95_s"]
     inside = {}
     for rule in ("stated", "wrong"):
