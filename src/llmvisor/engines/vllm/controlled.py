@@ -36,6 +36,11 @@ subclasses it and only adds a filter on which running requests may be scheduled.
   hits the cache by accident; if it did, the recorded context (and shared-KV columns) would differ from the
   intended ones and the step would not match. Async scheduling stays off: each controlled step must be one engine step,
   scheduled only after the previous one's output was processed.
+- LoRA decode batches (``ControlledEngine(..., max_loras=k)``, ``prepare_decode(..., adapters=[...])``): each member
+  runs the adapter given for it (a `LoraAdapter`, None: the base model). ``max_loras`` slots must hold every adapter
+  of a batch, so all are loaded into their slots while the batch is prepared and none inside a measured step: a
+  measured step whose recorder row shows a slot load does not match (the slot-load term is not what such steps
+  measure). The recorded adapter of each slice must be the intended one.
 - Finished requests are retired by an empty, unrecorded step, so that cleanup is not timed inside the next
   controlled step.
 
@@ -54,11 +59,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmvisor.core.lora_trace import decode_adapters
 from llmvisor.engines.vllm import settings as recorder_settings
 from llmvisor.engines.vllm.driver import freeze_startup_objects
 from llmvisor.errors import LlmvisorError
 
 DEFAULT_KV_CACHE_GIB = 2
+LOADS_KEY = "\0lora-loads"
+"""Not a request id: the entry `_read_new_steps` adds to a step whose recorder row shows LoRA slot loads."""
 DEFAULT_MAX_NUM_SEQS = 16
 
 
@@ -71,10 +79,13 @@ class Slice:
     is_prefill: bool
     num_shared_context_tokens: int = 0
     """Context tokens in KV blocks another slice of the step reads too (the trace's shared-KV column)."""
+    lora_name: str = ""
+    """The LoRA adapter the slice ran (the trace's ``lora_name``; empty: the base model)."""
 
     def as_dict(self) -> dict:
         return {"num_new_tokens": self.num_new_tokens, "num_context_tokens": self.num_context_tokens, "is_prefill": self.is_prefill,
-                "num_shared_context_tokens": self.num_shared_context_tokens}
+                "num_shared_context_tokens": self.num_shared_context_tokens,
+                **({"lora_name": self.lora_name} if self.lora_name else {})}
 
 
 @dataclass
@@ -149,6 +160,14 @@ def scheduler_class():
 _SCHEDULER_CLASS = None
 
 
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A LoRA adapter a decode batch member runs: its name (vLLM's ``lora_name``) and folder (``lora_path``)."""
+
+    name: str
+    path: str
+
+
 @dataclass
 class DecodeBatch:
     """Requests prefilled to chosen contexts, held in the engine for decode steps of any subset."""
@@ -162,6 +181,8 @@ class DecodeBatch:
     blocks of the common prefix; 0 for a request of its own): what a step of two or more of them records."""
     prefix_groups: list[int] = field(default_factory=list)
     """Per request, its prefix group (−1: own context); empty: one group of every request with shared blocks."""
+    lora_names: list[str] = field(default_factory=list)
+    """Per request, the LoRA adapter it runs (empty: the base model); an empty list: every request the base model."""
 
     def intended(self, members: list[int]) -> dict[str, Slice]:
         """Each member's decode slice in a step of ``members``: its shared blocks count only when another
@@ -172,8 +193,10 @@ class DecodeBatch:
         for i in members:
             if shared[i] > 0 and groups[i] >= 0:
                 readers[groups[i]] = readers.get(groups[i], 0) + 1
+        names = self.lora_names or [""] * len(self.request_ids)
         return {self.request_ids[i]: Slice(1, self.context_tokens[i], False,
-                                           shared[i] if readers.get(groups[i], 0) >= 2 and groups[i] >= 0 else 0) for i in members}
+                                           shared[i] if readers.get(groups[i], 0) >= 2 and groups[i] >= 0 else 0, names[i])
+                for i in members}
 
 
 @dataclass
@@ -215,7 +238,11 @@ class ControlledEngine:
         seed: int = 0,
         run_id: str = "controlled",
         warm: bool = True,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ) -> None:
+        """``max_loras`` > 0 starts the engine with LoRA (``enable_lora``, that many slots, ``max_cpu_loras`` the same,
+        adapters up to ``max_lora_rank``) for decode batches whose members run adapters."""
         config = Path(model_dir) / "config.json"
         if not config.is_file():
             raise LlmvisorError(f"{model_dir}: no config.json (need a Hugging Face model folder or a bare config.json)")
@@ -235,6 +262,11 @@ class ControlledEngine:
         """The last decode batch's (contexts, shared prefix) and prompts: preparing it again reuses them."""
         self._held: set[str] = set()
         self.warm = warm
+        if max_loras < 0 or (max_loras and max_lora_rank < 1):
+            raise LlmvisorError(f"max_loras {max_loras}, max_lora_rank {max_lora_rank}: need max_loras >= 0 and a rank >= 1")
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self._lora_ids: dict[str, int] = {}
         self._slots: list[list[int]] = []
         """Warm: per batch position, the token sequence whose prefixes are that position's own contexts."""
         self._trace_offset = 0
@@ -270,6 +302,8 @@ class ControlledEngine:
 
         self.vllm_version = vllm.__version__
         kwargs = {k: v for k, v in self._requested.items() if v is not None}
+        if self.max_loras:
+            kwargs.update(enable_lora=True, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_loras)
         self.llm = LLM(
             model=self.model_dir,
             load_format="dummy",
@@ -314,6 +348,8 @@ class ControlledEngine:
             "torch_threads": self.threads,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "hardware": describe_hardware(),
+            **({"enable_lora": True, "max_loras": self.max_loras, "max_cpu_loras": self.max_loras,
+                "max_lora_rank": self.max_lora_rank} if self.max_loras else {}),
             "step_timing": "RecordingScheduler: schedule() returned -> update_from_output() entered",
             "decode_contexts": ("warm: held at the planned context (each decode step rewound), prepared once per batch, "
                                 "own contexts from the session's prefix-cached sequences") if self.warm else
@@ -404,8 +440,11 @@ class ControlledEngine:
             row = json.loads(line)
             latency, slices = steps.setdefault(int(row["step_id"]), (float(row["step_latency_s"]), {}))
             slices[row["request_id"]] = Slice(
-                int(row["num_new_tokens"]), int(row["num_context_tokens"]), row["phase"] == "prefill", int(row.get("num_shared_context_tokens") or 0)
+                int(row["num_new_tokens"]), int(row["num_context_tokens"]), row["phase"] == "prefill", int(row.get("num_shared_context_tokens") or 0),
+                str(row.get("lora_name") or ""),
             )
+            if decode_adapters(row.get("step_lora_loads")):
+                slices[LOADS_KEY] = Slice(0, 0, False, lora_name=",".join(sorted(decode_adapters(row["step_lora_loads"]))))
         return [steps[k] for k in sorted(steps)]
 
     def _step(self) -> None:
@@ -417,8 +456,12 @@ class ControlledEngine:
         if not steps:
             return MeasuredStep(float("nan"), [intended[r] for r in order], [], 0, "no step ran")
         latency, recorded = steps[0]
+        recorded = dict(recorded)
+        loads = recorded.pop(LOADS_KEY, None)
         reason = ""
-        if len(steps) != 1:
+        if loads is not None:
+            reason = f"LoRA adapter(s) {loads.lora_name} were loaded into a slot inside the step"
+        elif len(steps) != 1:
             reason = f"the batch ran as {len(steps)} steps"
         elif set(recorded) != set(intended):
             reason = f"step ran {sorted(recorded)} instead of {sorted(intended)}"
@@ -504,7 +547,8 @@ class ControlledEngine:
         """A fixed reference step (a 128-token prefill), repeated between controlled steps to detect interference."""
         return self.prefill_step([min(128, self.limits.max_num_batched_tokens, self.limits.max_model_len - 1)])
 
-    def prepare_decode(self, context_lengths: list[int], *, max_decode_steps: int, shared_prefix_tokens: int = 0) -> DecodeBatch:
+    def prepare_decode(self, context_lengths: list[int], *, max_decode_steps: int, shared_prefix_tokens: int = 0,
+                       adapters: list[LoraAdapter | None] | None = None) -> DecodeBatch:
         """Prefill one request per context length, each to exactly that context, for decode steps.
 
         Only requests still in prefill may run while preparing, so none decodes (and grows) early.
@@ -514,7 +558,10 @@ class ControlledEngine:
         one batch never share a block unless asked to.
         With ``shared_prefix_tokens`` p > 0 the prompts share their first p tokens: the first request is
         prefilled alone, the others then find its whole blocks of the prefix in the prefix cache.
+        ``adapters``: per request, the LoRA adapter it runs (None: the base model); needs an engine started with
+        ``max_loras`` of at least the batch's distinct adapters, so all stay in their slots through its steps.
         """
+        lora_requests = self._lora_requests(adapters, len(context_lengths))
         self._check_lengths(context_lengths, what="decode batch")
         too_long = [c for c in context_lengths if c + max_decode_steps + 1 > self.limits.max_model_len]
         if too_long:
@@ -541,7 +588,7 @@ class ControlledEngine:
             waves = [waves[0][:1], waves[0][1:]]
         ids = []
         for wave in waves:
-            added = [self.engine.add_request(self._new_id("d"), prompts[i], params) for i in wave]
+            added = [self.engine.add_request(self._new_id("d"), prompts[i], params, lora_request=lora_requests[i]) for i in wave]
             self._prefill(added, max(context_lengths[i] for i in wave))
             ids += added
         self.scheduler.allowed_request_ids = set()
@@ -552,7 +599,23 @@ class ControlledEngine:
         if actual != list(context_lengths):
             raise LlmvisorError(f"decode batch prefilled to contexts {actual} instead of {list(context_lengths)}")
         whole_blocks = shared_prefix_tokens // self.block_size * self.block_size if len(ids) > 1 else 0
-        return DecodeBatch(ids, list(actual), list(context_lengths), [whole_blocks if shared_prefix_tokens else 0] * len(ids))
+        return DecodeBatch(ids, list(actual), list(context_lengths), [whole_blocks if shared_prefix_tokens else 0] * len(ids),
+                           lora_names=[r.lora_name if r else "" for r in lora_requests] if adapters else [])
+
+    def _lora_requests(self, adapters: list[LoraAdapter | None] | None, n: int) -> list:
+        """vLLM ``LoRARequest`` per request (None: the base model), one integer id per adapter name for the session."""
+        if not adapters:
+            return [None] * n
+        if len(adapters) != n:
+            raise LlmvisorError(f"decode batch: {len(adapters)} adapters for {n} requests (one per request, None: base model)")
+        distinct = {a.name for a in adapters if a is not None}
+        if len(distinct) > self.max_loras:
+            raise LlmvisorError(f"decode batch runs {len(distinct)} LoRA adapters; the engine has max_loras {self.max_loras} "
+                                "(start it with max_loras of at least the batch's adapters, so none is loaded inside a step)")
+        from vllm.lora.request import LoRARequest
+
+        return [None if a is None else LoRARequest(a.name, self._lora_ids.setdefault(a.name, len(self._lora_ids) + 1), a.path)
+                for a in adapters]
 
     def _prefill(self, ids: list[str], longest: int) -> None:
         """Run steps of only the still-prefilling ``ids`` until every one has computed its whole prompt."""
