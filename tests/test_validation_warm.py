@@ -38,7 +38,7 @@ def _measure(tmp_path, warm: bool):
     batches = _batches()
     with ControlledEngine(model_dir, max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=8, kv_cache_gib=1,
                           trace_path=trace, warm=warm) as engine:
-        counts = measure_sampled(engine, batches, journal, repeat=1, guard=InterferenceGuard(tolerance=10.0, calibration=3))
+        counts = measure_sampled(engine, batches, journal, repeat=1, guard=InterferenceGuard(tolerance=10.0, calibration=3, max_redos=0, max_wait_s=0.0))
         # A later batch at the same positions: the whole blocks the first batch computed are found in the prefix cache.
         before = len(_steps(trace))
         later = (300, 200, 140, 260, 129, 64)
