@@ -46,7 +46,8 @@ REPO = Path(__file__).resolve().parent.parent
 QUARTER_SHAPE = {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2, "num_attention_heads": 4,
                  "num_key_value_heads": 2, "head_dim": 64, "torch_dtype": "float32"}
 """``--engine-shape quarter`` (the default): the shipped engine model (8 layers, 1024 wide, bf16) at a quarter of its
-width, 2 layers, in float32, as the test suite's engine. Chosen by measuring on the shared 2-core machine: the shipped
+width, 2 layers, as the test suite's engine (its config says float32; vLLM casts that to bf16 on x86 CPUs unless
+``--dtype float32`` is given, so it runs in bf16: the JSON's ``engine.dtype``). Chosen by measuring on the shared 2-core machine: the shipped
 shape's LoRA profile ran about a minute per episode (14 minutes estimated for one run of 12 episodes, at a load average
 of 10 to 18), too slow for several runs in 15 minutes; the tests' tiny Llama (2 layers, 128 wide) ran fast but its
 steps of a few milliseconds are mostly Python overhead and scheduling jitter; this shape, one engine thread, runs a
@@ -232,7 +233,7 @@ def main() -> None:
                 "adapter-blind model (same features and rules without the LoRA terms) vs token count, split by run",
         "engine": {
             "shape": args.engine_shape,
-            "shape_note": ("the shipped engine model at a quarter of its width, 2 layers, float32 (dummy weights)"
+            "shape_note": ("the shipped engine model at a quarter of its width, 2 layers (config float32, run in engine.dtype; dummy weights)"
                            if args.engine_shape == "quarter" else "the shipped engine model (8 layers, 1024 wide, bf16, dummy weights)"),
             "engine_version": engine.get("engine_version"),
             "dtype": engine.get("dtype"),

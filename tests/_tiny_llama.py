@@ -38,10 +38,12 @@ SUITE_ENGINE_CONFIG = {
     "torch_dtype": "float32",
 }
 """What the suite serves where a command or doc would serve the shipped engine model (an 8-layer, 1024-wide bf16
-Llama): its shape's vocabulary and context length, 2 layers of a quarter the width, in float32. On a CPU without
-AVX-512 torch emulates bf16 matrix products (a 512x1024 @ 1024x2816 product measured 5.8 s in bf16 against 0.07 s in
-float32), and the shipped shape's journeys took over half an hour each there instead of minutes; this one runs in
-minutes on either kind of CPU. Nothing the tests check depends on the engine's size."""
+Llama): its shape's vocabulary and context length, 2 layers of a quarter the width. Its config says float32, but vLLM
+casts a float32 config to the platform's preferred dtype unless ``--dtype float32`` is given (bfloat16 on x86 CPUs:
+``vllm.config.model._resolve_auto_dtype``), so it runs in bf16 like the shipped model, as its fingerprint records. On
+a CPU without AVX-512 torch emulates bf16 matrix products (a 512x1024 @ 1024x2816 product measured 5.8 s in bf16
+against 0.07 s in float32) and the shipped shape's journeys took over half an hour each there; this shape does far less
+work per step (a quarter of the layers, a quarter of the width). Nothing the tests check depends on the engine's size."""
 
 
 def write_suite_engine(folder: Path) -> Path:
