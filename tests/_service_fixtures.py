@@ -89,6 +89,15 @@ def ledger(db_url):
 
 
 @pytest.fixture
+def admin(db_url):
+    """An admin key of the test's ledger, made before the service under test opens it."""
+    ledger = Ledger(db_url)
+    key = ledger.create_key(is_admin=True)
+    ledger.close()
+    return key
+
+
+@pytest.fixture
 def keys(ledger):
     return {
         "admin": ledger.create_key(is_admin=True),

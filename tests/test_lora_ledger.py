@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
 from _lora_runs import adapter_of_slices, as_rows, header_of, lora_model, relayed_lora_run
-from _service_fixtures import T0_S, bearer, db_url, model_path  # noqa: F401
+from _service_fixtures import T0_S, admin, bearer, db_url, model_path  # noqa: F401
 from llmvisor.client.push import columns_body
 from llmvisor.core.relayed import step_rows
 from llmvisor.core.trace import trace_from_rows
@@ -24,13 +23,6 @@ from llmvisor.service.ingest import prepare_batch
 
 CLASS_L = "1a1a1a1a1a1a1a1a"
 
-
-@pytest.fixture
-def admin(db_url):
-    ledger = Ledger(db_url)
-    key = ledger.create_key(is_admin=True)
-    ledger.close()
-    return key
 
 
 def activate(client, admin, model) -> int:

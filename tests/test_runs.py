@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import inspect, select, text
 
 from _relay_engine import relay_header, relay_step
-from _service_fixtures import bearer, class_model, db_url, make_steps, model_path  # noqa: F401
+from _service_fixtures import admin, bearer, class_model, db_url, make_steps, model_path  # noqa: F401
 from llmvisor.client import StepDelivery
 from llmvisor.ledger import Ledger
 from llmvisor.ledger.schema import SCHEMA_8_TABLES, SCHEMA_VERSION, ledger_info
@@ -25,14 +25,6 @@ from llmvisor.service.process import free_loopback_port
 from test_delivery_loss import fast_pusher, unwritable_directory
 from test_service_client import ThreadServer
 from test_windows_service import CLASS_W, steps_of, windows_of
-
-
-@pytest.fixture
-def admin(db_url):  # noqa: F811
-    ledger = Ledger(db_url)
-    key = ledger.create_key(is_admin=True)
-    ledger.close()
-    return key
 
 
 @pytest.fixture

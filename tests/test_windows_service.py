@@ -8,7 +8,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from _service_fixtures import T0_S, bearer, class_model, db_url, make_steps, model_path  # noqa: F401
+from _service_fixtures import T0_S, admin, bearer, class_model, db_url, make_steps, model_path  # noqa: F401
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.ledger import Ledger
 from llmvisor.metering import WindowAggregator
@@ -16,13 +16,6 @@ from llmvisor.service.app import create_app
 
 CLASS_W = "cccccccccccccccc"
 
-
-@pytest.fixture
-def admin(db_url):
-    ledger = Ledger(db_url)
-    key = ledger.create_key(is_admin=True)
-    ledger.close()
-    return key
 
 
 @pytest.fixture
