@@ -75,11 +75,10 @@ def parse_kinds(text: str) -> tuple[str, ...]:
 ENGINE_KEYS = ("engine_model_config", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "threads")
 
 
-def _check_journal_settings(journal_path: Path, engine_settings: dict, measuring: str | None = None) -> None:
-    """Refuse to mix measurements taken under different engine settings, or by another measuring method (``measuring``:
-    the method about to extend the journal, None when nothing will be measured), in one journal."""
+def _journal_header(journal_path: Path) -> dict | None:
+    """A journal's first line, what it was measured under; None when there is no journal yet."""
     if not journal_path.exists():
-        return
+        return None
     with open(journal_path, encoding="utf-8") as handle:
         first = handle.readline()
     try:
@@ -88,14 +87,28 @@ def _check_journal_settings(journal_path: Path, engine_settings: dict, measuring
         header = {}
     if header.get("type") != "header":
         raise LlmvisorError(f"{journal_path}: not a validation journal (no header line); choose another --output")
+    return header
+
+
+def _check_journal_settings(journal_path: Path, header: dict | None, engine_settings: dict) -> None:
+    """Refuse to mix measurements taken under different engine settings in one journal."""
+    if header is None:
+        return
     recorded = header.get("engine_settings", {})
     differing = [k for k in ENGINE_KEYS if recorded.get(k) != engine_settings.get(k)]
     if differing:
         details = ", ".join(f"{k}: journal {recorded.get(k)!r} vs now {engine_settings.get(k)!r}" for k in differing)
         raise LlmvisorError(f"{journal_path}: measured under other engine settings ({details}); use the same settings or another --output")
-    if measuring and header.get("measuring", COLD_MEASURING) != measuring:
+
+
+def _check_journal_method(journal_path: Path, header: dict | None, measuring: str) -> None:
+    """Refuse to extend a journal measured by another method than ``measuring`` (the one about to add to it)."""
+    if header is None:
+        return
+    recorded = header.get("measuring", COLD_MEASURING)
+    if recorded != measuring:
         raise LlmvisorError(
-            f"{journal_path}: measured {header.get('measuring', COLD_MEASURING)} (decode contexts grown and prepared again per "
+            f"{journal_path}: measured {recorded} (decode contexts grown and prepared again per "
             f"batch-round), and this llmvisor measures {measuring}; the two differ by more than noise in decode steps (docs/validation.md, "
             "'Measuring speed'), so they are not mixed in one journal: re-analyse it with --no-measure, or measure into another --output")
 
@@ -313,16 +326,17 @@ def validate(
         # A shipped result carries its journal compressed: unpack it, so this run re-analyses (or extends) it.
         with gzip.open(packed, "rb") as source, open(journal_path, "wb") as target:
             shutil.copyfileobj(source, target)
-    _check_journal_settings(journal_path, engine_settings)
+    header = _journal_header(journal_path)
+    _check_journal_settings(journal_path, header, engine_settings)
     journal = Journal(journal_path)
-    if not journal_path.exists():
+    if header is None:
         journal.write_header({"engine_settings": engine_settings, "seed": seed, "measuring": WARM_MEASURING})
     todo = missing_measurements(specs, journal, repeat)
     n_missing_exact = sum(len(masks) for masks in todo.values())
     n_missing_sampled = missing_sampled_steps([*sampled_specs, *tenant_specs], journal, sampled_repeat)
     n_missing = n_missing_exact + n_missing_sampled
     if n_missing and measure_missing:
-        _check_journal_settings(journal_path, engine_settings, WARM_MEASURING)
+        _check_journal_method(journal_path, header, WARM_MEASURING)
     budget_s = sampled_run_budget_s(sampled_specs, model_step_s(latency_model), repeat=sampled_repeat) if sampled_specs else 0.0
     preparation_s = sampled_preparation_s(sampled_specs, latency_model) if sampled_specs else 0.0
     if sampled_specs:
