@@ -90,15 +90,16 @@ class Clients:
                         self.server.completed[tenant] = (prompt_len, record["completion_tokens"])
 
     def wait_mid_answer(self, timeout_s: float) -> None:
-        """Until some request has been answered in full and vLLM's own gauge (``vllm:num_requests_running`` on the
-        server's /metrics) counts at least two requests the scheduler has taken on, each with a step run: a signal
-        sent now finds the engine running one. (Time in flight alone says nothing on a loaded machine: a request
-        can wait seconds in the API server before its first step.)"""
+        """Until some request has been answered in full, vLLM's own gauge (``vllm:num_requests_running`` on the
+        server's /metrics) counts at least two requests the scheduler has taken on, and a request still unanswered
+        has a step in the trace: a signal sent now finds the engine running one. (Time in flight alone says nothing
+        on a loaded machine: a request can wait seconds in the API server before its first step; nor does the gauge
+        alone: it is as old as the last stats the engine sent, and the requests it counted may have ended since.)"""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self.server._lock:
                 answered = bool(self.server.completed)
-            if answered:
+            if answered and self.unanswered_in_trace():
                 try:
                     metrics = httpx.get(f"{self.server.base}/metrics", timeout=10).text
                 except httpx.HTTPError:
@@ -108,7 +109,15 @@ class Clients:
                 if running and sum(running) >= 2:
                     return
             time.sleep(0.05)
-        pytest.fail(f"no request answered in full with two others running within {timeout_s:.0f} s")
+        pytest.fail(f"no request answered in full with two others running, one of them in the trace, within {timeout_s:.0f} s")
+
+    def unanswered_in_trace(self) -> bool:
+        """Whether a request not yet answered has run a step: its tenant is in the trace written so far."""
+        with self.lock:
+            unanswered = [r["tenant"] for r in self.records if r["end_s"] is None]
+        path = self.server.folder / "trace.jsonl"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return any(f'"{tenant}"' in text for tenant in unanswered)
 
     def in_flight(self, at_s: float) -> list[dict]:
         with self.lock:
@@ -130,7 +139,9 @@ def gone(pid: int) -> bool:
 @pytest.mark.parametrize("shutdown_timeout_s", [0, 20])
 def test_sigint_with_requests_in_flight_ends_within_the_stated_time_and_bills_every_step(service, tmp_path, monkeypatch, shutdown_timeout_s):
     monkeypatch.setenv("LLMVISOR_HTTP_SHUTDOWN_GRACE_S", str(DEFAULT_HTTP_SHUTDOWN_GRACE_S))
-    server = ApiServer(service, tmp_path, "stop", extra_args=("--shutdown-timeout", str(shutdown_timeout_s)), entry_point=LAUNCHER)
+    # Steps reach the trace file within 0.1 s (not the default 1 s), so the wait below sees a request mid-answer.
+    server = ApiServer(service, tmp_path, "stop", extra_args=("--shutdown-timeout", str(shutdown_timeout_s)), entry_point=LAUNCHER,
+                       extra_env={"LLMVISOR_FLUSH_INTERVAL_S": "0.1"})  # fmt: skip
     clients = None
     try:
         engine_pid = server.engine_pid()
@@ -163,7 +174,7 @@ def test_sigint_with_requests_in_flight_ends_within_the_stated_time_and_bills_ev
         assert f"mode=drain timeout={shutdown_timeout_s}s" in log
         ran = set(read_trace(tmp_path / "trace.jsonl").tenant.tolist())
         started = [r for r in in_flight if r["tenant"] in ran]
-        assert started, f"no request in flight at SIGINT had run a step: {in_flight}"
+        assert started, f"no request in flight at SIGINT had run a step: {in_flight}\n{log[-4000:]}"
         assert all(r["status"] == 200 and r["completion_tokens"] == r["max_tokens"] for r in started), started
         # One the engine never ran got no tokens: refused, or answered 200 with finish_reason "abort" and nothing in it
         # (vLLM answers a request aborted before its first step that way). Tokens without a step would be unbilled.
