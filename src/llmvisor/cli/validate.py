@@ -555,11 +555,10 @@ def print_summary(console, result: dict) -> None:
     summary = result["summary"]
     tenants = summary.get("tenants")
     if tenants and tenants.get("by_size"):
-        for size, block in tenants["by_size"].items():
-            err = block["relative_error"]["shapley"]
-            console.print(f"tenants, {size} requests ({block['n_tenants']} tenants of {block['n_batches']} batches): a tenant's bill is "
-                          f"within {100 * err['p90']:.1f}% of its measured Shapley value (p90), median 95% half-width "
-                          f"{100 * block['halfwidth_over_share']['p50']:.1f}% of its share")
+        from llmvisor.validation.tenants import headline_sentences
+
+        for sentence in headline_sentences(tenants):
+            console.print(f"tenants, {sentence}")
     if not summary or set(summary) == {"tenants"}:
         console.print("no batch fully measured yet" if not tenants else "")
         return

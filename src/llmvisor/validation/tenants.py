@@ -268,3 +268,26 @@ def bootstrap_median_ratio(numerator: list[np.ndarray], denominator: list[np.nda
     low, high = np.percentile(ratios, [2.5, 97.5]) if ratios else (math.nan, math.nan)
     return {"ratio": median(numerator, range(len(numerator))) / median(denominator, range(len(denominator))),
             "ci95": [float(low), float(high)], "n_batches_numerator": len(numerator), "n_batches_denominator": len(denominator)}
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.1f}%"
+
+
+def _pct_ci(block: dict, key: str) -> str:
+    ci = block.get(f"{key}_ci95")
+    return _pct(block[key]) + (f" [{_pct(ci[0])}, {_pct(ci[1])}]" if ci else "")
+
+
+def headline_sentences(summary: dict) -> list[str]:
+    """The per-tenant headline, one sentence per size, from `tenant_summary`'s result: what `llmvisor validate`
+    prints and docs/validation.md quotes."""
+    out = []
+    for size, block in (summary.get("by_size") or {}).items():
+        err = block["relative_error"][Method.SHAPLEY.value]
+        out.append(f"{size} requests ({block['n_tenants']} tenants of {block['n_batches']} batches): a tenant's bill is within "
+                   f"{_pct_ci(err, 'p90')} of its measured Shapley value (p90; median {_pct_ci(err, 'p50')}), median 95% "
+                   f"half-width {_pct_ci(block['halfwidth_over_share'], 'p50')} of its share, "
+                   f"{_pct(block['bill_within_interval_fraction'])} of bills inside the measured value's interval")
+    return out
+
