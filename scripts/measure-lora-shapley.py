@@ -1,11 +1,12 @@
-"""Measured Shapley on mixed-adapter decode batches vs the LoRA rule and a wrong rule (issue #38 item 5, second "Done when").
+"""Measured Shapley on mixed-adapter decode batches vs the LoRA rule and two wrong rules (issue #38 item 5, second "Done when").
 
 Starts a real vLLM engine (CPU build, in-process, `llmvisor.engines.vllm.controlled.ControlledEngine`, warm decode
 contexts) with LoRA on, the engine shape of scripts/measure-lora.py (whose fitted LoRA-aware model,
 docs/results/lora.json ``coef_s``, gives the rules' shares), and two adapters written locally (ranks 8 and 64, the
 fitted run's target modules). ``max_loras`` is the number of adapters, so both are loaded into their slots while the
 batch is prepared and stay resident: no measured step loads an adapter (a step whose record shows a load is redone),
-so the slot-load term is not what this measures: it measures the per-adapter kernels term (l5) and who pays it.
+so the slot-load term is not what this measures: it measures who pays the per-adapter kernels term (l5) and the
+LoRA path (l8, l9: what a step with an adapter costs its base-model tokens).
 
 One decode batch is held: three base-model "subjects", an adapter request of each adapter, and two base-model
 stand-ins with the adapter requests' contexts. The mixed game is {subjects, adapter requests}, the control game
@@ -20,6 +21,7 @@ says how); the result, with settings, subset means, noise and the machine's load
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.util
 import json
 import os
@@ -34,7 +36,16 @@ from llmvisor.core.model import StepLatencyModel
 from llmvisor.engines.vllm.controlled import ControlledEngine, LoraAdapter
 from llmvisor.profile.adapters import write_adapters
 from llmvisor.validation.game import members
-from llmvisor.validation.lora import compare_rules, noise_floor, rule_differences, step_shares
+from llmvisor.validation.lora import (
+    RULES,
+    batch_lora_terms,
+    compare_rules,
+    noise_floor,
+    rule_differences,
+    split_rounds,
+    step_shares,
+    with_batch_lora_terms,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SUBJECTS = [0, 1, 2]
@@ -61,7 +72,7 @@ def fitted_model(model_json: str) -> tuple[StepLatencyModel, dict]:
 def rule_shares(model: StepLatencyModel, games: dict) -> dict:
     """Each rule's share (seconds) of each request of each game's whole batch, from the fitted model."""
     return {g: {rule: step_shares(model, contexts=spec["contexts"], names=spec["names"], ranks=spec["ranks"], rule=rule).tolist()
-                for rule in ("stated", "wrong")} for g, spec in games.items()}
+                for rule in RULES} for g, spec in games.items()}
 
 
 def ms(value_s: float) -> str:
@@ -86,6 +97,8 @@ def doc_sentences(result: dict) -> list[str]:
         f"per subject d = {', '.join(ms(v) for v in check['d_s'])}",
         f"the stated rule's D is {ms(rules['stated']['D_s'])}: {rules['stated']['verdict']}",
         f"the wrong rule's D is {ms(rules['wrong']['D_s'])}: {rules['wrong']['verdict']}",
+        *([f"the base-pays-none rule's D is {ms(rules['base_pays_none']['D_s'])}: {rules['base_pays_none']['verdict']}"]
+          if "base_pays_none" in rules else []),
         f"the adapter requests' measured Shapley values: {ms(check['phi_mixed_s'][3])} (rank {adapters[0]['rank']}) and "
         f"{ms(check['phi_mixed_s'][4])} (rank {adapters[1]['rank']}), their base-model stand-ins' {ms(check['phi_control_s'][3])} and "
         f"{ms(check['phi_control_s'][4])}",
@@ -93,12 +106,65 @@ def doc_sentences(result: dict) -> list[str]:
         f"base-model stand-in alone; with the three subjects added, {ms(mixed[15])} against {ms(control[15])}",
         *(f"the {rule} rule gives the whole mixed batch's subjects {', '.join(ms(v) for v in result['rule_shares_s']['mixed'][rule][:3])} "
           f"and its adapter requests {', '.join(ms(v) for v in result['rule_shares_s']['mixed'][rule][3:])}"
-          for rule in ("stated", "wrong")),
+          for rule in result["rule_shares_s"]["mixed"]),
         f"against measured subjects' {', '.join(ms(v) for v in check['phi_mixed_s'][:3])}",
         f"repeats of one subset differ by {100 * floor['mixed']['rel_sd_p50']:.0f}% (mixed) and "
         f"{100 * floor['control']['rel_sd_p50']:.0f}% (control) relative standard deviation at the median",
         f"load average up to {result['machine']['load_average_peak']:g} on {result['machine']['cores']} cores",
+        *batch_sentences(result),
     ]
+
+
+RULE_NAMES = {"stated": "the stated rule", "wrong": "the wrong rule", "base_pays_none": "the base-pays-none rule"}
+
+
+def batch_sentences(result: dict) -> list[str]:
+    """The doc's sentences on the check priced with the batch's own LoRA terms (none for a file without it)."""
+    batch = result.get("batch_terms_check")
+    if not batch:
+        return []
+    terms, check = batch["terms"], batch["check"]
+    return [
+        f"fitted on the odd-numbered rounds, the batch's own LoRA terms are {ms(terms['lora_steps_s'])} per step with an adapter, "
+        f"{ms(terms['adapter_request_s'])} per adapter request and {ms(terms['lora_base_tokens_s'])} per base-model token "
+        f"(residual {ms(terms['residual_rms_s'])} root mean square over {terms['n_subsets']} subsets)",
+        f"judged on the {check['rounds']} even-numbered rounds: measured D = {ms(check['D_s'])}, 95% interval {interval_ms(check['D_ci95_s'])}",
+        *(f"{RULE_NAMES[rule]}'s D is {ms(r['D_s'])}: {r['verdict']}" for rule, r in check["rules"].items()),
+    ]
+
+
+def analyse(model: StepLatencyModel, mixed_s: np.ndarray, control_s: np.ndarray, game_specs: dict, seed: int) -> tuple[dict, dict]:
+    """The check with the profiled model's LoRA terms (every round), and with the batch's own (fitted on the odd rounds,
+    judged on the even ones: `llmvisor.validation.lora.batch_lora_terms`)."""
+    predicted = rule_differences(model, SUBJECTS, game_specs["mixed"], game_specs["control"])
+    check = compare_rules(mixed_s, control_s, SUBJECTS, predicted, seed=seed)
+    fit, judge = split_rounds(mixed_s.shape[0])
+    terms = batch_lora_terms(np.nanmean(mixed_s[fit], axis=0), np.nanmean(control_s[fit], axis=0), game_specs["mixed"]["names"])
+    batch_model = with_batch_lora_terms(model, terms)
+    batch_predicted = rule_differences(batch_model, SUBJECTS, game_specs["mixed"], game_specs["control"])
+    batch = {"priced_on_rounds": "1st, 3rd, 5th, ... (odd-numbered)", "judged_on_rounds": "2nd, 4th, ... (even-numbered)",
+             "terms": terms, "check": compare_rules(mixed_s[judge], control_s[judge], SUBJECTS, batch_predicted, seed=seed)}
+    return check, batch
+
+
+def rounds_path(output) -> Path:
+    """The measured rounds kept beside the figure file (``NAME.rounds.json.gz``), for re-analysis without the engine."""
+    output = Path(output)
+    return output.with_name(output.name.removesuffix(".json") + ".rounds.json.gz")
+
+
+def write_rounds(path: Path, mixed_s: np.ndarray, control_s: np.ndarray) -> None:
+    """Every round's subset step times (seconds, to 100 ns; null where not measured), gzipped."""
+    body = {g: [[None if not np.isfinite(v) else round(float(v), 7) for v in row] for row in rows]
+            for g, rows in (("mixed", mixed_s), ("control", control_s))}
+    with gzip.open(path, "wt", encoding="utf-8") as handle:
+        json.dump({"what": "per round, each subset's measured decode step time in seconds (index = bit mask of players)", **body}, handle)
+
+
+def read_rounds(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        body = json.load(handle)
+    return tuple(np.array([[np.nan if v is None else v for v in row] for row in body[g]], dtype=np.float64) for g in ("mixed", "control"))
 
 
 def main() -> None:
@@ -119,8 +185,13 @@ def main() -> None:
     model, fitted = fitted_model(args.model_json)
     if args.reprice:
         result = json.loads(Path(args.output).read_text(encoding="utf-8"))
-        result["rule_shares_s"] = rule_shares(model, result["games"])
+        games = {g: {k: v for k, v in spec.items() if k != "players"} for g, spec in result["games"].items()}
+        result["rule_shares_s"] = rule_shares(model, games)
         result["repriced"] = "rule_shares_s recomputed (no engine) by: python scripts/measure-lora-shapley.py --reprice"
+        if result.get("rounds_file"):  # the checks again from the kept rounds
+            mixed_s, control_s = read_rounds(Path(args.output).with_name(result["rounds_file"]))
+            result["check"], result["batch_terms_check"] = analyse(model, mixed_s, control_s, games, result["check"]["bootstrap"]["seed"])
+            result["repriced"] += "; check and batch_terms_check recomputed from rounds_file"
         Path(args.output).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         return
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -178,20 +249,24 @@ def main() -> None:
     names = ["", "", "", lora[0].name, lora[1].name]
     game_specs = {"mixed": {"contexts": contexts, "names": names, "ranks": [0, 0, 0, *ranks]},
                   "control": {"contexts": contexts, "names": [""] * 5, "ranks": [0] * 5}}
-    predicted = rule_differences(model, SUBJECTS, game_specs["mixed"], game_specs["control"])
-    check = compare_rules(mixed_s, control_s, SUBJECTS, predicted, seed=args.seed)
+    check, batch_check = analyse(model, mixed_s, control_s, game_specs, args.seed)
+    write_rounds(rounds_path(args.output), mixed_s, control_s)
     peak = max(max(x) for x in loads)
     cores = os.cpu_count()
     result = {
         "command": "python scripts/measure-lora-shapley.py" + "".join(f" {a}" for a in sys.argv[1:] if not os.path.isabs(a)),
         "what": ("measured Shapley values on mixed-adapter decode batches on a real vLLM engine vs the LoRA attribution rule "
-                 "(per-adapter term to that adapter's requests) and a wrong rule (per-adapter term split over every request "
-                 "of the step); see llmvisor.validation.lora"),
+                 "(per-adapter term to that adapter's requests, the LoRA path's set-up to the step's adapter requests, its "
+                 "kernels over a base-model request's tokens A/(A+1) to that request) and two wrong rules: 'wrong' (the "
+                 "per-step adapter terms split over every request of the step) and 'base_pays_none' (the LoRA path charged "
+                 "to the adapter requests whole); see llmvisor.validation.lora"),
         "engine": settings,
         "engine_shape": engine_facts["shape"],
         "model": {"source": "docs/results/lora.json coef_s (the LoRA-aware model fitted by scripts/measure-lora.py)",
                   "l5_lora_adapters_s": fitted["coef_s"]["lora_adapters"][0],
-                  "decode_lora_tokens_s": fitted["coef_s"]["decode_lora_tokens"][0]},
+                  "decode_lora_tokens_s": fitted["coef_s"]["decode_lora_tokens"][0],
+                  **{f"{k}_{name}_s": fitted["coef_s"][name][0] for k, name in (("l8", "lora_steps"), ("l9", "lora_base_tokens"))
+                     if name in fitted["coef_s"]}},
         "adapters": [{"name": a.path.name, "rank": a.rank, "target_modules": list(a.target_modules)} for a in adapters],
         "slots": (f"max_loras = max_cpu_loras = {len(lora)} = the adapters of the batch: both are loaded while the batch is "
                   "prepared and stay resident; a measured step whose record shows a slot load is redone, so no measured step "
@@ -208,6 +283,8 @@ def main() -> None:
         "n_steps_redone": mismatched,
         "measuring_s": round(measuring_s, 1),
         "check": check,
+        "batch_terms_check": batch_check,
+        "rounds_file": rounds_path(args.output).name,
         "noise_floor": {g: noise_floor(c) for g, c in (("mixed", mixed_s), ("control", control_s))},
         "machine": {"cores": cores, "load_average": loads, "load_average_peak": peak,
                     "caveat": (f"the machine was shared while measuring (1/5/15-minute load average up to {peak:g} on {cores} cores): "
@@ -216,7 +293,8 @@ def main() -> None:
     }
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(json.dumps({"verdict": check["verdict"], "D_s": check["D_s"], "D_ci95_s": check["D_ci95_s"],
-                      "rounds": check["rounds"]}, indent=1))
+                      "rounds": check["rounds"], "batch_terms": batch_check["terms"],
+                      "batch_terms_verdict": batch_check["check"]["verdict"], "batch_terms_D_ci95_s": batch_check["check"]["D_ci95_s"]}, indent=1))
 
 
 if __name__ == "__main__":

@@ -146,6 +146,23 @@ def verdict_sentences(result: dict) -> list[str]:
     return out
 
 
+def decode_errors_by_batch(test, fitted: dict) -> list[dict]:
+    """Held-out decode-only steps that ran an adapter, per number of requests in the step (warm-up excluded): how many,
+    their median measured time and each model's median signed relative error (predicted − measured) / measured."""
+    from llmvisor.core.features import LoraCoef, step_feature_matrix
+
+    measured = test.step_latency_s_per_step
+    size = np.diff(test.step_offsets)
+    decode = np.add.reduceat(test.is_prefill.astype(np.int64), test.step_starts) == 0
+    adapter = step_feature_matrix(test)[:, LoraCoef.L8] > 0
+    keep = decode & adapter & ~test.is_warmup_per_step
+    signed = {name: (model.predict(test) - measured) / measured for name, model in fitted.items()}
+    return [{"requests": int(n), "n_steps": int((keep & (size == n)).sum()),
+             "measured_ms_p50": round(1e3 * float(np.median(measured[keep & (size == n)])), 2),
+             **{f"{name}_signed_err_p50": round(float(np.median(err[keep & (size == n)])), 4) for name, err in signed.items()}}
+            for n in sorted(set(size[keep].tolist()))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-o", "--output", type=Path, default=REPO / "docs" / "results" / "lora.json")
@@ -225,6 +242,7 @@ def main() -> None:
         for group in GROUPS
     }
     coef = {name: [float(row[k]) for row in aware.coef_] for k, name in enumerate(FEATURE_NAMES_LORA)}
+    decode_by_batch = decode_errors_by_batch(test, {name: result["fitted"][name] for name in ("llmvisor", "adapter_blind")})
     cores = os.cpu_count()
     peak = max((max(load) for load in loads), default=None)
     out = {
@@ -259,6 +277,9 @@ def main() -> None:
         "figures": figures,
         "verdict_rule": VERDICT_RULE,
         "verdicts": verdicts,
+        "decode_by_batch": decode_by_batch,
+        "decode_by_batch_note": ("held-out decode-only steps that ran an adapter, by requests in the step: median measured "
+                                 "time and each model's median signed relative error (predicted - measured) / measured"),
         "lora_work": aware.fit_info_.get("lora_work"),
         "coef_s": coef,
         "coef_note": "the LoRA-aware model's coefficients, seconds per unit of each feature, one per segment (steps with "

@@ -13,7 +13,8 @@ from llmvisor.core.synthetic import DEFAULT_COEF_S, DEFAULT_LORA_COEF_S, synthet
 from llmvisor.core.trace_schema import LORA_SLICE_COLUMNS, LORA_STEP_COLUMNS
 
 RANKS = {"adapter-r8": 8, "adapter-r64": 64}
-LORA_COEF_S = {**DEFAULT_COEF_S, **DEFAULT_LORA_COEF_S, "prefill_lora_tokens": 2e-6, "decode_lora_tokens": 5e-5}
+LORA_COEF_S = {**DEFAULT_COEF_S, **DEFAULT_LORA_COEF_S, "prefill_lora_tokens": 2e-6, "decode_lora_tokens": 5e-5, "lora_steps": 1e-3,
+               "lora_base_tokens": 1e-5}
 """The LoRA model's coefficients: every LoRA term nonzero, so none can hide."""
 
 

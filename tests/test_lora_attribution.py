@@ -33,9 +33,10 @@ from llmvisor.core.trace import StepTrace
 
 RANKS = {"a": 8, "b": 16, "c": 64}
 LORA_BASE = np.array([{**DEFAULT_COEF_S, **DEFAULT_LORA_COEF_S, "effective_context_tokens": 1e-7,
-                       "prefill_lora_tokens": 3e-5, "decode_lora_tokens": 1e-4}[name] for name in FEATURE_NAMES_LORA])
+                       "prefill_lora_tokens": 3e-5, "decode_lora_tokens": 1e-4, "lora_steps": 2e-3,
+                       "lora_base_tokens": 2e-5}[name] for name in FEATURE_NAMES_LORA])
 """Every coefficient nonzero, so no term of the game can hide."""
-FIXED = [LoraCoef.L5, LoraCoef.L6, LoraCoef.L7]
+FIXED = [LoraCoef.L5, LoraCoef.L6, LoraCoef.L7, LoraCoef.L8, LoraCoef.L9]
 N_BASE = len(FEATURE_NAMES)
 
 
@@ -56,8 +57,9 @@ def exact_shapley(value, n):
 
 def adapter_game(coef_sets, boundary, new, context, is_prefill, names, loads, disk_loads):
     """v(S) from the definition, independent of llmvisor's LoRA code: the base model's price of S alone (intercept and
-    the base own terms of its slices), each member's per-token adapter work, and each adapter run by a member of S
-    once: its kernels, plus its slot load and disk load if it was loaded for the step; in S's own segment."""
+    the base own terms of its slices), each member's per-token adapter work, each adapter run by a member of S
+    once: its kernels, plus its slot load and disk load if it was loaded for the step, and, if any member runs an
+    adapter, the LoRA path: its set-up and its kernels over S's base-model tokens; in S's own segment."""
     rank = np.array([RANKS.get(a, 0) for a in names], dtype=np.float64)
 
     def cost(subset):
@@ -73,7 +75,8 @@ def adapter_game(coef_sets, boundary, new, context, is_prefill, names, loads, di
                          else coef[LoraCoef.L3] + coef[LoraCoef.L4] * rank[i])
         present = {names[i] for i in members} - {""}
         fixed = sum(coef[LoraCoef.L5] + coef[LoraCoef.L6] * (a in loads) + coef[LoraCoef.L7] * (a in disk_loads) for a in present)
-        return base + work + fixed
+        path = coef[LoraCoef.L8] + coef[LoraCoef.L9] * sum(new[i] for i in members if not names[i]) if present else 0.0
+        return base + work + fixed + path
 
     return cost
 
@@ -87,7 +90,7 @@ def matches_brute_force(shares, coef_sets, boundary, new, context, is_prefill, n
 def wrong_rule_shares(coef, new, context, is_prefill, names, loads, disk_loads) -> np.ndarray:
     """A deliberately wrong rule: each adapter's per-step price split over every request of the step."""
     rank = np.array([RANKS.get(a, 0) for a in names], dtype=np.float64)
-    none = lora_slices(names, rank, [0, new.size], [frozenset()], [frozenset()])
+    none = lora_slices(names, rank, [0, new.size], [frozenset()], [frozenset()], num_new_tokens=new)
     none = none._replace(adapter_share=np.zeros(new.size))
     own = step_shapley_s(np.asarray([coef]), None, new, context, is_prefill, lora=none)
     present = set(names) - {""}
@@ -95,9 +98,10 @@ def wrong_rule_shares(coef, new, context, is_prefill, names, loads, disk_loads) 
     return own + fixed / new.size
 
 
-def step_lora(names, loads=(), disk_loads=()):
+def step_lora(names, new, loads=(), disk_loads=()):
     rank = np.array([RANKS.get(a, 0) for a in names], dtype=np.int64)
-    return lora_slices(np.array(names, dtype=object), rank, [0, len(names)], [frozenset(loads)], [frozenset(disk_loads)])
+    return lora_slices(np.array(names, dtype=object), rank, [0, len(names)], [frozenset(loads)], [frozenset(disk_loads)],
+                       num_new_tokens=new)
 
 
 # A step with two adapters and base-model requests: a (rank 8) loaded from disk for the step with two requests,
@@ -116,18 +120,21 @@ def test_a_step_with_two_adapters_and_base_requests_is_split_as_brute_force_shap
     step = TWO_ADAPTERS
     names, new, context, is_prefill = step["names"], step["new"], step["context"], step["is_prefill"]
     model = lora_model([LORA_BASE])
-    lora = step_lora(names, step["loads"], step["disk_loads"])
+    lora = step_lora(names, new, step["loads"], step["disk_loads"])
     phi = step_shapley_s(model.coef_, None, new, context, is_prefill, lora=lora)
     assert matches_brute_force(phi, [LORA_BASE], None, new, context, is_prefill, names, step["loads"], step["disk_loads"])
     # what the rule says in words: a's kernels and its load in two equal halves to a's requests, c's kernels to its one
-    # request, nothing of either to the base-model requests
+    # request, nothing of either to the base-model requests; the LoRA path's set-up in thirds to the three adapter
+    # requests, and its kernels over the 301 base-model tokens 3/4 to the base requests (each its own tokens') and
+    # 1/4 to the adapter requests (A = 3: A/(A+1) and 1/(A(A+1)) each)
     base_only = lora_model([np.where(np.arange(LORA_BASE.size) >= N_BASE, 0.0, LORA_BASE)])
     extra = phi - step_shapley_s(base_only.coef_, None, new, context, is_prefill)
     a_fixed = LORA_BASE[LoraCoef.L5] + LORA_BASE[LoraCoef.L6] + LORA_BASE[LoraCoef.L7]
-    assert extra[[0, 4]] == pytest.approx([0.0, 0.0], abs=1e-18)
-    assert extra[1] == pytest.approx(LORA_BASE[LoraCoef.L3] + 8 * LORA_BASE[LoraCoef.L4] + a_fixed / 2, rel=1e-12)
-    assert extra[2] == pytest.approx(120 * (LORA_BASE[LoraCoef.L1] + 8 * LORA_BASE[LoraCoef.L2]) + a_fixed / 2, rel=1e-12)
-    assert extra[3] == pytest.approx(LORA_BASE[LoraCoef.L3] + 64 * LORA_BASE[LoraCoef.L4] + LORA_BASE[LoraCoef.L5], rel=1e-12)
+    path = LORA_BASE[LoraCoef.L8] / 3 + LORA_BASE[LoraCoef.L9] * 301 / 12
+    assert extra[[0, 4]] == pytest.approx(LORA_BASE[LoraCoef.L9] * np.array([1, 300]) * 3 / 4, rel=1e-12)
+    assert extra[1] == pytest.approx(LORA_BASE[LoraCoef.L3] + 8 * LORA_BASE[LoraCoef.L4] + a_fixed / 2 + path, rel=1e-12)
+    assert extra[2] == pytest.approx(120 * (LORA_BASE[LoraCoef.L1] + 8 * LORA_BASE[LoraCoef.L2]) + a_fixed / 2 + path, rel=1e-12)
+    assert extra[3] == pytest.approx(LORA_BASE[LoraCoef.L3] + 64 * LORA_BASE[LoraCoef.L4] + LORA_BASE[LoraCoef.L5] + path, rel=1e-12)
     # the game the library prices subsets with is the game written here
     costs = subset_costs_s(model, new, context, is_prefill, lora_name=names, lora_rank=lora.rank, lora_loads=step["loads"],
                            lora_disk_loads=step["disk_loads"])
@@ -140,7 +147,7 @@ def test_the_wrong_rule_splitting_adapter_terms_over_the_whole_step_fails_the_br
     step = TWO_ADAPTERS
     args = (step["new"], step["context"], step["is_prefill"], step["names"], step["loads"], step["disk_loads"])
     wrong = wrong_rule_shares(LORA_BASE, *args)
-    right = step_shapley_s(lora_model([LORA_BASE]).coef_, None, *args[:3], lora=step_lora(*args[3:]))
+    right = step_shapley_s(lora_model([LORA_BASE]).coef_, None, *args[:3], lora=step_lora(args[3], args[0], *args[4:]))
     assert wrong.sum() == pytest.approx(right.sum(), rel=1e-12)  # same total: only the split is wrong
     assert not matches_brute_force(wrong, [LORA_BASE], None, *args)
     assert matches_brute_force(right, [LORA_BASE], None, *args)
@@ -174,7 +181,7 @@ def test_adapter_terms_split_among_their_requests_is_the_shapley_value_of_the_ad
         coef_sets[1][FIXED] = coef_sets[0][FIXED]
         boundary = float(rng.uniform(new.min(), new.sum() + 1))
     model = lora_model(coef_sets, boundary)
-    lora = step_lora(names, loads, disk)
+    lora = step_lora(names, new, loads, disk)
     phi = step_shapley_s(model.coef_, boundary, new, context, is_prefill, lora=lora)
     assert matches_brute_force(phi, coef_sets, boundary, new, context, is_prefill, names, loads, disk)
     cost = adapter_game(coef_sets, boundary, new, context, is_prefill, names, loads, disk)
@@ -200,7 +207,7 @@ def test_adapter_terms_split_among_their_requests_is_the_shapley_value_of_the_ad
 def test_shares_with_adapters_are_nonnegative_and_sum_to_the_measured_time(step, measured, rule):
     names, new, context, is_prefill, loads, disk = step
     model = lora_model([LORA_BASE])
-    lora = step_lora(names, loads, disk)
+    lora = step_lora(names, new, loads, disk)
     result = attribute_arrays(model, new, context, is_prefill, np.array([0, new.size]), np.array([measured]), rule, lora=lora)
     assert (result.share_s >= 0).all()
     assert math.isclose(result.share_s.sum(), measured, rel_tol=1e-12)
@@ -254,12 +261,13 @@ def test_a_lora_model_bills_a_trace_without_lora_columns_as_its_base_part_does()
 
 def test_a_rank_64_tenant_pays_more_than_a_base_tenant_with_the_same_tokens_by_what_the_model_says():
     """Two decode requests with the same context, one on a resident rank-64 adapter: the adapter's tenant pays its
-    work (l3 + 64·l4) and the adapter's kernels (l5) more, on the model's prediction; a load of the adapter adds l6."""
+    work (l3 + 64·l4), the adapter's kernels (l5) and the LoRA path's set-up (l8) more, on the model's prediction (the
+    path's kernels over the base request's token are split in halves); a load of the adapter adds l6."""
     model = lora_model([LORA_BASE])
     new, context, prefill = np.array([1, 1]), np.array([700, 700]), np.array([False, False])
     for loads, load_price in (((), 0.0), (("c",), LORA_BASE[LoraCoef.L6])):
-        shares = attribute_arrays(model, new, context, prefill, np.array([0, 2]), None, lora=step_lora(["c", ""], loads)).share_s
-        expected = LORA_BASE[LoraCoef.L3] + 64 * LORA_BASE[LoraCoef.L4] + LORA_BASE[LoraCoef.L5] + load_price
+        shares = attribute_arrays(model, new, context, prefill, np.array([0, 2]), None, lora=step_lora(["c", ""], new, loads)).share_s
+        expected = LORA_BASE[LoraCoef.L3] + 64 * LORA_BASE[LoraCoef.L4] + LORA_BASE[LoraCoef.L5] + LORA_BASE[LoraCoef.L8] + load_price
         assert shares[0] - shares[1] == pytest.approx(expected, rel=1e-12)
 
 

@@ -59,8 +59,8 @@ def twin_run(run_id: str, n_steps: int, *, t0_s: float, seed: int, model) -> lis
                 ranks.append(rank)
         loaded = [ADAPTER] if rng.random() < 0.25 else []
         from_disk = loaded if rng.random() < 0.5 else []
-        lora = lora_slices(names, ranks, np.array([0, len(slices)]), [frozenset(loaded)], [frozenset(from_disk)])
         new = np.array([x[2] for x in slices], dtype=np.float64)
+        lora = lora_slices(names, ranks, np.array([0, len(slices)]), [frozenset(loaded)], [frozenset(from_disk)], num_new_tokens=new)
         context = np.array([x[3] for x in slices], dtype=np.float64)
         prefill = np.array([x[4] for x in slices], dtype=bool)
         predicted_s = attribute_step_predicted(model, new, context, prefill, lora)
@@ -87,14 +87,19 @@ def model_says_ns(model, steps, run_id) -> dict[str, int]:
 
 
 def adapter_terms_s(model, steps) -> float:
-    """What the adapter adds to its tenant's bill, from the model's coefficients alone: per twin pair its own adapter
-    work, and per step the adapter's kernels and loads (its tenant is the only one running it)."""
+    """What the adapter adds to its tenant's bill over its twin's, from the model's coefficients alone: per twin pair
+    its own adapter work; per step the adapter's kernels and loads (its tenant is the only one running it), the LoRA
+    path's set-up, and of the path's kernels over the base tokens P (its twin's) the adapter tenant's P/(A+1) less
+    the base tenant's P·A/(A+1), A the step's adapter requests (docs/attribution.md)."""
     coef = model.coef_[0]
     total = 0.0
     for step in steps:
         lora_slices_of_step = [x for x in step[3] if x[1] == TENANT_LORA]
         for _, _, p, _, is_prefill, _, _ in lora_slices_of_step:
             total += p * (coef[LoraCoef.L1] + RANK * coef[LoraCoef.L2]) if is_prefill else coef[LoraCoef.L3] + RANK * coef[LoraCoef.L4]
+        n_adapter = len(lora_slices_of_step)
+        base_tokens = sum(x[2] for x in step[3] if x[1] == TENANT_BASE)
+        total += coef[LoraCoef.L8] + coef[LoraCoef.L9] * base_tokens * (1 - n_adapter) / (n_adapter + 1)
         total += coef[LoraCoef.L5]
         total += coef[LoraCoef.L6] * (step[5]["step"]["step_lora_loads"] != "[]")
         total += coef[LoraCoef.L7] * (step[5]["step"]["step_lora_disk_loads"] != "[]")
@@ -205,11 +210,26 @@ def test_by_adapter_the_usage_rows_name_the_adapter_and_bill_the_same(model_path
     assert per_tenant(rows)[0] == {c.tenant: c.attributed_ns for c in whole}
     check = run_validator(focus)
     assert check.returncode == 0, check.stdout + check.stderr
-    # metering events name the adapter too
-    events = tmp_path / "events.json"
-    export(db, "lago", PERIOD_S, events, "--by-adapter")
-    body = json.loads(events.read_text())
-    assert {(e["external_subscription_id"], e["properties"]["lora_adapter"]) for e in body} == {(TENANT_LORA, ADAPTER), (TENANT_BASE, "")}
+    # metering events name the adapter too, in every format, and carry the same engine-ns per tenant
+    expected = {(TENANT_LORA, ADAPTER), (TENANT_BASE, "")}
+    engine_ns = {c.tenant: c.attributed_ns for c in whole}
+    for format_, adapter_of, tenant_of, ns_of in (
+        ("lago", lambda e: e["properties"]["lora_adapter"], lambda e: e["external_subscription_id"],
+         lambda e: e["properties"].get("engine_ns")),
+        ("stripe", lambda e: e["payload"]["lora_adapter"], lambda e: e["payload"]["stripe_customer_id"],
+         lambda e: int(e["payload"]["value"]) if e["event_name"] == "llmvisor_engine_ns" else None),
+        ("cloudevents", lambda e: e["data"]["lora_adapter"], lambda e: e["subject"], lambda e: e["data"].get("engine_ns")),
+    ):
+        events = tmp_path / f"events-{format_}.json"
+        export(db, format_, PERIOD_S, events, "--by-adapter")
+        body = json.loads(events.read_text())
+        assert {(tenant_of(e), adapter_of(e)) for e in body} == expected, format_
+        summed: dict[str, int] = defaultdict(int)
+        for e in body:
+            ns = ns_of(e)
+            if ns is not None:
+                summed[tenant_of(e)] += int(ns)
+        assert dict(summed) == engine_ns, format_
 
 
 def test_a_base_model_only_ledger_exports_the_same_lines_with_or_without_by_adapter(model_path, tmp_path):

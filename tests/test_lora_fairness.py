@@ -25,7 +25,7 @@ def twin_step(loaded: bool, prefill: bool = False):
     c = np.array([900.0, 900.0])
     is_prefill = np.array([prefill, prefill])
     loads = [frozenset({"r64"}) if loaded else frozenset()]
-    lora = lora_slices(["r64", ""], [RANK, 0], np.array([0, 2]), loads, [frozenset()])
+    lora = lora_slices(["r64", ""], [RANK, 0], np.array([0, 2]), loads, [frozenset()], num_new_tokens=p)
     return tenants, p, c, is_prefill, lora
 
 
@@ -39,7 +39,8 @@ def test_a_rank_64_tenant_is_charged_its_adapters_terms_and_a_base_tenant_is_not
     fair = FairShare(FairnessConfig(cost=cost), model)
     charge = fair.charge_step(tenants, p, c, is_prefill, np.ones(2, bool), measured, 0.0, lora=lora)
     own = p[0] * (coef[LoraCoef.L1] + RANK * coef[LoraCoef.L2]) if prefill else coef[LoraCoef.L3] + RANK * coef[LoraCoef.L4]
-    expected = own + coef[LoraCoef.L5] + (coef[LoraCoef.L6] if loaded else 0.0)
+    # and the LoRA path's set-up; its kernels over the base request's tokens go half to each (A = 1: A/(A+1))
+    expected = own + coef[LoraCoef.L5] + (coef[LoraCoef.L6] if loaded else 0.0) + coef[LoraCoef.L8]
     assert charge.cost["lora"] - charge.cost["base"] == pytest.approx(expected, rel=1e-9)
     assert fair.vtc.counter["lora"] - fair.vtc.counter["base"] == pytest.approx(expected, rel=1e-9)
     assert math.fsum(charge.cost.values()) == pytest.approx(measured, rel=1e-12)

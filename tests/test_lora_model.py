@@ -1,6 +1,6 @@
 """The step-latency model with LoRA adapters (issue #38 item 2): on synthetic traces from known coefficients the fit
 recovers the LoRA coefficients and chooses the per-token work form that made the trace, by held-out error grouped by
-run; a LoRA model's file (format version 3) round-trips; a trace without the LoRA columns still gives the model and the
+run; a LoRA model's file (format version 4) round-trips, a version-3 file still reads; a trace without the LoRA columns still gives the model and the
 file it gave before LoRA (format version 2, no LoRA parameter), and a LoRA model prices such a trace by its base part."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 from llmvisor.core.features import (
     FEATURE_NAMES,
     FEATURE_NAMES_LORA,
+    FEATURE_NAMES_LORA_V3,
     LORA_FEATURE_NAMES,
     N_FEATURES,
     LoraCoef,
@@ -29,8 +30,8 @@ from llmvisor.errors import LlmvisorError, ModelError
 from llmvisor.evaluation.baselines import AdapterBlindModel, StepLatencyPredictor, without_lora_columns
 from llmvisor.evaluation.heldout import evaluate
 
-RANK_WORK = {**DEFAULT_COEF_S, **DEFAULT_LORA_COEF_S}
-"""Work that follows the adapter's rank (the synthetic engine's default)."""
+RANK_WORK = {**DEFAULT_COEF_S, **DEFAULT_LORA_COEF_S, "lora_steps": 1.5e-3, "lora_base_tokens": 5e-6}
+"""Work that follows the adapter's rank (the synthetic engine's default), and the LoRA path's terms."""
 PADDED_WORK = {**RANK_WORK, "prefill_lora_rank_x_tokens": 0.0, "decode_lora_rank_x_tokens": 0.0,
                "prefill_lora_tokens": 4e-5, "decode_lora_tokens": 1.5e-4}
 """Work that follows the tokens run with any adapter, whatever its rank (vLLM pads adapters to the maximum rank)."""
@@ -106,14 +107,29 @@ def test_a_lora_models_file_round_trips_and_old_files_still_read(tmp_path):
     model = StepLatencyModel(segments="none").fit(runs(RANK_WORK, noise=0.02))
     model.to_json(tmp_path / "lora.json")
     data = json.loads((tmp_path / "lora.json").read_text())
-    assert data["format_version"] == 3 and data["feature_names"] == list(FEATURE_NAMES_LORA)
+    assert data["format_version"] == 4 and data["feature_names"] == list(FEATURE_NAMES_LORA)
     assert data["params"]["lora_work"] == "auto" and data["fit_info"]["lora_work"]["chosen"] == "rank_tokens"
     loaded = StepLatencyModel.from_json(tmp_path / "lora.json")
     assert loaded.is_lora_ and loaded.get_params() == model.get_params()
     test = runs(RANK_WORK, n_runs=1, seed=50)
     np.testing.assert_array_equal(loaded.predict(test), model.predict(test))
     np.testing.assert_array_equal(loaded.identified_, model.identified_)
-    # a version-3 file with a misspelt LoRA coefficient is refused naming the closest feature
+    # a version-3 file (before the LoRA path's terms) reads with them held at 0: it prices what it always did
+    old = json.loads(json.dumps(data))
+    old.update(format_version=3, feature_names=list(FEATURE_NAMES_LORA_V3),
+               identified_features=[n for n in data["identified_features"] if n in FEATURE_NAMES_LORA_V3])
+    for name in ("lora_steps", "lora_base_tokens"):
+        old["segments"][0]["coef_s"].pop(name)
+    (tmp_path / "v3.json").write_text(json.dumps(old))
+    v3 = StepLatencyModel.from_json(tmp_path / "v3.json")
+    assert v3.is_lora_ and v3.coef_[0, LoraCoef.L8] == v3.coef_[0, LoraCoef.L9] == 0.0
+    assert not v3.identified_[LoraCoef.L8] and not v3.identified_[LoraCoef.L9]
+    without_path = model.coef_.copy()
+    without_path[:, [LoraCoef.L8, LoraCoef.L9]] = 0.0
+    np.testing.assert_allclose(v3.predict(test), StepLatencyModel.from_coefficients([dict(zip(FEATURE_NAMES_LORA, without_path[0]))]).predict(test),
+                               rtol=1e-12)
+    assert v3.to_dict()["format_version"] == 4  # written again, it is a current file
+    # a version-4 file with a misspelt LoRA coefficient is refused naming the closest feature
     data["segments"][0]["coef_s"]["lora_adapter"] = data["segments"][0]["coef_s"].pop("lora_adapters")
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(ModelError, match="lora_adapters"):

@@ -10,10 +10,21 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.validation.game import exact_shapley
-from llmvisor.validation.lora import AGREES, FLAGGED, UNDECIDABLE, rule_differences, step_shares
+from llmvisor.validation.lora import (
+    AGREES,
+    FLAGGED,
+    RULES,
+    UNDECIDABLE,
+    batch_lora_terms,
+    rule_differences,
+    split_rounds,
+    step_shares,
+    with_batch_lora_terms,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,18 +57,43 @@ def test_the_json_is_a_mixed_adapter_measurement_and_its_verdicts_follow_from_it
     strip = ("players",)
     predicted = rule_differences(model, subjects, {k: v for k, v in mixed.items() if k not in strip},
                                  {k: v for k, v in control.items() if k not in strip})
+    assert set(check["rules"]) == set(RULES)
     for game, spec in (("mixed", mixed), ("control", control)):  # each rule's shares of the whole batch
-        for rule in ("stated", "wrong"):
+        for rule in RULES:
             expected = step_shares(model, contexts=spec["contexts"], names=spec["names"], ranks=spec["ranks"], rule=rule)
             assert np.allclose(result["rule_shares_s"][game][rule], expected, rtol=1e-12)
+    assert_verdicts_follow(check, predicted)
+
+
+def assert_verdicts_follow(check: dict, predicted: dict) -> None:
+    """Each rule's D is its predicted d summed, and its verdict what the check's own interval says of it."""
     lo, hi = check["D_ci95_s"]
     inside = {}
-    for rule in ("stated", "wrong"):
+    for rule in RULES:
         assert np.allclose(check["rules"][rule]["d_s"], predicted[rule], atol=1e-12)
         inside[rule] = lo <= float(np.sum(predicted[rule])) <= hi
-    for rule in ("stated", "wrong"):
+    for rule in RULES:
         expected = UNDECIDABLE if all(inside.values()) else AGREES if inside[rule] else FLAGGED
         assert check["verdict"][rule] == check["rules"][rule]["verdict"] == expected
+
+
+def test_the_batch_terms_check_is_priced_on_some_rounds_and_judged_on_the_others():
+    """Rebuilt from the kept rounds: the batch's LoRA terms from the odd rounds' subset means, the judged interval from
+    the even rounds', the verdicts from that interval; and the rounds are the ones the subset means came from."""
+    script, result = load()
+    mixed_s, control_s = script.read_rounds(REPO / "docs" / "results" / result["rounds_file"])
+    assert mixed_s.shape == control_s.shape == (result["check"]["rounds"], 32)
+    assert np.allclose(np.nanmean(mixed_s, axis=0), result["subset_mean_s"]["mixed"], atol=1e-7)
+    assert np.allclose(np.nanmean(control_s, axis=0), result["subset_mean_s"]["control"], atol=1e-7)
+    games = {g: {k: v for k, v in spec.items() if k != "players"} for g, spec in result["games"].items()}
+    fit, judge = split_rounds(mixed_s.shape[0])
+    terms = batch_lora_terms(np.nanmean(mixed_s[fit], axis=0), np.nanmean(control_s[fit], axis=0), games["mixed"]["names"])
+    batch = result["batch_terms_check"]
+    assert batch["terms"] == pytest.approx(terms, rel=1e-6, abs=1e-9)
+    assert batch["check"]["rounds"] == judge.size
+    fitted = json.loads((REPO / "docs" / "results" / "lora.json").read_text(encoding="utf-8"))
+    model = with_batch_lora_terms(StepLatencyModel.from_coefficients([{k: v[0] for k, v in fitted["coef_s"].items()}]), batch["terms"])
+    assert_verdicts_follow(batch["check"], rule_differences(model, batch["check"]["subjects"], games["mixed"], games["control"]))
 
 
 def test_the_doc_quotes_the_json():
@@ -68,6 +104,13 @@ def test_the_doc_quotes_the_json():
     check = result["check"]
     contexts = result["games"]["mixed"]["contexts"]
     assert f"three base-model \"subjects\" (contexts {', '.join(str(contexts[i]) for i in check['subjects'])})" in doc
+    if "the interval is above 0" in doc:
+        assert check["D_ci95_s"][0] > 0
+    if "far less than the wrong rule charges them" in doc:
+        assert check["rules"]["wrong"]["D_s"] > check["D_ci95_s"][1]
+    if "is higher than this 5-request decode batch's own" in doc:
+        fitted = json.loads((REPO / "docs" / "results" / "lora.json").read_text(encoding="utf-8"))
+        assert fitted["coef_s"]["lora_base_tokens"][0] > result["batch_terms_check"]["terms"]["lora_base_tokens_s"]
     if "each interval above 0" in doc:
         assert all(low > 0 for low, _ in check["d_ci95_s"])
     if "more than even the wrong rule charges them" in doc:

@@ -13,7 +13,8 @@ and ``x_KvBlockBytes``; a metering event of type ``llmvisor.kv_memory`` (CloudEv
 
 Lines of usage per LoRA adapter (``llmvisor export --by-adapter``, `llmvisor.billing.charges`) name their adapter: FOCUS
 ``x_LoraAdapter`` ('' the base model; the column is written only when some line is split by adapter, so other exports
-are what they were) and a ``llmvisor/lora_adapter`` tag; event data ``lora_adapter``."""
+are what they were) and a ``llmvisor/lora_adapter`` tag; event data (CloudEvents, Lago) and the Stripe payload
+``lora_adapter``."""
 
 from __future__ import annotations
 
@@ -399,7 +400,8 @@ def cloudevents_json(events: list) -> list[dict]:
 def stripe_events(charges: list[Charge], customers: dict[str, str], *, event_name: str = "llmvisor_engine_ns",
                   now_s: float | None = None, warn=None) -> list[dict]:
     """Stripe meter events: ``value`` is engine nanoseconds as a whole-number string (a token charge: its tokens, under
-    its kind's event name, `TOKEN_EVENT_NAMES`; a memory charge: its block-ns, under ``llmvisor_kv_block_ns``). Stripe takes no negative values, so a credit (an adjustment below 0)
+    its kind's event name, `TOKEN_EVENT_NAMES`; a memory charge: its block-ns, under ``llmvisor_kv_block_ns``; a line
+    split by adapter: ``lora_adapter`` in the payload). Stripe takes no negative values, so a credit (an adjustment below 0)
     is left out with one warning line (issue a credit note for it); events more than 35 days old are warned about in
     one line (Stripe refuses them)."""
     warn = warn or (lambda line: print(line, file=sys.stderr))
@@ -414,8 +416,10 @@ def stripe_events(charges: list[Charge], customers: dict[str, str], *, event_nam
         timestamp = c.period_start_us // 1_000_000
         old += now_s - timestamp > STRIPE_MAX_AGE_S
         name = _event_name(c, event_name)
-        events.append({"event_name": name, "identifier": c.idempotency_id, "timestamp": timestamp,
-                       "payload": {"stripe_customer_id": _customer(c, customers), "value": str(c.quantity)}})
+        payload = {"stripe_customer_id": _customer(c, customers), "value": str(c.quantity)}
+        if c.lora_name is not None:  # a line split by adapter: a payload key a meter can group by (a dimension)
+            payload["lora_adapter"] = c.lora_name
+        events.append({"event_name": name, "identifier": c.idempotency_id, "timestamp": timestamp, "payload": payload})
     if credits:
         warn(f"stripe: {len(credits)} credits ({sum(c.attributed_ns for c in credits)} ns) left out: meter events take no "
              "negative values; issue them as credit notes")

@@ -26,7 +26,17 @@ distinct adapter adds l5 (its own kernel launches), each adapter loaded into a L
 those read from its files l7 (on top of l6). The per-step terms are spread over the slices as ĉ spreads a shared
 block: a slice of adapter a holds 1/n_a of a's count, n_a the step's slices running a (``LoraSlices``), so a step's
 slices sum to its distinct adapters and loads, and each slice's term is its Shapley share (`llmvisor.core.game`).
-One l5, l6, l7 for both phases, for the reason e has one. Without the LoRA columns the LoRA features are 0.
+One l5, l6, l7 for both phases, for the reason e has one.
+
+A step that runs any adapter also switches vLLM's LoRA path on for the whole batch: its per-step set-up, l8
+(``lora_steps``), and its kernels over every token of the step, base-model tokens included (measured: a base-model
+request batched with adapters costs more than one batched with base-model requests, `llmvisor.validation.lora`),
+l9 per base-model token (``lora_base_tokens``; an adapter's own tokens are priced by l1-l4). Both are games of the
+"any adapter present" kind, and their Shapley shares (`llmvisor.core.game`, ``lora_path_shares``) spread them over
+the slices: with A the step's slices running an adapter and P_base its base-model tokens, an adapter slice holds
+1/A of the step and P_base/(A(A+1)) base tokens, a base-model slice of p tokens p·A/(A+1) of them: it pays for its
+own tokens' trip through the LoRA kernels, less the part the adapter requests share by being the reason for it.
+One l8, l9 for both phases. Without the LoRA columns the LoRA features are 0.
 """
 
 from __future__ import annotations
@@ -64,10 +74,14 @@ LORA_FEATURE_NAMES = (
     "lora_adapters",
     "lora_slot_loads",
     "lora_disk_loads",
+    "lora_steps",
+    "lora_base_tokens",
 )
-"""The LoRA features (module docstring), after ``FEATURE_NAMES`` in a LoRA model's rows (model file version 3)."""
+"""The LoRA features (module docstring), after ``FEATURE_NAMES`` in a LoRA model's rows (model file version 4)."""
 FEATURE_NAMES_LORA = FEATURE_NAMES + LORA_FEATURE_NAMES
 N_FEATURES_LORA = len(FEATURE_NAMES_LORA)
+FEATURE_NAMES_LORA_V3 = FEATURE_NAMES_LORA[:-2]
+"""The features of LoRA model files of format version 3 (before ``lora_steps`` and ``lora_base_tokens``)."""
 
 
 class Coef(IntEnum):
@@ -98,9 +112,9 @@ class LoraCoef(IntEnum):
     """Position of each LoRA coefficient in a LoRA model's coefficient row (after ``Coef``'s), as in the formula
 
     T = ... + Σ_prefill (l1·p·[adapter] + l2·r·p) + Σ_decode (l3·[adapter] + l4·r) + l5·adapters + l6·slot loads
-        + l7·disk loads
+        + l7·disk loads + l8·[any adapter] + l9·base tokens·[any adapter]
 
-    with r the slice's adapter rank (0 for the base model) and the last three counted per step (module docstring).
+    with r the slice's adapter rank (0 for the base model) and the last five counted per step (module docstring).
     """
 
     L1 = 9
@@ -110,6 +124,8 @@ class LoraCoef(IntEnum):
     L5 = 13
     L6 = 14
     L7 = 15
+    L8 = 16
+    L9 = 17
 
 
 LORA_WORK_FORMS = {
@@ -127,27 +143,52 @@ class LoraSlices(NamedTuple):
     0 for the base model) and its shares of its step's per-adapter counts, each 1/n_a for a slice of adapter a (n_a
     the step's slices running a) and 0 otherwise: ``adapter_share`` always, ``slot_load_share`` when a was loaded
     into a slot for the step, ``disk_load_share`` when it was read from its files for it. Summed over a step they
-    are its distinct adapters, slot loads and disk loads."""
+    are its distinct adapters, slot loads and disk loads. ``lora_step_share`` and ``base_token_share`` are its
+    shares of the LoRA path's per-step terms (``lora_path_shares``); summed over a step, 1 if it runs an adapter
+    and its base-model tokens if so."""
 
     rank: np.ndarray
     adapter_share: np.ndarray
     slot_load_share: np.ndarray
     disk_load_share: np.ndarray
+    lora_step_share: np.ndarray
+    base_token_share: np.ndarray
 
     def take(self, index) -> LoraSlices:
         """The entries of the slices ``index`` selects (a slice or an index array), shares unchanged."""
         return LoraSlices(*(np.asarray(values)[index] for values in self))
 
 
-def lora_slices(lora_name, lora_rank, step_offsets, step_lora_loads, step_lora_disk_loads) -> LoraSlices:
-    """``LoraSlices`` of flat slice arrays cut by ``step_offsets``: ``lora_name`` (empty for the base model) and
-    ``lora_rank`` per slice, ``step_lora_loads`` and ``step_lora_disk_loads`` per step (collections of names)."""
+def lora_path_shares(adapter, num_new_tokens, n_adapter_slices, base_tokens) -> tuple[np.ndarray, np.ndarray]:
+    """Each slice's shares of its step's LoRA-path terms (module docstring), the Shapley value of the games
+    l8·[any adapter] and l9·Σ base tokens·[any adapter]: ``lora_step_share`` 1/A for a slice running an adapter,
+    ``base_token_share`` P_base/(A(A+1)) for it and p·A/(A+1) for a base-model slice of p tokens; all 0 in a step
+    without adapters. Per slice: ``adapter`` (bool), its ``num_new_tokens``, and its step's (or coalition's) A
+    (``n_adapter_slices``) and P_base (``base_tokens``); arrays broadcast, so rows may be coalitions."""
+    adapter = np.asarray(adapter, dtype=bool)
+    p = np.asarray(num_new_tokens, dtype=np.float64)
+    a = np.asarray(n_adapter_slices, dtype=np.float64)
+    on = a > 0
+    safe = np.where(on, a, 1.0)
+    step_share = np.where(adapter & on, 1.0 / safe, 0.0)
+    base_share = np.where(on, np.where(adapter, np.asarray(base_tokens, dtype=np.float64) / (safe * (safe + 1.0)), p * safe / (safe + 1.0)), 0.0)
+    return step_share, base_share
+
+
+def lora_slices(lora_name, lora_rank, step_offsets, step_lora_loads, step_lora_disk_loads, *, num_new_tokens) -> LoraSlices:
+    """``LoraSlices`` of flat slice arrays cut by ``step_offsets``: ``lora_name`` (empty for the base model),
+    ``lora_rank`` and ``num_new_tokens`` per slice, ``step_lora_loads`` and ``step_lora_disk_loads`` per step
+    (collections of names)."""
     names = np.asarray(lora_name, dtype=object).reshape(-1)
     rank = np.asarray(lora_rank, dtype=np.float64).reshape(-1)
+    p = np.asarray(num_new_tokens, dtype=np.float64).reshape(-1)
     offsets = np.asarray(step_offsets, dtype=np.int64)
     n_steps = offsets.size - 1
     step = np.repeat(np.arange(n_steps), np.diff(offsets))
     adapter = names != ""
+    n_adapter = np.bincount(step, weights=adapter.astype(np.float64), minlength=n_steps)[step] if n_steps else np.zeros(0)
+    base = np.bincount(step, weights=np.where(adapter, 0.0, p), minlength=n_steps)[step] if n_steps else np.zeros(0)
+    step_share, base_share = lora_path_shares(adapter, p, n_adapter, base)
     share = np.zeros(names.size)
     slot = np.zeros(names.size)
     disk = np.zeros(names.size)
@@ -162,7 +203,7 @@ def lora_slices(lora_name, lora_rank, step_offsets, step_lora_loads, step_lora_d
                     rows = np.arange(offsets[k], offsets[k + 1])
                     rows = rows[np.isin(names[rows], list(loaded))]
                     out[rows] = share[rows]
-    return LoraSlices(rank, share, slot, disk)
+    return LoraSlices(rank, share, slot, disk, step_share, base_share)
 
 
 def has_lora_columns(trace: StepTrace) -> bool:
@@ -181,7 +222,7 @@ def lora_slices_of(trace: StepTrace) -> LoraSlices | None:
         decoded = {text: decode_adapters(text) for text in set(texts.tolist())}
         per_step[column] = [decoded[text] for text in texts.tolist()]
     return lora_slices(trace.extra["lora_name"], trace.extra["lora_rank"], trace.step_offsets,
-                       per_step["step_lora_loads"], per_step["step_lora_disk_loads"])
+                       per_step["step_lora_loads"], per_step["step_lora_disk_loads"], num_new_tokens=trace.num_new_tokens)
 
 
 def is_lora_row(coef) -> bool:
@@ -191,8 +232,8 @@ def is_lora_row(coef) -> bool:
 
 def lora_own_s(coef, num_new_tokens, is_prefill, lora: LoraSlices | None):
     """Each slice's LoRA part of its own term (module docstring): l1·p + l2·r·p (prefill with an adapter),
-    l3 + l4·r (decode with an adapter), plus l5, l6, l7 times its shares of the step's adapters and loads; 0 when
-    ``coef`` has no LoRA coefficients or there is no ``lora``."""
+    l3 + l4·r (decode with an adapter), plus l5, l6, l7 times its shares of the step's adapters and loads and l8, l9
+    times its shares of the LoRA path; 0 when ``coef`` has no LoRA coefficients or there is no ``lora``."""
     if lora is None or not is_lora_row(coef):
         return 0.0
     p = np.asarray(num_new_tokens, dtype=np.float64)
@@ -200,7 +241,8 @@ def lora_own_s(coef, num_new_tokens, is_prefill, lora: LoraSlices | None):
     adapter = r > 0
     per_token = np.where(is_prefill, p * (coef[LoraCoef.L1] * adapter + coef[LoraCoef.L2] * r), coef[LoraCoef.L3] * adapter + coef[LoraCoef.L4] * r)
     return (per_token + coef[LoraCoef.L5] * lora.adapter_share + coef[LoraCoef.L6] * lora.slot_load_share
-            + coef[LoraCoef.L7] * lora.disk_load_share)
+            + coef[LoraCoef.L7] * lora.disk_load_share + coef[LoraCoef.L8] * lora.lora_step_share
+            + coef[LoraCoef.L9] * lora.base_token_share)
 
 
 def prefill_own_s(coef, p, c, e=None):
@@ -260,6 +302,8 @@ def slice_feature_matrix(
         x[:, LoraCoef.L5] = lora.adapter_share
         x[:, LoraCoef.L6] = lora.slot_load_share
         x[:, LoraCoef.L7] = lora.disk_load_share
+        x[:, LoraCoef.L8] = lora.lora_step_share
+        x[:, LoraCoef.L9] = lora.base_token_share
     return x
 
 

@@ -68,6 +68,14 @@ slices none of a's. So φ_i = f_i + b/|B| still, with f_i the own term at the st
 ``lora_name`` prices v on the adapter structure to check it. With two segments it is exact when the segments'
 l5, l6, l7 are equal (as for e); otherwise the crossing part takes the shares at the full step's split.
 
+The LoRA path (l8, l9) is on for S iff S holds a slice running an adapter (A_S > 0): v adds
+[A_S > 0]·(l8 + l9·Σ_{b∈S base} p_b). For l8 the adapter slices are symmetric and every base slice is a null
+player: 1/A each. For l9, a base slice b adds l9·p_b exactly when an adapter slice comes before it in the order,
+probability A/(A+1) (b and the A adapter slices in random order); an adapter slice j adds l9·Σ_b p_b over the
+base slices before it when it is the first adapter slice, and b is before the first adapter and that one is j with
+probability 1/(A+1)·1/A. So φ_b gets l9·p_b·A/(A+1) and φ_j gets l9·P_base/(A(A+1)) (``lora_path_shares``; they add up
+to l9·P_base). A base-model request pays for its own tokens' trip through the LoRA kernels, in part.
+
 **Token prices.** VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24) prices service in
 tokens, prompt tokens ×1 and output tokens ×2 (``TokenPrices``, ``VTC_TOKEN_PRICES``): the token-count
 baseline, the validation's ``token_count`` shares, the fair scheduler's ``tokens`` cost and the demo's and
@@ -83,7 +91,7 @@ from typing import NamedTuple
 import numpy as np
 from scipy.special import gammaln
 
-from llmvisor.core.features import Coef, LoraSlices, own_terms_s, prefill_own_s
+from llmvisor.core.features import Coef, LoraSlices, lora_path_shares, own_terms_s, prefill_own_s
 from llmvisor.errors import LlmvisorError
 
 __all__ = [
@@ -244,7 +252,7 @@ def subset_costs_s(model, num_new_tokens, num_context_tokens, is_prefill, shared
     masks = np.arange(1 << n)
     members = ((masks[:, None] >> np.arange(n)) & 1).astype(np.float64)
     if lora_name is not None:
-        lora = _subset_lora_shares(members, lora_name, lora_rank, lora_loads, lora_disk_loads)
+        lora = _subset_lora_shares(members, p, lora_name, lora_rank, lora_loads, lora_disk_loads)
         effective = c if not shared_blocks else _subset_effective_context(members, c, shared_blocks)
         own = np.stack([(members * own_terms_s(row, p, c, is_prefill, effective, lora)).sum(axis=1) for row in model.coef_], axis=1)
         return _priced_subsets(model, own, members @ p)
@@ -269,10 +277,15 @@ def _subset_effective_context(members: np.ndarray, c: np.ndarray, shared_blocks)
     return effective
 
 
-def _subset_lora_shares(members: np.ndarray, lora_name, lora_rank, lora_loads, lora_disk_loads) -> LoraSlices:
+def _subset_lora_shares(members: np.ndarray, p: np.ndarray, lora_name, lora_rank, lora_loads, lora_disk_loads) -> LoraSlices:
     """Per subset (rows of ``members``) and slice, its ``LoraSlices`` when the subset runs alone: each adapter's
-    per-step terms divided among the subset's slices of that adapter."""
+    per-step terms divided among the subset's slices of that adapter, the LoRA path's among the subset's slices (on
+    iff one of them runs an adapter; any split adding up would do, for v(S) is their sum)."""
     names = np.asarray(lora_name, dtype=object)
+    adapter = names != ""
+    step_share, base_share = lora_path_shares(adapter, p, (members @ adapter.astype(np.float64))[:, None],
+                                              (members @ np.where(adapter, 0.0, p))[:, None])
+    step_share, base_share = members * step_share, members * base_share
     share = np.zeros(members.shape)
     for adapter in set(names.tolist()) - {""}:
         runs = names == adapter
@@ -280,7 +293,7 @@ def _subset_lora_shares(members: np.ndarray, lora_name, lora_rank, lora_loads, l
         share[:, runs] = np.divide(1.0, count, out=np.zeros_like(count), where=count > 0)
     slot = np.where(np.isin(names, list(lora_loads)), share, 0.0)
     disk = np.where(np.isin(names, list(lora_disk_loads)), share, 0.0)
-    return LoraSlices(np.asarray(lora_rank, dtype=np.float64), share, slot, disk)
+    return LoraSlices(np.asarray(lora_rank, dtype=np.float64), share, slot, disk, step_share, base_share)
 
 
 def _priced_subsets(model, own_by_segment: np.ndarray, load: np.ndarray) -> np.ndarray:

@@ -18,6 +18,7 @@ from scipy.sparse.csgraph import connected_components
 from llmvisor.core.features import (
     FEATURE_NAMES,
     FEATURE_NAMES_LORA,
+    FEATURE_NAMES_LORA_V3,
     FEATURE_NAMES_V1,
     LORA_FEATURE_NAMES,
     LORA_WORK_FORMS,
@@ -35,14 +36,15 @@ from llmvisor.core.trace import StepTrace
 from llmvisor.errors import LlmvisorError, ModelError, NotFittedError, unknown_name
 
 MODEL_FORMAT = "llmvisor.step_latency_model"
-MODEL_FORMAT_VERSION = 3
+MODEL_FORMAT_VERSION = 4
 """Version 2 added the feature ``effective_context_tokens``; version-1 files are read with it held at 0 (not
-identified), which predicts what they always did. Version 3 adds the LoRA features (``LORA_FEATURE_NAMES``): a model
-fitted on a trace with the LoRA columns writes version 3, any other still writes version 2, the same file as before
-LoRA (``BASE_MODEL_FORMAT_VERSION``)."""
+identified), which predicts what they always did. Version 3 added the LoRA features (``LORA_FEATURE_NAMES``), version
+4 the LoRA path's (``lora_steps``, ``lora_base_tokens``; a version-3 file is read with them held at 0, as a version-1
+file is): a model fitted on a trace with the LoRA columns writes version 4, any other still writes version 2, the
+same file as before LoRA (``BASE_MODEL_FORMAT_VERSION``)."""
 BASE_MODEL_FORMAT_VERSION = 2
 """The version a model without LoRA features writes."""
-READABLE_FORMAT_VERSIONS = {1: FEATURE_NAMES_V1, 2: FEATURE_NAMES, 3: FEATURE_NAMES_LORA}
+READABLE_FORMAT_VERSIONS = {1: FEATURE_NAMES_V1, 2: FEATURE_NAMES, 3: FEATURE_NAMES_LORA_V3, 4: FEATURE_NAMES_LORA}
 LORA_ONLY_PARAMS = ("lora_work",)
 """Hyper-parameters that matter only to a LoRA model: a model without LoRA features leaves them out of its file, so
 the file is the one written before they existed."""
@@ -430,6 +432,10 @@ class StepLatencyModel:
         if is_lora:  # a disk load is also a slot load: its extra price is identified only beside slot loads not from disk
             memory_loads = x[keep][:, LoraCoef.L6] - x[keep][:, LoraCoef.L7]
             self.identified_[LoraCoef.L7] &= bool(np.any(memory_loads > 1e-9))
+            # the LoRA path's set-up (1 per step with an adapter) is told from the per-adapter term only where a step
+            # runs two adapters or more, and from the intercept only beside steps without one: else l5 and b carry it
+            path = x[keep][:, LoraCoef.L8]
+            self.identified_[LoraCoef.L8] &= bool(np.any(x[keep][:, LoraCoef.L5] - path > 1e-9)) and bool(np.any(path == 0))
         if not keep.any() or keep.sum() < self.identified_.sum():
             raise LlmvisorError(
                 f"{', '.join(trace.sources) or '<memory>'}: too few steps to fit ({int(keep.sum())} of {trace.n_steps} left "
@@ -626,7 +632,7 @@ class StepLatencyModel:
     @property
     def is_lora_(self) -> bool:
         """Whether the model prices LoRA adapters (fitted on a trace with the LoRA columns, or read from a file of
-        format version 3)."""
+        format version 3 or 4)."""
         self.check_is_fitted()
         return self.coef_.shape[1] > N_FEATURES
 
@@ -687,7 +693,7 @@ class StepLatencyModel:
                     raise ModelError(f"{source}: segments[{k}]: {unknown}")
             model = cls(**data.get("params", {}))
             model.boundary_ = None if data["boundary_new_tokens"] is None else float(data["boundary_new_tokens"])
-            known = FEATURE_NAMES_LORA if list(names) == list(FEATURE_NAMES_LORA) else FEATURE_NAMES
+            known = FEATURE_NAMES_LORA if list(names) in (list(FEATURE_NAMES_LORA), list(FEATURE_NAMES_LORA_V3)) else FEATURE_NAMES
             model.coef_ = np.array([[float(s["coef_s"][n]) if n in names else 0.0 for n in known] for s in data["segments"]])
             model.coef_ = model.coef_.reshape(-1, len(known))
             expected = 1 if model.boundary_ is None else 2
@@ -715,7 +721,7 @@ class StepLatencyModel:
         """A model with known coefficients (one dict of seconds per feature for each segment), checked as a
         model file is: for tests, and for users who take coefficients from elsewhere. Features added since
         format version 1 (``effective_context_tokens``) are 0 unless given; a LoRA feature given in any segment makes
-        a LoRA model (format version 3), its other LoRA features 0."""
+        a LoRA model (format version 4), its other LoRA features 0."""
         names = ("all",) if boundary_new_tokens is None else SEGMENT_NAMES
         is_lora = any(isinstance(coef, dict) and set(coef) & set(LORA_FEATURE_NAMES) for coef in coef_s)
         features = FEATURE_NAMES_LORA if is_lora else FEATURE_NAMES

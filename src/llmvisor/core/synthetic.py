@@ -32,8 +32,11 @@ DEFAULT_LORA_COEF_S = {
     "lora_adapters": 3e-4,
     "lora_slot_loads": 2e-3,
     "lora_disk_loads": 5e-3,
+    "lora_steps": 0.0,
+    "lora_base_tokens": 0.0,
 }
-"""LoRA coefficients of the synthetic engine (work of the adapter's own rank: the ``rank_tokens`` form)."""
+"""LoRA coefficients of the synthetic engine (work of the adapter's own rank: the ``rank_tokens`` form; no LoRA-path
+terms unless ``coef_s`` gives them, so the traces are those written before the terms existed)."""
 DEFAULT_LORA_RANKS = {"tenant-0/r8": 8, "tenant-1/r16": 16, "tenant-2/r64": 64, "tenant-3/r8": 8}
 """Adapters of the synthetic engine and their ranks."""
 
@@ -94,7 +97,7 @@ def synthetic_trace(
     effective_context = extra.get("effective_context_tokens")
     lora = None
     if lora_ranks:
-        lora, lora_extra = _lora_columns(rng, lora_ranks, lora_fraction, lora_load_probability, offsets)
+        lora, lora_extra = _lora_columns(rng, lora_ranks, lora_fraction, lora_load_probability, offsets, new_tokens)
         extra.update(lora_extra)
         coef = np.array([coef[FEATURE_NAMES.index(name)] if name in FEATURE_NAMES else coef_s.get(name, DEFAULT_LORA_COEF_S[name])
                          for name in FEATURE_NAMES_LORA])
@@ -137,7 +140,7 @@ def _shared_prefixes(rng, context, offsets, fraction, max_context_tokens) -> tup
     return context, shared, effective
 
 
-def _lora_columns(rng, ranks: dict[str, int], fraction: float, load_probability: float, offsets):
+def _lora_columns(rng, ranks: dict[str, int], fraction: float, load_probability: float, offsets, new_tokens):
     """Random adapters per slice and loads per step; their ``LoraSlices`` and the version-4 columns."""
     n = int(offsets[-1])
     adapters = np.array(sorted(ranks), dtype=object)
@@ -156,5 +159,5 @@ def _lora_columns(rng, ranks: dict[str, int], fraction: float, load_probability:
         "step_lora_loads": np.repeat(np.array([encode_adapters(s) for s in loads], dtype=object), batch),
         "step_lora_disk_loads": np.repeat(np.array([encode_adapters(s) for s in disk], dtype=object), batch),
     }
-    lora = lora_slices(name, rank, offsets, loads, disk)
+    lora = lora_slices(name, rank, offsets, loads, disk, num_new_tokens=new_tokens)
     return lora, {"lora_name": name, "lora_rank": rank, **per_slice}

@@ -505,7 +505,7 @@ def _relayed(step: tuple) -> list:
     return out + ([step[5]] if step[5] is not None else [])
 
 
-def _window_lora(steps: list, offsets: np.ndarray) -> tuple[LoraSlices | None, list[str] | None]:
+def _window_lora(steps: list, offsets: np.ndarray, num_new_tokens: np.ndarray) -> tuple[LoraSlices | None, list[str] | None]:
     """The window's `LoraSlices` and each slice's adapter name ('' the base model), from its steps' named elements
     (trace format 4's LoRA columns); (None, None) where no slice ran an adapter, so such a window is priced and
     written as before. A step without the columns ran the base model only."""
@@ -527,7 +527,7 @@ def _window_lora(steps: list, offsets: np.ndarray) -> tuple[LoraSlices | None, l
         disk_loads.append(decode_adapters(per_step.get("step_lora_disk_loads", "[]")) or frozenset())
     if not any(names):
         return None, None
-    return lora_slices(names, ranks, offsets, loads, disk_loads), names
+    return lora_slices(names, ranks, offsets, loads, disk_loads, num_new_tokens=num_new_tokens), names
 
 
 def union_ranges(ranges: Iterable[Sequence[int]]) -> list[list[int]]:
@@ -574,7 +574,7 @@ def _aggregate(run_id: str, engine_class: str, start_us: int, end_us: int, steps
     measured_ns = np.rint(latency_s * 1e9).astype(np.int64)
     residual = ResidualStats()
     relative = np.zeros(0, dtype=np.float64)
-    lora, lora_names = _window_lora(steps, offsets)
+    lora, lora_names = _window_lora(steps, offsets, new)
     if model is None:
         attributed_ns = np.zeros(len(slices), dtype=np.int64)
     else:

@@ -1,7 +1,9 @@
 """Does measured Shapley on a real engine agree with the LoRA rule (docs/attribution.md, "LoRA adapters")?
 
-The rule decides one thing a measurement can see: a step's per-adapter term (l5 per distinct adapter) is paid by
-that adapter's requests only, so a base-model request pays none of it. The check measures two games that differ
+The rule decides what a base-model request pays for being batched with adapters: none of a step's per-adapter term
+(l5 per distinct adapter) nor of the LoRA path's set-up (l8), both its adapter requests' alone, and A/(A+1) of its
+own tokens' trip through the LoRA kernels (l9 per base-model token: vLLM runs them over every token of a step that
+runs an adapter; A the step's adapter requests; `llmvisor.core.game`). The check measures two games that differ
 only there, with the same "subject" base-model requests in both:
 
 - the mixed game M: the subjects plus requests running adapters;
@@ -9,15 +11,20 @@ only there, with the same "subject" base-model requests in both:
 
 Every subset of each game runs as one engine step, in rounds (each round measures every subset of both games once,
 in random order). For each subject i, d_i = φ_i(M) − φ_i(C) (exact Shapley of the subset means): what being
-batched with adapters instead of base-model requests adds to its measured share. Under the stated rule d_i = 0
-(the latency model's shares, `rule_differences`, give exactly that); under the wrong rule (each per-adapter term
-split over all requests of the step) d_i = l5 · (adapters in the step) / |step|. The statistic is D = Σ_i d_i over
+batched with adapters instead of base-model requests adds to its measured share. Under the stated rule
+d_i = l9·A/(A+1) (a decode token each; the latency model's shares, `rule_differences`, give it). Two wrong rules
+are checked beside it (``RULES``): "wrong", each per-step adapter term (l5 per adapter, l8) split over all requests
+of the step, d_i = (l5·adapters + l8)/|step| + l9·A/(A+1); and "base_pays_none", the LoRA path charged to the
+adapter requests whole, d_i = 0 (the rule before the path was modelled). The statistic is D = Σ_i d_i over
 the subjects, its 95% interval a percentile bootstrap over rounds (a round's two games resampled together, so slow
 spells of the machine shared by both cancel in d). A rule's D inside the interval: "agrees within noise"; outside:
 "flagged". When both rules' D lie inside, the measurement cannot tell them apart: "undecidable at this budget".
 
 Differencing against the control game removes the latency model's own error in the base-model terms (the same in
-both games), so the verdict is about the rule, not about the fit.
+both games), but not its error in the LoRA terms: a rule priced with a fitted l9 that is off for this batch is judged
+off too. So the rules are also priced with the batch's own LoRA terms (`batch_lora_terms`: least squares of M − C
+over the subsets that run an adapter), fitted on half the rounds and judged on the other half (`split_rounds`), so
+no round both prices a rule and judges it: that verdict is about the rule alone.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmvisor.core.attribution import attribute_arrays
-from llmvisor.core.features import LoraCoef, LoraSlices
+from llmvisor.core.features import LoraCoef, lora_slices
 from llmvisor.validation.game import exact_shapley
 
 AGREES = "agrees within noise"
@@ -34,39 +41,82 @@ UNDECIDABLE = "undecidable at this budget"
 CONFIDENCE = 0.95
 
 
-def decode_step_lora(ranks) -> LoraSlices:
-    """``LoraSlices`` of one decode step whose slice i runs an adapter of rank ``ranks[i]`` (0: the base model), every
-    adapter resident (no loads); the adapter shares are set by the caller, who knows which slices share an adapter."""
-    ranks = np.asarray(ranks, dtype=np.float64)
-    return LoraSlices(ranks, np.zeros_like(ranks), np.zeros_like(ranks), np.zeros_like(ranks))
+RULES = ("stated", "wrong", "base_pays_none")
+"""The rules checked (module docstring): the project's, and two wrong ones."""
 
 
 def step_shares(model, contexts, names, ranks, *, rule: str) -> np.ndarray:
     """Each request's share (seconds) of one decode step (one token each over ``contexts``; request i runs adapter
-    ``names[i]`` of rank ``ranks[i]``, "" and 0 for the base model) under ``rule``: "stated" (the project's Shapley
-    attribution with ``lora=``) or "wrong" (the same, except each per-adapter term l5 split over every request of
-    the step instead of that adapter's requests)."""
+    ``names[i]`` of rank ``ranks[i]``, "" and 0 for the base model, every adapter resident) under ``rule`` (one of
+    ``RULES``): "stated" (the project's Shapley attribution with ``lora=``), "wrong" (the same, except the per-step
+    adapter terms l5 and l8 split over every request of the step) or "base_pays_none" (the same, except the LoRA
+    path's base-token term l9 charged whole to the adapter requests, in equal parts)."""
     n = len(contexts)
-    names = list(names)
-    counts = {a: names.count(a) for a in set(names) if a}
-    share = np.array([1.0 / counts[a] if a else 0.0 for a in names])
-    lora = decode_step_lora(ranks)._replace(adapter_share=share)
     p = np.ones(n)
+    lora = lora_slices(np.array(list(names), dtype=object), ranks, np.array([0, n]), [frozenset()], [frozenset()], num_new_tokens=p)
     c = np.asarray(contexts, dtype=np.float64)
     shares = attribute_arrays(model, p, c, np.zeros(n, dtype=bool), np.array([0, n]), lora=lora).share_s
+    coef = model.coef_[0]
     if rule == "stated":
         return shares
-    if rule != "wrong":
-        raise ValueError(f"rule {rule!r}: 'stated' or 'wrong'")
-    l5 = float(model.coef_[0][LoraCoef.L5])
-    return shares - l5 * share + l5 * len(counts) / n
+    if rule == "wrong":
+        per_step = coef[LoraCoef.L5] * lora.adapter_share + coef[LoraCoef.L8] * lora.lora_step_share
+        return shares - per_step + per_step.sum() / n
+    if rule == "base_pays_none":
+        path = coef[LoraCoef.L9] * lora.base_token_share
+        return shares - path + path.sum() * lora.lora_step_share
+    raise ValueError(f"rule {rule!r}: one of {', '.join(RULES)}")
+
+
+def batch_lora_terms(mixed_means_s, control_means_s, names) -> dict:
+    """The LoRA terms of one measured batch, from its games' subset means (index = bit mask of players, as
+    `compare_rules` takes them; ``names`` the mixed game's adapter per player, "" the base model): nonnegative least
+    squares of M(S) − C(S) over the subsets S that run an adapter on [1, adapter requests in S, base-model requests in
+    S], that is l8 (the LoRA path's set-up), l3 + l5 (an adapter request's token work and its adapter's kernels: one
+    request per adapter here, so the two cannot be told apart; both go to l3) and l9 (per base-model token). Returns the
+    three coefficients and the fit's residual (root mean square, seconds)."""
+    from scipy.optimize import nnls
+
+    diff = np.asarray(mixed_means_s, dtype=np.float64) - np.asarray(control_means_s, dtype=np.float64)
+    adapter = np.array([bool(a) for a in names])
+    rows, target = [], []
+    for mask in range(1, diff.size):
+        players = np.array([(mask >> i) & 1 for i in range(adapter.size)], dtype=bool)
+        if (players & adapter).any():
+            rows.append([1.0, float((players & adapter).sum()), float((players & ~adapter).sum())])
+            target.append(diff[mask])
+    a, b = np.array(rows), np.array(target)
+    coef, _ = nnls(a, b)
+    return {"lora_steps_s": float(coef[0]), "adapter_request_s": float(coef[1]), "lora_base_tokens_s": float(coef[2]),
+            "residual_rms_s": float(np.sqrt(np.mean((a @ coef - b) ** 2))), "n_subsets": int(b.size)}
+
+
+def with_batch_lora_terms(model, terms: dict):
+    """A copy of ``model`` whose decode LoRA terms are a batch's (`batch_lora_terms`): l3 its per-adapter-request term,
+    l4 and l5 0 (folded into l3), l8 and l9 its own."""
+    from llmvisor.core.model import StepLatencyModel
+
+    coef = np.array(model.coef_, dtype=np.float64)
+    coef[:, LoraCoef.L3] = terms["adapter_request_s"]
+    coef[:, [LoraCoef.L4, LoraCoef.L5]] = 0.0
+    coef[:, LoraCoef.L8] = terms["lora_steps_s"]
+    coef[:, LoraCoef.L9] = terms["lora_base_tokens_s"]
+    names = model.feature_names_
+    return StepLatencyModel.from_coefficients([dict(zip(names, row)) for row in coef], model.boundary_)
+
+
+def split_rounds(n_rounds: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rounds that price the rules (odd-numbered: 1st, 3rd, ...) and rounds that judge them (the others): interleaved,
+    so slow spells of the machine fall on both halves alike."""
+    index = np.arange(n_rounds)
+    return index[0::2], index[1::2]
 
 
 def rule_differences(model, subjects: list[int], mixed: dict, control: dict) -> dict[str, np.ndarray]:
     """Per subject, each rule's φ_i(M) − φ_i(C): ``mixed`` and ``control`` give the games' ``contexts``, ``names``
     and ``ranks`` in player order (the subjects at the same positions ``subjects`` in both)."""
     return {rule: step_shares(model, **mixed, rule=rule)[subjects] - step_shares(model, **control, rule=rule)[subjects]
-            for rule in ("stated", "wrong")}
+            for rule in RULES}
 
 
 def _shapley_of_means(costs_s: np.ndarray) -> np.ndarray:

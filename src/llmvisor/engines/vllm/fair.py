@@ -231,8 +231,9 @@ class TenantRequestQueue(RequestQueue):
         return {t: len(f) for t, f in self._fifos.items()}
 
 
-def _lora_of(adapters: tuple | None, record: dict | None = None) -> LoraSlices | None:
-    """A step's ``LoraSlices`` from its slices' (names, ranks) and the worker's record of its loads (none without)."""
+def _lora_of(adapters: tuple | None, num_new_tokens, record: dict | None = None) -> LoraSlices | None:
+    """A step's ``LoraSlices`` from its slices' (names, ranks), their new tokens and the worker's record of its loads
+    (none without)."""
     if adapters is None:
         return None
     names, ranks = adapters
@@ -240,7 +241,7 @@ def _lora_of(adapters: tuple | None, record: dict | None = None) -> LoraSlices |
         record = None  # the worker ran other adapters than scheduled: no loads, as the recorder records none
     loads = frozenset(record["loads"]) if record else frozenset()
     disk_loads = frozenset(record["disk_loads"]) if record else frozenset()
-    return lora_slices(names, ranks, np.array([0, len(names)]), [loads], [disk_loads])
+    return lora_slices(names, ranks, np.array([0, len(names)]), [loads], [disk_loads], num_new_tokens=num_new_tokens)
 
 
 class FairScheduler(RecordingScheduler):
@@ -422,7 +423,7 @@ class FairScheduler(RecordingScheduler):
         resumed = time.perf_counter()
         if scheduler_output.total_num_scheduled_tokens:
             step = self._step_slices(scheduler_output)
-            charged = self.fair.charge_scheduled(*step[:5], effective_context_tokens=step[5], lora=_lora_of(step[6]))
+            charged = self.fair.charge_scheduled(*step[:5], effective_context_tokens=step[5], lora=_lora_of(step[6], step[1]))
             self._steps[id(scheduler_output)] = (*step, charged)
         finished = time.perf_counter()
         # queue work since the last pass: arrivals (add_request) in between and this pass's admissions
@@ -466,7 +467,7 @@ class FairScheduler(RecordingScheduler):
                 record = self._lora.events.peek(scheduler_output)
             self.fair.charge_step(
                 tenants, num_new, num_context, is_prefill, samples, latency_s, time.monotonic(),
-                effective_context_tokens=effective, charged_when_scheduled=charged, lora=_lora_of(adapters, record),
+                effective_context_tokens=effective, charged_when_scheduled=charged, lora=_lora_of(adapters, num_new, record),
             )
             overhead_s = schedule_overhead_s + time.perf_counter() - entered
             self.num_charged_steps += 1
