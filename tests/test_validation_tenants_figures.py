@@ -59,7 +59,7 @@ def test_the_doc_quotes_the_per_tenant_headline_and_the_goal_follows_from_the_fi
     # the words, from the figures
     by_size, by_role, by_phase = tenants["by_size"], tenants["by_role"], tenants["by_phase"]
     halves = {size: block["halfwidth_over_share"]["p50"] for size, block in by_size.items()}
-    for size, half in halves.items():
+    for half in halves.values():
         assert f"{100 * half:.1f}%" in text
     if "it took one (warm measuring" in text:
         assert 0.9 <= wall_s / 3600 <= 1.1
