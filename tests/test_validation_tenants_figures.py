@@ -88,3 +88,13 @@ def test_the_result_is_what_its_journal_gives(tmp_path):
     again = json.loads((tmp_path / RESULT.name).read_text(encoding="utf-8"))
     shipped = json.loads(RESULT.read_text(encoding="utf-8"))
     assert again["summary"]["tenants"] == shipped["summary"]["tenants"]
+
+
+def test_a_headline_of_too_few_tenants_shows_a_dash_for_what_it_cannot_estimate():
+    """A small plan (the vLLM smoke test's) can leave a quantile or its interval undefined: the sentence says "–"."""
+    block = {"n_tenants": 2, "n_batches": 1, "bill_within_interval_fraction": 0.5,
+             "relative_error": {"shapley": {"p50": 0.04, "p50_ci95": None, "p90": None, "p90_ci95": [None, None]}},
+             "halfwidth_over_share": {"p50": 0.1, "p50_ci95": [0.05, 0.2]}}
+    assert headline_sentences({"by_size": {"16": block}}) == [
+        "16 requests (2 tenants of 1 batches): a tenant's bill is within – of its measured Shapley value (p90; median 4.0%), "
+        "median 95% half-width 10.0% [5.0%, 20.0%] of its share, 50.0% of bills inside the measured value's interval"]

@@ -270,13 +270,14 @@ def bootstrap_median_ratio(numerator: list[np.ndarray], denominator: list[np.nda
             "ci95": [float(low), float(high)], "n_batches_numerator": len(numerator), "n_batches_denominator": len(denominator)}
 
 
-def _pct(value: float) -> str:
-    return f"{100 * value:.1f}%"
+def _pct(value: float | None) -> str:
+    """A fraction as a percentage; "–" where there is none (too few tenants for the quantile or its interval)."""
+    return "–" if value is None else f"{100 * value:.1f}%"
 
 
 def _pct_ci(block: dict, key: str) -> str:
     ci = block.get(f"{key}_ci95")
-    return _pct(block[key]) + (f" [{_pct(ci[0])}, {_pct(ci[1])}]" if ci else "")
+    return _pct(block.get(key)) + (f" [{_pct(ci[0])}, {_pct(ci[1])}]" if ci and None not in ci else "")
 
 
 def headline_sentences(summary: dict) -> list[str]:
