@@ -16,7 +16,9 @@ done (see docs/attribution.md).
 LoRA adapters (a LoRA model, trace format v4): a slice's per-token adapter work is its own; each adapter's per-step
 terms (its kernels, its loads) are split equally among the step's slices of that adapter and charged to nobody else
 (the Shapley value, derived in `llmvisor.core.game`); so an adapter's load is billed to the tenants whose requests ran
-it. The shares travel per slice as ``LoraSlices`` (`llmvisor.core.features.lora_slices`).
+it. The LoRA path a step with any adapter switches on is shared: its set-up by the step's adapter requests, its work
+over a base-model request's tokens A/(A+1) by that request and the rest by the A adapter requests. The shares travel
+per slice as ``LoraSlices`` (`llmvisor.core.features.lora_slices`).
 
 When the step's measured time T is known, the residual T − T̂ is spread in proportion to the predicted
 shares: share_i = φ_i · T / Σφ. With nonnegative coefficients φ_i ≥ 0, so shares are ≥ 0 and sum to T
