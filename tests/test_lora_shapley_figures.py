@@ -29,15 +29,20 @@ from llmvisor.validation.lora import (
 REPO = Path(__file__).resolve().parents[1]
 
 
-def load():
+FILES = ("lora-shapley.json", "lora-shapley-repeat.json")
+"""The shipped run and its repeat (same script and model, half an hour later)."""
+
+
+def load(name: str = FILES[0]):
     spec = importlib.util.spec_from_file_location("measure_lora_shapley", REPO / "scripts" / "measure-lora-shapley.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module, json.loads((REPO / "docs" / "results" / "lora-shapley.json").read_text(encoding="utf-8"))
+    return module, json.loads((REPO / "docs" / "results" / name).read_text(encoding="utf-8"))
 
 
-def test_the_json_is_a_mixed_adapter_measurement_and_its_verdicts_follow_from_its_figures():
-    _, result = load()
+@pytest.mark.parametrize("name", FILES)
+def test_the_json_is_a_mixed_adapter_measurement_and_its_verdicts_follow_from_its_figures(name):
+    _, result = load(name)
     assert result["command"].startswith("python scripts/measure-lora-shapley.py")
     ranks = [a["rank"] for a in result["adapters"]]
     assert len(set(ranks)) == 2
@@ -77,10 +82,11 @@ def assert_verdicts_follow(check: dict, predicted: dict) -> None:
         assert check["verdict"][rule] == check["rules"][rule]["verdict"] == expected
 
 
-def test_the_batch_terms_check_is_priced_on_some_rounds_and_judged_on_the_others():
+@pytest.mark.parametrize("name", FILES)
+def test_the_batch_terms_check_is_priced_on_some_rounds_and_judged_on_the_others(name):
     """Rebuilt from the kept rounds: the batch's LoRA terms from the odd rounds' subset means, the judged interval from
     the even rounds', the verdicts from that interval; and the rounds are the ones the subset means came from."""
-    script, result = load()
+    script, result = load(name)
     mixed_s, control_s = script.read_rounds(REPO / "docs" / "results" / result["rounds_file"])
     assert mixed_s.shape == control_s.shape == (result["check"]["rounds"], 32)
     assert np.allclose(np.nanmean(mixed_s, axis=0), result["subset_mean_s"]["mixed"], atol=1e-7)
@@ -111,6 +117,19 @@ def test_the_doc_quotes_the_json():
     if "is higher than this 5-request decode batch's own" in doc:
         fitted = json.loads((REPO / "docs" / "results" / "lora.json").read_text(encoding="utf-8"))
         assert fitted["coef_s"]["lora_base_tokens"][0] > result["batch_terms_check"]["terms"]["lora_base_tokens_s"]
+    _, repeat = load(FILES[1])
+    quoted = script.doc_sentences(repeat)
+    for k in (3, 5, 6, 7, 14, 16, 17, 18, 19, 20):
+        assert quoted[k] in doc, quoted[k]
+    if "the profiled model's l9 no longer fits it" in doc:
+        assert repeat["check"]["verdict"]["stated"] == FLAGGED
+    if "the split the rule makes holds in both runs once the batch's own per-token price is used" in doc:
+        assert all(r["batch_terms_check"]["check"]["verdict"]["stated"] == AGREES for r in (result, repeat))
+    if "both wrong rules are flagged in every check" in doc:
+        assert all(c["verdict"][rule] == FLAGGED for r in (result, repeat) for c in (r["check"], r["batch_terms_check"]["check"])
+                   for rule in ("wrong", "base_pays_none"))
+    if "the machine quieter" in doc:
+        assert repeat["noise_floor"]["mixed"]["rel_sd_p50"] < result["noise_floor"]["mixed"]["rel_sd_p50"]
     if "each interval above 0" in doc:
         assert all(low > 0 for low, _ in check["d_ci95_s"])
     if "more than even the wrong rule charges them" in doc:
