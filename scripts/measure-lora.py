@@ -34,7 +34,7 @@ import numpy as np
 
 from llmvisor.core.features import FEATURE_NAMES_LORA, LORA_FEATURE_NAMES
 from llmvisor.core.trace import read_traces
-from llmvisor.evaluation.heldout import evaluate
+from llmvisor.evaluation.heldout import evaluate, lora_groups, steady_steps
 
 MODELS = ("llmvisor", "adapter_blind", "token_count")
 GROUPS = ("adapter", "all")
@@ -146,17 +146,14 @@ def verdict_sentences(result: dict) -> list[str]:
     return out
 
 
-def decode_errors_by_batch(test, fitted: dict) -> list[dict]:
-    """Held-out decode-only steps that ran an adapter, per number of requests in the step (warm-up excluded): how many,
-    their median measured time and each model's median signed relative error (predicted − measured) / measured."""
-    from llmvisor.core.features import LoraCoef, step_feature_matrix
-
+def decode_errors_by_batch(test, predictions: dict) -> list[dict]:
+    """Held-out decode-only steps that ran an adapter, per number of requests in the step (the steps `evaluate` judges):
+    how many, their median measured time and each model's median signed relative error (predicted − measured) /
+    measured, from ``predictions`` (`evaluate`'s, per model)."""
     measured = test.step_latency_s_per_step
     size = np.diff(test.step_offsets)
-    decode = np.add.reduceat(test.is_prefill.astype(np.int64), test.step_starts) == 0
-    adapter = step_feature_matrix(test)[:, LoraCoef.L8] > 0
-    keep = decode & adapter & ~test.is_warmup_per_step
-    signed = {name: (model.predict(test) - measured) / measured for name, model in fitted.items()}
+    keep = steady_steps(test) & ~test.is_prefill_per_step & lora_groups(test)["adapter"]
+    signed = {name: (predicted - measured) / measured for name, predicted in predictions.items()}
     return [{"requests": int(n), "n_steps": int((keep & (size == n)).sum()),
              "measured_ms_p50": round(1e3 * float(np.median(measured[keep & (size == n)])), 2),
              **{f"{name}_signed_err_p50": round(float(np.median(err[keep & (size == n)])), 4) for name, err in signed.items()}}
@@ -242,7 +239,7 @@ def main() -> None:
         for group in GROUPS
     }
     coef = {name: [float(row[k]) for row in aware.coef_] for k, name in enumerate(FEATURE_NAMES_LORA)}
-    decode_by_batch = decode_errors_by_batch(test, {name: result["fitted"][name] for name in ("llmvisor", "adapter_blind")})
+    decode_by_batch = decode_errors_by_batch(test, {name: result["predictions"][name] for name in ("llmvisor", "adapter_blind")})
     cores = os.cpu_count()
     peak = max((max(load) for load in loads), default=None)
     out = {

@@ -30,10 +30,12 @@ no round both prices a rule and judges it: that verdict is about the rule alone.
 from __future__ import annotations
 
 import numpy as np
+from scipy.optimize import nnls
 
 from llmvisor.core.attribution import attribute_arrays
 from llmvisor.core.features import LoraCoef, lora_slices
-from llmvisor.validation.game import exact_shapley
+from llmvisor.core.model import StepLatencyModel
+from llmvisor.validation.game import exact_shapley, members
 
 AGREES = "agrees within noise"
 FLAGGED = "flagged"
@@ -75,15 +77,14 @@ def batch_lora_terms(mixed_means_s, control_means_s, names) -> dict:
     S], that is l8 (the LoRA path's set-up), l3 + l5 (an adapter request's token work and its adapter's kernels: one
     request per adapter here, so the two cannot be told apart; both go to l3) and l9 (per base-model token). Returns the
     three coefficients and the fit's residual (root mean square, seconds)."""
-    from scipy.optimize import nnls
-
     diff = np.asarray(mixed_means_s, dtype=np.float64) - np.asarray(control_means_s, dtype=np.float64)
-    adapter = np.array([bool(a) for a in names])
+    adapter = [bool(a) for a in names]
     rows, target = [], []
     for mask in range(1, diff.size):
-        players = np.array([(mask >> i) & 1 for i in range(adapter.size)], dtype=bool)
-        if (players & adapter).any():
-            rows.append([1.0, float((players & adapter).sum()), float((players & ~adapter).sum())])
+        chosen = members(mask, len(adapter))
+        n_adapter = sum(adapter[i] for i in chosen)
+        if n_adapter:
+            rows.append([1.0, float(n_adapter), float(len(chosen) - n_adapter)])
             target.append(diff[mask])
     a, b = np.array(rows), np.array(target)
     coef, _ = nnls(a, b)
@@ -94,8 +95,6 @@ def batch_lora_terms(mixed_means_s, control_means_s, names) -> dict:
 def with_batch_lora_terms(model, terms: dict):
     """A copy of ``model`` whose decode LoRA terms are a batch's (`batch_lora_terms`): l3 its per-adapter-request term,
     l4 and l5 0 (folded into l3), l8 and l9 its own."""
-    from llmvisor.core.model import StepLatencyModel
-
     coef = np.array(model.coef_, dtype=np.float64)
     coef[:, LoraCoef.L3] = terms["adapter_request_s"]
     coef[:, [LoraCoef.L4, LoraCoef.L5]] = 0.0
