@@ -278,3 +278,43 @@ def test_each_batch_round_journals_where_its_wall_time_went(tmp_path):
     assert cost["rounds"]["n"] == rounds and cost["rounds"]["steps_s"] == pytest.approx(steps_s, rel=1e-3)
     assert cost["step_time_s"] == pytest.approx(steps_s) and cost["steps_per_wall_s"] == pytest.approx(counts["measured_now"] / 10.0)
     assert cost["other_fraction"] == pytest.approx(1 - (steps_s + sum(journal.canary_s)) / 10.0)
+
+
+def test_the_pairs_layout_reads_each_document_by_a_short_and_a_long_reader():
+    batches = plan(kinds=(SampledKind.MIXED_SHARING_DECODE,), sizes=(16, 32), sharing_layout="pairs")
+    assert [b.key for b in batches] != [b.key for b in plan(kinds=(SampledKind.MIXED_SHARING_DECODE,), sizes=(16, 32))]
+    for b in batches:
+        groups = np.array(b.groups)
+        own = np.array(b.num_context_tokens) - np.array(b.shared_prefix_tokens)
+        if b.size < 16:  # the exact batches keep their groups of 3 and 2
+            assert sorted(int((groups == g).sum()) for g in set(b.groups) if g >= 0) == [2, 3]
+            continue
+        documents = sorted(set(b.groups) - {-1})
+        assert len(documents) == round(3 * b.size / 16) and (groups < 0).sum() == b.size - 2 * len(documents)
+        for g in documents:
+            short, long = sorted(own[groups == g])
+            assert 16 <= short <= 64 and long >= (3840 - b.shared_prefix_tokens[b.groups.index(g)]) // 2
+    settings = {"design": "coalitions", "batches": 6, "sizes": [16, 32], "kinds": ["mixed_sharing_decode"], "coalitions_per_request": 4,
+                "replicate_share": 0.25, "exact_sharing_batches": 2, "sharing_layout": "pairs"}
+    assert [b.key for b in sampled_plan(mixes(), ENVELOPE_64, settings, seed=3)] == [b.key for b in batches]
+    with pytest.raises(LlmvisorError, match="sharing-layout"):
+        plan(sharing_layout="triples")
+
+
+def test_on_pairs_the_sharing_check_flags_each_plausible_wrong_rule_and_passes_the_equal_split(tmp_path):
+    """An engine whose readers split each document's blocks equally: at serving size the check passes that rule and
+    flags the first reader paying, each reader paying the whole block and the split by context length (the pairs
+    layout is what lets the last one depart from the equal split by more than the check's ±3%)."""
+    from llmvisor.validation.coalitions import analyse_coalition_batch, coalition_summary
+    from test_validation_sampled_plan import sharing_model
+
+    batches = draw_coalition_batches(mixes(), ENVELOPE_64, n_batches=6, coalitions_per_request=4, sizes=(16, 32),
+                                     kinds=(SampledKind.MIXED_SHARING_DECODE,), sharing_layout="pairs", seed=5)
+    journal = Journal(tmp_path / "j.jsonl")
+    measure_sampled(GroupedEngine(grouped_sharing_cost, noise=0.01, seed=2), batches, journal, repeat=1, warm_up_steps=0)
+    records = [analyse_coalition_batch(b, journal, sharing_model()) for b in batches]
+    rules = coalition_summary(records, trials=5)["sharing"]["serving_size"]["rules"]
+    assert not rules["split_among_readers"]["flagged"]
+    for wrong in ("first_reader_pays", "whole_block_per_reader", "split_by_context_length"):
+        assert rules[wrong]["flagged"], (wrong, rules[wrong]["class_bias"])
+    assert rules["split_by_context_length"]["verdict"]["short_readers"] == "missed"

@@ -39,6 +39,7 @@ from llmvisor.validation.plans import (
     SAMPLED_SIZES,
     Design,
     Envelope,
+    SharingLayout,
     draw_batches,
     read_length_mixes,
     sampled_plan,
@@ -143,6 +144,7 @@ RESUMED_OPTIONS = {
     "pools": ("sampled", "pools"),
     "pool_coalitions_per_request": ("sampled", "pool_coalitions_per_request"),
     "pool_chunk": ("sampled", "pool_chunk"),
+    "sharing_layout": ("sampled", "sharing_layout"),
     "tenant_batches": ("tenants", "batches"),
     "tenant_sizes": ("tenants", "sizes"),
     "tenant_repeat": ("tenants", "repeat"),
@@ -207,6 +209,7 @@ def validate(
     pools: Annotated[int, typer.Option(help="With --design coalitions: pools of batches sharing one prefill (a batch of the largest size, then largest ÷ s batches of each smaller size s drawn from its requests), after the other batches.", min=0)] = 0,
     pool_coalitions_per_request: Annotated[float | None, typer.Option(help="With --pools: coalitions per request of a pooled batch (default: --coalitions-per-request).", min=1)] = None,
     pool_chunk: Annotated[int | None, typer.Option(help="With --pools: coalitions per guarded batch-round of a pooled batch (default: 32, as the other batches); the held contexts are prepared once per round, and each grows by the steps it runs in it.", min=2)] = None,
+    sharing_layout: Annotated[str, typer.Option(help="With --design coalitions: readers of the serving-size mixed-sharing batches in 'groups' (2–3 prefix groups of 30%, 20%, 10% of the batch) or 'pairs' (documents each read by a short question and a long continuation: what tells rules that split a document by position or context length from the equal split).", metavar="LAYOUT")] = "groups",
     tenant_batches: Annotated[int, typer.Option(help="Serving-size batches of 2–4 unequal tenants (heavy, light, one sharing a document, medium) whose tenants' game is measured exactly: every coalition of tenants, --tenant-repeat times per round (0: none).", min=0)] = 0,
     tenant_sizes: Annotated[str, typer.Option(help="Sizes of the tenant batches, comma-separated, cycled (each at most --max-num-seqs).", metavar="N,N,...")] = ",".join(map(str, SAMPLED_SIZES)),
     tenant_repeat: Annotated[int, typer.Option(help="Times each coalition of tenants is measured per round.", min=2)] = 6,
@@ -241,7 +244,7 @@ def validate(
         "orders": orders, "sampled_repeat": sampled_repeat, "sampled_sizes": sampled_sizes, "sampled_kinds": sampled_kinds,
         "design": design, "coalitions_per_request": coalitions_per_request, "replicate_share": replicate_share,
         "exact_sharing_batches": exact_sharing_batches, "pools": pools, "pool_coalitions_per_request": pool_coalitions_per_request,
-        "pool_chunk": pool_chunk, "tenant_batches": tenant_batches, "tenant_sizes": tenant_sizes, "tenant_repeat": tenant_repeat,
+        "pool_chunk": pool_chunk, "sharing_layout": sharing_layout, "tenant_batches": tenant_batches, "tenant_sizes": tenant_sizes, "tenant_repeat": tenant_repeat,
         "tenant_rounds": tenant_rounds,
     })
     batches, max_batch, repeat, replicate_every = options["batches"], options["max_batch"], options["repeat"], options["replicate_every"]
@@ -254,11 +257,15 @@ def validate(
     replicate_share, exact_sharing_batches = options["replicate_share"], options["exact_sharing_batches"]
     pools, pool_coalitions_per_request, pool_chunk = options["pools"], options["pool_coalitions_per_request"], options["pool_chunk"]
     tenant_batches, tenant_repeat, tenant_rounds = options["tenant_batches"], options["tenant_repeat"], options["tenant_rounds"]
-    tenant_sizes = options["tenant_sizes"]
+    tenant_sizes, sharing_layout = options["tenant_sizes"], options["sharing_layout"]
     if pools and design != Design.COALITIONS:
         raise LlmvisorError("--pools: only with --design coalitions")
     if design not in tuple(Design):
         raise LlmvisorError(f"--design: {design!r} is not one of {', '.join(Design)}")
+    if sharing_layout not in tuple(SharingLayout):
+        raise LlmvisorError(f"--sharing-layout: {sharing_layout!r} is not one of {', '.join(SharingLayout)}")
+    if sharing_layout != SharingLayout.GROUPS and (design != Design.COALITIONS or pools):
+        raise LlmvisorError("--sharing-layout pairs: only with --design coalitions and without --pools")
     model = model if model is not None else shipped.latency_model_path()
     latency_model = StepLatencyModel.from_json(model)
     if repeat < 1:
@@ -305,6 +312,8 @@ def validate(
             sampled_settings |= {"pools": pools, "pool_coalitions_per_request": pool_coalitions_per_request}
             if pool_chunk is not None:
                 sampled_settings["pool_chunk"] = pool_chunk
+        if sharing_layout != SharingLayout.GROUPS:  # recorded only when chosen: earlier results re-draw as they were
+            sampled_settings["sharing_layout"] = sharing_layout
     if sampled_batches or (design == Design.COALITIONS and exact_sharing_batches):
         sampled_specs = sampled_plan(mixes, envelope, sampled_settings, seed=seed)
 

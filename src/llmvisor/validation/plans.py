@@ -404,6 +404,31 @@ def draw_prefix_groups(size: int, rng: np.random.Generator, *, exact: bool = Fal
     return [int(g) for g in rng.permutation(groups)]
 
 
+class SharingLayout(StrEnum):
+    """How the readers of a serving-size mixed-sharing batch are laid out over its shared documents."""
+
+    GROUPS = "groups"
+    """2–3 prefix groups of about 30%, 20% and 10% of the batch (`draw_prefix_groups`), own parts drawn from the mix."""
+    PAIRS = "pairs"
+    """Documents read in pairs (3 of every 16 requests), each by one short question (16–64 own tokens) and one long
+    continuation (half to all of the model length the document leaves), the rest own contexts from the mix: the
+    readers of one document differ most, so rules that split a document by position or by context length bill them
+    unlike the equal split, and the sharing check can tell them apart."""
+
+
+SHORT_QUESTION_TOKENS = (16, 64)
+"""Own tokens of a pair's short reader (a question about the shared document)."""
+
+
+def draw_reader_pairs(size: int, rng: np.random.Generator) -> list[int]:
+    """Per request, its document (−1: own context) in the `SharingLayout.PAIRS` layout, shuffled."""
+    n_pairs = max(1, round(3 * size / 16))
+    if 2 * n_pairs >= size:
+        raise LlmvisorError(f"a mixed-sharing batch in pairs needs at least {2 * n_pairs + 1} requests (got {size})")
+    groups = [g for g in range(n_pairs) for _ in range(2)] + [-1] * (size - 2 * n_pairs)
+    return [int(g) for g in rng.permutation(groups)]
+
+
 def complementary_masks(n: int, m: int, rng: np.random.Generator) -> list[int]:
     """The full batch and (m − 1) // 2 distinct complementary pairs (S, B∖S), each request in S with probability ½."""
     full = (1 << n) - 1
@@ -435,6 +460,7 @@ def draw_coalition_batches(
     pools: int = 0,
     pool_coalitions_per_request: float | None = None,
     pool_chunk: int | None = None,
+    sharing_layout: str = SharingLayout.GROUPS,
     seed: int = 0,
 ) -> list[SampledBatchSpec]:
     """Serving-size batches measured on random complementary coalitions (``coalitions_per_request`` × n + 1 of them,
@@ -444,7 +470,11 @@ def draw_coalition_batches(
     group's prefix 0.1–0.3 of the model's length, different per group. ``exact_sharing_batches`` more mixed-sharing
     batches of ``exact_sharing_sizes`` (cycled) measure every subset, twice: their Shapley values are exact.
     ``pool_chunk`` (default ``chunk``): coalitions per batch-round of the pools' batches; a longer round spends one
-    preparation of the held contexts on more steps, and each context grows by the steps it runs in the round."""
+    preparation of the held contexts on more steps, and each context grows by the steps it runs in the round.
+    ``sharing_layout`` (`SharingLayout`) lays out the serving-size mixed-sharing batches' readers (the exact ones keep
+    their groups of 3 and 2)."""
+    if sharing_layout not in tuple(SharingLayout):
+        raise LlmvisorError(f"--sharing-layout: {sharing_layout!r} is not one of {', '.join(SharingLayout)}")
     if n_batches < 0 or exact_sharing_batches < 0:
         raise LlmvisorError("--sampled-batches / --exact-sharing-batches: 0 or more")
     if coalitions_per_request < 1:
@@ -464,7 +494,8 @@ def draw_coalition_batches(
     out = []
 
     def sharing_batch(index: int, template: SampledBatchSpec | None, size: int, exact: bool, rng=rng) -> SampledBatchSpec:
-        groups = draw_prefix_groups(size, rng, exact=exact)
+        pairs = sharing_layout == SharingLayout.PAIRS and not exact
+        groups = draw_reader_pairs(size, rng) if pairs else draw_prefix_groups(size, rng, exact=exact)
         n_groups = max(groups) + 1
         prefixes = [int(max_context * f) for f in rng.permutation(np.linspace(0.1, 0.3, n_groups))]
         mix = mixes[index % len(mixes)]
@@ -473,6 +504,12 @@ def draw_coalition_batches(
         raw = (mix.prompt_tokens[rows] + np.floor(rng.random(size) * (mix.output_tokens[rows] + 1))) * scale
         shared = np.array([prefixes[g] if g >= 0 else 0 for g in groups])
         own = np.clip(np.rint(raw * (max_context - shared) / max_context), 1, max_context - shared).astype(int)
+        if pairs:  # in each pair, one short question and one long continuation, in random order
+            for g in range(n_groups):
+                short, long = rng.permutation(np.flatnonzero(np.array(groups) == g))
+                own[short] = rng.integers(SHORT_QUESTION_TOKENS[0], SHORT_QUESTION_TOKENS[1] + 1)
+                left = max_context - prefixes[g]
+                own[long] = int(rng.integers(left // 2, left + 1))
         context = shared + own
         masks = list(range((1 << size) - 1, 0, -1)) if exact else complementary_masks(size, int(coalitions_per_request * size) + 1, rng)
         return SampledBatchSpec(
@@ -597,7 +634,7 @@ def sampled_plan(mixes: list[LengthMix], envelope: Envelope, sampled: dict, *, s
             kinds=kinds, replicate_share=sampled["replicate_share"], exact_sharing_batches=sampled.get("exact_sharing_batches", 0),
             exact_sharing_sizes=tuple(sampled.get("exact_sharing_sizes", (6, 7))), chunk=sampled.get("chunk", 32),
             pools=sampled.get("pools", 0), pool_coalitions_per_request=sampled.get("pool_coalitions_per_request"),
-            pool_chunk=sampled.get("pool_chunk"), seed=seed)
+            pool_chunk=sampled.get("pool_chunk"), sharing_layout=sampled.get("sharing_layout", SharingLayout.GROUPS), seed=seed)
     return draw_sampled_batches(mixes, envelope, n_batches=sampled["batches"], n_orders=sampled["orders"], sizes=sizes, kinds=kinds,
                                 antithetic=sampled.get("antithetic", True), seed=seed)
 
