@@ -318,3 +318,25 @@ def test_on_pairs_the_sharing_check_flags_each_plausible_wrong_rule_and_passes_t
     for wrong in ("first_reader_pays", "whole_block_per_reader", "split_by_context_length"):
         assert rules[wrong]["flagged"], (wrong, rules[wrong]["class_bias"])
     assert rules["split_by_context_length"]["verdict"]["short_readers"] == "missed"
+
+
+def test_validate_records_the_pairs_layout_and_resumes_with_it(tmp_path, monkeypatch):
+    import json
+
+    from llmvisor.cli.validate import validate
+
+    workloads, model_path = fake_grouped_command(tmp_path, monkeypatch, step_sleep_s=0.0)
+    output = tmp_path / "pairs.json"
+    common = dict(output=output, model=model_path, workloads=workloads, batches=0, repeat=1, n_bootstrap=20, max_num_seqs=32,
+                  design="coalitions", sampled_batches=2, coalitions_per_request=2, sampled_sizes="16",
+                  sampled_kinds="mixed_sharing_decode")
+    with pytest.raises(LlmvisorError, match="only with --design coalitions"):
+        validate(**{**common, "design": "prefixes", "output": tmp_path / "p.json"}, sharing_layout="pairs")
+    validate(**common, sharing_layout="pairs")
+    result = json.loads(output.read_text())
+    assert result["settings"]["sampled"]["sharing_layout"] == "pairs" and result["n_sampled_batches_measured"] == 2
+    rules = result["summary"]["sharing"]["serving_size"]["rules"]
+    assert set(rules) == {"split_among_readers", "whole_block_per_reader", "first_reader_pays", "split_by_context_length"}
+    for record in result["sampled_batches"]:
+        documents = [g for g in set(record["groups"]) if g >= 0]
+        assert len(documents) == 3 and all(record["groups"].count(g) == 2 for g in documents)

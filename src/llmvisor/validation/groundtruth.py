@@ -9,7 +9,9 @@
   the additive projection (the Shapley value of the best additive game, the estimator's limit) against the exact
   value, per class, with an interval from the repeats.
 - **Sharing rules**: the landed rule and three plausible wrong ones through the same class-bias check
-  (`llmvisor.validation.coalitions.sharing_check`), with the batches a rule not flagged today would need.
+  (`llmvisor.validation.coalitions.sharing_check`), with the batches a rule not flagged today would need; and the
+  same on the sharing run (`validate --sharing-layout pairs`: each document read by a short and a long reader, the
+  layout where the wrong rules depart from the landed one), when its result is given.
 """
 
 from __future__ import annotations
@@ -163,8 +165,24 @@ def sharing_rule_verdicts(records: list[dict], *, limit: float = CLASS_BIAS_MAX)
     return out
 
 
-def groundtruth_figures(*, seed: int = 0, n_bootstrap: int = 1000, trials: int = 20) -> dict:
-    """Every figure of this module from the shipped journals, JSON-ready (`jsonable`)."""
+def sharing_run_figures(result_path: Path) -> dict:
+    """The sharing run's verdicts (`sharing_rule_verdicts` on its serving-size batches), its plan and what measuring
+    it cost (the result's own `summary.measurement_cost`: steps per wall second, engine starts included)."""
+    records, v = coalition_records(result_path, result_path.with_name(result_path.name.removesuffix(".json") + ".journal.jsonl.gz"))
+    result = json.loads(result_path.read_text(encoding="utf-8"))
+    sampled = result["settings"]["sampled"]
+    return {"source": result_path.name,
+            "plan": {k: sampled.get(k) for k in ("batches", "sizes", "kinds", "coalitions_per_request", "sharing_layout")},
+            "n_request_sets": sum(1 for r in records if r["kind"] == "mixed_sharing_decode" and not r.get("exact")
+                                  and not r.get("interference_flagged")),
+            "n_interference_flagged": sum(1 for r in records if r.get("interference_flagged")),
+            "rules": sharing_rule_verdicts(records)["serving_size"],
+            "measurement_cost": result["summary"]["measurement_cost"]}
+
+
+def groundtruth_figures(*, seed: int = 0, n_bootstrap: int = 1000, trials: int = 20, sharing_result: Path | None = None) -> dict:
+    """Every figure of this module from the shipped journals, JSON-ready (`jsonable`); ``sharing_result``: the sharing
+    run's result (its gzipped journal beside it)."""
     from llmvisor.validation.coalitions import jsonable
 
     records, _ = coalition_records()
@@ -195,6 +213,7 @@ def groundtruth_figures(*, seed: int = 0, n_bootstrap: int = 1000, trials: int =
         "n_serving_size_batches": sum(1 for r in records if not r.get("exact") and not r.get("interference_flagged")),
         "n_mixed_sharing_request_sets": sum(1 for r in records if r["kind"] == "mixed_sharing_decode" and not r.get("exact")
                                             and not r.get("interference_flagged")),
+        **({"sharing_run": sharing_run_figures(Path(sharing_result))} if sharing_result else {}),
     })
 
 
@@ -281,7 +300,10 @@ def markdown_summary(figures: dict) -> str:
                           for label, part in bias.items() for name, b in part["by_class"].items() if name != "all") + "."]
     lines += ["", "| sharing rule | batches | flagged | deciding class | its bias [95%] | departure from the landed rule | batches to flag |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
-    for label, part in figures["sharing_rules"].items():
+    parts = list(figures["sharing_rules"].items())
+    if "sharing_run" in figures:
+        parts.append(("sharing_run_pairs", figures["sharing_run"]["rules"]))
+    for label, part in parts:
         for rule, row in part["rules"].items():
             if row["landed"]:
                 name, worst = max(((k, b) for k, b in row["class_bias"].items() if b), key=lambda kb: abs(kb[1]["bias"]))
