@@ -97,7 +97,7 @@ def test_a_jump_in_decode_step_cost_at_a_count_of_sequences_is_found_where_the_s
 
 
 def test_decode_count_candidates_leave_a_fit_without_such_a_jump_as_the_search_made_it():
-    """Where the one-segment outlier rule dropped no run of steps above a count, no decode-count candidate is tried."""
+    """Where the one-segment outlier rule dropped no run of decode-only steps above a count, no decode-count candidate is tried."""
     model = StepLatencyModel().fit(synthetic_trace(3000, max_batch_size=16, noise=0.03, seed=4))
     counts = model.fit_info_["boundary_search"]["decode_counts"]
     assert counts["chosen"] is None and counts["candidates"]

@@ -554,7 +554,7 @@ class StepLatencyModel:
         Each of these candidates therefore applies the outlier rule with its own two-segment fit (`_segment_plan`) to the
         steps ``cleaned`` (before that rule), as does the choice with its own (``kept``, the steps the one-segment rule
         kept, when it is 'none'). A candidate is tried only where its rule readmits at least ``min_steps_per_segment``
-        steps at or above it that the choice's dropped (else the choice sees those steps, and the search has decided). A
+        decode-only steps at or above it that the choice's dropped (else the choice sees those steps, and the search has decided). A
         tried one is compared with the choice on the search's folds, paired on the held-out steps either keeps: the mean over them of the choice's squared relative error less the candidate's, its standard
         error over time blocks (`time_block_groups`: neighbouring steps are not independent). The candidate of the largest
         gain is taken if that is more than one standard error, as the search keeps 'none' unless its best beats it by more."""
@@ -562,8 +562,8 @@ class StepLatencyModel:
         candidates = [float(c) for c in np.unique(load[decode_only]) if c > load[cleaned].min()]
         report = {
             "rule": "each count of decode sequences in a decode-only step (its load) as a boundary, the outlier rule applied with "
-                    "that boundary's two-segment fit, tried where that readmits at least min_steps_per_segment steps at or above it "
-                    "that the search's choice, its outlier rule applied with its own fit, dropped; the one of the largest gain in cross-validated squared relative error over "
+                    "that boundary's two-segment fit, tried where that readmits at least min_steps_per_segment decode-only steps at or "
+                    "above it that the search's choice, its outlier rule applied with its own fit, dropped; the one of the largest gain in cross-validated squared relative error over "
                     "the search's choice, paired on the held-out steps either keeps, is taken if that gain is more than one standard "
                     "error (over time blocks)",
             "against": "none" if boundary is None else f"{boundary:g}",
@@ -582,16 +582,20 @@ class StepLatencyModel:
         best = None
         for count in candidates:
             key = f"{count:g}"
+            above = decode_only & (load >= count)
+            if (above & ~kept).sum() < self.min_steps_per_segment:  # nothing its rule could readmit: no fit needed
+                report["candidates"][key] = {"boundary_new_tokens": count, "skipped": "the choice dropped too few decode-only steps at or above it"}
+                continue
             own = self._segment_plan(x, load, cleaned, count)
             if own is None:
                 report["candidates"][key] = {"boundary_new_tokens": count, "skipped": "a segment has too few or rank-deficient steps"}
                 continue
             outliers, cut = self._slow_outliers(x, y, load, cleaned, count, own)
             keep = cleaned & ~outliers
-            readmitted = int((keep & ~kept & (load >= count)).sum())
+            readmitted = int((keep & ~kept & above).sum())
             own = self._segment_plan(x, load, keep, count) if readmitted >= self.min_steps_per_segment else None
             if own is None:
-                reason = ("its outlier rule readmits too few steps at or above it" if readmitted < self.min_steps_per_segment
+                reason = ("its outlier rule readmits too few decode-only steps at or above it" if readmitted < self.min_steps_per_segment
                           else "a segment has too few or rank-deficient steps")
                 report["candidates"][key] = {"boundary_new_tokens": count, "n_readmitted_above": readmitted, "skipped": reason}
                 continue
