@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmvisor.core.game import segments_of
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.engines.vllm.controlled import ControlledEngine, LoraAdapter
 from llmvisor.profile.adapters import write_adapters
@@ -64,9 +65,23 @@ def load_average() -> list[float]:
 
 
 def fitted_model(model_json: str) -> tuple[StepLatencyModel, dict]:
-    """The LoRA-aware model of a measure-lora.py figure file (its ``coef_s``), and the file."""
+    """The LoRA-aware model of a measure-lora.py figure file (its ``coef_s``, a value per segment, and its boundary), and
+    the file."""
     fitted = json.loads(Path(model_json).read_text(encoding="utf-8"))
-    return StepLatencyModel.from_coefficients([{k: v[0] for k, v in fitted["coef_s"].items()}], fitted.get("boundary_new_tokens")), fitted
+    coef = fitted["coef_s"]
+    segments = [{k: v[i] for k, v in coef.items()} for i in range(len(coef["intercept"]))]
+    return StepLatencyModel.from_coefficients(segments, fitted.get("boundary_new_tokens")), fitted
+
+
+def model_record(model: StepLatencyModel, fitted: dict, batch_size: int) -> dict:
+    """The fitted model's LoRA terms that price the games: those of the segment of the whole batch (one token a request),
+    which holds every subset's too (a smaller load)."""
+    segment = int(segments_of(model.boundary_, [float(batch_size)])[0])
+    coef = fitted["coef_s"]
+    return {"source": "docs/results/lora.json coef_s (the LoRA-aware model fitted by scripts/measure-lora.py)",
+            "segment": model.segment_names_[segment], "boundary_new_tokens": model.boundary_,
+            "l5_lora_adapters_s": coef["lora_adapters"][segment], "decode_lora_tokens_s": coef["decode_lora_tokens"][segment],
+            **{f"{k}_{name}_s": coef[name][segment] for k, name in (("l8", "lora_steps"), ("l9", "lora_base_tokens")) if name in coef}}
 
 
 def rule_shares(model: StepLatencyModel, games: dict) -> dict:
@@ -187,11 +202,14 @@ def main() -> None:
         result = json.loads(Path(args.output).read_text(encoding="utf-8"))
         games = {g: {k: v for k, v in spec.items() if k != "players"} for g, spec in result["games"].items()}
         result["rule_shares_s"] = rule_shares(model, games)
+        result["model"] = model_record(model, fitted, len(games["mixed"]["contexts"]))
         result["repriced"] = "rule_shares_s recomputed (no engine) by: python scripts/measure-lora-shapley.py --reprice"
         if result.get("rounds_file"):  # the checks again from the kept rounds
             mixed_s, control_s = read_rounds(Path(args.output).with_name(result["rounds_file"]))
             result["check"], result["batch_terms_check"] = analyse(model, mixed_s, control_s, games, result["check"]["bootstrap"]["seed"])
-            result["repriced"] += "; check and batch_terms_check recomputed from rounds_file"
+            # the subset means the check's Shapley values are of: the kept rounds' (stored to 100 ns)
+            result["subset_mean_s"] = {"mixed": np.nanmean(mixed_s, axis=0).tolist(), "control": np.nanmean(control_s, axis=0).tolist()}
+            result["repriced"] += "; check, batch_terms_check and subset_mean_s recomputed from rounds_file"
         Path(args.output).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         return
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -262,11 +280,7 @@ def main() -> None:
                  "to the adapter requests whole); see llmvisor.validation.lora"),
         "engine": settings,
         "engine_shape": engine_facts["shape"],
-        "model": {"source": "docs/results/lora.json coef_s (the LoRA-aware model fitted by scripts/measure-lora.py)",
-                  "l5_lora_adapters_s": fitted["coef_s"]["lora_adapters"][0],
-                  "decode_lora_tokens_s": fitted["coef_s"]["decode_lora_tokens"][0],
-                  **{f"{k}_{name}_s": fitted["coef_s"][name][0] for k, name in (("l8", "lora_steps"), ("l9", "lora_base_tokens"))
-                     if name in fitted["coef_s"]}},
+        "model": model_record(model, fitted, n),
         "adapters": [{"name": a.path.name, "rank": a.rank, "target_modules": list(a.target_modules)} for a in adapters],
         "slots": (f"max_loras = max_cpu_loras = {len(lora)} = the adapters of the batch: both are loaded while the batch is "
                   "prepared and stay resident; a measured step whose record shows a slot load is redone, so no measured step "

@@ -160,6 +160,21 @@ def decode_errors_by_batch(test, predictions: dict) -> list[dict]:
             for n in sorted(set(size[keep].tolist()))]
 
 
+def boundary_choice(model) -> dict:
+    """How a fitted model chose its segment boundary (`StepLatencyModel`'s ``fit_info_["boundary_search"]``): the search's
+    choice, then the best decode-count candidate it tried (its paired cross-validated gain over that choice and the gain's
+    standard error; taken when the gain is the larger), and its outlier rule."""
+    search = model.fit_info_["boundary_search"]
+    counts = search.get("decode_counts") or {}
+    tried = {k: v for k, v in counts.get("candidates", {}).items() if "gain" in v}
+    best = max(tried, key=lambda k: tried[k]["gain"], default=None)
+    keys = ("gain", "gain_standard_error", "n_readmitted_above", "n_outliers_dropped", "borrowed_features")
+    return {"boundary_new_tokens": model.boundary_, "search_chose": counts.get("against", search.get("chosen")),
+            "decode_count_rule": counts.get("rule"),
+            "best_decode_count": None if best is None else {"count": tried[best]["boundary_new_tokens"], **{k: tried[best][k] for k in keys}},
+            "n_outliers_dropped": model.fit_info_["n_outliers_dropped"], "outlier_rule": model.fit_info_["outlier_rule"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-o", "--output", type=Path, default=REPO / "docs" / "results" / "lora.json")
@@ -282,6 +297,7 @@ def main() -> None:
         "coef_note": "the LoRA-aware model's coefficients, seconds per unit of each feature, one per segment (steps with "
                      "fewer total new tokens than boundary_new_tokens use the first); LoRA terms: " + ", ".join(LORA_FEATURE_NAMES),
         "boundary_new_tokens": aware.boundary_,
+        "boundary_search": {"llmvisor": boundary_choice(aware), "adapter_blind": boundary_choice(result["fitted"]["adapter_blind"].model_)},
         "noise_floor": result["noise_floor"],
         "machine": {
             "cores": cores,

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmvisor.core.model import StepLatencyModel
 from llmvisor.validation.game import exact_shapley
 from llmvisor.validation.lora import (
     AGREES,
@@ -42,7 +41,7 @@ def load(name: str = FILES[0]):
 
 @pytest.mark.parametrize("name", FILES)
 def test_the_json_is_a_mixed_adapter_measurement_and_its_verdicts_follow_from_its_figures(name):
-    _, result = load(name)
+    script, result = load(name)
     assert result["command"].startswith("python scripts/measure-lora-shapley.py")
     ranks = [a["rank"] for a in result["adapters"]]
     assert len(set(ranks)) == 2
@@ -57,8 +56,7 @@ def test_the_json_is_a_mixed_adapter_measurement_and_its_verdicts_follow_from_it
         assert np.allclose(exact_shapley(np.array(result["subset_mean_s"][game])), check[f"phi_{game}_s"], rtol=1e-9, atol=1e-12)
     d = np.array(check["phi_mixed_s"])[subjects] - np.array(check["phi_control_s"])[subjects]
     assert np.allclose(d, check["d_s"]) and np.isclose(d.sum(), check["D_s"])
-    fitted = json.loads((REPO / "docs" / "results" / "lora.json").read_text(encoding="utf-8"))
-    model = StepLatencyModel.from_coefficients([{k: v[0] for k, v in fitted["coef_s"].items()}])
+    model = script.fitted_model(REPO / "docs" / "results" / "lora.json")[0]
     strip = ("players",)
     predicted = rule_differences(model, subjects, {k: v for k, v in mixed.items() if k not in strip},
                                  {k: v for k, v in control.items() if k not in strip})
@@ -97,8 +95,7 @@ def test_the_batch_terms_check_is_priced_on_some_rounds_and_judged_on_the_others
     batch = result["batch_terms_check"]
     assert batch["terms"] == pytest.approx(terms, rel=1e-6, abs=1e-9)
     assert batch["check"]["rounds"] == judge.size
-    fitted = json.loads((REPO / "docs" / "results" / "lora.json").read_text(encoding="utf-8"))
-    model = with_batch_lora_terms(StepLatencyModel.from_coefficients([{k: v[0] for k, v in fitted["coef_s"].items()}]), batch["terms"])
+    model = with_batch_lora_terms(script.fitted_model(REPO / "docs" / "results" / "lora.json")[0], batch["terms"])
     assert_verdicts_follow(batch["check"], rule_differences(model, batch["check"]["subjects"], games["mixed"], games["control"]))
 
 
@@ -117,6 +114,16 @@ def test_the_doc_quotes_the_json():
     if "is higher than this 5-request decode batch's own" in doc:
         fitted = json.loads((REPO / "docs" / "results" / "lora.json").read_text(encoding="utf-8"))
         assert fitted["coef_s"]["lora_base_tokens"][0] > result["batch_terms_check"]["terms"]["lora_base_tokens_s"]
+    model = result["model"]  # the terms that priced the games: the segment the whole batch falls in
+    assert f"(l8 = {script.ms(model['l8_lora_steps_s'])}, l9 = {script.ms(model['l9_lora_base_tokens_s'])} per base-model token)" in doc
+    assert model == script.model_record(script.fitted_model(REPO / "docs" / "results" / "lora.json")[0],
+                                        json.loads((REPO / "docs" / "results" / "lora.json").read_text(encoding="utf-8")), 5)
+    if "about three times it" in doc:
+        assert 2.5 < model["l9_lora_base_tokens_s"] / result["batch_terms_check"]["terms"]["lora_base_tokens_s"] < 3.5
+    if "but less than the profiled terms say" in doc:
+        assert result["check"]["rules"]["stated"]["D_s"] > result["check"]["D_ci95_s"][1]
+    if "not close enough to this batch's in either run" in doc:
+        assert all(r["check"]["verdict"]["stated"] == FLAGGED for r in (result, load(FILES[1])[1]))
     _, repeat = load(FILES[1])
     quoted = script.doc_sentences(repeat)
     for k in (3, 5, 6, 7, 14, 16, 17, 18, 19, 20):

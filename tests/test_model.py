@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from llmvisor.core.features import FEATURE_NAMES
+from llmvisor.core.features import FEATURE_NAMES, step_new_tokens
 from llmvisor.core.model import PARAMETER_CONSTRAINTS, StepLatencyModel, composition_groups, group_k_fold
 from llmvisor.core.synthetic import DEFAULT_COEF_S, synthetic_trace
 from llmvisor.core.trace import StepTrace, concat_traces, read_trace
@@ -53,11 +53,56 @@ def test_auto_segments_find_a_real_boundary_and_keep_none_when_there_is_none():
     assert model.boundary_ is not None
     assert model.segment_names_ == ("memory_bound", "compute_bound")
     candidates = model.fit_info_["boundary_search"]["candidates"]
-    chosen = model.fit_info_["boundary_search"]["chosen"]
+    chosen = model.fit_info_["boundary_search"]["decode_counts"]["against"]  # the search's own choice, before decode counts
     assert candidates[chosen]["cv_mean_squared_rel_err"] < candidates["none"]["cv_mean_squared_rel_err"]
     plain = StepLatencyModel(segments="auto").fit(synthetic_trace(3000, noise=0.03, seed=4))
     assert plain.boundary_ is None
     assert plain.fit_info_["boundary_search"]["chosen"] == "none"
+
+
+def decode_jump_trace(seed: int, n_steps: int = 3000, jump_at: int = 14) -> tuple[StepTrace, np.ndarray]:
+    """Steps timed by the default coefficients, except that a decode-only step of ``jump_at`` requests or more takes twice
+    as long (as the LoRA engine's decode steps do from 9: docs/attribution.md). No prefill step is that light, so a
+    segment below the jump holds only decode steps. Also the mask of the slow steps."""
+    trace = synthetic_trace(n_steps, max_batch_size=16, noise=0.03, seed=seed)
+    trace = trace.select_steps(~trace.is_prefill_per_step | (step_new_tokens(trace) >= jump_at))
+    slow = ~trace.is_prefill_per_step & (trace.batch_size_per_step >= jump_at)
+    trace.step_latency_s[:] = np.repeat(trace.step_latency_s_per_step * np.where(slow, 2.0, 1.0), trace.batch_size_per_step)
+    return trace, slow
+
+
+def test_a_jump_in_decode_step_cost_at_a_count_of_sequences_is_found_where_the_search_alone_missed_it():
+    """The one-segment outlier rule drops every slow step (so the search never sees the jump), and a segment of only decode
+    steps cannot identify the prefill terms (so the search cannot place it): the decode-count candidates do both."""
+    trace, slow = decode_jump_trace(seed=1)
+    model = StepLatencyModel().fit(trace)
+    search = model.fit_info_["boundary_search"]
+    counts = search["decode_counts"]
+    assert model.boundary_ == 14.0 and search["chosen"] == "decode count 14" and counts["chosen"] == "14"
+    assert counts["against"] != "14" and search["candidates"].get("14", {"skipped": True}).get("skipped")
+    chosen = counts["candidates"]["14"]
+    assert chosen["gain"] > chosen["gain_standard_error"] > 0 and chosen["n_readmitted_above"] == slow.sum()
+    assert model.train_step_mask_[slow].all() and "two-segment (boundary 14)" in model.fit_info_["outlier_rule"]
+    prefill = [FEATURE_NAMES.index(n) for n in ("prefill_new_tokens", "prefill_new_tokens_squared", "prefill_new_x_context_tokens")]
+    assert chosen["borrowed_features"]["memory_bound"][:2] == ["prefill_new_tokens", "prefill_context_tokens"]
+    np.testing.assert_array_equal(model.coef_[0][prefill], model.coef_[1][prefill])  # taken from the segment with prefill steps
+    # what the search alone chose (the fit before these candidates): it drops the slow steps and misses them held out
+    alone = StepLatencyModel(segments="none" if counts["against"] == "none" else float(counts["against"])).fit(trace)
+    assert not alone.train_step_mask_[slow].any()
+    test, test_slow = decode_jump_trace(seed=2, n_steps=1000)
+    measured = test.step_latency_s_per_step
+    for fitted, most in ((model, 0.15), (alone, None)):
+        relative = np.abs(fitted.predict(test) - measured)[test_slow] / measured[test_slow]
+        assert (np.percentile(relative, 90) < most) if most else (np.percentile(relative, 90) > 0.4)
+
+
+def test_decode_count_candidates_leave_a_fit_without_such_a_jump_as_the_search_made_it():
+    """Where the one-segment outlier rule dropped no run of decode-only steps above a count, no decode-count candidate is tried."""
+    model = StepLatencyModel().fit(synthetic_trace(3000, max_batch_size=16, noise=0.03, seed=4))
+    counts = model.fit_info_["boundary_search"]["decode_counts"]
+    assert counts["chosen"] is None and counts["candidates"]
+    assert all("skipped" in c for c in counts["candidates"].values())
+    assert model.fit_info_["boundary_search"]["chosen"] == counts["against"]
 
 
 def test_boundary_search_folds_by_run_when_there_are_several():

@@ -181,7 +181,8 @@ def _solve(aw: np.ndarray, bw: np.ndarray, *, positive: bool, identified: np.nda
     which gives the same solution as on the full matrix at a fraction of the cost.
     """
     coef = np.zeros(aw.shape[1])
-    columns = np.flatnonzero(identified)
+    # a column all zero in these rows says nothing of its coefficient (NNLS would leave it anywhere): held at 0
+    columns = np.flatnonzero(identified & np.any(aw != 0, axis=0))
     if columns.size == 0 or aw.shape[0] == 0:
         return coef
     a = aw[:, columns]
@@ -228,8 +229,10 @@ class StepLatencyModel:
     segments : "auto", "none" or a number
         "auto" chooses the boundary by cross-validation among "no boundary" and candidates on the step load
         (``n_boundary_candidates`` load quantiles plus as many log-spaced values between the 5th and 99th
-        percentile, since most steps are light decode steps); "none" fits one set; a number fixes the
-        boundary (in new tokens per step).
+        percentile, since most steps are light decode steps), then each count of decode sequences a decode-only
+        step ran, with the outlier rule applied with that boundary's own fit (`_search_decode_counts`: a jump in decode
+        step cost at a count of sequences, which the one-segment outlier rule would drop); "none" fits one set; a number
+        fixes the boundary (in new tokens per step).
     positive : bool
         Nonnegative least squares (scipy NNLS), so every slice's term and so every share is ≥ 0. False gives
         plain least squares, the paper's variant.
@@ -253,7 +256,9 @@ class StepLatencyModel:
     n_boundary_candidates : int
         Load quantiles (and as many log-spaced values) tried as boundaries by ``segments="auto"``.
     min_steps_per_segment : int
-        A candidate boundary is skipped when either side has fewer steps (or cannot identify every feature).
+        A candidate boundary is skipped when either side has fewer steps (or cannot identify every feature; a decode-count
+        candidate may have one side fit only the features it holds in this many steps, taking the others from the other
+        side: `_segment_plan`).
     lora_work : "auto", "tokens", "rank_tokens" or "both"
         Only for a trace with the LoRA columns: the form of the per-token LoRA work (`llmvisor.core.features`).
         "tokens" prices the tokens run with any adapter (vLLM pads each adapter to ``--max-lora-rank``),
@@ -361,15 +366,23 @@ class StepLatencyModel:
         counts as much as a 1 s prefill step (the errors we report are relative)."""
         return 1.0 / y if self.weights == "relative" else np.ones_like(y)
 
-    def _fit_segments(self, aw, bw, load, boundary, rows=None, identified=None) -> np.ndarray:
+    def _fit_segments(self, aw, bw, load, boundary, rows=None, identified=None, own=None) -> np.ndarray:
+        """Coefficients per segment. ``own`` (a `_segment_plan`): per segment, the features it fits itself; the
+        others it takes from the segment that fits them all, which is fitted first."""
         rows = np.ones(bw.shape[0], dtype=bool) if rows is None else rows
         identified = self.identified_ if identified is None else identified
         if boundary is None:
             return _solve(aw[rows], bw[rows], positive=self.positive, identified=identified)[None, :]
         coef = np.zeros((2, aw.shape[1]))
-        for segment, in_segment in enumerate((load < boundary, load >= boundary)):
-            mask = rows & in_segment
-            coef[segment] = _solve(aw[mask], bw[mask], positive=self.positive, identified=identified)
+        masks = (rows & (load < boundary), rows & (load >= boundary))
+        own = (identified, identified) if own is None else own
+        order = sorted((0, 1), key=lambda segment: not np.array_equal(own[segment], identified))
+        for segment in order:
+            mask, borrowed = masks[segment], identified & ~own[segment]
+            other = coef[1 - segment]
+            target = bw[mask] - aw[mask][:, borrowed] @ other[borrowed] if borrowed.any() else bw[mask]
+            coef[segment] = _solve(aw[mask], target, positive=self.positive, identified=identified & own[segment])
+            coef[segment, borrowed] = other[borrowed]
         return coef
 
     @staticmethod
@@ -442,21 +455,12 @@ class StepLatencyModel:
                 f"after dropping {n_warmup} warm-up and {n_drifted} drifted steps)"
             )
 
-        n_outliers = 0
-        outlier_cut = None
-        if self.outlier_threshold is not None:
-            w = self._row_weights(y)
-            first = self._fit_segments(x * w[:, None], y * w, load, None, keep)
-            predicted = np.maximum(x @ first[0], 1e-12)
-            relative = (y - predicted) / predicted
-            median = np.median(relative[keep])
-            mad = 1.4826 * np.median(np.abs(relative[keep] - median))
-            outlier_cut = float(median + self.outlier_threshold * mad)
-            outliers = keep & (relative > outlier_cut)
-            n_outliers = int(outliers.sum())
-            keep &= ~outliers
+        cleaned = keep.copy()  # before the outlier rule: what the decode-count candidates trim with their own fit
+        outliers, outlier_cut = self._slow_outliers(x, y, load, keep, None)
+        n_outliers = int(outliers.sum())
+        keep &= ~outliers
+        outlier_fit = "one-segment"
 
-        self.train_step_mask_ = keep
         x_fit, y_fit, load_fit = x[keep], y[keep], load[keep]
         groups, grouping = self.fold_groups(trace, keep)
         names = FEATURE_NAMES_LORA if is_lora else FEATURE_NAMES
@@ -466,8 +470,20 @@ class StepLatencyModel:
             self.identified_ &= ~np.isin(np.array(names), lora_work["held_at_zero"])
         search = self._search_boundary(x_fit, y_fit, load_fit, groups, grouping)
         self.boundary_ = search["chosen"]
+        own = None
+        if self.segments == "auto":
+            counts = self._search_decode_counts(trace, x, y, load, cleaned, keep, self.boundary_, names)
+            search["report"]["decode_counts"] = counts["report"]
+            if counts["chosen"] is not None:
+                chosen = counts["chosen"]
+                self.boundary_, own, keep = chosen["boundary"], chosen["own"], chosen["keep"]
+                n_outliers, outlier_cut = int((cleaned & ~keep).sum()), chosen["outlier_cut"]
+                outlier_fit = f"two-segment (boundary {self.boundary_:g})"
+                search["report"]["chosen"] = f"decode count {self.boundary_:g}"
+                x_fit, y_fit, load_fit = x[keep], y[keep], load[keep]
+        self.train_step_mask_ = keep
         w = self._row_weights(y_fit)
-        self.coef_ = self._fit_segments(x_fit * w[:, None], y_fit * w, load_fit, self.boundary_)
+        self.coef_ = self._fit_segments(x_fit * w[:, None], y_fit * w, load_fit, self.boundary_, own=own)
         self.feature_names_ = names
         self.rank_ = int(np.linalg.matrix_rank(x_fit[:, self.identified_] / np.maximum(np.abs(x_fit[:, self.identified_]).max(axis=0), 1e-300)))
         self.n_features_in_ = len(names)
@@ -481,7 +497,7 @@ class StepLatencyModel:
             "n_outliers_dropped": n_outliers,
             "outlier_rule": None
             if outlier_cut is None
-            else f"relative residual of an initial one-segment fit > median + {self.outlier_threshold}·MAD = {outlier_cut:.4g}",
+            else f"relative residual of an initial {outlier_fit} fit > median + {self.outlier_threshold}·MAD = {outlier_cut:.4g}",
             "train_runs": list(dict.fromkeys(runs.tolist())),
             "train_engine_fingerprints": trace.engine_fingerprint_ids(),
             "unidentified_features": unidentified,
@@ -492,6 +508,131 @@ class StepLatencyModel:
         if lora_work is not None:
             self.fit_info_["lora_work"] = lora_work
         return self
+
+    def _slow_outliers(self, x, y, load, keep, boundary, own=None) -> tuple[np.ndarray, float | None]:
+        """The steps of ``keep`` the outlier rule drops (``outlier_threshold``), judged against an initial fit with
+        the given segments, and the rule's cut; none (and None) without a threshold."""
+        if self.outlier_threshold is None:
+            return np.zeros_like(keep), None
+        w = self._row_weights(y)
+        first = self._fit_segments(x * w[:, None], y * w, load, boundary, keep, own=own)
+        predicted = np.maximum(self._predict_rows(first, boundary, x, load), 1e-12)
+        relative = (y - predicted) / predicted
+        median = np.median(relative[keep])
+        mad = 1.4826 * np.median(np.abs(relative[keep] - median))
+        cut = float(median + self.outlier_threshold * mad)
+        return keep & (relative > cut), cut
+
+    def _segment_plan(self, x, load, rows, boundary) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per segment of ``boundary`` (over the steps ``rows`` selects), the identified features it fits itself; None
+        when it cannot be fitted. A segment of too few steps cannot. Where both segments identify every feature, both fit
+        them all. Else one must, and the other fits those it holds in at least ``min_steps_per_segment`` steps (full
+        rank) and takes the rest from the first: a segment of only decode steps keeps the prefill terms of the segment
+        that holds the prefill steps, rather than leave them unidentified."""
+        masks = (rows & (load < boundary), rows & (load >= boundary))
+        if min(int(m.sum()) for m in masks) < self.min_steps_per_segment:
+            return None
+        estimable = [self._segment_is_estimable(x, m) for m in masks]
+        if all(estimable):
+            return self.identified_, self.identified_
+        if not any(estimable):
+            return None
+        own = [self.identified_.copy(), self.identified_.copy()]
+        partial = estimable.index(False)
+        mask = masks[partial]
+        own[partial] &= np.count_nonzero(x[mask], axis=0) >= self.min_steps_per_segment
+        sub = x[mask][:, own[partial]]
+        sub = sub / np.maximum(np.abs(sub).max(axis=0), 1e-300)
+        if not own[partial].any() or np.linalg.matrix_rank(sub) < int(own[partial].sum()):
+            return None
+        return own[0], own[1]
+
+    def _search_decode_counts(self, trace, x, y, load, cleaned, kept, boundary, names) -> dict:
+        """Boundaries at each count of decode sequences a decode-only step ran (its load), beside the boundary search's
+        choice ``boundary``. A jump in step cost at such a count makes a one-segment fit call every step above it slow,
+        so the outlier rule, judged against that fit, drops them (the steps that would show the jump) before the search.
+        Each of these candidates therefore applies the outlier rule with its own two-segment fit (`_segment_plan`) to the
+        steps ``cleaned`` (before that rule), as does the choice with its own (``kept``, the steps the one-segment rule
+        kept, when it is 'none'). A candidate is tried only where its rule readmits at least ``min_steps_per_segment``
+        decode-only steps at or above it that the choice's dropped (else the choice sees those steps, and the search has decided). A
+        tried one is compared with the choice on the search's folds, paired on the held-out steps either keeps: the mean over them of the choice's squared relative error less the candidate's, its standard
+        error over time blocks (`time_block_groups`: neighbouring steps are not independent). The candidate of the largest
+        gain is taken if that is more than one standard error, as the search keeps 'none' unless its best beats it by more."""
+        decode_only = ~trace.is_prefill_per_step & cleaned
+        candidates = [float(c) for c in np.unique(load[decode_only]) if c > load[cleaned].min()]
+        report = {
+            "rule": "each count of decode sequences in a decode-only step (its load) as a boundary, the outlier rule applied with "
+                    "that boundary's two-segment fit, tried where that readmits at least min_steps_per_segment decode-only steps at or "
+                    "above it that the search's choice, its outlier rule applied with its own fit, dropped; the one of the largest gain in cross-validated squared relative error over "
+                    "the search's choice, paired on the held-out steps either keeps, is taken if that gain is more than one standard "
+                    "error (over time blocks)",
+            "against": "none" if boundary is None else f"{boundary:g}",
+            "candidates": {},
+        }
+        groups, _ = self.fold_groups(trace, cleaned)
+        tests = [np.isin(np.arange(trace.n_steps), np.flatnonzero(cleaned)[test]) for test in group_k_fold(groups, self.cv_folds)]
+        if not candidates or not tests:
+            reason = "no decode-only steps of two counts" if not candidates else "no fold to score on"
+            return {"chosen": None, "report": {**report, "chosen": None, "reason": reason}}
+        if boundary is not None:  # the choice too applies the outlier rule with its own segments' fit
+            kept = cleaned & ~self._slow_outliers(x, y, load, cleaned, boundary)[0]
+        w = self._row_weights(y)
+        aw, bw = x * w[:, None], y * w
+        base = blocks = None
+        best = None
+        for count in candidates:
+            key = f"{count:g}"
+            above = decode_only & (load >= count)
+            if (above & ~kept).sum() < self.min_steps_per_segment:  # nothing its rule could readmit: no fit needed
+                report["candidates"][key] = {"boundary_new_tokens": count, "skipped": "the choice dropped too few decode-only steps at or above it"}
+                continue
+            own = self._segment_plan(x, load, cleaned, count)
+            if own is None:
+                report["candidates"][key] = {"boundary_new_tokens": count, "skipped": "a segment has too few or rank-deficient steps"}
+                continue
+            outliers, cut = self._slow_outliers(x, y, load, cleaned, count, own)
+            keep = cleaned & ~outliers
+            readmitted = int((keep & ~kept & above).sum())
+            own = self._segment_plan(x, load, keep, count) if readmitted >= self.min_steps_per_segment else None
+            if own is None:
+                reason = ("its outlier rule readmits too few decode-only steps at or above it" if readmitted < self.min_steps_per_segment
+                          else "a segment has too few or rank-deficient steps")
+                report["candidates"][key] = {"boundary_new_tokens": count, "n_readmitted_above": readmitted, "skipped": reason}
+                continue
+            if base is None:  # the choice's held-out predictions, and the time blocks, once
+                base = np.zeros(trace.n_steps)
+                for test in tests:
+                    coef = self._fit_segments(aw, bw, load, boundary, kept & ~test)
+                    base[test] = self._predict_rows(coef, boundary, x[test], load[test])
+                blocks = np.full(trace.n_steps, -1)
+                blocks[cleaned] = time_block_groups(trace, cleaned)
+            predicted = np.zeros(trace.n_steps)
+            for test in tests:
+                coef = self._fit_segments(aw, bw, load, count, keep & ~test, own=own)
+                predicted[test] = self._predict_rows(coef, count, x[test], load[test])
+            judged = np.any(tests, axis=0) & (keep | kept)
+            ours = ((predicted[judged] - y[judged]) / y[judged]) ** 2
+            theirs = ((base[judged] - y[judged]) / y[judged]) ** 2
+            gain = theirs - ours
+            by_block = np.bincount(np.unique(blocks[judged], return_inverse=True)[1].reshape(-1), weights=gain - gain.mean())
+            score = {
+                "boundary_new_tokens": count,
+                "n_outliers_dropped": int((cleaned & ~keep).sum()),
+                "n_readmitted_above": readmitted,
+                "n_judged": int(judged.sum()),
+                "cv_mean_squared_rel_err": float(ours.mean()),
+                "against_cv_mean_squared_rel_err": float(theirs.mean()),
+                "gain": float(gain.mean()),
+                "gain_standard_error": float(np.sqrt(np.sum(by_block**2)) / gain.size),
+                "borrowed_features": {segment: [n for n, mine, all_ in zip(names, part, self.identified_) if all_ and not mine]
+                                      for segment, part in zip(SEGMENT_NAMES, own)},
+            }
+            report["candidates"][key] = score
+            if best is None or score["gain"] > best[0]["gain"]:
+                best = (score, {"boundary": count, "own": own, "keep": keep, "outlier_cut": cut}, key)
+        if best is None or best[0]["gain"] <= best[0]["gain_standard_error"]:
+            return {"chosen": None, "report": {**report, "chosen": None}}
+        return {"chosen": best[1], "report": {**report, "chosen": best[2]}}
 
     def _choose_lora_work(self, x, y, load, groups, grouping: str) -> dict:
         """The per-token LoRA work form (``lora_work``): its report, with the features it holds at 0."""

@@ -34,6 +34,7 @@ from scipy.optimize import nnls
 
 from llmvisor.core.attribution import attribute_arrays
 from llmvisor.core.features import LoraCoef, lora_slices
+from llmvisor.core.game import segment_of
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.validation.game import exact_shapley, members
 
@@ -58,7 +59,7 @@ def step_shares(model, contexts, names, ranks, *, rule: str) -> np.ndarray:
     lora = lora_slices(np.array(list(names), dtype=object), ranks, np.array([0, n]), [frozenset()], [frozenset()], num_new_tokens=p)
     c = np.asarray(contexts, dtype=np.float64)
     shares = attribute_arrays(model, p, c, np.zeros(n, dtype=bool), np.array([0, n]), lora=lora).share_s
-    coef = model.coef_[0]
+    coef = model.coef_[segment_of(model.boundary_, float(n))]  # the whole step's segment (one token per request)
     if rule == "stated":
         return shares
     if rule == "wrong":
