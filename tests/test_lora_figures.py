@@ -85,12 +85,12 @@ def test_the_doc_quotes_the_json():
     best, blind_best = aware["best_decode_count"], blind["best_decode_count"]
     quoted += [
         f"{by[8]['measured_ms_p50']} ms at the median with 8 requests, {by[9]['measured_ms_p50']} ms with 9",
-        f"The LoRA-aware fit takes {best['count']:g} (paired cross-validated gain over the search's choice, no boundary, "
+        f"The LoRA-aware fit takes {best['count']:g} (paired cross-validated gain over the search's choice, a single segment, "
         f"{best['gain']:.4f} with standard error {best['gain_standard_error']:.4f} over time blocks; its outlier rule then drops "
         f"{aware['n_outliers_dropped']} steps)",
         f"so on those {sum(row['n_steps'] for row in big):,} held-out steps it is off by {span(big, 'llmvisor')} at the median, "
         f"against {span(small, 'llmvisor')} from 2 to 8 requests",
-        f"keeps no boundary (its best count, {blind_best['count']:g}, gains {blind_best['gain']:.4f} with standard error "
+        f"keeps a single segment (its best count, {blind_best['count']:g}, gains {blind_best['gain']:.4f} with standard error "
         f"{blind_best['gain_standard_error']:.4f}) and is off by {span(big, 'adapter_blind')} there",
     ]
     # the words: the LoRA-aware fit took its best decode count, the adapter-blind one did not, both near one standard error
