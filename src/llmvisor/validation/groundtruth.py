@@ -24,7 +24,13 @@ import numpy as np
 from scipy import stats
 
 from llmvisor import shipped
-from llmvisor.validation.coalitions import CLASS_BIAS_MAX, LANDED_SHARING_RULE, analyse_coalition_batch, sharing_check
+from llmvisor.validation.coalitions import (
+    CLASS_BIAS_MAX,
+    LANDED_SHARING_RULE,
+    analyse_coalition_batch,
+    pooled_class_bias,
+    sharing_check,
+)
 from llmvisor.validation.estimator import exact_batch_games, exact_coverage, load_validation, shapley_matrix
 from llmvisor.validation.game import additive_design
 from llmvisor.validation.tenants import bootstrap_median_ratio, quarter_tenant_halfwidths
@@ -138,8 +144,8 @@ def additive_projection_bias(games: list[dict], *, confidence: float = 0.95) -> 
 
 def sharing_rule_verdicts(records: list[dict], *, limit: float = CLASS_BIAS_MAX) -> dict:
     """Each sharing rule through the sharing check (`sharing_check`): flagged or not. For a wrong rule, the class that
-    flagged it (its largest bias outside the limit) or, not flagged, the class where it departs most from the landed rule (its bias minus the landed rule's: what it would show were the landed rule
-    right) and the batches, at these steps per batch, that would put that class's interval wholly outside ±limit; None
+    flagged it or, not flagged, any class: of those, the one where it departs most from the landed rule (its bias minus
+    the landed rule's: what it would show were the landed rule right, and a flag the landed rule does not share) and the batches, at these steps per batch, that would put that class's interval wholly outside ±limit; None
     with ``below_tolerance`` where that departure is within the limit (this check cannot flag it at any size)."""
     check = sharing_check([r for r in records if not r.get("interference_flagged")])
     out: dict = {}
@@ -152,8 +158,7 @@ def sharing_rule_verdicts(records: list[dict], *, limit: float = CLASS_BIAS_MAX)
                 rules[rule] = {"landed": True, "flagged": row["flagged"], "class_bias": row["class_bias"]}
                 continue
             outside = [k for k in biases if row["verdict"].get(k) == "missed"]
-            name = (max(outside, key=lambda k: abs(biases[k]["bias"])) if outside
-                    else max(biases, key=lambda k: abs(biases[k]["bias"] - landed[k]["bias"])))
+            name = max(outside or biases, key=lambda k: abs(biases[k]["bias"] - landed[k]["bias"]))
             departure = biases[name]["bias"] - landed[name]["bias"]
             half = (biases[name]["ci95"][1] - biases[name]["ci95"][0]) / 2
             margin = abs(departure) - limit
@@ -177,7 +182,28 @@ def sharing_run_figures(result_path: Path) -> dict:
                                   and not r.get("interference_flagged")),
             "n_interference_flagged": sum(1 for r in records if r.get("interference_flagged")),
             "rules": sharing_rule_verdicts(records)["serving_size"],
+            "own_context_controls": own_context_controls(records),
             "measurement_cost": result["summary"]["measurement_cost"]}
+
+
+OWN_CONTEXT_CONTROLS = {"own_context_below_600": (0, 600), "own_context_from_2000": (2000, None)}
+"""Requests of their own context (no document) by context length: whether a class bias of a document's short or long
+readers shows on requests that share nothing (the model's price of a context) or only on readers (the split)."""
+
+
+def own_context_controls(records: list[dict]) -> dict:
+    """The landed rule's class bias (`pooled_class_bias`) of the `OWN_CONTEXT_CONTROLS` classes in the batches."""
+    out = {}
+    for name, (low, high) in OWN_CONTEXT_CONTROLS.items():
+        rows = []
+        for r in records:
+            if r.get("interference_flagged") or r.get("exact"):
+                continue
+            context = np.asarray(r["num_context_tokens"])
+            mask = (np.asarray(r["groups"]) < 0) & (context >= low) & (context < (high or np.inf))
+            rows.append((np.asarray(r["sharing_rule_shares_s"][LANDED_SHARING_RULE]), np.asarray(r["shapley_s"]), np.asarray(r["cov_s2"]), mask))
+        out[name] = pooled_class_bias(rows)
+    return out
 
 
 def groundtruth_figures(*, seed: int = 0, n_bootstrap: int = 1000, trials: int = 20, sharing_result: Path | None = None) -> dict:
@@ -209,7 +235,6 @@ def groundtruth_figures(*, seed: int = 0, n_bootstrap: int = 1000, trials: int =
         },
         "sharing_rules": sharing_rule_verdicts(records),
         "tenant_run_plan": tenant_run_plan(noise_fraction=float(noise["p50"]), overhead=overhead, seed=seed),
-        "sharing_run_plan": sharing_run_plan(overhead=overhead, seed=seed + 1),
         "n_serving_size_batches": sum(1 for r in records if not r.get("exact") and not r.get("interference_flagged")),
         "n_mixed_sharing_request_sets": sum(1 for r in records if r["kind"] == "mixed_sharing_decode" and not r.get("exact")
                                             and not r.get("interference_flagged")),
@@ -310,7 +335,7 @@ def markdown_summary(figures: dict) -> str:
                 lines.append(f"| {rule.replace('_', ' ')} (landed, {label.replace('_', ' ')}) | {part['n_batches']} | "
                              f"{'yes' if row['flagged'] else 'no'} | {name.replace('_', ' ')} | {_pct(worst['bias'])} {_ci(worst['ci95'])} | – | – |")
                 continue
-            needed = "below ±3%: cannot" if row["below_tolerance"] else ("–" if row["batches_to_flag"] is None else f"{row['batches_to_flag']}")
+            needed = "–" if row["flagged"] else "below ±3%: cannot" if row["below_tolerance"] else ("–" if row["batches_to_flag"] is None else f"{row['batches_to_flag']}")
             lines.append(f"| {rule.replace('_', ' ')} ({label.replace('_', ' ')}) | {part['n_batches']} | {'yes' if row['flagged'] else 'no'} | "
                          f"{row['deciding_class'].replace('_', ' ')} | {_pct(row['bias'])} {_ci(row['ci95'])} | "
                          f"{_pct(row['departure_from_landed'])} | {needed} |")
@@ -322,27 +347,13 @@ def markdown_summary(figures: dict) -> str:
     for k, row in plan["by_repeat"].items():
         lines.append(f"| {k} | {' / '.join(_pct(v) for v in row['halfwidth_over_share_p50'].values())} | {row['steps']:,} | "
                      f"{row['hours_now']:.2f} | {row['hours_at_3x']:.2f} |")
-    sharing = figures["sharing_run_plan"]
-    lines += ["", f"Sharing run by the model: {sharing['n_batches']} mixed-sharing batches of {', '.join(map(str, sharing['sizes']))} "
-              f"requests at {sharing['coalitions_per_request']:g} coalitions per request, {sharing['steps']:,} steps, "
-              f"{sharing['hours_now']:.1f} h now, {sharing['hours_at_3x']:.1f} h at 3×."]
+    run = figures.get("sharing_run")
+    if run:
+        plan, cost = run["plan"], run["measurement_cost"]
+        lines += ["", f"Sharing run, measured (`{run['source']}`): {run['n_request_sets']} mixed-sharing batches of "
+                  f"{', '.join(map(str, plan['sizes']))} requests in the {plan['sharing_layout']} layout at {plan['coalitions_per_request']:g} "
+                  f"coalitions per request ({run['n_interference_flagged']} left out by the interference guard), "
+                  f"{cost['n_steps_measured']:,} steps in {cost['wall_s'] / 60:.0f} minutes: {cost['steps_per_wall_s']:.1f} measured steps "
+                  f"per second, engine start, preparation, canaries and the guard's waits included."]
     return "\n".join(lines)
 
-
-def sharing_run_plan(*, overhead: float, n_batches: int = 30, sizes=(32, 64), coalitions_per_request: float = 20.0, seed: int = 1) -> dict:
-    """The mixed-sharing run the sharing check needs (≥ 30 independent request sets, each 2–3 prefix groups beside own
-    contexts), by the model: its steps and hours (model step and preparation time × ``overhead``), now and at 3×."""
-    from llmvisor.core.model import StepLatencyModel
-    from llmvisor.validation.analysis import model_step_s, sampled_preparation_s
-    from llmvisor.validation.plans import Envelope, SampledKind, draw_coalition_batches, read_length_mixes, sampled_run_budget_s
-
-    model = StepLatencyModel.from_json(shipped.latency_model_path())
-    batches = draw_coalition_batches(read_length_mixes(), Envelope(4096, 2048, 64), n_batches=n_batches, sizes=tuple(sizes),
-                                     kinds=(SampledKind.MIXED_SHARING_DECODE,), coalitions_per_request=coalitions_per_request,
-                                     replicate_share=0.25, chunk=128, seed=seed)
-    step_s = sampled_run_budget_s(batches, model_step_s(model), repeat=1)
-    preparation_s = sampled_preparation_s(batches, model)
-    hours = overhead * (step_s + preparation_s) / 3600
-    return {"n_batches": n_batches, "sizes": list(sizes), "coalitions_per_request": coalitions_per_request, "seed": seed,
-            "steps": sum(len(b.subsets(r)) for b in batches for r in range(b.rounds)), "model_step_s": step_s,
-            "model_preparation_s": preparation_s, "hours_now": hours, "hours_at_3x": hours / 3}
