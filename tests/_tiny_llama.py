@@ -46,6 +46,16 @@ against 0.07 s in float32) and the shipped shape's journeys took over half an ho
 work per step (a quarter of the layers, a quarter of the width). Nothing the tests check depends on the engine's size."""
 
 
+SUITE_VLLM_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
+"""vLLM settings of every engine the suite starts (tests/conftest.py puts them in the session's environment; a doc's
+bare environment adds them). vLLM 0.32's CPU build saves its ahead-of-time compiled model but fails to load it again
+("'function' object has no attribute 'finalize_loading'"), so with AOT compilation, its default, each compiled start
+compiles afresh (warm-up 22 s); without it the same graph is traced and the warm-up takes 4-6 s. The documented server
+on the suite's engine, a fresh model folder each time, was ready in 48 s and 52 s with it, 34 s and 32 s without; with
+it and without, tests/test_controlled_sampled.py took 37 s and 26 s, tests/test_validation_warm.py 56 s and 22 s (the
+machine shared). Engines started with enforce-eager compile nothing either way."""
+
+
 def write_suite_engine(folder: Path) -> Path:
     """Create ``folder`` holding the `SUITE_ENGINE_CONFIG` config.json (a model for vLLM with dummy weights)."""
     folder = Path(folder)

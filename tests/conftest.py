@@ -19,6 +19,7 @@ import uuid
 import pytest
 
 from _processes import SESSION_ENV, START_TIMEOUT_S, describe, kill_all, leftover_processes
+from _tiny_llama import SUITE_VLLM_ENV
 
 LEFTOVER_GRACE_S = float(os.environ.get("LLMVISOR_TEST_LEFTOVER_GRACE_S", "30"))
 
@@ -27,6 +28,9 @@ LEFTOVER_GRACE_S = float(os.environ.get("LLMVISOR_TEST_LEFTOVER_GRACE_S", "30"))
 os.environ[SESSION_ENV] = uuid.uuid4().hex
 # The experiments' own engine start-up waits (llmvisor.engines.vllm.fleet.start_timeout_s) get the suite's limit.
 os.environ.setdefault("LLMVISOR_ENGINE_START_TIMEOUT_S", str(START_TIMEOUT_S))
+# Every engine the suite starts, in this process or a child, compiles without vLLM's AOT step (_tiny_llama.SUITE_VLLM_ENV).
+for _name, _value in SUITE_VLLM_ENV.items():
+    os.environ.setdefault(_name, _value)
 
 
 @pytest.fixture(autouse=True)

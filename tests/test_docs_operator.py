@@ -23,7 +23,7 @@ import pytest
 
 from _billing_checks import check_exports_tie_to_the_ledger, read_csv
 from _processes import START_TIMEOUT_S, run_process, running
-from _tiny_llama import write_suite_engine
+from _tiny_llama import SUITE_VLLM_ENV, write_suite_engine
 from llmvisor.billing import list_prices
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.trace import read_trace
@@ -111,12 +111,6 @@ def vllm_cache_root() -> str:
     return os.environ.get("VLLM_CACHE_ROOT") or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm")
 
 
-# vLLM 0.32's CPU build saves its ahead-of-time compiled model but fails to load it again ("'function' object has no
-# attribute 'finalize_loading'") and compiles afresh each start (~30 s); its standard compile cache loads (warm-up
-# 27 s -> 6 s, start 70 s -> 33 s, measured with the documented server twice on one cache). Same model, same graph.
-DOC_VLLM_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
-
-
 def doc_env(tmp_path: Path) -> dict:
     """A bare environment with `llmvisor`, `owns-port` and this Python on the PATH."""
     shims = tmp_path / "bin"
@@ -151,7 +145,7 @@ def test_a_foreign_server_on_the_port_fails_the_readiness_check(tmp_path):
 def run_doc(doc: Path, tmp_path: Path, timeout_s: float) -> tuple[subprocess.CompletedProcess, Path]:
     """Run a doc's operator blocks in an empty folder, with `llmvisor` and this Python on the PATH, on free ports;
     the script's process group is stopped when it ends or times out."""
-    env = {**doc_env(tmp_path), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CACHE_ROOT": vllm_cache_root(), **DOC_VLLM_ENV,
+    env = {**doc_env(tmp_path), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CACHE_ROOT": vllm_cache_root(), **SUITE_VLLM_ENV,
            "ENGINE_MODEL": str(write_suite_engine(tmp_path / "suite-engine"))}  # the docs' override (see _tiny_llama)
     work = tmp_path / "work"
     work.mkdir()
