@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmvisor.core.game import segments_of
+from llmvisor.core.game import segment_of
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.engines.vllm.controlled import ControlledEngine, LoraAdapter
 from llmvisor.profile.adapters import write_adapters
@@ -76,7 +76,7 @@ def fitted_model(model_json: str) -> tuple[StepLatencyModel, dict]:
 def model_record(model: StepLatencyModel, fitted: dict, batch_size: int) -> dict:
     """The fitted model's LoRA terms that price the games: those of the segment of the whole batch (one token a request),
     which holds every subset's too (a smaller load)."""
-    segment = int(segments_of(model.boundary_, [float(batch_size)])[0])
+    segment = segment_of(model.boundary_, float(batch_size))
     coef = fitted["coef_s"]
     return {"source": "docs/results/lora.json coef_s (the LoRA-aware model fitted by scripts/measure-lora.py)",
             "segment": model.segment_names_[segment], "boundary_new_tokens": model.boundary_,

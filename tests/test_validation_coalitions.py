@@ -299,6 +299,8 @@ def test_the_pairs_layout_reads_each_document_by_a_short_and_a_long_reader():
     assert [b.key for b in sampled_plan(mixes(), ENVELOPE_64, settings, seed=3)] == [b.key for b in batches]
     with pytest.raises(LlmvisorError, match="sharing-layout"):
         plan(sharing_layout="triples")
+    with pytest.raises(LlmvisorError, match="not with --pools"):  # a pool's smaller batches keep groups of 2 or more
+        plan(sharing_layout="pairs", pools=1)
 
 
 def test_on_pairs_the_sharing_check_flags_each_plausible_wrong_rule_and_passes_the_equal_split(tmp_path):

@@ -264,8 +264,8 @@ def validate(
         raise LlmvisorError(f"--design: {design!r} is not one of {', '.join(Design)}")
     if sharing_layout not in tuple(SharingLayout):
         raise LlmvisorError(f"--sharing-layout: {sharing_layout!r} is not one of {', '.join(SharingLayout)}")
-    if sharing_layout != SharingLayout.GROUPS and (design != Design.COALITIONS or pools):
-        raise LlmvisorError("--sharing-layout pairs: only with --design coalitions and without --pools")
+    if sharing_layout != SharingLayout.GROUPS and design != Design.COALITIONS:
+        raise LlmvisorError("--sharing-layout pairs: only with --design coalitions")
     model = model if model is not None else shipped.latency_model_path()
     latency_model = StepLatencyModel.from_json(model)
     if repeat < 1:

@@ -145,8 +145,9 @@ def additive_projection_bias(games: list[dict], *, confidence: float = 0.95) -> 
 def sharing_rule_verdicts(records: list[dict], *, limit: float = CLASS_BIAS_MAX) -> dict:
     """Each sharing rule through the sharing check (`sharing_check`): flagged or not. For a wrong rule, the class that
     flagged it or, not flagged, any class: of those, the one where it departs most from the landed rule (its bias minus
-    the landed rule's: what it would show were the landed rule right, and a flag the landed rule does not share) and the batches, at these steps per batch, that would put that class's interval wholly outside ±limit; None
-    with ``below_tolerance`` where that departure is within the limit (this check cannot flag it at any size)."""
+    the landed rule's: what it would show were the landed rule right, and a flag the landed rule does not share) and
+    the batches, at these steps per batch, that would put that class's interval wholly outside ±limit; None with
+    ``below_tolerance`` where that departure is within the limit (this check cannot flag it at any size)."""
     check = sharing_check([r for r in records if not r.get("interference_flagged")])
     out: dict = {}
     for label, entry in check.items():
@@ -170,6 +171,11 @@ def sharing_rule_verdicts(records: list[dict], *, limit: float = CLASS_BIAS_MAX)
     return out
 
 
+def n_mixed_sharing_request_sets(records: list[dict]) -> int:
+    """The serving-size mixed-sharing batches the sharing check judges (each an independent request set)."""
+    return sum(1 for r in records if r["kind"] == "mixed_sharing_decode" and not r.get("exact") and not r.get("interference_flagged"))
+
+
 def sharing_run_figures(result_path: Path) -> dict:
     """The sharing run's verdicts (`sharing_rule_verdicts` on its serving-size batches), its plan and what measuring
     it cost (the result's own `summary.measurement_cost`: steps per wall second, engine starts included)."""
@@ -178,8 +184,7 @@ def sharing_run_figures(result_path: Path) -> dict:
     sampled = result["settings"]["sampled"]
     return {"source": result_path.name,
             "plan": {k: sampled.get(k) for k in ("batches", "sizes", "kinds", "coalitions_per_request", "sharing_layout")},
-            "n_request_sets": sum(1 for r in records if r["kind"] == "mixed_sharing_decode" and not r.get("exact")
-                                  and not r.get("interference_flagged")),
+            "n_request_sets": n_mixed_sharing_request_sets(records),
             "n_interference_flagged": sum(1 for r in records if r.get("interference_flagged")),
             "rules": sharing_rule_verdicts(records)["serving_size"],
             "own_context_controls": own_context_controls(records),
@@ -236,8 +241,7 @@ def groundtruth_figures(*, seed: int = 0, n_bootstrap: int = 1000, trials: int =
         "sharing_rules": sharing_rule_verdicts(records),
         "tenant_run_plan": tenant_run_plan(noise_fraction=float(noise["p50"]), overhead=overhead, seed=seed),
         "n_serving_size_batches": sum(1 for r in records if not r.get("exact") and not r.get("interference_flagged")),
-        "n_mixed_sharing_request_sets": sum(1 for r in records if r["kind"] == "mixed_sharing_decode" and not r.get("exact")
-                                            and not r.get("interference_flagged")),
+        "n_mixed_sharing_request_sets": n_mixed_sharing_request_sets(records),
         **({"sharing_run": sharing_run_figures(Path(sharing_result))} if sharing_result else {}),
     })
 
@@ -335,7 +339,8 @@ def markdown_summary(figures: dict) -> str:
                 lines.append(f"| {rule.replace('_', ' ')} (landed, {label.replace('_', ' ')}) | {part['n_batches']} | "
                              f"{'yes' if row['flagged'] else 'no'} | {name.replace('_', ' ')} | {_pct(worst['bias'])} {_ci(worst['ci95'])} | – | – |")
                 continue
-            needed = "–" if row["flagged"] else "below ±3%: cannot" if row["below_tolerance"] else ("–" if row["batches_to_flag"] is None else f"{row['batches_to_flag']}")
+            # batches_to_flag is None exactly where the rule is flagged or its departure is below the limit
+            needed = "–" if row["flagged"] else "below ±3%: cannot" if row["below_tolerance"] else f"{row['batches_to_flag']}"
             lines.append(f"| {rule.replace('_', ' ')} ({label.replace('_', ' ')}) | {part['n_batches']} | {'yes' if row['flagged'] else 'no'} | "
                          f"{row['deciding_class'].replace('_', ' ')} | {_pct(row['bias'])} {_ci(row['ci95'])} | "
                          f"{_pct(row['departure_from_landed'])} | {needed} |")

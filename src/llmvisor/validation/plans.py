@@ -475,6 +475,8 @@ def draw_coalition_batches(
     their groups of 3 and 2)."""
     if sharing_layout not in tuple(SharingLayout):
         raise LlmvisorError(f"--sharing-layout: {sharing_layout!r} is not one of {', '.join(SharingLayout)}")
+    if sharing_layout == SharingLayout.PAIRS and pools:  # a pool's smaller batches keep groups of 2 or more readers
+        raise LlmvisorError("--sharing-layout pairs: not with --pools")
     if n_batches < 0 or exact_sharing_batches < 0:
         raise LlmvisorError("--sampled-batches / --exact-sharing-batches: 0 or more")
     if coalitions_per_request < 1:
