@@ -62,33 +62,57 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def _signed(x: float) -> str:
+    return f"{'+' if x > 0 else '−' if x < 0 else ''}{abs(100 * x):.1f}%"
+
+
+def _range(folds: list[dict]) -> str:
+    return f"{_pct(min(min(f['shared_read_saving']) for f in folds))}–{_pct(max(max(f['shared_read_saving']) for f in folds))}"
+
+
 def test_the_sharing_run_words_match_its_verdicts(figures):
-    """The sharing run (pairs layout): what docs/validation.md and the README say of each rule is what the file says."""
+    """The sharing run (pairs layout): what docs/validation.md and the README say of each rule, priced with the run's
+    own terms and with the shipped model, is what the file says."""
     run = figures["sharing_run"]
     assert run["n_request_sets"] >= 30 and run["plan"]["sharing_layout"] == "pairs" and run["plan"]["sizes"] == [16, 32]
     rules = run["rules"]["rules"]
     text, readme = doc(), " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
-    landed = rules["split_among_readers"]
+    # priced with the run's own terms: nothing flagged, the wrong rules within reach of the ±3% or below it
+    assert not any(r["flagged"] for r in rules.values())
+    short = rules["split_among_readers"]["class_bias"]["short_readers"]
+    assert f"short reader is billed {_signed(short['bias'])} [{_signed(short['ci95'][0])}, {_signed(short['ci95'][1])}] off its measured value" in text
+    assert "the landed rule is not flagged** (a document's" in text and "and no wrong rule is either" in text
+    whole, first, context = rules["whole_block_per_reader"], rules["first_reader_pays"], rules["split_by_context_length"]
+    assert (f"depart from the equal split by at most {_pct(whole['departure_from_landed'])} (whole block per reader), "
+            f"{_pct(first['departure_from_landed'])} (first reader pays) and {_signed(context['departure_from_landed'])} "
+            "(split by context length)") in text
+    assert f"about {whole['batches_to_flag']:,} and {first['batches_to_flag']:,} such batches" in text
+    assert context["below_tolerance"] and "the third is within the ±3%" in text
+    saving = _range(run["pricing"]["folds"])
+    shipped_saving = figures["sharing_rules_pricing"]["shipped_model_shared_read_saving"]
+    assert max(max(f["shared_read_saving"]) for f in run["pricing"]["folds"]) < 0.5 < min(shipped_saving)
+    assert f"saves only {saving} of a decode context token's price" in text and f"engine {saving}" in text
+    assert f"saves {_pct(shipped_saving[0])} of its price where the sharing run's engine saves {saving}" in readme
+    assert f"block saves {_pct(shipped_saving[0])} of its price, the sharing run's engine {saving}" in text
+    assert f"says a second reader saves {_pct(shipped_saving[0])} ({_pct(shipped_saving[1])} above its boundary)" in text
+    assert f"coalitions journal's engine does ({_range(figures['sharing_rules_pricing']['folds'])} by its folds)" in text
+    assert min(min(f["shared_read_saving"]) for f in figures["sharing_rules_pricing"]["folds"]) > 0.5
+    # priced with the shipped model: the landed rule flagged, as two wrong rules
+    shipped = run["shipped_model"]["rules"]["rules"]
+    landed = shipped["split_among_readers"]
     short = landed["class_bias"]["short_readers"]
-    billed = f"a document's short reader is billed {_pct(-short['bias'])} [{_pct(-short['ci95'][1])}, {_pct(-short['ci95'][0])}] below its measured value"
-    assert landed["flagged"] and short["ci95"][1] < -0.03 and billed in text and billed in readme
-    assert "The landed rule is flagged too" in text and "flags the landed equal split as well" in text
-    assert rules["first_reader_pays"]["flagged"] and rules["split_by_context_length"]["flagged"]
-    assert not rules["whole_block_per_reader"]["flagged"] and "each reader paying the whole block is not" in text
-    context, first = rules["split_by_context_length"], rules["first_reader_pays"]
-    assert context["deciding_class"] == "short_readers" and f"short readers billed {_pct(-context['bias'])} under their value" in text
-    assert context["class_bias"]["long_readers"]["bias"] > 0.03  # "long readers over it"
-    assert first["deciding_class"] == "later_readers" and f"later readers billed {_pct(-first['bias'])} under" in text
-    # the serving-size groups layout flags the whole block: "the groups layout above flags it"
-    assert figures["sharing_rules"]["serving_size"]["rules"]["whole_block_per_reader"]["flagged"]
-    controls = run["own_context_controls"]
-    below, above = controls["own_context_below_600"], controls["own_context_from_2000"]
-    assert below["bias"] < 0 < above["bias"] and below["ci95"][0] < 0 < below["ci95"][1]  # same sign, undecided
-    def signed(x: float) -> str:
-        return f"{'+' if x > 0 else '−' if x < 0 else ''}{abs(100 * x):.1f}%"
-
-    for label, b in (("below 600 tokens", below), ("from 2,000 tokens", above)):
-        assert f"{label} {signed(b['bias'])} [{signed(b['ci95'][0])}, {signed(b['ci95'][1])}]" in text, label
+    billed = f"billed {_pct(-short['bias'])} [{_pct(-short['ci95'][1])}, {_pct(-short['ci95'][0])}] below its measured value"
+    assert landed["flagged"] and short["ci95"][1] < -0.03 and billed in text
+    assert shipped["first_reader_pays"]["flagged"] and shipped["split_by_context_length"]["flagged"] and not shipped["whole_block_per_reader"]["flagged"]
+    assert "as are the split by context length and the first reader paying" in text
+    for layout in ("coalitions", "run"):
+        part = figures["sharing_rules"]["serving_size"]["rules"] if layout == "coalitions" else rules
+        assert not part["split_among_readers"]["flagged"]
+    assert "the landed rule is flagged on that run" in readme and "two plausible wrong rules are" in readme
+    before, after = run["shipped_model"]["own_context_controls"]["own_context_below_600"], run["own_context_controls"]["own_context_below_600"]
+    assert abs(after["bias"]) < abs(before["bias"])
+    assert (f"move from {_signed(before['bias'])} [{_signed(before['ci95'][0])}, {_signed(before['ci95'][1])}] (below 600 tokens) with "
+            f"the shipped model to {_signed(after['bias'])} [{_signed(after['ci95'][0])}, {_signed(after['ci95'][1])}] with the run's own terms") in text
     cost = run["measurement_cost"]
     assert f"{cost['steps_per_wall_s']:.1f} measured steps per second over that run, {cost['steps_per_wall_s'] / 4.5:.1f}× the 4.5" in text
     assert cost["steps_per_wall_s"] < 3 * 4.5 and "short of the 3× goal" in text
@@ -113,6 +137,10 @@ def test_the_sharing_run_recomputes_from_its_journal(figures):
                 assert again["rules"]["rules"][rule]["class_bias"][name]["bias"] == pytest.approx(b["bias"], rel=1e-4, abs=1e-6)
     for name, b in shipped["own_context_controls"].items():
         assert again["own_context_controls"][name]["bias"] == pytest.approx(b["bias"], rel=1e-4)
+    for rule, row in shipped["shipped_model"]["rules"]["rules"].items():
+        assert again["shipped_model"]["rules"]["rules"][rule]["flagged"] == row["flagged"]
+    for fold, fold_again in zip(shipped["pricing"]["folds"], again["pricing"]["folds"], strict=True):
+        assert fold_again["shared_read_saving"] == pytest.approx(fold["shared_read_saving"], rel=1e-4)
 
 
 def test_the_figures_recompute_from_the_shipped_journal(figures):

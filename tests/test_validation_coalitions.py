@@ -322,6 +322,42 @@ def test_on_pairs_the_sharing_check_flags_each_plausible_wrong_rule_and_passes_t
     assert rules["split_by_context_length"]["verdict"]["short_readers"] == "missed"
 
 
+def test_priced_with_its_own_cross_fitted_terms_the_check_judges_the_rule_not_the_models_price_of_sharing(tmp_path):
+    """An engine that reads a shared block once and splits it equally, priced by a model that says sharing saves
+    nothing (same price per context token, all of it per reader): the landed rule is flagged, though it is the engine's
+    rule. Priced with the run's own terms (llmvisor's fit on the other request sets' steps), the fit finds that sharing
+    saves the whole read and the landed rule passes; no request set is priced by a fit that saw its steps."""
+    from types import SimpleNamespace
+
+    from llmvisor.core.model import StepLatencyModel
+    from llmvisor.validation.coalitions import analyse_coalition_batch
+    from llmvisor.validation.groundtruth import coalition_steps_trace, crossfitted_models, engine_priced, sharing_rule_verdicts
+    from test_validation_sampled_plan import D6, sharing_model
+
+    batches = draw_coalition_batches(mixes(), ENVELOPE_64, n_batches=8, coalitions_per_request=4, sizes=(16, 32),
+                                     kinds=(SampledKind.MIXED_SHARING_DECODE,), sharing_layout="pairs", seed=5)
+    journal = Journal(tmp_path / "j.jsonl")
+    measure_sampled(GroupedEngine(grouped_sharing_cost, noise=0.01, seed=2), batches, journal, repeat=1, warm_up_steps=0)
+    no_saving = sharing_model().to_dict()
+    no_saving["segments"][0]["coef_s"].update(decode_context_tokens=D6, effective_context_tokens=0.0)
+    no_saving = StepLatencyModel.from_dict(no_saving)
+    records = [analyse_coalition_batch(b, journal, no_saving) for b in batches]
+    assert sharing_rule_verdicts(records)["serving_size"]["rules"]["split_among_readers"]["flagged"]
+    priced, how = engine_priced(SimpleNamespace(sampled_batches=batches, journal=journal, model=no_saving), records)
+    rules = sharing_rule_verdicts(priced)["serving_size"]["rules"]
+    assert not rules["split_among_readers"]["flagged"]
+    assert how["shipped_model_shared_read_saving"] == [0.0] and how["n_folds"] == 4
+    assert all(min(f["shared_read_saving"]) > 0.9 for f in how["folds"])
+    indices = {b.index for b in batches}
+    models = crossfitted_models(batches, journal, indices)
+    for index, model in models.items():
+        others = {i for i, m in models.items() if m is not model}
+        assert index not in others and others
+        again = StepLatencyModel().fit(coalition_steps_trace(batches, journal, others)).to_dict()["segments"]
+        for seg, seg_again in zip(model.to_dict()["segments"], again, strict=True):
+            assert seg["coef_s"] == pytest.approx(seg_again["coef_s"], rel=1e-6, abs=1e-12)
+
+
 def test_validate_records_the_pairs_layout_and_resumes_with_it(tmp_path, monkeypatch):
     import json
 
