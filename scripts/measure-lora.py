@@ -21,6 +21,7 @@ recorded, with a caveat when it exceeded the core count. Writes a JSON figure fi
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shlex
@@ -188,12 +189,17 @@ PATH_NOTE = (
     "(without_single_base_decode). cross_validated: per_segment against borrowed_l9 on the training runs, folds by run, the "
     "fit's steps, boundary and segment plan, paired on the held-out steps (gain: the mean of borrowed_l9's squared relative "
     "error less per_segment's, standard error over time blocks), and the part of that gain the single-sequence decode steps "
-    "without an adapter make; held_out: the same on the test runs' steady steps")
+    "without an adapter make; held_out: the same on the test runs' steady steps. single_decode_term: the engine's slower "
+    "single-request decode step as a term beside the model's features (a price per decode-only step of one request, "
+    "fitted as the model is, not one of its features), its terms and held-out error on the test runs against the fitted "
+    "model's (gain: the fitted model's mean squared relative error less the term's), and both models' p90 |relative error| "
+    "on the test runs' decode steps with and without an adapter (no intervals)")
 
 
 def lora_path_identification(train, model, test) -> dict:
     """`PATH_NOTE`: the LoRA path's per-base-token term in the memory-bound segment of a fitted LoRA-aware ``model``, what
-    its training steps tell it from, and how the fit and its held-out error change when that segment borrows it."""
+    its training steps tell it from, and how the fit and its held-out error change when that segment borrows it, and with a
+    term for single-request decode steps."""
     x, y, load = step_feature_matrix(train), train.step_latency_s_per_step, step_new_tokens(train)
     keep, boundary = model.train_step_mask_, model.boundary_
     d4, l8, l9 = FEATURE_NAMES_LORA.index("decode_requests"), int(LoraCoef.L8), int(LoraCoef.L9)
@@ -220,9 +226,9 @@ def lora_path_identification(train, model, test) -> dict:
     fits = {"per_segment": model.coef_, "borrowed_l9": model._fit_segments(aw, bw, load, boundary, keep, own=borrowed),
             "without_single_base_decode": model._fit_segments(aw, bw, load, boundary, keep & ~single, own=own)}
 
-    def paired(predicted: dict, measured, judged, single_steps, blocks) -> dict:
+    def paired(predicted: dict, measured, judged, single_steps, blocks, *, worse="borrowed_l9", better="per_segment") -> dict:
         errors = {name: ((p[judged] - measured[judged]) / measured[judged]) ** 2 for name, p in predicted.items()}
-        gain = errors["borrowed_l9"] - errors["per_segment"]
+        gain = errors[worse] - errors[better]
         by_block = np.bincount(np.unique(blocks[judged], return_inverse=True)[1].reshape(-1), weights=gain - gain.mean())
         return {"n_judged": int(judged.sum()),
                 **{f"{name}_mean_squared_rel_err": float(e.mean()) for name, e in errors.items()},
@@ -246,11 +252,33 @@ def lora_path_identification(train, model, test) -> dict:
     requests_t, base_t, _ = decode_shape(test, xt, load_t)
     held_out = paired({name: model._predict_rows(fits[name], boundary, xt, load_t) for name in ("per_segment", "borrowed_l9")},
                       yt, steady, steady & base_t & (requests_t == 1), time_block_groups(test, np.ones(test.n_steps, dtype=bool)))
+    # the engine's slower single-request decode step as a term of its own, beside the model (not one of its features): a
+    # price per decode-only step of one request, fitted and judged as the model is
+    probe = copy.copy(model)
+    probe.identified_ = np.r_[model.identified_, True]
+
+    def with_single(trace, features):
+        return np.c_[features, (np.diff(trace.step_offsets) == 1) & ~trace.is_prefill_per_step]
+
+    coef_single = probe._fit_segments(with_single(train, x) * weight[:, None], bw, load, boundary, keep,
+                                      own=(np.r_[own[0], True], np.r_[own[1], True]))
+    test_blocks = time_block_groups(test, np.ones(test.n_steps, dtype=bool))
+    predicted_t = {"per_segment": model._predict_rows(model.coef_, boundary, xt, load_t),
+                   "single_decode_term": probe._predict_rows(coef_single, boundary, with_single(test, xt), load_t)}
+    rel = {name: np.abs(p - yt) / yt for name, p in predicted_t.items()}
+    decode_t = steady & ~test.is_prefill_per_step
+    adapter_t = lora_groups(test)["adapter"]
+    single_term = {**terms(coef_single), "single_decode_step_s": float(coef_single[0, -1]),
+                   "held_out": {**paired(predicted_t, yt, steady, steady & base_t & (requests_t == 1), test_blocks,
+                                         worse="per_segment", better="single_decode_term"),
+                                "decode_rel_err_p90": {name: {"with_adapter": float(np.percentile(r[decode_t & adapter_t], 90)),
+                                                              "base_only": float(np.percentile(r[decode_t & ~adapter_t], 90))}
+                                                       for name, r in rel.items()}}}
     return {"segment": "memory_bound", "boundary_new_tokens": boundary, "decode_steps_by_count": by_count,
             "n_base_decode_from_canaries": int((keep & base & (canary_run_per_step(train) >= 0)).sum()),
             "fits": {name: terms(coef) for name, coef in fits.items()},
             "n_single_base_decode_left_out": int(single.sum()), "n_fit_steps": int(keep.sum()),
-            "cross_validated": cross_validated, "held_out": held_out, "note": PATH_NOTE}
+            "cross_validated": cross_validated, "held_out": held_out, "single_decode_term": single_term, "note": PATH_NOTE}
 
 
 def main() -> None:

@@ -163,7 +163,25 @@ def test_the_doc_says_why_the_profiled_l9_is_high_as_the_json_does():
         f"folds by run, {cv['gain']:.5f} with standard error {cv['gain_standard_error']:.5f}, "
         f"{cv['gain_from_single_base_decode']:.5f} of it from such steps",
     ]
+    term = path["single_decode_term"]
+    term_held, p90 = term["held_out"], term["held_out"]["decode_rel_err_p90"]
+    quoted += [
+        f"it comes out {1e3 * term['single_decode_step_s']:.2f} ms per such step, with d4 {1e3 * term['decode_requests_s']:.2f} ms and l9 "
+        f"{1e3 * term['lora_base_tokens_s']:.2f} ms",
+        f"its mean squared relative error is {term_held['single_decode_term_mean_squared_rel_err']:.5f} against the fitted model's "
+        f"{term_held['per_segment_mean_squared_rel_err']:.5f} (a gain of {term_held['gain']:.5f} with standard error "
+        f"{term_held['gain_standard_error']:.5f}), its p90 on decode steps {100 * p90['single_decode_term']['with_adapter']:.1f}% against "
+        f"{100 * p90['per_segment']['with_adapter']:.1f}% with an adapter and {100 * p90['single_decode_term']['base_only']:.1f}% against "
+        f"{100 * p90['per_segment']['base_only']:.1f}% without",
+        f"the stated rule's D with it, 2 × {1e3 * term['lora_base_tokens_s']:.2f} = {2e3 * term['lora_base_tokens_s']:.2f} ms",
+    ]
     assert [q for q in quoted if q not in doc] == []
+    # "held-out error does favour" the term (by more than two standard errors, and better at p90 both ways); "halves l9";
+    # D = 3 · l9 · A/(A+1) with A = 2 "is above both runs' intervals"
+    assert term_held["gain"] > 2 * term_held["gain_standard_error"] and term_held["per_segment_mean_squared_rel_err"] == held["per_segment_mean_squared_rel_err"]
+    assert all(p90["single_decode_term"][k] < p90["per_segment"][k] for k in ("with_adapter", "base_only"))
+    assert 0.4 < term["lora_base_tokens_s"] / path["fits"]["per_segment"]["lora_base_tokens_s"] < 0.6
+    assert all(2 * term["lora_base_tokens_s"] > g["check"]["D_ci95_s"][1] for g in games)
     # the words: none at 7 or 8; single-request steps slower than pairs, in the profile and in the games; the fit bends
     # to them (leaving them out raises d4 and lowers l9); "near the batches' own"; "does not choose": within two
     # standard errors, and the single-request steps make more than the whole gain on the test runs, most of it on the
