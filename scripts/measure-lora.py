@@ -21,6 +21,7 @@ recorded, with a caveat when it exceeded the core count. Writes a JSON figure fi
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shlex
@@ -32,9 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
-from llmvisor.core.features import FEATURE_NAMES_LORA, LORA_FEATURE_NAMES
+from llmvisor.core.features import FEATURE_NAMES_LORA, LORA_FEATURE_NAMES, LoraCoef, step_feature_matrix, step_new_tokens
+from llmvisor.core.model import group_k_fold, time_block_groups
 from llmvisor.core.trace import read_traces
 from llmvisor.evaluation.heldout import evaluate, lora_groups, steady_steps
+from llmvisor.profile.drift import canary_run_per_step
 
 MODELS = ("llmvisor", "adapter_blind", "token_count")
 GROUPS = ("adapter", "all")
@@ -175,6 +178,109 @@ def boundary_choice(model) -> dict:
             "n_outliers_dropped": model.fit_info_["n_outliers_dropped"], "outlier_rule": model.fit_info_["outlier_rule"]}
 
 
+PATH_NOTE = (
+    "why the memory-bound segment's l9 (lora_base_tokens) is what it is. In a decode step, base-model tokens are base-model "
+    "requests, so in a step with an adapter l9 is told from the per-request decode term d4 (decode_requests) only by the "
+    "decode steps without an adapter (d4 alone): decode_steps_by_count counts, per number of requests, the fit's own training "
+    "steps of that segment that ran the decode phase only, without and with an adapter, with their median time "
+    "(n_base_decode_from_canaries: how many of those without one the drift canaries ran). fits: the "
+    "fitted model (per_segment); the same fit with that segment taking l9 from the other, as it takes the terms it does not hold "
+    "(borrowed_l9); and the fitted model refitted without the single-sequence decode steps that ran no adapter "
+    "(without_single_base_decode). cross_validated: per_segment against borrowed_l9 on the training runs, folds by run, the "
+    "fit's steps, boundary and segment plan, paired on the held-out steps (gain: the mean of borrowed_l9's squared relative "
+    "error less per_segment's, standard error over time blocks), and the part of that gain the single-sequence decode steps "
+    "without an adapter make; held_out: the same on the test runs' steady steps. single_decode_term: the engine's slower "
+    "single-request decode step as a term beside the model's features (a price per decode-only step of one request, "
+    "fitted as the model is, not one of its features), its terms and held-out error on the test runs against the fitted "
+    "model's (gain: the fitted model's mean squared relative error less the term's), and both models' p90 |relative error| "
+    "on the test runs' decode steps with and without an adapter (no intervals)")
+
+
+def lora_path_identification(train, model, test) -> dict:
+    """`PATH_NOTE`: the LoRA path's per-base-token term in the memory-bound segment of a fitted LoRA-aware ``model``, what
+    its training steps tell it from, and how the fit and its held-out error change when that segment borrows it, and with a
+    term for single-request decode steps."""
+    x, y, load = step_feature_matrix(train), train.step_latency_s_per_step, step_new_tokens(train)
+    keep, boundary = model.train_step_mask_, model.boundary_
+    d4, l8, l9 = FEATURE_NAMES_LORA.index("decode_requests"), int(LoraCoef.L8), int(LoraCoef.L9)
+    weight = 1.0 / y
+    aw, bw = x * weight[:, None], y * weight
+    own = model._segment_plan(x, load, keep, boundary)
+    borrowed = (own[0] & (np.arange(own[0].size) != l9), own[1])
+
+    def decode_shape(trace, features, step_load):
+        requests = features[:, d4]
+        decode = ~trace.is_prefill_per_step & (step_load < boundary)
+        return requests, decode & (features[:, l8] == 0), decode & (features[:, l8] > 0)
+
+    def terms(coef) -> dict:
+        return {"decode_requests_s": float(coef[0, d4]), "lora_steps_s": float(coef[0, l8]), "lora_base_tokens_s": float(coef[0, l9])}
+
+    requests, base, adapter = decode_shape(train, x, load)
+    by_count = [{"requests": int(n),
+                 **{name: {"n_steps": int((keep & mask & (requests == n)).sum()),
+                           "measured_ms_p50": round(1e3 * float(np.median(y[keep & mask & (requests == n)])), 2) if (keep & mask & (requests == n)).any() else None}
+                    for name, mask in (("base_only", base), ("with_adapter", adapter))}}
+                for n in sorted(set(requests[keep & (base | adapter)].astype(int).tolist()))]
+    single = keep & base & (requests == 1)
+    fits = {"per_segment": model.coef_, "borrowed_l9": model._fit_segments(aw, bw, load, boundary, keep, own=borrowed),
+            "without_single_base_decode": model._fit_segments(aw, bw, load, boundary, keep & ~single, own=own)}
+
+    def paired(predicted: dict, measured, judged, single_steps, blocks, *, worse="borrowed_l9", better="per_segment") -> dict:
+        errors = {name: ((p[judged] - measured[judged]) / measured[judged]) ** 2 for name, p in predicted.items()}
+        gain = errors[worse] - errors[better]
+        by_block = np.bincount(np.unique(blocks[judged], return_inverse=True)[1].reshape(-1), weights=gain - gain.mean())
+        return {"n_judged": int(judged.sum()),
+                **{f"{name}_mean_squared_rel_err": float(e.mean()) for name, e in errors.items()},
+                "gain": float(gain.mean()), "gain_standard_error": float(np.sqrt(np.sum(by_block**2)) / gain.size),
+                "n_single_base_decode": int(single_steps[judged].sum()),
+                "gain_from_single_base_decode": float(gain[single_steps[judged]].sum() / gain.size)}
+
+    groups, grouping = model.fold_groups(train, keep)
+    tests = [np.isin(np.arange(train.n_steps), np.flatnonzero(keep)[t]) for t in group_k_fold(groups, model.cv_folds)]
+    predicted = {name: np.zeros(train.n_steps) for name in ("per_segment", "borrowed_l9")}
+    for held in tests:
+        for name, plan in (("per_segment", own), ("borrowed_l9", borrowed)):
+            coef = model._fit_segments(aw, bw, load, boundary, keep & ~held, own=plan)
+            predicted[name][held] = model._predict_rows(coef, boundary, x[held], load[held])
+    blocks = np.full(train.n_steps, -1)
+    blocks[keep] = time_block_groups(train, keep)
+    cross_validated = {"fold_grouping": grouping, "n_folds": len(tests),
+                       **paired(predicted, y, np.any(tests, axis=0), single, blocks)}
+    xt, yt, load_t = step_feature_matrix(test), test.step_latency_s_per_step, step_new_tokens(test)
+    steady = steady_steps(test)
+    requests_t, base_t, _ = decode_shape(test, xt, load_t)
+    held_out = paired({name: model._predict_rows(fits[name], boundary, xt, load_t) for name in ("per_segment", "borrowed_l9")},
+                      yt, steady, steady & base_t & (requests_t == 1), time_block_groups(test, np.ones(test.n_steps, dtype=bool)))
+    # the engine's slower single-request decode step as a term of its own, beside the model (not one of its features): a
+    # price per decode-only step of one request, fitted and judged as the model is
+    probe = copy.copy(model)
+    probe.identified_ = np.r_[model.identified_, True]
+
+    def with_single(trace, features):
+        return np.c_[features, (np.diff(trace.step_offsets) == 1) & ~trace.is_prefill_per_step]
+
+    coef_single = probe._fit_segments(with_single(train, x) * weight[:, None], bw, load, boundary, keep,
+                                      own=(np.r_[own[0], True], np.r_[own[1], True]))
+    test_blocks = time_block_groups(test, np.ones(test.n_steps, dtype=bool))
+    predicted_t = {"per_segment": model._predict_rows(model.coef_, boundary, xt, load_t),
+                   "single_decode_term": probe._predict_rows(coef_single, boundary, with_single(test, xt), load_t)}
+    rel = {name: np.abs(p - yt) / yt for name, p in predicted_t.items()}
+    decode_t = steady & ~test.is_prefill_per_step
+    adapter_t = lora_groups(test)["adapter"]
+    single_term = {**terms(coef_single), "single_decode_step_s": float(coef_single[0, -1]),
+                   "held_out": {**paired(predicted_t, yt, steady, steady & base_t & (requests_t == 1), test_blocks,
+                                         worse="per_segment", better="single_decode_term"),
+                                "decode_rel_err_p90": {name: {"with_adapter": float(np.percentile(r[decode_t & adapter_t], 90)),
+                                                              "base_only": float(np.percentile(r[decode_t & ~adapter_t], 90))}
+                                                       for name, r in rel.items()}}}
+    return {"segment": "memory_bound", "boundary_new_tokens": boundary, "decode_steps_by_count": by_count,
+            "n_base_decode_from_canaries": int((keep & base & (canary_run_per_step(train) >= 0)).sum()),
+            "fits": {name: terms(coef) for name, coef in fits.items()},
+            "n_single_base_decode_left_out": int(single.sum()), "n_fit_steps": int(keep.sum()),
+            "cross_validated": cross_validated, "held_out": held_out, "single_decode_term": single_term, "note": PATH_NOTE}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-o", "--output", type=Path, default=REPO / "docs" / "results" / "lora.json")
@@ -298,6 +404,7 @@ def main() -> None:
                      "fewer total new tokens than boundary_new_tokens use the first); LoRA terms: " + ", ".join(LORA_FEATURE_NAMES),
         "boundary_new_tokens": aware.boundary_,
         "boundary_search": {"llmvisor": boundary_choice(aware), "adapter_blind": boundary_choice(result["fitted"]["adapter_blind"].model_)},
+        "lora_path_identification": lora_path_identification(train, aware, test),
         "noise_floor": result["noise_floor"],
         "machine": {
             "cores": cores,
