@@ -89,7 +89,7 @@ def test_the_sharing_run_words_match_its_verdicts(figures):
     assert f"about {whole['batches_to_flag']:,} and {first['batches_to_flag']:,} such batches" in text
     assert context["below_tolerance"] and "the third is within the ±3%" in text
     saving = _range(run["pricing"]["folds"])
-    shipped_saving = figures["sharing_rules_pricing"]["shipped_model_shared_read_saving"]
+    shipped_saving = figures["sharing_rules_pricing"]["model_shared_read_saving"]
     assert max(max(f["shared_read_saving"]) for f in run["pricing"]["folds"]) < 0.5 < min(shipped_saving)
     assert f"saves only {saving} of a decode context token's price" in text and f"engine {saving}" in text
     assert f"saves {_pct(shipped_saving[0])} of its price where the sharing run's engine saves {saving}" in readme

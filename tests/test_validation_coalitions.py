@@ -327,11 +327,9 @@ def test_priced_with_its_own_cross_fitted_terms_the_check_judges_the_rule_not_th
     nothing (same price per context token, all of it per reader): the landed rule is flagged, though it is the engine's
     rule. Priced with the run's own terms (llmvisor's fit on the other request sets' steps), the fit finds that sharing
     saves the whole read and the landed rule passes; no request set is priced by a fit that saw its steps."""
-    from types import SimpleNamespace
-
     from llmvisor.core.model import StepLatencyModel
-    from llmvisor.validation.coalitions import analyse_coalition_batch
-    from llmvisor.validation.groundtruth import coalition_steps_trace, crossfitted_models, engine_priced, sharing_rule_verdicts
+    from llmvisor.validation.coalitions import analyse_coalition_batch, coalition_steps_trace, crossfitted_models, engine_priced
+    from llmvisor.validation.groundtruth import sharing_rule_verdicts
     from test_validation_sampled_plan import D6, sharing_model
 
     batches = draw_coalition_batches(mixes(), ENVELOPE_64, n_batches=8, coalitions_per_request=4, sizes=(16, 32),
@@ -343,10 +341,10 @@ def test_priced_with_its_own_cross_fitted_terms_the_check_judges_the_rule_not_th
     no_saving = StepLatencyModel.from_dict(no_saving)
     records = [analyse_coalition_batch(b, journal, no_saving) for b in batches]
     assert sharing_rule_verdicts(records)["serving_size"]["rules"]["split_among_readers"]["flagged"]
-    priced, how = engine_priced(SimpleNamespace(sampled_batches=batches, journal=journal, model=no_saving), records)
+    priced, how = engine_priced(batches, journal, records, no_saving)
     rules = sharing_rule_verdicts(priced)["serving_size"]["rules"]
     assert not rules["split_among_readers"]["flagged"]
-    assert how["shipped_model_shared_read_saving"] == [0.0] and how["n_folds"] == 4
+    assert how["model_shared_read_saving"] == [0.0] and how["n_folds"] == 4
     assert all(min(f["shared_read_saving"]) > 0.9 for f in how["folds"])
     indices = {b.index for b in batches}
     models = crossfitted_models(batches, journal, indices)
@@ -378,3 +376,11 @@ def test_validate_records_the_pairs_layout_and_resumes_with_it(tmp_path, monkeyp
     for record in result["sampled_batches"]:
         documents = [g for g in set(record["groups"]) if g >= 0]
         assert len(documents) == 3 and all(record["groups"].count(g) == 2 for g in documents)
+    # beside the check priced with the given model, the check priced with the run's own terms: each of the two request
+    # sets priced by a fit on the other's steps, which finds that this engine reads a shared block once
+    own = result["summary"]["sharing_own_terms"]
+    assert own["pricing"]["n_folds"] == 2 and set(own["serving_size"]["rules"]) == set(rules)
+    assert all(f["shared_read_saving"][0] > 0.9 for f in own["pricing"]["folds"])
+    from llmvisor.validation.report import coalitions_markdown_summary
+
+    assert "priced with the run's own terms" in coalitions_markdown_summary(result)

@@ -483,6 +483,7 @@ def validate(
             jsonable,
             measurement_cost,
             permutation_reference,
+            sharing_own_terms,
         )
 
         coalition_records = [r for r in (analyse_coalition_batch(b, journal, latency_model, sampled_repeat) for b in sampled_specs) if r is not None]
@@ -491,6 +492,9 @@ def validate(
         if coalition_records:
             result["summary"] = {**result["summary"], **jsonable(coalition_summary(coalition_records, permutation_reference=reference, seed=seed))}
             result["summary"]["measurement_cost"] = jsonable(measurement_cost(journal, previous_runs))
+            own_terms = sharing_own_terms(sampled_specs, journal, coalition_records, latency_model)
+            if own_terms is not None:
+                result["summary"]["sharing_own_terms"] = jsonable(own_terms)
         result["n_sampled_batches_measured"] = len(coalition_records)
         result["sampled_batches"] = [batch_record_json(r) for r in coalition_records]
     if tenant_specs:

@@ -22,7 +22,10 @@ import numpy as np
 from scipy import stats
 
 from llmvisor.core.game import shared_prefix_effective_context
+from llmvisor.core.model import StepLatencyModel, group_k_fold
 from llmvisor.core.stats import replicate_noise_floor
+from llmvisor.core.trace import StepTrace, build_trace
+from llmvisor.errors import LlmvisorError
 from llmvisor.validation.analysis import GOAL, Method, model_shares, plain_quantiles, token_count_split
 from llmvisor.validation.estimator import exact_coverage, relative_weights, shapley_matrix
 from llmvisor.validation.game import additivity_test, exact_shapley, members, regression_shapley
@@ -189,6 +192,111 @@ def analyse_coalition_batch(batch: SampledBatchSpec, journal: Journal, model, re
                       pure_error_var=sigma2)
         assert np.allclose(exact, exact_shapley(np.concatenate([[0.0], times.mean(axis=1)])))
     return record
+
+
+CROSSFIT_FOLDS = 4
+"""Folds of request sets for pricing a journal's sharing rules with its engine's own terms (`crossfitted_models`)."""
+
+
+def coalition_steps_trace(batches, journal, indices, repeat: int = 1, *, disturbed: bool = False) -> StepTrace:
+    """The measured steps of the batches whose index is in ``indices`` (round 0, the first ``repeat`` of each
+    coalition; those the interference guard kept flagged only with ``disturbed``) as a format-2 step trace with one run per request set (``set-<index>``), so `StepLatencyModel.fit`
+    learns from them and `group_k_fold` splits them by request set. A step's effective context splits each prefix
+    group's recorded shared tokens among its readers in the step (`grouped_effective_context`)."""
+    cols: dict[str, list] = {k: [] for k in ("run_id", "step_id", "step_latency_s", "request_id", "tenant", "num_new_tokens",
+                                             "num_context_tokens", "phase", "num_shared_context_tokens", "effective_context_tokens")}
+    step = 0
+    for b in batches:
+        if b.index not in indices:
+            continue
+        groups, new, prefill = np.asarray(b.groups), np.asarray(b.num_new_tokens), np.asarray(b.is_prefill, dtype=bool)
+        for s in (s for chunk in b.chunks(0) for s in chunk):
+            for m in journal.get(b, 0, s)[:repeat]:
+                if m.interference and not disturbed:
+                    continue
+                idx = np.asarray(members(s, b.size))
+                context = np.asarray(m.num_context_tokens, dtype=np.float64)
+                shared = np.asarray(m.num_shared_context_tokens or np.zeros(idx.size), dtype=np.float64)
+                effective = grouped_effective_context(context, shared, groups[idx])
+                step += 1
+                cols["run_id"] += [f"set-{b.index}"] * idx.size
+                cols["step_id"] += [step] * idx.size
+                cols["step_latency_s"] += [m.step_latency_s] * idx.size
+                cols["request_id"] += [f"{b.index}-{i}" for i in idx]
+                cols["tenant"] += [""] * idx.size
+                cols["num_new_tokens"] += new[idx].tolist()
+                cols["num_context_tokens"] += context.astype(np.int64).tolist()
+                cols["phase"] += ["prefill" if p else "decode" for p in prefill[idx]]
+                cols["num_shared_context_tokens"] += shared.astype(np.int64).tolist()
+                cols["effective_context_tokens"] += effective.tolist()
+    text = ("run_id", "request_id", "tenant", "phase")
+    return build_trace({k: np.array(v, dtype=object if k in text else None) for k, v in cols.items()}, path="<coalition steps>")
+
+
+def crossfitted_models(batches, journal, indices, *, n_folds: int = CROSSFIT_FOLDS) -> dict[int, StepLatencyModel]:
+    """For each request set in ``indices``, the model llmvisor's fit (`StepLatencyModel` with its defaults) learns from
+    the measured steps of the other folds' request sets (`group_k_fold` by request set): the run's own engine terms, none
+    learned from a step of the batch they price. A sharing rule judged with them is judged apart from how well some
+    other profile's model prices this engine (the shipped model's calibration is a separate question)."""
+    trace = coalition_steps_trace(batches, journal, indices)
+    runs = trace.run_id_per_step
+    out: dict[int, StepLatencyModel] = {}
+    for test in group_k_fold(runs, n_folds):
+        model = StepLatencyModel().fit(trace[~test])
+        out.update({int(run.removeprefix("set-")): model for run in set(runs[test].tolist())})
+    return out
+
+
+def shared_read_saving(model: StepLatencyModel) -> list[float]:
+    """Per segment, the fraction of a decode context token's price that a second reader of its KV block does not pay:
+    e ÷ (d2 + e), the once-per-step read over the whole (0: sharing saves nothing, 1: context is read once per step)."""
+    out = []
+    for segment in model.to_dict()["segments"]:
+        coef = segment["coef_s"]
+        per_token = coef["decode_context_tokens"] + coef.get("effective_context_tokens", 0.0)
+        out.append(coef.get("effective_context_tokens", 0.0) / per_token if per_token > 0 else 0.0)
+    return out
+
+
+def engine_priced(batches, journal, records: list[dict], model, *, n_folds: int = CROSSFIT_FOLDS) -> tuple[list[dict], dict]:
+    """``records`` (priced with ``model``) with every sharing rule's shares priced again by their request set's
+    cross-fitted model (`crossfitted_models`), and how: the folds' models (boundary, shared-read saving) beside
+    ``model``'s."""
+    kept = [r for r in records if not r.get("interference_flagged")]
+    models = crossfitted_models(batches, journal, {r["index"] for r in kept}, n_folds=n_folds)
+    by_index = {b.index: b for b in batches}
+    priced = []
+    for r in records:
+        if r.get("interference_flagged"):
+            priced.append(r)
+            continue
+        batch = by_index[r["index"]]
+        shares = sharing_rule_shares(models[r["index"]], np.asarray(batch.num_new_tokens, dtype=np.float64), np.asarray(r["num_context_tokens"]),
+                                     np.asarray(batch.is_prefill, dtype=bool), r["measured_step_s"],
+                                     np.asarray(r["num_shared_context_tokens"]), r["groups"])
+        priced.append(r | {"sharing_rule_shares_s": shares})
+    folds = {id(m): m for m in models.values()}
+    how = {"how": f"each request set's sharing rules priced by the model llmvisor's fit learns from the other request sets' "
+                  f"measured steps ({n_folds} folds by request set, none priced by a fit that saw its steps)",
+           "n_folds": len(folds),
+           "folds": [{"n_request_sets": sum(1 for x in models.values() if x is m), "boundary_new_tokens": m.to_dict()["boundary_new_tokens"],
+                      "shared_read_saving": shared_read_saving(m)} for m in folds.values()],
+           "model_shared_read_saving": shared_read_saving(model)}
+    return priced, how
+
+
+def sharing_own_terms(batches, journal, records: list[dict], model, *, n_folds: int = CROSSFIT_FOLDS) -> dict | None:
+    """The sharing check (`sharing_check`) with each request set's rules priced by the run's own terms
+    (`engine_priced`), and how they were priced: what `validate` reports beside the check priced with ``model``. None
+    without mixed-sharing batches from two request sets or more; where the steps are too few to fit, the reason."""
+    kept = [r for r in records if not r.get("interference_flagged")]
+    if len({r["index"] for r in kept}) < 2 or not any(r["kind"] == "mixed_sharing_decode" for r in kept):
+        return None
+    try:
+        priced, how = engine_priced(batches, journal, records, model, n_folds=n_folds)
+    except LlmvisorError as error:
+        return {"pricing": None, "not_fitted": str(error)}
+    return {"pricing": how, **sharing_check(priced)}
 
 
 def sharing_rule_shares(model, new, context, is_prefill, measured_s: float, shared, groups) -> dict[str, np.ndarray]:

@@ -24,19 +24,16 @@ import numpy as np
 from scipy import stats
 
 from llmvisor import shipped
-from llmvisor.core.model import StepLatencyModel, group_k_fold
-from llmvisor.core.trace import StepTrace, build_trace
 from llmvisor.validation.coalitions import (
     CLASS_BIAS_MAX,
     LANDED_SHARING_RULE,
     analyse_coalition_batch,
-    grouped_effective_context,
+    engine_priced,
     pooled_class_bias,
     sharing_check,
-    sharing_rule_shares,
 )
 from llmvisor.validation.estimator import exact_batch_games, exact_coverage, load_validation, shapley_matrix
-from llmvisor.validation.game import additive_design, members
+from llmvisor.validation.game import additive_design
 from llmvisor.validation.tenants import bootstrap_median_ratio, quarter_tenant_halfwidths
 
 FIGURES_FORMAT = "llmvisor.validation.groundtruth"
@@ -146,97 +143,6 @@ def additive_projection_bias(games: list[dict], *, confidence: float = 0.95) -> 
             "error carried through the (linear) difference"}
 
 
-CROSSFIT_FOLDS = 4
-"""Folds of request sets for pricing a journal's sharing rules with its engine's own terms (`crossfitted_models`)."""
-
-
-def coalition_steps_trace(batches, journal, indices, repeat: int = 1) -> StepTrace:
-    """The measured steps of the batches whose index is in ``indices`` (round 0, undisturbed, the first ``repeat`` of
-    each coalition) as a format-2 step trace with one run per request set (``set-<index>``), so `StepLatencyModel.fit`
-    learns from them and `group_k_fold` splits them by request set. A step's effective context splits each prefix
-    group's recorded shared tokens among its readers in the step (`grouped_effective_context`)."""
-    cols: dict[str, list] = {k: [] for k in ("run_id", "step_id", "step_latency_s", "request_id", "tenant", "num_new_tokens",
-                                             "num_context_tokens", "phase", "num_shared_context_tokens", "effective_context_tokens")}
-    step = 0
-    for b in batches:
-        if b.index not in indices:
-            continue
-        groups, new, prefill = np.asarray(b.groups), np.asarray(b.num_new_tokens), np.asarray(b.is_prefill, dtype=bool)
-        for s in (s for chunk in b.chunks(0) for s in chunk):
-            for m in journal.get(b, 0, s)[:repeat]:
-                if m.interference:
-                    continue
-                idx = np.asarray(members(s, b.size))
-                context = np.asarray(m.num_context_tokens, dtype=np.float64)
-                shared = np.asarray(m.num_shared_context_tokens or np.zeros(idx.size), dtype=np.float64)
-                effective = grouped_effective_context(context, shared, groups[idx])
-                step += 1
-                cols["run_id"] += [f"set-{b.index}"] * idx.size
-                cols["step_id"] += [step] * idx.size
-                cols["step_latency_s"] += [m.step_latency_s] * idx.size
-                cols["request_id"] += [f"{b.index}-{i}" for i in idx]
-                cols["tenant"] += [""] * idx.size
-                cols["num_new_tokens"] += new[idx].tolist()
-                cols["num_context_tokens"] += context.astype(np.int64).tolist()
-                cols["phase"] += ["prefill" if p else "decode" for p in prefill[idx]]
-                cols["num_shared_context_tokens"] += shared.astype(np.int64).tolist()
-                cols["effective_context_tokens"] += effective.tolist()
-    text = ("run_id", "request_id", "tenant", "phase")
-    return build_trace({k: np.array(v, dtype=object if k in text else None) for k, v in cols.items()}, path="<coalition steps>")
-
-
-def crossfitted_models(batches, journal, indices, *, n_folds: int = CROSSFIT_FOLDS) -> dict[int, StepLatencyModel]:
-    """For each request set in ``indices``, the model llmvisor's fit (`StepLatencyModel` with its defaults) learns from
-    the measured steps of the other folds' request sets (`group_k_fold` by request set): the run's own engine terms, none
-    learned from a step of the batch they price. A sharing rule judged with them is judged apart from how well some
-    other profile's model prices this engine (the shipped model's calibration is a separate question)."""
-    trace = coalition_steps_trace(batches, journal, indices)
-    runs = trace.run_id_per_step
-    out: dict[int, StepLatencyModel] = {}
-    for test in group_k_fold(runs, n_folds):
-        model = StepLatencyModel().fit(trace[~test])
-        out.update({int(run.removeprefix("set-")): model for run in set(runs[test].tolist())})
-    return out
-
-
-def shared_read_saving(model: StepLatencyModel) -> list[float]:
-    """Per segment, the fraction of a decode context token's price that a second reader of its KV block does not pay:
-    e ÷ (d2 + e), the once-per-step read over the whole (0: sharing saves nothing, 1: context is read once per step)."""
-    out = []
-    for segment in model.to_dict()["segments"]:
-        coef = segment["coef_s"]
-        per_token = coef["decode_context_tokens"] + coef.get("effective_context_tokens", 0.0)
-        out.append(coef.get("effective_context_tokens", 0.0) / per_token if per_token > 0 else 0.0)
-    return out
-
-
-def engine_priced(v, records: list[dict], *, n_folds: int = CROSSFIT_FOLDS) -> tuple[list[dict], dict]:
-    """``records`` with every sharing rule's shares priced by their request set's cross-fitted model
-    (`crossfitted_models`), and how: the folds' models (boundary, shared-read saving) beside the shipped model's."""
-    kept = [r for r in records if not r.get("interference_flagged")]
-    models = crossfitted_models(v.sampled_batches, v.journal, {r["index"] for r in kept}, n_folds=n_folds)
-    by_index = {b.index: b for b in v.sampled_batches}
-    priced = []
-    for r in records:
-        if r.get("interference_flagged"):
-            priced.append(r)
-            continue
-        model = models[r["index"]]
-        batch = by_index[r["index"]]
-        shares = sharing_rule_shares(model, np.asarray(batch.num_new_tokens, dtype=np.float64), np.asarray(r["num_context_tokens"]),
-                                     np.asarray(batch.is_prefill, dtype=bool), r["measured_step_s"],
-                                     np.asarray(r["num_shared_context_tokens"]), r["groups"])
-        priced.append(r | {"sharing_rule_shares_s": shares})
-    folds = {id(m): m for m in models.values()}
-    how = {"how": f"each request set's sharing rules priced by the model llmvisor's fit learns from the other request sets' "
-                  f"measured steps ({n_folds} folds by request set, none priced by a fit that saw its steps)",
-           "n_folds": len(folds),
-           "folds": [{"n_request_sets": sum(1 for x in models.values() if x is m), "boundary_new_tokens": m.to_dict()["boundary_new_tokens"],
-                      "shared_read_saving": shared_read_saving(m)} for m in folds.values()],
-           "shipped_model_shared_read_saving": shared_read_saving(v.model)}
-    return priced, how
-
-
 def sharing_rule_verdicts(records: list[dict], *, limit: float = CLASS_BIAS_MAX) -> dict:
     """Each sharing rule through the sharing check (`sharing_check`): flagged or not. For a wrong rule, the class that
     flagged it or, not flagged, any class: of those, the one where it departs most from the landed rule (its bias minus
@@ -278,7 +184,7 @@ def sharing_run_figures(result_path: Path) -> dict:
     records, v = coalition_records(result_path, result_path.with_name(result_path.name.removesuffix(".json") + ".journal.jsonl.gz"))
     result = json.loads(result_path.read_text(encoding="utf-8"))
     sampled = result["settings"]["sampled"]
-    priced, pricing = engine_priced(v, records)
+    priced, pricing = engine_priced(v.sampled_batches, v.journal, records, v.model)
     return {"source": result_path.name,
             "plan": {k: sampled.get(k) for k in ("batches", "sizes", "kinds", "coalitions_per_request", "sharing_layout")},
             "n_request_sets": n_mixed_sharing_request_sets(records),
@@ -316,7 +222,7 @@ def groundtruth_figures(*, seed: int = 0, n_bootstrap: int = 1000, trials: int =
     from llmvisor.validation.coalitions import jsonable
 
     records, v = coalition_records()
-    priced, pricing = engine_priced(v, records)
+    priced, pricing = engine_priced(v.sampled_batches, v.journal, records, v.model)
     coalitions_result = json.loads(shipped.result_path(COALITIONS_RESULT).read_text(encoding="utf-8"))
     noise = coalitions_result["summary"]["noise_floor"]["relative_per_measurement"]
     planned = coalitions_result["settings"]["sampled"]
@@ -463,7 +369,7 @@ def markdown_summary(figures: dict) -> str:
               + "; ".join(landed_shipped) + ". A second reader of a KV block saves this share of a decode context token's price: "
               + "; ".join(f"{name} {_pct(min(min(f['shared_read_saving']) for f in how['folds']))}–"
                           f"{_pct(max(max(f['shared_read_saving']) for f in how['folds']))} (its folds)" for name, how in savings)
-              + f"; the shipped model {' / '.join(_pct(x) for x in figures['sharing_rules_pricing']['shipped_model_shared_read_saving'])} "
+              + f"; the shipped model {' / '.join(_pct(x) for x in figures['sharing_rules_pricing']['model_shared_read_saving'])} "
               "(its two segments)."]
     plan = figures["tenant_run_plan"]
     lines += ["", f"Tenants plan by the model ({plan['n_batches']} batches, {plan['rounds']} rounds, step noise "

@@ -375,11 +375,18 @@ def coalitions_markdown_summary(result: dict) -> str:
             for kind, row in kinds.items():
                 lines.append(f"| {size} | {COALITION_KIND_LABELS.get(kind, kind)} | {row['n_batches']} | {row['steps_per_batch_p50']:.0f} | "
                              f"{_pct(row['halfwidth_over_share_p50'])} | {row['steps_for_halfwidth_quarter']:,} |")
-    for label, entry in summary["sharing"].items():
+    own_terms = summary.get("sharing_own_terms") or {}
+    checks = [(label, entry, "priced with the model") for label, entry in summary["sharing"].items()]
+    checks += [(label, entry, "priced with the run's own terms (llmvisor's fit on the other request sets' steps)")
+               for label, entry in own_terms.items() if label in ("exact", "serving_size")]
+    if own_terms.get("not_fitted"):
+        lines += ["", f"Sharing priced with the run's own terms: not fitted ({own_terms['not_fitted']})."]
+    for label, entry, pricing in checks:
         lines += [
             "",
             f"Sharing, {'exact' if label == 'exact' else 'serving-size'} mixed-sharing batches ({entry['n_batches']} "
-            f"batches of {', '.join(map(str, entry['sizes']))} requests): class bias of the `shapley` shares, Σ shares ÷ Σ values − 1 [95%].",
+            f"batches of {', '.join(map(str, entry['sizes']))} requests), {pricing}: class bias of the `shapley` shares, "
+            "Σ shares ÷ Σ values − 1 [95%].",
             "",
             "| sharing rule | " + " | ".join(CLASS_LABELS[c] for c in CLASS_LABELS if c in entry["rules"][next(iter(entry["rules"]))]["class_bias"])
             + " | flagged |",
