@@ -87,6 +87,10 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: rank[module(item)])
 
 
+ENGINE_LOCK_WAIT_S = float(os.environ.get("LLMVISOR_TEST_ENGINE_LOCK_WAIT_S", "1800"))
+"""How long a module waits for the engine lock (the longest measuring module takes a few minutes) before failing."""
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _engine_lock(request, tmp_path_factory):
     """A module with a test that ``measures`` step times runs with no other real-engine module at once (an exclusive
@@ -102,7 +106,17 @@ def _engine_lock(request, tmp_path_factory):
     # (a measuring module then also waits for another run's engines on the machine, which is as it should be).
     path = tmp_path_factory.getbasetemp().parent / "llmvisor-engine.lock"
     with open(path, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        # bounded: a run left hanging elsewhere on the machine must fail this one with a reason, not stall it for ever
+        waited = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(handle, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() - waited > ENGINE_LOCK_WAIT_S:
+                    pytest.fail(f"waited {ENGINE_LOCK_WAIT_S:.0f} s for {path}: another pytest run on this machine holds it "
+                                "(one still starting engines, or left hanging); stop that run or let it finish", pytrace=False)
+                time.sleep(0.5)
         try:
             yield
         finally:
