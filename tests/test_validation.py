@@ -320,6 +320,11 @@ def test_interference_guard_discards_and_redoes_a_slowed_batch_round(tmp_path):
                     assert m.step_latency_s == pytest.approx(expected)
     result = build_result(batches, journal, known_model(), repeat=2, n_bootstrap=10)
     assert result["interference"]["n_batch_rounds_discarded"] == counts["discarded_batch_rounds"]
+    assert "at most 4 redos" in result["interference"]["rule"]  # no run recorded: the default guard
+    # the rule stated is the one the last measuring run used, not the default
+    runs = {"measurement_runs": [{"guard_max_redos": 4, "guard_max_wait_s": 600.0}, {"guard_max_redos": 2, "guard_max_wait_s": 60.0}]}
+    stated = build_result(batches, journal, known_model(), repeat=2, n_bootstrap=10, settings=runs)["interference"]["rule"]
+    assert "at most 2 redos" in stated and "at most 4" not in stated
 
 
 def test_steps_that_did_not_run_as_intended_are_rejected_and_redone(tmp_path):

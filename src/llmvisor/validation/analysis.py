@@ -34,7 +34,7 @@ from llmvisor.validation.game import (
     sampled_shapley,
     subset_masks,
 )
-from llmvisor.validation.measurement import Journal, guard_rule
+from llmvisor.validation.measurement import InterferenceGuard, Journal, guard_rule
 from llmvisor.validation.plans import PHASES, SAMPLED_KINDS, BatchSpec, Phase, SampledBatchSpec
 
 RESULT_FORMAT = "llmvisor.validation"
@@ -580,6 +580,16 @@ def dumps_result(result: dict) -> str:
     return text + "\n}\n"
 
 
+def _last_run_guard(settings: dict | None) -> InterferenceGuard | None:
+    """The guard the last measuring run used (its redos and wait, from ``settings.measurement_runs``), so the result
+    states the rule it was measured under; None (the default guard) where no run recorded them."""
+    runs = [r for r in (settings or {}).get("measurement_runs", []) if "guard_max_redos" in r]
+    if not runs:
+        return None
+    last = runs[-1]
+    return InterferenceGuard(max_redos=int(last["guard_max_redos"]), max_wait_s=float(last.get("guard_max_wait_s", InterferenceGuard().max_wait_s)))
+
+
 def build_result(batches: list[BatchSpec], journal: Journal, model, *, repeat: int, n_bootstrap: int = 1000, seed: int = 0,
                  settings: dict | None = None, sampled_batches: list[SampledBatchSpec] = (), sampled_repeat: int | None = None,
                  agreement_orders: int = 8) -> dict:
@@ -599,7 +609,7 @@ def build_result(batches: list[BatchSpec], journal: Journal, model, *, repeat: i
         "n_batches_measured": len(records),
         "n_steps_rejected": journal.n_rejected,
         "interference": {
-            "rule": guard_rule(),
+            "rule": guard_rule(_last_run_guard(settings)),
             "n_batch_rounds_discarded": len(journal.interference),
             "n_batches_flagged": sum(1 for r in records if r.get("interference_flagged")),
             "canary_s": plain_quantiles(journal.canary_s),
