@@ -358,3 +358,15 @@ def admission_over_seeds(per_seed: dict[int, dict]) -> dict:
     out["goals_met"] = {goal: sum(bool(r["goals"][goal]) for r in per_seed.values()) for goal in first["goals"]}
     return out
 
+
+def wall_throughput(summary: dict) -> dict[str, float]:
+    """Output tokens per wall-clock second over the measured interval, per tenant."""
+    lo, hi = summary["interval_s"]
+    return {tenant: float(n / (hi - lo)) for tenant, n in summary["output_tokens"].items()}
+
+
+def throughput(summary: dict) -> dict[str, float]:
+    """Output tokens per second of engine time (the interval's summed step times), per tenant."""
+    lo, hi = summary["interval_s"]
+    engine_s = float(summary["engine_busy_fraction"] * (hi - lo))
+    return {tenant: float(n / engine_s) if engine_s > 0 else 0.0 for tenant, n in summary["output_tokens"].items()}

@@ -56,6 +56,7 @@ from llmvisor.fairness.experiment import (
     machine_description,
     run_policy,
 )
+from llmvisor.fairness.experiment_analysis import throughput, wall_throughput
 from llmvisor.fairness.policy import POLICIES, jain_index, max_min_ratio
 
 RESULT_FILE = "fairness-memory.json"
@@ -161,19 +162,6 @@ def memory_figures(run: dict, summary: dict, *, window_s: float, warmup_s: float
         "pool_blocks": int(run["kv_pool_blocks"]),
         "block_size": int(run["block_size"]),
     }
-
-
-def wall_throughput(summary: dict) -> dict[str, float]:
-    """Output tokens per wall-clock second over the measured interval, per tenant."""
-    lo, hi = summary["interval_s"]
-    return {tenant: float(n / (hi - lo)) for tenant, n in summary["output_tokens"].items()}
-
-
-def throughput(summary: dict) -> dict[str, float]:
-    """Output tokens per second of engine time (the interval's summed step times), per tenant."""
-    lo, hi = summary["interval_s"]
-    engine_s = float(summary["engine_busy_fraction"] * (hi - lo))
-    return {tenant: float(n / engine_s) if engine_s > 0 else 0.0 for tenant, n in summary["output_tokens"].items()}
 
 
 def sharing_incentive(summary: dict, alone: dict[str, dict], n: int) -> dict:

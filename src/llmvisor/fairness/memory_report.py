@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from llmvisor.fairness.experiment_analysis import throughput
 from llmvisor.fairness.experiment_report import POLICY_LABELS, format_seconds
-from llmvisor.fairness.memory_experiment import throughput
 from llmvisor.fairness.policy import POLICIES
 
 COLORS = {"hog": "#d62728", "chat": "#1f77b4", "code": "#2ca02c"}
