@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from llmvisor.validation.analysis import rounded
-from llmvisor.validation.estimator import complementary_coalitions, estimator_figures, simulate_precision
+from llmvisor.validation.estimator import complementary_coalitions, estimator_figures, prefix_coalitions, simulate_precision
 from llmvisor.validation.game import additivity_test, exact_shapley, regression_shapley, subset_masks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,6 +38,23 @@ def test_noise_free_additive_game_gives_the_exact_shapley_value_from_any_full_ra
         np.testing.assert_allclose(est["shapley_s"].sum(), cost[full], rtol=1e-12)
         weighted = regression_shapley(masks, [cost[m] for m in masks], n, weights=rng.uniform(0.5, 2.0, len(masks)))
         np.testing.assert_allclose(weighted["shapley_s"], exact, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("n", "m"), [(4, 9), (7, 15), (7, 127), (32, 65)])
+def test_order_prefixes_are_the_permutation_designs_steps_and_the_regression_recovers_an_additive_game_on_them(n, m):
+    """`prefix_coalitions`: the full batch first, then distinct proper subsets, at least m of them (every subset where m
+    asks for all), each a prefix of an order whose reverse's prefixes are there too; an additive game's Shapley value
+    comes back exactly from them."""
+    rng = np.random.default_rng(n + m)
+    masks = prefix_coalitions(n, m, rng)
+    full = (1 << n) - 1
+    assert masks[0] == full and len(set(masks)) == len(masks) >= m and all(0 < x <= full for x in masks)
+    if m == full:
+        assert sorted(masks) == list(range(1, full + 1))
+    sizes = sorted(bin(x).count("1") for x in masks[1:])
+    assert sizes.count(1) >= 2 and sizes.count(n - 1) >= 2  # each order pair starts with two singletons, ends with two (n-1)-sets
+    b, f = additive_game(n, rng)
+    np.testing.assert_allclose(regression_shapley(masks, [value(x, b, f) for x in masks], n)["shapley_s"], f + b / n, atol=1e-12)
 
 
 def test_large_batches_and_the_control_variate_keep_the_exact_value():

@@ -38,6 +38,17 @@ def test_the_words_match_the_verdicts(figures):
     assert all(ratios[k]["ratio"] < 3 for k in ("32/decode", "32/shared_prefix_decode"))
     assert all(0.7 < ratios[k]["ratio"] < 1.5 for k in ("16/decode", "16/shared_prefix_decode"))
     assert "below the 3× goal" in text and "about as precise" in text
+    same = figures["estimator"]["permutation_vs_regression_same_steps"]["by_size_and_kind"]
+    for size in ("16", "32"):
+        assert all(same[f"{size}/{kind}"]["ratio"] < 3 for kind in ("decode", "shared_prefix_decode", "prefill"))
+        assert same[f"{size}/mixed"]["ratio"] > 3
+    words = (f"by {same['32/decode']['ratio']:.2f}× (decode), {same['32/shared_prefix_decode']['ratio']:.2f}× (shared-prefix decode) "
+             f"and {same['32/prefill']['ratio']:.2f}× (prefill) at 32 requests, and by {same['16/decode']['ratio']:.2f}×, "
+             f"{same['16/shared_prefix_decode']['ratio']:.2f}× and {same['16/prefill']['ratio']:.2f}× at 16")
+    assert words in text and "below the 3× goal for every kind but one" in text
+    assert f"{same['16/mixed']['ratio']:.2f}× and {same['32/mixed']['ratio']:.2f}×" in text
+    prefixes = figures["estimator"]["coverage_exact_prefixes"]
+    assert prefixes["pooled"]["ci95"][0] >= 0.9 and "its intervals still cover" in text
     coverage = figures["estimator"]["coverage_exact"]
     assert coverage["all"]["n_batches"] >= 10 and coverage["all"]["pooled"]["coverage_95"] >= 0.9
     assert coverage["mixed_sharing"]["n_batches"] == 3 and coverage["mixed_sharing"]["by_coalitions"]["all"]["coverage_95"] < 0.9
@@ -144,7 +155,17 @@ def test_the_sharing_run_recomputes_from_its_journal(figures):
 
 
 def test_the_figures_recompute_from_the_shipped_journal(figures):
-    from llmvisor.validation.groundtruth import coalition_records
+    from llmvisor import shipped
+    from llmvisor.validation.estimator import exact_batch_games, load_validation
+    from llmvisor.validation.groundtruth import coalition_records, permutation_vs_regression_same_steps
+
+    prefix = load_validation()
+    result = json.loads(shipped.result_path(shipped.VALIDATION_RESULT).read_text(encoding="utf-8"))
+    same = permutation_vs_regression_same_steps(prefix, result, n_bootstrap=0)["by_size_and_kind"]
+    for key, row in figures["estimator"]["permutation_vs_regression_same_steps"]["by_size_and_kind"].items():
+        assert same[key]["ratio"] == pytest.approx(row["ratio"], rel=1e-4)
+    # "no exactly solved batch is of that kind (they are all prefill or decode steps)"
+    assert {str(g["batch"].phase) for g in exact_batch_games(prefix, int(prefix.settings["repeat"]))} == {"prefill", "decode"}
 
     records, _ = coalition_records()
     quarter = quarter_tenant_halfwidths(records, n_bootstrap=0, seed=figures["seed"])["quarter"]

@@ -47,6 +47,7 @@ from llmvisor.validation.game import (
     prefix_masks,
     regression_shapley,
     sample_kernel_pairs,
+    sample_orders,
 )
 from llmvisor.validation.measurement import Journal
 from llmvisor.validation.plans import (
@@ -112,6 +113,22 @@ def shapley_matrix(n: int) -> np.ndarray:
     return np.column_stack([exact_shapley(np.concatenate([[0.0], col])) for col in eye.T])
 
 
+def prefix_coalitions(n: int, m: int, rng: np.random.Generator) -> list[int]:
+    """The full batch and the distinct prefixes of random antithetic order pairs (an order and its reverse), pairs added
+    until at least ``m`` coalitions (the permutation design's steps, as `validate --design prefixes` measures them),
+    redrawn until they tell every request apart."""
+    full = (1 << n) - 1
+    for _ in range(100):
+        masks = {full}
+        while len(masks) < min(m, full):
+            masks.update(int(x) for x in prefix_masks(sample_orders(n, 2, rng)).ravel())
+        chosen = [full] + sorted(masks - {full})
+        x = np.column_stack([np.ones(len(chosen)), coalition_indicators(chosen, n)])
+        if np.linalg.matrix_rank(x.T @ x) == n + 1:
+            return chosen
+    raise ValueError(f"no {m} order prefixes of {n} requests tell them apart")
+
+
 def complementary_coalitions(n: int, m: int, rng: np.random.Generator) -> list[int]:
     """The full batch and (m − 1) / 2 distinct complementary pairs (S, B∖S) of proper subsets, S drawn with each request
     in it with probability ½, so that each request is in exactly half of the pairs' coalitions; redrawn until they
@@ -131,6 +148,11 @@ def complementary_coalitions(n: int, m: int, rng: np.random.Generator) -> list[i
         if np.linalg.matrix_rank(x.T @ x) == n + 1:
             return masks
     raise ValueError(f"no {m} complementary coalitions of {n} requests tell them apart")
+
+
+COVERAGE_DESIGNS = {"coalitions": complementary_coalitions, "prefixes": prefix_coalitions}
+"""How `exact_coverage` draws the m measured coalitions: random complementary pairs (the coalitions design) or the
+prefixes of random antithetic orders (the steps the permutation design measures)."""
 
 
 def pure_error_var(groups: list[np.ndarray]) -> tuple[float, int]:
@@ -157,13 +179,15 @@ def exact_batch_games(v: Validation, repeat: int) -> list[dict]:
 
 
 def exact_coverage(games: list[dict], *, coalition_counts=COALITION_COUNTS, trials: int = 20, min_size: int = EXACT_MIN_SIZE,
-                   confidence: float = 0.95, seed: int = 0, variant: str = "plain") -> dict:
+                   confidence: float = 0.95, seed: int = 0, variant: str = "plain", design: str = "coalitions") -> dict:
     """Coverage of the regression's intervals on exact batches, measuring only m coalitions (see the module's notes);
     ``variant`` as in `fit_variant` (the control variate is not offered here: it needs the model game of each subset,
     which the exact batches' records carry, but it changes nothing where that game is additive), or "kernel_shap"
     (`llmvisor.validation.game.kernel_shap` on kernel-drawn pairs: its spread over pairs holds the measurement noise
-    of the coalitions drawn, so the same combined interval is used)."""
+    of the coalitions drawn, so the same combined interval is used). ``design``: how the m coalitions are drawn
+    (`COVERAGE_DESIGNS`)."""
     rng = np.random.default_rng([seed, 21])
+    draw = COVERAGE_DESIGNS[design]
     rows = {label: {"independent": [], "estimator_only": [], "vs_shipped": [], "half_width_fraction_of_step": [], "error_fraction_of_step": []}
             for label in coalition_counts}
     chosen = [g for g in games if g["batch"].size >= min_size]
@@ -186,7 +210,7 @@ def exact_coverage(games: list[dict], *, coalition_counts=COALITION_COUNTS, tria
                     est = kernel_shap(masks, times[np.array(masks) - 1, r], n, full_cost_s=float(times[-1, r]), confidence=confidence)
                     quantile_dof = est["n_pairs"] - 1
                 else:
-                    masks = complementary_coalitions(n, m, rng)
+                    masks = draw(n, m, rng)
                     est = fit_variant(variant, masks, times[np.array(masks) - 1, r], n, confidence=confidence)
                     quantile_dof = est["residual_dof"]
                 quantile = float(stats.t.ppf(0.5 + confidence / 2, quantile_dof))

@@ -4,7 +4,8 @@
   coalitions journal's regression covariance.
 - **Estimator, honestly**: the permutation half-width *measured* on the prefix journal's serving-size batches (their
   sampled orders), against the regression's on the coalitions journal, both per √step, with a bootstrap interval on
-  the ratio (different batches: a same-batch comparison needs new measurement); the regression's coverage on every
+  the ratio (different batches), and both on the very steps the prefix journal's orders measured
+  (`permutation_vs_regression_same_steps`); the regression's coverage on every
   exactly solved batch of both journals, per size and coalition count, with its count and interval; and the bias of
   the additive projection (the Shapley value of the best additive game, the estimator's limit) against the exact
   value, per class, with an interval from the repeats.
@@ -24,6 +25,7 @@ import numpy as np
 from scipy import stats
 
 from llmvisor import shipped
+from llmvisor.core.game import SubsetGame
 from llmvisor.validation.coalitions import (
     CLASS_BIAS_MAX,
     LANDED_SHARING_RULE,
@@ -32,8 +34,8 @@ from llmvisor.validation.coalitions import (
     pooled_class_bias,
     sharing_check,
 )
-from llmvisor.validation.estimator import exact_batch_games, exact_coverage, load_validation, shapley_matrix
-from llmvisor.validation.game import additive_design
+from llmvisor.validation.estimator import exact_batch_games, exact_coverage, load_validation, relative_weights, shapley_matrix
+from llmvisor.validation.game import additive_design, regression_shapley
 from llmvisor.validation.tenants import bootstrap_median_ratio, quarter_tenant_halfwidths
 
 FIGURES_FORMAT = "llmvisor.validation.groundtruth"
@@ -69,18 +71,61 @@ def measured_permutation_ratio(prefix_result: dict, records: list[dict], *, n_bo
     return {"by_size_and_kind": out,
             "how": "permutation: 8 antithetic orders' measured 95% half-widths (prefix journal); regression: its measured "
             "half-widths (coalitions journal); both ÷ step × √(the batch's measured steps); ratio of medians, bootstrap "
-            "over each journal's batches. Different batches and runs: the same batches at the same budget need new measurement",
-            "needs_new_measurement": "permutation and regression on the same batches, same step budget"}
+            "over each journal's batches. Different batches and runs; on the same steps: permutation_vs_regression_same_steps",
+            "needs_new_measurement": "the regression on its own design (complementary pairs) beside permutation on the same batches, same step budget"}
 
 
-def coverage_on_exact(games: list[dict], *, trials: int = 20, n_bootstrap: int = 1000, seed: int = 0) -> dict:
+def permutation_vs_regression_same_steps(prefix, prefix_result: dict, *, n_bootstrap: int = 1000, seed: int = 0) -> dict:
+    """On the prefix journal's serving-size batches, both estimators on the very steps the sampled orders measured:
+    the permutation estimate's 95% half-width (the orders' own spread, as shipped) against the regression's
+    (`regression_shapley`, relative weights, the same control variate) fitted on those orders' prefixes. Per size and
+    kind, the median over batches of each batch's median-over-requests ratio, with a bootstrap interval over batches.
+    The regression runs on the permutation design's coalitions, not its own (random complementary pairs), so this
+    bounds its gain from below; its coverage on that design is `coverage_exact_prefixes`."""
+    records = {r["index"]: r for r in prefix_result.get("sampled_batches", [])}
+    ratios: dict[str, list[float]] = {}
+    steps: dict[str, list[int]] = {}
+    for b in prefix.sampled_batches:
+        r = records.get(b.index)
+        if r is None or b.coalitions:
+            continue
+        masks = b.subsets()
+        cost = [float(np.median([m.step_latency_s for m in prefix.journal.get(b, 0, s)[:1]])) for s in masks]
+        control = SubsetGame(prefix.model, np.asarray(b.num_new_tokens, dtype=np.float64), np.asarray(r["num_context_tokens"], dtype=np.float64),
+                             np.asarray(b.is_prefill, dtype=bool), np.asarray(r["num_shared_context_tokens"], dtype=np.float64))
+        fit = regression_shapley(masks, cost, b.size, weights=relative_weights(masks, cost, b.size), control=control,
+                                 control_shapley=np.asarray(r["shares_s"]["shapley_predicted"]))
+        regression = (np.asarray(fit["ci_high_s"]) - np.asarray(fit["ci_low_s"])) / 2
+        low, high = (np.array([np.nan if x is None else x for x in side]) for side in r["shapley_ci95_s"])
+        permutation = (high - low) / 2
+        ok = np.isfinite(permutation) & np.isfinite(regression)
+        key = f"{b.size}/{r['kind'].removeprefix('sampled_')}"
+        ratios.setdefault(key, []).append(float(np.median(permutation[ok]) / np.median(regression[ok])))
+        steps.setdefault(key, []).append(len(masks))
+    rng = np.random.default_rng([seed, 39, 7])
+    out = {}
+    for key in sorted(ratios, key=lambda k: (int(k.split("/")[0]), k)):
+        x = np.asarray(ratios[key])
+        boot = [float(np.median(x[rng.integers(0, x.size, x.size)])) for _ in range(n_bootstrap)]
+        out[key] = {"ratio": float(np.median(x)), "ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))] if boot else None,
+                    "n_batches": int(x.size), "n_steps_per_batch_p50": float(np.median(steps[key]))}
+    return {"by_size_and_kind": out,
+            "how": "both estimators on the same measured steps (the prefix journal's sampled orders' prefixes): permutation's "
+            "half-width from the orders' spread, the regression's from its residuals, same control variate; per batch the "
+            "ratio of medians over requests, then the median over batches with a bootstrap interval over batches"}
+
+
+def coverage_on_exact(games: list[dict], *, trials: int = 20, n_bootstrap: int = 1000, seed: int = 0,
+                      design: str = "coalitions") -> dict:
     """The regression's interval coverage (`exact_coverage`, relative weights) on every exactly solved batch, pooled
-    and per size and coalition count, with batch-clustered bootstrap intervals and the counts."""
+    and per size and coalition count, with batch-clustered bootstrap intervals and the counts; ``design``: the
+    coalitions drawn (`llmvisor.validation.estimator.COVERAGE_DESIGNS`)."""
     per: list[tuple[int, str, float, int]] = []  # (size, count label, covered fraction, estimates)
     for j, g in enumerate(games):
         n = g["batch"].size
         counts = {k: f for k, f in COVERAGE_COUNTS.items() if f(n) <= (1 << n) - 1 and (k == "all" or f(n) < (1 << n) - 1)}
-        cov = exact_coverage([g], coalition_counts=counts, trials=trials, seed=seed + j, variant="relative_weights", min_size=4)
+        cov = exact_coverage([g], coalition_counts=counts, trials=trials, seed=seed + j, variant="relative_weights", min_size=4,
+                             design=design)
         for label, row in cov["by_coalitions"].items():
             per.append((n, label, row["coverage_95"], row["n_estimates"]))
     rng = np.random.default_rng([seed, 39, 5])
@@ -238,6 +283,9 @@ def groundtruth_figures(*, seed: int = 0, n_bootstrap: int = 1000, trials: int =
         "tenants_from_old_journal": quarter_tenant_halfwidths(records, n_bootstrap=n_bootstrap, seed=seed),
         "estimator": {
             "permutation_vs_regression_measured": measured_permutation_ratio(prefix_result, records, n_bootstrap=n_bootstrap, seed=seed),
+            "permutation_vs_regression_same_steps": permutation_vs_regression_same_steps(prefix, prefix_result, n_bootstrap=n_bootstrap, seed=seed),
+            "coverage_exact_prefixes": coverage_on_exact(prefix_games + sharing_games, trials=trials, n_bootstrap=n_bootstrap, seed=seed,
+                                                         design="prefixes"),
             "coverage_exact": {"prefix_journal": coverage_on_exact(prefix_games, trials=trials, n_bootstrap=n_bootstrap, seed=seed),
                                "mixed_sharing": coverage_on_exact(sharing_games, trials=trials, n_bootstrap=n_bootstrap, seed=seed),
                                "all": coverage_on_exact(prefix_games + sharing_games, trials=trials, n_bootstrap=n_bootstrap, seed=seed)},
@@ -327,10 +375,19 @@ def markdown_summary(figures: dict) -> str:
     lines += ["", "| requests / kind | permutation ÷ regression half-width at equal steps (measured) [95%] |", "| --- | --- |"]
     for key, row in est["permutation_vs_regression_measured"]["by_size_and_kind"].items():
         lines.append(f"| {key} | {row['ratio']:.2f}× [{row['ci95'][0]:.2f}, {row['ci95'][1]:.2f}] |")
+    lines += ["", "| requests / kind | permutation ÷ regression half-width on the same measured steps [95%] | batches | steps per batch |",
+              "| --- | --- | --- | --- |"]
+    for key, row in est["permutation_vs_regression_same_steps"]["by_size_and_kind"].items():
+        lines.append(f"| {key} | {row['ratio']:.2f}× [{row['ci95'][0]:.2f}, {row['ci95'][1]:.2f}] | {row['n_batches']} | "
+                     f"{row['n_steps_per_batch_p50']:.0f} |")
     cov = est["coverage_exact"]["all"]
     lines += ["", f"Coverage of the regression's 95% intervals on {cov['n_batches']} exactly solved batches "
               f"({', '.join(map(str, cov['sizes']))} requests): {_pct(cov['pooled']['coverage_95'])} {_ci(cov['pooled']['ci95'])}; "
               + "; ".join(f"{k}: {_pct(v['coverage_95'])} {_ci(v['ci95'])}" for k, v in cov["by_coalitions"].items()) + "."]
+    prefixes = est["coverage_exact_prefixes"]
+    lines += ["", f"The same with the coalitions drawn as the prefixes of random antithetic orders (the permutation design's steps), "
+              f"on the same {prefixes['n_batches']} batches: {_pct(prefixes['pooled']['coverage_95'])} {_ci(prefixes['pooled']['ci95'])}; "
+              + "; ".join(f"{k}: {_pct(v['coverage_95'])} {_ci(v['ci95'])}" for k, v in prefixes["by_coalitions"].items()) + "."]
     bias = est["additive_projection_bias"]
     lines += ["", "Additive projection (the estimator's limit) against the exact value, Σ(φ_additive − φ) ÷ Σφ [95%]: "
               + "; ".join(f"{label} {name.replace('_', ' ')} {_pct(b['bias'])} {_ci(b['ci95'])}"
