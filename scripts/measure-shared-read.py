@@ -20,7 +20,6 @@ import importlib.util
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -86,30 +85,35 @@ def main() -> None:
                                   chunk=32, seed=args.seed)
     loads = []
     wall = dict.fromkeys(METHODS, 0.0)
-    with tempfile.TemporaryDirectory(prefix="llmvisor-shared-read-") as tmp:
-        journals = {m: Journal(Path(tmp) / f"{m}.jsonl") for m in METHODS}
-        # the guard flags but redoes nothing and does not wait (as measure-validation-speed.py): both methods see the same
-        # spells of load batch by batch, and the fit keeps every step, so load adds noise to both and favours neither
-        guards = {m: InterferenceGuard(max_redos=0, max_wait_s=60.0) for m in METHODS}
-        started = time.perf_counter()
-        with ControlledEngine(args.engine_model or shipped.engine_model_dir(), max_model_len=envelope.max_model_len,
-                              max_num_batched_tokens=envelope.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                              kv_cache_gib=args.kv_cache_gib, seed=args.seed, run_id="shared-read") as engine:
-            facts = {k: v for k, v in engine.describe().items() if k != "decode_contexts"}
-            engine.warm_up(prefill_lengths=[64, 64], decode_contexts=[256, 512], n_steps=3)
-            for k, batch in enumerate(plan):
-                for method in METHODS if k % 2 == 0 else METHODS[::-1]:
-                    engine.warm = method == "warm"
-                    loads.append(os.getloadavg()[0])
-                    t0 = time.perf_counter()
-                    measure_sampled(engine, [batch], journals[method], repeat=1, seed=args.seed, guard=guards[method])
-                    wall[method] += time.perf_counter() - t0
-                print(f"batch {k + 1}/{len(plan)} measured both ways ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
-        indices = {b.index for b in plan}
-        fits = {m: saving_with_interval(coalition_steps_trace(plan, journals[m], indices, disturbed=True), n_bootstrap=args.bootstrap, seed=args.seed)
-                for m in METHODS}
-        for m in METHODS:
-            fits[m].update(wall_s=round(wall[m], 1), steps_flagged_by_guard=sum(x.interference for ms in journals[m].measurements.values() for x in ms))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    stem = args.output.name.removesuffix(".json")
+    # kept beside the result, so a later analysis (chunk offsets against the machine's drift, say) needs no new run
+    journals = {m: Journal(args.output.with_name(f"{stem}.{m}.journal.jsonl")) for m in METHODS}
+    for journal in journals.values():
+        if journal.measurements:
+            raise SystemExit(f"{journal.path} already holds measurements: choose another --output")
+    # the guard flags but redoes nothing and does not wait (as measure-validation-speed.py): both methods see the same
+    # spells of load batch by batch, and the fit keeps every step, so load adds noise to both and favours neither
+    guards = {m: InterferenceGuard(max_redos=0, max_wait_s=60.0) for m in METHODS}
+    started = time.perf_counter()
+    with ControlledEngine(args.engine_model or shipped.engine_model_dir(), max_model_len=envelope.max_model_len,
+                          max_num_batched_tokens=envelope.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                          kv_cache_gib=args.kv_cache_gib, seed=args.seed, run_id="shared-read") as engine:
+        facts = {k: v for k, v in engine.describe().items() if k != "decode_contexts"}
+        engine.warm_up(prefill_lengths=[64, 64], decode_contexts=[256, 512], n_steps=3)
+        for k, batch in enumerate(plan):
+            for method in METHODS if k % 2 == 0 else METHODS[::-1]:
+                engine.warm = method == "warm"
+                loads.append(os.getloadavg()[0])
+                t0 = time.perf_counter()
+                measure_sampled(engine, [batch], journals[method], repeat=1, seed=args.seed, guard=guards[method])
+                wall[method] += time.perf_counter() - t0
+            print(f"batch {k + 1}/{len(plan)} measured both ways ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+    indices = {b.index for b in plan}
+    fits = {m: saving_with_interval(coalition_steps_trace(plan, journals[m], indices, disturbed=True), n_bootstrap=args.bootstrap, seed=args.seed)
+            for m in METHODS}
+    for m in METHODS:
+        fits[m].update(wall_s=round(wall[m], 1), measurements_flagged_by_guard=sum(x.interference for ms in journals[m].measurements.values() for x in ms))
     result = {
         "command": "python scripts/measure-shared-read.py",
         "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -123,6 +127,7 @@ def main() -> None:
                 "context token's price a second reader of its KV block does not pay; interval: 95% over request sets drawn "
                 "with replacement",
         "methods": fits,
+        "journals": {m: journals[m].path.name for m in METHODS},
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
