@@ -200,9 +200,10 @@ CROSSFIT_FOLDS = 4
 
 def coalition_steps_trace(batches, journal, indices, repeat: int = 1, *, disturbed: bool = False) -> StepTrace:
     """The measured steps of the batches whose index is in ``indices`` (round 0, the first ``repeat`` of each
-    coalition; those the interference guard kept flagged only with ``disturbed``) as a format-2 step trace with one run per request set (``set-<index>``), so `StepLatencyModel.fit`
-    learns from them and `group_k_fold` splits them by request set. A step's effective context splits each prefix
-    group's recorded shared tokens among its readers in the step (`grouped_effective_context`)."""
+    coalition; those the interference guard kept flagged only with ``disturbed``) as a format-2 step trace with one
+    run per request set (``set-<index>``), so `StepLatencyModel.fit` learns from them and `group_k_fold` splits them by
+    request set. A step's effective context splits each prefix group's recorded shared tokens among its readers in the
+    step (`grouped_effective_context`)."""
     cols: dict[str, list] = {k: [] for k in ("run_id", "step_id", "step_latency_s", "request_id", "tenant", "num_new_tokens",
                                              "num_context_tokens", "phase", "num_shared_context_tokens", "effective_context_tokens")}
     step = 0
