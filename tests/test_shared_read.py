@@ -43,6 +43,9 @@ def test_the_fitted_saving_tells_a_block_read_once_from_one_read_per_reader(tmp_
     assert fit["n_request_sets"] == 6 and fit["shared_read_saving"][0] == pytest.approx(saving, abs=0.1)
     low, high = fit["bootstrap_first_segment_ci95"]
     assert low - 0.05 <= saving <= high + 0.05 and high - low < 0.3
+    offsets = script().offsets_fit(plan, journal, {b.index for b in plan}, n_bootstrap=20, seed=0)
+    assert offsets["shared_read_saving"] == pytest.approx(saving, abs=0.1) and offsets["n_steps"] == fit["n_steps"]
+    assert offsets["ci95"][0] - 0.05 <= saving <= offsets["ci95"][1] + 0.05
 
 
 def test_the_documented_command_parses(monkeypatch, capsys):
