@@ -63,6 +63,14 @@ def saving_with_interval(trace, *, n_bootstrap: int, seed: int) -> dict:
             "n_steps": trace.n_steps, "n_request_sets": len(names)}
 
 
+def draw_plan(*, batches: int, sizes: tuple[int, ...], coalitions_per_request: float, max_num_seqs: int, seed: int) -> list:
+    """The pairs-layout mixed-sharing plan this measures (drawn again from a result's ``plan`` to re-analyse it)."""
+    return draw_coalition_batches(read_length_mixes(shipped.workloads_dir()), Envelope(4096, 2048, max_num_seqs), n_batches=batches,
+                                  coalitions_per_request=coalitions_per_request, sizes=sizes,
+                                  kinds=(SampledKind.MIXED_SHARING_DECODE.value,), sharing_layout="pairs", replicate_share=0.25,
+                                  chunk=32, seed=seed)
+
+
 def offsets_fit(plan, journal, indices, *, n_bootstrap: int, seed: int) -> dict:
     """The same saving from the steps with an intercept per batch-round (chunk of coalitions measured together), so
     that the machine's load drifting between batch-rounds (another job's spells) is not read as the price of context:
@@ -123,10 +131,8 @@ def main() -> None:
 
     envelope = Envelope(4096, 2048, args.max_num_seqs)
     sizes = tuple(int(s) for s in args.sizes.split(","))
-    plan = draw_coalition_batches(read_length_mixes(shipped.workloads_dir()), envelope, n_batches=args.batches,
-                                  coalitions_per_request=args.coalitions_per_request, sizes=sizes,
-                                  kinds=(SampledKind.MIXED_SHARING_DECODE.value,), sharing_layout="pairs", replicate_share=0.25,
-                                  chunk=32, seed=args.seed)
+    plan = draw_plan(batches=args.batches, sizes=sizes, coalitions_per_request=args.coalitions_per_request,
+                     max_num_seqs=args.max_num_seqs, seed=args.seed)
     loads = []
     wall = dict.fromkeys(METHODS, 0.0)
     args.output.parent.mkdir(parents=True, exist_ok=True)
