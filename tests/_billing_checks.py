@@ -29,6 +29,7 @@ from pathlib import Path
 
 import jsonschema
 
+from _cli import invoke_cli
 from llmvisor.billing import PriceBook, charges
 from llmvisor.billing.formats import lago_batches
 from llmvisor.ledger import Ledger
@@ -41,6 +42,8 @@ NS_PER_HOUR = 3_600_000_000_000
 
 
 def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
+    """``llmvisor ARGS`` as its own process: for the refusals (one line on stderr, exit 2) and what only a process shows.
+    A command that is a step of a check runs in this process instead (`invoke_cli`, tests/_cli.py)."""
     return subprocess.run([sys.executable, "-m", "llmvisor.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
@@ -58,7 +61,7 @@ def read_csv(path: Path) -> list[dict]:
 
 
 def export(db_url: str, format_: str, period_s: tuple[int, int], output: Path, *extra: str) -> subprocess.CompletedProcess:
-    result = run_cli("export", "--format", format_, "--db", db_url, "--start", str(period_s[0]), "--end", str(period_s[1]),
+    result = invoke_cli("export", "--format", format_, "--db", db_url, "--start", str(period_s[0]), "--end", str(period_s[1]),
                      "-o", str(output), *extra)
     assert result.returncode == 0, result.stderr
     return result
@@ -80,7 +83,7 @@ def price_every_class(db_url: str, period_s: tuple[int, int], folder: Path, engi
     memory = "" if gib_hour_price is None else f'gib_hour_price = "{gib_hour_price}"\n'
     price_file.write_text("".join(f'[[price]]\nengine_class = "{c}"\ncurrency = "USD"\nengine_hour_price = "{engine_hour_price}"\n'
                                   f"{memory}valid_from = {period_s[0]}\n\n" for c in classes))
-    added = run_cli("prices", "add", str(price_file), "--db", db_url)
+    added = invoke_cli("prices", "add", str(price_file), "--db", db_url)
     assert added.returncode == 0, added.stderr
     return classes
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from _cli import invoke_cli
 from _service_fixtures import T0_S, bearer, class_body, class_model, db_url, model_path  # noqa: F401
 from llmvisor.core.synthetic import DEFAULT_COEF_S
 from llmvisor.core.trace import trace_from_rows
@@ -32,6 +33,8 @@ PERIOD_US = tuple(t * 1_000_000 for t in PERIOD)
 
 
 def run_cli(*args):
+    """``llmvisor ARGS`` as its own process, for the refusals; the adjustments checked by their output run in this
+    process (`invoke_cli`)."""
     return subprocess.run([sys.executable, "-m", "llmvisor.cli", *args], capture_output=True, text=True, timeout=120)
 
 
@@ -75,11 +78,11 @@ def test_adjust_after_a_refit_equals_reattributed_minus_billed_exactly(billed_by
     new_model = load_version(ledger, CLASS_A, 2)
     ledger.close()
 
-    dry = run_cli("adjust", "--class", CLASS_A, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]), "--db", db_url, "--dry-run", "--json")
+    dry = invoke_cli("adjust", "--class", CLASS_A, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]), "--db", db_url, "--dry-run", "--json")
     assert dry.returncode == 0, dry.stderr
     assert json.loads(dry.stdout)["written"] is False and Ledger(db_url).adjustment_rows() == []
 
-    done = run_cli("adjust", "--class", CLASS_A, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]), "--db", db_url, "--json")
+    done = invoke_cli("adjust", "--class", CLASS_A, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]), "--db", db_url, "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["to_version"] == 2 and result["from_versions"] == "1" and result["num_steps"] == 750

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from _cli import invoke_cli
 from _processes import run_process
 from _service_fixtures import class_model, model_path  # noqa: F401
 from llmvisor.core.synthetic import DEFAULT_COEF_S
@@ -32,6 +33,8 @@ WINDOW_S = 2
 
 
 def cli(*args: str, timeout_s: float = 300):
+    """``llmvisor ARGS`` as its own process: the load run (it starts processes of its own) and the refusals; the
+    commands checked by their output run in this process (`invoke_cli`)."""
     return run_process([sys.executable, "-m", "llmvisor.cli", *args], timeout_s=timeout_s)
 
 
@@ -109,7 +112,7 @@ def test_adjust_in_window_mode_equals_reattributed_minus_billed_and_is_exported(
     refused = cli("adjust", "--class", ENGINE_CLASS, *span, "--db", db_url)
     assert refused.returncode == 2 and "give --archive URL" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
 
-    done = cli("adjust", "--class", ENGINE_CLASS, *span, "--db", db_url, "--archive", str(archive), "--json")
+    done = invoke_cli("adjust", "--class", ENGINE_CLASS, *span, "--db", db_url, "--archive", str(archive), "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["to_version"] == 2 and result["from_versions"] == "1" and result["written"] is True
@@ -125,7 +128,7 @@ def test_adjust_in_window_mode_equals_reattributed_minus_billed_and_is_exported(
 
     # The audit checks the adjusted period against the archive as it checks a step-mode one.
     tenant = sorted(entries)[0]
-    audit = cli("audit", "--archive", str(archive), "--tenant", tenant, *span, "--db", db_url, "--json")
+    audit = invoke_cli("audit", "--archive", str(archive), "--tenant", tenant, *span, "--db", db_url, "--json")
     assert audit.returncode == 0, audit.stdout + audit.stderr
     audited = json.loads(audit.stdout)
     assert audited["ok"] and audited["adjustments_checked"] == 1 and audited["adjustment_mismatches"] == []
@@ -135,10 +138,10 @@ def test_adjust_in_window_mode_equals_reattributed_minus_billed_and_is_exported(
     prices = tmp_path / "prices.toml"
     hour_s = start_s // 3600 * 3600
     prices.write_text(f'[[price]]\nengine_class = "{ENGINE_CLASS}"\ncurrency = "USD"\nengine_hour_price = "3.5"\nvalid_from = {hour_s}\n')
-    assert cli("prices", "add", str(prices), "--db", db_url).returncode == 0
+    assert invoke_cli("prices", "add", str(prices), "--db", db_url).returncode == 0
     out = tmp_path / "focus.csv"
-    export = cli("export", "--format", "focus", "--start", str(hour_s), "--end", str(math.ceil(end_s / 3600) * 3600),
-                 "--db", db_url, "-o", str(out))
+    export = invoke_cli("export", "--format", "focus", "--start", str(hour_s), "--end", str(math.ceil(end_s / 3600) * 3600),
+                        "--db", db_url, "-o", str(out))
     assert export.returncode == 0, export.stderr
     with out.open(newline="") as handle:
         rows = list(csv.DictReader(handle))
@@ -184,7 +187,7 @@ def test_adjust_in_window_mode_refuses_a_bound_that_cuts_windows(copy):
         assert len(done.stderr.strip().splitlines()) == 1
     # a sub-period on window edges is adjusted
     inner = (start_s + WINDOW_S, end_s)
-    done = cli("adjust", "--class", ENGINE_CLASS, "--start", str(inner[0]), "--end", str(inner[1]), "--db", db_url,
-               "--archive", str(archive), "--json")
+    done = invoke_cli("adjust", "--class", ENGINE_CLASS, "--start", str(inner[0]), "--end", str(inner[1]), "--db", db_url,
+                      "--archive", str(archive), "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["total_delta_ns"] == 0

@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
+from _cli import invoke_cli
 from _service_fixtures import T0_S, bearer, class_body, class_model, db_url, make_steps, model_path  # noqa: F401
 from llmvisor.archive import ArchiveWriter
 from llmvisor.core.model import StepLatencyModel
@@ -28,6 +29,8 @@ PERIOD_US = tuple(t * 1_000_000 for t in PERIOD)
 
 
 def run_cli(*args):
+    """``llmvisor ARGS`` as its own process, for the refusals; the audits and refits checked by their output run in
+    this process (`invoke_cli`)."""
     return subprocess.run([sys.executable, "-m", "llmvisor.cli", *args], capture_output=True, text=True, timeout=120)
 
 
@@ -106,13 +109,13 @@ def test_audit_equals_the_ledger_built_by_real_ingest(billed_and_archived):
         assert not wrong.ok and wrong.num_mismatched_steps > 0
     finally:
         ledger.close()
-    out = run_cli("audit", "--archive", archive, "--db", db_url, "--tenant", "tenant-0", "--start", str(PERIOD[0]),
-                  "--end", str(PERIOD[1]), "--model", str(model_path), "--json")
+    out = invoke_cli("audit", "--archive", archive, "--db", db_url, "--tenant", "tenant-0", "--start", str(PERIOD[0]),
+                     "--end", str(PERIOD[1]), "--model", str(model_path), "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["ok"] and report["difference_ns"] == 0 and report["audited_steps"] == both.audited_steps
-    table = run_cli("audit", "--archive", archive, "--db", db_url, "--tenant", "tenant-0", "--start", str(PERIOD[0]),
-                    "--end", str(PERIOD[1]), "--model", str(model_path))
+    table = invoke_cli("audit", "--archive", archive, "--db", db_url, "--tenant", "tenant-0", "--start", str(PERIOD[0]),
+                       "--end", str(PERIOD[1]), "--model", str(model_path))
     assert table.returncode == 0 and "OK: the ledger's bill equals" in table.stdout, table.stdout + table.stderr
 
 
@@ -125,14 +128,14 @@ def test_audit_flags_a_changed_ledger_row(billed_and_archived):
                                     "WHERE tenant = 'tenant-1' AND second_us = :s"), {"s": second}).rowcount
     engine.dispose()
     assert changed >= 1
-    out = run_cli("audit", "--archive", archive, "--db", db_url, "--tenant", "tenant-1", "--start", str(PERIOD[0]),
-                  "--end", str(PERIOD[1]), "--model", str(model_path), "--json")
+    out = invoke_cli("audit", "--archive", archive, "--db", db_url, "--tenant", "tenant-1", "--start", str(PERIOD[0]),
+                     "--end", str(PERIOD[1]), "--model", str(model_path), "--json")
     assert out.returncode == 1, out.stdout + out.stderr
     report = json.loads(out.stdout)
     assert report["ok"] is False and report["difference_ns"] == -7 * changed
     # the other tenants' bills are untouched
-    fine = run_cli("audit", "--archive", archive, "--db", db_url, "--tenant", "tenant-0", "--start", str(PERIOD[0]),
-                   "--end", str(PERIOD[1]), "--model", str(model_path), "--json")
+    fine = invoke_cli("audit", "--archive", archive, "--db", db_url, "--tenant", "tenant-0", "--start", str(PERIOD[0]),
+                      "--end", str(PERIOD[1]), "--model", str(model_path), "--json")
     assert fine.returncode == 0, fine.stdout + fine.stderr
 
 
@@ -154,8 +157,8 @@ def test_audit_counts_adjustments_beside_the_bill(billed_and_archived):
     with engine.begin() as conn:  # a changed adjustment row is caught as well
         assert conn.execute(text("UPDATE adjustments SET reattributed_ns = reattributed_ns + 5 WHERE tenant = 'tenant-0'")).rowcount == 1
     engine.dispose()
-    out = run_cli("audit", "--archive", archive, "--db", db_url, "--tenant", "tenant-0", "--start", str(PERIOD[0]),
-                  "--end", str(PERIOD[1]), "--model", str(model_path), "--json")
+    out = invoke_cli("audit", "--archive", archive, "--db", db_url, "--tenant", "tenant-0", "--start", str(PERIOD[0]),
+                     "--end", str(PERIOD[1]), "--model", str(model_path), "--json")
     assert out.returncode == 1, out.stdout + out.stderr
     (mismatch,) = json.loads(out.stdout)["adjustment_mismatches"]
     assert mismatch["adjusted_to_ns"] == mismatch["reattributed_ns"] + 5 and mismatch["to_version"] == 2
@@ -185,7 +188,7 @@ def test_bad_input_is_one_line_and_exit_2(billed_and_archived, tmp_path, case):
 def test_refit_reads_the_archive(billed_and_archived, tmp_path):
     """`llmvisor refit --from-archive`: the class's archived steps (all 600, none of the unfingerprinted ones)."""
     db_url, archive, _model_path = billed_and_archived
-    out = run_cli("refit", "--class", CLASS_A, "--from-archive", archive, "--db", db_url, "--json")
+    out = invoke_cli("refit", "--class", CLASS_A, "--from-archive", archive, "--db", db_url, "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["train_steps"] + result["test_steps"] == 600 and result["version"] == 2

@@ -25,6 +25,7 @@ from fastapi.testclient import TestClient
 
 from _billing_checks import DATA, ROOT, VALIDATOR, check_exports_tie_to_the_ledger, run_cli, run_validator
 from _billing_checks import read_csv as _read_csv
+from _cli import invoke_cli
 from _service_fixtures import T0_S, bearer, class_body, class_model, db_url, model_path  # noqa: F401
 from llmvisor.billing import PriceBook, cost_of, list_prices, tenant_cost, usage_charges
 from llmvisor.billing.charges import charges
@@ -122,7 +123,7 @@ def test_prices_are_versioned_and_in_force_from_their_hour(served, tmp_path):
     assert book.price_at(CLASS_A, (HOUR0 + 3599) * 1_000_000).version == 1
     assert book.price_at(CLASS_A, (HOUR0 + 3600) * 1_000_000).version == 2
     assert all(p.prompt_token_price is None and p.output_token_price is None and p.cached_token_discount is None for p in stored)  # none given
-    listed = run_cli("prices", "list", "--db", served)
+    listed = invoke_cli("prices", "list", "--db", served)
     assert listed.returncode == 0 and "4.75 USD/engine-hour" in listed.stdout
     bad = tmp_path / "bad.toml"
     for text, reason in (("[[price]]\nengine_class = 'x'\ncurrency = 'USD'\nengine_hour_price = 0.1\nvalid_from = 0\n", "not a float"),
@@ -143,7 +144,7 @@ def test_prices_are_versioned_and_in_force_from_their_hour(served, tmp_path):
 
 def test_focus_export_passes_the_validator_and_sums_to_the_ledger(served, tmp_path):
     out = tmp_path / "focus.csv"
-    result = run_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]), "-o", str(out))
+    result = invoke_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]), "-o", str(out))
     assert result.returncode == 0, result.stderr
     rows = _read_csv(out)
 
@@ -185,8 +186,8 @@ def test_focus_export_passes_the_validator_and_sums_to_the_ledger(served, tmp_pa
     assert len(ratios) == 3 and set(ratios.values()) == {Decimal(1)}
 
     again = tmp_path / "again.csv"
-    rerun = run_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
-                    "-o", str(again), "--json", "--force")
+    rerun = invoke_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
+                       "-o", str(again), "--json", "--force")
     assert rerun.returncode == 0 and json.loads(rerun.stdout)["ids"] == [] and _read_csv(again) == []  # nothing new
     assert len({r["x_IdempotencyId"] for r in rows}) == len(rows)
 
@@ -271,8 +272,8 @@ def focus_rule_violations(rows: list[dict]) -> list[str]:
 def test_focus_columns_follow_the_spec_definitions(served, tmp_path):
     spec = json.loads((DATA / "focus-1.2-1.3-columns.json").read_text())
     out = tmp_path / "focus.csv"
-    assert run_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
-                   "-o", str(out)).returncode == 0
+    assert invoke_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
+                      "-o", str(out)).returncode == 0
     rows = _read_csv(out)
     assert {r["ChargeCategory"] for r in rows} == {"Usage", "Adjustment"}
     assert focus_rule_violations(rows) == []
@@ -320,8 +321,8 @@ def test_metering_events_validate_and_sum_to_the_ledger(served, tmp_path):
     customers = tmp_path / "customers.json"
     customers.write_text(json.dumps({"tenant-0": "cus_zero"}))
 
-    result = run_cli("export", "--format", "cloudevents", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
-                     "--customers", str(customers), "-o", str(tmp_path / "events.json"))
+    result = invoke_cli("export", "--format", "cloudevents", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
+                        "--customers", str(customers), "-o", str(tmp_path / "events.json"))
     assert result.returncode == 0, result.stderr
     bodies = json.loads((tmp_path / "events.json").read_text())
     events = [JSONFormat().read(None, json.dumps(body)) for body in bodies]  # parsed back with the SDK
@@ -367,8 +368,8 @@ def delta_total_credit(found) -> int:
 
 
 def test_an_unpriced_class_is_refused_for_focus_in_one_line(served, tmp_path):
-    result = run_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0] - 3600), "--end", str(PERIOD[1]),
-                     "-o", str(tmp_path / "x.csv"))
+    result = invoke_cli("export", "--format", "focus", "--db", served, "--start", str(PERIOD[0] - 3600), "--end", str(PERIOD[1]),
+                        "-o", str(tmp_path / "x.csv"))
     assert result.returncode == 0  # no usage before HOUR0: nothing unpriced
     ledger = Ledger(served)
     found = usage_charges(ledger, PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000)
@@ -403,7 +404,7 @@ valid_from), class B output tokens only; class A's first hour stays priced by en
 def token_priced(served, tmp_path):
     price_file = tmp_path / "token-prices.toml"
     price_file.write_text(TOKEN_PRICES_TOML)
-    result = run_cli("prices", "add", str(price_file), "--db", served)
+    result = invoke_cli("prices", "add", str(price_file), "--db", served)
     assert result.returncode == 0, result.stderr
     return served
 
@@ -527,7 +528,7 @@ def flaky_server():
 def test_push_retries_5xx_then_succeeds_and_never_retries_4xx(flaky_server, served):
     url = f"http://127.0.0.1:{flaky_server.server_address[1]}/events"
     flaky_server.statuses = [503, 502]
-    result = run_cli("export", "--format", "lago", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]), "--push", url)
+    result = invoke_cli("export", "--format", "lago", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]), "--push", url)
     assert result.returncode == 0, result.stderr
     assert len(flaky_server.seen) == 3 and flaky_server.seen[0] == flaky_server.seen[2]  # the same body, the same ids
     assert "3 requests with retries" in result.stdout
@@ -539,8 +540,8 @@ def test_push_retries_5xx_then_succeeds_and_never_retries_4xx(flaky_server, serv
     flaky_server.statuses = [500] * 5
     with pytest.raises(PushError, match="HTTP 500 after 5 attempts"):
         push(url, [{"a": 1}], wait_s=0.01)
-    dry = run_cli("export", "--format", "stripe", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
-                  "--push", url, "--dry-run")
+    dry = invoke_cli("export", "--format", "stripe", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
+                     "--push", url, "--dry-run")
     assert dry.returncode == 0 and "nothing sent" in dry.stderr and len(flaky_server.seen) == 6
     assert all(json.loads(line)["event_name"] == "llmvisor_engine_ns" for line in dry.stdout.splitlines())
 
@@ -601,12 +602,8 @@ def test_a_schema_4_ledger_migrates_to_schema_5_with_its_totals(served, tmp_path
 
 def test_stripe_push_is_form_encoded_with_the_key_from_the_environment(flaky_server, served):
     url = f"http://127.0.0.1:{flaky_server.server_address[1]}/v1/billing/meter_events"
-    import os
-
-    env = {**os.environ, "LLMVISOR_TEST_STRIPE_KEY": "sk_test_123"}
-    result = subprocess.run([sys.executable, "-m", "llmvisor.cli", "export", "--format", "stripe", "--db", served, "--start",
-                             str(PERIOD[0]), "--end", str(PERIOD[1]), "--push", url, "--auth-env", "LLMVISOR_TEST_STRIPE_KEY"],
-                            capture_output=True, text=True, timeout=300, env=env)
+    result = invoke_cli("export", "--format", "stripe", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]), "--push", url,
+                        "--auth-env", "LLMVISOR_TEST_STRIPE_KEY", env={"LLMVISOR_TEST_STRIPE_KEY": "sk_test_123"})
     assert result.returncode == 0, result.stderr
     ledger = Ledger(served)
     expected = stripe_events(charges(ledger, PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000), {}, warn=lambda _line: None)

@@ -11,6 +11,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from _cli import invoke_cli
 from llmvisor.cli.main import expand_multi_file_flags
 from llmvisor.core.stats import bootstrap_quantile_ci
 from llmvisor.core.synthetic import synthetic_trace
@@ -30,16 +31,17 @@ from llmvisor.evaluation.heldout import (
 
 
 def run_cli(*args, check=True):
-    result = subprocess.run(
-        [sys.executable, "-m", "llmvisor.cli", *map(str, args)],
-        check=False,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "COLUMNS": "200"},
-    )
+    """``llmvisor ARGS`` in this process (`invoke_cli`): these tests check what a command computes and its JSON."""
+    result = invoke_cli(*args, env={"COLUMNS": "200"})
     if check and result.returncode != 0:
         raise AssertionError(result.stderr)
     return result
+
+
+def run_cli_process(*args):
+    """``llmvisor ARGS`` as its own process, for the refusals: one line on stderr, exit 2, no traceback."""
+    return subprocess.run([sys.executable, "-m", "llmvisor.cli", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "200"})
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +146,7 @@ def test_cli_user_errors_are_one_line_exit_2(files, tmp_path, args, message):
     model = tmp_path / "model.json"
     run_cli("fit", files / "train.parquet", "-o", model)
     paths = {"test": files / "test.csv", "missing": tmp_path / "nope.json", "model": model, "out": tmp_path / "o.json"}
-    result = run_cli(*(a.format(**paths) for a in args), check=False)
+    result = run_cli_process(*(a.format(**paths) for a in args))
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr

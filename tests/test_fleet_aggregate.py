@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from _cli import invoke_cli
 from _processes import run_process
 from _service_fixtures import model_path  # noqa: F401
 from llmvisor.metering import WindowAggregate
@@ -28,11 +29,9 @@ def value_at(run: dict, dotted: str):
 
 
 def audit(db_url: str, archive: str, tenant: str, start_s: int, end_s: int, model_path, *more: str) -> tuple[int, dict]:
-    completed = run_process(
-        [sys.executable, "-m", "llmvisor.cli", "audit", "--archive", archive, "--tenant", tenant, "--start", str(start_s),
-         "--end", str(end_s), "--db", db_url, "--model", str(model_path), "--json", *more],
-        timeout_s=300,
-    )
+    """``llmvisor audit --json`` in this process (`invoke_cli`): its report is what is checked."""
+    completed = invoke_cli("audit", "--archive", archive, "--tenant", tenant, "--start", str(start_s), "--end", str(end_s),
+                           "--db", db_url, "--model", str(model_path), "--json", *more)
     return completed.returncode, json.loads(completed.stdout)
 
 

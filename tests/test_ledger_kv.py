@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import create_engine, text
 
-from _billing_checks import check_exports_tie_to_the_ledger, read_csv, run_cli
+from _billing_checks import check_exports_tie_to_the_ledger, read_csv
+from _cli import invoke_cli
 from _kv_steps import as_columns, kv_per_tenant, metered_run, without_kv
 from _service_fixtures import T0_S, bearer, db_url, model_path  # noqa: F401
 from llmvisor.billing import usage_charges
@@ -143,7 +144,7 @@ def test_each_tenants_kv_block_ns_in_the_ledger_and_usage_api_equal_the_trace(kv
 
 def test_every_export_carries_each_tenants_kv_block_ns_and_focus_passes_the_validator(kv_served, tmp_path):
     db = kv_served["db"]
-    added = run_cli("prices", "add", str(_gib_price_file(tmp_path / "prices.toml")), "--db", db, "--json")
+    added = invoke_cli("prices", "add", str(_gib_price_file(tmp_path / "prices.toml")), "--db", db, "--json")
     assert added.returncode == 0, added.stderr
     assert json.loads(added.stdout)["prices"][0]["gib_hour_price"] == "0.0173"
     checked = check_exports_tie_to_the_ledger(db, PERIOD, tmp_path)
@@ -161,7 +162,7 @@ def test_every_export_carries_each_tenants_kv_block_ns_and_focus_passes_the_vali
 
 def test_a_book_without_a_memory_price_charges_time_only(kv_served, tmp_path):
     db = kv_served["db"]
-    assert run_cli("prices", "add", str(_gib_price_file(tmp_path / "p.toml", gib=False)), "--db", db).returncode == 0
+    assert invoke_cli("prices", "add", str(_gib_price_file(tmp_path / "p.toml", gib=False)), "--db", db).returncode == 0
     ledger = Ledger(db)
     try:
         charges = usage_charges(ledger, PERIOD[0] * 1_000_000, PERIOD[1] * 1_000_000)
@@ -172,16 +173,16 @@ def test_a_book_without_a_memory_price_charges_time_only(kv_served, tmp_path):
 
 def test_a_late_step_of_an_exported_hour_sends_only_the_memory_difference(kv_served, tmp_path, model_path):  # noqa: F811
     db = kv_served["db"]
-    assert run_cli("prices", "add", str(_gib_price_file(tmp_path / "p.toml")), "--db", db).returncode == 0
+    assert invoke_cli("prices", "add", str(_gib_price_file(tmp_path / "p.toml")), "--db", db).returncode == 0
     first = tmp_path / "first.json"
-    assert run_cli("export", "--format", "lago", "--db", db, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
-                   "-o", str(first)).returncode == 0
+    assert invoke_cli("export", "--format", "lago", "--db", db, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
+                      "-o", str(first)).returncode == 0
     late = metered_run(5, run_id="kv-late", t0_s=T0_S + 600, tenants=("kv-a",), n_steps=6)
     with TestClient(create_app(model_path, db)) as client:
         assert _post(client, kv_served["admin"], late, "rows").status_code == 200
     second = tmp_path / "second.json"
-    result = run_cli("export", "--format", "lago", "--db", db, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
-                     "-o", str(second), "--force")
+    result = invoke_cli("export", "--format", "lago", "--db", db, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]),
+                        "-o", str(second), "--force")
     assert result.returncode == 0, result.stderr
     corrections = json.loads(second.read_text())
     memory = [e for e in corrections if e["code"] == "llmvisor_kv_block_ns"]
@@ -349,8 +350,8 @@ def test_the_audit_ties_each_tenants_kv_from_the_archive_to_the_ledger(kv_served
     db = kv_served["db"]
 
     def audit(tenant):
-        out = run_cli("audit", "--archive", str(archive), "--db", db, "--tenant", tenant, "--start", str(PERIOD[0]),
-                      "--end", str(PERIOD[1]), "--model", str(model_path), "--json")
+        out = invoke_cli("audit", "--archive", str(archive), "--db", db, "--tenant", tenant, "--start", str(PERIOD[0]),
+                         "--end", str(PERIOD[1]), "--model", str(model_path), "--json")
         return out.returncode, json.loads(out.stdout)
 
     for tenant in ("kv-c", "kv-d"):  # their steps are all in format-3 files of the second hour

@@ -22,6 +22,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from _billing_checks import ROOT, VALIDATOR, cents, exact_cost, export, read_csv, run_validator
+from _cli import invoke_cli
 from _lora_runs import as_rows, lora_model, relayed_lora_run
 from _service_fixtures import T0_S, bearer, db_url, model_path  # noqa: F401
 from llmvisor.billing import usage_charges
@@ -129,11 +130,9 @@ def fill_ledger(model_path, db_url, model) -> dict[str, list]:
 
 
 def add_prices(db_url, tmp_path, prices: str) -> None:
-    from _billing_checks import run_cli
-
     path = tmp_path / "prices.toml"
     path.write_text(prices)
-    added = run_cli("prices", "add", str(path), "--db", db_url)
+    added = invoke_cli("prices", "add", str(path), "--db", db_url)
     assert added.returncode == 0, added.stderr
 
 

@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from _billing_checks import VALIDATOR, read_csv, run_cli, run_validator
+from _cli import invoke_cli
 from _service_fixtures import db_url  # noqa: F401
 from llmvisor.billing.push import push
 from llmvisor.ledger import Ledger
@@ -41,7 +42,7 @@ def _priced(db: str, tmp_path, price: str = PRICE) -> None:
     prices = tmp_path / "prices.toml"
     prices.write_text(f'[[price]]\nengine_class = "{CLASS}"\ncurrency = "USD"\nengine_hour_price = "{price}"\n'
                       "valid_from = 2026-01-01T00:00:00Z\n")
-    added = run_cli("prices", "add", str(prices), "--db", db)
+    added = invoke_cli("prices", "add", str(prices), "--db", db)
     assert added.returncode == 0, added.stderr
 
 
@@ -96,8 +97,9 @@ def _totals(server) -> tuple[dict[str, int], dict[str, Decimal]]:
     return dict(ns), dict(cost)
 
 
-def _export(db: str, format_: str, *more: str, period=(OCT, NOV)):
-    return run_cli("export", "--format", format_, "--db", db, "--start", str(period[0]), "--end", str(period[1]), *more)
+def _export(db: str, format_: str, *more: str, period=(OCT, NOV), run=invoke_cli):
+    """``llmvisor export`` of the period, in this process; ``run=run_cli`` for a refusal (its own process)."""
+    return run("export", "--format", format_, "--db", db, "--start", str(period[0]), "--end", str(period[1]), *more)
 
 
 def test_late_usage_becomes_a_correction_with_a_new_id_and_a_deduplicating_receiver_totals_the_ledger(db_url, tmp_path, lago):  # noqa: F811
@@ -118,7 +120,7 @@ def test_late_usage_becomes_a_correction_with_a_new_id_and_a_deduplicating_recei
     ledger.ingest_windows([_window("run-2", h1 + 7_000_000, {"a": 900_000_007})])
     ledger.close()
     taken_before = dict(lago.taken)
-    refused = _export(db_url, "lago", "--push", lago.url)
+    refused = _export(db_url, "lago", "--push", lago.url, run=run_cli)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
     assert refused.stderr.startswith("error: 3 lines of this period were already exported as lago; a receiver deduplicates "
                                      "ids only for a while (Stripe: 24 hours)")
@@ -192,10 +194,10 @@ def test_close_period_freezes_the_month_and_refuses_an_open_one(db_url, tmp_path
     ledger.ingest_windows([_window("run-1", OCT * 1_000_000, {"a": 5_000_000_000})])
     ledger.close()
     _priced(db_url, tmp_path)
-    closed = run_cli("close-period", "--db", db_url, "--period", "2026-10", "--json")
+    closed = invoke_cli("close-period", "--db", db_url, "--period", "2026-10", "--json")
     assert closed.returncode == 0, closed.stderr
     assert json.loads(closed.stdout) | {"closed_at_us": 0} == {"period": "2026-10", "closed": True, "closed_at_us": 0, "lines": 1}
-    again = run_cli("close-period", "--db", db_url, "--period", "2026-10")
+    again = invoke_cli("close-period", "--db", db_url, "--period", "2026-10")
     assert again.returncode == 0 and again.stdout == "period 2026-10 was already closed (1 lines); nothing changed\n"
     this_month = datetime.now(UTC).strftime("%Y-%m")
     for period, reason in ((this_month, f"--period {this_month} has not ended"), ("2026-13", "--period: expected a calendar month as YYYY-MM")):
@@ -205,7 +207,7 @@ def test_close_period_freezes_the_month_and_refuses_an_open_one(db_url, tmp_path
     ledger.ingest_windows([_window("run-2", OCT * 1_000_000, {"a": 1_000_000_000})])
     ledger.close()
     focus = tmp_path / "focus.csv"
-    written = run_cli("export", "--format", "focus", "--db", db_url, "--start", str(OCT), "--end", str(OCT + 3600), "-o", str(focus))
+    written = invoke_cli("export", "--format", "focus", "--db", db_url, "--start", str(OCT), "--end", str(OCT + 3600), "-o", str(focus))
     assert written.returncode == 0, written.stderr
     rows = read_csv(focus)
     assert [(r["x_AttributedNs"], r["ChargeClass"]) for r in rows] == [("5000000000", ""), ("1000000000", "Correction")]
@@ -230,7 +232,7 @@ def test_an_export_closes_a_period_only_after_the_configured_delay(db_url, tmp_p
     ledger.close()
     assert (row.period_start_us, row.closed_by, row.num_lines) == (OCT * 1_000_000, "export", 1)
     monkeypatch.setenv("LLMVISOR_CLOSE_PERIOD_AFTER_S", "soon")
-    bad = _export(db_url, "stripe", "-o", str(tmp_path / "c.json"))
+    bad = _export(db_url, "stripe", "-o", str(tmp_path / "c.json"), run=run_cli)
     assert bad.returncode == 2 and bad.stderr == ("error: LLMVISOR_CLOSE_PERIOD_AFTER_S: expected whole seconds (0 or more) "
                                                   "or 'off', got 'soon'\n")
 

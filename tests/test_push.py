@@ -15,6 +15,7 @@ from urllib.parse import parse_qs
 import pytest
 
 from _billing_checks import run_cli
+from _cli import invoke_cli
 from _service_fixtures import db_url, model_path  # noqa: F401
 from llmvisor.billing import charges
 from llmvisor.billing.formats import stripe_events
@@ -170,13 +171,13 @@ def test_a_push_failing_after_n_events_resumes_without_duplicates(receiver, serv
     assert f"HTTP 503 after 5 attempts; 2 of {len(ids)} bodies were acknowledged" in failed.stderr
     assert receiver.acknowledged == ids[:2]
     receiver.fail_after = None
-    resumed = run_cli(*_export(served, receiver.url, "--progress", str(progress)))
+    resumed = invoke_cli(*_export(served, receiver.url, "--progress", str(progress)))
     assert resumed.returncode == 0, resumed.stderr
     assert receiver.acknowledged == ids  # each event sent and taken once: the progress file skipped the first two
     assert receiver.taken == set(ids) and receiver.dropped == []
     again = run_cli(*_export(served, receiver.url))  # delivered: a re-push is refused (Stripe dedupes 24 h only)
     assert again.returncode == 2 and "already exported as stripe" in again.stderr and receiver.acknowledged == ids
-    forced = run_cli(*_export(served, receiver.url, "--force"))  # only what stripe does not have: nothing
+    forced = invoke_cli(*_export(served, receiver.url, "--force"))  # only what stripe does not have: nothing
     assert forced.returncode == 0 and receiver.acknowledged == ids
     assert receiver.taken == set(ids) and receiver.dropped == []
 
@@ -198,7 +199,7 @@ def test_a_killed_push_resumes_and_the_receiver_takes_each_event_once(receiver, 
         time.sleep(0.05)
     assert receiver.acknowledged == ids[:3]
     receiver.hold_at = None
-    resumed = run_cli(*_export(served, receiver.url, "--progress", str(progress)))
+    resumed = invoke_cli(*_export(served, receiver.url, "--progress", str(progress)))
     assert resumed.returncode == 0, resumed.stderr
     assert receiver.acknowledged == ids[:3] + ids[2:]  # only the unacknowledged third is sent again
     assert receiver.taken == set(ids) and receiver.dropped == [ids[2]]  # the receiver's dedupe drops it

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from _cli import invoke_cli
 from _service_fixtures import T0_S, bearer, class_body, class_model, db_url, model_path  # noqa: F401
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import DEFAULT_COEF_S, synthetic_trace
@@ -33,20 +34,22 @@ def admin_and_tenant(db_url):
 
 
 def run_cli(*args):
+    """``llmvisor ARGS`` as its own process, for the refusals; commands checked by their output run in this process
+    (`invoke_cli`)."""
     return subprocess.run([sys.executable, "-m", "llmvisor.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_models_commands_add_list_activate_and_refuse_clearly(tmp_path, db_url):
     path = tmp_path / "a.json"
     class_model(CLASS_A).to_json(path)
-    added = run_cli("models", "add", str(path), "--db", db_url, "--json")
+    added = invoke_cli("models", "add", str(path), "--db", db_url, "--json")
     assert added.returncode == 0, added.stderr
     assert json.loads(added.stdout)["version"] == 1 and json.loads(added.stdout)["engine_class"] == CLASS_A
-    again = run_cli("models", "add", str(path), "--db", db_url, "--activate", "--json")
+    again = invoke_cli("models", "add", str(path), "--db", db_url, "--activate", "--json")
     assert json.loads(again.stdout)["version"] == 2
-    listed = json.loads(run_cli("models", "list", "--db", db_url, "--json").stdout)["models"]
+    listed = json.loads(invoke_cli("models", "list", "--db", db_url, "--json").stdout)["models"]
     assert [(m["engine_class"], m["version"], m["active"]) for m in listed] == [(CLASS_A, 1, False), (CLASS_A, 2, True)]
-    activated = run_cli("models", "activate", CLASS_A, "1", "--db", db_url)
+    activated = invoke_cli("models", "activate", CLASS_A, "1", "--db", db_url)
     assert activated.returncode == 0, activated.stderr
     assert Ledger(db_url).active_versions() == {CLASS_A: 1}
 
@@ -219,7 +222,7 @@ def test_slowed_class_raises_the_drift_alarm_and_a_refit_activates(model_path, d
         assert refitted["active_version"] == 2 and abs(refitted["median_relative_residual"]) < 0.02 and not refitted["alarm"]
 
     # A refit that is not better is stored, not activated; the CLI prints both errors.
-    printed = run_cli("refit", "--class", CLASS_A, "--db", db_url, "--newest-steps", "500")
+    printed = invoke_cli("refit", "--class", CLASS_A, "--db", db_url, "--newest-steps", "500")
     assert printed.returncode == 0, printed.stderr
     assert "new v3" in printed.stdout and "active v2" in printed.stdout
     activated = "v3 activated" in printed.stdout
