@@ -7,6 +7,7 @@ each test then starts from empty tables, so the database must be a throwaway one
 
 from __future__ import annotations
 
+import copy
 import os
 
 import numpy as np
@@ -153,9 +154,18 @@ def bearer(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
 
+_CLASS_FITS: dict[tuple, StepLatencyModel] = {}
+"""`class_model`'s fits in this test process, by (coefficients, seed): the fit is deterministic."""
+
+
 def class_model(engine_class: str, *, coef_s: dict | None = None, seed: int = 0) -> StepLatencyModel:
-    """A model fitted on synthetic steps of ``coef_s``, registered as the model of ``engine_class``."""
-    model = StepLatencyModel().fit(synthetic_trace(1500, coef_s=coef_s, seed=seed, max_batch_size=16))
+    """A model fitted on synthetic steps of ``coef_s``, registered as the model of ``engine_class``. Each call gets
+    its own copy of one fit per (coefficients, seed) in the process: a fit of 1,500 steps takes 0.5-1.5 s, and
+    tests/test_billing.py's fixture alone asks for three per test (the same three each time)."""
+    key = (tuple(sorted((coef_s or {}).items())), seed)
+    if key not in _CLASS_FITS:
+        _CLASS_FITS[key] = StepLatencyModel().fit(synthetic_trace(1500, coef_s=coef_s, seed=seed, max_batch_size=16))
+    model = copy.deepcopy(_CLASS_FITS[key])
     model.engine_fingerprint_ = {"id": engine_class}
     return model
 
