@@ -148,6 +148,11 @@ def test_the_sharing_run_recomputes_from_its_journal(figures):
                 assert again["rules"]["rules"][rule]["class_bias"][name]["bias"] == pytest.approx(b["bias"], rel=1e-4, abs=1e-6)
     for name, b in shipped["own_context_controls"].items():
         assert again["own_context_controls"][name]["bias"] == pytest.approx(b["bias"], rel=1e-4)
+    # the sharing run's own result (re-analysed with `llmvisor validate -o ... --no-measure`) holds the same check
+    result = json.loads((REPO / "docs" / "results" / "validation-sharing.json").read_text(encoding="utf-8"))
+    own = result["summary"]["sharing_own_terms"]["serving_size"]["rules"]
+    assert {rule: row["flagged"] for rule, row in own.items()} == {rule: row["flagged"] for rule, row in shipped["rules"]["rules"].items()}
+    assert "at most 2 redos" in result["interference"]["rule"]
     for rule, row in shipped["shipped_model"]["rules"]["rules"].items():
         assert again["shipped_model"]["rules"]["rules"][rule]["flagged"] == row["flagged"]
     for fold, fold_again in zip(shipped["pricing"]["folds"], again["pricing"]["folds"], strict=True):

@@ -328,7 +328,13 @@ def test_priced_with_its_own_cross_fitted_terms_the_check_judges_the_rule_not_th
     rule. Priced with the run's own terms (llmvisor's fit on the other request sets' steps), the fit finds that sharing
     saves the whole read and the landed rule passes; no request set is priced by a fit that saw its steps."""
     from llmvisor.core.model import StepLatencyModel
-    from llmvisor.validation.coalitions import analyse_coalition_batch, coalition_steps_trace, crossfitted_models, engine_priced
+    from llmvisor.validation.coalitions import (
+        analyse_coalition_batch,
+        coalition_steps_trace,
+        crossfitted_models,
+        engine_priced,
+        sharing_own_terms,
+    )
     from llmvisor.validation.groundtruth import sharing_rule_verdicts
     from test_validation_sampled_plan import D6, sharing_model
 
@@ -354,6 +360,11 @@ def test_priced_with_its_own_cross_fitted_terms_the_check_judges_the_rule_not_th
         again = StepLatencyModel().fit(coalition_steps_trace(batches, journal, others)).to_dict()["segments"]
         for seg, seg_again in zip(model.to_dict()["segments"], again, strict=True):
             assert seg["coef_s"] == pytest.approx(seg_again["coef_s"], rel=1e-6, abs=1e-12)
+    # what validate writes: a batch the guard kept flagged (a record of its index and kind only) judges nothing, as in
+    # the check priced with the given model
+    flagged = {"interference_flagged": True, "index": 99, "kind": "mixed_sharing_decode", "size": 16, "exact": False, "n_disturbed_steps": 3}
+    own = sharing_own_terms(batches, journal, [*records, flagged], no_saving)
+    assert own["serving_size"]["n_batches"] == len(records) and not own["serving_size"]["rules"]["split_among_readers"]["flagged"]
 
 
 def test_validate_records_the_pairs_layout_and_resumes_with_it(tmp_path, monkeypatch):

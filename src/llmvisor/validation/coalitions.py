@@ -294,10 +294,10 @@ def sharing_own_terms(batches, journal, records: list[dict], model, *, n_folds: 
     if len({r["index"] for r in kept}) < 2 or not any(r["kind"] == "mixed_sharing_decode" for r in kept):
         return None
     try:
-        priced, how = engine_priced(batches, journal, records, model, n_folds=n_folds)
+        priced, how = engine_priced(batches, journal, kept, model, n_folds=n_folds)
     except LlmvisorError as error:
         return {"pricing": None, "not_fitted": str(error)}
-    return {"pricing": how, **sharing_check(priced)}
+    return {"pricing": how, **sharing_check(priced)}  # as `coalition_summary`: batches the guard kept flagged judge nothing
 
 
 def sharing_rule_shares(model, new, context, is_prefill, measured_s: float, shared, groups) -> dict[str, np.ndarray]:
