@@ -362,6 +362,11 @@ def _ci(entry: list[float]) -> str:
     return f"[{_pct(entry[0])}, {_pct(entry[1])}]"
 
 
+def _worst_class(row: dict) -> tuple[str, dict]:
+    """A rule's class billed furthest from its measured value (largest |bias|), and that class's bias."""
+    return max(((k, b) for k, b in row["class_bias"].items() if b), key=lambda kb: abs(kb[1]["bias"]))
+
+
 def markdown_summary(figures: dict) -> str:
     """docs/validation.md's tables of `docs/results/ground-truth.json`, so the doc quotes the file and nothing else."""
     quarter = figures["tenants_from_old_journal"]["quarter"]
@@ -400,7 +405,7 @@ def markdown_summary(figures: dict) -> str:
     for label, part in parts:
         for rule, row in part["rules"].items():
             if row["landed"]:
-                name, worst = max(((k, b) for k, b in row["class_bias"].items() if b), key=lambda kb: abs(kb[1]["bias"]))
+                name, worst = _worst_class(row)
                 lines.append(f"| {rule.replace('_', ' ')} (landed, {label.replace('_', ' ')}) | {part['n_batches']} | "
                              f"{'yes' if row['flagged'] else 'no'} | {name.replace('_', ' ')} | {_pct(worst['bias'])} {_ci(worst['ci95'])} | – | – |")
                 continue
@@ -415,7 +420,7 @@ def markdown_summary(figures: dict) -> str:
     landed_shipped = []
     for label, part in shipped_parts:
         row = part["rules"][LANDED_SHARING_RULE]
-        name, worst = max(((k, b) for k, b in row["class_bias"].items() if b), key=lambda kb: abs(kb[1]["bias"]))
+        name, worst = _worst_class(row)
         landed_shipped.append(f"{label.replace('_', ' ')} {'flagged' if row['flagged'] else 'not flagged'} ({name.replace('_', ' ')} "
                               f"{_pct(worst['bias'])} {_ci(worst['ci95'])})")
     savings = [("coalitions journal", figures["sharing_rules_pricing"])]
