@@ -27,8 +27,7 @@ import numpy as np
 
 from llmvisor import shipped
 from llmvisor.core.model import StepLatencyModel
-from llmvisor.validation.coalitions import coalition_steps_trace, grouped_effective_context, shared_read_saving
-from llmvisor.validation.game import members
+from llmvisor.validation.coalitions import coalition_steps, coalition_steps_trace, shared_read_saving
 from llmvisor.validation.measurement import InterferenceGuard, Journal, measure_sampled
 from llmvisor.validation.plans import Envelope, SampledKind, draw_coalition_batches, read_length_mixes
 
@@ -78,39 +77,30 @@ def offsets_fit(plan, journal, indices, *, n_bootstrap: int, seed: int) -> dict:
     relative to the step); interval over request sets drawn with replacement."""
     from scipy.optimize import nnls
 
-    rows = []  # (request set, chunk label, requests, context tokens, effective context tokens, step time)
-    for b in plan:
-        if b.index not in indices:
-            continue
-        groups = np.asarray(b.groups)
-        for k, chunk in enumerate(b.chunks(0)):
-            for mask in chunk:
-                for m in journal.get(b, 0, mask)[:1]:
-                    idx = np.asarray(members(mask, b.size))
-                    context = np.asarray(m.num_context_tokens, dtype=np.float64)
-                    shared = np.asarray(m.num_shared_context_tokens or np.zeros(idx.size), dtype=np.float64)
-                    effective = grouped_effective_context(context, shared, groups[idx])
-                    rows.append((b.index, f"{b.index}/{k}", idx.size, context.sum(), effective.sum(), m.step_latency_s))
+    rows: dict[int, list] = {}  # request set → (chunk label, requests, context tokens, effective context tokens, step time)
+    for c in coalition_steps(plan, journal, indices, disturbed=True):
+        rows.setdefault(c.batch.index, []).append((f"{c.batch.index}/{c.batch_round}", c.members.size, c.context.sum(), c.effective.sum(),
+                                                   c.measurement.step_latency_s))
 
     def saving(chosen: list[int]) -> tuple[float, list[float]]:
-        picked = [r for i in chosen for r in rows if r[0] == i]
-        labels = sorted({r[1] for r in picked})
+        picked = [r for i in chosen for r in rows[i]]
+        labels = sorted({r[0] for r in picked})
         column = {label: j for j, label in enumerate(labels)}
         x = np.zeros((len(picked), len(labels) + 3))
         for row, r in enumerate(picked):
-            x[row, column[r[1]]] = 1.0
-            x[row, len(labels):] = r[2:5]
-        y = np.array([r[5] for r in picked])
+            x[row, column[r[0]]] = 1.0
+            x[row, len(labels):] = r[1:4]
+        y = np.array([r[4] for r in picked])
         coef, _ = nnls(x / y[:, None], np.ones(y.size))
         d4, d2, e = coef[len(labels):]
         return (e / (d2 + e) if d2 + e > 0 else 0.0), [float(d4), float(d2), float(e)]
 
-    sets = sorted({r[0] for r in rows})
+    sets = sorted(rows)
     point, terms = saving(sets)
     rng = np.random.default_rng(seed)
     draws = [saving([sets[i] for i in rng.choice(len(sets), len(sets))])[0] for _ in range(n_bootstrap)]
     return {"shared_read_saving": float(point), "decode_requests_s": terms[0], "decode_context_tokens_s": terms[1],
-            "effective_context_tokens_s": terms[2], "n_steps": len(rows),
+            "effective_context_tokens_s": terms[2], "n_steps": sum(map(len, rows.values())),
             "ci95": [float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))] if draws else None}
 
 
@@ -180,7 +170,6 @@ def main() -> None:
         "methods": fits,
         "journals": {m: journals[m].path.name for m in METHODS},
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {args.output}: " + "; ".join(f"{m} saving {fits[m]['shared_read_saving']} {fits[m]['bootstrap_first_segment_ci95']}, "
                                             f"with chunk offsets {fits[m]['with_chunk_offsets']['shared_read_saving']:.3f} "

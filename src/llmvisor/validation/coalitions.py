@@ -17,6 +17,8 @@ pays the whole block), which the check must flag.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 from scipy import stats
@@ -29,7 +31,7 @@ from llmvisor.errors import LlmvisorError
 from llmvisor.validation.analysis import GOAL, Method, model_shares, plain_quantiles, token_count_split
 from llmvisor.validation.estimator import exact_coverage, relative_weights, shapley_matrix
 from llmvisor.validation.game import additivity_test, exact_shapley, members, regression_shapley
-from llmvisor.validation.measurement import Journal
+from llmvisor.validation.measurement import Journal, Measurement
 from llmvisor.validation.plans import SHARED_KINDS, SampledBatchSpec
 
 SHARING_RULES = ("split_among_readers", "whole_block_per_reader", "first_reader_pays", "split_by_context_length")
@@ -198,38 +200,56 @@ CROSSFIT_FOLDS = 4
 """Folds of request sets for pricing a journal's sharing rules with its engine's own terms (`crossfitted_models`)."""
 
 
-def coalition_steps_trace(batches, journal, indices, repeat: int = 1, *, disturbed: bool = False) -> StepTrace:
+class CoalitionStep(NamedTuple):
+    """One measured step of a coalition (`coalition_steps`): its batch, batch-round, members (batch positions), their
+    recorded contexts and shared tokens, their effective contexts, and the measurement."""
+
+    batch: SampledBatchSpec
+    batch_round: int
+    members: np.ndarray
+    context: np.ndarray
+    shared: np.ndarray
+    effective: np.ndarray
+    measurement: Measurement
+
+
+def coalition_steps(batches, journal, indices, repeat: int = 1, *, disturbed: bool = False) -> Iterator[CoalitionStep]:
     """The measured steps of the batches whose index is in ``indices`` (round 0, the first ``repeat`` of each
-    coalition; those the interference guard kept flagged only with ``disturbed``) as a format-2 step trace with one
-    run per request set (``set-<index>``), so `StepLatencyModel.fit` learns from them and `group_k_fold` splits them by
-    request set. A step's effective context splits each prefix group's recorded shared tokens among its readers in the
-    step (`grouped_effective_context`)."""
-    cols: dict[str, list] = {k: [] for k in ("run_id", "step_id", "step_latency_s", "request_id", "tenant", "num_new_tokens",
-                                             "num_context_tokens", "phase", "num_shared_context_tokens", "effective_context_tokens")}
-    step = 0
+    coalition; those the interference guard kept flagged only with ``disturbed``), in measuring order. A step's
+    effective context splits each prefix group's recorded shared tokens among its readers in the step
+    (`grouped_effective_context`)."""
     for b in batches:
         if b.index not in indices:
             continue
-        groups, new, prefill = np.asarray(b.groups), np.asarray(b.num_new_tokens), np.asarray(b.is_prefill, dtype=bool)
-        for s in (s for chunk in b.chunks(0) for s in chunk):
-            for m in journal.get(b, 0, s)[:repeat]:
-                if m.interference and not disturbed:
-                    continue
-                idx = np.asarray(members(s, b.size))
-                context = np.asarray(m.num_context_tokens, dtype=np.float64)
-                shared = np.asarray(m.num_shared_context_tokens or np.zeros(idx.size), dtype=np.float64)
-                effective = grouped_effective_context(context, shared, groups[idx])
-                step += 1
-                cols["run_id"] += [f"set-{b.index}"] * idx.size
-                cols["step_id"] += [step] * idx.size
-                cols["step_latency_s"] += [m.step_latency_s] * idx.size
-                cols["request_id"] += [f"{b.index}-{i}" for i in idx]
-                cols["tenant"] += [""] * idx.size
-                cols["num_new_tokens"] += new[idx].tolist()
-                cols["num_context_tokens"] += context.astype(np.int64).tolist()
-                cols["phase"] += ["prefill" if p else "decode" for p in prefill[idx]]
-                cols["num_shared_context_tokens"] += shared.astype(np.int64).tolist()
-                cols["effective_context_tokens"] += effective.tolist()
+        groups = np.asarray(b.groups)
+        for k, chunk in enumerate(b.chunks(0)):
+            for s in chunk:
+                for m in journal.get(b, 0, s)[:repeat]:
+                    if m.interference and not disturbed:
+                        continue
+                    idx = np.asarray(members(s, b.size))
+                    context = np.asarray(m.num_context_tokens, dtype=np.float64)
+                    shared = np.asarray(m.num_shared_context_tokens or np.zeros(idx.size), dtype=np.float64)
+                    yield CoalitionStep(b, k, idx, context, shared, grouped_effective_context(context, shared, groups[idx]), m)
+
+
+def coalition_steps_trace(batches, journal, indices, repeat: int = 1, *, disturbed: bool = False) -> StepTrace:
+    """`coalition_steps` as a format-2 step trace with one run per request set (``set-<index>``), so
+    `StepLatencyModel.fit` learns from them and `group_k_fold` splits them by request set."""
+    cols: dict[str, list] = {k: [] for k in ("run_id", "step_id", "step_latency_s", "request_id", "tenant", "num_new_tokens",
+                                             "num_context_tokens", "phase", "num_shared_context_tokens", "effective_context_tokens")}
+    for step, c in enumerate(coalition_steps(batches, journal, indices, repeat, disturbed=disturbed), start=1):
+        b, idx = c.batch, c.members
+        cols["run_id"] += [f"set-{b.index}"] * idx.size
+        cols["step_id"] += [step] * idx.size
+        cols["step_latency_s"] += [c.measurement.step_latency_s] * idx.size
+        cols["request_id"] += [f"{b.index}-{i}" for i in idx]
+        cols["tenant"] += [""] * idx.size
+        cols["num_new_tokens"] += np.asarray(b.num_new_tokens)[idx].tolist()
+        cols["num_context_tokens"] += c.context.astype(np.int64).tolist()
+        cols["phase"] += ["prefill" if p else "decode" for p in np.asarray(b.is_prefill, dtype=bool)[idx]]
+        cols["num_shared_context_tokens"] += c.shared.astype(np.int64).tolist()
+        cols["effective_context_tokens"] += c.effective.tolist()
     text = ("run_id", "request_id", "tenant", "phase")
     return build_trace({k: np.array(v, dtype=object if k in text else None) for k, v in cols.items()}, path="<coalition steps>")
 
