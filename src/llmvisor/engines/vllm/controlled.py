@@ -17,9 +17,11 @@ subclasses it and only adds a filter on which running requests may be scheduled.
   context (`_rewind`: the step's sampled token dropped and ``num_computed_tokens`` set back, which the model
   runner follows on the member's next step as it does when output tokens are discarded), so every step of a
   batch reads exactly the planned contexts however many steps run, and the batch is prepared once for all its
-  batch-rounds. Own contexts are prefixes of per-session token sequences, one per batch position
-  (`_slot_prompt`), so preparing a batch finds whatever an earlier batch computed in the prefix cache and computes
-  only the rest. ``warm=False`` is the earlier method (each run grows a member's context by one token; fresh
+  batch-rounds. Own contexts are prefixes of per-session token sequences, one per length rank (the k-th longest own
+  context of every batch is a prefix of sequence k, `_ranked_prompts`), and so is each prefix group's longest reader
+  (a sequence per group rank; its group's shared prefix is that sequence's start), so preparing a batch finds what
+  earlier batches computed in the prefix cache and computes only the rest: a session prefills about the longest
+  contexts once, not every batch's (the sharing plan: 93k instead of 548k tokens). ``warm=False`` is the earlier method (each run grows a member's context by one token; fresh
   prompts; the measuring loop prepares the batch again for every batch-round), kept to measure what warm gains.
 - Mixed steps (`prepare_mixed`, `mixed_step`): a prefill chunk over cached context co-batched with held
   decodes, the step chunked prefill makes. Each run of the chunk is a fresh request whose prompt starts with
@@ -268,7 +270,9 @@ class ControlledEngine:
         self.max_lora_rank = max_lora_rank
         self._lora_ids: dict[str, int] = {}
         self._slots: list[list[int]] = []
-        """Warm: per batch position, the token sequence whose prefixes are that position's own contexts."""
+        """Warm: per length rank, the token sequence whose prefixes are the own contexts of that rank."""
+        self._group_slots: list[list[int]] = []
+        """Warm: per group rank, the sequence whose prefixes are that group's shared prefix and its longest reader's context."""
         self._trace_offset = 0
         self.llm = None
         self.engine = None
@@ -365,6 +369,7 @@ class ControlledEngine:
         """Forget the per-position sequences (and the last batch's prompts): later batches draw fresh prompts, as
         after an engine start (a benchmark starts each repeat from a cache that holds nothing of the previous one)."""
         self._slots = []
+        self._group_slots = []
         self._decode_prompts = None
 
     def close(self) -> None:
@@ -397,16 +402,35 @@ class ControlledEngine:
         prefix = prefix or []
         return {"prompt_token_ids": list(prefix[:length]) + self._token_ids(length - min(length, len(prefix)))}
 
-    def _slot_prompt(self, position: int, length: int) -> dict:
-        """Warm: an own context at batch position ``position``: the first ``length`` tokens of that position's session
-        sequence (random ids, grown as needed). Positions never share a block, so no two requests of a batch do; a later
-        batch's request at the same position finds the whole blocks an earlier one computed in the prefix cache."""
-        while len(self._slots) <= position:
-            self._slots.append([])
-        slot = self._slots[position]
-        if len(slot) < length:
-            slot += self._token_ids(length - len(slot))
-        return {"prompt_token_ids": slot[:length]}
+    def _session_prefix(self, sequences: list[list[int]], rank: int, length: int) -> list[int]:
+        """The first ``length`` tokens of session sequence ``rank`` (random ids, grown as needed)."""
+        while len(sequences) <= rank:
+            sequences.append([])
+        sequence = sequences[rank]
+        if len(sequence) < length:
+            sequence += self._token_ids(length - len(sequence))
+        return sequence[:length]
+
+    def _ranked_prompts(self, lengths: list[int]) -> list[dict]:
+        """Warm: own contexts, the k-th longest (ties by position) the first tokens of the session's k-th own sequence.
+        Ranks are distinct, so no two requests of a batch share a block; a later batch's k-th longest own context finds
+        the whole blocks the longest earlier one of that rank computed in the prefix cache. Ranked rather than by
+        position, a session's sequences grow to about the longest contexts once, where by position each would grow to
+        whatever long context any batch happened to put there."""
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        prompts: list[dict] = [{}] * len(lengths)
+        for rank, i in enumerate(order):
+            prompts[i] = {"prompt_token_ids": self._session_prefix(self._slots, rank, lengths[i])}
+        return prompts
+
+    def _group_prompts(self, rank: int, lengths: list[int], prefix_tokens: int) -> list[dict]:
+        """Warm: one prefix group's prompts. The group's shared prefix and its longest reader's whole context are the
+        start of the session's group sequence ``rank`` (found in the prefix cache when an earlier batch's group of that
+        rank computed them); the other readers continue the prefix with fresh random ids, so they share nothing past it."""
+        lead = max(range(len(lengths)), key=lambda i: lengths[i])
+        sequence = self._session_prefix(self._group_slots, rank, lengths[lead])
+        return [{"prompt_token_ids": sequence[:n]} if i == lead else self._prompt(n, sequence[:prefix_tokens])
+                for i, n in enumerate(lengths)]
 
     def _sampling(self, max_tokens: int):
         from vllm import SamplingParams
@@ -576,11 +600,15 @@ class ControlledEngine:
         self._held = set()
         key = (self.warm, tuple(context_lengths), shared_prefix_tokens)
         if self.warm and not shared_prefix_tokens:
-            prompts = [self._slot_prompt(k, length) for k, length in enumerate(context_lengths)]
+            prompts = self._ranked_prompts(list(context_lengths))
         else:
             if self._decode_prompts is None or self._decode_prompts[0] != key:
-                prefix = self._token_ids(shared_prefix_tokens)
-                self._decode_prompts = (key, [self._prompt(length, prefix) for length in context_lengths])
+                if self.warm:
+                    built = self._group_prompts(0, list(context_lengths), shared_prefix_tokens)
+                else:
+                    prefix = self._token_ids(shared_prefix_tokens)
+                    built = [self._prompt(length, prefix) for length in context_lengths]
+                self._decode_prompts = (key, built)
             prompts = self._decode_prompts[1]
         params = self._sampling(max_decode_steps + 1)
         waves = [list(range(len(context_lengths)))]
@@ -700,9 +728,7 @@ class ControlledEngine:
         self._held = set()
         key = (self.warm, tuple(context_lengths), tuple(shared_prefix_tokens), tuple(prefix_groups))
         if self._decode_prompts is None or self._decode_prompts[0] != key:
-            prefixes = {g: self._token_ids(p) for g, p in sorted(prefix_of.items())}
-            self._decode_prompts = (key, [self._slot_prompt(k, length) if self.warm and g < 0 else self._prompt(length, prefixes.get(g))
-                                          for k, (length, g) in enumerate(zip(context_lengths, prefix_groups, strict=True))])
+            self._decode_prompts = (key, self._grouped_prompts(list(context_lengths), prefix_of, list(prefix_groups)))
         prompts = self._decode_prompts[1]
         params = self._sampling(max_decode_steps + 1)
         first: list[int] = []
@@ -731,6 +757,23 @@ class ControlledEngine:
         shared = [p // self.block_size * self.block_size if g >= 0 and members_of[g] > 1 else 0
                   for p, g in zip(shared_prefix_tokens, prefix_groups, strict=True)]
         return DecodeBatch(list(ids), list(actual), list(context_lengths), shared, list(prefix_groups))
+
+    def _grouped_prompts(self, lengths: list[int], prefix_of: dict[int, int], groups: list[int]) -> list[dict]:
+        """Prompts of a grouped decode batch: warm, own contexts by rank (`_ranked_prompts`) and groups by the rank of
+        their longest reader (`_group_prompts`); cold, fresh random ids after a fresh prefix per group."""
+        if not self.warm:
+            prefixes = {g: self._token_ids(p) for g, p in sorted(prefix_of.items())}
+            return [self._prompt(n, prefixes.get(g)) for n, g in zip(lengths, groups, strict=True)]
+        prompts: list[dict] = [{}] * len(lengths)
+        own = [i for i, g in enumerate(groups) if g < 0]
+        for i, prompt in zip(own, self._ranked_prompts([lengths[i] for i in own]), strict=True):
+            prompts[i] = prompt
+        readers = {g: [i for i, h in enumerate(groups) if h == g] for g in prefix_of}
+        by_lead = sorted(readers, key=lambda g: (-max(lengths[i] for i in readers[g]), min(readers[g])))
+        for rank, g in enumerate(by_lead):
+            for i, prompt in zip(readers[g], self._group_prompts(rank, [lengths[i] for i in readers[g]], prefix_of[g]), strict=True):
+                prompts[i] = prompt
+        return prompts
 
     def prepare_mixed(self, chunk_tokens: int, cached_tokens: int, decode_contexts: list[int], *, max_decode_steps: int) -> MixedBatch:
         """Hold decodes at ``decode_contexts`` for mixed steps whose member 0 is a prefill chunk of ``chunk_tokens``
