@@ -327,6 +327,61 @@ def test_interference_guard_discards_and_redoes_a_slowed_batch_round(tmp_path):
     assert "at most 2 redos" in stated and "at most 4" not in stated
 
 
+class SlowCanaryEngine(GameEngine):
+    """A GameEngine whose ``slow``-th canary (1-based, calibration included) runs 3× slower."""
+
+    def __init__(self, *args, slow: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.slow, self.n_canaries = slow, 0
+
+    def canary_step(self):
+        self.n_canaries += 1
+        step = super().canary_step()
+        return MeasuredStep(step.step_latency_s * (3.0 if self.n_canaries == self.slow else 1.0), step.intended, step.recorded, 1)
+
+
+def test_a_batch_round_opens_with_the_canary_that_closed_the_round_before(tmp_path):
+    """Back to back, the canary closing one batch-round opens the next (one canary fewer per round), and judges it: a
+    slow closing canary flags both rounds it borders. Begun later than ``carry_s`` after it, a round runs its own."""
+    batches, _ = draw_batches(mixes(), ENVELOPE, n_batches=4, max_batch=3, replicate_every=0, seed=2)
+    n_rounds = sum(b.rounds for b in batches)
+
+    def run(carry_s: float, slow: int = 0):
+        engine = SlowCanaryEngine(additive_cost, slow=slow)
+        guard = InterferenceGuard(every=1000, calibration=3, max_redos=0, carry_s=carry_s)
+        counts = measure(engine, batches, Journal(tmp_path / f"j{carry_s}-{slow}.jsonl"), repeat=1, warm_up_steps=0, guard=guard)
+        return engine.n_canaries, counts
+
+    carried, counts = run(60.0)
+    fresh, _ = run(-1.0)
+    assert n_rounds >= 3 and carried == 3 + 1 + n_rounds and fresh == 3 + 2 * n_rounds
+    assert counts["flagged_batch_rounds"] == 0
+    # canary 5 closes the first batch-round (3 calibrate, 4 opens it): carried, it flags the second round too
+    assert run(60.0, slow=5)[1]["flagged_batch_rounds"] == 2
+    assert run(-1.0, slow=5)[1]["flagged_batch_rounds"] == 1
+
+
+class HoldingEngine(GameEngine):
+    """A GameEngine that says its decode steps leave a held batch as prepared (as warm measuring does)."""
+
+    holds_contexts = True
+
+
+def test_a_held_batch_warms_up_once_per_preparation(tmp_path):
+    """The warm-up step runs where a batch-round prepared its batch (or runs prefill steps), not where it goes on with
+    the batch the round before held and just ran."""
+    batches, _ = draw_batches(mixes(), ENVELOPE, n_batches=6, max_batch=3, replicate_every=1, seed=2)
+    decode_rounds = sum(b.rounds for b in batches if b.phase == "decode")
+    prefill_rounds = sum(b.rounds for b in batches if b.phase == "prefill")
+    engine = HoldingEngine(additive_cost)
+    counts = measure(engine, batches, Journal(tmp_path / "j.jsonl"), repeat=1, warm_up_steps=1)
+    assert counts["preparations"] < decode_rounds and prefill_rounds > 0
+    assert engine.n_steps == counts["measured_now"] + counts["preparations"] + prefill_rounds
+    plain = GameEngine(additive_cost)  # prepares every round: warms up every round
+    measure(plain, batches, Journal(tmp_path / "k.jsonl"), repeat=1, warm_up_steps=1)
+    assert plain.n_steps == counts["measured_now"] + decode_rounds + prefill_rounds
+
+
 def test_steps_that_did_not_run_as_intended_are_rejected_and_redone(tmp_path):
     batches, _ = draw_batches(mixes(), ENVELOPE, n_batches=2, max_batch=3, replicate_every=0)
     journal = Journal(tmp_path / "j.jsonl")

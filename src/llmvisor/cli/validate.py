@@ -439,6 +439,7 @@ def validate(
                 "flagged_batch_rounds": counts.get("flagged_batch_rounds", 0),
                 "guard_max_redos": guard_max_redos,
                 "guard_max_wait_s": guard_max_wait_s,
+                "guard_carry_s": guard.carry_s,
                 "stopped_by_time_limit": time_up,
                 "wall_s": round(measure_s, 1),
                 **engine_facts,

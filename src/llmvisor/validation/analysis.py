@@ -581,13 +581,15 @@ def dumps_result(result: dict) -> str:
 
 
 def _last_run_guard(settings: dict | None) -> InterferenceGuard | None:
-    """The guard the last measuring run used (its redos and wait, from ``settings.measurement_runs``), so the result
-    states the rule it was measured under; None (the default guard) where no run recorded them."""
+    """The guard the last measuring run used (its redos, wait and canary carry, from ``settings.measurement_runs``), so
+    the result states the rule it was measured under; the default redos and wait where no run recorded them. A run that
+    recorded no carry was measured before batch-rounds opened with the previous round's closing canary (carry 0)."""
     runs = [r for r in (settings or {}).get("measurement_runs", []) if "guard_max_redos" in r]
     if not runs:
-        return None
+        return InterferenceGuard(carry_s=0.0)
     last = runs[-1]
-    return InterferenceGuard(max_redos=int(last["guard_max_redos"]), max_wait_s=float(last.get("guard_max_wait_s", InterferenceGuard().max_wait_s)))
+    return InterferenceGuard(max_redos=int(last["guard_max_redos"]), max_wait_s=float(last.get("guard_max_wait_s", InterferenceGuard().max_wait_s)),
+                             carry_s=float(last.get("guard_carry_s", 0.0)))
 
 
 def build_result(batches: list[BatchSpec], journal: Journal, model, *, repeat: int, n_bootstrap: int = 1000, seed: int = 0,

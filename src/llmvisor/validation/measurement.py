@@ -268,6 +268,11 @@ class InterferenceGuard:
     poll_s: float = 2.0
     accepted_s: list[float] = field(default_factory=list)
     all_s: list[float] = field(default_factory=list)
+    carry_s: float = 0.5
+    """0: every batch-round runs its opening canary (the rule before carrying, and for results measured under it)."""
+    carried: tuple[bool, float] | None = None
+    """(passed, when: ``time.perf_counter()``) of the canary that closed the last batch-round or ended a wait: a
+    batch-round that begins within ``carry_s`` of it opens with it instead of running another back to back."""
 
     @property
     def baseline_s(self) -> float:
@@ -293,13 +298,26 @@ class InterferenceGuard:
             self.accepted_s.append(t)
         return ok, t
 
+    def opening(self) -> bool | None:
+        """Whether the canary carried from just before passed (None: none to carry; run one); used once."""
+        carried, self.carried = self.carried, None
+        if carried is None or self.carry_s <= 0 or time.perf_counter() - carried[1] > self.carry_s:
+            return None
+        return carried[0]
+
+    def closed(self, ok: bool) -> None:
+        """The canary just run closed a batch-round (or a wait): the next batch-round may open with it."""
+        self.carried = (ok, time.perf_counter())
+
     def wait_quiet(self, measurer: Measurer, sleep: Callable[[float], None]) -> bool:
         """Poll canaries until ``quiet_needed`` pass in a row; False if ``max_wait_s`` passed first."""
         waited, streak = 0.0, 0
+        self.carried = None
         while waited < self.max_wait_s:
             ok, _ = self.check(measurer)
             streak = streak + 1 if ok else 0
             if streak >= self.quiet_needed:
+                self.closed(True)
                 return True
             sleep(self.poll_s)
             waited += self.poll_s
@@ -530,14 +548,20 @@ def _measure_batch_round(
     clean = True
     begun = time.perf_counter()
 
-    def canary() -> None:
+    def canary() -> bool:
         nonlocal clean
-        if guard is not None:
-            ok, t = guard.check(measurer)
-            canaries.append(t)
-            clean &= ok
+        ok, t = guard.check(measurer)
+        canaries.append(t)
+        clean &= ok
+        return ok
 
-    canary()
+    if guard is not None:
+        carried = guard.opening()  # the canary that closed the previous batch-round, if it ran just now
+        if carried is None:
+            canary()
+        else:
+            clean &= carried
+    prepared = held.n_prepared
     pooled = bool(getattr(batch, "pool_index", ()))
     contexts = list(batch.pool_context_tokens) if pooled else list(batch.num_context_tokens)
     shared_prefix = list(batch.pool_shared_prefix_tokens) if pooled else list(getattr(batch, "shared_prefix_tokens", ()))
@@ -578,7 +602,8 @@ def _measure_batch_round(
             return measurer.prefill_step([batch.num_new_tokens[i] for i in members(subset, batch.size)])
     timing["prepare_s"] = time.perf_counter() - begun
     try:
-        for _ in range(warm_up_steps):
+        # a batch held from the previous batch-round ran its steps just now; a fresh one (or a prefill batch) warms up
+        for _ in range(warm_up_steps if handle is None or held.n_prepared != prepared else 0):
             run(full)
         for j, subset in enumerate(order):
             for _attempt in range(max_attempts):
@@ -600,7 +625,8 @@ def _measure_batch_round(
             progress(1)
             if guard is not None and (j + 1) % guard.every == 0 and j + 1 < len(order):
                 canary()
-        canary()
+        if guard is not None:
+            guard.closed(canary())
     finally:
         if handle is not None:
             held.round_done()
@@ -612,7 +638,9 @@ def _measure_batch_round(
 def guard_rule(guard: InterferenceGuard | None = None) -> str:
     g = guard or InterferenceGuard()
     return (
-        f"a fixed canary step (128-token prefill) before and after every batch-round and after every {g.every} subset steps; "
+        "a fixed canary step (128-token prefill) before and after every batch-round"
+        + (f" (the one closing a batch-round also opens the next when that begins within {g.carry_s:g} s)" if g.carry_s > 0 else "")
+        + f" and after every {g.every} subset steps; "
         f"a batch-round with a canary over {1 + g.tolerance:g} × the baseline (median of the last {g.window} passing canaries) "
         f"is discarded and measured again once {g.quiet_needed} canaries in a row pass (at most {g.max_redos} redos, then kept and flagged)"
     )
