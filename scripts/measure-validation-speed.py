@@ -9,7 +9,8 @@ same spells of load from other jobs):
   again (its whole blocks found in the prefix cache, the rest recomputed), and every run of a request grows its context
   by one token;
 - warm: each decode step rewound to the planned contexts, so a batch is prepared once for all its batch-rounds; own
-  contexts are prefixes of the session's per-position sequences (a later batch finds what an earlier one computed).
+  contexts are prefixes of the session's per-rank sequences, prefix groups' prefixes and longest readers of its
+  per-group-rank ones (a later batch finds what an earlier one computed).
 
 Both start each repeat with prompts nothing in the prefix cache holds, use the same interference guard, and time the
 whole measuring calls (preparation, canaries, the loop; not the engine start, given separately). The engine work each
@@ -118,7 +119,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--batches", type=int, default=2, help="serving-size batches in the plan (kinds and sizes cycle)")
     parser.add_argument("--sizes", default="16,32")
-    parser.add_argument("--coalitions-per-request", type=float, default=8.0)
+    parser.add_argument("--coalitions-per-request", type=float, default=20.0, help="as the sharing run (default 20)")
     parser.add_argument("--engine-model", type=Path, default=None)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)

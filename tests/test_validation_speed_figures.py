@@ -61,6 +61,11 @@ def not_in_the_doc(figures: list[str]) -> list[str]:
 def test_the_speed_result_is_consistent():
     result = json.loads(RESULT.read_text(encoding="utf-8"))
     assert result["command"] == "python scripts/measure-validation-speed.py"
+    # the documented command, without flags, reproduces the plan: it is the script's defaults
+    script = (REPO / "scripts" / "measure-validation-speed.py").read_text(encoding="utf-8")
+    for flag, value in (("--repeats", result["repeats"]), ("--batches", result["plan"]["batches"]),
+                        ("--coalitions-per-request", result["plan"]["coalitions_per_request"])):
+        assert f'"{flag}", type={type(value).__name__}, default={value!r}' in script, flag
     runs = result["runs"]
     for rep in range(result["repeats"]):
         by = {r["method"]: r for r in runs if r["repeat"] == rep}
@@ -82,11 +87,15 @@ def test_the_validation_doc_quotes_the_speed_result():
     assert not_in_the_doc(speed_doc_figures(json.loads(RESULT.read_text(encoding="utf-8")))) == []
 
 
-def test_the_open_shift_between_methods_the_doc_states_holds():
-    """The doc says both comparisons put warm's steps below cold's (intervals excluding 0) and gives cold's mean growth."""
+def test_the_words_around_the_equivalence_figures_hold():
+    """The doc says one step's time moves by about a fifth between two measurements, that relative to the batch-round's
+    median the methods do not differ (the median's interval holds 0), and gives cold's mean growth."""
     result = json.loads(RESULT.read_text(encoding="utf-8"))
     for view in ("relative_to_chunk", "raw"):
-        assert result["equivalence"][view]["warm_vs_cold"]["median_ci95"][1] < 0
+        assert 0.15 <= result["equivalence"][view]["noise_floor"]["abs_p50"] <= 0.25
+    lo, hi = result["equivalence"]["relative_to_chunk"]["warm_vs_cold"]["median_ci95"]
+    assert lo <= 0 <= hi
+    assert not_in_the_doc(["moves by about a fifth between two measurements", "and there the methods do not differ"]) == []
     growth = np.mean([r["context_growth_tokens"]["mean"] for r in result["runs"] if r["method"] == "cold"])
     assert not_in_the_doc([f"Cold's contexts were {growth:.1f} tokens longer on average"]) == []
 

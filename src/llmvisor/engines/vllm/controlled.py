@@ -366,7 +366,7 @@ class ControlledEngine:
         return self.warm
 
     def new_session_prompts(self) -> None:
-        """Forget the per-position sequences (and the last batch's prompts): later batches draw fresh prompts, as
+        """Forget the per-rank own and group sequences (and the last batch's prompts): later batches draw fresh prompts, as
         after an engine start (a benchmark starts each repeat from a cache that holds nothing of the previous one)."""
         self._slots = []
         self._group_slots = []
