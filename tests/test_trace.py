@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -13,7 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _processes import cli_process
 from llmvisor.core.trace import (
     TraceWriter,
     iter_trace,
@@ -320,7 +321,12 @@ def test_writer_parquet_appears_only_when_closed(tmp_path):
 
 def test_cli_reports_bad_trace_in_one_line_with_exit_code_2(tmp_path):
     path = write_rows(tmp_path / "bad.csv", [row(0, "a"), row(0, "b", latency=0.5)], ".csv")
-    result = cli_process("fit", path, "-o", tmp_path / "m.json", env={**os.environ, "COLUMNS": "400"})
+    result = subprocess.run(
+        [sys.executable, "-m", "llmvisor.cli", "fit", str(path), "-o", str(tmp_path / "m.json")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "400"},
+    )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "rows disagree on step_latency_s" in result.stderr and str(path) in result.stderr
