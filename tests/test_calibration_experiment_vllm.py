@@ -3,8 +3,7 @@ engine model, dummy weights, the recorder pushing to an accounting service), a f
 canary before each phase and after the last, a live calibration scored on the held-out session. Four phases, up
 to 6 clients, so the calibration session's decode steps span the 4 batch sizes the live coverage rule asks for
 (with up to 4 clients a short run sometimes showed only 3). 1 GiB of KV cache per engine (--kv-cache-gib; the
-sessions hold at most 6 requests of 264 tokens, and nothing checked here depends on the pool's size): the default
-4 GiB took 22 s of an engine's start to allocate on a loaded machine."""
+sessions hold at most 6 requests of 264 tokens, and nothing checked here depends on the pool's size)."""
 
 from __future__ import annotations
 
