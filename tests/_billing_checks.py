@@ -21,7 +21,6 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
-import sys
 from collections import defaultdict
 from decimal import Decimal
 from fractions import Fraction
@@ -30,6 +29,7 @@ from pathlib import Path
 import jsonschema
 
 from _cli import invoke_cli
+from _processes import cli_process
 from llmvisor.billing import PriceBook, charges
 from llmvisor.billing.formats import lago_batches
 from llmvisor.ledger import Ledger
@@ -42,9 +42,9 @@ NS_PER_HOUR = 3_600_000_000_000
 
 
 def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
-    """``llmvisor ARGS`` as its own process: for the refusals (one line on stderr, exit 2) and what only a process shows.
+    """``llmvisor ARGS`` as its own process (`cli_process`): for the refusals (one line on stderr, exit 2) and what only a process shows.
     A command that is a step of a check runs in this process instead (`invoke_cli`, tests/_cli.py)."""
-    return subprocess.run([sys.executable, "-m", "llmvisor.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+    return cli_process(*args, cwd=cwd, timeout_s=300)
 
 
 def run_validator(path: Path) -> subprocess.CompletedProcess:

@@ -6,7 +6,9 @@ SQLAlchemy, pyarrow, the service: 0.5-1.3 s on an idle 2-core machine, twice tha
 imported once per test process. What a process adds on top stays tested where it is the point: the documented
 commands (tests/test_doc_commands.py, tests/test_docs_operator.py), the one-line refusals on stderr (the tests of a
 command's bad input keep a process: in-process, pytest would take a stray warning or log line off stderr), a command
-killed mid-push, and the JSON contract of tests/test_cli_json.py.
+killed mid-push, and the JSON contract of tests/test_cli_json.py. The refusals and the JSON contract run as
+processes forked from an interpreter that has imported the commands (`_processes.cli_process`), each still a
+process of its own whose stdout and stderr are checked as it wrote them.
 """
 
 from __future__ import annotations

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -215,3 +218,149 @@ def _stop_every_group() -> None:
     """A run cut short (KeyboardInterrupt past the teardowns) still stops the groups it started."""
     for process in list(_running.values()):
         stop_process(process, timeout_s=2.0)
+
+
+# `llmvisor` commands as processes of their own, started from an interpreter that has already imported them.
+CLI_PRELOAD = (
+    "llmvisor.cli.main",  # what `python -m llmvisor.cli` imports before it parses the command line; then the
+    # modules the commands import when they run (each ~0.1-1 s: FastAPI, SQLAlchemy, scipy, pyarrow), engines aside
+    "llmvisor.billing", "llmvisor.billing.prices", "llmvisor.billing.push", "llmvisor.core.attribution", "llmvisor.core.model",
+    "llmvisor.core.trace", "llmvisor.evaluation.heldout", "llmvisor.ledger", "llmvisor.ledger.migrate", "llmvisor.service.adjust",
+    "llmvisor.service.app", "llmvisor.service.audit", "llmvisor.service.fleet", "llmvisor.service.load", "llmvisor.service.metrics",
+    "llmvisor.service.refit", "llmvisor.service.registry",
+)  # fmt: skip
+_CLI_FORK_SERVER = """\
+import gc, importlib, json, os, signal, sys, time
+replies, grace_s = os.fdopen(int(sys.argv[1]), "w", buffering=1), float(sys.argv[2])
+for name in sys.argv[3:]:
+    importlib.import_module(name)
+gc.collect()
+gc.freeze()  # the imports' objects stay out of the children's collections (each exit would copy every page of them: 0.6 s)
+sys.stdout.flush()
+sys.stderr.flush()
+replies.write("ready\\n")
+while True:
+    line = sys.stdin.readline()
+    if not line:
+        sys.exit(0)
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        break
+    replies.write(json.dumps({"pid": pid}) + "\\n")
+    _, status = os.waitpid(pid, 0)
+    try:  # what the command left in its process group goes, as run_process stops a command's group
+        os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            os.killpg(pid, 0)
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\\n")
+os.setsid()
+replies.close()
+for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                        (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+    opened = os.open(path, flags, 0o600)
+    os.dup2(opened, fd)
+    os.close(opened)
+os.chdir(request["cwd"])
+os.environ.clear()
+os.environ.update(request["env"])
+sys.path[0] = os.getcwd()
+sys.argv = ["-m", *request["args"]]
+del fd, path, flags, opened, line, pid, replies, request
+import runpy
+runpy.run_module("llmvisor.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+class _CliForkServer:
+    """A fresh interpreter that imports `CLI_PRELOAD` once (its stdout and stderr meanwhile kept) and then forks a
+    child per command: the child leaves for a session of its own, takes the command's working folder, environment
+    and argv, points stdin at /dev/null and stdout and stderr at files (the file descriptors, so whatever the process
+    writes is there), and runs ``python -m llmvisor.cli`` as the interpreter would (`runpy`), ending as it would
+    (exit status, traceback on stderr, atexit)."""
+
+    def __init__(self, env: dict):
+        import tempfile
+
+        self.folder = Path(tempfile.mkdtemp(prefix="llmvisor-cli-"))
+        read_fd, write_fd = os.pipe()
+        with open(self.folder / "import.out", "wb") as out, open(self.folder / "import.err", "wb") as err:
+            self.process = start_process([sys.executable, "-c", _CLI_FORK_SERVER, str(write_fd), str(GRACE_S), *CLI_PRELOAD], env=env,
+                                         stdin=subprocess.PIPE, stdout=out, stderr=err, pass_fds=(write_fd,), text=True)
+        os.close(write_fd)
+        self.replies, self.pending = read_fd, b""
+        ready = self._reply(START_TIMEOUT_S)
+        assert ready == "ready", f"the CLI fork server did not start:\n{(self.folder / 'import.err').read_text()[-3000:]}"
+        # what importing printed, every process of `python -m llmvisor.cli` would print first
+        self.import_out, self.import_err = ((self.folder / name).read_text() for name in ("import.out", "import.err"))
+
+    def _reply(self, timeout_s: float) -> str | None:
+        """The server's next line, or None if none comes within ``timeout_s``."""
+        import select
+
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self.pending:
+            if not select.select([self.replies], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                return None
+            chunk = os.read(self.replies, 65536)
+            assert chunk, f"the CLI fork server ended (exit {self.process.poll()}):\n{(self.folder / 'import.err').read_text()[-3000:]}"
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return line.decode()
+
+    def run(self, argv: list[str], cwd: str, env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+        out, err = self.folder / "out", self.folder / "err"
+        self.process.stdin.write(json.dumps({"args": argv, "cwd": cwd, "env": env, "stdout": str(out), "stderr": str(err)}) + "\n")
+        self.process.stdin.flush()
+        pid = json.loads(self._reply(START_TIMEOUT_S))["pid"]
+        done = self._reply(timeout_s)
+        if done is None:
+            for kill in (os.killpg, os.kill):  # its group, and the child itself if it has not left for its own session yet
+                with contextlib.suppress(ProcessLookupError):
+                    kill(pid, signal.SIGKILL)
+            self._reply(START_TIMEOUT_S)
+        stdout, stderr = self.import_out + out.read_text(errors="replace"), self.import_err + err.read_text(errors="replace")
+        command = [sys.executable, "-m", "llmvisor.cli", *argv]
+        if done is None:
+            raise subprocess.TimeoutExpired(command, timeout_s, stdout, stderr)
+        return subprocess.CompletedProcess(command, json.loads(done)["returncode"], stdout, stderr)
+
+    def stop(self) -> None:
+        self.process.stdin.close()
+        stop_process(self.process, sig=None, timeout_s=GRACE_S)
+        os.close(self.replies)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_cli_fork_servers: dict[tuple, _CliForkServer] = {}  # by environment, the least recently used first
+CLI_FORK_SERVERS_KEPT = 3
+
+
+def cli_process(*args, cwd: str | Path | None = None, env: dict | None = None, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """``python -m llmvisor.cli ARGS`` as a process of its own: what ``subprocess.run(..., capture_output=True,
+    text=True)`` returns (exit status, stdout, stderr, each as the process wrote it), for the checks that are about
+    the process (a refusal is one line on stderr and exit 2, no traceback, not a stray warning or log line: in the
+    test's own process pytest would take those off stderr). Forked from an interpreter of the same environment that
+    has imported the commands (`CLI_PRELOAD`, each environment its own), so each command does not pay the start and
+    the imports (1-4 s on a loaded 2-core machine); anything those imports print is in each command's output, as it
+    would be in a fresh process. Commands that start servers of their own run with `run_process` instead."""
+    env = marked_env(env)
+    key = tuple(sorted((name, value) for name, value in env.items() if name != "PYTEST_CURRENT_TEST"))
+    server = _cli_fork_servers.pop(key, None)
+    if server is None or server.process.poll() is not None:
+        while len(_cli_fork_servers) >= CLI_FORK_SERVERS_KEPT:  # the one used longest ago goes (each holds ~300 MB)
+            _cli_fork_servers.pop(next(iter(_cli_fork_servers))).stop()
+        server = _CliForkServer(env)
+    _cli_fork_servers[key] = server  # last: the most recently used
+    return server.run([str(a) for a in args], str(Path(cwd or os.getcwd()).resolve()), env, timeout_s)
+
+
+def stop_cli_fork_servers() -> None:
+    """At the session's end (tests/conftest.py), before the check for leftover processes."""
+    while _cli_fork_servers:
+        _cli_fork_servers.popitem()[1].stop()

@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from _processes import SESSION_ENV, START_TIMEOUT_S, describe, kill_all, leftover_processes
+from _processes import SESSION_ENV, START_TIMEOUT_S, describe, kill_all, leftover_processes, stop_cli_fork_servers
 from _tiny_llama import SUITE_VLLM_ENV
 
 LEFTOVER_GRACE_S = float(os.environ.get("LLMVISOR_TEST_LEFTOVER_GRACE_S", "30"))
@@ -39,6 +39,13 @@ def _session_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cli_fork_servers():
+    """The interpreters `_processes.cli_process` forks its commands from end with the session's fixtures."""
+    yield
+    stop_cli_fork_servers()
 
 
 def pytest_sessionfinish(session, exitstatus):

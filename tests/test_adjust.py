@@ -9,14 +9,13 @@ usage in the API.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from _cli import invoke_cli
+from _processes import cli_process
 from _service_fixtures import T0_S, bearer, class_body, class_model, db_url, model_path  # noqa: F401
 from llmvisor.core.synthetic import DEFAULT_COEF_S
 from llmvisor.core.trace import trace_from_rows
@@ -33,9 +32,9 @@ PERIOD_US = tuple(t * 1_000_000 for t in PERIOD)
 
 
 def run_cli(*args):
-    """``llmvisor ARGS`` as its own process, for the refusals; the adjustments checked by their output run in this
+    """``llmvisor ARGS`` as its own process (`cli_process`), for the refusals; the adjustments checked by their output run in this
     process (`invoke_cli`)."""
-    return subprocess.run([sys.executable, "-m", "llmvisor.cli", *args], capture_output=True, text=True, timeout=120)
+    return cli_process(*args, timeout_s=120)
 
 
 def wrong_coef() -> dict:

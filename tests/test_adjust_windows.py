@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from _cli import invoke_cli
-from _processes import run_process
+from _processes import cli_process, run_process
 from _service_fixtures import class_model, model_path  # noqa: F401
 from llmvisor.core.synthetic import DEFAULT_COEF_S
 from llmvisor.ledger import Ledger
@@ -33,9 +33,9 @@ WINDOW_S = 2
 
 
 def cli(*args: str, timeout_s: float = 300):
-    """``llmvisor ARGS`` as its own process: the load run (it starts processes of its own) and the refusals; the
-    commands checked by their output run in this process (`invoke_cli`)."""
-    return run_process([sys.executable, "-m", "llmvisor.cli", *args], timeout_s=timeout_s)
+    """``llmvisor ARGS`` as its own process, for the refusals (`cli_process`); the commands checked by their output
+    run in this process (`invoke_cli`)."""
+    return cli_process(*args, timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +44,9 @@ def fleet(model_path, tmp_path_factory):  # noqa: F811
     by version 1 (load's --model), with a version 2 of the class stored and active."""
     root = tmp_path_factory.mktemp("fleet")
     db_url, archive = f"sqlite:///{root}/ledger.db", root / "archive"
-    done = cli("load", "--engines", "2", "--processes", "1", "--mode", "aggregate", "--window-s", str(WINDOW_S),
-               "--batch-size", "6", "--max-seconds", "4", "--db", db_url, "--archive", str(archive), "--model", str(model_path),
-               "--json")
+    done = run_process([sys.executable, "-m", "llmvisor.cli", "load", "--engines", "2", "--processes", "1", "--mode", "aggregate",
+                        "--window-s", str(WINDOW_S), "--batch-size", "6", "--max-seconds", "4", "--db", db_url, "--archive", str(archive),
+                        "--model", str(model_path), "--json"], timeout_s=300)  # it starts processes of its own: stopped with its group
     assert done.returncode == 0, done.stderr[-2000:]
     run = json.loads(done.stdout)["runs"][0] if "runs" in json.loads(done.stdout) else json.loads(done.stdout)
     first_s, last_s = run["aggregate"]["period_s"]

@@ -5,14 +5,13 @@ one line and exit 2."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
 from _cli import invoke_cli
+from _processes import cli_process
 from _service_fixtures import T0_S, bearer, class_body, class_model, db_url, make_steps, model_path  # noqa: F401
 from llmvisor.archive import ArchiveWriter
 from llmvisor.core.model import StepLatencyModel
@@ -29,9 +28,9 @@ PERIOD_US = tuple(t * 1_000_000 for t in PERIOD)
 
 
 def run_cli(*args):
-    """``llmvisor ARGS`` as its own process, for the refusals; the audits and refits checked by their output run in
-    this process (`invoke_cli`)."""
-    return subprocess.run([sys.executable, "-m", "llmvisor.cli", *args], capture_output=True, text=True, timeout=120)
+    """``llmvisor ARGS`` as its own process (`cli_process`), for the refusals; the audits and refits checked by their
+    output run in this process (`invoke_cli`)."""
+    return cli_process(*args, timeout_s=120)
 
 
 def steps_of(body: dict) -> list[list[dict]]:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import http.server
 import json
 import re
-import subprocess
-import sys
 import threading
 from collections import defaultdict
 from decimal import Decimal
@@ -638,8 +636,7 @@ def test_tenant_cost_sums_the_charges_per_currency(served):
     (["--format", "lago", "-o", "x.json", "--customers", "missing.json"], "cannot read the customer map"),
 ])
 def test_export_input_errors_are_one_line(served, tmp_path, args, reason):
-    result = subprocess.run([sys.executable, "-m", "llmvisor.cli", "export", "--db", served, "--start", str(PERIOD[0]),
-                             "--end", str(PERIOD[1]), *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    result = run_cli("export", "--db", served, "--start", str(PERIOD[0]), "--end", str(PERIOD[1]), *args, cwd=tmp_path)
     assert result.returncode == 2 and reason in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
@@ -653,7 +650,7 @@ def test_prices_list_refuses_a_ledger_file_that_does_not_exist_and_creates_none(
 
 def test_export_refuses_a_ledger_file_that_does_not_exist_and_creates_none(tmp_path):
     missing = tmp_path / "typo.db"
-    result = subprocess.run([sys.executable, "-m", "llmvisor.cli", "export", "--db", f"sqlite:///{missing}", "--start", str(PERIOD[0]),
-                             "--end", str(PERIOD[1]), "--format", "lago", "-o", "x.json"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    result = run_cli("export", "--db", f"sqlite:///{missing}", "--start", str(PERIOD[0]), "--end", str(PERIOD[1]), "--format", "lago",
+                     "-o", "x.json", cwd=tmp_path)
     assert result.returncode == 2 and "no such ledger file" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not missing.exists()

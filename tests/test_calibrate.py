@@ -6,13 +6,13 @@ from __future__ import annotations
 import io
 import json
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from _processes import cli_process
 from llmvisor.cli.calibrate import combine_profiles, profile_command, profile_environment
 from llmvisor.core.fingerprint import fingerprint_sidecar
 from llmvisor.core.model import StepLatencyModel
@@ -45,8 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def llmvisor(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llmvisor.cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}, timeout=300)
+    return cli_process(*args, cwd=ROOT, env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}, timeout_s=300)
 
 
 def test_coverage_rule_names_what_is_missing():

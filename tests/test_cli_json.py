@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import typer
 
+from _processes import cli_process
 from llmvisor.cli.main import app
 from llmvisor.core.synthetic import synthetic_trace
 from llmvisor.core.trace import write_trace
@@ -17,9 +16,7 @@ WITHOUT_JSON = {"serve"}
 
 
 def run_cli(*args):
-    completed = subprocess.run(
-        [sys.executable, "-m", "llmvisor.cli", *map(str, args)], capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"}
-    )
+    completed = cli_process(*args, timeout_s=120, env={**os.environ, "COLUMNS": "200"})
     assert completed.returncode == 0, completed.stderr
     return completed
 

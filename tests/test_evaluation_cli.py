@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tracemalloc
 
 import numpy as np
 import pytest
 
 from _cli import invoke_cli
+from _processes import cli_process
 from llmvisor.cli.main import expand_multi_file_flags
 from llmvisor.core.stats import bootstrap_quantile_ci
 from llmvisor.core.synthetic import synthetic_trace
@@ -39,9 +38,8 @@ def run_cli(*args, check=True):
 
 
 def run_cli_process(*args):
-    """``llmvisor ARGS`` as its own process, for the refusals: one line on stderr, exit 2, no traceback."""
-    return subprocess.run([sys.executable, "-m", "llmvisor.cli", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, "COLUMNS": "200"})
+    """``llmvisor ARGS`` as its own process (`cli_process`), for the refusals: one line on stderr, exit 2, no traceback."""
+    return cli_process(*args, env={**os.environ, "COLUMNS": "200"})
 
 
 @pytest.fixture(scope="module")

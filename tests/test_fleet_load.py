@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from _processes import run_process
+from _processes import cli_process, run_process
 from _service_fixtures import POSTGRES_URL, empty_postgres, model_path  # noqa: F401
 from llmvisor.service.fleet import FleetSettings, SimulatedEngine, load_fleet
 from llmvisor.service.ingest import read_batch
@@ -59,10 +58,7 @@ def test_a_small_fleet_is_accepted_in_full_with_usage_queryable_soon(model_path,
 
 
 def test_the_fleet_command_refuses_a_running_service_in_one_line():
-    completed = subprocess.run(
-        [sys.executable, "-m", "llmvisor.cli", "load", "--engines", "3", "--url", "http://127.0.0.1:9"],
-        capture_output=True, text=True, timeout=60,
-    )
+    completed = cli_process("load", "--engines", "3", "--url", "http://127.0.0.1:9", timeout_s=60)
     assert completed.returncode == 2
     assert completed.stderr.strip().splitlines()[-1].endswith("--engines starts its own service processes; it does not take --url")
 

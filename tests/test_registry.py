@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from _cli import invoke_cli
+from _processes import cli_process
 from _service_fixtures import T0_S, bearer, class_body, class_model, db_url, model_path  # noqa: F401
 from llmvisor.core.model import StepLatencyModel
 from llmvisor.core.synthetic import DEFAULT_COEF_S, synthetic_trace
@@ -34,9 +33,9 @@ def admin_and_tenant(db_url):
 
 
 def run_cli(*args):
-    """``llmvisor ARGS`` as its own process, for the refusals; commands checked by their output run in this process
+    """``llmvisor ARGS`` as its own process (`cli_process`), for the refusals; commands checked by their output run in this process
     (`invoke_cli`)."""
-    return subprocess.run([sys.executable, "-m", "llmvisor.cli", *args], capture_output=True, text=True, timeout=120)
+    return cli_process(*args, timeout_s=120)
 
 
 def test_models_commands_add_list_activate_and_refuse_clearly(tmp_path, db_url):

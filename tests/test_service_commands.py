@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from _processes import run_process
+from _processes import cli_process, run_process
 from _service_fixtures import model_path  # noqa: F401
 from llmvisor.cli.load import load
 from llmvisor.cli.serve import keys_create
@@ -18,8 +18,11 @@ from llmvisor.service.load import check_loopback
 
 
 def run_service_command(*args):
-    """`load` starts a service of its own: in the helper's process group, so a timeout leaves none behind."""
-    return run_process([sys.executable, "-m", "llmvisor.cli", *args], timeout_s=120)
+    """``llmvisor ARGS`` as its own process (`cli_process`); `load` starts a service of its own: in the helper's process
+    group (`run_process`), so a timeout leaves none behind."""
+    if args[0] == "load":
+        return run_process([sys.executable, "-m", "llmvisor.cli", *args], timeout_s=120)
+    return cli_process(*args, timeout_s=120)
 
 
 def test_keys_commands_print_the_key_once_and_store_only_its_hash(tmp_path):

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -21,7 +20,7 @@ import httpx
 import numpy as np
 import pytest
 
-from _processes import START_TIMEOUT_S, run_process, start_process, stop_process, wait_ready
+from _processes import START_TIMEOUT_S, cli_process, run_process, start_process, stop_process, wait_ready
 from _tiny_llama import lift_cpu_async_override, tiny_engine_args, write_tiny_llama
 from llmvisor.core.trace import read_trace
 from llmvisor.net import free_loopback_port
@@ -247,12 +246,7 @@ def test_profile_sweep_on_tiny_model(tiny_model, tmp_path):
 
 def test_profile_rejects_bad_input_with_exit_code_2(tmp_path):
     missing = tmp_path / "no-such-model"
-    result = subprocess.run(
-        [sys.executable, "-m", "llmvisor.cli", "profile", "-o", str(tmp_path / "x.parquet"), "--engine-model", str(missing)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = cli_process("profile", "-o", tmp_path / "x.parquet", "--engine-model", missing, timeout_s=120)
     assert result.returncode == 2
     assert str(missing) in result.stderr and "Traceback" not in result.stderr
 
