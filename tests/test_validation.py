@@ -325,6 +325,10 @@ def test_interference_guard_discards_and_redoes_a_slowed_batch_round(tmp_path):
     runs = {"measurement_runs": [{"guard_max_redos": 4, "guard_max_wait_s": 600.0}, {"guard_max_redos": 2, "guard_max_wait_s": 60.0}]}
     stated = build_result(batches, journal, known_model(), repeat=2, n_bootstrap=10, settings=runs)["interference"]["rule"]
     assert "at most 2 redos" in stated and "at most 4" not in stated
+    assert "after every 8 subset steps" in stated and "opens the next" not in stated  # recorded before spacing and carry were
+    runs["measurement_runs"].append({"guard_max_redos": 2, "guard_max_wait_s": 60.0, "guard_carry_s": 0.5, "guard_every": 16})
+    stated = build_result(batches, journal, known_model(), repeat=2, n_bootstrap=10, settings=runs)["interference"]["rule"]
+    assert "after every 16 subset steps" in stated and "opens the next when that begins within 0.5 s" in stated
 
 
 class SlowCanaryEngine(GameEngine):

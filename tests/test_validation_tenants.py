@@ -210,8 +210,12 @@ def test_validate_measures_a_small_tenants_plan_on_vllm(tmp_path):
     output = tmp_path / "t.json"
     validate(output=output, engine_model=model_dir, batches=0, n_bootstrap=20, max_model_len=1024, max_num_batched_tokens=512,
              max_num_seqs=8, kv_cache_gib=1, threads=2, tenant_batches=2, tenant_sizes="8", tenant_repeat=2, tenant_rounds=1,
-             guard_max_redos=0, guard_max_wait_s=0)
+             guard_max_redos=0, guard_max_wait_s=0, guard_every=3)
     result = json.loads(output.read_text())
+    (run,) = result["settings"]["measurement_runs"]  # the canary spacing asked for is the one run with, recorded and stated
+    assert run["guard_every"] == 3 and "after every 3 subset steps" in result["interference"]["rule"]
+    rounds = [row for row in map(json.loads, (tmp_path / "t.journal.jsonl").read_text().splitlines()) if row.get("timing")]
+    assert max(len(row["canary_s"]) for row in rounds) >= 5  # 14 steps of three tenants: 4 canaries within and 1 closing
     records = result["tenant_batches"]
     assert len(records) == 2 and [r["n_tenants"] for r in records] == [2, 3]
     assert records[1]["kind"] == "mixed_sharing_decode" and "sharing" in records[1]["roles"]

@@ -216,6 +216,9 @@ def validate(
     tenant_rounds: Annotated[int, typer.Option(help="Independent rounds per tenant batch (decode contexts prepared afresh each).", min=1)] = 2,
     guard_max_redos: Annotated[int, typer.Option(help="Times a batch-round the interference guard flags is measured again before it is kept, flagged.", min=0)] = 4,
     guard_max_wait_s: Annotated[float, typer.Option(help="Longest wait for the machine to quieten between redos, in seconds.", min=0)] = 600.0,
+    guard_every: Annotated[int, typer.Option(help="Subset steps between the interference guard's canaries within a batch-round "
+                                                  "(recorded with the run; fewer canaries measure faster and see a short spell "
+                                                  "of load less often).", min=1)] = 8,
     time_limit_s: Annotated[float | None, typer.Option(help="Stop measuring after this many seconds (the batch-round under way is dropped) and write the result of what the journal holds; a re-run resumes.", min=1)] = None,
     measure_missing: Annotated[bool, typer.Option("--measure/--no-measure", help="Measure what the journal lacks (--no-measure: only analyse it).")] = True,
     seed: Annotated[int, typer.Option(help="Seed of the batches and the measuring order.", min=0)] = 0,
@@ -405,7 +408,7 @@ def validate(
                 disable=json_output and not console.is_terminal,
             ) as progress:
                 task = progress.add_task("subset steps", total=n_missing)
-                guard = InterferenceGuard(max_redos=guard_max_redos, max_wait_s=guard_max_wait_s)
+                guard = InterferenceGuard(max_redos=guard_max_redos, max_wait_s=guard_max_wait_s, every=guard_every)
                 try:
                     counts = measure(engine, specs, journal, repeat=repeat, seed=seed, guard=guard, on_step=lambda n: advance(progress, task, n))
                     if n_missing_sampled:
@@ -440,6 +443,7 @@ def validate(
                 "guard_max_redos": guard_max_redos,
                 "guard_max_wait_s": guard_max_wait_s,
                 "guard_carry_s": guard.carry_s,
+                "guard_every": guard_every,
                 "stopped_by_time_limit": time_up,
                 "wall_s": round(measure_s, 1),
                 **engine_facts,

@@ -581,7 +581,7 @@ def dumps_result(result: dict) -> str:
 
 
 def _last_run_guard(settings: dict | None) -> InterferenceGuard | None:
-    """The guard the last measuring run used (its redos, wait and canary carry, from ``settings.measurement_runs``), so
+    """The guard the last measuring run used (its redos, wait, canary spacing and carry, from ``settings.measurement_runs``), so
     the result states the rule it was measured under; the default redos and wait where no run recorded them. A run that
     recorded no carry was measured before batch-rounds opened with the previous round's closing canary (carry 0)."""
     runs = [r for r in (settings or {}).get("measurement_runs", []) if "guard_max_redos" in r]
@@ -589,7 +589,7 @@ def _last_run_guard(settings: dict | None) -> InterferenceGuard | None:
         return InterferenceGuard(carry_s=0.0)
     last = runs[-1]
     return InterferenceGuard(max_redos=int(last["guard_max_redos"]), max_wait_s=float(last.get("guard_max_wait_s", InterferenceGuard().max_wait_s)),
-                             carry_s=float(last.get("guard_carry_s", 0.0)))
+                             carry_s=float(last.get("guard_carry_s", 0.0)), every=int(last.get("guard_every", InterferenceGuard().every)))
 
 
 def build_result(batches: list[BatchSpec], journal: Journal, model, *, repeat: int, n_bootstrap: int = 1000, seed: int = 0,
