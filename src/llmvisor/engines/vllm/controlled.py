@@ -21,8 +21,9 @@ subclasses it and only adds a filter on which running requests may be scheduled.
   context of every batch is a prefix of sequence k, `_ranked_prompts`), and so is each prefix group's longest reader
   (a sequence per group rank; its group's shared prefix is that sequence's start), so preparing a batch finds what
   earlier batches computed in the prefix cache and computes only the rest: a session prefills about the longest
-  contexts once, not every batch's (the sharing plan: 93k instead of 548k tokens). ``warm=False`` is the earlier method (each run grows a member's context by one token; fresh
-  prompts; the measuring loop prepares the batch again for every batch-round), kept to measure what warm gains.
+  contexts once, not every batch's. ``warm=False`` is the earlier method (each run grows a member's context by one
+  token; fresh prompts; the measuring loop prepares the batch again for every batch-round), kept to measure what warm
+  gains.
 - Mixed steps (`prepare_mixed`, `mixed_step`): a prefill chunk over cached context co-batched with held
   decodes, the step chunked prefill makes. Each run of the chunk is a fresh request whose prompt starts with
   the batch's cached part: its first ``cached_tokens`` are computed in preparation steps of its own (the
@@ -602,13 +603,8 @@ class ControlledEngine:
         if self.warm and not shared_prefix_tokens:
             prompts = self._ranked_prompts(list(context_lengths))
         else:
-            if self._decode_prompts is None or self._decode_prompts[0] != key:
-                if self.warm:
-                    built = self._group_prompts(0, list(context_lengths), shared_prefix_tokens)
-                else:
-                    prefix = self._token_ids(shared_prefix_tokens)
-                    built = [self._prompt(length, prefix) for length in context_lengths]
-                self._decode_prompts = (key, built)
+            if self._decode_prompts is None or self._decode_prompts[0] != key:  # one prefix group of every request
+                self._decode_prompts = (key, self._grouped_prompts(list(context_lengths), {0: shared_prefix_tokens}, [0] * len(context_lengths)))
             prompts = self._decode_prompts[1]
         params = self._sampling(max_decode_steps + 1)
         waves = [list(range(len(context_lengths)))]
