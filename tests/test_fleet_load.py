@@ -72,3 +72,34 @@ def test_the_fleet_command_prints_its_figures_as_json(model_path):
     assert completed.returncode == 0, completed.stderr
     [run] = json.loads(completed.stdout)["runs"]
     assert run["settings"]["engines"] == 2 and run["database"] == "sqlite" and run["reconciled"]
+
+
+def test_a_probe_of_a_step_its_engine_never_sent_is_no_timeout():
+    """A probe taken in the last flush interval before the end can pick a step the pusher stops before sending (it
+    sends what ended when it flushes, and stops at the end): once the pushers are done it ends with no sample, instead
+    of waiting out its 30 s and counting a timeout (a busy machine's pusher runs late, so this happened there)."""
+    import asyncio
+    import time
+
+    import httpx
+
+    from llmvisor.service.fleet import PROBE_TIMEOUT_S, probe_staleness
+
+    settings = FleetSettings(engines=1, processes=1, batch_size=4)
+    engine = SimulatedEngine(0, "t", settings, time.time() - 5.0, np.random.default_rng(0))  # 100 steps ended, none sent
+    counts = {"probe_timeouts": 0}
+    staleness: list[float] = []
+
+    async def run() -> float:
+        pushed_all = asyncio.Event()
+        pushed_all.set()
+        started = time.monotonic()
+        async with httpx.AsyncClient(base_url="http://127.0.0.1:9") as client:  # never asked: the steps were never sent
+            now = time.time()
+            await probe_staleness([engine], [client], request_id="long", start_s=now, end_s=now + 0.3, interval_s=0.1,
+                                  clock_s=0.0, staleness=staleness, counts=counts, pushed_all=pushed_all)
+        return time.monotonic() - started
+
+    took_s = asyncio.run(run())
+    assert counts["probe_timeouts"] == 0 and counts["probes_unsent"] >= 2 and not staleness
+    assert took_s < PROBE_TIMEOUT_S / 3

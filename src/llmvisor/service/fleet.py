@@ -292,17 +292,24 @@ async def sample_load(end_s: float, out: list[float]) -> None:
 
 
 async def probe_staleness(engines: list, clients: list[httpx.AsyncClient], *, request_id: str | None, start_s: float, end_s: float,
-                          interval_s: float, clock_s: float, staleness: list[float], counts: dict) -> None:
+                          interval_s: float, clock_s: float, staleness: list[float], counts: dict,
+                          pushed_all: asyncio.Event | None = None) -> None:
     """Every ``interval_s`` from ``start_s`` to ``end_s``, the latest ended step of one engine (its ``request_id``; None:
     of the run): how long until the usage API of another process than the engine's counts it (for a run's step: until
     the run's held ranges, stored with the window's tenant usage, list it), appended to ``staleness``
     (``counts["probe_timeouts"]`` when it never does). Probes overlap, so a slow one does not thin the samples.
-    The engines' ``ended_by`` and ``step_end_s`` count seconds from ``clock_s`` (0: wall-clock times)."""
+    The engines' ``ended_by`` and ``step_end_s`` count seconds from ``clock_s`` (0: wall-clock times).
+    ``pushed_all``: set when the engines stopped pushing; a probed step its engine never sent (``engine.sent`` not past
+    it: it ended in the last flush interval before the end) then has no staleness and is no timeout
+    (``counts["probes_unsent"]``)."""
 
     async def probe_once(engine, client: httpx.AsyncClient, step: int) -> None:
         params = {"run_id": engine.run_id, "request_id": request_id} if request_id else {"run_id": engine.run_id, "from_step_id": step}
         deadline = time.monotonic() + PROBE_TIMEOUT_S
         while time.monotonic() < deadline:
+            if pushed_all is not None and pushed_all.is_set() and engine.sent <= step:
+                counts["probes_unsent"] = counts.get("probes_unsent", 0) + 1
+                return
             try:
                 if request_id:
                     response = await client.get("/v1/usage/requests", params=params)
@@ -398,11 +405,17 @@ async def run_fleet(urls: list[str], api_key: str, settings: FleetSettings) -> d
                 latencies.append(time.perf_counter() - started)
 
     loads: list[float] = []
+    pushed_all = asyncio.Event()
+
+    async def push_all() -> None:
+        await asyncio.gather(*(push(engine, urls[e % len(urls)]) for e, engine in enumerate(engines)))
+        pushed_all.set()
+
     try:
         await asyncio.gather(
             probe_staleness(engines, clients, request_id="long", start_s=window_start_s, end_s=end_s, interval_s=settings.probe_interval_s,
-                            clock_s=0.0, staleness=staleness, counts=counts),
-            sample_load(end_s, loads), *(push(engine, urls[e % len(urls)]) for e, engine in enumerate(engines)))
+                            clock_s=0.0, staleness=staleness, counts=counts, pushed_all=pushed_all),
+            sample_load(end_s, loads), push_all())
     finally:
         for client in clients:
             await client.aclose()
