@@ -56,6 +56,13 @@ it and without, tests/test_controlled_sampled.py took 37 s and 26 s, tests/test_
 machine shared). Engines started with enforce-eager compile nothing either way."""
 
 
+IN_PROCESS_ENGINE_THREADS = 1
+"""Worker threads of the in-process engines the suite starts to check what runs, not how long it takes (the controlled
+engine's tests; `tiny_engine_args`' tests set ``OMP_NUM_THREADS=1`` themselves). With two pytest workers on two cores,
+a 2-thread engine's every parallel region waits for a thread the other worker's processes keep off a core:
+test_controlled_steps_on_vllm_run_exactly_the_intended_batches took 8 s in one full run and 73 s in the next."""
+
+
 def write_suite_engine(folder: Path) -> Path:
     """Create ``folder`` holding the `SUITE_ENGINE_CONFIG` config.json (a model for vLLM with dummy weights)."""
     folder = Path(folder)

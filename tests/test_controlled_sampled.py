@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from _tiny_llama import write_tiny_llama
+from _tiny_llama import IN_PROCESS_ENGINE_THREADS, write_tiny_llama
 
 TINY_FIELDS = {"num_key_value_heads": 2, "max_position_embeddings": 1024, "rope_theta": 10000.0, "vocab_size": 1000}
 
@@ -27,7 +27,7 @@ def test_mixed_and_shared_prefix_decode_steps_run_as_intended(tmp_path):
 
     model_dir = write_tiny_llama(tmp_path / "tiny", **TINY_FIELDS)
     trace = tmp_path / "steps.jsonl"
-    with ControlledEngine(model_dir, max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=8, kv_cache_gib=1, trace_path=trace) as engine:
+    with ControlledEngine(model_dir, max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=8, kv_cache_gib=1, num_threads=IN_PROCESS_ENGINE_THREADS, trace_path=trace) as engine:
         block = engine.block_size
         # A chunk of 100 new tokens over 70 cached ones (not a whole number of blocks), next to two decodes.
         mixed = engine.prepare_mixed(100, 70, [40, 90], max_decode_steps=10)

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _tiny_llama import write_tiny_llama
+from _tiny_llama import IN_PROCESS_ENGINE_THREADS, write_tiny_llama
 from llmvisor import shipped
 from llmvisor.core.features import FEATURE_NAMES
 from llmvisor.core.model import StepLatencyModel
@@ -604,7 +604,7 @@ def test_controlled_steps_on_vllm_run_exactly_the_intended_batches(tmp_path):
     ]
     trace = tmp_path / "steps.jsonl"
     journal = Journal(tmp_path / "j.jsonl")
-    with ControlledEngine(model_dir, max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=8, kv_cache_gib=1, trace_path=trace) as engine:
+    with ControlledEngine(model_dir, max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=8, kv_cache_gib=1, num_threads=IN_PROCESS_ENGINE_THREADS, trace_path=trace) as engine:
         # Direct check of one decode subset and its recorded composition.
         handle = engine.prepare_decode([130, 17], max_decode_steps=20)
         step = engine.decode_step(handle, [1])

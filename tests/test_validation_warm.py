@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _tiny_llama import write_tiny_llama
+from _tiny_llama import IN_PROCESS_ENGINE_THREADS, write_tiny_llama
 from llmvisor.validation.measurement import InterferenceGuard, Journal, measure_sampled
 from llmvisor.validation.plans import SampledBatchSpec, complementary_masks
 from test_controlled_sampled import _steps
@@ -38,7 +38,7 @@ def _measure(tmp_path, warm: bool):
     trace = tmp_path / f"steps-{warm}.jsonl"
     journal = Journal(tmp_path / f"j-{warm}.jsonl")
     batches = _batches()
-    with ControlledEngine(model_dir, max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=8, kv_cache_gib=1,
+    with ControlledEngine(model_dir, max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=8, kv_cache_gib=1, num_threads=IN_PROCESS_ENGINE_THREADS,
                           trace_path=trace, warm=warm) as engine:
         counts = measure_sampled(engine, batches, journal, repeat=1, guard=InterferenceGuard(tolerance=10.0, calibration=3, max_redos=0, max_wait_s=0.0))
         # Later batches: the whole blocks the measured batches computed are found in the prefix cache.

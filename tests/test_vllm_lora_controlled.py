@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from _tiny_llama import write_tiny_llama
+from _tiny_llama import IN_PROCESS_ENGINE_THREADS, write_tiny_llama
 
 pytest.importorskip("vllm", reason="needs the vLLM CPU build (pip install -e '.[vllm]')", exc_type=ImportError)
 
@@ -24,7 +24,7 @@ def test_decode_batch_with_adapters_runs_each_member_on_its_adapter_without_load
     config = json.loads((model_dir / "config.json").read_text())
     written = write_adapters(tmp_path / "adapters", config, [8, 16, 8])
     a, b, c = (LoraAdapter(x.path.name, str(x.path)) for x in written)
-    with ControlledEngine(model_dir, max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8, kv_cache_gib=1,
+    with ControlledEngine(model_dir, max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8, kv_cache_gib=1, num_threads=IN_PROCESS_ENGINE_THREADS,
                           trace_path=tmp_path / "steps.jsonl", max_loras=2, max_lora_rank=16) as engine:
         assert engine.describe()["max_loras"] == 2
         batch = engine.prepare_decode([40, 50, 60, 70], max_decode_steps=4, adapters=[a, None, b, b])
