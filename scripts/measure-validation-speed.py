@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -111,6 +112,11 @@ def contexts_grew(journal: Journal, plan: list) -> dict:
     growth = [got - planned[m.batch_key][i] for ms in journal.measurements.values() for m in ms
               for i, got in zip([j for j in range(len(planned[m.batch_key])) if m.subset >> j & 1], m.num_context_tokens)]
     return {"max": int(max(growth)), "mean": float(np.mean(growth))}
+
+
+def command_line(argv: list[str]) -> str:
+    """The command as run, its arguments quoted (a result made with flags says so; the bare command is the defaults)."""
+    return " ".join(["python scripts/measure-validation-speed.py", *map(shlex.quote, argv)])
 
 
 def main() -> None:
@@ -226,7 +232,7 @@ def main() -> None:
         return out
 
     result = {
-        "command": "python scripts/measure-validation-speed.py",
+        "command": command_line(sys.argv[1:]),
         "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine_notes(),
         "engine": {**facts, "engine_start_s": round(engine_start_s, 1)},

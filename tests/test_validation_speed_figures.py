@@ -113,3 +113,16 @@ def test_the_bound_the_doc_draws_from_the_shipped_journal():
         f"ran at {per_step_s:.0f} steps per second of step time, {per_step_s / previous:.1f}×",
         f"the guard's canaries ({cost['canary_time_s']:.0f} s of that wall)",
     ]) == []
+
+
+def test_the_script_records_its_arguments():
+    """A result made with flags names them; the shipped one, made without, names the bare command (its plan is the
+    defaults, checked above)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("measure_validation_speed", REPO / "scripts" / "measure-validation-speed.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.command_line([]) == "python scripts/measure-validation-speed.py"
+    assert script.command_line(["--repeats", "3", "-o", "out dir/x.json"]) == \
+        "python scripts/measure-validation-speed.py --repeats 3 -o 'out dir/x.json'"
