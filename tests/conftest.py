@@ -33,8 +33,9 @@ for _name, _value in SUITE_VLLM_ENV.items():
     os.environ.setdefault(_name, _value)
 # numpy's OpenBLAS runs one thread in the suite's processes and their children (torch's own kernels are not OpenBLAS).
 # With two workers on two cores, the other worker's engine keeps both cores busy, and a 2-thread OpenBLAS product waits
-# on a thread that is not running: test_lora_model's held-out evaluation took 19.2 and 11.6 s beside the calibration
-# experiment's engine with 2 threads, 5.2 and 5.2 s with 1 (5.4 s alone), and 90 s in a full suite run.
+# on a thread that is not running: pytest running test_lora_model's held-out evaluation alone took 19.2 and 11.6 s beside
+# the calibration experiment's engine with 2 threads, 5.2 and 5.2 s with 1; the test itself took 3.0 s on an idle
+# machine and 90 s in a full suite run.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 try:  # numpy may have been imported (by a plugin) before this file: its pool is then set directly
     from threadpoolctl import threadpool_limits

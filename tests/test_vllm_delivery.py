@@ -62,6 +62,12 @@ def service(tmp_path_factory):
     server.stop()
 
 
+def whole_answer(answer: dict) -> bool:
+    """A completion answered in full (finish reason "length": the tests ask with ``ignore_eos``), billed as P + O - 1
+    tokens; one the server cut short at its stop (finish reason "abort") ran fewer, or none."""
+    return answer["choices"][0]["finish_reason"] == "length"
+
+
 class ApiServer:
     """vLLM's OpenAI server with the recorder, default shutdown settings, pushing to the service."""
 
@@ -130,10 +136,9 @@ class ApiServer:
         if response.status_code != 200:
             return
         answer = response.json()
-        # a whole answer only, as test_vllm_shutdown's clients count: one the server cut short at its stop (finish
-        # reason "abort") ran fewer tokens than P + O - 1, or none. Counting every 200 failed the windows test once on a
-        # busy machine: an answered tenant had no request row and no step in the trace (the answer was not kept)
-        if answer["choices"][0]["finish_reason"] == "length":
+        # Counting every 200 failed the windows test once on a busy machine: an answered tenant had no request row and
+        # no step in the trace (the answer was not kept)
+        if whole_answer(answer):
             with self._lock:
                 self.completed[tenant] = (prompt_len, answer["usage"]["completion_tokens"])
 

@@ -33,6 +33,7 @@ from test_vllm_delivery import (  # noqa: F401
     assert_ledger_matches_trace,
     request_rows,
     service,
+    whole_answer,
 )
 
 pytestmark = pytest.mark.vllm
@@ -85,7 +86,7 @@ class Clients:
                 answer = response.json()
                 record["finish_reason"] = answer["choices"][0]["finish_reason"]
                 record["completion_tokens"] = answer["usage"]["completion_tokens"]
-                if record["finish_reason"] == "length":  # a whole answer: billed as P + O - 1 tokens
+                if whole_answer(answer):
                     with self.server._lock:
                         self.server.completed[tenant] = (prompt_len, record["completion_tokens"])
 
