@@ -2,7 +2,8 @@
 adapters are written locally (ranks 8, 16, 64, 8), the engine runs with LoRA on and two slots, and the trace (format
 4) holds what the plan asked for: every slice on the adapter (or the base model) its episode gave its request, steps
 with one and with two distinct adapters, base-model slices beside adapters, and forced swaps (more slot loads and disk
-reads than adapters)."""
+reads than adapters), and base-model decode steps of several requests while adapter requests of the same episode wait
+their turn (what tells the per-request decode price from the LoRA path's)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,21 @@ def test_the_lora_plan_runs_every_adapter_and_the_base_model_and_forces_swaps(tm
     loads = sum(len(decode_adapters(v)) for v in trace.extra["step_lora_loads"][starts])
     disk = sum(len(decode_adapters(v)) for v in trace.extra["step_lora_disk_loads"][starts])
     assert loads > len(names) and disk > len(names), (loads, disk)  # swapped out and in again
+
+    # base-model decode steps of 2 or more requests, in episodes whose adapter requests are live before and after
+    decode_only = ~trace.is_prefill_per_step
+    episode_of = [r.split("-")[1] for r in trace.request_id[starts].tolist()]
+    by_episode: dict[str, list[int]] = {}
+    for k in steps:
+        by_episode.setdefault(episode_of[k], []).append(k)
+    base_among_adapters = 0
+    for ks in by_episode.values():
+        with_adapter = [k for k in ks if any(slice_names[offsets[k]:offsets[k + 1]])]
+        if not with_adapter:
+            continue
+        base_among_adapters += sum(
+            1 for k in ks
+            if decode_only[k] and trace.batch_size_per_step[k] >= 2 and not any(slice_names[offsets[k]:offsets[k + 1]])
+            and with_adapter[0] < k < with_adapter[-1]
+        )  # fmt: skip
+    assert base_among_adapters > 0

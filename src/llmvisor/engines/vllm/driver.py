@@ -25,6 +25,9 @@ from llmvisor.profile.adapters import Adapter, adapter_name
 from llmvisor.profile.plans import BASE_MODEL, Envelope, Episode, WorkloadPlan
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
+BASE_ONLY_DECODE_SHARE = 1 / 3
+"""With LoRA: the share of the steps whose running requests all decode, on the base model and on adapters, that run
+the base-model ones alone (`ProfilingScheduler`'s ``base_only``); a third keeps most steps as the plan drew them."""
 
 
 def check_model_dir(model: str) -> bool:
@@ -171,8 +174,14 @@ class ProfiledEngine:
         scheduler = self.scheduler
         return len(scheduler.waiting) > 0 or any(r.is_prefill_chunk for r in scheduler.running)
 
-    def _num_decoding(self) -> int:
-        return sum(1 for r in self.scheduler.running if not r.is_prefill_chunk)
+    def _decoding_by_adapter(self) -> tuple[int, int]:
+        """Running decoding requests on the base model, and on an adapter."""
+        decoding = [r for r in self.scheduler.running if not r.is_prefill_chunk]
+        base = sum(1 for r in decoding if r.lora_request is None)
+        return base, len(decoding) - base
+
+    def _prefill_chunks(self) -> bool:
+        return any(r.is_prefill_chunk for r in self.scheduler.running)
 
     # -----------------------------------------------------------------------------------------------------
 
@@ -212,7 +221,15 @@ class ProfiledEngine:
             self._step_with_decode_subset(rng, token_budget)
 
     def _step_with_decode_subset(self, rng: np.random.Generator, token_budget: int) -> None:
-        decoding = self._num_decoding()
+        """With LoRA, a step whose running requests all decode, some of them on an adapter and some on the base model,
+        is a base-model decode step (`BASE_ONLY_DECODE_SHARE` of them: `ProfilingScheduler`'s ``base_only``) of 1 up to
+        all the base-model ones; the draw is made only then, so a plan without adapters runs as before."""
+        base, on_adapter = self._decoding_by_adapter()
+        if base and on_adapter and not self._prefill_chunks() and rng.random() < BASE_ONLY_DECODE_SHARE:
+            self.scheduler.set_controls(decode_batch_size=int(rng.integers(1, base + 1)), base_only=True)
+            self.step()
+            return
+        decoding = base + on_adapter
         if self._prefilling():
             size = int(rng.integers(0, min(decoding, token_budget // 2) + 1))
         else:

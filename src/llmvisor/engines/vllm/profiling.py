@@ -12,7 +12,12 @@ Held-back requests also lower the admission limit for that step, so no more than
 are ever running. With LoRA on, the subset keeps at least one request of every adapter among the decoding requests:
 vLLM admits a waiting request with another adapter only while the adapters of the running requests it schedules
 leave a slot free (and asserts so the next step), so an adapter held back entirely would let the running requests
-need more than ``max_loras`` slots.
+need more than ``max_loras`` slots. The one exception is ``base_only``: a step of base-model decodes alone, every
+adapter's requests held back and no waiting request admitted (the admission limit lowered to the requests that run),
+so nothing can take the slots of the adapters held back. It is what tells the per-request decode price apart from the
+LoRA path's price on a base-model token: in a step with an adapter both are paid by every base-model request, and only
+base-model decode steps price the first alone (issue #38). It applies only when every running request is decoding;
+otherwise the step runs as without it.
 """
 
 from __future__ import annotations
@@ -28,13 +33,16 @@ class ProfilingScheduler(RecordingScheduler):
         self._default_token_budget = self.max_num_scheduled_tokens
         self.token_budget: int | None = None
         self.decode_batch_size: int | None = None
+        self.base_only = False
         self._subset_rng = np.random.default_rng(0)
 
-    def set_controls(self, *, token_budget=..., decode_batch_size=..., seed: int | None = None) -> None:
+    def set_controls(self, *, token_budget=..., decode_batch_size=..., base_only: bool = False, seed: int | None = None) -> None:
+        """``base_only`` holds for the next step only (set it with its ``decode_batch_size``)."""
         if token_budget is not ...:
             self.token_budget = token_budget
         if decode_batch_size is not ...:
             self.decode_batch_size = decode_batch_size
+        self.base_only = base_only
         if seed is not None:
             self._subset_rng = np.random.default_rng(seed)
 
@@ -61,11 +69,19 @@ class ProfilingScheduler(RecordingScheduler):
         if self.token_budget is not None:
             self.max_num_scheduled_tokens = max(1, min(self.token_budget, default_budget))
         held_back = []
+        admit_none = False
         if self.decode_batch_size is not None:
             decoding = [r for r in self.running if not r.is_prefill_chunk]
-            if len(decoding) > self.decode_batch_size:
+            base = [r for r in decoding if r.lora_request is None]
+            if self.base_only and self.lora_config and len(decoding) == len(self.running) and base:
+                picked = self._subset_rng.choice(len(base), min(self.decode_batch_size, len(base)), replace=False).tolist()
+                chosen_ids = {id(base[i]) for i in picked}
+                held_back = [r for r in decoding if id(r) not in chosen_ids]
+                admit_none = True
+            elif len(decoding) > self.decode_batch_size:
                 chosen = self._decode_subset(decoding)
                 held_back = [r for i, r in enumerate(decoding) if i not in chosen]
+        self.base_only = False
         if not held_back:
             try:
                 return super()._schedule_step(*args, **kwargs)
@@ -74,13 +90,13 @@ class ProfilingScheduler(RecordingScheduler):
         held = {id(r) for r in held_back}
         order = {id(r): i for i, r in enumerate(self.running)}
         self.running = [r for r in self.running if id(r) not in held]
+        limits = self.max_num_running_reqs, self.max_num_active_reqs
         self.max_num_running_reqs -= len(held_back)
-        self.max_num_active_reqs -= len(held_back)
+        self.max_num_active_reqs = len(self.running) if admit_none else self.max_num_active_reqs - len(held_back)
         try:
             return super()._schedule_step(*args, **kwargs)
         finally:
-            self.max_num_running_reqs += len(held_back)
-            self.max_num_active_reqs += len(held_back)
+            self.max_num_running_reqs, self.max_num_active_reqs = limits
             self.max_num_scheduled_tokens = default_budget
             merged = self.running + held_back
             self.running = sorted(merged, key=lambda r: order.get(id(r), len(order)))
