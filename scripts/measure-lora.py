@@ -205,12 +205,12 @@ def lora_path_identification(train, model, test) -> dict:
     d4, l8, l9 = FEATURE_NAMES_LORA.index("decode_requests"), int(LoraCoef.L8), int(LoraCoef.L9)
     weight = 1.0 / y
     aw, bw = x * weight[:, None], y * weight
-    own = model._segment_plan(x, load, keep, boundary)
-    borrowed = (own[0] & (np.arange(own[0].size) != l9), own[1])
+    own = None if boundary is None else model._segment_plan(x, load, keep, boundary)
+    borrowed = None if boundary is None else (own[0] & (np.arange(own[0].size) != l9), own[1])
 
     def decode_shape(trace, features, step_load):
         requests = features[:, d4]
-        decode = ~trace.is_prefill_per_step & (step_load < boundary)
+        decode = ~trace.is_prefill_per_step & (True if boundary is None else step_load < boundary)
         return requests, decode & (features[:, l8] == 0), decode & (features[:, l8] > 0)
 
     def terms(coef) -> dict:
@@ -223,8 +223,9 @@ def lora_path_identification(train, model, test) -> dict:
                     for name, mask in (("base_only", base), ("with_adapter", adapter))}}
                 for n in sorted(set(requests[keep & (base | adapter)].astype(int).tolist()))]
     single = keep & base & (requests == 1)
-    fits = {"per_segment": model.coef_, "borrowed_l9": model._fit_segments(aw, bw, load, boundary, keep, own=borrowed),
-            "without_single_base_decode": model._fit_segments(aw, bw, load, boundary, keep & ~single, own=own)}
+    fits = {"per_segment": model.coef_, "without_single_base_decode": model._fit_segments(aw, bw, load, boundary, keep & ~single, own=own)}
+    if borrowed is not None:
+        fits["borrowed_l9"] = model._fit_segments(aw, bw, load, boundary, keep, own=borrowed)
 
     def paired(predicted: dict, measured, judged, single_steps, blocks, *, worse="borrowed_l9", better="per_segment") -> dict:
         errors = {name: ((p[judged] - measured[judged]) / measured[judged]) ** 2 for name, p in predicted.items()}
@@ -236,22 +237,24 @@ def lora_path_identification(train, model, test) -> dict:
                 "n_single_base_decode": int(single_steps[judged].sum()),
                 "gain_from_single_base_decode": float(gain[single_steps[judged]].sum() / gain.size)}
 
-    groups, grouping = model.fold_groups(train, keep)
-    tests = [np.isin(np.arange(train.n_steps), np.flatnonzero(keep)[t]) for t in group_k_fold(groups, model.cv_folds)]
-    predicted = {name: np.zeros(train.n_steps) for name in ("per_segment", "borrowed_l9")}
-    for held in tests:
-        for name, plan in (("per_segment", own), ("borrowed_l9", borrowed)):
-            coef = model._fit_segments(aw, bw, load, boundary, keep & ~held, own=plan)
-            predicted[name][held] = model._predict_rows(coef, boundary, x[held], load[held])
-    blocks = np.full(train.n_steps, -1)
-    blocks[keep] = time_block_groups(train, keep)
-    cross_validated = {"fold_grouping": grouping, "n_folds": len(tests),
-                       **paired(predicted, y, np.any(tests, axis=0), single, blocks)}
     xt, yt, load_t = step_feature_matrix(test), test.step_latency_s_per_step, step_new_tokens(test)
     steady = steady_steps(test)
     requests_t, base_t, _ = decode_shape(test, xt, load_t)
-    held_out = paired({name: model._predict_rows(fits[name], boundary, xt, load_t) for name in ("per_segment", "borrowed_l9")},
-                      yt, steady, steady & base_t & (requests_t == 1), time_block_groups(test, np.ones(test.n_steps, dtype=bool)))
+    cross_validated = held_out = None  # borrowing l9 from the other segment: there is none without a boundary
+    if borrowed is not None:
+        groups, grouping = model.fold_groups(train, keep)
+        tests = [np.isin(np.arange(train.n_steps), np.flatnonzero(keep)[t]) for t in group_k_fold(groups, model.cv_folds)]
+        predicted = {name: np.zeros(train.n_steps) for name in ("per_segment", "borrowed_l9")}
+        for held in tests:
+            for name, plan in (("per_segment", own), ("borrowed_l9", borrowed)):
+                coef = model._fit_segments(aw, bw, load, boundary, keep & ~held, own=plan)
+                predicted[name][held] = model._predict_rows(coef, boundary, x[held], load[held])
+        blocks = np.full(train.n_steps, -1)
+        blocks[keep] = time_block_groups(train, keep)
+        cross_validated = {"fold_grouping": grouping, "n_folds": len(tests),
+                           **paired(predicted, y, np.any(tests, axis=0), single, blocks)}
+        held_out = paired({name: model._predict_rows(fits[name], boundary, xt, load_t) for name in ("per_segment", "borrowed_l9")},
+                          yt, steady, steady & base_t & (requests_t == 1), time_block_groups(test, np.ones(test.n_steps, dtype=bool)))
     # the engine's slower single-request decode step as a term of its own, beside the model (not one of its features): a
     # price per decode-only step of one request, fitted and judged as the model is
     probe = copy.copy(model)
@@ -261,7 +264,7 @@ def lora_path_identification(train, model, test) -> dict:
         return np.c_[features, (np.diff(trace.step_offsets) == 1) & ~trace.is_prefill_per_step]
 
     coef_single = probe._fit_segments(with_single(train, x) * weight[:, None], bw, load, boundary, keep,
-                                      own=(np.r_[own[0], True], np.r_[own[1], True]))
+                                      own=None if own is None else (np.r_[own[0], True], np.r_[own[1], True]))
     test_blocks = time_block_groups(test, np.ones(test.n_steps, dtype=bool))
     predicted_t = {"per_segment": model._predict_rows(model.coef_, boundary, xt, load_t),
                    "single_decode_term": probe._predict_rows(coef_single, boundary, with_single(test, xt), load_t)}
@@ -274,7 +277,7 @@ def lora_path_identification(train, model, test) -> dict:
                                 "decode_rel_err_p90": {name: {"with_adapter": float(np.percentile(r[decode_t & adapter_t], 90)),
                                                               "base_only": float(np.percentile(r[decode_t & ~adapter_t], 90))}
                                                        for name, r in rel.items()}}}
-    return {"segment": "memory_bound", "boundary_new_tokens": boundary, "decode_steps_by_count": by_count,
+    return {"segment": model.segment_names_[0], "boundary_new_tokens": boundary, "decode_steps_by_count": by_count,
             "n_base_decode_from_canaries": int((keep & base & (canary_run_per_step(train) >= 0)).sum()),
             "fits": {name: terms(coef) for name, coef in fits.items()},
             "n_single_base_decode_left_out": int(single.sum()), "n_fit_steps": int(keep.sum()),
@@ -345,6 +348,7 @@ def main() -> None:
         train = read_traces([paths[s] for s in train_seeds])
         test = read_traces([paths[s] for s in test_seeds])
         engine = train.metadata.get("engine") or {}
+        fingerprint = train.metadata.get("engine_fingerprint") or {}
         lora_settings = train.metadata.get("lora") or {}
     result = evaluate(train, test, model_names=MODELS, n_bootstrap=args.bootstrap)
     aware = result["fitted"]["llmvisor"]
@@ -379,6 +383,7 @@ def main() -> None:
             "threads": args.threads,
             "enable_prefix_caching": engine.get("enable_prefix_caching"),
             "hardware": engine.get("hardware"),
+            **{k: fingerprint.get(k) for k in ("cpu_capability", "gemm_backend", "cpu_flags")},
         },
         "lora": lora_settings,
         "plan": {"points": args.points, "max_decode_steps": args.max_decode_steps,

@@ -36,7 +36,10 @@ prefilled, each step runs a random number (0 up to half the budget) of the decod
 LoRA plan. The same episodes, each request given one of the plan's adapters or the base model (`lora_episodes`): k of
 the adapters per episode (0 to all of them) and a base-model share, so steps hold 1 up to ``--max-loras`` distinct
 adapters beside base-model slices, and adapters are swapped in and out of the slots when there are more of them than
-slots. The adapters are written locally with random weights (`llmvisor.profile.adapters`).
+slots. The adapters are written locally with random weights (`llmvisor.profile.adapters`). While it runs, the driver
+turns a third of the steps whose running requests all decode, on adapters and on the base model, into base-model decode
+steps (`llmvisor.engines.vllm.driver.BASE_ONLY_DECODE_SHARE`): what tells the per-request decode price from the LoRA
+path's.
 """
 
 from __future__ import annotations
