@@ -171,8 +171,7 @@ class ProfiledEngine:
         return len(self._live)
 
     def _prefilling(self) -> bool:
-        scheduler = self.scheduler
-        return len(scheduler.waiting) > 0 or any(r.is_prefill_chunk for r in scheduler.running)
+        return len(self.scheduler.waiting) > 0 or self._prefill_chunks()
 
     def _decoding_by_adapter(self) -> tuple[int, int]:
         """Running decoding requests on the base model, and on an adapter."""
