@@ -157,6 +157,10 @@ def test_the_sharing_run_recomputes_from_its_journal(figures):
         assert again["shipped_model"]["rules"]["rules"][rule]["flagged"] == row["flagged"]
     for fold, fold_again in zip(shipped["pricing"]["folds"], again["pricing"]["folds"], strict=True):
         assert fold_again["shared_read_saving"] == pytest.approx(fold["shared_read_saving"], rel=1e-4)
+    for fold, fold_again in zip(shipped["reach"], again["reach"], strict=True):
+        for rule, row in fold["rules"].items():
+            assert fold_again["rules"][rule]["departure"] == pytest.approx(row["departure"], rel=1e-4)
+            assert {k: v for k, v in fold_again["rules"][rule].items() if k != "departure"} == {k: v for k, v in row.items() if k != "departure"}
 
 
 def test_the_figures_recompute_from_the_shipped_journal(figures):
@@ -180,3 +184,44 @@ def test_the_figures_recompute_from_the_shipped_journal(figures):
     again = tenant_run_plan(noise_fraction=plan["noise_fraction_of_step"], overhead=plan["overhead"], seed=figures["seed"])
     assert again["by_repeat"]["6"]["steps"] == plan["by_repeat"]["6"]["steps"]
     assert again["by_repeat"]["6"]["hours_now"] == pytest.approx(plan["by_repeat"]["6"]["hours_now"], rel=1e-4)
+
+
+def test_the_reach_words_match_the_file(figures):
+    """What docs/validation.md and the README say of how far each wrong rule can reach (`sharing_rule_reach`, priced
+    with each fold's terms) is what the file says: the split by context length within a few points of the ±3% on the
+    sharing run's terms, the other two far beyond it, and the split by context length beyond it on the coalitions
+    journal's terms."""
+    text, readme = doc(), " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    run, coalitions = figures["sharing_run"]["reach"], figures["sharing_rules_reach"]
+    assert len(run) == len(figures["sharing_run"]["pricing"]["folds"]) and len(coalitions) == figures["sharing_rules_pricing"]["n_folds"]
+
+    def most(folds, rule):
+        return max((f["rules"][rule] for f in folds), key=lambda r: abs(r["departure"]))
+
+    def least(folds, rule):
+        return min((f["rules"][rule] for f in folds), key=lambda r: abs(r["departure"]))
+
+    by_length = most(run, "split_by_context_length")
+    assert 0.03 < abs(by_length["departure"]) < 0.06 and by_length["readers_per_document"] == 2 and by_length["size"] == 64
+    assert f"the split by context length moves no class's bill by more than {_pct(abs(by_length['departure']))}** from the equal split" in text
+    assert (f"(pairs of a {by_length['document_tokens']:,}-token document at {by_length['size']} requests, "
+            f"{by_length['class'].replace('_', ' ')})") in text
+    margin = abs(by_length["departure"]) - 0.03
+    assert f"at most {100 * margin:.1f} points beyond the check's ±3%" in text and f"narrower than ±{100 * margin:.1f}%" in text
+    measured = figures["sharing_run"]["rules"]["rules"]["split_by_context_length"]
+    assert f"against ±{_pct((measured['ci95'][1] - measured['ci95'][0]) / 2)} on the sharing run's short readers" in text
+    assert measured["deciding_class"] == "short_readers" and (measured["ci95"][1] - measured["ci95"][0]) / 2 > 3 * margin
+    whole, first = most(run, "whole_block_per_reader"), most(run, "first_reader_pays")
+    assert min(abs(whole["departure"]), abs(first["departure"])) > 3 * 0.03
+    assert (f"reach {_pct(abs(whole['departure']))} (whole block per reader) and {_pct(abs(first['departure']))} (first reader pays) "
+            f"with the same terms, in groups of {whole['readers_per_document']} and {first['readers_per_document']} readers") in text
+    low, high = least(coalitions, "split_by_context_length"), most(coalitions, "split_by_context_length")
+    assert abs(low["departure"]) > 3 * 0.03 and high["readers_per_document"] == 2
+    assert f"reaches {_pct(abs(low['departure']))} to {_pct(abs(high['departure']))} (pairs at {high['size']} requests)" in text
+    assert f"moves no class's bill more than {_pct(abs(by_length['departure']))} from the equal split on the sharing run's engine" in readme
+    # the searched layouts in the words are the function's
+    from llmvisor.validation.groundtruth import REACH_DOCUMENT_SHARES, REACH_READERS_PER_DOCUMENT, REACH_SIZES
+
+    assert (f"layouts of {', '.join(map(str, REACH_SIZES[:-1]))} and {REACH_SIZES[-1]} requests" in text
+            and f"{REACH_READERS_PER_DOCUMENT[0]} to {REACH_READERS_PER_DOCUMENT[-1]} readers per document" in text
+            and f"documents of {_pct(REACH_DOCUMENT_SHARES[0]).replace('.0', '')} to {_pct(REACH_DOCUMENT_SHARES[-1]).replace('.0', '')} of the longest context" in text)

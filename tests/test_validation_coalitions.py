@@ -395,3 +395,31 @@ def test_validate_records_the_pairs_layout_and_resumes_with_it(tmp_path, monkeyp
     from llmvisor.validation.report import coalitions_markdown_summary
 
     assert "priced with the run's own terms" in coalitions_markdown_summary(result)
+
+
+def test_a_wrong_rules_reach_grows_with_what_a_shared_read_saves_and_vanishes_without_it():
+    """`sharing_rule_reach`: the largest class bill a wrong sharing rule can move from the landed rule's. With no saving
+    (a shared block paid by every reader) the rules bill alike; with the whole read shared each wrong rule departs by
+    far more than the check's ±3%, the split by context length most on the short reader of a pair; and the reach grows
+    with the saving, so an engine whose second reader saves little can leave a rule within the tolerance."""
+    from llmvisor.core.model import StepLatencyModel
+    from llmvisor.validation.coalitions import CLASS_BIAS_MAX, SHARING_RULES, shared_read_saving
+    from llmvisor.validation.groundtruth import sharing_rule_reach
+    from test_validation_sampled_plan import D6, sharing_model
+
+    def with_saving(saving: float) -> StepLatencyModel:
+        d = sharing_model().to_dict()
+        d["segments"][0]["coef_s"].update(decode_context_tokens=D6 * (1 - saving), effective_context_tokens=D6 * saving)
+        return StepLatencyModel.from_dict(d)
+
+    small = dict(sizes=(16,), readers=(2, 4), document_shares=(0.1, 0.3))
+    reach = {s: sharing_rule_reach(with_saving(s), max_context=3840, **small) for s in (0.0, 0.25, 1.0)}
+    assert reach[1.0]["shared_read_saving"] == pytest.approx([1.0]) and reach[0.25]["shared_read_saving"] == pytest.approx([0.25])
+    assert shared_read_saving(with_saving(0.25)) == pytest.approx([0.25])
+    for rule in SHARING_RULES[1:]:
+        assert abs(reach[0.0]["rules"][rule]["departure"]) < 1e-9, rule
+        assert abs(reach[1.0]["rules"][rule]["departure"]) > 3 * CLASS_BIAS_MAX, rule
+        assert abs(reach[0.25]["rules"][rule]["departure"]) < abs(reach[1.0]["rules"][rule]["departure"]), rule
+    by_length = reach[1.0]["rules"]["split_by_context_length"]
+    assert by_length["departure"] < 0 and by_length["readers_per_document"] == 2
+    assert by_length["class"] in {"short_readers", "shortest_readers", "later_readers", "first_readers"}

@@ -279,12 +279,14 @@ def shared_read_saving(model: StepLatencyModel) -> list[float]:
     return out
 
 
-def engine_priced(batches, journal, records: list[dict], model, *, n_folds: int = CROSSFIT_FOLDS) -> tuple[list[dict], dict]:
+def engine_priced(batches, journal, records: list[dict], model, *, n_folds: int = CROSSFIT_FOLDS,
+                  models: dict[int, StepLatencyModel] | None = None) -> tuple[list[dict], dict]:
     """``records`` (priced with ``model``) with every sharing rule's shares priced again by their request set's
-    cross-fitted model (`crossfitted_models`), and how: the folds' models (boundary, shared-read saving) beside
-    ``model``'s."""
+    cross-fitted model (`crossfitted_models`, or ``models`` where the caller fitted them already), and how: the folds'
+    models (boundary, shared-read saving) beside ``model``'s."""
     kept = [r for r in records if not r.get("interference_flagged")]
-    models = crossfitted_models(batches, journal, {r["index"] for r in kept}, n_folds=n_folds)
+    if models is None:
+        models = crossfitted_models(batches, journal, {r["index"] for r in kept}, n_folds=n_folds)
     by_index = {b.index: b for b in batches}
     priced = []
     for r in records:

@@ -29,13 +29,19 @@ from llmvisor.core.game import SubsetGame
 from llmvisor.validation.coalitions import (
     CLASS_BIAS_MAX,
     LANDED_SHARING_RULE,
+    SHARING_RULES,
     analyse_coalition_batch,
+    crossfitted_models,
     engine_priced,
     pooled_class_bias,
+    shared_read_saving,
     sharing_check,
+    sharing_class_masks,
+    sharing_rule_shares,
 )
 from llmvisor.validation.estimator import exact_batch_games, exact_coverage, load_validation, relative_weights, shapley_matrix
 from llmvisor.validation.game import additive_design, regression_shapley
+from llmvisor.validation.plans import SHORT_QUESTION_TOKENS
 from llmvisor.validation.tenants import bootstrap_median_ratio, quarter_tenant_halfwidths
 
 FIGURES_FORMAT = "llmvisor.validation.groundtruth"
@@ -217,6 +223,64 @@ def sharing_rule_verdicts(records: list[dict], *, limit: float = CLASS_BIAS_MAX)
     return out
 
 
+REACH_SIZES = (16, 32, 64)
+REACH_READERS_PER_DOCUMENT = (2, 3, 4, 6, 8)
+REACH_DOCUMENT_SHARES = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7)
+"""The layouts `sharing_rule_reach` searches: batch sizes, readers per document, and a document's tokens as a share of
+the longest context."""
+
+
+def sharing_rule_reach(model, *, max_context: int, sizes=REACH_SIZES, readers=REACH_READERS_PER_DOCUMENT,
+                       document_shares=REACH_DOCUMENT_SHARES) -> dict:
+    """How far each wrong sharing rule can bill a class of the check (`sharing_class_masks`) from the landed rule
+    under ``model``'s prices, over decode batches whose documents are each read by one long reader (to
+    ``max_context``) and short questions (`SHORT_QUESTION_TOKENS`' least own tokens), the documents filling half or
+    all of the batch (the rest own contexts of half ``max_context``), the long reader prefilled first or last. Per
+    rule, the layout and class where Σ its shares ÷ Σ the landed rule's − 1 is largest in size: were the landed rule
+    exactly right, that is the wrong rule's bias in that class. The check flags a rule only where a class's interval
+    lies beyond ±`CLASS_BIAS_MAX`, so a rule whose reach is within it cannot be flagged on an engine these prices
+    describe, however many batches are measured, and one just beyond it needs an interval narrower than the margin."""
+    best: dict[str, dict] = {}
+    question = SHORT_QUESTION_TOKENS[0]
+    for size in sizes:
+        for k in readers:
+            for share in document_shares:
+                document = int(max_context * share)
+                for filled in (False, True):
+                    n_documents = (size if filled else size // 2) // k
+                    if n_documents < 1 or n_documents * k > size:
+                        continue
+                    for long_first in (True, False):
+                        group = [max_context] + [document + question] * (k - 1)
+                        context = np.array((group if long_first else group[::-1]) * n_documents
+                                           + [max_context // 2] * (size - n_documents * k), dtype=np.float64)
+                        groups = np.array([g for g in range(n_documents) for _ in range(k)] + [-1] * (size - n_documents * k))
+                        shared = np.where(groups >= 0, float(document), 0.0)
+                        shares = sharing_rule_shares(model, np.ones(size), context, np.zeros(size, dtype=bool), 1.0, shared, groups)
+                        landed = shares[LANDED_SHARING_RULE]
+                        for name, mask in sharing_class_masks(groups, context).items():
+                            if not mask.any():
+                                continue
+                            for rule in SHARING_RULES[1:]:
+                                departure = float(shares[rule][mask].sum() / landed[mask].sum() - 1)
+                                if abs(departure) > abs(best.get(rule, {}).get("departure", 0.0)):
+                                    best[rule] = {"departure": departure, "class": name, "size": size, "readers_per_document": k,
+                                                  "document_tokens": document, "documents": n_documents, "long_reader_first": long_first}
+    return {"shared_read_saving": shared_read_saving(model), "max_context": max_context,
+            "rules": {rule: best.get(rule, {"departure": 0.0}) for rule in SHARING_RULES[1:]}}
+
+
+def _own_terms(v, records: list[dict]) -> tuple[list[dict], dict, list[dict]]:
+    """A journal's records priced with its own cross-fitted terms (`engine_priced`), how, and each fold model's
+    `sharing_rule_reach` within the journal's longest planned context."""
+    kept = [r for r in records if not r.get("interference_flagged")]
+    models = crossfitted_models(v.sampled_batches, v.journal, {r["index"] for r in kept})
+    priced, pricing = engine_priced(v.sampled_batches, v.journal, records, v.model, models=models)
+    max_context = max(max(b.num_context_tokens) for b in v.sampled_batches)
+    reach = [sharing_rule_reach(m, max_context=max_context) for m in {id(m): m for m in models.values()}.values()]
+    return priced, pricing, reach
+
+
 def n_mixed_sharing_request_sets(records: list[dict]) -> int:
     """The serving-size mixed-sharing batches the sharing check judges (each an independent request set)."""
     return sum(1 for r in records if r["kind"] == "mixed_sharing_decode" and not r.get("exact") and not r.get("interference_flagged"))
@@ -229,13 +293,14 @@ def sharing_run_figures(result_path: Path) -> dict:
     records, v = coalition_records(result_path, result_path.with_name(result_path.name.removesuffix(".json") + ".journal.jsonl.gz"))
     result = json.loads(result_path.read_text(encoding="utf-8"))
     sampled = result["settings"]["sampled"]
-    priced, pricing = engine_priced(v.sampled_batches, v.journal, records, v.model)
+    priced, pricing, reach = _own_terms(v, records)
     return {"source": result_path.name,
             "plan": {k: sampled.get(k) for k in ("batches", "sizes", "kinds", "coalitions_per_request", "sharing_layout")},
             "n_request_sets": n_mixed_sharing_request_sets(records),
             "n_interference_flagged": sum(1 for r in records if r.get("interference_flagged")),
             "pricing": pricing,
             "rules": sharing_rule_verdicts(priced)["serving_size"],
+            "reach": reach,
             "own_context_controls": own_context_controls(priced),
             "shipped_model": {"rules": sharing_rule_verdicts(records)["serving_size"], "own_context_controls": own_context_controls(records)},
             "measurement_cost": result["summary"]["measurement_cost"]}
@@ -267,7 +332,7 @@ def groundtruth_figures(*, seed: int = 0, n_bootstrap: int = 1000, trials: int =
     from llmvisor.validation.coalitions import jsonable
 
     records, v = coalition_records()
-    priced, pricing = engine_priced(v.sampled_batches, v.journal, records, v.model)
+    priced, pricing, reach = _own_terms(v, records)
     coalitions_result = json.loads(shipped.result_path(COALITIONS_RESULT).read_text(encoding="utf-8"))
     noise = coalitions_result["summary"]["noise_floor"]["relative_per_measurement"]
     planned = coalitions_result["settings"]["sampled"]
@@ -294,6 +359,7 @@ def groundtruth_figures(*, seed: int = 0, n_bootstrap: int = 1000, trials: int =
         },
         "sharing_rules": sharing_rule_verdicts(priced),
         "sharing_rules_pricing": pricing,
+        "sharing_rules_reach": reach,
         "sharing_rules_shipped_model": sharing_rule_verdicts(records),
         "tenant_run_plan": tenant_run_plan(noise_fraction=float(noise["p50"]), overhead=overhead, seed=seed),
         "n_serving_size_batches": sum(1 for r in records if not r.get("exact") and not r.get("interference_flagged")),
@@ -433,6 +499,22 @@ def markdown_summary(figures: dict) -> str:
                           f"{_pct(max(max(f['shared_read_saving']) for f in how['folds']))} (its folds)" for name, how in savings)
               + f"; the shipped model {' / '.join(_pct(x) for x in figures['sharing_rules_pricing']['model_shared_read_saving'])} "
               "(its two segments)."]
+    reaches = [("coalitions journal", figures["sharing_rules_reach"])]
+    if "sharing_run" in figures:
+        reaches.append(("sharing run", figures["sharing_run"]["reach"]))
+    lines += ["", "How far each wrong rule can bill a class from the landed rule's bill, over decode layouts of up to "
+              f"{max(REACH_SIZES)} requests (`sharing_rule_reach`), priced with each fold's terms:", "",
+              "| wrong rule | " + " | ".join(f"{name}'s terms: reach (its folds) | where most" for name, _ in reaches) + " |",
+              "| --- |" + " --- | --- |" * len(reaches)]
+    for rule in next(iter(reaches))[1][0]["rules"]:
+        cells = []
+        for _, folds in reaches:
+            values = sorted((f["rules"][rule] for f in folds), key=lambda r: abs(r["departure"]))
+            most = values[-1]
+            cells += [f"{_pct(values[0]['departure'])} to {_pct(most['departure'])}",
+                      f"{most['size']} requests, {most['readers_per_document']} readers of each {most['document_tokens']:,}-token "
+                      f"document, {most['class'].replace('_', ' ')}"]
+        lines.append(f"| {rule.replace('_', ' ')} | " + " | ".join(cells) + " |")
     plan = figures["tenant_run_plan"]
     lines += ["", f"Tenants plan by the model ({plan['n_batches']} batches, {plan['rounds']} rounds, step noise "
               f"{_pct(plan['noise_fraction_of_step'])}, overhead {plan['overhead']:.1f}× the model's time):", "",
