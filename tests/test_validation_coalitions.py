@@ -420,6 +420,8 @@ def test_a_wrong_rules_reach_grows_with_what_a_shared_read_saves_and_vanishes_wi
         assert abs(reach[0.0]["rules"][rule]["departure"]) < 1e-9, rule
         assert abs(reach[1.0]["rules"][rule]["departure"]) > 3 * CLASS_BIAS_MAX, rule
         assert abs(reach[0.25]["rules"][rule]["departure"]) < abs(reach[1.0]["rules"][rule]["departure"]), rule
+    # contexts too short to hold a document and a question: no layout, nothing to reach
+    assert {r["departure"] for r in sharing_rule_reach(with_saving(1.0), max_context=16, **small)["rules"].values()} == {0.0}
     by_length = reach[1.0]["rules"]["split_by_context_length"]
     assert by_length["departure"] < 0 and by_length["readers_per_document"] == 2
     assert by_length["class"] in {"short_readers", "shortest_readers", "later_readers", "first_readers"}

@@ -246,6 +246,8 @@ def sharing_rule_reach(model, *, max_context: int, sizes=REACH_SIZES, readers=RE
         for k in readers:
             for share in document_shares:
                 document = int(max_context * share)
+                if document < 1 or document + question >= max_context:  # nothing shared, or no reader longer than a question
+                    continue
                 for filled in (False, True):
                     n_documents = (size if filled else size // 2) // k
                     if n_documents < 1 or n_documents * k > size:
