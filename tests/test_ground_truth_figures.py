@@ -160,7 +160,10 @@ def test_the_sharing_run_recomputes_from_its_journal(figures):
     for fold, fold_again in zip(shipped["reach"], again["reach"], strict=True):
         for rule, row in fold["rules"].items():
             assert fold_again["rules"][rule]["departure"] == pytest.approx(row["departure"], rel=1e-4)
-            assert {k: v for k, v in fold_again["rules"][rule].items() if k != "departure"} == {k: v for k, v in row.items() if k != "departure"}
+            for size, departure in row["by_size"].items():
+                assert fold_again["rules"][rule]["by_size"][size] == pytest.approx(departure, rel=1e-4)
+            figures_only = ("departure", "by_size")
+            assert {k: v for k, v in fold_again["rules"][rule].items() if k not in figures_only} == {k: v for k, v in row.items() if k not in figures_only}
 
 
 def test_the_figures_recompute_from_the_shipped_journal(figures):
@@ -205,7 +208,11 @@ def test_the_reach_words_match_the_file(figures):
     assert 0.03 < abs(by_length["departure"]) < 0.06 and by_length["readers_per_document"] == 2 and by_length["size"] == 64
     assert f"the split by context length moves no class's bill by more than {_pct(abs(by_length['departure']))}** from the equal split" in text
     assert (f"(pairs of a {by_length['document_tokens']:,}-token document at {by_length['size']} requests, "
-            f"{by_length['class'].replace('_', ' ')})") in text
+            f"{by_length['class'].replace('_', ' ')};") in text
+    fitted = [str(size) for size in figures["sharing_run"]["plan"]["sizes"]]
+    within = max(abs(f["rules"]["split_by_context_length"]["by_size"][size]) for f in run for size in fitted)
+    assert fitted == ["16", "32"] and 0.03 < within <= abs(by_length["departure"])
+    assert f"at most {_pct(within)} in batches of 16 and 32, the sizes its terms were fitted on, which 64 extrapolates" in text
     margin = abs(by_length["departure"]) - 0.03
     assert f"at most {100 * margin:.1f} points beyond the check's ±3%" in text and f"narrower than ±{100 * margin:.1f}%" in text
     measured = figures["sharing_run"]["rules"]["rules"]["split_by_context_length"]

@@ -236,11 +236,12 @@ def sharing_rule_reach(model, *, max_context: int, sizes=REACH_SIZES, readers=RE
     under ``model``'s prices, over decode batches whose documents are each read by one long reader (to
     ``max_context``) and short questions (`SHORT_QUESTION_TOKENS`' least own tokens), the documents filling half or
     all of the batch (the rest own contexts of half ``max_context``), the long reader prefilled first or last. Per
-    rule, the layout and class where Σ its shares ÷ Σ the landed rule's − 1 is largest in size: were the landed rule
-    exactly right, that is the wrong rule's bias in that class. The check flags a rule only where a class's interval
+    rule, the layout and class where Σ its shares ÷ Σ the landed rule's − 1 is largest in size, and the largest such
+    departure at each batch size (``by_size``: a model fitted on smaller batches extrapolates to the larger ones). Were
+    the landed rule exactly right, that is the wrong rule's bias in that class. The check flags a rule only where a class's interval
     lies beyond ±`CLASS_BIAS_MAX`, so a rule whose reach is within it cannot be flagged on an engine these prices
     describe, however many batches are measured, and one just beyond it needs an interval narrower than the margin."""
-    best: dict[str, dict] = {}
+    best: dict[tuple[str, int], dict] = {}
     question = SHORT_QUESTION_TOKENS[0]
     for size in sizes:
         for k in readers:
@@ -265,11 +266,16 @@ def sharing_rule_reach(model, *, max_context: int, sizes=REACH_SIZES, readers=RE
                                 continue
                             for rule in SHARING_RULES[1:]:
                                 departure = float(shares[rule][mask].sum() / landed[mask].sum() - 1)
-                                if abs(departure) > abs(best.get(rule, {}).get("departure", 0.0)):
-                                    best[rule] = {"departure": departure, "class": name, "size": size, "readers_per_document": k,
-                                                  "document_tokens": document, "documents": n_documents, "long_reader_first": long_first}
-    return {"shared_read_saving": shared_read_saving(model), "max_context": max_context,
-            "rules": {rule: best.get(rule, {"departure": 0.0}) for rule in SHARING_RULES[1:]}}
+                                if abs(departure) > abs(best.get((rule, size), {}).get("departure", 0.0)):
+                                    best[rule, size] = {"departure": departure, "class": name, "size": size, "readers_per_document": k,
+                                                        "document_tokens": document, "documents": n_documents,
+                                                        "long_reader_first": long_first}
+    rules = {}
+    for rule in SHARING_RULES[1:]:
+        found = [best[rule, size] for size in sizes if (rule, size) in best]
+        top = max(found, key=lambda r: abs(r["departure"]), default={"departure": 0.0})
+        rules[rule] = {**top, "by_size": {str(r["size"]): r["departure"] for r in found}}
+    return {"shared_read_saving": shared_read_saving(model), "max_context": max_context, "rules": rules}
 
 
 def _own_terms(v, records: list[dict]) -> tuple[list[dict], dict, list[dict]]:
