@@ -226,6 +226,8 @@ def test_the_reach_words_match_the_file(figures):
     assert abs(low["departure"]) > 3 * 0.03 and high["readers_per_document"] == 2
     assert f"reaches {_pct(abs(low['departure']))} to {_pct(abs(high['departure']))} (pairs at {high['size']} requests)" in text
     assert f"moves no class's bill more than {_pct(abs(by_length['departure']))} from the equal split on the sharing run's engine" in readme
+    assert (f"no layout searched lets it move a class's bill more than {_pct(abs(by_length['departure']))} from the equal split "
+            '("How far a wrong rule can reach")') in text
     # the searched layouts in the words are the function's
     from llmvisor.validation.groundtruth import REACH_DOCUMENT_SHARES, REACH_READERS_PER_DOCUMENT, REACH_SIZES
 
