@@ -12,7 +12,9 @@
 - **Sharing rules**: the landed rule and three plausible wrong ones through the same class-bias check
   (`llmvisor.validation.coalitions.sharing_check`), with the batches a rule not flagged today would need; and the
   same on the sharing run (`validate --sharing-layout pairs`: each document read by a short and a long reader, the
-  layout where the wrong rules depart from the landed one), when its result is given.
+  layout where the wrong rules depart from the landed one), when its result is given; and how far each wrong rule
+  could depart from the landed one in any of a family of layouts, priced with each journal's own terms
+  (`sharing_rule_reach`): whether more batches could flag it at all.
 """
 
 from __future__ import annotations
@@ -238,9 +240,10 @@ def sharing_rule_reach(model, *, max_context: int, sizes=REACH_SIZES, readers=RE
     all of the batch (the rest own contexts of half ``max_context``), the long reader prefilled first or last. Per
     rule, the layout and class where Σ its shares ÷ Σ the landed rule's − 1 is largest in size, and the largest such
     departure at each batch size (``by_size``: a model fitted on smaller batches extrapolates to the larger ones). Were
-    the landed rule exactly right, that is the wrong rule's bias in that class. The check flags a rule only where a class's interval
-    lies beyond ±`CLASS_BIAS_MAX`, so a rule whose reach is within it cannot be flagged on an engine these prices
-    describe, however many batches are measured, and one just beyond it needs an interval narrower than the margin."""
+    the landed rule exactly right, that is the wrong rule's bias in that class. The check flags a rule only where a
+    class's interval lies beyond ±`CLASS_BIAS_MAX`, so a rule whose reach is within it cannot be flagged on an engine
+    these prices describe, however many batches are measured, and one just beyond it needs an interval narrower than
+    the margin."""
     best: dict[tuple[str, int], dict] = {}
     question = SHORT_QUESTION_TOKENS[0]
     for size in sizes:
@@ -251,7 +254,7 @@ def sharing_rule_reach(model, *, max_context: int, sizes=REACH_SIZES, readers=RE
                     continue
                 for filled in (False, True):
                     n_documents = (size if filled else size // 2) // k
-                    if n_documents < 1 or n_documents * k > size:
+                    if n_documents < 1:
                         continue
                     for long_first in (True, False):
                         group = [max_context] + [document + question] * (k - 1)
