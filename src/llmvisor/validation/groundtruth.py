@@ -256,12 +256,12 @@ def sharing_rule_reach(model, *, max_context: int, sizes=REACH_SIZES, readers=RE
                     n_documents = (size if filled else size // 2) // k
                     if n_documents < 1:
                         continue
+                    groups = np.array([g for g in range(n_documents) for _ in range(k)] + [-1] * (size - n_documents * k))
+                    shared = np.where(groups >= 0, float(document), 0.0)
+                    group = [max_context] + [document + question] * (k - 1)
                     for long_first in (True, False):
-                        group = [max_context] + [document + question] * (k - 1)
                         context = np.array((group if long_first else group[::-1]) * n_documents
                                            + [max_context // 2] * (size - n_documents * k), dtype=np.float64)
-                        groups = np.array([g for g in range(n_documents) for _ in range(k)] + [-1] * (size - n_documents * k))
-                        shared = np.where(groups >= 0, float(document), 0.0)
                         shares = sharing_rule_shares(model, np.ones(size), context, np.zeros(size, dtype=bool), 1.0, shared, groups)
                         landed = shares[LANDED_SHARING_RULE]
                         for name, mask in sharing_class_masks(groups, context).items():
@@ -517,7 +517,7 @@ def markdown_summary(figures: dict) -> str:
               f"{max(REACH_SIZES)} requests (`sharing_rule_reach`), priced with each fold's terms:", "",
               "| wrong rule | " + " | ".join(f"{name}'s terms: reach (its folds) | where most" for name, _ in reaches) + " |",
               "| --- |" + " --- | --- |" * len(reaches)]
-    for rule in next(iter(reaches))[1][0]["rules"]:
+    for rule in SHARING_RULES[1:]:
         cells = []
         for _, folds in reaches:
             values = sorted((f["rules"][rule] for f in folds), key=lambda r: abs(r["departure"]))
