@@ -1,4 +1,5 @@
-"""Request-length workload CSVs (num_prefill_tokens, num_decode_tokens[, arrived_at]): one reader for all.
+"""Request-length workload CSVs (num_prefill_tokens, num_decode_tokens[, arrived_at]): one reader for all, and the
+engine limits (`Envelope`) what is drawn from them must fit.
 
 Profiling replays their rows as requests (`llmvisor.profile.plans`); the validation draws batch lengths
 from them (`llmvisor.validation.plans`). The package ships three real mixes (`llmvisor.shipped.workloads_dir`).
@@ -14,6 +15,19 @@ from dataclasses import dataclass
 from llmvisor.errors import LlmvisorError
 
 REQUIRED_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """The engine limits a profile's episodes or a validation's batches must stay within."""
+
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    kv_cache_tokens: int | None = None
+    block_size: int | None = None
+    """Tokens per KV cache block (None: `DEFAULT_BLOCK_SIZE`); a shared prefix is shared in whole blocks."""
 
 
 @dataclass(frozen=True)

@@ -51,12 +51,11 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from llmvisor import shipped
-from llmvisor.core.workloads import WorkloadRow, read_workload_csv
+from llmvisor.core.workloads import DEFAULT_BLOCK_SIZE, Envelope, WorkloadRow, read_workload_csv
 from llmvisor.errors import LlmvisorError
 
 SWEEP_DIMENSIONS = ("pool_size", "longest_prompt", "token_budget", "decode_steps", "second_wave")
 SHARING_KINDS = ("none", "document", "system")
-DEFAULT_BLOCK_SIZE = 16
 MAX_SYSTEM_PROMPT_BLOCKS = 4
 MIN_TOKEN_BUDGET = 32
 MIN_DECODE_STEPS = 2
@@ -65,18 +64,6 @@ BASE_MODEL = -1
 """`Episode.lora_adapters` entry of a request that runs the base model (no adapter)."""
 MAX_BASE_SHARE = 0.6
 ARRIVALS = ("closed", "trace")
-
-
-@dataclass(frozen=True)
-class Envelope:
-    """The engine limits a plan must stay within."""
-
-    max_model_len: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    kv_cache_tokens: int | None = None
-    block_size: int | None = None
-    """Tokens per KV cache block (None: `DEFAULT_BLOCK_SIZE`); a shared prefix is shared in whole blocks."""
 
 
 @dataclass(frozen=True)

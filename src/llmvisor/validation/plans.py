@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from llmvisor import shipped
-from llmvisor.core.workloads import read_workload_csv
+from llmvisor.core.workloads import Envelope, read_workload_csv
 from llmvisor.errors import LlmvisorError
 from llmvisor.validation.game import sample_orders, subsets_to_measure
 
@@ -64,15 +64,6 @@ class BatchSpec:
         data["num_new_tokens"] = list(self.num_new_tokens)
         data["num_context_tokens"] = list(self.num_context_tokens)
         return data
-
-
-@dataclass(frozen=True)
-class Envelope:
-    """The engine's limits that batches must respect."""
-
-    max_model_len: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
 
 
 @dataclass
