@@ -273,6 +273,7 @@ def main() -> None:
     cores = os.cpu_count()
     result = {
         "command": " ".join(["python scripts/measure-lora-shapley.py", *measure_lora_module().portable_args(sys.argv[1:])]),
+        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "what": ("measured Shapley values on mixed-adapter decode batches on a real vLLM engine vs the LoRA attribution rule "
                  "(per-adapter term to that adapter's requests, the LoRA path's set-up to the step's adapter requests, its "
                  "kernels over a base-model request's tokens A/(A+1) to that request) and two wrong rules: 'wrong' (the "

@@ -85,12 +85,14 @@ def profile_command(args, seed: int, output: Path) -> list[str]:
 
 
 def portable_args(argv: list[str]) -> list[str]:
-    """The script's arguments without those naming a path of this machine (an absolute path and its option)."""
+    """The script's arguments with each path of this machine (an absolute path) written as its option's placeholder
+    (``--work /tmp/x`` as ``--work WORK``): the command stays one that runs (``--analyse-only`` needs its ``--work``)
+    and names no machine's folder."""
     out: list[str] = []
     for arg in argv:
         if os.path.isabs(arg):
-            if out and out[-1].startswith("-"):
-                out.pop()
+            option = out[-1] if out and out[-1].startswith("-") else ""
+            out.append("OUTPUT" if option == "-o" else option.lstrip("-").replace("-", "_").upper() or "PATH")
             continue
         out.append(shlex.quote(arg))
     return out
@@ -369,6 +371,7 @@ def main() -> None:
     peak = max((max(load) for load in loads), default=None)
     out = {
         "command": " ".join(["python scripts/measure-lora.py", *portable_args(sys.argv[1:])]),
+        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "what": "held-out step-latency error on a real vLLM engine with LoRA adapters: the LoRA-aware model vs the "
                 "adapter-blind model (same features and rules without the LoRA terms) vs token count, split by run",
         "engine": {

@@ -143,3 +143,13 @@ def test_the_doc_says_what_tells_l9_from_the_decode_price_as_the_json_does():
     from llmvisor.engines.vllm.driver import BASE_ONLY_DECODE_SHARE
 
     assert BASE_ONLY_DECODE_SHARE == 1 / 3 and "runs a third of the steps whose running requests all decode" in doc
+
+
+def test_a_recorded_command_names_no_folder_of_the_machine_and_still_runs():
+    """A path of the machine becomes its option's placeholder: ``--analyse-only`` without its ``--work`` would re-analyse
+    nothing, so dropping the pair (as the recorder once did) wrote a command that cannot run."""
+    portable = measure_lora().portable_args
+    argv = ["--analyse-only", "--work", "/tmp/llmvisor-lora-x", "-o", "/home/someone/lora.json", "--points", "20", "--train-seeds", "0,1"]
+    assert portable(argv) == ["--analyse-only", "--work", "WORK", "-o", "OUTPUT", "--points", "20", "--train-seeds", "0,1"]
+    assert portable(["--engine-model", "/srv/models/x"]) == ["--engine-model", "ENGINE_MODEL"]
+    assert portable(["/abs/alone"]) == ["PATH"]
