@@ -120,7 +120,7 @@ def test_a_retry_after_date_is_honoured_and_a_hostile_one_is_bounded(receiver):
     receiver.script = [(429, {"Retry-After": "86400"}, "")]
     push(receiver.url, [{"id": "e-2"}], wait_s=0.01, max_wait_s=0.3)
     [waited] = gaps_s(receiver.arrivals)
-    assert 0.9 <= waited / 0.3 <= 3  # bounded by max_wait_s, not a day
+    assert 0.27 <= waited <= 3.0  # max_wait_s (0.3 s), not a day: a busy machine only adds time
     assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0 and retry_after_s("soon") is None
     assert retry_after_s(" 7 ") == 7.0
 
