@@ -103,6 +103,9 @@ def test_the_profile_runs_with_the_served_settings_on_its_cores(tmp_path):
     assert flags["--executor"] == "mp" and "--cores" not in flags and "--threads" not in flags
     assert profile_environment(served, {"A": "1"}) == {"A": "1", "VLLM_CPU_OMP_THREADS_BIND": "2,3"}
     assert "--prefix-caching" in command and "--no-enforce-eager" in command
+    assert flags["--dtype"] == SERVED.dtype  # vLLM resolved it for the served engine: the profile asks for the same
+    float32 = profile_command(replace(served, dtype="float32"), tmp_path / "p.parquet", **options)
+    assert dict(zip(float32, float32[1:]))["--dtype"] == "float32"  # a class served in float32 is profiled in float32
     in_process = replace(served, executor_backend="uni", enable_prefix_caching=False)
     command = profile_command(in_process, tmp_path / "p.parquet", **options)
     flags = dict(zip(command, command[1:]))

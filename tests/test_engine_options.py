@@ -6,6 +6,7 @@ import subprocess
 import sys
 from dataclasses import fields
 
+import pytest
 import typer
 
 from llmvisor.cli import params
@@ -26,7 +27,8 @@ def test_every_engine_command_takes_the_settings_options_with_their_one_help_and
     definitions = {f.metadata["option"].split("/")[0]: f for f in fields(EngineSettings)}
     for path in ENGINE_COMMANDS:
         options = {opt: param for param in command(path).params for opt in param.opts}
-        for name in ("--engine-model", "--max-model-len", "--max-num-batched-tokens", "--max-num-seqs", "--kv-cache-gib", "--threads"):
+        for name in ("--engine-model", "--max-model-len", "--max-num-batched-tokens", "--max-num-seqs", "--kv-cache-gib", "--threads",
+                     "--dtype"):
             param, definition = options[name], definitions[name]
             assert param.help.startswith(definition.metadata["help"]), (path, name)
             if name != "--engine-model":
@@ -53,3 +55,16 @@ def test_engine_model_and_latency_model_are_named_apart_and_old_names_still_work
 def test_the_engine_options_import_no_engine():
     code = "import sys, llmvisor.cli.engine_options, llmvisor.cli.main; print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_dtype_reaches_vllm_only_when_asked_for():
+    """``auto`` passes nothing (vLLM's default: an engine that asks for no dtype starts with the arguments it always had);
+    another value is vLLM's ``dtype``; a value vLLM does not take is one line naming the ones it does."""
+    from llmvisor.cli.engine_options import engine_settings
+    from llmvisor.errors import LlmvisorError
+
+    assert "dtype" not in engine_settings(None).llm_kwargs(has_weights=False, scheduler_cls=object)
+    assert engine_settings(None, dtype="float32").llm_kwargs(has_weights=False, scheduler_cls=object)["dtype"] == "float32"
+    with pytest.raises(LlmvisorError) as refused:
+        engine_settings(None, dtype="fp8")
+    assert str(refused.value) == "--dtype: expected one of auto, bfloat16, float16, float32, got 'fp8'"

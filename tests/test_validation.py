@@ -558,6 +558,9 @@ def test_validate_re_analyses_a_packed_journal_without_the_engine(tmp_path, monk
     # Measurements taken under other engine settings are never mixed in.
     with pytest.raises(LlmvisorError, match="other engine settings"):
         validate(output=output, model=model_path, workloads=workloads, batches=4, max_batch=3, threads=1)
+    # nor under another dtype: a journal that records none (as every one before the option) was measured with vLLM's auto
+    with pytest.raises(LlmvisorError, match=r"other engine settings \(dtype: journal 'auto' vs now 'float32'\)"):
+        validate(output=output, model=model_path, workloads=workloads, batches=4, max_batch=3, dtype="float32")
 
     # A journal measured the earlier (cold) way, as every shipped one was, is never extended by warm measuring: more
     # batches are refused before the engine starts, and the journal is left as it was.

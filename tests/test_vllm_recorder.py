@@ -223,6 +223,7 @@ def test_profile_sweep_on_tiny_model(tiny_model, tmp_path):
         "--engine-model", tiny_model, "--points", "3", "--repeat", "2", "--max-decode-steps", "6",
         "--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
         "--kv-cache-gib", "1", "--threads", "1", "--enforce-eager", "--run-id", "tiny-sweep", "--json",
+        "--dtype", "float32",  # the config says bfloat16: what the trace records is what vLLM was asked for
     ]  # fmt: skip
     result = run_process(command, env={**os.environ, **ENGINE_ENV}, timeout_s=START_TIMEOUT_S + 300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -241,6 +242,7 @@ def test_profile_sweep_on_tiny_model(tiny_model, tmp_path):
     kinds = metadata["coverage"]["step_kinds"]
     assert kinds["pure_prefill"] > 0 and kinds["pure_decode"] > 0
     assert metadata["engine"]["max_num_seqs"] == 4 and metadata["plan"] == "sweep"
+    assert metadata["engine"]["dtype"] == "float32"
     assert len(metadata["episodes"]) == 3
     assert 0 <= metadata["recorder_overhead"]["fraction_of_step_time"] < 0.5
     assert int(trace.batch_size_per_step.max()) <= 4
@@ -253,6 +255,9 @@ def test_profile_rejects_bad_input_with_exit_code_2(tmp_path):
     result = cli_process("profile", "-o", tmp_path / "x.parquet", "--engine-model", missing, timeout_s=120)
     assert result.returncode == 2
     assert str(missing) in result.stderr and "Traceback" not in result.stderr
+    result = cli_process("profile", "-o", tmp_path / "x.parquet", "--dtype", "fp8", timeout_s=120)
+    assert result.returncode == 2 and "--dtype: expected one of auto, bfloat16, float16, float32, got 'fp8'" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_scheduler_classes_take_async_scheduler_as_base_when_the_config_says_so():

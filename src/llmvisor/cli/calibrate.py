@@ -4,7 +4,7 @@ Two ways, one output (a model file whose ``engine_fingerprint`` is the served en
 
 - ``--fingerprint`` (the served engine's record: ``<trace>.engine.json`` the recorder wrote, a trace beside
   it, or a Parquet trace): run ``llmvisor profile --plan sweep`` with the served engine's settings (batch
-  limits, prefix caching, eager mode, the executor: a worker process bound to the served worker's cores,
+  limits, dtype, prefix caching, eager mode, the executor: a worker process bound to the served worker's cores,
   or this process pinned to them with its thread count), with drift canaries; fit on the sweep (drifted
   steps left out); check the profile's fingerprint id is the served one. When drift leaves too few steps,
   profile again (``--attempts``, a new engine start each) and fit on the steady steps of all the profiles,
@@ -155,6 +155,8 @@ def profile_command(served: EngineFingerprint, trace_path: Path, *, engine_model
     ]
     if served.max_model_len:
         command += ["--max-model-len", str(served.max_model_len)]
+    if served.dtype:  # the dtype vLLM resolved for the served engine: a float32-served class is profiled in float32
+        command += ["--dtype", served.dtype]
     if served.executor_backend == "mp":
         command += ["--executor", "mp"]  # the worker process, bound by vLLM to the cores of profile_environment
     else:

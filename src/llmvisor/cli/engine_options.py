@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from llmvisor import shipped
-from llmvisor.engines.settings import LORA_MAX_RANKS, EngineSettings, default, setting_field
+from llmvisor.engines.settings import DTYPES, LORA_MAX_RANKS, EngineSettings, default, setting_field
 from llmvisor.errors import LlmvisorError
 
 ENGINE_PANEL = "Engine settings"
@@ -34,6 +34,7 @@ Threads = Annotated[int | None, engine_option("threads")]
 Executor = Annotated[str, engine_option("executor")]
 MaxLoras = Annotated[int, engine_option("max_loras")]
 MaxLoraRank = Annotated[int, engine_option("max_lora_rank")]
+Dtype = Annotated[str, engine_option("dtype", metavar="|".join(DTYPES))]
 
 MAX_MODEL_LEN = default("max_model_len")
 MAX_NUM_BATCHED_TOKENS = default("max_num_batched_tokens")
@@ -44,6 +45,7 @@ THREADS = default("threads")
 EXECUTOR = default("executor")
 MAX_LORAS = default("max_loras")
 MAX_LORA_RANK = default("max_lora_rank")
+DTYPE = default("dtype")
 EXECUTORS = ("uni", "mp")
 
 LatencyModel = Annotated[
@@ -74,10 +76,12 @@ def engine_settings(
     executor: str = EXECUTOR,
     max_loras: int = MAX_LORAS,
     max_lora_rank: int = MAX_LORA_RANK,
+    dtype: str = DTYPE,
 ) -> EngineSettings:
     """The command's engine options as `EngineSettings`; no engine model means the shipped one."""
     if executor not in EXECUTORS:
         raise LlmvisorError(f"--executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
+    check_dtype(dtype)
     if max_lora_rank not in LORA_MAX_RANKS:
         raise LlmvisorError(f"--max-lora-rank: vLLM takes one of {', '.join(map(str, LORA_MAX_RANKS))}, got {max_lora_rank}")
     return EngineSettings(
@@ -92,4 +96,12 @@ def engine_settings(
         executor=executor,
         max_loras=max_loras,
         max_lora_rank=max_lora_rank,
+        dtype=dtype,
     )
+
+
+def check_dtype(dtype: str) -> str:
+    """``dtype`` when vLLM takes it, else a one-line error naming the values it takes."""
+    if dtype not in DTYPES:
+        raise LlmvisorError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype

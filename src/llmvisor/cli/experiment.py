@@ -51,6 +51,7 @@ def fairness(
     kv_cache_gib: eo.KvCacheGib = eo.KV_CACHE_GIB,
     threads: eo.Threads = eo.THREADS,
     enforce_eager: eo.EnforceEager = eo.ENFORCE_EAGER,
+    dtype: eo.Dtype = eo.DTYPE,
     seed: Annotated[int, typer.Option(help="Seed of arrivals, prompts and the engine's sampling (the same for every policy).", min=0)] = 0,
     alone: Annotated[bool, typer.Option(help="Also run each tenant alone (at the total offered rate) for the model-free fairness figures.")] = True,
     tpot_slo_s: Annotated[float, typer.Option(help="Also run attributed VTC with admission control at this TPOT SLO (seconds) for the admission figures; 0: no such run.", min=0)] = 0.05,
@@ -69,6 +70,7 @@ def fairness(
         enforce_eager=enforce_eager,
         threads=threads,
         seed=seed,
+        dtype=dtype,
     )
     engine = {key: value for key, value in settings.as_dict().items() if key != "model"}
     workload = {

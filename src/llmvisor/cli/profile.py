@@ -68,6 +68,7 @@ def profile(
     threads: eo.Threads = eo.THREADS,
     executor: eo.Executor = eo.EXECUTOR,
     enforce_eager: eo.EnforceEager = eo.ENFORCE_EAGER,
+    dtype: eo.Dtype = eo.DTYPE,
     warmup_steps: Annotated[int, typer.Option(help="Steps after engine start marked is_warmup.", min=0)] = 3,
     warmup_seconds: Annotated[float, typer.Option(help="Also mark is_warmup every step starting within this many seconds of the first.", min=0)] = 0.0,
     run_id: Annotated[str | None, typer.Option(help="Run id written on every row. Default: from the plan and the time.")] = None,
@@ -116,6 +117,7 @@ def profile(
         executor=executor,
         max_loras=max_loras,
         max_lora_rank=max_lora_rank,
+        dtype=dtype,
     )
 
     from llmvisor.engines.vllm.driver import check_model_dir

@@ -73,7 +73,10 @@ def parse_kinds(text: str) -> tuple[str, ...]:
     return kinds
 
 
-ENGINE_KEYS = ("engine_model_config", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "threads")
+ENGINE_KEYS = ("engine_model_config", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "threads", "dtype")
+ENGINE_KEY_DEFAULTS = {"dtype": eo.DTYPE}
+"""What a journal header without the key was measured under: ``dtype`` is recorded only when not vLLM's ``auto``, so
+every journal measured before it was an option reads as ``auto``."""
 
 
 def _journal_header(journal_path: Path) -> dict | None:
@@ -96,9 +99,12 @@ def _check_journal_settings(journal_path: Path, header: dict | None, engine_sett
     if header is None:
         return
     recorded = header.get("engine_settings", {})
-    differing = [k for k in ENGINE_KEYS if recorded.get(k) != engine_settings.get(k)]
+    def value(settings: dict, key: str):
+        return settings.get(key, ENGINE_KEY_DEFAULTS.get(key))
+
+    differing = [k for k in ENGINE_KEYS if value(recorded, k) != value(engine_settings, k)]
     if differing:
-        details = ", ".join(f"{k}: journal {recorded.get(k)!r} vs now {engine_settings.get(k)!r}" for k in differing)
+        details = ", ".join(f"{k}: journal {value(recorded, k)!r} vs now {value(engine_settings, k)!r}" for k in differing)
         raise LlmvisorError(f"{journal_path}: measured under other engine settings ({details}); use the same settings or another --output")
 
 
@@ -131,6 +137,7 @@ RESUMED_OPTIONS = {
     "max_num_seqs": ("max_num_seqs",),
     "kv_cache_gib": ("kv_cache_gib",),
     "threads": ("threads",),
+    "dtype": ("dtype",),
     "seed": ("seed",),
     "sampled_batches": ("sampled", "batches"),
     "orders": ("sampled", "orders"),
@@ -197,6 +204,7 @@ def validate(
     max_num_seqs: eo.MaxNumSeqs = eo.MAX_NUM_SEQS,
     kv_cache_gib: eo.KvCacheGib = eo.KV_CACHE_GIB,
     threads: eo.Threads = eo.THREADS,
+    dtype: eo.Dtype = eo.DTYPE,
     sampled_batches: Annotated[int, typer.Option(help="Serving-size batches to validate too, their Shapley values estimated from sampled orders (0: none).", min=0)] = 0,
     orders: Annotated[int, typer.Option(help="Sampled orders per serving-size batch (even: each comes with its reverse); every prefix of each is one measured step.", min=2)] = 8,
     sampled_sizes: Annotated[str, typer.Option(help="Sizes of the serving-size batches, comma-separated (each at most --max-num-seqs).", metavar="N,N,...")] = ",".join(map(str, SAMPLED_SIZES)),
@@ -243,7 +251,7 @@ def validate(
         "batches": batches, "max_batch": max_batch, "repeat": repeat, "replicate_every": replicate_every,
         "adversarial_fraction": adversarial_fraction, "max_prefill_tokens": max_prefill_tokens,
         "max_model_len": max_model_len, "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
-        "kv_cache_gib": kv_cache_gib, "threads": threads, "seed": seed, "sampled_batches": sampled_batches,
+        "kv_cache_gib": kv_cache_gib, "threads": threads, "dtype": dtype, "seed": seed, "sampled_batches": sampled_batches,
         "orders": orders, "sampled_repeat": sampled_repeat, "sampled_sizes": sampled_sizes, "sampled_kinds": sampled_kinds,
         "design": design, "coalitions_per_request": coalitions_per_request, "replicate_share": replicate_share,
         "exact_sharing_batches": exact_sharing_batches, "pools": pools, "pool_coalitions_per_request": pool_coalitions_per_request,
@@ -254,6 +262,7 @@ def validate(
     adversarial_fraction, max_prefill_tokens = options["adversarial_fraction"], options["max_prefill_tokens"]
     max_model_len, max_num_batched_tokens, max_num_seqs = options["max_model_len"], options["max_num_batched_tokens"], options["max_num_seqs"]
     kv_cache_gib, threads, seed = options["kv_cache_gib"], options["threads"], options["seed"]
+    dtype = eo.check_dtype(options["dtype"])
     sampled_batches, orders, sampled_repeat = options["sampled_batches"], options["orders"], options["sampled_repeat"]
     sampled_sizes, sampled_kinds = options["sampled_sizes"], options["sampled_kinds"]
     design, coalitions_per_request = options["design"], options["coalitions_per_request"]
@@ -331,6 +340,7 @@ def validate(
         "max_num_batched_tokens": max_num_batched_tokens,
         "max_num_seqs": max_num_seqs,
         "threads": threads,
+        **({"dtype": dtype} if dtype != eo.DTYPE else {}),  # as every journal before the option: vLLM's auto
     }
     journal_path = journal_path_for(output)
     packed = journal_path.with_name(journal_path.name + ".gz")
@@ -386,6 +396,7 @@ def validate(
             max_num_seqs=max_num_seqs,
             kv_cache_gib=kv_cache_gib,
             num_threads=threads,
+            dtype=dtype,
             trace_path=output.with_name(output.name.removesuffix(".json") + ".steps.jsonl") if keep_steps else None,
             seed=seed,
             run_id=f"validate-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}",

@@ -13,6 +13,8 @@ from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 
 LORA_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM 0.32 takes for ``--max-lora-rank`` (``vllm.config.lora.MaxLoRARanks``)."""
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+"""The ``--dtype`` values llmvisor passes on to vLLM (``auto``: vLLM's default)."""
 
 
 def setting(default, *, option: str, help: str, cpu_only: bool = False, min: int | None = None):
@@ -38,6 +40,14 @@ class EngineSettings:
     )
     enforce_eager: bool = setting(
         False, option="--enforce-eager/--no-enforce-eager", help="Skip torch.compile: faster start, slower steps."
+    )
+    dtype: str = setting(
+        "auto",
+        option="--dtype",
+        help="The engine's dtype (vLLM's --dtype): auto (vLLM's default: the model config's, a float32 config cast to "
+        "bfloat16 on CPU), bfloat16, float16 or float32. It is part of the engine fingerprint: profile and validate "
+        "with the dtype the served engine runs (on a CPU without AVX-512, vLLM's bfloat16 falls back to slow torch "
+        "kernels, and float32 is served there).",
     )
     enable_prefix_caching: bool = setting(
         True,
@@ -83,10 +93,12 @@ class EngineSettings:
         """Arguments of `vllm.LLM` for an in-process, synchronous engine (the scheduler and the recorder
         must run in this process, between steps; with the ``mp`` executor only the model runs in a worker
         process) with these settings; ``enable_prefix_caching`` overrides the setting. LoRA arguments only with
-        ``max_loras`` > 0, so an engine without adapters gets exactly the arguments it got before LoRA."""
+        ``max_loras`` > 0, and ``dtype`` only when not ``auto``, so an engine that asks for neither gets exactly the
+        arguments it got before they were settings."""
         lora = {"enable_lora": True, "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank} if self.max_loras > 0 else {}
         return {
             **lora,
+            **({"dtype": self.dtype} if self.dtype != "auto" else {}),
             "model": self.model,
             "load_format": "auto" if has_weights else "dummy",
             "skip_tokenizer_init": True,

@@ -243,8 +243,9 @@ class ControlledEngine:
         warm: bool = True,
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        dtype: str = "auto",
     ) -> None:
-        """``max_loras`` > 0 starts the engine with LoRA (``enable_lora``, that many slots, ``max_cpu_loras`` the same,
+        """``dtype``: vLLM's ``--dtype`` (``auto``, its default, passes nothing). ``max_loras`` > 0 starts the engine with LoRA (``enable_lora``, that many slots, ``max_cpu_loras`` the same,
         adapters up to ``max_lora_rank``) for decode batches whose members run adapters."""
         config = Path(model_dir) / "config.json"
         if not config.is_file():
@@ -269,6 +270,7 @@ class ControlledEngine:
             raise LlmvisorError(f"max_loras {max_loras}, max_lora_rank {max_lora_rank}: need max_loras >= 0 and a rank >= 1")
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
+        self.dtype = dtype
         self._lora_ids: dict[str, int] = {}
         self._slots: list[list[int]] = []
         """Warm: per length rank, the token sequence whose prefixes are the own contexts of that rank."""
@@ -307,6 +309,8 @@ class ControlledEngine:
 
         self.vllm_version = vllm.__version__
         kwargs = {k: v for k, v in self._requested.items() if v is not None}
+        if self.dtype != "auto":
+            kwargs["dtype"] = self.dtype
         if self.max_loras:
             kwargs.update(enable_lora=True, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_loras)
         self.llm = LLM(
