@@ -250,6 +250,11 @@ def test_admission_refuses_an_eval_result_without_the_held_out_factor_in_one_lin
     one_line_error(invoke("experiment", "admission", "-o", tmp_path / "out", "--held-out-eval", bad), "eval.json", "underprediction_factor_p90")
     one_line_error(invoke("experiment", "admission", "-o", tmp_path / "out", "--held-out-eval", tmp_path / "missing.json"), "missing.json")
     one_line_error(invoke("experiment", "admission", "-o", tmp_path / "out", "--seeds", "0,x"), "--seeds")
+    # --like repeats the fairness run's engine settings, its dtype included (a run before --dtype ran vLLM's auto)
+    like = json.loads(shipped.result_path("fairness.json").read_text())
+    like["setup"]["engine"]["dtype"] = "fp8"
+    (tmp_path / "like.json").write_text(json.dumps(like))
+    one_line_error(invoke("experiment", "admission", "-o", tmp_path / "out", "--like", tmp_path / "like.json"), "--dtype", "'fp8'")
     assert not (tmp_path / "out").exists()
 
 

@@ -423,7 +423,8 @@ def admission(
         given = setup["engine"]
         engine_given = {"max_model_len": int(given["max_model_len"]), "max_num_batched_tokens": int(given["max_num_batched_tokens"]),
                         "max_num_seqs": int(given["max_num_seqs"]), "kv_cache_gib": int(given["kv_cache_space_gib"]),
-                        "enforce_eager": bool(given["enforce_eager"]), "threads": given.get("threads"), "executor": given.get("executor", "uni")}
+                        "enforce_eager": bool(given["enforce_eager"]), "threads": given.get("threads"), "executor": given.get("executor", "uni"),
+                        "dtype": given.get("dtype", eo.DTYPE)}  # a run before --dtype ran vLLM's auto
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
         raise LlmvisorError(f"--like: {source}: not a fairness.json with setup.workload, setup.engine, window_s and warmup_s") from None
     try:
