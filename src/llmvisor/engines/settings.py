@@ -17,6 +17,12 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 """The ``--dtype`` values llmvisor passes on to vLLM (``auto``: vLLM's default)."""
 
 
+def dtype_kwargs(dtype: str) -> dict:
+    """vLLM's ``dtype`` argument for ``dtype``: none for ``auto`` (vLLM's default), so an engine that asks for no dtype
+    starts with exactly the arguments it had before dtype was a setting."""
+    return {} if dtype == "auto" else {"dtype": dtype}
+
+
 def setting(default, *, option: str, help: str, cpu_only: bool = False, min: int | None = None):
     """A field of `EngineSettings` with the option name, help text and (for counts) least value the commands show."""
     if cpu_only:
@@ -98,7 +104,7 @@ class EngineSettings:
         lora = {"enable_lora": True, "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank} if self.max_loras > 0 else {}
         return {
             **lora,
-            **({"dtype": self.dtype} if self.dtype != "auto" else {}),
+            **dtype_kwargs(self.dtype),
             "model": self.model,
             "load_format": "auto" if has_weights else "dummy",
             "skip_tokenizer_init": True,

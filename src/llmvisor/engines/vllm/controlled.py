@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmvisor.core.lora_trace import decode_adapters
+from llmvisor.engines.settings import dtype_kwargs
 from llmvisor.engines.vllm import settings as recorder_settings
 from llmvisor.engines.vllm.driver import freeze_startup_objects
 from llmvisor.errors import LlmvisorError
@@ -245,7 +246,8 @@ class ControlledEngine:
         max_lora_rank: int = 16,
         dtype: str = "auto",
     ) -> None:
-        """``dtype``: vLLM's ``--dtype`` (``auto``, its default, passes nothing). ``max_loras`` > 0 starts the engine with LoRA (``enable_lora``, that many slots, ``max_cpu_loras`` the same,
+        """``dtype``: vLLM's ``--dtype`` (`llmvisor.engines.settings.dtype_kwargs`: ``auto`` passes nothing).
+        ``max_loras`` > 0 starts the engine with LoRA (``enable_lora``, that many slots, ``max_cpu_loras`` the same,
         adapters up to ``max_lora_rank``) for decode batches whose members run adapters."""
         config = Path(model_dir) / "config.json"
         if not config.is_file():
@@ -309,8 +311,7 @@ class ControlledEngine:
 
         self.vllm_version = vllm.__version__
         kwargs = {k: v for k, v in self._requested.items() if v is not None}
-        if self.dtype != "auto":
-            kwargs["dtype"] = self.dtype
+        kwargs.update(dtype_kwargs(self.dtype))
         if self.max_loras:
             kwargs.update(enable_lora=True, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_loras)
         self.llm = LLM(
